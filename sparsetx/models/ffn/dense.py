@@ -1,0 +1,46 @@
+"""Dense baselines: the GELU MLP and SwiGLU (d_model -> d_ffw -> d_model)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from sparsetx.models.ffn.common import dense_init, gelu
+
+
+def _projection(cfg, features: int, names: tuple, name: str) -> nn.Dense:
+  return nn.Dense(
+      features,
+      use_bias=cfg.use_bias,
+      dtype=jnp.dtype(cfg.dtype),
+      param_dtype=jnp.dtype(cfg.param_dtype),
+      kernel_init=dense_init(cfg.init_std, names),
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[-1:]),
+      name=name,
+  )
+
+
+class Mlp(nn.Module):
+  """y = W_out GELU(W_in x) (+ biases when cfg.use_bias, as in GPT-NeoX)."""
+
+  cfg: object  # the model config (FrozenConfigDict)
+
+  @nn.compact
+  def __call__(self, x_BTD):
+    h_BTF = gelu(_projection(self.cfg, self.cfg.ffn.d_ffw, ("embed", "mlp"), "wi")(x_BTD))
+    h_BTF = nn.with_logical_constraint(h_BTF, ("batch", "length", "mlp"))
+    self.sow("intermediates", "mlp_neurons", h_BTF)
+    return _projection(self.cfg, self.cfg.d_model, ("mlp", "embed"), "wo")(h_BTF)
+
+
+class SwiGlu(nn.Module):
+  """y = W_out (swish(W_gate x) * W_up x)."""
+
+  cfg: object
+
+  @nn.compact
+  def __call__(self, x_BTD):
+    gate_BTF = _projection(self.cfg, self.cfg.ffn.d_ffw, ("embed", "mlp"), "wi_gate")(x_BTD)
+    up_BTF = _projection(self.cfg, self.cfg.ffn.d_ffw, ("embed", "mlp"), "wi_up")(x_BTD)
+    h_BTF = nn.with_logical_constraint(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "length", "mlp"))
+    self.sow("intermediates", "mlp_neurons", h_BTF)
+    return _projection(self.cfg, self.cfg.d_model, ("mlp", "embed"), "wo")(h_BTF)

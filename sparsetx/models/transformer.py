@@ -1,0 +1,150 @@
+"""The decoder-only language model: token embedding, N blocks, final norm, LM head.
+
+Two block kinds:
+  sequential  x + attn(norm(x)), then + ffn(norm(.))            (pre-norm, RMSNorm: the papers')
+  parallel    x + attn(ln_1(x)) + ffn(ln_2(x))                   (GPT-NeoX / Pythia, LayerNorm with bias)
+Compute runs in `cfg.dtype` (bf16); attention softmax and logits are float32. Positions and segment
+ids come from packing: attention never crosses a document and rotary phases restart per document.
+
+Each block sows its residual-stream values into the `intermediates` collection (`layer_input`,
+`attention_output`, `mlp_output`, `layer_output`); the feed-forward layers sow their circuits.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from sparsetx.models.ffn.common import dense_init
+from sparsetx.models.ffn.registry import make_ffn
+
+
+def make_norm(cfg, name: str) -> nn.Module:
+  scale_init = nn.with_logical_partitioning(nn.initializers.ones, ("embed",))
+  common = dict(epsilon=cfg.norm_eps, dtype=jnp.float32, param_dtype=jnp.dtype(cfg.param_dtype), name=name)
+  if cfg.norm == "rmsnorm":
+    return nn.RMSNorm(scale_init=scale_init, **common)
+  return nn.LayerNorm(
+      scale_init=scale_init, bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)), **common
+  )
+
+
+def apply_rotary(x_BTHK, positions_BT, rotary_dims: int, base: float):
+  """GPT-NeoX rotary: rotate-half on the first `rotary_dims` of each head, the rest pass through."""
+  if rotary_dims == 0:
+    return x_BTHK
+  inv_freq = 1.0 / (base ** (jnp.arange(0, rotary_dims, 2, dtype=jnp.float32) / rotary_dims))
+  angles_BTF = positions_BT[..., None].astype(jnp.float32) * inv_freq
+  angles_BT1R = jnp.concatenate([angles_BTF, angles_BTF], axis=-1)[:, :, None, :]
+  rot, rest = x_BTHK[..., :rotary_dims].astype(jnp.float32), x_BTHK[..., rotary_dims:]
+  half = rotary_dims // 2
+  rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+  rot = rot * jnp.cos(angles_BT1R) + rotated * jnp.sin(angles_BT1R)
+  return jnp.concatenate([rot.astype(x_BTHK.dtype), rest], axis=-1)
+
+
+def attention_mask(segment_ids_BT):
+  """[B,1,T,T] True where query t may read key s: s <= t within the same segment."""
+  T = segment_ids_BT.shape[1]
+  causal_TT = jnp.tril(jnp.ones((T, T), bool))
+  same_BTT = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
+  return (causal_TT & same_BTT)[:, None]
+
+
+class Attention(nn.Module):
+  cfg: object  # the model config (FrozenConfigDict)
+
+  @nn.compact
+  def __call__(self, x_BTD, positions_BT, mask_B1TT):
+    cfg = self.cfg
+    H, K = cfg.d_model // cfg.head_dim, cfg.head_dim
+    dtype = jnp.dtype(cfg.dtype)
+
+    def project(name, features, axis, kernel_names, bias_names):
+      return nn.DenseGeneral(
+          features,
+          axis=axis,
+          use_bias=cfg.use_bias,
+          dtype=dtype,
+          param_dtype=jnp.dtype(cfg.param_dtype),
+          kernel_init=dense_init(cfg.init_std, kernel_names),
+          bias_init=nn.with_logical_partitioning(nn.initializers.zeros, bias_names),
+          name=name,
+      )
+
+    q_BTHK, k_BTHK, v_BTHK = (
+        project(name, (H, K), -1, ("embed", "heads", "kv"), ("heads", "kv"))(x_BTD)
+        for name in ("query", "key", "value")
+    )
+    rotary_dims = int(K * cfg.rotary_fraction)
+    q_BTHK = apply_rotary(q_BTHK, positions_BT, rotary_dims, cfg.rope_base)
+    k_BTHK = apply_rotary(k_BTHK, positions_BT, rotary_dims, cfg.rope_base)
+    logits_BHTS = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BTHK, preferred_element_type=jnp.float32) / K**0.5
+    logits_BHTS = jnp.where(mask_B1TT, logits_BHTS, jnp.finfo(jnp.float32).min)
+    probs_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
+    self.sow("intermediates", "attention_probabilities", probs_BHTS)
+    out_BTHK = jnp.einsum("bhts,bshk->bthk", probs_BHTS.astype(dtype), v_BTHK)
+    return project("out", cfg.d_model, (-2, -1), ("heads", "kv", "embed"), ("embed",))(out_BTHK)
+
+
+class Block(nn.Module):
+  cfg: object
+
+  @nn.compact
+  def __call__(self, x_BTD, positions_BT, mask_B1TT):
+    cfg = self.cfg
+    dtype = jnp.dtype(cfg.dtype)
+    x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "length", "embed"))
+    self.sow("intermediates", "layer_input", x_BTD)
+    attention, ffn = Attention(cfg, name="attention"), make_ffn(cfg, name="mlp")
+    attn_BTD = attention(make_norm(cfg, "attention_norm")(x_BTD).astype(dtype), positions_BT, mask_B1TT)
+    mlp_input_BTD = x_BTD + attn_BTD if cfg.block == "sequential" else x_BTD
+    ffn_BTD = ffn(make_norm(cfg, "mlp_norm")(mlp_input_BTD).astype(dtype))
+    out_BTD = (x_BTD + attn_BTD + ffn_BTD).astype(x_BTD.dtype)
+    self.sow("intermediates", "attention_output", attn_BTD)
+    self.sow("intermediates", "mlp_output", ffn_BTD)
+    self.sow("intermediates", "layer_output", out_BTD)
+    return out_BTD
+
+
+class Transformer(nn.Module):
+  """tokens [B,T] (int) -> logits [B,T,vocab] float32."""
+
+  cfg: object  # the model config (FrozenConfigDict)
+
+  @nn.compact
+  def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None):
+    cfg = self.cfg
+    if positions_BT is None:
+      positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+    if segment_ids_BT is None:
+      segment_ids_BT = jnp.ones_like(tokens_BT)
+    mask_B1TT = attention_mask(segment_ids_BT)
+
+    embed = nn.Embed(
+        cfg.vocab_size,
+        cfg.d_model,
+        dtype=jnp.dtype(cfg.dtype),
+        param_dtype=jnp.dtype(cfg.param_dtype),
+        embedding_init=dense_init(cfg.init_std, ("vocab", "embed")),
+        name="embed",
+    )
+    x_BTD = embed(tokens_BT)
+    self.sow("intermediates", "token_embeddings", x_BTD)
+
+    block = nn.remat(Block) if cfg.remat else Block
+    for i in range(cfg.n_layers):
+      x_BTD = block(cfg, name=f"layers_{i}")(x_BTD, positions_BT, mask_B1TT)
+
+    x_BTD = make_norm(cfg, "final_norm")(x_BTD)
+    if cfg.tie_embeddings:
+      logits_BTV = jnp.einsum("btd,vd->btv", x_BTD.astype(jnp.float32), embed.embedding.astype(jnp.float32))
+    else:
+      logits_BTV = nn.Dense(
+          cfg.vocab_size,
+          use_bias=False,
+          dtype=jnp.float32,
+          param_dtype=jnp.dtype(cfg.param_dtype),
+          kernel_init=dense_init(cfg.init_std, ("embed", "vocab")),
+          name="lm_head",
+      )(x_BTD.astype(jnp.float32))
+    return nn.with_logical_constraint(logits_BTV.astype(jnp.float32), ("batch", "length", "vocab"))
