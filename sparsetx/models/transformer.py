@@ -6,8 +6,9 @@ Two block kinds:
 Compute runs in `cfg.dtype` (bf16); attention softmax and logits are float32. Positions and segment
 ids come from packing: attention never crosses a document and rotary phases restart per document.
 
-Each block sows its residual-stream values into the `intermediates` collection (`layer_input`,
-`attention_output`, `mlp_output`, `layer_output`); the feed-forward layers sow their circuits.
+Values researchers read are tapped (`sparsetx.models.taps`) under nnterp's standard names
+(`layer_input`, `attention_norm_output`, `attention_output`, `mlp_input`, `mlp_output`,
+`layer_output`, ...); the feed-forward layers tap their circuits (gates, paths, expert ids).
 """
 
 import flax.linen as nn
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsetx.models.ffn.common import dense_init
+from sparsetx.models.taps import tap
 from sparsetx.models.ffn.registry import make_ffn
 
 
@@ -81,7 +83,7 @@ class Attention(nn.Module):
     logits_BHTS = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BTHK, preferred_element_type=jnp.float32) / K**0.5
     logits_BHTS = jnp.where(mask_B1TT, logits_BHTS, jnp.finfo(jnp.float32).min)
     probs_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
-    self.sow("intermediates", "attention_probabilities", probs_BHTS)
+    probs_BHTS = tap(self, "attention_probabilities", probs_BHTS)
     out_BTHK = jnp.einsum("bhts,bshk->bthk", probs_BHTS.astype(dtype), v_BTHK)
     return project("out", cfg.d_model, (-2, -1), ("heads", "kv", "embed"), ("embed",))(out_BTHK)
 
@@ -94,15 +96,13 @@ class Block(nn.Module):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
     x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "length", "embed"))
-    self.sow("intermediates", "layer_input", x_BTD)
-    attention, ffn = Attention(cfg, name="attention"), make_ffn(cfg, name="mlp")
-    attn_BTD = attention(make_norm(cfg, "attention_norm")(x_BTD).astype(dtype), positions_BT, mask_B1TT)
-    mlp_input_BTD = x_BTD + attn_BTD if cfg.block == "sequential" else x_BTD
-    ffn_BTD = ffn(make_norm(cfg, "mlp_norm")(mlp_input_BTD).astype(dtype))
-    out_BTD = (x_BTD + attn_BTD + ffn_BTD).astype(x_BTD.dtype)
-    self.sow("intermediates", "attention_output", attn_BTD)
-    self.sow("intermediates", "mlp_output", ffn_BTD)
-    self.sow("intermediates", "layer_output", out_BTD)
+    x_BTD = tap(self, "layer_input", x_BTD)
+    attn_in_BTD = tap(self, "attention_norm_output", make_norm(cfg, "attention_norm")(x_BTD).astype(dtype))
+    attn_BTD = tap(self, "attention_output", Attention(cfg, name="attention")(attn_in_BTD, positions_BT, mask_B1TT))
+    residual_BTD = x_BTD + attn_BTD if cfg.block == "sequential" else x_BTD
+    mlp_in_BTD = tap(self, "mlp_input", make_norm(cfg, "mlp_norm")(residual_BTD).astype(dtype))
+    ffn_BTD = tap(self, "mlp_output", make_ffn(cfg, name="mlp")(mlp_in_BTD))
+    out_BTD = tap(self, "layer_output", (x_BTD + attn_BTD + ffn_BTD).astype(x_BTD.dtype))
     return out_BTD
 
 
@@ -129,13 +129,13 @@ class Transformer(nn.Module):
         name="embed",
     )
     x_BTD = embed(tokens_BT)
-    self.sow("intermediates", "token_embeddings", x_BTD)
+    x_BTD = tap(self, "token_embeddings", x_BTD)
 
     block = nn.remat(Block) if cfg.remat else Block
     for i in range(cfg.n_layers):
       x_BTD = block(cfg, name=f"layers_{i}")(x_BTD, positions_BT, mask_B1TT)
 
-    x_BTD = make_norm(cfg, "final_norm")(x_BTD)
+    x_BTD = tap(self, "final_norm_output", make_norm(cfg, "final_norm")(x_BTD))
     if cfg.tie_embeddings:
       logits_BTV = jnp.einsum("btd,vd->btv", x_BTD.astype(jnp.float32), embed.embedding.astype(jnp.float32))
     else:
@@ -147,4 +147,5 @@ class Transformer(nn.Module):
           kernel_init=dense_init(cfg.init_std, ("embed", "vocab")),
           name="lm_head",
       )(x_BTD.astype(jnp.float32))
-    return nn.with_logical_constraint(logits_BTV.astype(jnp.float32), ("batch", "length", "vocab"))
+    logits_BTV = tap(self, "logits", logits_BTV.astype(jnp.float32))
+    return nn.with_logical_constraint(logits_BTV, ("batch", "length", "vocab"))

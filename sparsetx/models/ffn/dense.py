@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsetx.models.ffn.common import dense_init, gelu
+from sparsetx.models.taps import tap
 
 
 def _projection(cfg, features: int, names: tuple, name: str) -> nn.Dense:
@@ -28,7 +29,7 @@ class Mlp(nn.Module):
   def __call__(self, x_BTD):
     h_BTF = gelu(_projection(self.cfg, self.cfg.ffn.d_ffw, ("embed", "mlp"), "wi")(x_BTD))
     h_BTF = nn.with_logical_constraint(h_BTF, ("batch", "length", "mlp"))
-    self.sow("intermediates", "mlp_neurons", h_BTF)
+    h_BTF = tap(self, "mlp_neurons", h_BTF)
     return _projection(self.cfg, self.cfg.d_model, ("mlp", "embed"), "wo")(h_BTF)
 
 
@@ -42,5 +43,5 @@ class SwiGlu(nn.Module):
     gate_BTF = _projection(self.cfg, self.cfg.ffn.d_ffw, ("embed", "mlp"), "wi_gate")(x_BTD)
     up_BTF = _projection(self.cfg, self.cfg.ffn.d_ffw, ("embed", "mlp"), "wi_up")(x_BTD)
     h_BTF = nn.with_logical_constraint(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "length", "mlp"))
-    self.sow("intermediates", "mlp_neurons", h_BTF)
+    h_BTF = tap(self, "mlp_neurons", h_BTF)
     return _projection(self.cfg, self.cfg.d_model, ("mlp", "embed"), "wo")(h_BTF)

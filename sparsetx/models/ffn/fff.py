@@ -88,7 +88,7 @@ class Fff(nn.Module):
       z_BTPL = jnp.take_along_axis(z_BTPN, path_BTPL, axis=-1)
       a_BTPN = (mask_BTPN * act(z_BTPN)).astype(dtype)
       y_BTD = jnp.einsum("btpn,pnd->btd", a_BTPN, w_out.astype(dtype), preferred_element_type=jnp.float32)
-    self.sow("intermediates", "path_nodes", path_BTPL)
+    self.sow("intermediates", "path_nodes", path_BTPL)  # recorded, not patchable: routing is the forward pass
     self.sow("intermediates", "node_logits", z_BTPL)
 
     y_BTD = y_BTD + b_out.astype(jnp.float32)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsetx.models.ffn.common import dense_init
+from sparsetx.models.taps import tap
 
 
 def dispatch_experts(x_ND, expert_ids_NK, weights_NK, wi_gate_EDF, wi_up_EDF, wo_EFD):
@@ -50,8 +51,8 @@ class Moe(nn.Module):
     )(x_BTD.astype(jnp.float32))
     top_logits_BTK, expert_ids_BTK = jax.lax.top_k(logits_BTE, K)
     weights_BTK = jax.nn.softmax(top_logits_BTK, axis=-1)
-    self.sow("intermediates", "expert_ids", expert_ids_BTK)
-    self.sow("intermediates", "expert_weights", weights_BTK)
+    expert_ids_BTK = tap(self, "expert_ids", expert_ids_BTK)
+    weights_BTK = tap(self, "expert_weights", weights_BTK)
 
     def table(name, shape, names):
       return self.param(name, nn.with_logical_partitioning(nn.initializers.normal(self.cfg.init_std), names), shape, param_dtype)

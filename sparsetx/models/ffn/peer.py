@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsetx.kernels.gated_gather import gated_gather
+from sparsetx.models.taps import tap
 from sparsetx.models.ffn.common import gelu
 from sparsetx.models.ffn.product_keys import make_router
 
@@ -23,8 +24,8 @@ class Peer(nn.Module):
     N, D = ffn.d_ffw, self.cfg.d_model
     scores_BTCK, idx_BTCK = make_router("peer", ffn, jnp.dtype(self.cfg.param_dtype))(x_BTD)
     gates_BTCK = jax.nn.softmax(scores_BTCK, axis=-1)
-    self.sow("intermediates", "gate_indices", idx_BTCK)
-    self.sow("intermediates", "gate_scores", gates_BTCK)
+    idx_BTCK = tap(self, "gate_indices", idx_BTCK)
+    gates_BTCK = tap(self, "gate_scores", gates_BTCK)
 
     experts = self.param(
         "experts",

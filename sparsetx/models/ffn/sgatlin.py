@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsetx.kernels.gated_gather import gated_gather
+from sparsetx.models.taps import tap
 from sparsetx.models.ffn.common import ACTIVATIONS
 from sparsetx.models.ffn.product_keys import make_router
 
@@ -32,8 +33,8 @@ class Sgatlin(nn.Module):
     C, N, D = ffn.n_channels, ffn.d_ffw, self.cfg.d_model
     scores_BTCK, idx_BTCK = make_router(ffn.router, ffn, jnp.dtype(self.cfg.param_dtype))(x_BTD)
     gates_BTCK = scores_BTCK if ffn.router == "product" else jax.nn.softmax(scores_BTCK, axis=-1)
-    self.sow("intermediates", "gate_indices", idx_BTCK)
-    self.sow("intermediates", "gate_scores", gates_BTCK)
+    idx_BTCK = tap(self, "gate_indices", idx_BTCK)
+    gates_BTCK = tap(self, "gate_scores", gates_BTCK)
 
     experts = self.param(
         "experts",
