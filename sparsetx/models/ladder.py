@@ -1,0 +1,218 @@
+"""The scaling ladder (sgatlin paper, Listing 2), parameter and FLOP accounting, isoflop token budgets.
+
+Listing 2: d_model = 128 * scale, n_layers = 2 * scale, and d_ffw per feed-forward type:
+  mlp, swiglu  int(8/3 * d_model / 256) * 256
+  moe          d_model (per expert; 16 experts, top-2, as GPT-OSS)
+  peer         (32 + 24 * scale) ** 2
+  sgatlin      (16 + 12 * scale) ** 2
+FFF rung (ours; the papers give none): depth 6, the FFF paper's preferred trade-off (7 of 127 nodes
+per tree active, 94.5% sparse), and n_trees = mlp_d_ffw // 128, so the trees hold about as many
+nodes as the dense MLP of the rung has neurons (4 trees at scale 2, 20 at scale 8).
+
+FLOPs are forward FLOPs per token, 2 per multiply-accumulate, counting the matmuls of Table 2 of the
+sgatlin paper term by term: attention projections 4 * D * D_attn and the score and mixing products
+2 * T * D_attn over the full context T (Chinchilla's convention, no causal halving), the LM head
+D * V, and per feed-forward type:
+  mlp      2 D F                      swiglu  3 D F
+  moe      D E + k 3 D F              fff     P (depth + 1) 2 D
+  peer     C d_key (D + sqrt F) + C k 2 D           (per-channel query halves of d_key / 2)
+  sgatlin  d_key (D + 2 C sqrt F) + C k 2 D         (PEER router: as peer)
+Norms, biases, softmax, activations and the top-k selections are not counted. Training costs
+3 x forward (forward + backward), so a budget of F FLOPs buys F / (3 * forward FLOPs) tokens.
+
+`python -m sparsetx.models.ladder [--budget 1e18] [--seq_len 2048]` prints the table for scales 2..8.
+"""
+
+import argparse
+import math
+
+import ml_collections
+
+from sparsetx import config as config_lib
+
+FFN_TYPES = config_lib.FFN_TYPES
+SCALES = range(2, 9)
+FFF_DEPTH = 6
+LADDER_VOCAB = 50_304  # GPT-2 BPE (50,257 tokens) padded to a multiple of 128
+LADDER_SEQ_LEN = 2048
+
+
+def mlp_d_ffw(d_model: int) -> int:
+  return int(8 / 3 * d_model / 256) * 256
+
+
+def scaling_ladder(scale: int, ffn_type: str) -> tuple[int, int, int]:
+  """(d_model, n_layers, d_ffw) exactly as Listing 2; for fff d_ffw is the total node count."""
+  d_model = 128 * scale
+  n_layers = 2 * scale
+  match ffn_type:
+    case "swiglu" | "mlp":
+      d_ffw = mlp_d_ffw(d_model)
+    case "moe":
+      d_ffw = d_model
+    case "peer":
+      d_ffw = (32 + 24 * scale) ** 2
+    case "sgatlin":
+      d_ffw = (16 + 12 * scale) ** 2
+    case "fff":
+      d_ffw = fff_trees(scale) * (2 ** (FFF_DEPTH + 1) - 1)
+    case _:
+      raise config_lib.ConfigError(f"feed-forward type {ffn_type!r} is unknown; use one of {', '.join(FFN_TYPES)}.")
+  return d_model, n_layers, d_ffw
+
+
+def fff_trees(scale: int) -> int:
+  return max(1, mlp_d_ffw(128 * scale) // 128)
+
+
+def ladder_model_config(scale: int, ffn_type: str) -> ml_collections.ConfigDict:
+  """The full model config of a rung: the papers' transformer (RMSNorm pre-norm, rotary, head dim 64)."""
+  if not isinstance(scale, int) or scale < 1:
+    raise config_lib.ConfigError(f"ladder scale={scale!r} must be a positive integer (the paper uses 2..8).")
+  d_model, n_layers, d_ffw = scaling_ladder(scale, ffn_type)
+  model = config_lib.model_defaults()
+  model.update(d_model=d_model, n_layers=n_layers, vocab_size=LADDER_VOCAB, max_len=LADDER_SEQ_LEN, remat=True)
+  model.ffn.type = ffn_type
+  if ffn_type == "fff":
+    model.ffn.update(depth=FFF_DEPTH, n_trees=fff_trees(scale))
+  else:
+    model.ffn.d_ffw = d_ffw
+  return model
+
+
+def _norm_params(model) -> int:
+  return model.d_model * (2 if model.norm == "layernorm" else 1)
+
+
+def ffn_params(model) -> tuple[int, int]:
+  """(total, active per token) parameters of one feed-forward layer."""
+  ffn, D = model.ffn, model.d_model
+  F, bias = ffn.d_ffw, int(model.use_bias)
+  if ffn.type == "mlp":
+    total = 2 * D * F + bias * (F + D)
+    return total, total
+  if ffn.type == "swiglu":
+    total = 3 * D * F + bias * (2 * F + D)
+    return total, total
+  if ffn.type == "moe":
+    router = D * ffn.n_experts + ffn.n_experts
+    return router + ffn.n_experts * 3 * D * F, router + ffn.experts_per_token * 3 * D * F
+  if ffn.type in ("peer", "sgatlin"):
+    C, n_keys = ffn.n_channels, math.isqrt(F)
+    if ffn.type == "peer" or ffn.router == "peer":
+      router = C * D * ffn.d_key + C * n_keys * ffn.d_key
+    else:
+      router = D * ffn.d_key + ffn.d_key * 2 * C * n_keys
+    table_rows = F if ffn.type == "peer" else C * F
+    return router + 2 * table_rows * D, router + C * ffn.top_k * 2 * D
+  if ffn.type == "fff":
+    nodes = 2 ** (ffn.depth + 1) - 1
+    per_node = 2 * D + 1
+    return ffn.n_trees * nodes * per_node + D, ffn.n_trees * (ffn.depth + 1) * per_node + D
+  raise config_lib.ConfigError(f"config.model.ffn.type={ffn.type!r} is unknown; use one of {', '.join(FFN_TYPES)}.")
+
+
+def param_counts(model) -> dict:
+  """Total and active (touched per token) parameters; the whole embedding counts as active."""
+  D, V = model.d_model, model.vocab_size
+  attention = 4 * D * D + int(model.use_bias) * 4 * D
+  ffn_total, ffn_active = ffn_params(model)
+  shared_per_layer = attention + 2 * _norm_params(model)
+  embeddings = V * D * (1 if model.tie_embeddings else 2)
+  rest = embeddings + _norm_params(model)
+  total = rest + model.n_layers * (shared_per_layer + ffn_total)
+  active = rest + model.n_layers * (shared_per_layer + ffn_active)
+  return dict(total=total, active=active, ffn_total=model.n_layers * ffn_total, ffn_active=model.n_layers * ffn_active)
+
+
+def ffn_flops(model) -> int:
+  """Forward FLOPs per token of one feed-forward layer (2 per multiply-accumulate)."""
+  ffn, D = model.ffn, model.d_model
+  F = ffn.d_ffw
+  if ffn.type == "mlp":
+    macs = 2 * D * F
+  elif ffn.type == "swiglu":
+    macs = 3 * D * F
+  elif ffn.type == "moe":
+    macs = D * ffn.n_experts + ffn.experts_per_token * 3 * D * F
+  elif ffn.type in ("peer", "sgatlin"):
+    C, n_keys = ffn.n_channels, math.isqrt(F)
+    if ffn.type == "peer" or ffn.router == "peer":
+      router = C * ffn.d_key * (D + n_keys)
+    else:
+      router = ffn.d_key * (D + 2 * C * n_keys)
+    macs = router + C * ffn.top_k * 2 * D
+  elif ffn.type == "fff":
+    macs = ffn.n_trees * (ffn.depth + 1) * 2 * D
+  else:
+    raise config_lib.ConfigError(f"config.model.ffn.type={ffn.type!r} is unknown; use one of {', '.join(FFN_TYPES)}.")
+  return 2 * macs
+
+
+def forward_flops_per_token(model, seq_len: int | None = None) -> dict:
+  """Forward FLOPs per token: attention, feed-forward, head and their total."""
+  T = seq_len or model.max_len
+  D = model.d_model
+  attention = 2 * (4 * D * D + 2 * T * D)
+  ffn = ffn_flops(model)
+  head = 2 * D * model.vocab_size
+  total = model.n_layers * (attention + ffn) + head
+  return dict(attention=model.n_layers * attention, ffn=model.n_layers * ffn, head=head, total=total)
+
+
+def training_tokens(model, flop_budget: float, seq_len: int | None = None) -> int:
+  """Tokens that spend `flop_budget` training FLOPs (3 x forward per token)."""
+  return int(flop_budget // (3 * forward_flops_per_token(model, seq_len)["total"]))
+
+
+def ladder_table(flop_budget: float, seq_len: int = LADDER_SEQ_LEN) -> list[dict]:
+  rows = []
+  for ffn_type in FFN_TYPES:
+    for scale in SCALES:
+      model = ladder_model_config(scale, ffn_type)
+      d_model, n_layers, d_ffw = scaling_ladder(scale, ffn_type)
+      params = param_counts(model)
+      flops = forward_flops_per_token(model, seq_len)
+      rows.append(
+          dict(
+              ffn=ffn_type,
+              scale=scale,
+              d_model=d_model,
+              n_layers=n_layers,
+              d_ffw=d_ffw,
+              total_params=params["total"],
+              active_params=params["active"],
+              fwd_flops=flops["total"],
+              tokens=training_tokens(model, flop_budget, seq_len),
+          )
+      )
+  return rows
+
+
+def format_table(rows: list[dict], flop_budget: float) -> str:
+  header = (
+      f"{'ffn':<8}{'scale':>6}{'d_model':>9}{'layers':>7}{'d_ffw':>9}{'total':>10}{'active':>10}"
+      f"{'GFLOP/tok':>11}{f'tokens @ {flop_budget:.0e}':>18}"
+  )
+  lines = [header, "-" * len(header)]
+  for r in rows:
+    lines.append(
+        f"{r['ffn']:<8}{r['scale']:>6}{r['d_model']:>9}{r['n_layers']:>7}{r['d_ffw']:>9}"
+        f"{r['total_params'] / 1e6:>9.1f}M{r['active_params'] / 1e6:>9.1f}M{r['fwd_flops'] / 1e9:>11.3f}"
+        f"{r['tokens'] / 1e9:>17.2f}B"
+    )
+  return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--budget", type=float, default=1e18, help="training FLOP budget for the token column")
+  parser.add_argument("--seq_len", type=int, default=LADDER_SEQ_LEN, help="context length for attention FLOPs")
+  args = parser.parse_args(argv)
+  if args.budget <= 0 or args.seq_len <= 0:
+    parser.error("--budget and --seq_len must be positive.")
+  print(format_table(ladder_table(args.budget, args.seq_len), args.budget))
+
+
+if __name__ == "__main__":
+  main()
