@@ -1,0 +1,39 @@
+"""Test setup: 8 simulated CPU devices, float32 layer configs, and loading of config files."""
+
+import importlib.util
+import os
+import pathlib
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import ml_collections  # noqa: E402
+
+from sparsetx import config as config_lib  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_config(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
+  """Loads configs/<file>.py like `--config=configs/<file>.py:<arg>` does."""
+  spec = importlib.util.spec_from_file_location("config_under_test", REPO / path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config() if arg is None else module.get_config(arg)
+
+
+def layer_model_config(ffn_type: str, d_model: int = 32, **ffn) -> ml_collections.FrozenConfigDict:
+  """A validated float32 model config for one feed-forward layer under test."""
+  config = config_lib.default_config()
+  config.model.update(d_model=d_model, head_dim=d_model, dtype="float32")
+  config.model.ffn.type = ffn_type
+  config.model.ffn.update(ffn)
+  config_lib.validate(config)
+  return ml_collections.FrozenConfigDict(config.model)
+
+
+def init_params(module, *args, seed: int = 0):
+  """Unboxed float params of `module` (logical-axis metadata removed)."""
+  return nn.unbox(jax.jit(module.init)(jax.random.key(seed), *args))["params"]
