@@ -1,0 +1,275 @@
+"""Per-process input pipeline: seqio mixture -> packed rows -> one global, sharded jax.Array batch.
+
+Train: `make_train_iterator(config, batch_sharding)` yields dicts of global arrays of shape
+[config.data.global_batch_size, config.data.seq_len]:
+
+  inputs        int32    token ids fed to the model (targets shifted right, 0 at each document start)
+  targets       int32    token ids to predict; 0 is padding
+  segment_ids   int32    1, 2, ... per packed document piece; 0 on padding (attention stays within one)
+  positions     int32    0, 1, ... restarting at each piece
+  loss_weights  float32  1 on real tokens, 0 on padding
+
+Each process builds only the rows of the global batch its devices hold: it reads data shard
+`ShardInfo(index, count)`, where `count` is the number of distinct row blocks of `batch_sharding`
+and `index` the block this process holds (= process_index / process_count when the batch axis
+is split over all processes), then `jax.make_array_from_process_local_data` assembles the global
+array without any cross-host copy.
+
+Resume: `iterator.save(path)` writes the state of this process's tf.data iterator as a
+TensorFlow checkpoint (`tf.train.Checkpoint`, no pickle) plus a small JSON file, under
+`path/shard_<index>_of_<count>/`; `iterator.restore(path)` on a freshly built iterator continues
+with the identical stream. Every process saves and restores its own shard (no collective). The
+checkpoint holds positions, not data already consumed: the file readers' offsets, the file order,
+the mixture sampler's RNG, and the contents of the shuffle buffers and of the packer's window, so
+restoring costs one read of the checkpoint (about `shuffle_buffer` examples per task, a few MB)
+and never re-reads the corpus. The restore refuses a state written under a different data config
+or data sharding, naming the field. The state cannot be a small JSON value because shuffle
+buffers are part of it; store it next to each model checkpoint (e.g. `<workdir>/data/<step>`).
+
+Eval: `make_eval_iterator(config, batch_sharding, split)` goes once, in order, over the split of
+each mixture task that has one (no shuffle, packed like training), with a zero-padded last
+batch (loss_weights 0). All processes yield the same number of batches: shorter shards are
+padded with all-padding batches, agreed through one `process_allgather`.
+"""
+
+import json
+import os
+from typing import Iterator
+
+import jax
+from jax.experimental import multihost_utils
+import ml_collections
+import numpy as np
+import seqio
+import tensorflow as tf
+
+from sparsetx import config as config_lib
+from sparsetx.data import tasks, vocab
+
+try:  # TensorFlow must not take the accelerators JAX uses.
+  tf.config.set_visible_devices([], "GPU")
+  tf.config.set_visible_devices([], "TPU")
+except (RuntimeError, ValueError):  # already initialized or no such device type
+  pass
+
+FEATURES = ("inputs", "targets", "segment_ids", "positions", "loss_weights")
+_CONVERTER_NAMES = {
+    "decoder_input_tokens": "inputs",
+    "decoder_target_tokens": "targets",
+    "decoder_segment_ids": "segment_ids",
+    "decoder_positions": "positions",
+    "decoder_loss_weights": "loss_weights",
+}
+STATE_FORMAT = 1
+_STATE_JSON = "data_state.json"
+_STATE_PREFIX = "iterator"
+# The config.data fields the stream depends on; a restore checks each one.
+_STREAM_FIELDS = ("mixture", "sources", "vocab", "seq_len", "global_batch_size", "seed", "shuffle_buffer", "pack")
+
+
+def data_shard(batch_sharding: jax.sharding.Sharding, global_batch_size: int) -> tuple[seqio.ShardInfo, int]:
+  """This process's data shard and row count, from the rows of the batch its devices hold."""
+  index_map = batch_sharding.addressable_devices_indices_map((global_batch_size,))
+  rows = set()
+  for index in index_map.values():
+    rows.update(range(*index[0].indices(global_batch_size)))
+  local_rows = len(rows)
+  first = min(rows)
+  if rows != set(range(first, first + local_rows)) or global_batch_size % local_rows or first % local_rows:
+    raise ValueError(
+        f"batch_sharding gives this process rows {sorted(rows)[:8]}... of config.data.global_batch_size="
+        f"{global_batch_size}, not one contiguous block of equal size; shard the batch axis over whole processes."
+    )
+  return seqio.ShardInfo(index=first // local_rows, num_shards=global_batch_size // local_rows), local_rows
+
+
+def _feature_converter(pack: bool) -> seqio.FeatureConverter:
+  return seqio.LMFeatureConverter(pack=pack)
+
+
+def _to_model_features(example: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+  """Renames converter features; unpacked rows get segment 1 and positions 0.. on their tokens."""
+  out = {_CONVERTER_NAMES[k]: v for k, v in example.items()}
+  nonpad_T = tf.cast(tf.not_equal(out["targets"], 0), tf.int32)
+  if "segment_ids" not in out:
+    out["segment_ids"] = nonpad_T
+    out["positions"] = tf.range(tf.shape(nonpad_T)[-1], dtype=tf.int32) * nonpad_T
+  out["loss_weights"] = tf.cast(out["loss_weights"], tf.float32)
+  return out
+
+
+def _with_options(dataset: tf.data.Dataset) -> tf.data.Dataset:
+  options = tf.data.Options()
+  options.deterministic = True
+  # The only op with "external state" is the pure json.loads of JSONL sources; it is safe to
+  # checkpoint around it.
+  options.experimental_external_state_policy = tf.data.experimental.ExternalStatePolicy.IGNORE
+  return dataset.with_options(options)
+
+
+def local_train_dataset(config: ml_collections.ConfigDict, shard_info: seqio.ShardInfo, local_rows: int) -> tf.data.Dataset:
+  """This process's endless stream of packed batches [local_rows, seq_len] (a tf.data.Dataset)."""
+  config_lib.validate(config)
+  data = config.data
+  vocabulary = vocab.make_vocabulary(data, config.model.vocab_size)
+  mixture = tasks.register_mixture(data, vocabulary)
+  lengths = {"targets": data.seq_len}
+  dataset = mixture.get_dataset(
+      lengths,
+      split="train",
+      shuffle=True,
+      seed=data.seed,
+      shard_info=shard_info,
+      num_epochs=None,
+      try_in_mem_cache=False,
+  )
+  dataset = _feature_converter(data.pack)(dataset, task_feature_lengths=lengths)
+  dataset = dataset.map(_to_model_features, num_parallel_calls=tf.data.AUTOTUNE)
+  dataset = dataset.batch(local_rows, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+  return _with_options(dataset)
+
+
+def _global_batch(local: dict[str, np.ndarray], sharding: jax.sharding.Sharding, global_rows: int) -> dict[str, jax.Array]:
+  return {
+      k: jax.make_array_from_process_local_data(sharding, local[k], (global_rows,) + local[k].shape[1:])
+      for k in FEATURES
+  }
+
+
+def _stream_config(data: ml_collections.ConfigDict) -> dict:
+  """The JSON view of the fields that determine the stream (tuples become lists)."""
+  return json.loads(json.dumps({k: data[k].to_dict() if hasattr(data[k], "to_dict") else data[k] for k in _STREAM_FIELDS}))
+
+
+class TrainIterator:
+  """Yields global train batches; `save(path)` / `restore(path)` checkpoint its position."""
+
+  def __init__(self, config: ml_collections.ConfigDict, batch_sharding: jax.sharding.Sharding,
+               shard_info: seqio.ShardInfo | None = None):
+    self._sharding = batch_sharding
+    self._global_rows = config.data.global_batch_size
+    derived, local_rows = data_shard(batch_sharding, self._global_rows)
+    self.shard_info = shard_info or derived
+    self._dataset = local_train_dataset(config, self.shard_info, local_rows)
+    self._iterator = iter(self._dataset)
+    self._checkpoint = tf.train.Checkpoint(iterator=self._iterator)
+    self._stream = _stream_config(config.data)
+    self.steps = 0  # batches yielded since the start of the stream (restored by `restore`)
+
+  def __iter__(self) -> "TrainIterator":
+    return self
+
+  def next_local(self) -> dict[str, np.ndarray]:
+    """This process's rows of the next batch, as numpy (what `__next__` makes global)."""
+    batch = {k: v.numpy() for k, v in next(self._iterator).items()}
+    self.steps += 1
+    return batch
+
+  def __next__(self) -> dict[str, jax.Array]:
+    return _global_batch(self.next_local(), self._sharding, self._global_rows)
+
+  def _shard_dir(self, path: str) -> str:
+    return os.path.join(path, f"shard_{self.shard_info.index:05d}_of_{self.shard_info.num_shards:05d}")
+
+  def save(self, path: str) -> str:
+    """Writes this process's stream position under `path`; returns the shard directory written."""
+    shard_dir = self._shard_dir(path)
+    tf.io.gfile.makedirs(shard_dir)
+    self._checkpoint.write(os.path.join(shard_dir, _STATE_PREFIX))
+    state = dict(format=STATE_FORMAT, steps=self.steps, shard_index=self.shard_info.index,
+                 num_shards=self.shard_info.num_shards, data=self._stream)
+    # Written last: its presence marks a complete state.
+    with tf.io.gfile.GFile(os.path.join(shard_dir, _STATE_JSON), "w") as f:
+      json.dump(state, f, indent=1, sort_keys=True)
+    return shard_dir
+
+  def restore(self, path: str) -> None:
+    """Continues the stream saved by `save(path)` under the same data config and sharding."""
+    shard_dir = self._shard_dir(path)
+    state_file = os.path.join(shard_dir, _STATE_JSON)
+    if not tf.io.gfile.exists(state_file):
+      raise ValueError(
+          f"no data state for shard {self.shard_info.index} of {self.shard_info.num_shards} at {shard_dir!r}; "
+          "it was not saved (or saved with another number of data shards, which cannot be resharded): "
+          "restore from a complete checkpoint written with the same batch sharding."
+      )
+    with tf.io.gfile.GFile(state_file) as f:
+      state = json.load(f)
+    if state.get("format") != STATE_FORMAT:
+      raise ValueError(f"{state_file!r} has data state format {state.get('format')!r}; this code reads {STATE_FORMAT}.")
+    for field in _STREAM_FIELDS:
+      if state["data"].get(field) != self._stream[field]:
+        raise config_lib.ConfigError(
+            f"the data state at {shard_dir!r} was saved with config.data.{field}={state['data'].get(field)!r}, "
+            f"but the config now has {self._stream[field]!r}; restore with the same value or start the data stream fresh."
+        )
+    self._checkpoint.read(os.path.join(shard_dir, _STATE_PREFIX)).assert_consumed()
+    self.steps = state["steps"]
+
+
+def make_train_iterator(config: ml_collections.ConfigDict, batch_sharding: jax.sharding.Sharding,
+                        shard_info: seqio.ShardInfo | None = None) -> TrainIterator:
+  """The training batches of `config.data`; `shard_info` overrides the derived data shard (tests)."""
+  return TrainIterator(config, batch_sharding, shard_info)
+
+
+def local_eval_batches(config: ml_collections.ConfigDict, name: str, split: str, shard_info: seqio.ShardInfo,
+                       local_rows: int) -> list[dict[str, np.ndarray]]:
+  """One deterministic pass over task `name`'s split for this shard, the last batch zero-padded."""
+  data = config.data
+  lengths = {"targets": data.seq_len}
+  task = seqio.get_mixture_or_task(tasks.task_name(name))
+  dataset = task.get_dataset(lengths, split=split, shuffle=False, shard_info=shard_info, num_epochs=1,
+                             try_in_mem_cache=False)
+  dataset = _feature_converter(data.pack)(dataset, task_feature_lengths=lengths)
+  dataset = _with_options(dataset.map(_to_model_features).batch(local_rows))
+  batches = []
+  for batch in dataset.as_numpy_iterator():
+    pad = local_rows - batch["targets"].shape[0]
+    batches.append({k: np.pad(v, [(0, pad), (0, 0)]) for k, v in batch.items()})
+  return batches
+
+
+class EvalData:
+  """The validation batches of every mixture task, computed once; iterate it as often as needed."""
+
+  def __init__(self, config: ml_collections.ConfigDict, batch_sharding: jax.sharding.Sharding,
+               split: str = "validation", shard_info: seqio.ShardInfo | None = None):
+    config_lib.validate(config)
+    data = config.data
+    self._sharding = batch_sharding
+    self._global_rows = data.eval_batch_size
+    derived, local_rows = data_shard(batch_sharding, self._global_rows)
+    shard_info = shard_info or derived
+    mixture = tasks.register_mixture(data, vocab.make_vocabulary(data, config.model.vocab_size))
+    names = [name for name, _ in data.mixture if split in seqio.get_mixture_or_task(tasks.task_name(name)).splits]
+    if not names:
+      raise config_lib.ConfigError(
+          f"no task of config.data.mixture has a {split!r} split; give one, e.g. "
+          f"config.data.sources.<name>.{split}, or evaluate another split."
+      )
+    self.batches = {name: local_eval_batches(config, name, split, shard_info, local_rows) for name in names}
+    counts = np.array([len(self.batches[name]) for name in names], np.int32)
+    if jax.process_count() > 1:
+      counts = np.max(multihost_utils.process_allgather(counts), axis=0)
+    empty = {k: np.zeros((local_rows, data.seq_len), np.float32 if k == "loss_weights" else np.int32) for k in FEATURES}
+    for name, count in zip(names, counts):
+      self.batches[name] += [empty] * (int(count) - len(self.batches[name]))
+
+  @property
+  def task_names(self) -> list[str]:
+    return list(self.batches)
+
+  def task_iterator(self, name: str) -> Iterator[dict[str, jax.Array]]:
+    for local in self.batches[name]:
+      yield _global_batch(local, self._sharding, self._global_rows)
+
+  def __iter__(self) -> Iterator[dict[str, jax.Array]]:
+    for name in self.batches:
+      yield from self.task_iterator(name)
+
+
+def make_eval_iterator(config: ml_collections.ConfigDict, batch_sharding: jax.sharding.Sharding,
+                       split: str = "validation") -> Iterator[dict[str, jax.Array]]:
+  """One pass over `split` of every mixture task that has it, task after task (see EvalData)."""
+  return iter(EvalData(config, batch_sharding, split))

@@ -1,0 +1,83 @@
+"""Data sources: one seqio DataSource per task, with the preprocessor that turns its records into text.
+
+Kinds (config.data.sources.<name>.kind): `text` (one document per line), `jsonl` (a string
+field per line), `tfrecord` (tf.train.Example with a bytes feature), `tfds` (a prepared TFDS
+dataset in `data_dir`; read-only, nothing is downloaded). `stories` and `facts` are the
+embedded corpus (sparsetx.data.corpus) and need no files.
+
+Sharding: seqio gives each process whole files when a split has at least as many files as
+processes, and otherwise every process reads the files and keeps every n-th example. For a large
+corpus, write at least as many files as processes (a multiple of it, for balance).
+"""
+
+from typing import Callable
+
+import ml_collections
+import seqio
+import tensorflow as tf
+
+from sparsetx import config as config_lib
+from sparsetx.data import corpus, preprocessors
+
+Preprocessor = Callable[[tf.data.Dataset], tf.data.Dataset]
+
+
+def _patterns(value) -> tuple[str, ...]:
+  return (value,) if isinstance(value, str) else tuple(value or ())
+
+
+def _files(field: str, patterns: tuple[str, ...]) -> list[str]:
+  """Lists files (local or remote) with a clear error for a pattern that matches nothing."""
+  files = []
+  for pattern in patterns:
+    matched = seqio.utils.list_files(pattern)
+    if not matched:
+      raise config_lib.ConfigError(f"{field}: no file matches {pattern!r}; check the path or create the file.")
+    files.extend(matched)
+  return files
+
+
+def _embedded_source(name: str) -> seqio.DataSource:
+  documents = corpus.DOCUMENTS[name]
+
+  def dataset_fn(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
+    del shuffle_files, seed  # one in-memory "file"; the task's shuffle buffer shuffles examples
+    return tf.data.Dataset.from_tensor_slices(list(documents(split)))
+
+  return seqio.FunctionDataSource(dataset_fn, splits=corpus.SPLITS)
+
+
+def make_source(name: str, source: ml_collections.ConfigDict | None) -> tuple[seqio.DataSource, Preprocessor]:
+  """The DataSource of task `name` and the preprocessor mapping its records to {'targets': text}."""
+  if source is None:
+    if name not in corpus.DOCUMENTS:
+      raise config_lib.ConfigError(
+          f"task {name!r} is neither built in ({', '.join(corpus.DOCUMENTS)}) nor defined under "
+          f"config.data.sources.{name}; define it there."
+      )
+    return _embedded_source(name), preprocessors.text_line_to_targets
+  prefix = f"config.data.sources.{name}"
+  kind = source.kind
+  field = source.get("text_field", "text")
+  if kind == "tfds":
+    splits = {"train": source.train}
+    if source.get("validation"):
+      splits["validation"] = source.validation
+    data_source = seqio.TfdsDataSource(
+        tfds_name=source.tfds_name, tfds_data_dir=source.data_dir, splits=splits, read_only=True
+    )
+    return data_source, preprocessors.field_to_targets(field)
+  split_files = {"train": _files(f"{prefix}.train", _patterns(source.train))}
+  validation = _patterns(source.get("validation"))
+  if validation:
+    split_files["validation"] = _files(f"{prefix}.validation", validation)
+  if kind == "text":
+    return seqio.TextLineDataSource(split_files), preprocessors.text_line_to_targets
+  if kind == "jsonl":
+    return seqio.TextLineDataSource(split_files), preprocessors.jsonl_to_targets(field)
+  if kind == "tfrecord":
+    features = {field: tf.io.FixedLenFeature([], tf.string)}
+    return seqio.TFExampleDataSource(split_files, feature_description=features), preprocessors.field_to_targets(field)
+  raise config_lib.ConfigError(
+      f"{prefix}.kind={kind!r} is unknown; use one of {', '.join(map(repr, config_lib.DATA_SOURCE_KINDS))}."
+  )

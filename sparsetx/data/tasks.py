@@ -1,0 +1,48 @@
+"""Registers config.data's tasks and mixture with seqio, under names other seqio tools can use.
+
+Every task runs the same chain after its source: text -> drop blank documents -> tokenize ->
+append EOS -> split into pieces of at most seq_len tokens. The registry is process-global and
+the config is the source of truth, so registering replaces any earlier task of the same name
+(a dataset already built keeps the task it was built from).
+"""
+
+import ml_collections
+import seqio
+
+from sparsetx.data import preprocessors, sources
+
+TASK_PREFIX = "sparsetx."
+MIXTURE_NAME = "sparsetx.mixture"
+
+
+def task_name(name: str) -> str:
+  """The seqio registry name of config task `name` (e.g. 'stories' -> 'sparsetx.stories')."""
+  return TASK_PREFIX + name
+
+
+def register_task(name: str, data: ml_collections.ConfigDict, vocabulary: seqio.Vocabulary) -> seqio.Task:
+  data_source, to_targets = sources.make_source(name, (data.sources or {}).get(name))
+  full_name = task_name(name)
+  seqio.TaskRegistry.remove(full_name)
+  return seqio.TaskRegistry.add(
+      full_name,
+      source=data_source,
+      preprocessors=[
+          to_targets,
+          preprocessors.drop_blank,
+          seqio.preprocessors.tokenize,
+          seqio.preprocessors.append_eos,
+          preprocessors.split_to_length,
+      ],
+      output_features={"targets": seqio.Feature(vocabulary, add_eos=True)},
+      shuffle_buffer_size=data.shuffle_buffer,
+  )
+
+
+def register_mixture(data: ml_collections.ConfigDict, vocabulary: seqio.Vocabulary) -> seqio.Mixture:
+  """Registers every task of `config.data.mixture` and the mixture over them with their rates."""
+  rates = [(task_name(name), float(rate)) for name, rate in data.mixture]
+  for name, _ in data.mixture:
+    register_task(name, data, vocabulary)
+  seqio.MixtureRegistry.remove(MIXTURE_NAME)
+  return seqio.MixtureRegistry.add(MIXTURE_NAME, rates)
