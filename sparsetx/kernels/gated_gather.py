@@ -1,21 +1,126 @@
-"""The gated gather shared by sgatlin and PEER: y = sum_s gate_s * w_out[row_s] * act(<w_in[row_s], x>).
+"""The gated gather shared by sgatlin, PEER and FFF, as one op with a custom VJP.
 
-Tables are flat `[rows, D]` (sgatlin flattens its `(C, d_ffw)` channels into rows `c * d_ffw + i`;
-PEER's table is shared by its channels, so rows are the neuron ids themselves).
+  y[t] = sum_s gates[t, s] * w_out[rows[t, s]] * act(<w_in[rows[t, s]], x[t]> + bias[rows[t, s]])
 
-This is the papers' own formulation: it gathers the selected rows into `[B, T, S, D]` tensors and
-contracts them. Dots and the gated sum accumulate in float32.
+Tables are flat `[R, D]`: sgatlin flattens its `(C, d_ffw)` channels into rows `c * d_ffw + i`,
+PEER's table is shared so rows are neuron ids, FFF's rows are `tree * n_nodes + node` with the
+node bias. Gradients flow to x, both tables, the gates and the bias (through the activation).
+Dots and sums accumulate in float32; y and dx have x's dtype.
+
+`options.implementation` picks the backend: `xla` (token-chunked gathers, xla_gather.py),
+`pallas` (pallas_gpu.py on GPU, pallas_tpu.py on TPU, interpret mode elsewhere) or `auto`
+(pallas on GPU/TPU, xla on CPU). Every backend shares the deterministic sorted-segment table
+gradients (segment_grads.py). The papers' formulation stays in reference.py.
 """
+
+import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from sparsetx.kernels import segment_grads, xla_gather
+from sparsetx.kernels.reference import gated_gather_reference, identity
 
-def gated_gather(x_BTD, w_in_RD, w_out_RD, rows_BTS, gates_BTS, activation=lambda h: h):
-  compute_dtype = x_BTD.dtype
-  w_in_BTSD = w_in_RD[rows_BTS].astype(compute_dtype)
-  w_out_BTSD = w_out_RD[rows_BTS].astype(compute_dtype)
-  h_BTS = jnp.einsum("btd,btsd->bts", x_BTD, w_in_BTSD, preferred_element_type=jnp.float32)
-  h_BTS = activation(h_BTS) * gates_BTS.astype(jnp.float32)
-  y_BTD = jnp.einsum("bts,btsd->btd", h_BTS.astype(compute_dtype), w_out_BTSD, preferred_element_type=jnp.float32)
-  return y_BTD.astype(compute_dtype)
+IMPLEMENTATIONS = ("xla", "pallas", "auto")
+
+
+class KernelOptions(NamedTuple):
+  """Static knobs of the op (hashable, so they can ride along as a nondiff argument)."""
+
+  implementation: str = "auto"
+  token_chunk: int = 4  # xla path: tokens whose gathered rows exist at once
+  pair_chunk: int = 2048  # table gradients: sorted (token, slot) pairs added per step
+  block_tokens: int = 8  # pallas: tokens per program (grid step)
+  interpret: bool = False  # pallas: run the kernels in interpret mode (tests on CPU)
+
+
+def options_from_config(kernel_cfg) -> KernelOptions:
+  """KernelOptions from `config.model.ffn.kernel` (None gives the defaults)."""
+  if kernel_cfg is None:
+    return KernelOptions()
+  return KernelOptions(
+      implementation=kernel_cfg.implementation,
+      token_chunk=kernel_cfg.token_chunk,
+      pair_chunk=kernel_cfg.pair_chunk,
+      block_tokens=kernel_cfg.block_tokens,
+  )
+
+
+def _backend(options: KernelOptions):
+  """The module providing forward/backward_rows for this implementation and platform."""
+  implementation = options.implementation
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"kernel implementation={implementation!r} is unknown; use one of {IMPLEMENTATIONS}.")
+  platform = jax.default_backend()
+  if implementation == "auto":
+    implementation = "pallas" if platform in ("gpu", "tpu") else "xla"
+  if implementation == "xla":
+    return xla_gather
+  if platform == "tpu":
+    from sparsetx.kernels import pallas_tpu
+
+    return pallas_tpu
+  from sparsetx.kernels import pallas_gpu  # GPU, or interpret mode anywhere else
+
+  return pallas_gpu
+
+
+def _forward_impl(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R):
+  backend = _backend(options)
+  return backend.forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, activation, options)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _gated_gather_ND(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R):
+  return _forward_impl(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R)[0]
+
+
+def _fwd(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R):
+  y_ND, h_NS = _forward_impl(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R)
+  return y_ND, (x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_NS)
+
+
+def _bwd(activation, options, residuals, dy_ND):
+  x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_NS = residuals
+  backend = _backend(options)
+  dy_ND = dy_ND.astype(x_ND.dtype)
+  dx_ND, dgates_NS, coef_in_NS, coef_out_NS = backend.backward_rows(
+      dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, activation, options
+  )
+  dw_in, dw_out, dbias = segment_grads.table_grads(
+      x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS, w_in_RD.shape[0], options.pair_chunk, bias_R is not None
+  )
+  rows_cotangent = jax.numpy.zeros(rows_NS.shape, jax.dtypes.float0)
+  return (
+      dx_ND.astype(x_ND.dtype),
+      dw_in.astype(w_in_RD.dtype),
+      dw_out.astype(w_out_RD.dtype),
+      rows_cotangent,
+      dgates_NS.astype(gates_NS.dtype),
+      None if bias_R is None else dbias.astype(bias_R.dtype),
+  )
+
+
+_gated_gather_ND.defvjp(_fwd, _bwd)
+
+
+def gated_gather(x_BTD, w_in_RD, w_out_RD, rows_BTS, gates_BTS, activation=identity, bias_R=None, options=None):
+  """y [B, T, D] in x's dtype; `options` is a KernelOptions (defaults: implementation 'auto')."""
+  options = KernelOptions() if options is None else options
+  *lead, D = x_BTD.shape
+  S = rows_BTS.shape[-1]
+  y_ND = _gated_gather_ND(
+      activation,
+      options,
+      x_BTD.reshape(-1, D),
+      w_in_RD,
+      w_out_RD,
+      rows_BTS.reshape(-1, S).astype(jnp.int32),
+      gates_BTS.reshape(-1, S),
+      bias_R,
+  )
+  return y_ND.reshape(*lead, D)
+
+
+__all__ = ["gated_gather", "gated_gather_reference", "KernelOptions", "options_from_config", "IMPLEMENTATIONS"]
