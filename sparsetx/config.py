@@ -18,6 +18,7 @@ SGATLIN_ACTIVATIONS = ("identity", "relu", "gelu", "swish")
 SGATLIN_ROUTERS = ("product", "peer")
 FFF_VARIANTS = ("fff", "fff_post")
 FFF_IMPLEMENTATIONS = ("sparse", "masked_dense")
+KERNEL_IMPLEMENTATIONS = ("xla", "pallas", "auto")  # gated gather: see sparsetx/kernels/gated_gather.py
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -45,6 +46,15 @@ def ffn_defaults() -> ml_collections.ConfigDict:
           n_trees=4,
           variant="fff",
           implementation="sparse",
+          # gated gather (sgatlin, peer, fff sparse): backend and block sizes
+          kernel=ml_collections.ConfigDict(
+              dict(
+                  implementation="auto",  # xla | pallas | auto (pallas on GPU/TPU, xla on CPU)
+                  token_chunk=4,  # xla: tokens whose gathered rows exist at once (2-8 fastest on CPU)
+                  pair_chunk=2048,  # table gradients: sorted (token, slot) pairs added per step
+                  block_tokens=8,  # pallas: tokens per program
+              )
+          ),
       )
   )
 
@@ -174,6 +184,10 @@ def validate_ffn(ffn: ml_collections.ConfigDict, d_model: int, prefix: str = "co
     _positive_int(f"{prefix}.n_trees", ffn.n_trees)
     _one_of(f"{prefix}.variant", ffn.variant, FFF_VARIANTS)
     _one_of(f"{prefix}.implementation", ffn.implementation, FFF_IMPLEMENTATIONS)
+  if kind in ("peer", "sgatlin", "fff"):
+    _one_of(f"{prefix}.kernel.implementation", ffn.kernel.implementation, KERNEL_IMPLEMENTATIONS)
+    for field in ("token_chunk", "pair_chunk", "block_tokens"):
+      _positive_int(f"{prefix}.kernel.{field}", ffn.kernel[field])
 
 
 def validate_model(model: ml_collections.ConfigDict, prefix: str = "config.model") -> None:
