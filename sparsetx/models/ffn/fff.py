@@ -8,7 +8,8 @@ start at the root; at each of the D+1 levels evaluate z = <x, w_in> + b_in and g
 No gradient flows through the routing decision.
 
 Two implementations that agree in values and gradients:
-  sparse        gathers only the D+1 path nodes per tree (what runs);
+  sparse        walks the trees (kernels/tree_route.py), then computes the D+1 path nodes per tree
+                with the shared gated gather (rows tree * n_nodes + node, gates 1, bias b_in);
   masked_dense  evaluates every node and masks with the path (the paper's analysis form; a reference).
 """
 
@@ -16,34 +17,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sparsetx.kernels.gated_gather import gated_gather, options_from_config
+from sparsetx.kernels.tree_route import next_node, tree_paths
 from sparsetx.models.ffn.common import gelu, symmetric_uniform
 
 
 def n_nodes(depth: int) -> int:
   return 2 ** (depth + 1) - 1
-
-
-def next_node(node, z):
-  """Heap-order child: right (2s + 2) when z > 0, else left (2s + 1)."""
-  return 2 * node + 1 + (z > 0).astype(node.dtype)
-
-
-def sparse_forward(x_BTD, w_in_PND, b_in_PN, depth: int):
-  """Walks the trees gathering one node per level: (logits z [B,T,P,L], path node ids [B,T,P,L])."""
-  B, T, _ = x_BTD.shape
-  P = w_in_PND.shape[0]
-  tree_P = jnp.arange(P)
-  node_BTP = jnp.zeros((B, T, P), jnp.int32)
-  nodes, logits = [], []
-  for _ in range(depth + 1):
-    w_BTPD = w_in_PND[tree_P, node_BTP].astype(x_BTD.dtype)
-    z_BTP = jnp.einsum("btd,btpd->btp", x_BTD, w_BTPD, preferred_element_type=jnp.float32)
-    z_BTP = z_BTP + b_in_PN[tree_P, node_BTP].astype(jnp.float32)
-    nodes.append(node_BTP)
-    logits.append(z_BTP)
-    node_BTP = next_node(node_BTP, jax.lax.stop_gradient(z_BTP))
-  path_BTPL = jnp.stack(nodes, axis=-1)
-  return jnp.stack(logits, axis=-1), path_BTPL
 
 
 def masked_dense_forward(x_BTD, w_in_PND, b_in_PN, depth: int):
@@ -80,9 +60,16 @@ class Fff(nn.Module):
 
     act = gelu if ffn.variant == "fff" else (lambda z: z)
     if ffn.implementation == "sparse":
-      z_BTPL, path_BTPL = sparse_forward(x_BTD, w_in, b_in, ffn.depth)
-      w_out_BTPLD = w_out[jnp.arange(P)[:, None], path_BTPL].astype(dtype)
-      y_BTD = jnp.einsum("btpl,btpld->btd", act(z_BTPL).astype(dtype), w_out_BTPLD, preferred_element_type=jnp.float32)
+      options = options_from_config(ffn.get("kernel"))
+      B, T = x_BTD.shape[:2]
+      path_NPL, z_NPL = tree_paths(x_BTD.reshape(B * T, D), w_in, b_in, ffn.depth, options.token_chunk)
+      path_BTPL, z_BTPL = path_NPL.reshape(B, T, P, L), z_NPL.reshape(B, T, P, L)
+      rows_BTS = (path_BTPL + N * jnp.arange(P, dtype=jnp.int32)[:, None]).reshape(B, T, P * L)
+      gates_BTS = jnp.ones(rows_BTS.shape, jnp.float32)
+      flat = lambda table: table.reshape(P * N, D)
+      y_BTD = gated_gather(
+          x_BTD, flat(w_in), flat(w_out), rows_BTS, gates_BTS, act, bias_R=b_in.reshape(P * N), options=options
+      ).astype(jnp.float32)
     else:
       z_BTPN, mask_BTPN, path_BTPL = masked_dense_forward(x_BTD, w_in, b_in, ffn.depth)
       z_BTPL = jnp.take_along_axis(z_BTPN, path_BTPL, axis=-1)

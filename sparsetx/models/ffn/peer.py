@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sparsetx.kernels.gated_gather import gated_gather
+from sparsetx.kernels.gated_gather import gated_gather, options_from_config
 from sparsetx.models.taps import tap
 from sparsetx.models.ffn.common import gelu
 from sparsetx.models.ffn.product_keys import make_router
@@ -38,5 +38,11 @@ class Peer(nn.Module):
     )
     B, T = idx_BTCK.shape[:2]
     return gated_gather(
-        x_BTD, experts[0], experts[1], idx_BTCK.reshape(B, T, -1), gates_BTCK.reshape(B, T, -1), gelu
+        x_BTD,
+        experts[0],
+        experts[1],
+        idx_BTCK.reshape(B, T, -1),
+        gates_BTCK.reshape(B, T, -1),
+        gelu,
+        options=options_from_config(ffn.get("kernel")),
     )

@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sparsetx.kernels.gated_gather import gated_gather
+from sparsetx.kernels.gated_gather import gated_gather, options_from_config
 from sparsetx.models.taps import tap
 from sparsetx.models.ffn.common import ACTIVATIONS
 from sparsetx.models.ffn.product_keys import make_router
@@ -51,4 +51,5 @@ class Sgatlin(nn.Module):
         rows_BTS,
         gates_BTCK.reshape(B, T, -1),
         ACTIVATIONS[ffn.activation],
+        options=options_from_config(ffn.get("kernel")),
     )
