@@ -99,8 +99,8 @@ def test_mixture_draws_from_its_tasks_at_the_configured_rates(files):
   mixture = tasks.register_mixture(config.data, vocab.make_vocabulary(config.data))
   dataset = mixture.get_dataset({"targets": 256}, split="train", shuffle=True, seed=3, num_epochs=None)
   n = 3000
-  first_bytes = [int(ex["targets"][0]) for ex in dataset.take(n).as_numpy_iterator()]
-  counts = collections.Counter(BYTES.decode([b]) for b in first_bytes)
+  first_bytes = next(dataset.map(lambda ex: ex["targets"][0]).batch(n).as_numpy_iterator())
+  counts = collections.Counter(BYTES.decode([int(b)]) for b in first_bytes)
   assert set(counts) == {"a", "b"}
   tolerance = 4 * math.sqrt(0.7 * 0.3 / n)  # 4 sigma of a binomial proportion
   assert abs(counts["a"] / n - 0.7) < tolerance, counts
@@ -119,9 +119,14 @@ def test_packing_loses_and_duplicates_no_token(files, sharding):
     check_row_structure(batch)
 
 
-def test_train_rows_are_packed_documents(files, sharding):
-  config = make_config(files, (("alpha", 0.5), ("gamma", 0.5)))
-  iterator = pipeline.make_train_iterator(config, sharding)
+@pytest.fixture(scope="module")
+def train_iterator(files, sharding):
+  """One iterator over alpha (text) and gamma (JSONL), shared by tests that only read from it."""
+  return pipeline.make_train_iterator(make_config(files, (("alpha", 0.5), ("gamma", 0.5))), sharding)
+
+
+def test_train_rows_are_packed_documents(files, train_iterator):
+  iterator = train_iterator
   documents = {p for text in files["alpha"] + files["gamma"] for p in pieces(text)}
   for _ in range(3):
     batch = next(iterator)
@@ -182,9 +187,6 @@ def test_save_and_restore_continue_the_identical_stream(files, sharding, tmp_pat
   _assert_same(_stream(resumed, 5), expected)
   assert resumed.steps == 12
 
-  replayed = pipeline.make_train_iterator(config, sharding)  # same seed, from the start
-  _assert_same(_stream(replayed, 12)[7:], expected)
-
   # The state holds positions and buffers, not the data consumed: it does not grow with steps.
   _stream(uninterrupted, 30)
   later_dir = uninterrupted.save(str(tmp_path / "step42"))
@@ -192,24 +194,23 @@ def test_save_and_restore_continue_the_identical_stream(files, sharding, tmp_pat
   assert size(later_dir) < 2 * size(state_dir)
 
 
-def test_restore_refuses_another_data_config_or_a_missing_state(files, sharding, tmp_path):
-  config = make_config(files, (("alpha", 1.0),))
-  iterator = pipeline.make_train_iterator(config, sharding)
-  next(iterator)
-  iterator.save(str(tmp_path / "state"))
-  other = pipeline.make_train_iterator(make_config(files, (("alpha", 1.0),), seed=5), sharding)
+def test_restore_refuses_another_data_config_or_a_missing_state(files, sharding, train_iterator, tmp_path):
+  train_iterator.save(str(tmp_path / "state"))
+  other = pipeline.make_train_iterator(make_config(files, (("alpha", 0.5), ("gamma", 0.5)), seed=5), sharding)
   with pytest.raises(config_lib.ConfigError, match=r"config\.data\.seed=0, but the config now has 5"):
     other.restore(str(tmp_path / "state"))
   with pytest.raises(ValueError, match="no data state for shard 0 of 1"):
-    iterator.restore(str(tmp_path / "nothing"))
+    train_iterator.restore(str(tmp_path / "nothing"))
 
 
-def test_global_batch_is_one_sharded_array_per_feature(files, sharding):
-  config = make_config(files, (("alpha", 1.0),))
+def test_global_batch_is_one_sharded_array_per_feature(sharding, train_iterator, tmp_path):
   assert pipeline.data_shard(sharding, 8) == (seqio.ShardInfo(0, 1), 8)
-  iterator = pipeline.make_train_iterator(config, sharding)
-  twin = pipeline.make_train_iterator(config, sharding)
-  batch, local = next(iterator), twin.next_local()
+  replicated = NamedSharding(sharding.mesh, P(None, None))
+  assert pipeline.data_shard(replicated, 8) == (seqio.ShardInfo(0, 1), 8)
+  train_iterator.save(str(tmp_path / "before"))
+  local = train_iterator.next_local()
+  train_iterator.restore(str(tmp_path / "before"))  # rewinds: the same rows again, now as global arrays
+  batch = next(train_iterator)
   assert set(batch) == set(pipeline.FEATURES)
   for k, array in batch.items():
     assert isinstance(array, jax.Array) and array.shape == (8, SEQ_LEN) and array.sharding == sharding
