@@ -114,10 +114,85 @@ def data_defaults() -> ml_collections.ConfigDict:
   )
 
 
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+SCHEDULES = ("wsd", "cosine")
+
+# Logical axis names on parameters and activations -> mesh axes. Flax assigns each mesh axis at
+# most once per array, so `embed` is fsdp-sharded on weights but not on activations whose batch
+# already took fsdp. Expert parallelism: sgatlin/PEER channels, FFF trees and MoE experts.
+DEFAULT_RULES = (
+    ("batch", ("data", "fsdp", "expert")),
+    ("length", None),
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv", None),
+    ("mlp", "tensor"),
+    ("channel", "expert"),
+    ("neuron", None),
+    ("key", None),
+    ("tree", "expert"),
+    ("node", None),
+    ("expert", "expert"),
+)
+
+
+def train_defaults() -> ml_collections.ConfigDict:
+  """Optimizer and loop knobs; defaults are the sgatlin paper's (AdamW, WSD, clip 1.0, wd 0.1)."""
+  return ml_collections.ConfigDict(
+      dict(
+          steps=1000,
+          learning_rate=1e-3,
+          schedule="wsd",  # wsd: linear warmup, constant, 1 - sqrt decay over decay_fraction | cosine
+          warmup_steps=100,
+          decay_fraction=0.2,
+          weight_decay=0.1,  # never on scalars
+          decay_norms_and_biases=False,
+          b1=0.9,
+          b2=0.95,
+          eps=1e-8,
+          clip_norm=1.0,
+          microbatches=1,  # gradient accumulation: the global batch is split into this many
+          z_loss=0.0,  # coefficient of log(Z)**2, 0 disables
+          seed=0,
+          log_every=10,
+          eval_every=100,
+          eval_batches=0,  # per validation task; 0 = the whole split
+      )
+  )
+
+
+def checkpoint_defaults() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(
+      dict(
+          every=100,  # steps between checkpoints; one is always written at the end
+          keep=3,  # the newest K are kept
+          keep_period=0,  # also keep every step divisible by this permanently; 0 = none
+          async_save=True,
+      )
+  )
+
+
+def mesh_defaults() -> ml_collections.ConfigDict:
+  """Mesh axis sizes within a slice (ici) and across slices (dcn); one -1 per group is inferred."""
+  return ml_collections.ConfigDict(
+      dict(
+          ici=dict(data=-1, fsdp=1, tensor=1, expert=1),
+          dcn=dict(data=1, fsdp=1, tensor=1, expert=1),
+          rules=DEFAULT_RULES,
+          # Refuse a parameter larger than this that ends up fully replicated on a multi-device mesh.
+          max_replicated_mib=64.0,
+      )
+  )
+
+
 def default_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.model = model_defaults()
   config.data = data_defaults()
+  config.train = train_defaults()
+  config.checkpoint = checkpoint_defaults()
+  config.mesh = mesh_defaults()
   return config
 
 
@@ -312,9 +387,52 @@ def validate_data(data: ml_collections.ConfigDict, model: ml_collections.ConfigD
       )
 
 
+def validate_train(train: ml_collections.ConfigDict, checkpoint: ml_collections.ConfigDict, global_batch_size: int) -> None:
+  for field in ("steps", "microbatches", "log_every", "eval_every"):
+    _positive_int(f"config.train.{field}", train[field])
+  for field in ("warmup_steps", "eval_batches", "seed"):
+    _require(isinstance(train[field], int) and train[field] >= 0, f"config.train.{field}={train[field]!r} must be an integer >= 0.")
+  _one_of("config.train.schedule", train.schedule, SCHEDULES)
+  _require(train.learning_rate > 0, f"config.train.learning_rate={train.learning_rate!r} must be positive.")
+  _require(0 <= train.decay_fraction <= 1, f"config.train.decay_fraction={train.decay_fraction!r} must lie in [0, 1].")
+  _require(train.weight_decay >= 0, f"config.train.weight_decay={train.weight_decay!r} must be >= 0.")
+  _require(train.clip_norm > 0, f"config.train.clip_norm={train.clip_norm!r} must be positive.")
+  _require(train.z_loss >= 0, f"config.train.z_loss={train.z_loss!r} must be >= 0.")
+  _require(
+      global_batch_size % train.microbatches == 0,
+      f"config.train.microbatches={train.microbatches} does not divide config.data.global_batch_size="
+      f"{global_batch_size}; pick a divisor.",
+  )
+  _positive_int("config.checkpoint.every", checkpoint.every)
+  _positive_int("config.checkpoint.keep", checkpoint.keep)
+  _require(
+      isinstance(checkpoint.keep_period, int) and checkpoint.keep_period >= 0,
+      f"config.checkpoint.keep_period={checkpoint.keep_period!r} must be an integer >= 0 (0 keeps none permanently).",
+  )
+
+
+def validate_mesh(mesh: ml_collections.ConfigDict) -> None:
+  for group in ("ici", "dcn"):
+    sizes = mesh[group]
+    _require(
+        set(sizes.keys()) == set(MESH_AXES),
+        f"config.mesh.{group} has axes {sorted(sizes.keys())}; give exactly {', '.join(MESH_AXES)}.",
+    )
+    for axis in MESH_AXES:
+      _require(
+          isinstance(sizes[axis], int) and (sizes[axis] > 0 or sizes[axis] == -1),
+          f"config.mesh.{group}.{axis}={sizes[axis]!r} must be a positive integer or -1 (inferred).",
+      )
+    _require(
+        sum(sizes[axis] == -1 for axis in MESH_AXES) <= 1,
+        f"config.mesh.{group} has more than one -1; at most one axis per group can be inferred.",
+    )
+
+
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Checks the whole config; returns it unchanged so callers can chain."""
   validate_model(config.model)
-  if "data" in config:
-    validate_data(config.data, config.model)
+  validate_data(config.data, config.model)
+  validate_train(config.train, config.checkpoint, config.data.global_batch_size)
+  validate_mesh(config.mesh)
   return config
