@@ -1,0 +1,94 @@
+"""The XLA path of the gated gather equals the papers' formulation in values and every gradient."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_cases import gather_case, value_and_grads
+
+from sparsetx import config as config_lib
+from sparsetx.kernels.gated_gather import KernelOptions, gated_gather, gated_gather_reference, options_from_config
+from sparsetx.models.ffn.common import ACTIVATIONS
+
+NAMES = ("loss", "x", "w_in", "w_out", "gates", "bias")
+
+
+def assert_match(ours, ref, rtol, atol):
+  (loss_a, grads_a), (loss_b, grads_b) = ours, ref
+  np.testing.assert_allclose(loss_a, loss_b, rtol=rtol, atol=atol * 10, err_msg="loss")
+  for name, a, b in zip(NAMES[1:], grads_a, grads_b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    scale = np.abs(b).max()
+    np.testing.assert_allclose(a / scale, b / scale, rtol=rtol, atol=atol, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "shape, activation, with_bias, token_chunk, pair_chunk",
+    [
+        ((2, 9, 3, 2, 5, 16), "identity", False, 4, 16),  # tokens not a multiple of the chunk
+        ((1, 16, 4, 3, 8, 8), "gelu", True, 2, 7),  # pairs not a multiple of the pair chunk
+        ((1, 7, 1, 3, 4, 8), "relu", True, 1, 3),
+    ],
+)
+def test_xla_path_equals_reference_float32(shape, activation, with_bias, token_chunk, pair_chunk):
+  x, w_in, w_out, rows, gates, bias = gather_case(0, *shape)
+  bias = bias if with_bias else None
+  act = ACTIVATIONS[activation]
+  options = KernelOptions("xla", token_chunk, pair_chunk)
+  ours = value_and_grads(lambda *a: gated_gather(*a[:5], act, a[5], options), x, w_in, w_out, rows, gates, bias)
+  ref = value_and_grads(lambda *a: gated_gather_reference(*a[:5], act, a[5]), x, w_in, w_out, rows, gates, bias)
+  assert_match(ours, ref, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("activation", ["swish"])
+def test_xla_path_equals_reference_bfloat16(activation):
+  x, w_in, w_out, rows, gates, bias = gather_case(1, 2, 12, 3, 2, 6, 32, dtype=jnp.bfloat16)
+  act = ACTIVATIONS[activation]
+  y = gated_gather(x, w_in, w_out, rows, gates, act, options=KernelOptions("xla", 4, 32))
+  y_ref = gated_gather_reference(x, w_in, w_out, rows, gates, act)
+  assert y.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_ref, np.float32), rtol=2e-2, atol=2e-2)
+  ours = value_and_grads(lambda *a: gated_gather(*a[:5], act, None, KernelOptions("xla", 4, 32)), x, w_in, w_out, rows, gates, None)
+  ref = value_and_grads(lambda *a: gated_gather_reference(*a[:5], act), x, w_in, w_out, rows, gates, None)
+  assert ours[1][0].dtype == jnp.bfloat16 and ours[1][1].dtype == jnp.float32  # dx in x's dtype, tables in theirs
+  assert_match(ours, ref, rtol=3e-2, atol=2e-2)
+
+
+def test_table_gradients_are_deterministic_and_zero_off_the_picked_rows():
+  x, w_in, w_out, rows, gates, bias = gather_case(2, 2, 16, 2, 3, 40, 8)
+  run = lambda: value_and_grads(lambda *a: gated_gather(*a[:5], bias_R=a[5], options=KernelOptions("xla", 4, 8)), x, w_in, w_out, rows, gates, bias)
+  first, second = run(), run()
+  for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+    np.testing.assert_array_equal(a, b)
+  unpicked = np.setdiff1d(np.arange(w_in.shape[0]), np.asarray(rows))
+  assert unpicked.size > 0
+  for grad in first[1][1:3]:
+    assert np.all(np.asarray(grad)[unpicked] == 0)
+
+
+def test_no_gathered_rows_tensor_in_the_compiled_step():
+  """The fast path never holds a [tokens, S, D] buffer; the papers' formulation does."""
+  B, T, C, K, N, D = 1, 64, 4, 4, 32, 16
+  x, w_in, w_out, rows, gates, _ = gather_case(3, B, T, C, K, N, D)
+  def compiled_text(fn):
+    step = jax.jit(jax.grad(lambda x, wi, wo, g: fn(x, wi, wo, rows, g).sum(), argnums=(0, 1, 2, 3)))
+    return step.lower(x, w_in, w_out, gates).compile().as_text()
+  full = f"f32[{B},{T},{C * K},{D}]"
+  ours = compiled_text(functools.partial(gated_gather, options=KernelOptions("xla", 4, 64)))
+  assert full not in ours and f"f32[{B * T},{C * K},{D}]" not in ours
+  assert full in compiled_text(gated_gather_reference)
+
+
+def test_options_come_from_the_config_and_bad_values_are_named():
+  config = config_lib.default_config()
+  config.model.ffn.kernel.update(implementation="xla", token_chunk=2, pair_chunk=64, block_tokens=16)
+  assert options_from_config(config.model.ffn.kernel) == KernelOptions("xla", 2, 64, 16)
+  config.model.ffn.kernel.implementation = "cuda"
+  with pytest.raises(config_lib.ConfigError, match=r"config.model.ffn.kernel.implementation='cuda'"):
+    config_lib.validate(config)
+  config.model.ffn.kernel.implementation = "auto"
+  config.model.ffn.kernel.token_chunk = 0
+  with pytest.raises(config_lib.ConfigError, match=r"config.model.ffn.kernel.token_chunk=0"):
+    config_lib.validate(config)
