@@ -1,0 +1,188 @@
+"""Benchmark the sparse feed-forward layers against the papers' formulations and dense baselines.
+
+For each ladder rung (d_model = 128 * scale) it times forward and forward+backward of: sgatlin
+through the gated gather op; sgatlin as Listing 1 writes it (gather rows, two einsums); the dense
+MLP and SwiGLU of the same rung; and FFF sparse vs masked-dense at several depths. All variants of
+a table are timed in interleaved rounds in one process (median per variant) and printed as ratios;
+peak memory is XLA's temp allocation of the compiled step. A second table sweeps d_ffw to show
+sgatlin forward time against the number of neurons. Writes a PNG with --png.
+
+  .venv/bin/python tools/bench_layers.py --png=bench_layers.png
+"""
+
+import argparse
+import contextlib
+import statistics
+import time
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from sparsetx.config import default_config, validate
+from sparsetx.kernels import gated_gather as gg
+from sparsetx.models.ffn import sgatlin as sgatlin_module
+from sparsetx.models.ffn.dense import Mlp, SwiGlu
+from sparsetx.models.ffn.fff import Fff
+from sparsetx.models.ffn.sgatlin import Sgatlin
+
+
+def papers_gather(x, w_in, w_out, rows, gates, activation=gg.identity, bias_R=None, options=None):
+  return gg.gated_gather_reference(x, w_in, w_out, rows, gates, activation, bias_R)
+
+
+def layer_config(d_model, dtype, **ffn):
+  config = default_config()
+  config.model.d_model = d_model
+  config.model.head_dim = min(64, d_model)
+  config.model.dtype = dtype
+  config.model.ffn.update(ffn)
+  validate(config)
+  return ml_collections.FrozenConfigDict(config.model)
+
+
+class Variant:
+  """A layer, its params and input, compiled forward and forward+backward, with temp bytes."""
+
+  def __init__(self, name, module, d_model, tokens, dtype, papers=False):
+    self.name = name
+    patch = mock.patch.object(sgatlin_module, "gated_gather", papers_gather) if papers else contextlib.nullcontext()
+    x = jax.random.normal(jax.random.key(0), (tokens // 256, 256, d_model), jnp.dtype(dtype))
+    with patch:
+      params = jax.jit(module.init)(jax.random.key(1), x)
+      fwd = jax.jit(lambda p, x: module.apply(p, x))
+      loss = lambda p, x: jnp.sum(module.apply(p, x).astype(jnp.float32) ** 2)
+      fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1)))
+      self.steps = {"fwd": fwd.lower(params, x).compile(), "fwd+bwd": fwd_bwd.lower(params, x).compile()}
+    self.args = (params, x)
+    self.temp_mib = {k: c.memory_analysis().temp_size_in_bytes / 2**20 for k, c in self.steps.items()}
+    self.times = {k: [] for k in self.steps}
+    for step in self.steps.values():
+      jax.block_until_ready(step(*self.args))
+
+  def time_once(self, kind):
+    start = time.perf_counter()
+    jax.block_until_ready(self.steps[kind](*self.args))
+    self.times[kind].append(time.perf_counter() - start)
+
+  def ms(self, kind):
+    return 1e3 * statistics.median(self.times[kind])
+
+
+def run_rounds(variants, rounds, kinds=("fwd", "fwd+bwd")):
+  for _ in range(rounds):
+    for kind in kinds:
+      for v in variants:
+        v.time_once(kind)
+
+
+def print_table(title, variants, baseline, kinds=("fwd", "fwd+bwd")):
+  print(f"\n{title}")
+  header = f"{'layer':32s}" + "".join(f"{k + ' ms':>12s}{'x ' + baseline.name[:10]:>16s}" for k in kinds) + f"{'temp MiB':>10s}"
+  print(header)
+  for v in variants:
+    row = f"{v.name:32s}"
+    for k in kinds:
+      row += f"{v.ms(k):12.1f}{v.ms(k) / baseline.ms(k):16.2f}"
+    print(row + f"{max(v.temp_mib.values()):10.0f}")
+
+
+def rung(scale, tokens, dtype, rounds):
+  d = 128 * scale
+  mlp_cfg = layer_config(d, dtype, type="mlp", d_ffw=int(8 / 3 * d / 256) * 256)
+  sg_cfg = layer_config(d, dtype, type="sgatlin", d_ffw=(16 + 12 * scale) ** 2, n_channels=16, top_k=8, d_key=128)
+  variants = [
+      Variant("mlp", Mlp(mlp_cfg), d, tokens, dtype),
+      Variant("swiglu", SwiGlu(mlp_cfg), d, tokens, dtype),
+      Variant("sgatlin (gated gather op)", Sgatlin(sg_cfg), d, tokens, dtype),
+      Variant("sgatlin (Listing 1)", Sgatlin(sg_cfg), d, tokens, dtype, papers=True),
+  ]
+  run_rounds(variants, rounds)
+  print_table(f"ladder scale {scale}: d_model={d}, {tokens} tokens, {dtype}; sgatlin d_ffw={(16 + 12 * scale) ** 2}", variants, variants[0])
+  ours, papers = variants[2], variants[3]
+  print(f"  sgatlin speed-up over Listing 1: fwd {papers.ms('fwd') / ours.ms('fwd'):.2f}x, fwd+bwd {papers.ms('fwd+bwd') / ours.ms('fwd+bwd'):.2f}x")
+  return variants
+
+
+def fff_table(depths, tokens, dtype, rounds, d_model=768, n_trees=16):
+  rows = []
+  for depth in depths:
+    cfg = lambda impl: layer_config(d_model, dtype, type="fff", depth=depth, n_trees=n_trees, implementation=impl)
+    pair = [Variant(f"fff depth {depth} sparse", Fff(cfg("sparse")), d_model, tokens, dtype),
+            Variant(f"fff depth {depth} masked-dense", Fff(cfg("masked_dense")), d_model, tokens, dtype)]
+    run_rounds(pair, rounds)
+    rows.append(pair)
+  print(f"\nFFF: d_model={d_model}, {n_trees} trees, {tokens} tokens, {dtype} (ratio = masked-dense / sparse)")
+  print(f"{'depth':>6s}{'sparse fwd':>12s}{'dense fwd':>12s}{'speed-up':>10s}{'sparse f+b':>12s}{'dense f+b':>12s}{'speed-up':>10s}")
+  for depth, (sparse, dense) in zip(depths, rows):
+    print(f"{depth:6d}{sparse.ms('fwd'):12.1f}{dense.ms('fwd'):12.1f}{dense.ms('fwd') / sparse.ms('fwd'):10.2f}"
+          f"{sparse.ms('fwd+bwd'):12.1f}{dense.ms('fwd+bwd'):12.1f}{dense.ms('fwd+bwd') / sparse.ms('fwd+bwd'):10.2f}")
+  return rows
+
+
+def sweep(n_keys_list, scale, tokens, dtype, rounds):
+  d = 128 * scale
+  variants = [Variant(f"d_ffw={n}^2", Sgatlin(layer_config(d, dtype, type="sgatlin", d_ffw=n * n, n_channels=16, top_k=8, d_key=128)), d, tokens, dtype)
+              for n in n_keys_list]
+  for v in variants:
+    v.steps.pop("fwd+bwd")
+  run_rounds(variants, rounds, kinds=("fwd",))
+  print(f"\nsgatlin forward vs number of neurons: d_model={d}, C=16, k=8, {tokens} tokens, {dtype}")
+  print(f"{'d_ffw':>10s}{'fwd ms':>10s}{'x smallest':>12s}")
+  for n, v in zip(n_keys_list, variants):
+    print(f"{n * n:10d}{v.ms('fwd'):10.1f}{v.ms('fwd') / variants[0].ms('fwd'):12.2f}")
+  return variants
+
+
+def plot(path, rungs, fff_rows, sweep_variants, n_keys_list):
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+  for i, (scale, variants) in enumerate(rungs):
+    for j, v in enumerate(variants):
+      axes[0].bar(i * (len(variants) + 1) + j, v.ms("fwd+bwd") / variants[0].ms("fwd+bwd"), color=f"C{j}", label=v.name if i == 0 else None)
+  axes[0].set_xticks([i * 5 + 1.5 for i in range(len(rungs))], [f"scale {s}" for s, _ in rungs])
+  axes[0].set_ylabel("fwd+bwd time / dense MLP")
+  axes[0].set_yscale("log")
+  axes[0].legend(fontsize=8)
+  depths = [int(pair[0].name.split()[2]) for pair in fff_rows]
+  axes[1].plot(depths, [p[0].ms("fwd") for p in fff_rows], "o-", label="sparse (gated gather)")
+  axes[1].plot(depths, [p[1].ms("fwd") for p in fff_rows], "s-", label="masked-dense")
+  axes[1].set_xlabel("FFF depth")
+  axes[1].set_ylabel("forward ms")
+  axes[1].set_yscale("log")
+  axes[1].legend(fontsize=8)
+  axes[2].plot([n * n for n in n_keys_list], [v.ms("fwd") for v in sweep_variants], "o-")
+  axes[2].set_xscale("log")
+  axes[2].set_xlabel("d_ffw (neurons per channel)")
+  axes[2].set_ylabel("sgatlin forward ms")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  print(f"\nwrote {path}")
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--tokens", type=int, default=2048, help="tokens per step (a multiple of 256)")
+  parser.add_argument("--dtype", default="float32", help="compute dtype (float32 is what a CPU runs fast)")
+  parser.add_argument("--scales", type=int, nargs="+", default=[2, 4])
+  parser.add_argument("--fff-depths", type=int, nargs="+", default=[4, 6, 8])
+  parser.add_argument("--sweep-n-keys", type=int, nargs="+", default=[32, 64, 128, 256, 512])
+  parser.add_argument("--sweep-scale", type=int, default=1)
+  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--png", default=None)
+  args = parser.parse_args()
+  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {jax.device_count()} device(s)")
+  rungs = [(s, rung(s, args.tokens, args.dtype, args.rounds)) for s in args.scales]
+  fff_rows = fff_table(args.fff_depths, args.tokens, args.dtype, args.rounds)
+  sweep_variants = sweep(args.sweep_n_keys, args.sweep_scale, args.tokens, args.dtype, args.rounds)
+  if args.png:
+    plot(args.png, rungs, fff_rows, sweep_variants, args.sweep_n_keys)
+
+
+if __name__ == "__main__":
+  main()
