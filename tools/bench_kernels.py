@@ -1,0 +1,88 @@
+"""GPU benchmark of the gated-gather kernels: achieved GB/s and TFLOP/s, Pallas next to XLA.
+
+Times the op's forward (and forward+backward) per implementation at sgatlin-like shapes and
+prints bandwidth counting the bytes actually gathered (2 * tokens * S rows of D table values,
+plus x and y), the fraction of the device's HBM peak, and TFLOP/s (4 * tokens * S * D forward).
+Finishes in well under 5 minutes on an H100/H200. On CPU `--small` runs a smoke check (Pallas in
+interpret mode), useful only to see the program work.
+
+  .venv/bin/python tools/bench_kernels.py            # on a GPU
+  .venv/bin/python tools/bench_kernels.py --small    # anywhere
+"""
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from sparsetx.kernels.gated_gather import KernelOptions, gated_gather, gated_gather_reference
+
+HBM_PEAK_GBS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0, "TPU v5": 2765.0, "TPU v4": 1200.0}
+
+
+def hbm_peak(kind):
+  return next((gbs for name, gbs in HBM_PEAK_GBS.items() if name.lower() in kind.lower()), None)
+
+
+def case(tokens, n_channels, top_k, d_ffw, d_model, dtype):
+  k = jax.random.split(jax.random.key(0), 5)
+  rows_total = n_channels * d_ffw
+  x = jax.random.normal(k[0], (tokens, d_model), dtype)
+  w_in = (jax.random.normal(k[1], (rows_total, d_model)) / d_ffw**0.5).astype(dtype)
+  w_out = (jax.random.normal(k[2], (rows_total, d_model)) / d_ffw**0.5).astype(dtype)
+  local = jax.random.randint(k[3], (tokens, n_channels, top_k), 0, d_ffw)
+  rows = (local + d_ffw * jnp.arange(n_channels)[:, None]).reshape(tokens, -1)
+  gates = jax.random.normal(k[4], rows.shape, jnp.float32)
+  return x, w_in, w_out, rows, gates
+
+
+def timed(fn, args, repeats):
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke check)")
+  parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--repeats", type=int, default=20)
+  parser.add_argument("--block-tokens", type=int, nargs="+", default=[8, 16, 32])
+  args = parser.parse_args()
+  dtype = jnp.dtype(args.dtype)
+  kind = jax.devices()[0].device_kind
+  peak = hbm_peak(kind)
+  print(f"jax {jax.__version__} on {kind}; HBM peak {peak or 'unknown'} GB/s")
+  if args.small:
+    shapes = [(64, 4, 4, 256, 128)]
+    args.repeats, args.block_tokens = 2, [8]
+  else:  # (tokens, C, k, d_ffw, d_model): ladder scales 2, 4, 8
+    shapes = [(16384, 16, 8, 40**2, 256), (16384, 16, 8, 64**2, 512), (16384, 16, 8, 112**2, 1024)]
+  implementations = [("xla", KernelOptions("xla"))] + [
+      (f"pallas bt={bt}", KernelOptions("pallas", block_tokens=bt)) for bt in args.block_tokens
+  ]
+  print(f"{'shape (N,C,k,d_ffw,D)':32s}{'impl':16s}{'fwd ms':>9s}{'GB/s':>9s}{'% HBM':>7s}{'TFLOP/s':>9s}{'f+b ms':>9s}{'x ref f+b':>10s}")
+  for shape in shapes:
+    tokens, C, K, d_ffw, D = shape
+    x, w_in, w_out, rows, gates = case(*shape, dtype)
+    gathered = 2 * tokens * C * K * D * dtype.itemsize + 2 * tokens * D * dtype.itemsize
+    flops = 4 * tokens * C * K * D
+    loss = lambda op: jax.jit(jax.grad(lambda x, wi, wo, g: op(x, wi, wo, rows, g).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3)))
+    ref_fb = timed(loss(gated_gather_reference), (x, w_in, w_out, gates), args.repeats)
+    for name, options in implementations:
+      op = lambda x, wi, wo, r, g, o=options: gated_gather(x, wi, wo, r, g, options=o)
+      fwd = timed(jax.jit(op), (x, w_in, w_out, rows, gates), args.repeats)
+      fb = timed(loss(op), (x, w_in, w_out, gates), args.repeats)
+      gbs = gathered / fwd / 1e9
+      pct = f"{100 * gbs / peak:6.1f}%" if peak else "    -"
+      print(f"{str(shape):32s}{name:16s}{1e3 * fwd:9.2f}{gbs:9.1f}{pct:>7s}{flops / fwd / 1e12:9.2f}{1e3 * fb:9.2f}{ref_fb / fb:10.2f}")
+
+
+if __name__ == "__main__":
+  main()
