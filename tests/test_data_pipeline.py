@@ -11,6 +11,7 @@ import ml_collections
 import numpy as np
 import pytest
 import seqio
+import tensorflow as tf
 
 from sparsetx import config as config_lib
 from sparsetx.data import corpus, pipeline, tasks, vocab
@@ -243,3 +244,24 @@ def test_eval_without_any_validation_split_is_an_error(files, sharding):
   config = make_config(files, (("beta", 1.0),))
   with pytest.raises(config_lib.ConfigError, match="no task of config.data.mixture has a 'validation' split"):
     pipeline.make_eval_iterator(config, sharding)
+
+
+def test_tfrecord_source_unpacked_rows_hold_one_piece_each(files, tmp_path):
+  texts = files["beta"][:50]
+  path = tmp_path / "beta.tfrecord"
+  with tf.io.TFRecordWriter(str(path)) as writer:
+    for text in texts:
+      feature = {"body": tf.train.Feature(bytes_list=tf.train.BytesList(value=[text.encode()]))}
+      writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+  config = make_config(files, (("alpha", 1.0),), pack=False)
+  config.data.mixture = (("records", 1.0),)
+  config.data.sources.records = ml_collections.ConfigDict(
+      dict(kind="tfrecord", train=str(path), validation=str(path), text_field="body"))
+  config_lib.validate(config)
+  tasks.register_mixture(config.data, vocab.make_vocabulary(config.data))
+  batches = pipeline.local_eval_batches(config, "records", "validation", seqio.ShardInfo(0, 1), 8)
+  assert collections.Counter(s for b in batches for s in segments(b)) == collections.Counter(
+      p for text in texts for p in pieces(text))
+  for batch in batches:
+    check_row_structure(batch)
+    assert batch["segment_ids"].max() <= 1

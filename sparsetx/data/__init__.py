@@ -1,0 +1,41 @@
+"""Training data: SeqIO tasks and mixtures, vocabularies, an embedded corpus, a resumable per-host pipeline.
+
+Files, one concern each:
+  corpus.py         the embedded corpus (stories, facts), generated deterministically; `facts()`, `characters()`
+  vocab.py          `make_vocabulary(config.data, model_vocab_size)`: byte (default) or SentencePiece
+  sources.py        config.data.sources -> seqio DataSource (text, jsonl, tfrecord, tfds; embedded)
+  preprocessors.py  text extraction, blank-document filter, splitting documents into seq_len pieces
+  tasks.py          registers tasks `sparsetx.<name>` and the mixture `sparsetx.mixture` with seqio
+  pipeline.py       `make_train_iterator`, `make_eval_iterator` / `EvalData`: global jax.Array batches
+
+Defaults need nothing outside the package: `config.data.mixture = (('stories', 0.7), ('facts', 0.3))`,
+byte vocabulary, seq_len 256, global batch 16, packing on.
+
+Your own data: define a source and put it in the mixture (rates are relative weights per example,
+where an example is a document piece of at most seq_len tokens):
+
+  config.data.sources.web = ml_collections.ConfigDict(dict(
+      kind="jsonl", train="/data/web/train-*.jsonl", validation="/data/web/val.jsonl", text_field="text"))
+  config.data.mixture = (("web", 0.9), ("facts", 0.1))
+
+  kind="text"      one document per line; blank lines are skipped
+  kind="jsonl"     one JSON object per line; `text_field` holds the document
+  kind="tfrecord"  tf.train.Example records with a bytes feature `text_field`
+  kind="tfds"      a prepared TFDS dataset: tfds_name="name:1.0.0", data_dir=..., train/validation are
+                   TFDS split names (e.g. "train", "validation[:5%]"); read-only, nothing is downloaded
+  train / validation are a path, a glob or a tuple of them (validation optional).
+
+Write at least as many files per split as there are processes (seqio then gives each process whole
+files); otherwise every process reads everything and keeps every n-th document.
+
+SentencePiece: `python tools/build_vocab.py --output=/data/spm/web --vocab_size=8192 --input=...`
+then `config.data.vocab = dict(kind="sentencepiece", path="/data/spm/web.model")` and
+`config.model.vocab_size >= 8192`.
+
+Resume: `iterator.save(dir)` / `iterator.restore(dir)` on every process (see pipeline.py). The state
+is a tf.train.Checkpoint of the tf.data iterator (file offsets, sampler RNG, shuffle and packing
+buffers) plus data_state.json; restoring never re-reads consumed data. Its size is about
+shuffle_buffer pieces per task per process (~2 MB at the defaults).
+
+Importing this package is cheap; TensorFlow and seqio load with the modules that need them.
+"""

@@ -91,7 +91,8 @@ def _to_model_features(example: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
   """Renames converter features; unpacked rows get segment 1 and positions 0.. on their tokens."""
   out = {_CONVERTER_NAMES[k]: v for k, v in example.items()}
   nonpad_T = tf.cast(tf.not_equal(out["targets"], 0), tf.int32)
-  if "segment_ids" not in out:
+  if "segment_ids" not in out:  # unpacked: seqio shifts the last EOS into the first padding input
+    out["inputs"] = out["inputs"] * nonpad_T
     out["segment_ids"] = nonpad_T
     out["positions"] = tf.range(tf.shape(nonpad_T)[-1], dtype=tf.int32) * nonpad_T
   out["loss_weights"] = tf.cast(out["loss_weights"], tf.float32)
