@@ -25,4 +25,7 @@ def get_config(ffn_type: str = "sgatlin"):
     )
   config.model.ffn.type = ffn_type
   config.model.ffn.update(TINY_FFN[ffn_type])
+  config.data.update(seq_len=128, global_batch_size=16, eval_batch_size=16)
+  config.train.update(steps=600, warmup_steps=50, log_every=20, eval_every=200, eval_batches=8)
+  config.checkpoint.update(every=200, keep=3)
   return config

@@ -1,0 +1,83 @@
+"""Orbax checkpoints of the train state, the config and the data iterator's position.
+
+Each step directory is written by an async `CheckpointManager` and becomes visible only once
+complete (orbax's atomic finalize), so a run killed mid-save resumes from the previous one. The
+data iterator's state (a TensorFlow iterator checkpoint per process, see sparsetx/data/pipeline.py)
+is written synchronously to `<workdir>/data_state/<step>` *before* the model save starts, so every
+complete model checkpoint has its data state; data states of deleted steps are removed.
+"""
+
+import json
+import os
+import shutil
+
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+
+from sparsetx.config import ConfigError
+
+COMPUTE_ONLY = ("ffn", "dtype", "remat", "max_len", "kernel", "implementation")
+
+
+class Checkpointer:
+  def __init__(self, workdir: str, checkpoint: ml_collections.ConfigDict):
+    self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    self.data_directory = os.path.join(os.path.abspath(workdir), "data_state")
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=checkpoint.keep,
+        keep_period=checkpoint.keep_period or None,
+        enable_async_checkpointing=checkpoint.async_save,
+        create=True,
+    )
+    self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def saved_config(self, step: int) -> dict:
+    return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+
+  def save(self, step: int, state, config: ml_collections.ConfigDict, data_iterator) -> None:
+    data_iterator.save(os.path.join(self.data_directory, str(step)))
+    self.manager.save(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict())),
+        force=True,
+    )
+    self._remove_orphan_data_states()
+
+  def restore(self, step: int, abstract_state, data_iterator):
+    """The state at `step`, laid out as `abstract_state`'s shardings (any mesh), and the data position."""
+    restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
+    data_iterator.restore(os.path.join(self.data_directory, str(step)))
+    return restored["state"]
+
+  def check_compatible(self, step: int, config: ml_collections.ConfigDict) -> None:
+    """Refuses to resume a workdir whose checkpoint holds a different model, naming the field.
+
+    Compute-only fields (dtype, remat, kernels, FFF implementation) may change between runs.
+    """
+    saved, wanted = self.saved_config(step)["model"], config.model.to_dict()
+    for prefix, old, new in (("config.model", saved, wanted), ("config.model.ffn", saved["ffn"], wanted["ffn"])):
+      for key in sorted(set(old) | set(new)):
+        if key not in COMPUTE_ONLY and old.get(key) != new.get(key):
+          raise ConfigError(
+              f"{prefix}.{key}={json.dumps(new.get(key))} but the checkpoint in {self.directory} was trained with "
+              f"{json.dumps(old.get(key))}; use a new --workdir, or set the field back to resume."
+          )
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.close()
+
+  def _remove_orphan_data_states(self) -> None:
+    if jax.process_index() != 0 or not os.path.isdir(self.data_directory):
+      return
+    kept = set(self.manager.all_steps())
+    for name in os.listdir(self.data_directory):
+      if name.isdigit() and int(name) not in kept and int(name) < max(kept, default=0):
+        shutil.rmtree(os.path.join(self.data_directory, name), ignore_errors=True)
+

@@ -1,0 +1,67 @@
+"""Per-layer usage statistics of the sparse feed-forward layers, from the circuits they tap.
+
+Computed inside the jitted step from the `intermediates` the layers sow (unused taps are removed
+by XLA's dead-code elimination). Counts only real tokens (loss weight > 0).
+  used      fraction of neurons (sgatlin, PEER), nodes (FFF) or experts (MoE) picked at least once
+  gini      Gini coefficient of the usage counts (0 = uniform, 1 = one unit takes everything)
+  path_entropy  FFF: entropy in bits of the leaf distribution, averaged over trees (max = depth)
+  max_load  MoE: the busiest expert's share of routed tokens times n_experts (1 = balanced)
+"""
+
+import jax
+import jax.numpy as jnp
+
+
+def gini(counts):
+  """Gini coefficient of non-negative counts along the last axis."""
+  x = jnp.sort(counts.astype(jnp.float32), axis=-1)
+  n = x.shape[-1]
+  ranks = jnp.arange(1, n + 1, dtype=jnp.float32)
+  total = jnp.maximum(x.sum(-1), 1e-9)
+  return (2.0 * (ranks * x).sum(-1) / (n * total)) - (n + 1.0) / n
+
+
+def usage_counts(ids, weights_per_id, size: int):
+  """How often each of `size` units was picked: a weighted bincount."""
+  return jnp.zeros((size,), jnp.float32).at[ids.reshape(-1)].add(weights_per_id.reshape(-1))
+
+
+def layer_stats(ffn_cfg, taps: dict, token_weights_BT) -> dict:
+  kind = ffn_cfg.type
+  if kind in ("sgatlin", "peer"):
+    idx_BTCK = taps["gate_indices"][0]
+    C, K = idx_BTCK.shape[-2:]
+    n = ffn_cfg.d_ffw
+    if kind == "sgatlin":  # each channel owns its table: count (channel, neuron) units
+      idx_BTCK = idx_BTCK + n * jnp.arange(C)[:, None]
+      n = C * n
+    w = jnp.broadcast_to(token_weights_BT[:, :, None, None], idx_BTCK.shape)
+    counts = usage_counts(idx_BTCK, w, n)
+    return dict(used=(counts > 0).mean(), gini=gini(counts))
+  if kind == "fff":
+    path_BTPL = taps["path_nodes"][0]
+    P, L = path_BTPL.shape[-2:]
+    n_nodes = 2**L - 1
+    w = jnp.broadcast_to(token_weights_BT[:, :, None, None], path_BTPL.shape)
+    counts = usage_counts(path_BTPL + n_nodes * jnp.arange(P)[:, None], w, P * n_nodes)
+    leaves_PN = counts.reshape(P, n_nodes)[:, n_nodes // 2 :]
+    p = leaves_PN / jnp.maximum(leaves_PN.sum(-1, keepdims=True), 1e-9)
+    entropy = -(jnp.where(p > 0, p * jnp.log2(jnp.where(p > 0, p, 1.0)), 0.0)).sum(-1)
+    return dict(used=(counts > 0).mean(), gini=gini(counts), path_entropy=entropy.mean())
+  if kind == "moe":
+    ids_BTK = taps["expert_ids"][0]
+    w = jnp.broadcast_to(token_weights_BT[:, :, None], ids_BTK.shape)
+    counts = usage_counts(ids_BTK, w, ffn_cfg.n_experts)
+    share = counts / jnp.maximum(counts.sum(), 1e-9)
+    return dict(used=(counts > 0).mean(), gini=gini(counts), max_load=share.max() * ffn_cfg.n_experts)
+  return {}
+
+
+def sparse_stats(model_cfg, intermediates: dict, token_weights_BT) -> dict:
+  """{'sparse/layers_i/<stat>': value} for every layer of a sparse feed-forward type."""
+  stats = {}
+  for i in range(model_cfg.n_layers):
+    taps = intermediates.get(f"layers_{i}", {}).get("mlp", {})
+    for name, value in layer_stats(model_cfg.ffn, taps, token_weights_BT).items():
+      stats[f"sparse/layers_{i}/{name}"] = value
+  return stats

@@ -1,0 +1,76 @@
+"""The jitted train and eval steps: token cross-entropy with packing weights, accumulation, metrics."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from sparsetx.train.sparse_stats import sparse_stats
+
+
+def token_losses(model, params, batch, z_loss: float):
+  """Per-token loss [B,T] (cross-entropy + z_loss * logZ**2) and the model's intermediates."""
+  logits_BTV, state = model.apply(
+      {"params": params},
+      batch["inputs"],
+      batch["positions"],
+      batch["segment_ids"],
+      mutable=["intermediates"],
+  )
+  ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
+  if z_loss:
+    ce_BT = ce_BT + z_loss * jax.nn.logsumexp(logits_BTV, axis=-1) ** 2
+  return ce_BT, state["intermediates"]
+
+
+def _summed_loss(model, z_loss, params, batch):
+  loss_BT, intermediates = token_losses(model, params, batch, z_loss)
+  weights_BT = batch["loss_weights"]
+  return (loss_BT * weights_BT).sum(), (weights_BT.sum(), intermediates)
+
+
+def train_step(state, batch, *, model, train: ml_collections.ConfigDict, schedule):
+  """One optimizer step over the global batch, accumulating gradients over `microbatches` slices.
+
+  The loss is the weighted mean over every real token of the global batch, so the result does not
+  depend on how the batch is split into micro-batches or over devices.
+  """
+  grad_fn = jax.value_and_grad(functools.partial(_summed_loss, model, train.z_loss), has_aux=True)
+  m = train.microbatches
+  if m == 1:
+    (loss_sum, (weight_sum, intermediates)), grads = grad_fn(state.params, batch)
+    stats = sparse_stats(model.cfg, intermediates, batch["loss_weights"])
+  else:
+    micro = jax.tree.map(lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:]), batch)
+
+    def accumulate(carry, microbatch):
+      (loss_sum, (weight_sum, intermediates)), grads = grad_fn(state.params, microbatch)
+      total_loss, total_weight, total_grads = carry
+      stats = sparse_stats(model.cfg, intermediates, microbatch["loss_weights"])
+      return (total_loss + loss_sum, total_weight + weight_sum, jax.tree.map(jnp.add, total_grads, grads)), stats
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    (loss_sum, weight_sum, grads), stats = jax.lax.scan(accumulate, (0.0, 0.0, zeros), micro)
+    stats = jax.tree.map(lambda s: s.mean(0), stats)  # the mean over micro-batches
+  denominator = jnp.maximum(weight_sum, 1.0)
+  grads = jax.tree.map(lambda g: g / denominator, grads)
+  new_state = state.apply_gradients(grads=grads)
+  loss = loss_sum / denominator
+  metrics = dict(
+      loss=loss,
+      perplexity=jnp.exp(loss),
+      learning_rate=schedule(state.step),
+      grad_norm=optax.global_norm(grads),
+      param_norm=optax.global_norm(new_state.params),
+      tokens=weight_sum,
+      **stats,
+  )
+  return new_state, metrics
+
+
+def eval_step(params, batch, *, model):
+  """Summed loss and token count of one batch (padding has weight 0)."""
+  loss_sum, (weight_sum, _) = _summed_loss(model, 0.0, params, batch)
+  return dict(loss_sum=loss_sum, tokens=weight_sum)
