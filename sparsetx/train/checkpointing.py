@@ -47,11 +47,14 @@ class Checkpointer:
     )
     self._remove_orphan_data_states()
 
+  def restore_state(self, step: int, abstract_state):
+    """The state at `step`, laid out as `abstract_state`'s shardings: restoring onto any mesh reshards."""
+    return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
+
   def restore(self, step: int, abstract_state, data_iterator):
-    """The state at `step`, laid out as `abstract_state`'s shardings (any mesh), and the data position."""
-    restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
+    """The state at `step` and the data iterator's position."""
     data_iterator.restore(os.path.join(self.data_directory, str(step)))
-    return restored["state"]
+    return self.restore_state(step, abstract_state)
 
   def check_compatible(self, step: int, config: ml_collections.ConfigDict) -> None:
     """Refuses to resume a workdir whose checkpoint holds a different model, naming the field.

@@ -139,11 +139,12 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
       state, step_metrics = step_fn(state, batch)
       step += 1
       window_steps += 1
-      loss = float(step_metrics["loss"])
-      if not np.isfinite(loss):
+      health = jax.device_get({k: step_metrics[k] for k in ("loss", "grad_norm", "param_norm")})
+      if not all(np.isfinite(v) for v in health.values()):
         raise NonFiniteLossError(
-            f"the loss became {loss} at step {step}; the last checkpoint (step {saved_step}) is untouched. "
-            "Lower config.train.learning_rate or raise config.train.warmup_steps, then resume."
+            f"training diverged at step {step} ({', '.join(f'{k}={float(v)}' for k, v in health.items())}); "
+            f"nothing after step {saved_step} was saved. Lower config.train.learning_rate or raise "
+            "config.train.warmup_steps, then resume."
         )
       progress(step)
       if step % config.train.log_every == 0 or step == config.train.steps:

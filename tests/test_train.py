@@ -1,0 +1,243 @@
+"""The trainer on 8 simulated CPU devices: sharding invariance, resume, preemption, divergence, errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from conftest import REPO, load_config
+
+from sparsetx import config as config_lib
+from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.train import checkpointing, loop, state as state_lib, step as step_lib
+from sparsetx.train.optimizer import learning_rate_schedule
+
+
+def micro_config(ffn_type="sgatlin", **train):
+  config = load_config("configs/tiny.py", ffn_type)
+  config.model.update(d_model=64, n_layers=2, max_len=32, dtype="float32")
+  config.data.update(seq_len=32, global_batch_size=8, eval_batch_size=8, shuffle_buffer=64)
+  config.train.update(dict(steps=20, warmup_steps=5, log_every=1, eval_every=1000, eval_batches=1), **train)
+  config.checkpoint.update(every=5)
+  return config
+
+
+def losses(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  return {row["step"]: row["loss"] for row in rows if "loss" in row}
+
+
+def restore_params(config, workdir, mesh):
+  abstract, _, _, _ = state_lib.state_shardings(config, mesh)
+  manager = checkpointing.Checkpointer(workdir, config.checkpoint)
+  step = manager.latest_step()
+  state = manager.restore_state(step, abstract)
+  manager.close()
+  return step, state
+
+
+def synthetic_batch(config, seed=0):
+  rng = np.random.default_rng(seed)
+  B, T = config.data.global_batch_size, config.data.seq_len
+  tokens = rng.integers(1, 259, (B, T + 1)).astype(np.int32)
+  weights = np.ones((B, T), np.float32)
+  weights[0, T // 2 :] = 0.0
+  return dict(
+      inputs=tokens[:, :-1],
+      targets=tokens[:, 1:],
+      segment_ids=np.ones((B, T), np.int32),
+      positions=np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
+      loss_weights=weights,
+  )
+
+
+def one_step(config, mesh):
+  abstract, shardings, model, tx = state_lib.state_shardings(config, mesh)
+  state = state_lib.create_state(config, shardings, model, tx)
+  sharding = mesh_lib.batch_sharding(mesh, config.mesh.rules)
+  batch = jax.device_put(synthetic_batch(config), sharding)
+  step = jax.jit(
+      lambda s, b: step_lib.train_step(s, b, model=model, train=config.train, schedule=learning_rate_schedule(config.train)),
+      in_shardings=(shardings, sharding),
+      out_shardings=(shardings, None),
+  )
+  new_state, metrics = step(state, batch)
+  return jax.device_get(new_state.params), jax.device_get(metrics)
+
+
+@pytest.mark.parametrize("ffn_type", ["mlp", "sgatlin", "fff", "moe"])
+def test_sharded_step_equals_single_device(ffn_type):
+  config = micro_config(ffn_type, warmup_steps=0)
+  single = config_lib.default_config().mesh
+  single.ici.update(data=1)
+  params_1, metrics_1 = one_step(config, mesh_lib.make_mesh(single, jax.devices()[:1]))
+  config.mesh.ici.update(data=2, fsdp=2, expert=2)
+  mesh_8 = mesh_lib.make_mesh(config.mesh)
+  assert mesh_8.size == 8
+  params_8, metrics_8 = one_step(config, mesh_8)
+  assert_same_step(params_8, metrics_8, params_1, metrics_1)
+
+
+def assert_same_step(params, metrics, want_params, want_metrics):
+  """Same loss and gradient norm (which Adam's scale invariance would hide), same updated params.
+
+  Adam's first update is about lr * sign(g), so a gradient within float noise of 0 may flip one
+  element's update; atol allows 5% of one learning-rate step (1e-3) for that.
+  """
+  for name in ("loss", "grad_norm", "tokens"):
+    np.testing.assert_allclose(metrics[name], want_metrics[name], rtol=1e-5, err_msg=name)
+  for (path, a), b in zip(jax.tree.leaves_with_path(params), jax.tree.leaves(want_params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-5, err_msg=jax.tree_util.keystr(path))
+
+
+def test_microbatches_equal_one_batch():
+  config = micro_config("sgatlin", warmup_steps=0)
+  config.data.global_batch_size = 16
+  mesh = mesh_lib.make_mesh(config.mesh)
+  params_1, metrics_1 = one_step(config, mesh)
+  config.train.microbatches = 2
+  params_2, metrics_2 = one_step(config, mesh)
+  assert_same_step(params_2, metrics_2, params_1, metrics_1)
+
+
+def run_cli(workdir, *flags, ffn_type="sgatlin"):
+  """Starts `python -m sparsetx.train` on the micro config."""
+  overrides = [
+      "--config.model.d_model=64", "--config.model.n_layers=2", "--config.model.max_len=32",
+      "--config.model.dtype=float32", "--config.data.seq_len=32", "--config.data.global_batch_size=8",
+      "--config.data.eval_batch_size=8", "--config.data.shuffle_buffer=64", "--config.train.steps=20",
+      "--config.train.warmup_steps=5", "--config.train.log_every=1", "--config.train.eval_every=1000",
+      "--config.train.eval_batches=1", "--config.checkpoint.every=5",
+  ]
+  command = [sys.executable, "-m", "sparsetx.train", f"--config=configs/tiny.py:{ffn_type}", f"--workdir={workdir}"]
+  return subprocess.Popen(command + overrides + list(flags), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_steps(workdir, n, process, timeout=240):
+  path = os.path.join(workdir, "metrics.jsonl")
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if os.path.exists(path) and len(losses(workdir)) >= n:
+      return
+    assert process.poll() is None, process.communicate()
+    time.sleep(0.2)
+  raise AssertionError(f"no {n} steps within {timeout}s")
+
+
+def test_sigterm_saves_and_resume_is_bit_identical(tmp_path):
+  uninterrupted, interrupted = str(tmp_path / "u"), str(tmp_path / "i")
+  process = run_cli(interrupted, "--config.checkpoint.every=1000")
+  config = micro_config()
+  loop.train(config, uninterrupted)
+  wait_for_steps(interrupted, 3, process)
+  process.send_signal(signal.SIGTERM)
+  _, stderr = process.communicate(timeout=120)
+  assert process.returncode == 0, stderr
+  stopped_at = max(losses(interrupted))
+  assert 3 <= stopped_at < 20
+  manager = checkpointing.Checkpointer(interrupted, config.checkpoint)
+  assert manager.latest_step() == stopped_at  # saved at the step it stopped, though `every` is 1000
+  manager.close()
+
+  loop.train(micro_config(), interrupted)  # a new process resumes in the same workdir
+  want, got = losses(uninterrupted), losses(interrupted)
+  assert sorted(got) == list(range(1, 21))
+  for step in range(1, 21):
+    assert got[step] == want[step], step
+  mesh = mesh_lib.make_mesh(config.mesh)
+  (step_u, state_u), (step_i, state_i) = restore_params(config, uninterrupted, mesh), restore_params(config, interrupted, mesh)
+  assert step_u == step_i == 20
+  for a, b in zip(jax.tree.leaves(state_i.params), jax.tree.leaves(state_u.params)):
+    np.testing.assert_array_equal(a, b)
+
+  # The same checkpoint restored onto another mesh shape holds identical values.
+  other = micro_config()
+  other.mesh.ici.update(data=1, fsdp=4, expert=2)
+  mesh_other = mesh_lib.make_mesh(other.mesh)
+  _, state_other = restore_params(other, uninterrupted, mesh_other)
+  leaf = state_other.params["layers_0"]["mlp"]["experts"]
+  assert leaf.sharding.mesh.shape["expert"] == 2 and not leaf.sharding.is_fully_replicated
+  for a, b in zip(jax.tree.leaves(state_other), jax.tree.leaves(state_u)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_kill_during_async_save_keeps_previous_checkpoint(tmp_path):
+  workdir = str(tmp_path / "k")
+  process = run_cli(workdir, "--config.checkpoint.every=1", "--config.train.steps=200")
+  wait_for_steps(workdir, 4, process)
+  process.send_signal(signal.SIGKILL)
+  process.communicate(timeout=60)
+  config = micro_config(steps=200)
+  manager = checkpointing.Checkpointer(workdir, config.checkpoint)
+  latest = manager.latest_step()
+  manager.close()
+  assert latest is not None and latest >= 1
+  config.train.steps = latest + 2
+  loop.train(config, workdir)
+  assert max(losses(workdir)) == latest + 2
+
+
+def test_divergence_stops_with_the_step_and_saves_nothing_non_finite(tmp_path):
+  config = micro_config("mlp", learning_rate=1e35, warmup_steps=0, steps=10)
+  config.checkpoint.every = 1
+  with pytest.raises(loop.NonFiniteLossError, match=r"training diverged at step \d+"):
+    loop.train(config, str(tmp_path))
+  manager = checkpointing.Checkpointer(str(tmp_path), config.checkpoint)
+  abstract, _, _, _ = state_lib.state_shardings(config, mesh_lib.make_mesh(config.mesh))
+  for step in manager.manager.all_steps():
+    state = manager.restore_state(step, abstract)
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state.params))
+  manager.close()
+
+
+@pytest.mark.parametrize("ffn_type", config_lib.FFN_TYPES)
+def test_every_feed_forward_type_trains(ffn_type, tmp_path):
+  config = micro_config(ffn_type, steps=20, learning_rate=3e-3)
+  config.checkpoint.every = 1000
+  metrics = loop.train(config, str(tmp_path))
+  first, last = losses(str(tmp_path))[1], metrics["loss"]
+  assert last < first - 1.0, (first, last)
+  if ffn_type in ("sgatlin", "peer", "fff", "moe"):
+    assert 0 < metrics["sparse/layers_0/used"] <= 1 and 0 <= metrics["sparse/layers_0/gini"] <= 1
+
+
+def test_bad_inputs_fail_cleanly(tmp_path):
+  config = micro_config()
+  config.mesh.ici.update(data=3)
+  with pytest.raises(config_lib.ConfigError, match=r"config.mesh.ici .* does not divide 8 devices"):
+    loop.train(config, str(tmp_path / "a"))
+  config = micro_config()
+  config.data.global_batch_size = 12
+  with pytest.raises(config_lib.ConfigError, match=r"config.data.global_batch_size=12 is not divisible by the 8"):
+    loop.train(config, str(tmp_path / "b"))
+  blocker = tmp_path / "file"
+  blocker.write_text("")
+  with pytest.raises(config_lib.ConfigError, match=r"--workdir=.* is not writable"):
+    loop.train(micro_config(), str(blocker / "sub"))
+
+  workdir = str(tmp_path / "c")
+  loop.train(micro_config(steps=2), workdir)
+  other = micro_config(steps=4)
+  other.model.ffn.d_ffw = 16**2
+  with pytest.raises(config_lib.ConfigError, match=r"config.model.ffn.d_ffw=256 but the checkpoint .* was trained with 1024"):
+    loop.train(other, workdir)
+  assert max(losses(workdir)) == 2
+  manager = checkpointing.Checkpointer(workdir, other.checkpoint)
+  assert manager.manager.all_steps() == [2]  # the refused run wrote nothing
+  manager.close()
+
+
+def test_cli_reports_one_line_and_exit_code(tmp_path):
+  process = run_cli(str(tmp_path / "x"), "--config.train.no_such_field=1")
+  _, stderr = process.communicate(timeout=120)
+  assert process.returncode != 0 and "no_such_field" in stderr
+  process = run_cli(str(tmp_path / "y"), "--config.mesh.ici.expert=3")
+  _, stderr = process.communicate(timeout=120)
+  assert process.returncode == 2
+  assert stderr.strip().splitlines()[-1].startswith("error: config.mesh.ici (data=-1, fsdp=1, tensor=1, expert=3)")
