@@ -36,7 +36,9 @@ def test_sparse_equals_masked_dense(depth, n_trees, variant):
   np.testing.assert_array_equal(path_sparse, path_dense)
   np.testing.assert_allclose(y_sparse, y_dense, rtol=1e-5, atol=1e-6)
   for (path, a), b in zip(jax.tree.leaves_with_path(g_sparse), jax.tree.leaves(g_dense)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    # Sums of many terms that cancel: float32 rounding scales with the largest gradient.
+    atol = 1e-6 * max(1.0, float(np.abs(b).max()))
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=atol, err_msg=jax.tree_util.keystr(path))
   # Only nodes on some token's path receive gradient; the rest stay exactly zero.
   visited = np.zeros((n_trees, n_nodes(depth)), bool)
   for p in range(n_trees):

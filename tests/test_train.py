@@ -133,14 +133,14 @@ def wait_for_steps(workdir, n, process, timeout=240):
 def test_sigterm_saves_and_resume_is_bit_identical(tmp_path):
   uninterrupted, interrupted = str(tmp_path / "u"), str(tmp_path / "i")
   process = run_cli(interrupted, "--config.checkpoint.every=1000")
-  config = micro_config()
-  loop.train(config, uninterrupted)
   wait_for_steps(interrupted, 3, process)
   process.send_signal(signal.SIGTERM)
   _, stderr = process.communicate(timeout=120)
   assert process.returncode == 0, stderr
   stopped_at = max(losses(interrupted))
   assert 3 <= stopped_at < 20
+  config = micro_config()
+  loop.train(config, uninterrupted)
   manager = checkpointing.Checkpointer(interrupted, config.checkpoint)
   assert manager.latest_step() == stopped_at  # saved at the step it stopped, though `every` is 1000
   manager.close()
