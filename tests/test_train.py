@@ -116,7 +116,17 @@ def run_cli(workdir, *flags, ffn_type="sgatlin"):
       "--config.train.eval_batches=1", "--config.checkpoint.every=5",
   ]
   command = [sys.executable, "-m", "sparsetx.train", f"--config=configs/tiny.py:{ffn_type}", f"--workdir={workdir}"]
-  return subprocess.Popen(command + overrides + list(flags), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  log = open(f"{workdir}.log", "w+")  # a file, not a pipe: a full pipe would block the logging process
+  process = subprocess.Popen(command + overrides + list(flags), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
+  process.log = log
+  return process
+
+
+def finish(process, timeout=120) -> str:
+  """Waits for the process; returns what it printed."""
+  process.wait(timeout=timeout)
+  process.log.seek(0)
+  return process.log.read()
 
 
 def wait_for_steps(workdir, n, process, timeout=240):
@@ -125,7 +135,7 @@ def wait_for_steps(workdir, n, process, timeout=240):
   while time.time() < deadline:
     if os.path.exists(path) and len(losses(workdir)) >= n:
       return
-    assert process.poll() is None, process.communicate()
+    assert process.poll() is None, finish(process)[-3000:]
     time.sleep(0.2)
   raise AssertionError(f"no {n} steps within {timeout}s")
 
@@ -135,8 +145,8 @@ def test_sigterm_saves_and_resume_is_bit_identical(tmp_path):
   process = run_cli(interrupted, "--config.checkpoint.every=1000")
   wait_for_steps(interrupted, 3, process)
   process.send_signal(signal.SIGTERM)
-  _, stderr = process.communicate(timeout=120)
-  assert process.returncode == 0, stderr
+  output = finish(process)
+  assert process.returncode == 0, output[-3000:]
   stopped_at = max(losses(interrupted))
   assert 3 <= stopped_at < 20
   config = micro_config()
@@ -172,7 +182,7 @@ def test_kill_during_async_save_keeps_previous_checkpoint(tmp_path):
   process = run_cli(workdir, "--config.checkpoint.every=1", "--config.train.steps=200")
   wait_for_steps(workdir, 4, process)
   process.send_signal(signal.SIGKILL)
-  process.communicate(timeout=60)
+  finish(process)
   config = micro_config(steps=200)
   manager = checkpointing.Checkpointer(workdir, config.checkpoint)
   latest = manager.latest_step()
@@ -235,9 +245,9 @@ def test_bad_inputs_fail_cleanly(tmp_path):
 
 def test_cli_reports_one_line_and_exit_code(tmp_path):
   process = run_cli(str(tmp_path / "x"), "--config.train.no_such_field=1")
-  _, stderr = process.communicate(timeout=120)
-  assert process.returncode != 0 and "no_such_field" in stderr
+  output = finish(process)
+  assert process.returncode != 0 and "no_such_field" in output
   process = run_cli(str(tmp_path / "y"), "--config.mesh.ici.expert=3")
-  _, stderr = process.communicate(timeout=120)
+  output = finish(process)
   assert process.returncode == 2
-  assert stderr.strip().splitlines()[-1].startswith("error: config.mesh.ici (data=-1, fsdp=1, tensor=1, expert=3)")
+  assert output.strip().splitlines()[-1].startswith("error: config.mesh.ici (data=-1, fsdp=1, tensor=1, expert=3)")

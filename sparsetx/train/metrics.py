@@ -38,7 +38,7 @@ class JsonlWriter(interface.MetricWriter):
   """Appends one JSON object per write_scalars call to <workdir>/metrics.jsonl."""
 
   def __init__(self, path: str):
-    self._file = open(path, "a", encoding="utf-8")
+    self._file = open(path, "a", encoding="utf-8", buffering=1)  # line-buffered: tail -f works
 
   def write_scalars(self, step, scalars):
     self._file.write(json.dumps({"step": int(step), **{k: float(v) for k, v in scalars.items()}}) + "\n")
