@@ -4,8 +4,15 @@ import importlib.util
 import os
 import pathlib
 
+import tempfile
+
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One compilation cache for the session, shared with the trainer processes the tests start: the
+# same small models are compiled by many tests.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="sparsetx-jax-cache-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
