@@ -2,7 +2,7 @@
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
-export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+WORKDIR ?= workdir/tiny
 
 .PHONY: train test clean
 
@@ -12,11 +12,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
+# The tiny sgatlin model on the embedded corpus; run it again to resume (or finish) in $(WORKDIR).
 train: $(VENV)/.installed
-	$(PY) -m sparsetx.models.ladder
+	$(PY) -m sparsetx.train --config=configs/tiny.py --workdir=$(WORKDIR)
+	@echo "Checkpoints: $(WORKDIR)/checkpoints  TensorBoard: tensorboard --logdir $(WORKDIR)/tensorboard  Metrics: $(WORKDIR)/metrics.jsonl"
 
+# 8 simulated CPU devices (tests/conftest.py sets XLA_FLAGS); two workers for the two cores.
 test: $(VENV)/.installed
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n 2 tests
 
 clean:
 	rm -rf $(VENV)

@@ -102,10 +102,11 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   batch_sharding = mesh_lib.batch_sharding(mesh, config.mesh.rules)
 
   checkpointer = checkpointing.Checkpointer(workdir, config.checkpoint)
-  data_iterator = pipeline.make_train_iterator(config, batch_sharding)
   start = checkpointer.latest_step()
   if start is not None:
     checkpointer.check_compatible(start, config)
+  data_iterator = pipeline.make_train_iterator(config, batch_sharding)
+  if start is not None:
     state = checkpointer.restore(start, abstract_state, data_iterator)
     logging.info("Resumed from %s at step %d.", checkpointer.directory, start)
   else:
