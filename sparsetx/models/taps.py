@@ -3,7 +3,10 @@
 `tap(module, name, value)` is placed wherever a model computes a value researchers read or
 intervene on. It returns the patch from the `patches` variable collection when the caller passed one
 for that module and name (a do-intervention), else the value itself, and sows what it returns
-into `intermediates`, so a trace shows what the model actually used.
+into `intermediates`, so a trace shows what the model actually used. An optional boolean
+`patch_masks` entry of the same name (broadcastable to the value, e.g. [B,T,1,1] for chosen
+positions) patches only where it is True: the rest of the value is computed as usual in the same
+pass, which is what a position-wise do-intervention needs.
 """
 
 import jax.numpy as jnp
@@ -11,6 +14,9 @@ import jax.numpy as jnp
 
 def tap(module, name: str, value):
   if module.has_variable("patches", name):
-    value = jnp.asarray(module.get_variable("patches", name)).astype(value.dtype).reshape(value.shape)
+    patch = jnp.asarray(module.get_variable("patches", name)).astype(value.dtype).reshape(value.shape)
+    if module.has_variable("patch_masks", name):  # patch only where the mask (broadcast to value) is True
+      patch = jnp.where(module.get_variable("patch_masks", name), patch, value)
+    value = patch
   module.sow("intermediates", name, value)
   return value
