@@ -11,15 +11,27 @@ Two implementations that agree in values and gradients:
   sparse        walks the trees (kernels/tree_route.py), then computes the D+1 path nodes per tree
                 with the shared gated gather (rows tree * n_nodes + node, gates 1, bias b_in);
   masked_dense  evaluates every node and masks with the path (the paper's analysis form; a reference).
+
+Expert parallelism (sparse implementation, a mesh in the context whose `tree` axes have size
+E > 1, see sparsetx/parallel/expert_parallel.py): trees are split over the expert group, P/E per
+device, and one shard_map moves tokens, not nodes. Each device all-gathers the tokens of its group,
+walks its own trees for them (routing never leaves a tree), computes their path nodes with the
+gated gather, and reduce-scatters the [tokens, D] partial sums; the path nodes and logits return
+to the tokens' owners by all-to-all. b_out and the fff_post GELU are applied after the sum. Bytes
+a device sends per own token and layer, b bytes per activation, E the expert-axis size when it also
+splits the batch: forward (E-1)*D*b (x) + (E-1)*D*b (y) + (E-1)/E*P*(D+1)*8 (path ids and logits);
+backward (E-1)*D*b (dy) + (E-1)*D*b (dx). The tables' d_model axis (fsdp) is gathered like any FSDP weight.
 """
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from sparsetx.kernels.gated_gather import gated_gather, options_from_config
 from sparsetx.kernels.tree_route import next_node, tree_paths
 from sparsetx.models.ffn.common import gelu, symmetric_uniform
+from sparsetx.parallel import expert_parallel as ep
 
 
 def n_nodes(depth: int) -> int:
@@ -59,7 +71,12 @@ class Fff(nn.Module):
     b_out = self.param("b_out", nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)), (D,), param_dtype)
 
     act = gelu if ffn.variant == "fff" else (lambda z: z)
+    group = None
     if ffn.implementation == "sparse":
+      group = ep.expert_group("tree", P, x_BTD.shape[0] * x_BTD.shape[1], "config.model.ffn.n_trees")
+    if group is not None:
+      y_BTD, path_BTPL, z_BTPL = _expert_parallel(group, x_BTD, w_in, b_in, w_out, act, ffn)
+    elif ffn.implementation == "sparse":
       options = options_from_config(ffn.get("kernel"))
       B, T = x_BTD.shape[:2]
       path_NPL, z_NPL = tree_paths(x_BTD.reshape(B * T, D), w_in, b_in, ffn.depth, options.token_chunk)
@@ -82,3 +99,28 @@ class Fff(nn.Module):
     if ffn.variant == "fff_post":
       y_BTD = gelu(y_BTD)
     return y_BTD.astype(dtype)
+
+
+def _expert_parallel(group, x_BTD, w_in_PND, b_in_PN, w_out_PND, act, ffn):
+  """Sparse FFF with trees split over the expert group: (y [B,T,D] f32, path and logits [B,T,P,L])."""
+  B, T, D = x_BTD.shape
+  P, N, L = w_in_PND.shape[0], w_in_PND.shape[1], ffn.depth + 1
+  options = options_from_config(ffn.get("kernel"))
+
+  def local(x_nD, w_in_pND, b_in_pN, w_out_pND):
+    p = w_in_pND.shape[0]
+    x_gD = ep.gather_tokens(x_nD, group)
+    path_gpL, z_gpL = tree_paths(x_gD, w_in_pND, b_in_pN, ffn.depth, options.token_chunk)
+    rows_gS = (path_gpL + N * jnp.arange(p, dtype=jnp.int32)[:, None]).reshape(-1, p * L)
+    flat = lambda table: table.reshape(p * N, D)  # noqa: E731
+    y_gD = gated_gather(
+        x_gD, flat(w_in_pND), flat(w_out_pND), rows_gS, jnp.ones(rows_gS.shape, jnp.float32), act,
+        bias_R=b_in_pN.reshape(p * N), options=options,
+    )
+    return ep.scatter_back(y_gD, group).astype(jnp.float32), ep.from_owners(path_gpL, group, 1), ep.from_owners(z_gpL, group, 1)
+
+  tokens, trees = group.token_spec, PartitionSpec(group.unit_spec)
+  y_ND, path_NPL, z_NPL = ep.shard_map(
+      local, group, in_specs=(tokens, trees, trees, trees), out_specs=(tokens, tokens, tokens)
+  )(x_BTD.reshape(B * T, D), w_in_PND, b_in_PN, w_out_PND)
+  return y_ND.reshape(B, T, D), path_NPL.reshape(B, T, P, L), z_NPL.reshape(B, T, P, L)

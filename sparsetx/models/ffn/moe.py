@@ -4,21 +4,39 @@ selected logits as mixing weights, SwiGLU experts.
 Dispatch is dropless and real: the (token, slot) pairs are sorted by expert and every expert runs
 one grouped matmul (`jax.lax.ragged_dot`) over exactly the tokens routed to it. No expert sees a
 token it was not chosen for, and no token is dropped for capacity.
+
+Expert parallelism (a mesh in the context whose `expert` axes have size E > 1, see
+sparsetx/parallel/expert_parallel.py): experts are split over the expert group, n_experts/E per
+device. The router runs where the tokens are. One shard_map all-gathers the tokens of the group
+with their expert ids and weights; each device sorts the (token, slot) pairs, runs the grouped
+matmuls for the pairs routed to its own experts only (the others sort to the end and are skipped
+by ragged_dot), and reduce-scatters the [tokens, D] partial sums back. Dropless: the buffers have
+room for every pair. Bytes a device sends per own token and layer, b bytes per activation, E the
+expert-axis size when it also splits the batch: forward (E-1)*(D*b + k*8) (x, ids, weights) +
+(E-1)*D*b (y); backward (E-1)*D*b (dy) + (E-1)*(D*b + k*4) (dx, weight gradients).
 """
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from sparsetx.models.ffn.common import dense_init
 from sparsetx.models.taps import tap
+from sparsetx.parallel import expert_parallel as ep
 
 
-def dispatch_experts(x_ND, expert_ids_NK, weights_NK, wi_gate_EDF, wi_up_EDF, wo_EFD):
-  """sum_k weights[n, k] * SwiGLU_{expert_ids[n, k]}(x[n]), computing only the routed pairs."""
+def dispatch_experts(x_ND, expert_ids_NK, weights_NK, wi_gate_EDF, wi_up_EDF, wo_EFD, first_expert=0):
+  """sum_k weights[n, k] * SwiGLU_{expert_ids[n, k]}(x[n]), computing only the routed pairs.
+
+  The E experts given are ids first_expert .. first_expert + E - 1; pairs routed elsewhere sort
+  after them, are left out of the grouped matmuls and contribute nothing.
+  """
   N, K = expert_ids_NK.shape
   E = wi_gate_EDF.shape[0]
-  expert_of_slot = expert_ids_NK.reshape(N * K)
+  local_NK = expert_ids_NK - first_expert
+  local_NK = jnp.where((local_NK >= 0) & (local_NK < E), local_NK, E)
+  expert_of_slot = local_NK.reshape(N * K)
   order = jnp.argsort(expert_of_slot, stable=True)
   group_sizes_E = jnp.bincount(expert_of_slot, length=E).astype(jnp.int32)
   x_SD = x_ND[order // K]
@@ -61,7 +79,30 @@ class Moe(nn.Module):
     wi_up = table("wi_up", (E, D, F), ("expert", "embed", "mlp"))
     wo = table("wo", (E, F, D), ("expert", "mlp", "embed"))
     B, T, _ = x_BTD.shape
+    group = ep.expert_group("expert", E, B * T, "config.model.ffn.n_experts")
+    if group is not None:
+      return _expert_parallel(group, x_BTD, expert_ids_BTK, weights_BTK, wi_gate, wi_up, wo)
     y_ND = dispatch_experts(
         x_BTD.reshape(B * T, D), expert_ids_BTK.reshape(B * T, K), weights_BTK.reshape(B * T, K), wi_gate, wi_up, wo
     )
     return y_ND.reshape(B, T, D)
+
+
+def _expert_parallel(group, x_BTD, expert_ids_BTK, weights_BTK, wi_gate_EDF, wi_up_EDF, wo_EFD):
+  """The layer with experts split over the expert group (the module docstring has the pattern)."""
+  B, T, D = x_BTD.shape
+  K = expert_ids_BTK.shape[-1]
+
+  def local(x_nD, ids_nK, weights_nK, wi_gate_eDF, wi_up_eDF, wo_eFD):
+    e = wi_gate_eDF.shape[0]
+    first = e * ep.unit_index(group)
+    x_gD, ids_gK, weights_gK = (ep.gather_tokens(a, group) for a in (x_nD, ids_nK, weights_nK))
+    y_gD = dispatch_experts(x_gD, ids_gK, weights_gK, wi_gate_eDF, wi_up_eDF, wo_eFD, first_expert=first)
+    return ep.scatter_back(y_gD, group)
+
+  tokens, experts = group.token_spec, P(group.unit_spec)
+  y_ND = ep.shard_map(
+      local, group, in_specs=(tokens, tokens, tokens, experts, experts, experts), out_specs=tokens
+  )(x_BTD.reshape(B * T, D), expert_ids_BTK.reshape(B * T, K), weights_BTK.reshape(B * T, K), wi_gate_EDF, wi_up_EDF, wo_EFD)
+  return y_ND.reshape(B, T, D)
+

@@ -5,16 +5,30 @@ out = sum_c sum_{i in topk_c} g_{c,i} * w_out_{c,i} * <w_in_{c,i}, z>. The gates
 product-key scores (no softmax, no scaling) and nothing is nonlinear but the top-k itself. Options
 for the paper's ablations: an activation on <w_in, z>, and PEER's router (per-channel query and a
 softmax over the k scores) in place of the shared-query product keys.
+
+Expert parallelism (a mesh in the context whose `channel` axes have size E > 1, see
+sparsetx/parallel/expert_parallel.py): the table is split by channel, C/E channels per device,
+and one shard_map moves tokens, not tables. The router runs where the tokens are (batch-sharded).
+Each device all-gathers the tokens of its expert group (x, D values each), receives by all-to-all
+only its channels' indices and gates, runs the gated gather over its C/E channels, and
+reduce-scatters the [tokens, D] partial sums back to the tokens' owners. Each channel takes
+exactly k rows per token, so the work is balanced whatever the routing. Bytes a device sends per
+own token and layer, with b bytes per activation (2 for bf16), E the expert-axis size when it also
+splits the batch: forward (E-1)*D*b (x) + (E-1)/E*C*k*8 (int32 index + f32 gate) + (E-1)*D*b (y);
+backward the same again (dy all-gather, dx reduce-scatter, gate gradients). The table's d_model
+axis (`embed`, fsdp) is all-gathered for the layer like any FSDP weight.
 """
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from sparsetx.kernels.gated_gather import gated_gather, options_from_config
 from sparsetx.models.taps import tap
 from sparsetx.models.ffn.common import ACTIVATIONS
 from sparsetx.models.ffn.product_keys import make_router
+from sparsetx.parallel import expert_parallel as ep
 
 
 def table_init(d_ffw: int):
@@ -43,6 +57,9 @@ class Sgatlin(nn.Module):
         jnp.dtype(self.cfg.param_dtype),
     )
     B, T = idx_BTCK.shape[:2]
+    group = ep.expert_group("channel", C, B * T, "config.model.ffn.n_channels")
+    if group is not None:
+      return _expert_parallel(group, x_BTD, experts, idx_BTCK, gates_BTCK, ffn)
     rows_BTS = (idx_BTCK + N * jnp.arange(C, dtype=idx_BTCK.dtype)[:, None]).reshape(B, T, C * ffn.top_k)
     return gated_gather(
         x_BTD,
@@ -53,3 +70,36 @@ class Sgatlin(nn.Module):
         ACTIVATIONS[ffn.activation],
         options=options_from_config(ffn.get("kernel")),
     )
+
+
+def _expert_parallel(group, x_BTD, experts_2CND, idx_BTCK, gates_BTCK, ffn):
+  """The layer with channels split over the expert group (the module docstring has the pattern)."""
+  B, T, D = x_BTD.shape
+  C, N, K = ffn.n_channels, ffn.d_ffw, ffn.top_k
+  options = options_from_config(ffn.get("kernel"))
+
+  def local(x_nD, experts_2cND, idx_nCK, gates_nCK):
+    c = experts_2cND.shape[1]
+    x_gD = ep.gather_tokens(x_nD, group)
+    idx_gcK = ep.to_owners(idx_nCK, group, unit_dim=1)
+    gates_gcK = ep.to_owners(gates_nCK, group, unit_dim=1)
+    rows_gS = (idx_gcK + N * jnp.arange(c, dtype=idx_gcK.dtype)[:, None]).reshape(-1, c * K)
+    y_gD = gated_gather(
+        x_gD,
+        experts_2cND[0].reshape(c * N, D),
+        experts_2cND[1].reshape(c * N, D),
+        rows_gS,
+        gates_gcK.reshape(rows_gS.shape),
+        ACTIVATIONS[ffn.activation],
+        options=options,
+    )
+    return ep.scatter_back(y_gD, group)
+
+  tokens = group.token_spec
+  y_ND = ep.shard_map(
+      local,
+      group,
+      in_specs=(tokens, P(None, group.unit_spec), tokens, tokens),
+      out_specs=tokens,
+  )(x_BTD.reshape(B * T, D), experts_2CND, idx_BTCK.reshape(B * T, C, K), gates_BTCK.reshape(B * T, C, K))
+  return y_ND.reshape(B, T, D)

@@ -1,0 +1,171 @@
+"""Expert parallelism: which devices share a sparse layer's units, and how tokens move between them.
+
+A sparse layer's units (sgatlin channels, FFF trees, MoE experts) are split over the mesh axes
+that `config.mesh.rules` gives their logical name (`channel`, `tree`, `expert` -> `expert`).
+Moving tables is what makes a sharded sparse layer slow, so the layers move activations instead,
+inside one explicit `jax.shard_map` each:
+
+  1. `gather_tokens`: every device of an expert group receives the tokens of the whole group
+     (all-gather over the unit axes that also split the batch);
+  2. `to_owners` / `from_owners`: per-unit routing data (indices, gates) goes only to the
+     device owning the unit (all-to-all: split units, concatenate tokens), and back;
+  3. each device runs the unsharded computation for its units and the group's tokens;
+  4. `scatter_back`: the partial outputs are summed over the group and each device keeps its
+     own tokens (reduce-scatter), the transpose of step 1.
+
+A unit axis that does not split the batch holds the same tokens on every device: step 1 is
+nothing, step 2 a local slice and step 4 an all-reduce. Mesh axes of size 1 are skipped.
+
+The layers find the mesh and the rules in the context: `activate(mesh, rules)` sets the mesh
+(`jax.set_mesh`) and the logical rules (a context variable here; flax's own `nn.logical_axis_rules`
+would also turn on flax's parameter sharding constraints, which the DenseGeneral routers reject). With no mesh, or a unit axis of size
+1, the layers run their plain single-device computation, so nothing changes for one device.
+"""
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from sparsetx.config import DEFAULT_RULES, ConfigError
+
+
+_RULES = contextvars.ContextVar("sparsetx_logical_rules", default=DEFAULT_RULES)
+
+
+@contextlib.contextmanager
+def activate(mesh, rules=DEFAULT_RULES):
+  """Mesh and logical rules in the context, so sparse layers trace their expert-parallel form."""
+  token = _RULES.set(tuple(tuple(rule) for rule in rules))
+  try:
+    with jax.set_mesh(mesh):
+      yield
+  finally:
+    _RULES.reset(token)
+
+
+def _mesh_axes(rules, logical_name: str) -> tuple:
+  """The mesh axes of a logical name under flax's rules (the first rule naming it)."""
+  for name, axes in rules:
+    if name == logical_name:
+      if axes is None:
+        return ()
+      return (axes,) if isinstance(axes, str) else tuple(axes)
+  return ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertGroup:
+  """The mesh axes of the tokens (`batch`) and of a layer's units (`units`), sizes > 1 only."""
+
+  mesh: object  # jax.sharding.AbstractMesh
+  batch: tuple
+  units: tuple
+
+  @property
+  def n_unit_shards(self) -> int:
+    return math.prod(self.mesh.shape[a] for a in self.units)
+
+  @property
+  def n_token_shards(self) -> int:
+    return math.prod(self.mesh.shape[a] for a in self.batch)
+
+  @property
+  def token_spec(self) -> P:
+    """Spec of a [tokens, ...] array split like the batch."""
+    return P(self.batch or None)
+
+  @property
+  def unit_spec(self):
+    """Mesh axes of a units dimension, for a table's PartitionSpec."""
+    return self.units or None
+
+  def gathered_size(self) -> int:
+    """How many devices' tokens one device sees after `gather_tokens`."""
+    return math.prod(self.mesh.shape[a] for a in self.units if a in self.batch)
+
+
+def expert_group(logical_name: str, n_units: int, n_tokens: int, field: str):
+  """The ExpertGroup for units named `logical_name`, or None to run the plain computation.
+
+  None when there is no mesh in the context, when the units' mesh axes have size 1, or when the
+  tokens don't split evenly over the batch axes (e.g. a batch of 1 at init). Units that don't
+  split evenly are a config mistake and are refused, naming `field`.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return None
+  rules = _RULES.get()
+  sized = lambda axes: tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1)  # noqa: E731
+  group = ExpertGroup(mesh, sized(_mesh_axes(rules, "batch")), sized(_mesh_axes(rules, logical_name)))
+  if not group.units:
+    return None
+  if n_units % group.n_unit_shards:
+    shape = " x ".join(f"{a}={mesh.shape[a]}" for a in group.units)
+    raise ConfigError(
+        f"{field}={n_units} is not divisible by the {group.n_unit_shards} devices of the mesh axes it is split over "
+        f"({shape}); make {field} a multiple of {group.n_unit_shards} or shrink those mesh axes."
+    )
+  if n_tokens % group.n_token_shards:
+    return None
+  return group
+
+
+def gather_tokens(x_n, group: ExpertGroup):
+  """[local tokens, ...] -> [group tokens, ...]: all-gather over the unit axes that split the batch."""
+  for axis in group.units:
+    if axis in group.batch:
+      x_n = jax.lax.all_gather(x_n, axis, axis=0, tiled=True)
+  return x_n
+
+
+def to_owners(a_nU, group: ExpertGroup, unit_dim: int):
+  """[local tokens, all units, ...] -> [group tokens, local units, ...] (all-to-all or local slice)."""
+  for axis in group.units:
+    if axis in group.batch:
+      a_nU = jax.lax.all_to_all(a_nU, axis, split_axis=unit_dim, concat_axis=0, tiled=True)
+    else:
+      size = a_nU.shape[unit_dim] // group.mesh.shape[axis]
+      a_nU = jax.lax.dynamic_slice_in_dim(a_nU, jax.lax.axis_index(axis) * size, size, axis=unit_dim)
+  return a_nU
+
+
+def from_owners(a_gU, group: ExpertGroup, unit_dim: int):
+  """The inverse of `to_owners`: [group tokens, local units, ...] -> [local tokens, all units, ...]."""
+  for axis in reversed(group.units):
+    if axis in group.batch:
+      a_gU = jax.lax.all_to_all(a_gU, axis, split_axis=0, concat_axis=unit_dim, tiled=True)
+    else:
+      a_gU = jax.lax.all_gather(a_gU, axis, axis=unit_dim, tiled=True)
+  return a_gU
+
+
+def scatter_back(y_g, group: ExpertGroup):
+  """Sums partial outputs over the group and returns each device its own tokens (reduce-scatter)."""
+  for axis in reversed(group.units):
+    if axis in group.batch:
+      y_g = jax.lax.psum_scatter(y_g, axis, scatter_dimension=0, tiled=True)
+    else:
+      y_g = jax.lax.psum(y_g, axis)
+  return y_g
+
+
+def unit_index(group: ExpertGroup):
+  """This device's position along the group's unit axes (major to minor), inside the shard_map."""
+  index = 0
+  for axis in group.units:
+    index = index * group.mesh.shape[axis] + jax.lax.axis_index(axis)
+  return index
+
+
+def shard_map(fn, group: ExpertGroup, in_specs, out_specs):
+  """jax.shard_map over the context mesh (all axes manual; unmentioned axes hold replicas).
+
+  check_vma is off: the kernels' scans start float32 accumulators from zeros, which the varying-
+  axes check rejects inside a shard_map. The tests compare values and gradients with the
+  single-device layer on meshes whose batch is split over the expert axis too.
+  """
+  return jax.shard_map(fn, mesh=group.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
