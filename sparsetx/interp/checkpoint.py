@@ -1,0 +1,89 @@
+"""A trained model for analysis: its config and params from a workdir, its vocabulary, prompts and
+validation rows, all on one device (interpretability runs are small and need no mesh).
+
+Prompts follow the training convention of the packed inputs: a row starts with id 0 (the
+decoder's shifted-in start token), then the text's ids. With the default byte vocabulary a word is
+several tokens (one per byte + 3).
+"""
+
+import os
+
+import jax
+import ml_collections
+import numpy as np
+
+from sparsetx import config as config_lib
+from sparsetx.data import pipeline, vocab
+from sparsetx.interp.trace import StandardizedTransformer
+from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.train import checkpointing, state as state_lib
+
+START_ID = 0
+
+
+def _tuples(value):
+  """JSON turns the config's tuples (mixture, sharding rules) into lists; the schema wants tuples."""
+  if isinstance(value, dict):
+    return {k: _tuples(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return tuple(_tuples(v) for v in value)
+  return value
+
+
+def single_device_mesh(config: ml_collections.ConfigDict):
+  mesh_config = config.mesh.copy_and_resolve_references()
+  mesh_config.ici.update(data=1, fsdp=1, tensor=1, expert=1)
+  mesh_config.dcn.update(data=1, fsdp=1, tensor=1, expert=1)
+  return mesh_lib.make_mesh(mesh_config, jax.devices()[:1])
+
+
+def load(workdir: str, step: int | None = None):
+  """(config, StandardizedTransformer, step) of the checkpoint at `step` (default: the latest)."""
+  directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+  if not os.path.isdir(directory):
+    raise config_lib.ConfigError(f"--workdir={workdir!r} holds no checkpoints/ directory; train a model there first.")
+  # keep=None: opening the directory must never delete a step.
+  manager = checkpointing.Checkpointer(workdir, ml_collections.ConfigDict(dict(keep=None, keep_period=0, async_save=False)))
+  try:
+    step = manager.latest_step() if step is None else step
+    if step is None:
+      raise config_lib.ConfigError(f"--workdir={workdir!r} has no complete checkpoint; train a model there first.")
+    config = ml_collections.ConfigDict(_tuples(manager.saved_config(step)))
+    config.model.dtype = "float32"  # analysis compares values exactly; compute-only, the params are float32
+    config_lib.validate(config)
+    abstract, _, _, _ = state_lib.state_shardings(config, single_device_mesh(config))
+    params = manager.restore_state(step, abstract).params
+  finally:
+    manager.close()
+  return config, StandardizedTransformer(config.model, params), step
+
+
+def vocabulary(config: ml_collections.ConfigDict):
+  return vocab.make_vocabulary(config.data, config.model.vocab_size)
+
+
+def encode_prompt(vocabulary, text: str) -> list[int]:
+  return [START_ID] + list(vocabulary.encode(text))
+
+
+def token_text(vocabulary, token_id: int) -> str:
+  """One token for a table cell, whitespace made visible."""
+  if token_id == START_ID:
+    return "<s>"
+  text = vocabulary.decode([int(token_id)])
+  return text.replace(" ", "␣").replace("\n", "⏎") or f"<{int(token_id)}>"
+
+
+def validation_rows(config: ml_collections.ConfigDict, max_rows: int, task: str | None = None) -> dict:
+  """Up to `max_rows` packed validation rows (numpy: inputs, targets, positions, segment_ids,
+  loss_weights) from the mixture's tasks in order, or from `task` only; padding rows dropped."""
+  mesh = single_device_mesh(config)
+  data = pipeline.EvalData(config, mesh_lib.batch_sharding(mesh, config.mesh.rules), split="validation")
+  rows = {}
+  for name in [task] if task else data.task_names:
+    for batch in data.batches[name]:
+      for key, value in batch.items():
+        rows.setdefault(key, []).append(value)
+  rows = {key: np.concatenate(values) for key, values in rows.items()}
+  real = rows["loss_weights"].sum(1) > 0
+  return {key: value[real][:max_rows] for key, value in rows.items()}

@@ -1,0 +1,160 @@
+"""Feed-forward circuits as sparse vectors, the sgatlin rebuild formula, and the circuit database.
+
+A token's circuit at a layer is a sparse vector over the layer's units, stored as (ids_S, weights_S):
+  sgatlin, PEER  the gate vector: unit c * d_ffw + gate_indices[c, k], weight gate_scores[c, k]
+                 (S = C * K nonzeros; this is gate_vector flattened);
+  FFF            the tree path: unit p * n_nodes + path_nodes[p, l], weight 1 (S = P * (D + 1));
+  MoE            the chosen experts, weight expert_weights (S = experts_per_token).
+Dense layers have no sparse circuit. Cosine similarity of two circuits is the sgatlin paper's
+metric (Sec. 4.2); on FFF paths it is the fraction of shared path nodes.
+
+The database (paper Fig. 4) holds, per real token of some validation rows: the input token, its
+preceding context, the model's top-5 next-token predictions and each layer's circuit. It is saved
+as one .npz of numeric arrays (loaded with allow_pickle=False).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparsetx.models.ffn.common import ACTIVATIONS
+
+SPARSE_TYPES = ("sgatlin", "peer", "fff", "moe")
+
+
+def check_sparse(cfg) -> None:
+  if cfg.ffn.type not in SPARSE_TYPES:
+    raise ValueError(
+        f"config.model.ffn.type={cfg.ffn.type!r} has no sparse circuit; circuits exist for {', '.join(SPARSE_TYPES)}."
+    )
+
+
+def circuit_names(cfg, layer: int) -> tuple[str, str]:
+  """The two standard names a layer's circuit is read from: (units, weights)."""
+  check_sparse(cfg)
+  kind = cfg.ffn.type
+  units, weights = {"fff": ("path_nodes", "node_logits"), "moe": ("expert_ids", "expert_weights")}.get(
+      kind, ("gate_indices", "gate_scores")
+  )
+  return f"layers[{layer}].mlp.{units}", f"layers[{layer}].mlp.{weights}"
+
+
+def n_units(cfg) -> int:
+  """Size of the flat unit space a circuit indexes."""
+  ffn = cfg.ffn
+  return {
+      "sgatlin": ffn.n_channels * ffn.d_ffw,
+      "peer": ffn.n_channels * ffn.d_ffw,
+      "fff": ffn.n_trees * (2 ** (ffn.depth + 1) - 1),
+      "moe": ffn.n_experts,
+  }[ffn.type]
+
+
+def sparse_circuit(cfg, units, weights):
+  """(ids [..., S] int32, weights [..., S] float32) from a layer's traced unit ids and weights."""
+  check_sparse(cfg)
+  units = np.asarray(units)
+  kind = cfg.ffn.type
+  if kind in ("sgatlin", "peer"):  # [..., C, K]: offset each channel into its own d_ffw block
+    ids = units + cfg.ffn.d_ffw * np.arange(units.shape[-2])[:, None]
+    w = np.asarray(weights, np.float32)
+  elif kind == "fff":  # [..., P, L]: one block of n_nodes per tree; a path is a set of nodes
+    n_nodes = 2 ** (cfg.ffn.depth + 1) - 1
+    ids = units + n_nodes * np.arange(units.shape[-2])[:, None]
+    w = np.ones(units.shape, np.float32)
+  else:  # moe [..., K]
+    return units.astype(np.int32), np.asarray(weights, np.float32)
+  lead = units.shape[:-2]
+  return ids.reshape(lead + (-1,)).astype(np.int32), w.reshape(lead + (-1,))
+
+
+def densify(cfg, ids_NS, weights_NS) -> np.ndarray:
+  """[N, n_units] dense circuits (for a few queries, or an embedding of a few hundred points)."""
+  dense = np.zeros((ids_NS.shape[0], n_units(cfg)), np.float32)
+  np.put_along_axis(dense, ids_NS, weights_NS, axis=1)
+  return dense
+
+
+def cosine_distances(cfg, query_ids_QS, query_w_QS, ids_NS, w_NS, chunk: int = 4096) -> np.ndarray:
+  """[Q, N] cosine distances between sparse circuits, without densifying the database."""
+  query_QU = densify(cfg, query_ids_QS, query_w_QS)
+  query_QU /= np.maximum(np.linalg.norm(query_QU, axis=1, keepdims=True), 1e-12)
+  norms_N = np.maximum(np.linalg.norm(w_NS, axis=1), 1e-12)
+  out = np.empty((query_QU.shape[0], ids_NS.shape[0]), np.float32)
+  for start in range(0, ids_NS.shape[0], chunk):
+    ids, w = ids_NS[start : start + chunk], w_NS[start : start + chunk]
+    dots = (query_QU[:, ids] * w[None]).sum(-1)
+    out[:, start : start + chunk] = 1.0 - dots / norms_N[start : start + chunk]
+  return out
+
+
+def rebuild_sgatlin_output(gate_vector_BTCN, experts_2CND, mlp_input_BTD, activation: str = "identity"):
+  """The sgatlin layer from its circuit: sum_c sum_n g[c,n] * w_out[c,n] * act(<w_in[c,n], z>).
+
+  The whole layer is this formula with a fixed gate vector, which is why patching the gates is
+  a do-intervention on the circuit alone (the tables and the input are left as they are).
+  """
+  hi = jax.lax.Precision.HIGHEST
+  a_BTCN = ACTIVATIONS[activation](jnp.einsum("btd,cnd->btcn", mlp_input_BTD, experts_2CND[0], precision=hi))
+  return jnp.einsum("btcn,cnd->btd", gate_vector_BTCN * a_BTCN, experts_2CND[1], precision=hi)
+
+
+@dataclasses.dataclass
+class CircuitDatabase:
+  """Per recorded token n: input token, context (preceding tokens, -1 padded), top-5 predictions and,
+  per layer l, the sparse circuit ids[l, n], weights[l, n]."""
+
+  tokens_N: np.ndarray
+  context_NW: np.ndarray
+  top5_N5: np.ndarray
+  ids_LNS: np.ndarray
+  weights_LNS: np.ndarray
+  ffn_type: str
+
+  def __len__(self) -> int:
+    return len(self.tokens_N)
+
+  def save(self, path: str) -> None:
+    np.savez_compressed(path, **{k: np.asarray(v) for k, v in dataclasses.asdict(self).items()})
+
+  @classmethod
+  def load(cls, path: str) -> "CircuitDatabase":
+    with np.load(path, allow_pickle=False) as data:
+      fields = {field.name: data[field.name] for field in dataclasses.fields(cls)}
+    return cls(**{**fields, "ffn_type": str(fields["ffn_type"])})
+
+
+def record(model, rows: dict, context: int = 8, batch_rows: int = 16) -> CircuitDatabase:
+  """The circuit database of the real tokens of validation `rows` (see checkpoint.validation_rows)."""
+  cfg = model.cfg
+  reads = [name for layer in range(cfg.n_layers) for name in circuit_names(cfg, layer)] + ["logits"]
+  tokens, contexts, top5, ids, weights = [], [], [], [], []
+  for start in range(0, len(rows["inputs"]), batch_rows):
+    batch = {k: v[start : start + batch_rows] for k, v in rows.items()}
+    out = model.trace(batch["inputs"], reads, positions_BT=batch["positions"], segment_ids_BT=batch["segment_ids"])
+    real_BT = batch["loss_weights"] > 0
+    b_idx, t_idx = np.nonzero(real_BT)
+    inputs_BT, segments_BT = batch["inputs"], batch["segment_ids"]
+    window = np.arange(-context, 0)
+    ctx_t = t_idx[:, None] + window
+    valid = (ctx_t >= 0) & (segments_BT[b_idx[:, None], np.maximum(ctx_t, 0)] == segments_BT[b_idx, t_idx][:, None])
+    contexts.append(np.where(valid, inputs_BT[b_idx[:, None], np.maximum(ctx_t, 0)], -1))
+    tokens.append(inputs_BT[b_idx, t_idx])
+    logits_NV = np.asarray(out["logits"])[b_idx, t_idx]
+    top5.append(np.argsort(-logits_NV, axis=-1)[:, :5])
+    layer_ids, layer_w = zip(*(
+        sparse_circuit(cfg, np.asarray(out[units])[b_idx, t_idx], np.asarray(out[w])[b_idx, t_idx])
+        for units, w in (circuit_names(cfg, layer) for layer in range(cfg.n_layers))
+    ))
+    ids.append(np.stack(layer_ids))
+    weights.append(np.stack(layer_w))
+  return CircuitDatabase(
+      tokens_N=np.concatenate(tokens).astype(np.int32),
+      context_NW=np.concatenate(contexts).astype(np.int32),
+      top5_N5=np.concatenate(top5).astype(np.int32),
+      ids_LNS=np.concatenate(ids, axis=1),
+      weights_LNS=np.concatenate(weights, axis=1),
+      ffn_type=cfg.ffn.type,
+  )

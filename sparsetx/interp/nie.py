@@ -1,0 +1,186 @@
+"""Causal patching of feed-forward circuits on factual recall: the normalized indirect effect (NIE)
+per layer and position (sgatlin paper Sec. 4.3, Fig. 7).
+
+Prompts come from the embedded corpus's facts: "The <noun> was " -> the noun's adjective. Each clean
+prompt is paired with a counterfactual one whose prompt has the same number of tokens (so positions
+line up) and whose target token differs. With the byte vocabulary a word is several tokens, so:
+  * the prompt keeps the space after "was": the target is then the adjective's first byte, not a space;
+  * "noun_first" / "noun_last" are the positions of the noun's first and last byte, "was" the tokens
+    between the noun and the last one, "last" the final prompt token (the space), "all" every position.
+Prompts are left-padded to one length (padding is its own segment with its own positions, so it
+is invisible to the prompt), and every patched run uses the same compiled program: all layers are
+patched, with position masks that are all False outside the chosen layers.
+
+m(x) = logit(y_clean | x) - logit(y_patch | x) at the last position;
+NIE = (m(x_clean | do(g = g_patch)) - m(x_clean)) / (m(x_patch) - m(x_clean)),
+where g are the layer's gates (sgatlin/PEER: gate_indices and gate_scores; MoE: expert ids and
+weights). The table reports the mean NIE over pairs whose total effect |m(x_patch) - m(x_clean)| is
+at least `min_effect` logits (a pair the model cannot tell apart has no effect to normalize).
+"""
+
+import dataclasses
+
+import numpy as np
+
+from sparsetx.data import corpus
+from sparsetx.interp.checkpoint import START_ID, encode_prompt
+from sparsetx.interp.trace import Patch
+
+POSITION_SETS = ("noun_first", "noun_last", "was", "last", "all")
+
+
+@dataclasses.dataclass
+class PromptPairs:
+  clean_BT: np.ndarray
+  patch_BT: np.ndarray
+  positions_BT: np.ndarray
+  segment_ids_BT: np.ndarray
+  y_clean_B: np.ndarray
+  y_patch_B: np.ndarray
+  masks: dict  # position set -> bool [B, T]
+  nouns: list  # (clean noun, counterfactual noun)
+
+
+def _prompt(vocabulary, noun: str, adjective: str):
+  """(prompt ids, target id, noun_first, noun_last) for "The <noun> was" -> adjective."""
+  stem = encode_prompt(vocabulary, f"The {noun} was")
+  full = encode_prompt(vocabulary, f"The {noun} was {adjective}")
+  if full[: len(stem)] != stem:
+    raise ValueError(f"the vocabulary does not tokenize 'The {noun} was' as a prefix of the fact sentence.")
+  if not vocabulary.decode([full[len(stem)]]).strip():  # byte-level: the space is its own token
+    stem = full[: len(stem) + 1]
+  article = encode_prompt(vocabulary, "The ")
+  with_noun = encode_prompt(vocabulary, f"The {noun}")
+  noun_first = len(article) if with_noun[: len(article)] == article else len(article) - 1
+  return stem, full[len(stem)], noun_first, len(with_noun) - 1
+
+
+def fact_pairs(vocabulary, facts=None) -> PromptPairs:
+  """Clean/counterfactual pairs: each fact paired with the next fact (in table order) whose prompt
+  has the same length and whose target token differs."""
+  facts = list(facts or corpus.facts())
+  prompts = [_prompt(vocabulary, noun, adjective) for noun, adjective in facts]
+  chosen = []
+  for i, (ids, target, _, _) in enumerate(prompts):
+    for step in range(1, len(prompts)):
+      j = (i + step) % len(prompts)
+      if len(prompts[j][0]) == len(ids) and prompts[j][1] != target:
+        chosen.append((i, j))
+        break
+  if not chosen:
+    raise ValueError("no two facts give prompts of equal length with different targets.")
+  T = max(len(prompts[i][0]) for i, _ in chosen)
+  B = len(chosen)
+  clean, patch = np.full((B, T), START_ID, np.int32), np.full((B, T), START_ID, np.int32)
+  positions, segments = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
+  masks = {name: np.zeros((B, T), bool) for name in POSITION_SETS}
+  for b, (i, j) in enumerate(chosen):
+    (ids, _, first, last), n = prompts[i], len(prompts[i][0])
+    pad = T - n
+    clean[b, pad:], patch[b, pad:] = ids, prompts[j][0]
+    positions[b, pad:], segments[b, pad:] = np.arange(n), 1
+    masks["noun_first"][b, pad + first] = True
+    masks["noun_last"][b, pad + last] = True
+    masks["was"][b, pad + last + 1 : T - 1] = True
+    masks["last"][b, T - 1] = True
+    masks["all"][b, pad:] = True
+  return PromptPairs(
+      clean, patch, positions, segments,
+      np.array([prompts[i][1] for i, _ in chosen]), np.array([prompts[j][1] for _, j in chosen]),
+      masks, [(facts[i][0], facts[j][0]) for i, j in chosen],
+  )
+
+
+def gate_names(cfg, layer: int) -> tuple[str, str]:
+  """The circuit's gates at a layer: what a do(g = g_patch) clamps."""
+  kind = cfg.ffn.type
+  if kind in ("sgatlin", "peer"):
+    return f"layers[{layer}].mlp.gate_indices", f"layers[{layer}].mlp.gate_scores"
+  if kind == "moe":
+    return f"layers[{layer}].mlp.expert_ids", f"layers[{layer}].mlp.expert_weights"
+  raise ValueError(
+      f"config.model.ffn.type={kind!r} has no gates to patch (FFF routing is the forward pass; dense layers have none); "
+      "NIE patching needs sgatlin, peer or moe."
+  )
+
+
+def logit_difference(logits_BTV, y_clean_B, y_patch_B) -> np.ndarray:
+  last = np.asarray(logits_BTV)[:, -1]
+  rows = np.arange(len(last))
+  return last[rows, y_clean_B] - last[rows, y_patch_B]
+
+
+@dataclasses.dataclass
+class NieResult:
+  row_labels: list  # "0", "1", ..., "all"
+  col_labels: list  # POSITION_SETS
+  nie_RC: np.ndarray  # mean NIE over the kept pairs
+  per_pair_RCB: np.ndarray  # NIE of every pair (nan where the pair was not kept)
+  m_clean_B: np.ndarray
+  m_patch_B: np.ndarray
+  kept_B: np.ndarray
+
+
+def run(model, pairs: PromptPairs, min_effect: float = 0.5, source_gates: dict | None = None) -> NieResult:
+  """The NIE table: rows = single layers and all layers together, columns = position sets.
+
+  `source_gates` overrides the patched values ({name: array}); by default they are the
+  counterfactual run's gates (passing the clean run's own gates must give NIE 0).
+  """
+  cfg = model.cfg
+  names = [name for layer in range(cfg.n_layers) for name in gate_names(cfg, layer)]
+  kw = dict(positions_BT=pairs.positions_BT, segment_ids_BT=pairs.segment_ids_BT)
+  counter = model.trace(pairs.patch_BT, names + ["logits"], **kw)
+  gates = source_gates or {name: counter[name] for name in names}
+  m_patch = logit_difference(counter["logits"], pairs.y_clean_B, pairs.y_patch_B)
+
+  def patched_m(layers, mask_BT):
+    patches = {
+        name: Patch(gates[name], mask_BT if layer in layers else np.zeros_like(mask_BT))
+        for layer in range(cfg.n_layers)
+        for name in gate_names(cfg, layer)
+    }
+    return logit_difference(model.patch(pairs.clean_BT, patches, **kw)["logits"], pairs.y_clean_B, pairs.y_patch_B)
+
+  m_clean = patched_m((), pairs.masks["all"])  # the same program with every mask off: the clean run
+  total = m_patch - m_clean
+  kept = np.abs(total) >= min_effect
+  layer_sets = [(layer,) for layer in range(cfg.n_layers)] + [tuple(range(cfg.n_layers))]
+  per_pair = np.full((len(layer_sets), len(POSITION_SETS), len(total)), np.nan)
+  for r, layers in enumerate(layer_sets):
+    for c, position_set in enumerate(POSITION_SETS):
+      effect = patched_m(layers, pairs.masks[position_set]) - m_clean
+      per_pair[r, c] = np.where(kept, effect / np.where(kept, total, 1.0), np.nan)
+  nie = np.nanmean(per_pair, axis=-1) if kept.any() else np.full(per_pair.shape[:2], np.nan)
+  rows = [str(layer) for layer in range(cfg.n_layers)] + ["all"]
+  return NieResult(rows, list(POSITION_SETS), nie, per_pair, m_clean, m_patch, kept)
+
+
+def format_table(result: NieResult) -> str:
+  lines = ["| layer | " + " | ".join(result.col_labels) + " |", "|---" * (len(result.col_labels) + 1) + "|"]
+  for label, values in zip(result.row_labels, result.nie_RC):
+    lines.append(f"| {label} | " + " | ".join(f"{v:+.3f}" for v in values) + " |")
+  kept, total = int(result.kept_B.sum()), len(result.kept_B)
+  lines.append(f"\n{kept} of {total} pairs have a total effect |m(x_patch) - m(x_clean)| above the threshold; "
+               f"mean total effect {np.mean(result.m_patch_B - result.m_clean_B):+.3f} logits.")
+  return "\n".join(lines)
+
+
+def plot(result: NieResult, path: str, title: str = "NIE of patching the gates") -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(1.3 * len(result.col_labels) + 2, 0.6 * len(result.row_labels) + 1.5))
+  limit = max(float(np.nanmax(np.abs(result.nie_RC))) if np.isfinite(result.nie_RC).any() else 1.0, 1e-3)
+  image = ax.imshow(np.nan_to_num(result.nie_RC), cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto")
+  ax.set_xticks(range(len(result.col_labels)), result.col_labels)
+  ax.set_yticks(range(len(result.row_labels)), [f"layer {r}" if r != "all" else "all layers" for r in result.row_labels])
+  for (r, c), value in np.ndenumerate(result.nie_RC):
+    ax.text(c, r, f"{value:.2f}", ha="center", va="center", fontsize=8)
+  ax.set_title(title)
+  fig.colorbar(image, ax=ax)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

@@ -1,0 +1,78 @@
+"""Unit usage over a circuit database: how much of a sparse layer is used, how evenly, and which units
+fire together.
+
+  used        fraction of units (sgatlin/PEER neurons per channel, FFF nodes, MoE experts) picked by at
+              least one token; dead units waste parameters
+  gini        Gini coefficient of the usage counts (0 uniform, 1 one unit takes everything), the same
+              statistic the trainer logs (sparsetx/train/sparse_stats.py) but over a validation set
+  coactivation  among the most used units, how often two fire for the same token relative to
+              independence (lift = P(i and j) / (P(i) P(j))): shared sub-circuits
+  FFF visits  per node and per path (leaf) of each tree: the routing imbalance the FFF paper reports
+"""
+
+import numpy as np
+
+from sparsetx.interp import circuits as circuits_lib
+
+
+def gini(counts: np.ndarray) -> float:
+  x = np.sort(np.asarray(counts, np.float64))
+  n = len(x)
+  return float(2.0 * (np.arange(1, n + 1) * x).sum() / (n * max(x.sum(), 1e-12)) - (n + 1.0) / n)
+
+
+def unit_ids(cfg, db: circuits_lib.CircuitDatabase, layer: int):
+  """(ids [N, S] in usage space, number of units). The circuit's flat space, except PEER, whose
+  channels share one table: there a unit is a neuron, whichever channel picked it."""
+  if cfg.ffn.type == "peer":
+    return db.ids_LNS[layer] % cfg.ffn.d_ffw, cfg.ffn.d_ffw
+  return db.ids_LNS[layer], circuits_lib.n_units(cfg)
+
+
+def unit_counts(cfg, db: circuits_lib.CircuitDatabase, layer: int) -> np.ndarray:
+  """How many times recorded tokens picked each unit of the layer."""
+  ids, size = unit_ids(cfg, db, layer)
+  return np.bincount(ids.reshape(-1), minlength=size)
+
+
+def usage_table(cfg, db: circuits_lib.CircuitDatabase) -> list[dict]:
+  """Per layer: units, fraction used at least once, Gini, and the busiest unit's share of tokens."""
+  rows = []
+  for layer in range(cfg.n_layers):
+    counts = unit_counts(cfg, db, layer)
+    rows.append(dict(layer=layer, units=len(counts), used=float((counts > 0).mean()), gini=gini(counts),
+                     top_unit_share=float(counts.max() / max(len(db), 1))))
+  return rows
+
+
+def coactivation(cfg, db: circuits_lib.CircuitDatabase, layer: int, top: int = 64):
+  """(units [M], counts [M, M], lift [M, M]) among the `top` most used units of a layer."""
+  counts = unit_counts(cfg, db, layer)
+  units = np.argsort(-counts, kind="stable")[:top]
+  position = np.full(len(counts), -1)
+  position[units] = np.arange(len(units))
+  hits_NS = position[unit_ids(cfg, db, layer)[0]]
+  onehot_NM = np.zeros((len(db), len(units)), np.float32)
+  rows, slots = np.nonzero(hits_NS >= 0)
+  onehot_NM[rows, hits_NS[rows, slots]] = 1.0  # a unit picked twice by one token (PEER) counts once
+  together_MM = onehot_NM.T @ onehot_NM
+  p_M = np.diag(together_MM) / max(len(db), 1)
+  lift_MM = (together_MM / max(len(db), 1)) / np.maximum(np.outer(p_M, p_M), 1e-12)
+  return units, together_MM, lift_MM
+
+
+def top_pairs(cfg, db: circuits_lib.CircuitDatabase, layer: int, top: int = 64, n_pairs: int = 10, min_count: int = 5):
+  """The most co-activated pairs (by lift, at least `min_count` shared tokens) as dicts."""
+  units, together, lift = coactivation(cfg, db, layer, top)
+  i, j = np.triu_indices(len(units), k=1)
+  keep = together[i, j] >= min_count
+  order = np.argsort(-lift[i, j][keep], kind="stable")[:n_pairs]
+  return [dict(unit_a=int(units[a]), unit_b=int(units[b]), together=int(together[a, b]), lift=float(lift[a, b]))
+          for a, b in zip(i[keep][order], j[keep][order])]
+
+
+def fff_visits(cfg, db: circuits_lib.CircuitDatabase, layer: int):
+  """(node visit frequency [P, n_nodes], leaf (path) frequency [P, 2**D]): fraction of tokens."""
+  n_nodes = 2 ** (cfg.ffn.depth + 1) - 1
+  node_PN = unit_counts(cfg, db, layer).reshape(cfg.ffn.n_trees, n_nodes) / max(len(db), 1)
+  return node_PN, node_PN[:, n_nodes // 2 :]

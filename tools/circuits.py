@@ -1,0 +1,169 @@
+"""Sparse-circuit analysis of a trained checkpoint, end to end (sgatlin paper Sec. 4; FFF paper Sec. 5).
+
+  python tools/circuits.py --workdir=workdir/tiny [--output=workdir/tiny/circuits] [--rows=128]
+
+Writes to --output (default <workdir>/circuits):
+  model.txt          the model by its standard names and layouts
+  circuits.npz       the circuit database of --rows validation rows (numeric arrays only)
+  usage.md           per layer: fraction of units used, Gini of usage, most co-activated unit pairs
+  neighbours.md      nearest circuits of each token of --sentence at --layer (the paper's Fig. 6 / Table 3)
+  embedding_layer<i>.png   2-D map of the circuits of the most frequent tokens, per layer
+  nie.md, nie.png    gates patched from counterfactual facts: NIE per layer and position (sgatlin, PEER, MoE)
+  fff_visits.png, pruning.md, pruning.png   FFF: node visit frequencies; validation loss against the
+                     fraction of least-visited nodes pruned
+  summary.json       the numbers above, machine-readable
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+from sparsetx.config import ConfigError
+from sparsetx.interp import checkpoint, circuits, embedding, neighbours, nie, pruning, usage
+
+
+def _markdown(rows: list[dict]) -> str:
+  keys = list(rows[0])
+  fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)
+  return "\n".join(["| " + " | ".join(keys) + " |", "|---" * len(keys) + "|"] +
+                   ["| " + " | ".join(fmt(row[k]) for k in keys) + " |" for row in rows])
+
+
+def _plot_visits(visits_by_layer: dict, path: str) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(len(visits_by_layer), 1, figsize=(9, 1.2 + 1.1 * len(visits_by_layer)), squeeze=False)
+  for ax, (layer, visits_PN) in zip(axes[:, 0], visits_by_layer.items()):
+    image = ax.imshow(visits_PN, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0)
+    ax.set_ylabel(f"layer {layer}\ntree")
+  axes[-1, 0].set_xlabel("node (heap order: root, level 1, ..., leaves)")
+  fig.colorbar(image, ax=axes[:, 0].tolist(), label="fraction of tokens visiting")
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def _plot_pruning(results: list[dict], path: str) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(5, 3.5))
+  ax.plot([r["fraction"] for r in results], [r["loss"] for r in results], marker="o")
+  ax.set_xlabel("fraction of nodes pruned (least visited first)")
+  ax.set_ylabel("validation loss")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def analyse(args) -> dict:
+  config, model, step = checkpoint.load(args.workdir, args.step)
+  cfg = model.cfg
+  circuits.check_sparse(cfg)
+  out = args.output or os.path.join(args.workdir, "circuits")
+  os.makedirs(out, exist_ok=True)
+  vocabulary = checkpoint.vocabulary(config)
+  summary = dict(step=int(step), ffn_type=cfg.ffn.type, files=[])
+
+  def write(name: str, text: str) -> None:
+    with open(os.path.join(out, name), "w") as f:
+      f.write(text + "\n")
+    summary["files"].append(name)
+
+  write("model.txt", str(model))
+  rows = checkpoint.validation_rows(config, args.rows)
+  db = circuits.record(model, rows, context=args.context)
+  db.save(os.path.join(out, "circuits.npz"))
+  summary["files"].append("circuits.npz")
+  summary["database_tokens"] = len(db)
+  print(f"step {step}: {len(db)} tokens of {len(rows['inputs'])} validation rows in the circuit database")
+
+  table = usage.usage_table(cfg, db)
+  text = ["# Unit usage over the validation rows", "", _markdown(table)]
+  for layer in range(cfg.n_layers):
+    pairs = usage.top_pairs(cfg, db, layer)
+    if pairs:
+      text += ["", f"## Layer {layer}: most co-activated units (lift over independence)", "", _markdown(pairs)]
+  write("usage.md", "\n".join(text))
+  summary["usage"] = table
+  print(_markdown(table))
+
+  layer = args.layer if args.layer is not None else max(cfg.n_layers - 2, 0)
+  if not 0 <= layer < cfg.n_layers:
+    raise ValueError(f"--layer={layer} is not a layer of this model; use 0..{cfg.n_layers - 1}.")
+  found = neighbours.nearest(model, db, checkpoint.encode_prompt(vocabulary, args.sentence), layer, args.neighbours)
+  write("neighbours.md", "\n".join([
+      f"# Nearest circuits at layer {layer} for: {args.sentence!r}", "",
+      "Each column is a token of the sentence; row r holds the input token of its r-th nearest circuit and "
+      "the cosine distance.", "", neighbours.format_table(vocabulary, db, found), "", "## Contexts and predictions of the nearest circuits", "",
+      neighbours.format_extended(vocabulary, db, found),
+  ]))
+
+  for layer_i in range(cfg.n_layers):
+    points = embedding.embed(cfg, db, layer_i, n_tokens=args.embed_tokens, per_token=args.per_token)
+    embedding.plot(vocabulary, points, os.path.join(out, f"embedding_layer{layer_i}.png"))
+    summary["files"].append(f"embedding_layer{layer_i}.png")
+    summary["embedding_method"] = points.method
+
+  if cfg.ffn.type in ("sgatlin", "peer", "moe"):
+    result = nie.run(model, nie.fact_pairs(vocabulary), min_effect=args.min_effect)
+    write("nie.md", "# Normalized indirect effect of patching the gates (rows: layers, columns: positions)\n\n"
+          + nie.format_table(result))
+    nie.plot(result, os.path.join(out, "nie.png"), title=f"NIE of patching {cfg.ffn.type} gates (step {step})")
+    summary["files"].append("nie.png")
+    summary["nie"] = dict(rows=result.row_labels, columns=result.col_labels,
+                          values=np.where(np.isfinite(result.nie_RC), result.nie_RC, None).tolist(),
+                          kept_pairs=int(result.kept_B.sum()), pairs=len(result.kept_B))
+    print(nie.format_table(result))
+
+  if cfg.ffn.type == "fff":
+    visits = {layer_i: usage.fff_visits(cfg, db, layer_i)[0] for layer_i in range(cfg.n_layers)}
+    _plot_visits(visits, os.path.join(out, "fff_visits.png"))
+    summary["files"].append("fff_visits.png")
+    fractions = [float(f) for f in args.prune_fractions.split(",")]
+    results = pruning.sweep(model, db, rows, fractions)
+    write("pruning.md", "# Validation loss against the fraction of least-visited FFF nodes pruned\n\n" + _markdown(results))
+    _plot_pruning(results, os.path.join(out, "pruning.png"))
+    summary["files"].append("pruning.png")
+    summary["pruning"] = results
+    print(_markdown(results))
+
+  summary["files"].append("summary.json")
+  with open(os.path.join(out, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=1)
+  print(f"wrote {', '.join(summary['files'])} to {out}")
+  return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--workdir", required=True, help="a training workdir (holds checkpoints/)")
+  parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+  parser.add_argument("--output", default=None, help="directory for the tables and PNGs (default <workdir>/circuits)")
+  parser.add_argument("--rows", type=int, default=128, help="validation rows recorded into the circuit database")
+  parser.add_argument("--context", type=int, default=12, help="preceding tokens stored with each circuit")
+  parser.add_argument("--sentence", default="Tom was a little dog. He had a red ball.", help="sentence whose circuits get neighbours")
+  parser.add_argument("--layer", type=int, default=None, help="layer of the neighbour table (default: the penultimate)")
+  parser.add_argument("--neighbours", type=int, default=10)
+  parser.add_argument("--embed_tokens", type=int, default=20, help="most frequent tokens in the 2-D map")
+  parser.add_argument("--per_token", type=int, default=40, help="circuits per token in the 2-D map")
+  parser.add_argument("--min_effect", type=float, default=0.5, help="NIE: least total effect (logits) of a kept pair")
+  parser.add_argument("--prune_fractions", default="0,0.1,0.25,0.5,0.75", help="FFF: comma-separated fractions")
+  args = parser.parse_args(argv)
+  try:
+    analyse(args)
+  except (ConfigError, ValueError) as error:
+    print(f"error: {error}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
