@@ -2,8 +2,12 @@
 
 Every config field can be overridden on the command line (ml_collections config_flags). A bad
 config, mesh, batch size or workdir ends the run with one line naming the field and exit code 2.
+Multi-host: the process joins the run its environment describes (SLURM, JobSet, TPU VM pod; see
+sparsetx/parallel/distributed.py), the flags --coordinator_address, --num_processes, --process_id
+override it; a run whose peers do not all connect ends with exit code 4.
 """
 
+import os
 import sys
 
 from absl import app, flags, logging
@@ -13,17 +17,33 @@ from sparsetx.config import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file, optionally with ':ARG'.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and TensorBoard logs.", required=True)
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "Multi-host: HOST:PORT of process 0 (overrides the environment).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes (overrides the environment).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-host: this process's index, 0-based (overrides the environment).")
+_LOCAL_DEVICES = flags.DEFINE_list("local_device_ids", None, "Multi-host: the local GPU ids this process uses, e.g. 0,1.")
+_INIT_TIMEOUT = flags.DEFINE_integer("distributed_timeout", 300, "Multi-host: seconds to wait for all processes to connect.")
+_HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout", 100, "Multi-host: seconds without a heartbeat before a peer counts as dead.")
 
 
 def main(argv):
   del argv
+  from sparsetx.parallel import distributed
   from sparsetx.train.loop import NonFiniteLossError, train  # after flags: keeps --help fast
 
   try:
+    spec = distributed.detect(
+        os.environ, coordinator_address=_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
+        process_id=_PROCESS_ID.value, local_device_ids=[int(i) for i in _LOCAL_DEVICES.value or []],
+        tpu_present=distributed.tpu_vm_present())
+    distributed.initialize(spec, timeout_s=_INIT_TIMEOUT.value, heartbeat_timeout_s=_HEARTBEAT.value)
     train(_CONFIG.value, _WORKDIR.value)
+    distributed.shutdown()
   except ConfigError as error:
     print(f"error: {error}", file=sys.stderr)
     sys.exit(2)
+  except distributed.DistributedError as error:
+    print(f"error: {error}", file=sys.stderr)
+    sys.exit(4)
   except NonFiniteLossError as error:
     print(f"error: {error}", file=sys.stderr)
     sys.exit(3)
