@@ -132,6 +132,15 @@ class StandardizedTransformer:
     tree, masks = self._patch_trees(call, patches or {}, B, T)
     return call(tree, masks, reads=reads)
 
+  def eval_shapes(self, batch: int, seq: int, names=None) -> dict:
+    """{name: ShapeDtypeStruct} of every served name (or `names`) for a [batch, seq] input, without
+    compiling or running anything (jax.eval_shape); params may be abstract too."""
+    reads = tuple(self.names if names is None else names)
+    tokens_BT = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    return jax.eval_shape(
+        functools.partial(self._forward_impl, reads=reads), self.params, tokens_BT, tokens_BT, tokens_BT, {}, {}
+    )
+
   def trace(self, tokens_BT, names, **kwargs) -> dict:
     """Reads `names` (a name or a list) without changing anything."""
     names = [names] if isinstance(names, str) else list(names)

@@ -1,0 +1,41 @@
+"""Shared small models for the interpretability tests, built once per worker (init compiles take seconds).
+
+The sgatlin model uses the parallel (GPT-NeoX) block with LayerNorm and biases, so the same model
+serves the parallel-block identity and the sgatlin circuit tests; the sequential block is covered
+by the trained checkpoint of tests/test_interp_tool.py.
+"""
+
+import functools
+
+import jax
+import ml_collections
+import numpy as np
+from conftest import init_params, load_config
+
+from sparsetx import config as config_lib
+from sparsetx.interp import StandardizedTransformer
+from sparsetx.models.transformer import Transformer
+
+B, T = 2, 12
+
+
+def model_config(ffn_type="sgatlin", **model):
+  config = load_config("configs/tiny.py", ffn_type)
+  config.model.update(dict(d_model=32, head_dim=16, n_layers=2, dtype="float32", max_len=32), **model)
+  config.data.seq_len = 32
+  config_lib.validate(config)
+  return ml_collections.FrozenConfigDict(config.model)
+
+
+def tokens(seed=1, batch=B, length=T):
+  return np.asarray(jax.random.randint(jax.random.key(seed), (batch, length), 3, 259))
+
+
+@functools.lru_cache(maxsize=None)
+def random_model(ffn_type: str, **model) -> StandardizedTransformer:
+  cfg = model_config(ffn_type, **model)
+  return StandardizedTransformer(cfg, init_params(Transformer(cfg), tokens()))
+
+
+def parallel_sgatlin() -> StandardizedTransformer:
+  return random_model("sgatlin", block="parallel", norm="layernorm", use_bias=True)
