@@ -114,6 +114,61 @@ def expert_group(logical_name: str, n_units: int, n_tokens: int, field: str):
   return group
 
 
+UNITS = {"sgatlin": ("channel", "n_channels"), "fff": ("tree", "n_trees"), "moe": ("expert", "n_experts")}
+
+
+def check_units_divide(config, mesh) -> None:
+  """Refuses a sparse layer whose units don't split evenly over their mesh axes, naming the field."""
+  ffn = config.model.ffn
+  if ffn.type not in UNITS:
+    return
+  name, field = UNITS[ffn.type]
+  axes = [a for a in _mesh_axes(config.mesh.rules, name) if a in mesh.shape]
+  shards = math.prod(mesh.shape[a] for a in axes)
+  if ffn[field] % shards:
+    shape = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
+    raise ConfigError(
+        f"config.model.ffn.{field}={ffn[field]} is not divisible by the {shards} devices of the mesh axes it is "
+        f"split over ({shape}); make it a multiple of {shards}, or move devices from those axes to data or fsdp."
+    )
+
+
+def on_token_shards(a_BT, group: ExpertGroup):
+  """Constrains a [B, T, ...] array to the batch layout, so the router runs where the tokens are.
+
+  Without it the compiler may follow the router's channel-sharded keys and gather the scores of
+  the whole batch onto every device.
+  """
+  B, T = a_BT.shape[:2]
+  a_N = a_BT.reshape((B * T,) + a_BT.shape[2:])
+  a_N = jax.lax.with_sharding_constraint(a_N, jax.sharding.NamedSharding(group.mesh, group.token_spec))
+  return a_N.reshape(a_BT.shape)
+
+
+def where_tokens_are(fn, *arrays_BT):
+  """fn on each device's own tokens: a shard_map over the batch axes when a mesh is in the context.
+
+  For per-token work the compiler does not partition by itself: XLA's TopK (the routers' top-k)
+  gathers its whole operand onto every device otherwise. Arrays share leading [B, T] dimensions;
+  fn maps them to arrays with the same leading dimensions.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return fn(*arrays_BT)
+  batch = tuple(a for a in _mesh_axes(_RULES.get(), "batch") if a in mesh.shape and mesh.shape[a] > 1)
+  B, T = arrays_BT[0].shape[:2]
+  if not batch or (B * T) % math.prod(mesh.shape[a] for a in batch):
+    return fn(*arrays_BT)
+  flat = [a.reshape((B * T,) + a.shape[2:]) for a in arrays_BT]
+  spec = P(batch)
+  out_shape = jax.eval_shape(fn, *flat)
+  outs = jax.shard_map(
+      fn, mesh=mesh, in_specs=(spec,) * len(flat), out_specs=jax.tree.map(lambda _: spec, out_shape),
+      axis_names=set(batch), check_vma=False,
+  )(*flat)
+  return jax.tree.map(lambda o: o.reshape((B, T) + o.shape[1:]), outs)
+
+
 def gather_tokens(x_n, group: ExpertGroup):
   """[local tokens, ...] -> [group tokens, ...]: all-gather over the unit axes that split the batch."""
   for axis in group.units:
@@ -162,10 +217,13 @@ def unit_index(group: ExpertGroup):
 
 
 def shard_map(fn, group: ExpertGroup, in_specs, out_specs):
-  """jax.shard_map over the context mesh (all axes manual; unmentioned axes hold replicas).
+  """jax.shard_map over the group's token and unit axes; the other mesh axes stay with the compiler.
 
   check_vma is off: the kernels' scans start float32 accumulators from zeros, which the varying-
   axes check rejects inside a shard_map. The tests compare values and gradients with the
   single-device layer on meshes whose batch is split over the expert axis too.
   """
-  return jax.shard_map(fn, mesh=group.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+  return jax.shard_map(
+      fn, mesh=group.mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(group.batch + group.units),
+      check_vma=False,
+  )

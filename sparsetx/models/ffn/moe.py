@@ -67,7 +67,7 @@ class Moe(nn.Module):
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
         name="router",
     )(x_BTD.astype(jnp.float32))
-    top_logits_BTK, expert_ids_BTK = jax.lax.top_k(logits_BTE, K)
+    top_logits_BTK, expert_ids_BTK = ep.where_tokens_are(lambda l: jax.lax.top_k(l, K), logits_BTE)
     weights_BTK = jax.nn.softmax(top_logits_BTK, axis=-1)
     expert_ids_BTK = tap(self, "expert_ids", expert_ids_BTK)
     weights_BTK = tap(self, "expert_weights", weights_BTK)

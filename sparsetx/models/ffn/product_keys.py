@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from sparsetx.config import ConfigError, n_keys_for
 from sparsetx.models.ffn.common import router_init
+from sparsetx.parallel.expert_parallel import where_tokens_are
 
 
 def product_key_top_k(scores1_N: jax.Array, scores2_N: jax.Array, k: int):
@@ -64,7 +65,8 @@ class ProductKeyRouter(nn.Module):
         kernel_init=router_init(("key", None, "channel", None)),
         name="keys",
     )(query)
-    return product_key_top_k(scores_BT2CN[:, :, 0], scores_BT2CN[:, :, 1], self.top_k)
+    top_k = lambda s1, s2: product_key_top_k(s1, s2, self.top_k)  # noqa: E731
+    return where_tokens_are(top_k, scores_BT2CN[:, :, 0], scores_BT2CN[:, :, 1])
 
 
 class PeerRouter(nn.Module):
@@ -100,7 +102,8 @@ class PeerRouter(nn.Module):
     scores_BTC2N = jnp.einsum(
         "btcsh,csnh->btcsn", query_BTC2H, sub_keys_C2NH.astype(jnp.float32), precision="highest"
     )
-    return product_key_top_k(scores_BTC2N[..., 0, :], scores_BTC2N[..., 1, :], self.top_k)
+    top_k = lambda s1, s2: product_key_top_k(s1, s2, self.top_k)  # noqa: E731
+    return where_tokens_are(top_k, scores_BTC2N[..., 0, :], scores_BTC2N[..., 1, :])
 
 
 def make_router(kind: str, cfg, param_dtype) -> nn.Module:

@@ -45,7 +45,12 @@ class Sgatlin(nn.Module):
   def __call__(self, x_BTD):
     ffn = self.cfg.ffn
     C, N, D = ffn.n_channels, ffn.d_ffw, self.cfg.d_model
+    group = ep.expert_group("channel", C, x_BTD.shape[0] * x_BTD.shape[1], "config.model.ffn.n_channels")
+    if group is not None:
+      x_BTD = ep.on_token_shards(x_BTD, group)
     scores_BTCK, idx_BTCK = make_router(ffn.router, ffn, jnp.dtype(self.cfg.param_dtype))(x_BTD)
+    if group is not None:
+      scores_BTCK, idx_BTCK = ep.on_token_shards(scores_BTCK, group), ep.on_token_shards(idx_BTCK, group)
     gates_BTCK = scores_BTCK if ffn.router == "product" else jax.nn.softmax(scores_BTCK, axis=-1)
     idx_BTCK = tap(self, "gate_indices", idx_BTCK)
     gates_BTCK = tap(self, "gate_scores", gates_BTCK)
@@ -57,7 +62,6 @@ class Sgatlin(nn.Module):
         jnp.dtype(self.cfg.param_dtype),
     )
     B, T = idx_BTCK.shape[:2]
-    group = ep.expert_group("channel", C, B * T, "config.model.ffn.n_channels")
     if group is not None:
       return _expert_parallel(group, x_BTD, experts, idx_BTCK, gates_BTCK, ffn)
     rows_BTS = (idx_BTCK + N * jnp.arange(C, dtype=idx_BTCK.dtype)[:, None]).reshape(B, T, C * ffn.top_k)

@@ -1,0 +1,202 @@
+"""Ahead-of-time view of a training run: build abstractly, lower and compile the train step on a
+declared mesh, and report what each device holds, moves and computes. No array is allocated.
+
+Used by tools/dry_run.py (simulated CPU devices) to size billion-parameter models before a job
+starts. The numbers:
+  - parameters and optimizer state per device, from the abstract state and its shardings;
+  - the compiler's memory analysis of the step (arguments, outputs, temporaries; per device);
+  - FLOPs per step: the ladder's model count (6 * params-style accounting, sparse layers by their
+    active work) and the compiler's cost analysis of one device's program;
+  - every collective in the compiled program with its result size and group size. Collectives
+    inside loops (layer scans, micro-batches, kernel chunks) are listed once, as XLA prints them.
+"""
+
+import collections
+import dataclasses
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from sparsetx.models import ladder
+from sparsetx.parallel import expert_parallel
+from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.train import state as state_lib
+from sparsetx.train import step as step_lib
+from sparsetx.train.optimizer import learning_rate_schedule
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_COLLECTIVE_RE = re.compile(r"=\s*(?P<shape>.*?)\s+(?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+_ARRAY_RE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+
+
+def device_bytes(abstract_tree) -> int:
+  """Bytes one device holds of a tree of ShapeDtypeStructs with shardings (the largest shard)."""
+  total = 0
+  for leaf in jax.tree.leaves(abstract_tree):
+    shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+    total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+  return total
+
+
+def sparse_table_bytes(abstract_params) -> int:
+  """Per-device bytes of the sparse layers' tables (sgatlin/PEER experts, FFF nodes, MoE experts)."""
+  names = {"experts", "w_in", "w_out", "wi_gate", "wi_up", "wo"}
+  leaves = [
+      leaf for path, leaf in jax.tree.leaves_with_path(abstract_params)
+      if getattr(path[-1], "key", None) in names and any(getattr(p, "key", "") == "mlp" for p in path)
+  ]
+  return device_bytes(leaves)
+
+
+def abstract_batch(config, sharding) -> dict:
+  B, T = config.data.global_batch_size, config.data.seq_len
+  spec = lambda dtype: jax.ShapeDtypeStruct((B, T), dtype, sharding=sharding)  # noqa: E731
+  return dict(inputs=spec(jnp.int32), targets=spec(jnp.int32), segment_ids=spec(jnp.int32),
+              positions=spec(jnp.int32), loss_weights=spec(jnp.float32))
+
+
+def collectives(hlo_text: str) -> list:
+  """(op, result bytes, group size, result shape) of each collective instruction in an HLO text."""
+  found = []
+  for line in hlo_text.splitlines():
+    match = _COLLECTIVE_RE.search(line)
+    if not match:
+      continue
+    nbytes = sum(
+        _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+        for dtype, dims in _ARRAY_RE.findall(match["shape"])
+    )
+    found.append((match["op"], nbytes, _group_size(line), match["shape"].split("{")[0]))
+  return found
+
+
+def _group_size(line: str) -> int:
+  """Devices per group, from the iota ([groups,size]), explicit ({{..}}) or mesh-axes replica groups."""
+  mesh = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", line)
+  if mesh:
+    sizes = dict(re.findall(r"'(\w+)'=(\d+)", mesh[1]))
+    return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", mesh[2]))
+  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
+  if iota:
+    return int(iota[2])
+  explicit = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+  if explicit:
+    return len(explicit[1].split(","))
+  pairs = re.search(r"source_target_pairs=\{(.*?)\}\}?", line)
+  return 2 if pairs else 0
+
+
+@dataclasses.dataclass
+class Report:
+  mesh_shape: dict
+  n_params: int
+  param_bytes: int  # per device
+  optimizer_bytes: int  # per device
+  table_bytes: int  # per device, the sparse layers' tables
+  memory: dict  # compiler memory analysis, per device
+  model_flops: float  # per step, the whole model (ladder accounting, forward + backward)
+  compiled_flops: float  # per step, one device's program (XLA cost analysis)
+  collectives: list  # (op, bytes, group size, shape)
+
+
+def abstract_state(config, mesh):
+  """(abstract state with shardings, shardings, model, tx); refuses large replicated parameters."""
+  expert_parallel.check_units_divide(config, mesh)
+  return state_lib.state_shardings(config, mesh)
+
+
+def compile_train_step(config: ml_collections.ConfigDict, mesh):
+  """Lowers and compiles the train step for `mesh` from abstract inputs; returns (compiled, state)."""
+  abstract, shardings, model, tx = abstract_state(config, mesh)
+  batch_sharding = mesh_lib.batch_sharding(mesh, config.mesh.rules)
+  step = functools.partial(
+      step_lib.train_step, model=model, train=config.train, schedule=learning_rate_schedule(config.train)
+  )
+  with expert_parallel.activate(mesh, config.mesh.rules):
+    jitted = jax.jit(step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0)
+    compiled = jitted.lower(abstract, abstract_batch(config, batch_sharding)).compile()
+  return compiled, abstract
+
+
+def dry_run(config: ml_collections.ConfigDict, mesh) -> Report:
+  compiled, abstract = compile_train_step(config, mesh)
+  memory = compiled.memory_analysis()
+  memory = {
+      name: int(getattr(memory, f"{name}_size_in_bytes", 0) or 0)
+      for name in ("argument", "output", "temp", "alias", "generated_code")
+  }
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  tokens = config.data.global_batch_size * config.data.seq_len
+  return Report(
+      mesh_shape=dict(mesh.shape),
+      n_params=sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract.params)),
+      param_bytes=device_bytes(abstract.params),
+      optimizer_bytes=device_bytes(abstract.opt_state),
+      table_bytes=sparse_table_bytes(abstract.params),
+      memory=memory,
+      model_flops=3.0 * ladder.forward_flops_per_token(config.model, config.data.seq_len)["total"] * tokens,
+      compiled_flops=float((cost or {}).get("flops", 0.0)),
+      collectives=collectives(compiled.as_text()),
+  )
+
+
+def _size(nbytes: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if abs(nbytes) < 1024 or unit == "TiB":
+      return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
+    nbytes /= 1024
+
+
+def format_report(report: Report) -> str:
+  mesh = " x ".join(f"{axis}={size}" for axis, size in report.mesh_shape.items())
+  lines = [
+      f"mesh                      {mesh} ({math.prod(report.mesh_shape.values())} devices)",
+      f"parameters                {report.n_params:,} ({report.n_params / 1e9:.2f} B)",
+      "per device:",
+      f"  parameters              {_size(report.param_bytes)}",
+      f"  optimizer state         {_size(report.optimizer_bytes)}",
+      f"  sparse tables           {_size(report.table_bytes)}",
+      "compiler memory analysis (per device):",
+  ]
+  lines += [f"  {name:<22}  {_size(value)}" for name, value in report.memory.items()]
+  lines += [
+      f"model FLOPs per step      {report.model_flops:.3e} (ladder accounting, forward + backward)",
+      f"compiled FLOPs per device {report.compiled_flops:.3e} (XLA cost analysis of one device's program)",
+      "collectives (static instructions in the compiled program; loop bodies listed once):",
+      f"  {'op':<20}{'count':>7}{'total bytes':>14}{'largest':>12}  group sizes",
+  ]
+  by_op = collections.defaultdict(list)
+  for op, nbytes, group, _ in report.collectives:
+    by_op[op].append((nbytes, group))
+  for op in COLLECTIVES:
+    if op in by_op:
+      sizes = [b for b, _ in by_op[op]]
+      groups = ",".join(str(g) for g in sorted({g for _, g in by_op[op]}))
+      lines.append(f"  {op:<20}{len(sizes):>7}{_size(sum(sizes)):>14}{_size(max(sizes)):>12}  {groups}")
+  if not by_op:
+    lines.append("  (none)")
+  return "\n".join(lines)
+
+
+def table_bytes_by_expert(config: ml_collections.ConfigDict, devices, expert_sizes) -> list:
+  """(expert axis size, per-device sparse table bytes) from abstract shapes, data taking the rest."""
+  rows = []
+  for expert in expert_sizes:
+    if len(devices) % expert:
+      continue
+    config = ml_collections.ConfigDict(config.to_dict())
+    config.mesh.ici.update(data=-1, fsdp=1, tensor=1, expert=expert)
+    mesh = mesh_lib.make_mesh(config.mesh, devices)
+    abstract, _, _, _ = abstract_state(config, mesh)
+    rows.append((expert, sparse_table_bytes(abstract.params)))
+  return rows
+
+
+__all__ = ["Report", "dry_run", "format_report", "device_bytes", "collectives", "table_bytes_by_expert"]

@@ -1,0 +1,72 @@
+"""Dry run: compile a config's train step for a declared mesh on simulated CPU devices, allocating nothing.
+
+  .venv/bin/python tools/dry_run.py --config=configs/large.py:sgatlin8,h100 --devices=64
+  .venv/bin/python tools/dry_run.py --config=configs/ladder.py:sgatlin,8 --devices=64 \\
+      --config.mesh.ici.data=8 --config.mesh.ici.fsdp=2 --config.mesh.ici.expert=4
+
+Prints per-device parameter and optimizer bytes, the compiler's memory analysis, FLOPs per step
+and the collectives of the compiled program (sparsetx/parallel/aot.py). `--expert_sweep=1,2,4,8`
+adds the per-device sparse-table bytes for each expert-axis size (abstract shapes only).
+The mesh uses config.mesh.ici over `--devices` simulated devices (dcn must be all 1).
+"""
+
+import os
+import sys
+
+
+def _devices_from_argv(argv) -> int:
+  for i, arg in enumerate(argv):
+    if arg.startswith("--devices="):
+      return int(arg.split("=", 1)[1])
+    if arg == "--devices" and i + 1 < len(argv):
+      return int(argv[i + 1])
+  return 8
+
+
+# The simulated device count must be fixed before jax is imported.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_devices_from_argv(sys.argv)}"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import time  # noqa: E402
+
+import jax  # noqa: E402
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from sparsetx import config as config_lib  # noqa: E402
+from sparsetx.parallel import aot  # noqa: E402
+from sparsetx.parallel import mesh as mesh_lib  # noqa: E402
+from sparsetx.train.loop import check_batch_divides  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file, optionally with ':ARG'.")
+_DEVICES = flags.DEFINE_integer("devices", 8, "Simulated CPU devices (the mesh's size).")
+_SWEEP = flags.DEFINE_list("expert_sweep", [], "Expert-axis sizes for a per-device sparse-table bytes table.")
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  try:
+    config_lib.validate(config)
+    devices = jax.devices()[: _DEVICES.value]
+    mesh = mesh_lib.make_mesh(config.mesh, devices)
+    check_batch_divides(config, mesh)
+    start = time.time()
+    report = aot.dry_run(config, mesh)
+  except config_lib.ConfigError as error:
+    print(f"error: {error}", file=sys.stderr)
+    sys.exit(2)
+  print(aot.format_report(report))
+  print(f"lowered and compiled in {time.time() - start:.0f} s")
+  if _SWEEP.value:
+    print("sparse tables per device by expert-axis size (data takes the other devices):")
+    print(f"  {'expert':>6}  {'bytes':>14}  {'x expert':>14}")
+    for expert, nbytes in aot.table_bytes_by_expert(config, devices, [int(e) for e in _SWEEP.value]):
+      print(f"  {expert:>6}  {nbytes:>14,}  {nbytes * expert:>14,}")
+
+
+if __name__ == "__main__":
+  app.run(main)
