@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import math
 import re
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -61,8 +62,16 @@ def abstract_batch(config, sharding) -> dict:
               positions=spec(jnp.int32), loss_weights=spec(jnp.float32))
 
 
+class Collective(NamedTuple):
+  op: str
+  nbytes: int  # the result's bytes on one device
+  group: int  # devices per replica group
+  shape: str
+  source: str  # the jax op_name it came from (jvp(...) forward, transpose(...) backward)
+
+
 def collectives(hlo_text: str) -> list:
-  """(op, result bytes, group size, result shape) of each collective instruction in an HLO text."""
+  """A Collective for each collective instruction in a compiled HLO text."""
   found = []
   for line in hlo_text.splitlines():
     match = _COLLECTIVE_RE.search(line)
@@ -72,7 +81,8 @@ def collectives(hlo_text: str) -> list:
         _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
         for dtype, dims in _ARRAY_RE.findall(match["shape"])
     )
-    found.append((match["op"], nbytes, _group_size(line), match["shape"].split("{")[0]))
+    source = re.search(r'op_name="([^"]*)"', line)
+    found.append(Collective(match["op"], nbytes, _group_size(line), match["shape"].split("{")[0], source[1] if source else ""))
   return found
 
 
@@ -102,7 +112,7 @@ class Report:
   memory: dict  # compiler memory analysis, per device
   model_flops: float  # per step, the whole model (ladder accounting, forward + backward)
   compiled_flops: float  # per step, one device's program (XLA cost analysis)
-  collectives: list  # (op, bytes, group size, shape)
+  collectives: list  # Collective
 
 
 def abstract_state(config, mesh):
@@ -173,7 +183,7 @@ def format_report(report: Report) -> str:
       f"  {'op':<20}{'count':>7}{'total bytes':>14}{'largest':>12}  group sizes",
   ]
   by_op = collections.defaultdict(list)
-  for op, nbytes, group, _ in report.collectives:
+  for op, nbytes, group, _, _ in report.collectives:
     by_op[op].append((nbytes, group))
   for op in COLLECTIVES:
     if op in by_op:

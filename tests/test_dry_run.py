@@ -1,0 +1,80 @@
+"""Dry run (sparsetx/parallel/aot.py, tools/dry_run.py): per-device bytes, compiled step report, large configs."""
+
+import math
+
+import jax
+import pytest
+from conftest import load_config
+
+from sparsetx import config as config_lib
+from sparsetx.parallel import aot
+from sparsetx.parallel import mesh as mesh_lib
+
+
+def micro_config(ffn_type):
+  config = load_config("configs/tiny.py", ffn_type)
+  config.model.update(d_model=32, n_layers=2, head_dim=32, max_len=16, dtype="float32")
+  config.model.ffn.update(dict(sgatlin=dict(n_channels=8, d_ffw=64, top_k=2, d_key=8), fff=dict(n_trees=8, depth=2),
+                               moe=dict(n_experts=8, d_ffw=16))[ffn_type])
+  config.data.update(seq_len=16, global_batch_size=8, eval_batch_size=8)
+  return config
+
+
+def table_params(model) -> int:
+  """The sparse tables' parameter count, by hand from the config."""
+  ffn, D, L = model.ffn, model.d_model, model.n_layers
+  if ffn.type == "sgatlin":
+    return L * 2 * ffn.n_channels * ffn.d_ffw * D
+  if ffn.type == "fff":
+    return L * 2 * ffn.n_trees * (2 ** (ffn.depth + 1) - 1) * D
+  return L * 3 * ffn.n_experts * D * ffn.d_ffw
+
+
+@pytest.mark.parametrize("ffn_type", ["sgatlin", "fff", "moe"])
+def test_table_bytes_per_device_fall_as_one_over_expert(ffn_type):
+  config = micro_config(ffn_type)
+  rows = aot.table_bytes_by_expert(config, jax.devices(), [1, 2, 4, 8])
+  total = 4 * table_params(config.model)
+  assert rows == [(expert, total // expert) for expert in (1, 2, 4, 8)]
+
+
+def test_dry_run_reports_the_compiled_step():
+  config = micro_config("sgatlin")
+  config.mesh.ici.update(data=2, expert=4)
+  mesh = mesh_lib.make_mesh(config.mesh)
+  report = aot.dry_run(config, mesh)
+  abstract, _, _, _ = aot.abstract_state(config, mesh)
+  assert report.n_params == sum(math.prod(p.shape) for p in jax.tree.leaves(abstract.params))
+  assert report.table_bytes == 4 * table_params(config.model) // 4
+  assert report.optimizer_bytes >= 2 * report.param_bytes  # Adam's two moments, sharded like the params
+  assert report.memory["argument"] >= report.param_bytes + report.optimizer_bytes
+  assert report.memory["temp"] > 0 and report.compiled_flops > 0
+  assert report.model_flops > report.compiled_flops  # the model's work is spread over 8 devices
+  ops = {(c.op, c.group) for c in report.collectives}
+  # the sgatlin layers' shard_map: tokens gathered, indices to owners, outputs reduce-scattered over expert=4
+  assert {("all-gather", 4), ("all-to-all", 4), ("reduce-scatter", 4)} <= ops
+  # the sparse layers' forward moves tokens, never tables: each transfer is below one layer's table shard
+  forward = [c for c in report.collectives if c.source.startswith("jit(train_step)/jvp(") and "/mlp/" in c.source]
+  assert forward and max(c.nbytes for c in forward) < report.table_bytes / config.model.n_layers / 2
+  text = aot.format_report(report)
+  assert "reduce-scatter" in text and "data=2 x fsdp=1 x tensor=1 x expert=4" in text
+
+
+def test_channels_that_do_not_split_over_expert_are_refused():
+  config = micro_config("sgatlin")
+  config.model.ffn.n_channels = 4
+  config.mesh.ici.update(data=1, expert=8)
+  with pytest.raises(config_lib.ConfigError, match=r"config.model.ffn.n_channels=4 is not divisible by the 8 devices"):
+    aot.abstract_state(config, mesh_lib.make_mesh(config.mesh))
+
+
+@pytest.mark.parametrize("arg, mesh_shape", [("sgatlin8,h100", (8, 1, 1, 8)), ("sgatlin4b,v5p", (4, 1, 1, 16))])
+def test_large_configs_pass_the_replication_check(arg, mesh_shape):
+  config = load_config("configs/large.py", arg)
+  config_lib.validate(config)
+  assert config.mesh.ici.expert == mesh_shape[3]
+  mesh = jax.sharding.AbstractMesh(mesh_shape, config_lib.MESH_AXES)
+  abstract, _, _, _ = aot.abstract_state(config, mesh)  # raises if a large parameter would be replicated
+  n_params = sum(math.prod(p.shape) for p in jax.tree.leaves(abstract.params))
+  assert n_params > (6e9 if arg.startswith("sgatlin8") else 4e9)
+  assert aot.sparse_table_bytes(abstract.params) == 4 * table_params(config.model) // mesh_shape[3]
