@@ -19,9 +19,10 @@ from sparsetx.models.transformer import Transformer
 B, T = 2, 12
 
 
-def model_config(ffn_type="sgatlin", **model):
+def model_config(ffn_type="sgatlin", ffn=(), **model):
   config = load_config("configs/tiny.py", ffn_type)
   config.model.update(dict(d_model=32, head_dim=16, n_layers=2, dtype="float32", max_len=32), **model)
+  config.model.ffn.update(dict(ffn))
   config.data.seq_len = 32
   config_lib.validate(config)
   return ml_collections.FrozenConfigDict(config.model)
@@ -32,8 +33,9 @@ def tokens(seed=1, batch=B, length=T):
 
 
 @functools.lru_cache(maxsize=None)
-def random_model(ffn_type: str, **model) -> StandardizedTransformer:
-  cfg = model_config(ffn_type, **model)
+def random_model(ffn_type: str, ffn: tuple = (), **model) -> StandardizedTransformer:
+  """`ffn`: (field, value) pairs for config.model.ffn (a tuple, so the model can be cached)."""
+  cfg = model_config(ffn_type, ffn, **model)
   return StandardizedTransformer(cfg, init_params(Transformer(cfg), tokens()))
 
 

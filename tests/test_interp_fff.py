@@ -9,7 +9,7 @@ from sparsetx.interp import circuits, pruning, usage
 
 @pytest.fixture(scope="module")
 def model():
-  return random_model("fff")
+  return random_model("fff", ffn=(("depth", 6),), n_layers=1)  # deep trees: some leaves unvisited
 
 
 @pytest.fixture(scope="module")

@@ -101,6 +101,10 @@ def rebuild_sgatlin_output(gate_vector_BTCN, experts_2CND, mlp_input_BTD, activa
   return jnp.einsum("btcn,cnd->btd", gate_vector_BTCN * a_BTCN, experts_2CND[1], precision=hi)
 
 
+def _pad_rows(x, rows: int):
+  return np.pad(x, [(0, rows - len(x))] + [(0, 0)] * (x.ndim - 1))
+
+
 @dataclasses.dataclass
 class CircuitDatabase:
   """Per recorded token n: input token, context (preceding tokens, -1 padded), top-5 predictions and,
@@ -132,7 +136,8 @@ def record(model, rows: dict, context: int = 8, batch_rows: int = 16) -> Circuit
   reads = [name for layer in range(cfg.n_layers) for name in circuit_names(cfg, layer)] + ["logits"]
   tokens, contexts, top5, ids, weights = [], [], [], [], []
   for start in range(0, len(rows["inputs"]), batch_rows):
-    batch = {k: v[start : start + batch_rows] for k, v in rows.items()}
+    # every batch padded to batch_rows (padding has loss weight 0): one compiled program
+    batch = {k: _pad_rows(v[start : start + batch_rows], batch_rows) for k, v in rows.items()}
     out = model.trace(batch["inputs"], reads, positions_BT=batch["positions"], segment_ids_BT=batch["segment_ids"])
     real_BT = batch["loss_weights"] > 0
     b_idx, t_idx = np.nonzero(real_BT)

@@ -125,31 +125,36 @@ def run(model, pairs: PromptPairs, min_effect: float = 0.5, source_gates: dict |
   """The NIE table: rows = single layers and all layers together, columns = position sets.
 
   `source_gates` overrides the patched values ({name: array}); by default they are the
-  counterfactual run's gates (passing the clean run's own gates must give NIE 0).
+  counterfactual run's gates (passing the clean run's own gates must give NIE 0). Every run,
+  the unpatched clean and counterfactual ones included, is the same compiled program with
+  different masks, so the clean baseline differs from a patched run only by what is patched.
   """
   cfg = model.cfg
   names = [name for layer in range(cfg.n_layers) for name in gate_names(cfg, layer)]
   kw = dict(positions_BT=pairs.positions_BT, segment_ids_BT=pairs.segment_ids_BT)
-  counter = model.trace(pairs.patch_BT, names + ["logits"], **kw)
-  gates = source_gates or {name: counter[name] for name in names}
-  m_patch = logit_difference(counter["logits"], pairs.y_clean_B, pairs.y_patch_B)
+  shapes = model.eval_shapes(*pairs.clean_BT.shape, names)
+  nothing = {name: np.zeros(s.shape, s.dtype) for name, s in shapes.items()}
+  off = np.zeros_like(pairs.masks["all"])
 
-  def patched_m(layers, mask_BT):
+  def forward(tokens_BT, values, layers, mask_BT):
     patches = {
-        name: Patch(gates[name], mask_BT if layer in layers else np.zeros_like(mask_BT))
+        name: Patch(values[name], mask_BT if layer in layers else off)
         for layer in range(cfg.n_layers)
         for name in gate_names(cfg, layer)
     }
-    return logit_difference(model.patch(pairs.clean_BT, patches, **kw)["logits"], pairs.y_clean_B, pairs.y_patch_B)
+    out = model.patch(tokens_BT, patches, names + ["logits"], **kw)
+    return out, logit_difference(out["logits"], pairs.y_clean_B, pairs.y_patch_B)
 
-  m_clean = patched_m((), pairs.masks["all"])  # the same program with every mask off: the clean run
+  counter, m_patch = forward(pairs.patch_BT, nothing, (), off)  # every mask off: the plain counterfactual run
+  gates = source_gates or {name: counter[name] for name in names}
+  _, m_clean = forward(pairs.clean_BT, gates, (), off)
   total = m_patch - m_clean
   kept = np.abs(total) >= min_effect
   layer_sets = [(layer,) for layer in range(cfg.n_layers)] + [tuple(range(cfg.n_layers))]
   per_pair = np.full((len(layer_sets), len(POSITION_SETS), len(total)), np.nan)
   for r, layers in enumerate(layer_sets):
     for c, position_set in enumerate(POSITION_SETS):
-      effect = patched_m(layers, pairs.masks[position_set]) - m_clean
+      effect = forward(pairs.clean_BT, gates, layers, pairs.masks[position_set])[1] - m_clean
       per_pair[r, c] = np.where(kept, effect / np.where(kept, total, 1.0), np.nan)
   nie = np.nanmean(per_pair, axis=-1) if kept.any() else np.full(per_pair.shape[:2], np.nan)
   rows = [str(layer) for layer in range(cfg.n_layers)] + ["all"]

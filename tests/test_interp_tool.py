@@ -1,0 +1,65 @@
+"""tools/circuits.py end to end on a tiny trained sgatlin checkpoint: tables, database and PNGs."""
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+from conftest import REPO, load_config
+
+from sparsetx.interp.circuits import CircuitDatabase
+from sparsetx.train import loop
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def load_tool():
+  spec = importlib.util.spec_from_file_location("circuits_tool", REPO / "tools" / "circuits.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  """A micro sgatlin model trained for 10 steps on the facts task (small validation split: fast)."""
+  config = load_config("configs/tiny.py", "sgatlin")
+  config.model.update(d_model=64, n_layers=2, max_len=32, dtype="float32")
+  config.data.update(mixture=(("facts", 1.0),), seq_len=32, global_batch_size=8, eval_batch_size=8, shuffle_buffer=64)
+  config.train.update(steps=10, warmup_steps=2, log_every=10, eval_every=1000, eval_batches=1)
+  config.checkpoint.update(every=10)
+  path = str(tmp_path_factory.mktemp("interp_tool"))
+  loop.train(config, path)
+  return path
+
+
+def test_circuits_tool_writes_tables_database_and_pngs(workdir, tmp_path):
+  out = tmp_path / "circuits"
+  code = load_tool().main([f"--workdir={workdir}", f"--output={out}", "--rows=24", "--neighbours=3",
+                           "--embed_tokens=6", "--per_token=10", "--min_effect=0"])
+  assert code == 0
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["step"] == 10 and summary["ffn_type"] == "sgatlin"
+  assert sorted(summary["files"]) == sorted(os.listdir(out))
+  for name in ("nie.png", "embedding_layer0.png", "embedding_layer1.png"):
+    assert (out / name).read_bytes()[:8] == PNG
+  db = CircuitDatabase.load(str(out / "circuits.npz"))
+  assert len(db) == summary["database_tokens"] > 0 and db.ffn_type == "sgatlin"
+  assert db.ids_LNS.shape == (2, len(db), 4 * 8) and 0 <= db.ids_LNS.min() and db.ids_LNS.max() < 4 * 1024
+  nie_values = np.array(summary["nie"]["values"], dtype=float)
+  assert nie_values.shape == (3, 5) and summary["nie"]["rows"] == ["0", "1", "all"]
+  assert np.isfinite(nie_values).all() and summary["nie"]["kept_pairs"] > 0
+  table = (out / "nie.md").read_text().splitlines()
+  assert table[2].startswith("| layer | noun_first | noun_last | was | last | all |") and len(table) >= 8
+  assert [row["layer"] for row in summary["usage"]] == [0, 1]
+  assert all(0 < row["used"] <= 1 and 0 <= row["gini"] < 1 for row in summary["usage"])
+  neighbours = (out / "neighbours.md").read_text()
+  assert "| rank | <s> | T | o | m |" in neighbours and "\n| 3 |" in neighbours
+  assert "(mlp): Sgatlin" in (out / "model.txt").read_text()
+
+
+def test_circuits_tool_refuses_a_workdir_without_checkpoints(tmp_path, capsys):
+  assert load_tool().main([f"--workdir={tmp_path}"]) == 2
+  assert "holds no checkpoints/ directory" in capsys.readouterr().err
+  assert not (tmp_path / "checkpoints").exists()
