@@ -25,9 +25,11 @@ would also turn on flax's parameter sharding constraints, which the DenseGeneral
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from sparsetx.config import DEFAULT_RULES, ConfigError
@@ -170,11 +172,42 @@ def where_tokens_are(fn, *arrays_BT):
 
 
 def gather_tokens(x_n, group: ExpertGroup):
-  """[local tokens, ...] -> [group tokens, ...]: all-gather over the unit axes that split the batch."""
-  for axis in group.units:
-    if axis in group.batch:
-      x_n = jax.lax.all_gather(x_n, axis, axis=0, tiled=True)
+  """[local tokens, ...] -> [group tokens, ...]: all-gather over the unit axes that split the batch.
+
+  Its transpose (the gradient) reduce-scatters in float32, like `scatter_back`.
+  """
+  axes = tuple(a for a in group.units if a in group.batch)
+  if not axes or not jnp.issubdtype(x_n.dtype, jnp.floating):
+    return _all_gather(x_n, axes)
+  return _gather_f32_grad(x_n, axes)
+
+
+def _all_gather(x_n, axes):
+  for axis in axes:
+    x_n = jax.lax.all_gather(x_n, axis, axis=0, tiled=True)
   return x_n
+
+
+def _reduce_scatter(y_g, axes):
+  for axis in reversed(axes):
+    y_g = jax.lax.psum_scatter(y_g, axis, scatter_dimension=0, tiled=True)
+  return y_g
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather_f32_grad(x_n, axes):
+  return _all_gather(x_n, axes)
+
+
+def _gather_fwd(x_n, axes):
+  return _all_gather(x_n, axes), jnp.zeros((), x_n.dtype)
+
+
+def _gather_bwd(axes, dtype_probe, dy_g):
+  return (_reduce_scatter(dy_g.astype(jnp.float32), axes).astype(dtype_probe.dtype),)
+
+
+_gather_f32_grad.defvjp(_gather_fwd, _gather_bwd)
 
 
 def to_owners(a_nU, group: ExpertGroup, unit_dim: int):
@@ -199,7 +232,12 @@ def from_owners(a_gU, group: ExpertGroup, unit_dim: int):
 
 
 def scatter_back(y_g, group: ExpertGroup):
-  """Sums partial outputs over the group and returns each device its own tokens (reduce-scatter)."""
+  """Sums partial outputs over the group and returns each device its own tokens (reduce-scatter).
+
+  The sum is float32, as the single-device kernels accumulate (and XLA:CPU aborts compiling a
+  bf16 reduce-scatter of the gated gather's output); the caller casts the result.
+  """
+  y_g = y_g.astype(jnp.float32)
   for axis in reversed(group.units):
     if axis in group.batch:
       y_g = jax.lax.psum_scatter(y_g, axis, scatter_dimension=0, tiled=True)

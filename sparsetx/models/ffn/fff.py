@@ -19,7 +19,7 @@ walks its own trees for them (routing never leaves a tree), computes their path 
 gated gather, and reduce-scatters the [tokens, D] partial sums; the path nodes and logits return
 to the tokens' owners by all-to-all. b_out and the fff_post GELU are applied after the sum. Bytes
 a device sends per own token and layer, b bytes per activation, E the expert-axis size when it also
-splits the batch: forward (E-1)*D*b (x) + (E-1)*D*b (y) + (E-1)/E*P*(D+1)*8 (path ids and logits);
+splits the batch: forward (E-1)*D*b (x) + (E-1)*D*4 (y, summed in float32) + (E-1)/E*P*(D+1)*8 (path ids and logits);
 backward (E-1)*D*b (dy) + (E-1)*D*b (dx). The tables' d_model axis (fsdp) is gathered like any FSDP weight.
 """
 
@@ -117,7 +117,7 @@ def _expert_parallel(group, x_BTD, w_in_PND, b_in_PN, w_out_PND, act, ffn):
         x_gD, flat(w_in_pND), flat(w_out_pND), rows_gS, jnp.ones(rows_gS.shape, jnp.float32), act,
         bias_R=b_in_pN.reshape(p * N), options=options,
     )
-    return ep.scatter_back(y_gD, group).astype(jnp.float32), ep.from_owners(path_gpL, group, 1), ep.from_owners(z_gpL, group, 1)
+    return ep.scatter_back(y_gD, group), ep.from_owners(path_gpL, group, 1), ep.from_owners(z_gpL, group, 1)
 
   tokens, trees = group.token_spec, PartitionSpec(group.unit_spec)
   y_ND, path_NPL, z_NPL = ep.shard_map(

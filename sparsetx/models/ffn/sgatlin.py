@@ -14,7 +14,8 @@ only its channels' indices and gates, runs the gated gather over its C/E channel
 reduce-scatters the [tokens, D] partial sums back to the tokens' owners. Each channel takes
 exactly k rows per token, so the work is balanced whatever the routing. Bytes a device sends per
 own token and layer, with b bytes per activation (2 for bf16), E the expert-axis size when it also
-splits the batch: forward (E-1)*D*b (x) + (E-1)/E*C*k*8 (int32 index + f32 gate) + (E-1)*D*b (y);
+splits the batch: forward (E-1)*D*b (x) + (E-1)/E*C*k*8 (int32 index + f32 gate) + (E-1)*D*4 (y,
+summed in float32);
 backward the same again (dy all-gather, dx reduce-scatter, gate gradients). The table's d_model
 axis (`embed`, fsdp) is all-gathered for the layer like any FSDP weight.
 """
@@ -106,4 +107,4 @@ def _expert_parallel(group, x_BTD, experts_2CND, idx_BTCK, gates_BTCK, ffn):
       in_specs=(tokens, P(None, group.unit_spec), tokens, tokens),
       out_specs=tokens,
   )(x_BTD.reshape(B * T, D), experts_2CND, idx_BTCK.reshape(B * T, C, K), gates_BTCK.reshape(B * T, C, K))
-  return y_ND.reshape(B, T, D)
+  return y_ND.reshape(B, T, D).astype(x_BTD.dtype)
