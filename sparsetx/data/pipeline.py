@@ -18,7 +18,8 @@ array without any cross-host copy.
 Resume: `iterator.save(path)` writes the state of this process's tf.data iterator as a
 TensorFlow checkpoint (`tf.train.Checkpoint`, no pickle) plus a small JSON file, under
 `path/shard_<index>_of_<count>/`; `iterator.restore(path)` on a freshly built iterator continues
-with the identical stream. Every process saves and restores its own shard (no collective). The
+with the identical stream (so does a restore on an iterator already read from: it rebuilds the
+dataset first). Every process saves and restores its own shard (no collective). The
 checkpoint holds positions, not data already consumed: the file readers' offsets, the file order,
 the mixture sampler's RNG, and the contents of the shuffle buffers and of the packer's window, so
 restoring costs one read of the checkpoint (about `shuffle_buffer` examples per task, a few MB)
@@ -103,7 +104,7 @@ def _with_options(dataset: tf.data.Dataset) -> tf.data.Dataset:
   options = tf.data.Options()
   options.deterministic = True
   # The only op with "external state" is the pure json.loads of JSONL sources; it is safe to
-  # checkpoint around it.
+  # checkpoint around it (the parallel map is deterministic and its buffered results are saved).
   options.experimental_external_state_policy = tf.data.experimental.ExternalStatePolicy.IGNORE
   return dataset.with_options(options)
 
@@ -151,17 +152,30 @@ class TrainIterator:
     self._global_rows = config.data.global_batch_size
     derived, local_rows = data_shard(batch_sharding, self._global_rows)
     self.shard_info = shard_info or derived
-    self._dataset = local_train_dataset(config, self.shard_info, local_rows)
+    self._config, self._local_rows = config, local_rows
+    self._stream = _stream_config(config.data)
+    self._build()
+    self.steps = 0  # batches yielded since the start of the stream (restored by `restore`)
+
+  def _build(self) -> None:
+    """A new dataset and iterator: the state a restore must start from.
+
+    Seeded shuffles that reshuffle each epoch (seqio's file shuffle) keep their seed generator in
+    the *dataset*, not the iterator, and a checkpoint records it only once that shuffle's iterator
+    exists. Restoring into an iterator of a dataset that has already been read would continue
+    from the advanced generator (another file order), so `restore` starts from a fresh dataset.
+    """
+    self._dataset = local_train_dataset(self._config, self.shard_info, self._local_rows)
     self._iterator = iter(self._dataset)
     self._checkpoint = tf.train.Checkpoint(iterator=self._iterator)
-    self._stream = _stream_config(config.data)
-    self.steps = 0  # batches yielded since the start of the stream (restored by `restore`)
+    self._read = False  # whether this dataset has yielded anything
 
   def __iter__(self) -> "TrainIterator":
     return self
 
   def next_local(self) -> dict[str, np.ndarray]:
     """This process's rows of the next batch, as numpy (what `__next__` makes global)."""
+    self._read = True
     batch = {k: v.numpy() for k, v in next(self._iterator).items()}
     self.steps += 1
     return batch
@@ -204,6 +218,8 @@ class TrainIterator:
             f"the data state at {shard_dir!r} was saved with config.data.{field}={state['data'].get(field)!r}, "
             f"but the config now has {self._stream[field]!r}; restore with the same value or start the data stream fresh."
         )
+    if self._read:
+      self._build()
     self._checkpoint.read(os.path.join(shard_dir, _STATE_PREFIX)).assert_consumed()
     self.steps = state["steps"]
 
