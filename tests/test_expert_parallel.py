@@ -55,8 +55,12 @@ def forward_and_grads(layer, probe, params, x):
   return y, grads
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
-@pytest.mark.parametrize("ffn_type", list(LAYERS))
+# PEER's one table is shared by every channel, so it has no expert-parallel form (it stays data-
+# parallel under the mesh); one mesh shows the mesh context leaves it exact.
+CASES = [(ffn, mesh) for ffn in LAYERS for mesh in MESHES if ffn != "peer" or mesh == "data2_expert4"]
+
+
+@pytest.mark.parametrize("ffn_type, mesh_name", CASES)
 def test_sharded_layer_equals_single_device(ffn_type, mesh_name):
   layer, params, x, probe, (want_y, want_grads) = case(ffn_type)
   mesh = make_mesh(**MESHES[mesh_name])
