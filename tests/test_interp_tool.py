@@ -23,12 +23,14 @@ def load_tool():
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-  """A micro sgatlin model trained for 10 steps on the facts task (small validation split: fast)."""
+  """A micro sgatlin model trained for 20 steps on the facts task (small validation split: fast). The
+  model and train settings are tests/test_train.py's micro ones, so the step program is shared through
+  the session's compilation cache when both run."""
   config = load_config("configs/tiny.py", "sgatlin")
   config.model.update(d_model=64, n_layers=2, max_len=32, dtype="float32")
   config.data.update(mixture=(("facts", 1.0),), seq_len=32, global_batch_size=8, eval_batch_size=8, shuffle_buffer=64)
-  config.train.update(steps=10, warmup_steps=2, log_every=10, eval_every=1000, eval_batches=1)
-  config.checkpoint.update(every=10)
+  config.train.update(steps=20, warmup_steps=5, log_every=1, eval_every=1000, eval_batches=1)
+  config.checkpoint.update(every=20)
   path = str(tmp_path_factory.mktemp("interp_tool"))
   loop.train(config, path)
   return path
@@ -40,7 +42,7 @@ def test_circuits_tool_writes_tables_database_and_pngs(workdir, tmp_path):
                            "--embed_tokens=6", "--per_token=10", "--min_effect=0"])
   assert code == 0
   summary = json.loads((out / "summary.json").read_text())
-  assert summary["step"] == 10 and summary["ffn_type"] == "sgatlin"
+  assert summary["step"] == 20 and summary["ffn_type"] == "sgatlin"
   assert sorted(summary["files"]) == sorted(os.listdir(out))
   for name in ("nie.png", "embedding_layer0.png", "embedding_layer1.png"):
     assert (out / name).read_bytes()[:8] == PNG

@@ -119,6 +119,7 @@ class NieResult:
   m_clean_B: np.ndarray
   m_patch_B: np.ndarray
   kept_B: np.ndarray
+  clean_gates: dict  # the clean run's own gates ({name: array}); patching them back must give NIE 0
 
 
 def run(model, pairs: PromptPairs, min_effect: float = 0.5, source_gates: dict | None = None) -> NieResult:
@@ -147,7 +148,7 @@ def run(model, pairs: PromptPairs, min_effect: float = 0.5, source_gates: dict |
 
   counter, m_patch = forward(pairs.patch_BT, nothing, (), off)  # every mask off: the plain counterfactual run
   gates = source_gates or {name: counter[name] for name in names}
-  _, m_clean = forward(pairs.clean_BT, gates, (), off)
+  clean, m_clean = forward(pairs.clean_BT, gates, (), off)
   total = m_patch - m_clean
   kept = np.abs(total) >= min_effect
   layer_sets = [(layer,) for layer in range(cfg.n_layers)] + [tuple(range(cfg.n_layers))]
@@ -158,7 +159,8 @@ def run(model, pairs: PromptPairs, min_effect: float = 0.5, source_gates: dict |
       per_pair[r, c] = np.where(kept, effect / np.where(kept, total, 1.0), np.nan)
   nie = np.nanmean(per_pair, axis=-1) if kept.any() else np.full(per_pair.shape[:2], np.nan)
   rows = [str(layer) for layer in range(cfg.n_layers)] + ["all"]
-  return NieResult(rows, list(POSITION_SETS), nie, per_pair, m_clean, m_patch, kept)
+  clean_gates = {name: clean[name] for name in names}
+  return NieResult(rows, list(POSITION_SETS), nie, per_pair, m_clean, m_patch, kept, clean_gates)
 
 
 def format_table(result: NieResult) -> str:
