@@ -21,7 +21,10 @@ itself), else a single process (no initialization).
 
 import dataclasses
 import glob
+import os
 import re
+import sys
+import threading
 from typing import Mapping, Sequence
 
 from sparsetx.config import ConfigError
@@ -140,10 +143,13 @@ def _check(spec: Spec) -> None:
 
 
 def initialize(spec: Spec, *, timeout_s: int = 300, heartbeat_timeout_s: int = 100) -> None:
-  """Joins the multi-host run (no-op for a single process); raises DistributedError naming the coordinator.
+  """Joins the multi-host run (no-op for a single process); a failure to join ends it with one line.
 
-  `timeout_s` bounds the wait for all processes to connect; `heartbeat_timeout_s` is how long a
-  silent peer counts as alive before the others stop with an error instead of hanging.
+  `timeout_s` bounds the wait for all processes to connect. JAX itself aborts the process from C++
+  when its own connect deadline passes (no Python exception to catch), so a watchdog thread ends
+  the process first, printing which coordinator it waited for, with exit code 4. Errors JAX does
+  raise become DistributedError. `heartbeat_timeout_s` is how long a silent peer counts as alive
+  before JAX stops the others (a killed process never hangs the rest).
   """
   if not spec.multi_process:
     return
@@ -152,23 +158,34 @@ def initialize(spec: Spec, *, timeout_s: int = 300, heartbeat_timeout_s: int = 1
   jax.config.update("jax_cpu_collectives_implementation", "gloo")  # cross-process collectives on CPU
   where = spec.coordinator_address or "the TPU coordinator"
   who = f"process {spec.process_id} of {spec.num_processes}" if spec.num_processes else "this TPU worker"
+  advice = (f"Check that all processes started with the same --num_processes, that {where} is reachable from this "
+            "host, and that process 0 runs there.")
+
+  def give_up():
+    print(f"error: {who} could not join the run at coordinator {where} within {timeout_s}s ({spec.source}): "
+          f"not every process connected. {advice}", file=sys.stderr, flush=True)
+    os._exit(4)
+
+  watchdog = threading.Timer(timeout_s, give_up)
+  watchdog.daemon = True
+  watchdog.start()
   try:
     jax.distributed.initialize(
         coordinator_address=spec.coordinator_address,
         num_processes=spec.num_processes,
         process_id=spec.process_id,
         local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None,
-        initialization_timeout=timeout_s,
+        initialization_timeout=timeout_s + 60,  # the watchdog's message comes first
         heartbeat_timeout_seconds=heartbeat_timeout_s,
     )
     jax.devices()  # the backend exchanges device topologies with every peer: surface failures here
   except Exception as error:  # XlaRuntimeError, RuntimeError, ValueError: all mean "could not join"
     reason = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
     raise DistributedError(
-        f"{who} could not join the run at coordinator {where} within {timeout_s}s ({spec.source}): {reason}. "
-        f"Check that all processes started with the same --num_processes, that {where} is reachable from "
-        "this host, and that process 0 runs there."
+        f"{who} could not join the run at coordinator {where} ({spec.source}): {reason}. {advice}"
     ) from None
+  finally:
+    watchdog.cancel()
 
 
 def shutdown() -> None:

@@ -25,10 +25,14 @@ _INIT_TIMEOUT = flags.DEFINE_integer("distributed_timeout", 300, "Multi-host: se
 _HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout", 100, "Multi-host: seconds without a heartbeat before a peer counts as dead.")
 
 
+def _fail(error: Exception, code: int):
+  print(f"error: {error}", file=sys.stderr)
+  sys.exit(code)
+
+
 def main(argv):
   del argv
   from sparsetx.parallel import distributed
-  from sparsetx.train.loop import NonFiniteLossError, train  # after flags: keeps --help fast
 
   try:
     spec = distributed.detect(
@@ -36,17 +40,20 @@ def main(argv):
         process_id=_PROCESS_ID.value, local_device_ids=[int(i) for i in _LOCAL_DEVICES.value or []],
         tpu_present=distributed.tpu_vm_present())
     distributed.initialize(spec, timeout_s=_INIT_TIMEOUT.value, heartbeat_timeout_s=_HEARTBEAT.value)
-    train(_CONFIG.value, _WORKDIR.value)
-    distributed.shutdown()
   except ConfigError as error:
-    print(f"error: {error}", file=sys.stderr)
-    sys.exit(2)
+    _fail(error, 2)
   except distributed.DistributedError as error:
-    print(f"error: {error}", file=sys.stderr)
-    sys.exit(4)
+    _fail(error, 4)
+  # After joining (a missing peer is reported before the slow imports) and after flags (fast --help).
+  from sparsetx.train.loop import NonFiniteLossError, train
+
+  try:
+    train(_CONFIG.value, _WORKDIR.value)
+  except ConfigError as error:
+    _fail(error, 2)
   except NonFiniteLossError as error:
-    print(f"error: {error}", file=sys.stderr)
-    sys.exit(3)
+    _fail(error, 3)
+  distributed.shutdown()
   logging.info("Done. Checkpoints: %s/checkpoints, TensorBoard: %s/tensorboard", _WORKDIR.value, _WORKDIR.value)
 
 

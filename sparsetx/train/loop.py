@@ -6,6 +6,8 @@ before anything non-finite is saved.
 """
 
 import functools
+import glob
+import json
 import math
 import os
 import signal
@@ -16,6 +18,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 from clu import periodic_actions
+from jax.experimental import multihost_utils
 
 from sparsetx import config as config_lib
 from sparsetx.data import pipeline
@@ -42,6 +45,13 @@ class _SigtermFlag:
 
   def restore(self):
     signal.signal(signal.SIGTERM, self._previous)
+
+  def agreed(self) -> bool:
+    """True if any process got SIGTERM: signals reach processes between different steps, and all
+    processes must stop (and save) at the same step or their collectives would mismatch."""
+    if jax.process_count() == 1:
+      return self.raised
+    return bool(np.any(multihost_utils.process_allgather(np.array(self.raised))))
 
 
 def check_workdir(workdir: str) -> None:
@@ -107,7 +117,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     checkpointer.check_compatible(start, config)
   data_iterator = pipeline.make_train_iterator(config, batch_sharding)
   if start is not None:
-    state = checkpointer.restore(start, abstract_state, data_iterator)
+    state = restore(checkpointer, start, abstract_state, data_iterator)
     logging.info("Resumed from %s at step %d.", checkpointer.directory, start)
   else:
     state = state_lib.create_state(config, shardings, model, tx)
@@ -135,7 +145,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   last_metrics, step, saved_step = {}, start, start
   window_start, window_steps = time.time(), 0
   try:
-    while step < config.train.steps and not sigterm.raised:
+    while step < config.train.steps and not sigterm.agreed():
       batch = next(data_iterator)
       state, step_metrics = step_fn(state, batch)
       step += 1
@@ -159,10 +169,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
         window_start, window_steps = time.time(), 0
       if step % config.train.eval_every == 0 or step == config.train.steps:
         writer.write_scalars(step, evaluate(config, state.params, eval_fn, eval_data))
-      if step % config.checkpoint.every == 0 or step == config.train.steps or sigterm.raised:
+      if step % config.checkpoint.every == 0 or step == config.train.steps:
         checkpointer.save(step, state, config, data_iterator)
         saved_step = step
-    if step != saved_step:  # SIGTERM arrived after this step's checkpoint decision
+    if step != saved_step:  # stopped by SIGTERM (agreed by all processes) between checkpoints
       checkpointer.save(step, state, config, data_iterator)
   finally:
     sigterm.restore()
@@ -170,6 +180,26 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     checkpointer.close()
     writer.flush()
   return last_metrics
+
+
+def restore(checkpointer: checkpointing.Checkpointer, step: int, abstract_state, data_iterator):
+  """The state at `step`, and the data position when this run has the data sharding that saved it.
+
+  A data state saved by another number of data shards (another process count) cannot be resharded:
+  the model state still restores (onto any mesh), and the data stream starts over, with a warning.
+  """
+  saved_shards = set()
+  for path in glob.glob(os.path.join(checkpointer.data_directory, str(step), "*", "data_state.json")):
+    with open(path) as f:
+      saved_shards.add(json.load(f)["num_shards"])
+  shards = data_iterator.shard_info.num_shards
+  if saved_shards and shards not in saved_shards:
+    logging.warning(
+        "The data state of step %d was saved by %s data shard(s) (processes); this run reads %d, so the data "
+        "stream starts over from its beginning. The model and optimizer state resume at step %d.",
+        step, "/".join(map(str, sorted(saved_shards))), shards, step)
+    return checkpointer.restore_state(step, abstract_state)
+  return checkpointer.restore(step, abstract_state, data_iterator)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
