@@ -50,5 +50,7 @@ def get_config(arg: str = "sgatlin8,h100"):
       ("vocab", ("tensor", "expert")) if name == "vocab" else (name, axes) for name, axes in config_lib.DEFAULT_RULES
   )
   config.data.update(seq_len=2048, global_batch_size=256, eval_batch_size=256)
-  config.train.update(steps=100_000, warmup_steps=2_000)
+  # 4 micro-batches: one 2048-token row per device at a time, so the expert group's gathered tokens
+  # (E rows per device) stay small next to the tables (tools/dry_run.py shows temporaries).
+  config.train.update(steps=100_000, warmup_steps=2_000, microbatches=4)
   return config

@@ -179,7 +179,7 @@ def format_report(report: Report) -> str:
   lines += [f"  {name:<22}  {_size(value)}" for name, value in report.memory.items()]
   lines += [
       f"model FLOPs per step      {report.model_flops:.3e} (ladder accounting, forward + backward)",
-      f"compiled FLOPs per device {report.compiled_flops:.3e} (XLA cost analysis of one device's program)",
+      f"compiled FLOPs per device {report.compiled_flops:.3e} (XLA cost analysis, one device; a loop body such as micro-batches counts once)",
       "collectives (static instructions in the compiled program; loop bodies listed once):",
       f"  {'op':<20}{'count':>7}{'total bytes':>14}{'largest':>12}  group sizes",
   ]
