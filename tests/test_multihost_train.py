@@ -21,8 +21,11 @@ import numpy as np
 import seqio
 from conftest import REPO
 
-MICRO = [  # micro_config in tests/test_train.py, as flags; no LR decay, so the schedule ignores train.steps
-    "--config=configs/tiny.py:sgatlin", "--config.model.d_model=64", "--config.model.n_layers=2",
+# micro_config in tests/test_train.py, as flags; no LR decay, so the schedule ignores train.steps; the
+# facts task alone, whose pipeline and validation split are built in a fifth of the time of the default mixture's.
+MICRO = [
+    "--config=configs/tiny.py:sgatlin", "--config.data.mixture=(('facts', 1.0),)",
+    "--config.model.d_model=64", "--config.model.n_layers=2",
     "--config.model.max_len=32", "--config.model.dtype=float32", "--config.data.seq_len=32",
     "--config.data.global_batch_size=8", "--config.data.eval_batch_size=8", "--config.data.shuffle_buffer=64",
     "--config.train.warmup_steps=5", "--config.train.decay_fraction=0", "--config.train.log_every=1",

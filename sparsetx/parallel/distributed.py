@@ -21,6 +21,7 @@ itself), else a single process (no initialization).
 
 import dataclasses
 import glob
+import importlib.util
 import os
 import re
 import sys
@@ -89,8 +90,9 @@ def _kubernetes(env: Mapping[str, str]) -> Spec:
 
 
 def tpu_vm_present() -> bool:
-  """A Cloud TPU VM: its TPU chips appear as /dev/accel* (v2-v4) or /dev/vfio/<n> (v5 and later)."""
-  return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+  """A Cloud TPU VM: libtpu is installed and the chips appear as /dev/accel* (v2-v4) or /dev/vfio/<n> (v5+)."""
+  chips = glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
+  return bool(chips) and importlib.util.find_spec("libtpu") is not None
 
 
 def detect(env: Mapping[str, str], *, coordinator_address: str | None = None, num_processes: int | None = None,
