@@ -116,8 +116,9 @@ def detect(env: Mapping[str, str], *, coordinator_address: str | None = None, nu
     return Spec(SINGLE)
   overrides = {k: v for k, v in flags.items() if v is not None}
   spec = dataclasses.replace(detected, **overrides)
-  if overrides and None not in (spec.coordinator_address, spec.num_processes, spec.process_id):
-    spec = dataclasses.replace(spec, source=FLAGS if len(overrides) >= 3 else f"{detected.source} + flags")
+  if detected.source != FLAGS and overrides:
+    joining = ("coordinator_address", "num_processes", "process_id")
+    spec = dataclasses.replace(spec, source=FLAGS if all(k in overrides for k in joining) else f"{detected.source} + flags")
   _check(spec)
   return spec
 
