@@ -19,8 +19,9 @@ walks its own trees for them (routing never leaves a tree), computes their path 
 gated gather, and reduce-scatters the [tokens, D] partial sums; the path nodes and logits return
 to the tokens' owners by all-to-all. b_out and the fff_post GELU are applied after the sum. Bytes
 a device sends per own token and layer, b bytes per activation, E the expert-axis size when it also
-splits the batch: forward (E-1)*D*b (x) + (E-1)*D*4 (y, summed in float32) + (E-1)/E*P*(D+1)*8 (path ids and logits);
-backward (E-1)*D*b (dy) + (E-1)*D*b (dx). The tables' d_model axis (fsdp) is gathered like any FSDP weight.
+splits the batch: forward (E-1)*D*b (x) + (E-1)*D*4 (y, summed in float32) + (E-1)/E*P*(D+1)*8
+(path ids and logits); backward (E-1)*D*4 (dy) + (E-1)*D*4 (dx, float32). The tables' d_model axis
+(fsdp) is all-gathered for the layer like any FSDP weight.
 """
 
 import flax.linen as nn

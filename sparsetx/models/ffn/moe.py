@@ -13,7 +13,8 @@ matmuls for the pairs routed to its own experts only (the others sort to the end
 by ragged_dot), and reduce-scatters the [tokens, D] partial sums back. Dropless: the buffers have
 room for every pair. Bytes a device sends per own token and layer, b bytes per activation, E the
 expert-axis size when it also splits the batch: forward (E-1)*(D*b + k*8) (x, ids, weights) +
-(E-1)*D*4 (y, summed in float32); backward (E-1)*D*b (dy) + (E-1)*(D*b + k*4) (dx, weight gradients).
+(E-1)*D*4 (y, summed in float32); backward (E-1)*D*4 (dy) + (E-1)*(D*4 + k*4) (dx in float32,
+weight gradients).
 """
 
 import flax.linen as nn
@@ -103,6 +104,6 @@ def _expert_parallel(group, x_BTD, expert_ids_BTK, weights_BTK, wi_gate_EDF, wi_
   tokens, experts = group.token_spec, P(group.unit_spec)
   y_ND = ep.shard_map(
       local, group, in_specs=(tokens, tokens, tokens, experts, experts, experts), out_specs=tokens
-  )(x_BTD.reshape(B * T, D), expert_ids_BTK.reshape(B * T, K), weights_BTK.reshape(B * T, K), wi_gate_EDF, wi_up_EDF, wo_EFD)
+  )(x_BTD.reshape(B * T, D), expert_ids_BTK.reshape(B * T, K), weights_BTK.reshape(B * T, K),
+    wi_gate_EDF, wi_up_EDF, wo_EFD)
   return y_ND.reshape(B, T, D).astype(x_BTD.dtype)
-

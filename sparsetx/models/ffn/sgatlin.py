@@ -13,10 +13,10 @@ Each device all-gathers the tokens of its expert group (x, D values each), recei
 only its channels' indices and gates, runs the gated gather over its C/E channels, and
 reduce-scatters the [tokens, D] partial sums back to the tokens' owners. Each channel takes
 exactly k rows per token, so the work is balanced whatever the routing. Bytes a device sends per
-own token and layer, with b bytes per activation (2 for bf16), E the expert-axis size when it also
-splits the batch: forward (E-1)*D*b (x) + (E-1)/E*C*k*8 (int32 index + f32 gate) + (E-1)*D*4 (y,
-summed in float32);
-backward the same again (dy all-gather, dx reduce-scatter, gate gradients). The table's d_model
+own token and layer, b bytes per activation (2 for bf16), E the expert-axis size when it also
+splits the batch: forward (E-1)*D*b (x all-gather) + (E-1)/E*C*k*8 (int32 index and f32 gate,
+all-to-all) + (E-1)*D*4 (y reduce-scatter, summed in float32); backward (E-1)*D*4 (dy all-gather)
++ (E-1)*D*4 (dx reduce-scatter, float32) + (E-1)/E*C*k*4 (gate gradients). The table's d_model
 axis (`embed`, fsdp) is all-gathered for the layer like any FSDP weight.
 """
 
