@@ -49,8 +49,11 @@ def test_recorded_path_is_the_path_the_sparse_layer_computed(model):
 def test_pruning_nothing_changes_nothing_and_pruning_removes_whole_subtrees(model, rows):
   db = circuits.record(model, rows)
   assert len(db) == int(rows["loss_weights"].sum())
-  visits = usage.fff_visits(model.cfg, db, 0)[0]
+  visits, leaves = usage.fff_visits(model.cfg, db, 0)
   np.testing.assert_allclose(visits[:, 0], 1.0)  # every token visits every root
+  np.testing.assert_allclose(leaves.sum(-1), 1.0)  # and exactly one leaf per tree
+  for row in usage.fff_path_table(model.cfg, db):
+    assert 1 <= row["paths_used"] <= row["paths"] == 64 and 0 <= row["entropy_bits"] <= 6 + 1e-9
   assert not pruning.pruned_nodes(visits, 0.0).any()
   unpruned = pruning.validation_loss(model, model.params, rows)
   results = pruning.sweep(model, db, rows, fractions=(0.0, 0.5))

@@ -5,7 +5,8 @@
 Writes to --output (default <workdir>/circuits):
   model.txt          the model by its standard names and layouts
   circuits.npz       the circuit database of --rows validation rows (numeric arrays only)
-  usage.md           per layer: fraction of units used, Gini of usage, most co-activated unit pairs
+  usage.md           per layer: fraction of units used, Gini of usage, most co-activated unit pairs;
+                     FFF: paths (leaves) used per tree, path entropy, the most taken paths
   neighbours.md      nearest circuits of each token of --sentence at --layer (the paper's Fig. 6 / Table 3)
   embedding_layer<i>.png   2-D map of the circuits of the most frequent tokens, per layer
   nie.md, nie.png    gates patched from counterfactual facts: NIE per layer and position (sgatlin, PEER, MoE)
@@ -91,6 +92,10 @@ def analyse(args) -> dict:
     pairs = usage.top_pairs(cfg, db, layer)
     if pairs:
       text += ["", f"## Layer {layer}: most co-activated units (lift over independence)", "", _markdown(pairs)]
+  if cfg.ffn.type == "fff":
+    paths = usage.fff_path_table(cfg, db)
+    text += ["", "## FFF paths (leaves) per tree", "", _markdown(paths)]
+    summary["fff_paths"] = paths
   write("usage.md", "\n".join(text))
   summary["usage"] = table
   print(_markdown(table))
@@ -105,6 +110,7 @@ def analyse(args) -> dict:
       "the cosine distance.", "", neighbours.format_table(vocabulary, db, found), "", "## Contexts and predictions of the nearest circuits", "",
       neighbours.format_extended(vocabulary, db, found),
   ]))
+  print(f"nearest circuits at layer {layer}:\n" + neighbours.format_table(vocabulary, db, found))
 
   for layer_i in range(cfg.n_layers):
     points = embedding.embed(cfg, db, layer_i, n_tokens=args.embed_tokens, per_token=args.per_token)

@@ -106,15 +106,15 @@ class StandardizedTransformer:
       entry = resolved.entry
       if not entry.derived:
         out[name] = _nested_get(intermediates, resolved.module_path + (resolved.tap_name,))[0]
-      elif entry.name in ("lm_head_output",):
+      elif entry.name == "lm_head_output":
         out[name] = logits_BTV
       elif entry.name == "next_token_probs":
         out[name] = jax.nn.softmax(logits_BTV[:, -1].astype(jnp.float32), axis=-1)
       elif entry.name == "gate_vector":
         mlp = _nested_get(intermediates, (f"layers_{resolved.layer}", "mlp"))
         out[name] = gate_vector(mlp["gate_indices"][0], mlp["gate_scores"][0], self.cfg.ffn.d_ffw)
-      else:  # a registry entry without a rule here is a bug, not a user error
-        raise NotImplementedError(entry.name)
+      else:  # every derived registry entry has a rule above; reaching here is a bug in this file
+        raise AssertionError(f"no rule derives {entry.name!r}")
     return out
 
   def run(self, tokens_BT, names=("logits",), patches: dict | None = None, positions_BT=None, segment_ids_BT=None) -> dict:

@@ -71,6 +71,21 @@ def top_pairs(cfg, db: circuits_lib.CircuitDatabase, layer: int, top: int = 64, 
           for a, b in zip(i[keep][order], j[keep][order])]
 
 
+def fff_path_table(cfg, db: circuits_lib.CircuitDatabase, top: int = 3) -> list[dict]:
+  """Per layer and tree: leaves (paths) reached at least once, path entropy in bits (max = depth), and
+  the most taken paths with their share of tokens."""
+  rows = []
+  for layer in range(cfg.n_layers):
+    _, leaves_PL = fff_visits(cfg, db, layer)
+    for tree, share in enumerate(leaves_PL):
+      p = share[share > 0]
+      best = np.argsort(-share, kind="stable")[:top]
+      rows.append(dict(layer=layer, tree=tree, paths_used=int((share > 0).sum()), paths=len(share),
+                       entropy_bits=float(-(p * np.log2(p)).sum()),
+                       top_paths=", ".join(f"leaf {i}: {share[i]:.2f}" for i in best)))
+  return rows
+
+
 def fff_visits(cfg, db: circuits_lib.CircuitDatabase, layer: int):
   """(node visit frequency [P, n_nodes], leaf (path) frequency [P, 2**D]): fraction of tokens."""
   n_nodes = 2 ** (cfg.ffn.depth + 1) - 1
