@@ -57,7 +57,7 @@ def test_circuits_tool_writes_tables_database_and_pngs(workdir, tmp_path):
   assert [row["layer"] for row in summary["usage"]] == [0, 1]
   assert all(0 < row["used"] <= 1 and 0 <= row["gini"] < 1 for row in summary["usage"])
   neighbours = (out / "neighbours.md").read_text()
-  assert "| rank | <s> | T | o | m |" in neighbours and "\n| 3 |" in neighbours
+  assert "| rank | <s> | A | ␣ | b | i | g |" in neighbours and "\n| 3 |" in neighbours
   assert "(mlp): Sgatlin" in (out / "model.txt").read_text()
 
 

@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--output", default=None, help="directory for the tables and PNGs (default <workdir>/circuits)")
   parser.add_argument("--rows", type=int, default=128, help="validation rows recorded into the circuit database")
   parser.add_argument("--context", type=int, default=12, help="preceding tokens stored with each circuit")
-  parser.add_argument("--sentence", default="Tom was a little dog. He had a red ball.", help="sentence whose circuits get neighbours")
+  parser.add_argument("--sentence", default="A big dog named Rex had a red collar. He wore it every day.",
+                      help="sentence whose circuits get neighbours (best not verbatim in the validation split)")
   parser.add_argument("--layer", type=int, default=None, help="layer of the neighbour table (default: the penultimate)")
   parser.add_argument("--neighbours", type=int, default=10)
   parser.add_argument("--embed_tokens", type=int, default=20, help="most frequent tokens in the 2-D map")

@@ -86,7 +86,7 @@ def cosine_distances(cfg, query_ids_QS, query_w_QS, ids_NS, w_NS, chunk: int = 4
   for start in range(0, ids_NS.shape[0], chunk):
     ids, w = ids_NS[start : start + chunk], w_NS[start : start + chunk]
     dots = (query_QU[:, ids] * w[None]).sum(-1)
-    out[:, start : start + chunk] = 1.0 - dots / norms_N[start : start + chunk]
+    out[:, start : start + chunk] = np.maximum(1.0 - dots / norms_N[start : start + chunk], 0.0)
   return out
 
 
