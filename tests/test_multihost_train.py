@@ -1,6 +1,6 @@
-"""Two processes x 2 devices (tools/launch_local.py) train exactly like one process x 4 devices; their
-checkpoint resumes in one process; a killed process stops the other instead of hanging it; a
-checkpoint of another process count resumes the model and restarts the data stream.
+"""Two processes x 2 devices (tools/launch_local.py) train like one process x 4 devices (to float32
+rounding); their checkpoint resumes in one process; a killed process stops the other instead of
+hanging it; a checkpoint of another process count resumes the model and restarts the data stream.
 
 One scenario, because starting trainers is what costs time: the two-process run trains past its
 step-10 checkpoint, then process 1 is killed. Meanwhile a single-process driver trains the reference
