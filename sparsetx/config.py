@@ -178,7 +178,7 @@ def mesh_defaults() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(
       dict(
           ici=dict(data=-1, fsdp=1, tensor=1, expert=1),
-          dcn=dict(data=1, fsdp=1, tensor=1, expert=1),
+          dcn=dict(data=-1, fsdp=1, tensor=1, expert=1),  # -1: one data replica per slice / host
           rules=DEFAULT_RULES,
           # Refuse a parameter larger than this that ends up fully replicated on a multi-device mesh.
           max_replicated_mib=64.0,
