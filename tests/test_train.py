@@ -14,7 +14,7 @@ from conftest import REPO, load_config
 
 from sparsetx import config as config_lib
 from sparsetx.data import pipeline
-from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.parallel import expert_parallel, mesh as mesh_lib
 from sparsetx.train import checkpointing, loop, state as state_lib, step as step_lib
 from sparsetx.train.optimizer import learning_rate_schedule
 
@@ -68,7 +68,8 @@ def one_step(config, mesh):
       in_shardings=(shardings, sharding),
       out_shardings=(shardings, None),
   )
-  new_state, metrics = step(state, batch)
+  with expert_parallel.activate(mesh, config.mesh.rules):  # as the trainer runs it
+    new_state, metrics = step(state, batch)
   return jax.device_get(new_state.params), jax.device_get(metrics)
 
 

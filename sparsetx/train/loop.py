@@ -23,7 +23,7 @@ from jax.experimental import multihost_utils
 from sparsetx import config as config_lib
 from sparsetx.data import pipeline
 from sparsetx.models import ladder
-from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.parallel import expert_parallel, mesh as mesh_lib
 from sparsetx.train import checkpointing, metrics as metrics_lib, state as state_lib, step as step_lib
 from sparsetx.train.optimizer import learning_rate_schedule
 
@@ -108,6 +108,12 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   check_workdir(workdir)
   mesh = mesh_lib.make_mesh(config.mesh)
   check_batch_divides(config, mesh)
+  expert_parallel.check_units_divide(config, mesh)
+  with expert_parallel.activate(mesh, config.mesh.rules):  # sparse layers trace their expert-parallel form
+    return _run(config, workdir, mesh)
+
+
+def _run(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
   abstract_state, shardings, model, tx = state_lib.state_shardings(config, mesh)
   batch_sharding = mesh_lib.batch_sharding(mesh, config.mesh.rules)
 
