@@ -62,8 +62,8 @@ def train_step(state, batch, *, model, train: ml_collections.ConfigDict, schedul
       loss=loss,
       perplexity=jnp.exp(loss),
       learning_rate=schedule(state.step),
-      grad_norm=optax.global_norm(grads),
-      param_norm=optax.global_norm(new_state.params),
+      grad_norm=optax.tree.norm(grads),
+      param_norm=optax.tree.norm(new_state.params),
       tokens=weight_sum,
       **stats,
   )
