@@ -4,7 +4,8 @@
 #
 # Each worker runs the same command; JAX reads the pod's topology from the TPU metadata (process
 # id, count, coordinator), so no distributed flags are passed. A single pod slice is one DCN slice,
-# so the default mesh (config.mesh.dcn all 1) fits; for several slices set config.mesh.dcn.
+# and the default mesh (config.mesh.dcn.data=-1) gives it a DCN of size 1; several slices become
+# DCN data replicas.
 set -euo pipefail
 
 TPU_NAME=${TPU_NAME:?set TPU_NAME to the TPU VM name}
