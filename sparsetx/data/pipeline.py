@@ -224,6 +224,15 @@ class TrainIterator:
     self.steps = state["steps"]
 
 
+def saved_shard_counts(path: str) -> set[int]:
+  """The numbers of data shards that saved states under `path` (empty when none was saved)."""
+  counts = set()
+  for state_file in tf.io.gfile.glob(os.path.join(path, "*", _STATE_JSON)):
+    with tf.io.gfile.GFile(state_file) as f:
+      counts.add(json.load(f)["num_shards"])
+  return counts
+
+
 def make_train_iterator(config: ml_collections.ConfigDict, batch_sharding: jax.sharding.Sharding,
                         shard_info: seqio.ShardInfo | None = None) -> TrainIterator:
   """The training batches of `config.data`; `shard_info` overrides the derived data shard (tests)."""

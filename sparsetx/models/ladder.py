@@ -84,6 +84,11 @@ def _norm_params(model) -> int:
   return model.d_model * (2 if model.norm == "layernorm" else 1)
 
 
+def _peer_router(ffn) -> bool:
+  """PEER's router (a query per channel) rather than sgatlin's shared query."""
+  return ffn.type == "peer" or ffn.router == "peer"
+
+
 def ffn_params(model) -> tuple[int, int]:
   """(total, active per token) parameters of one feed-forward layer."""
   ffn, D = model.ffn, model.d_model
@@ -99,7 +104,7 @@ def ffn_params(model) -> tuple[int, int]:
     return router + ffn.n_experts * 3 * D * F, router + ffn.experts_per_token * 3 * D * F
   if ffn.type in ("peer", "sgatlin"):
     C, n_keys = ffn.n_channels, math.isqrt(F)
-    if ffn.type == "peer" or ffn.router == "peer":
+    if _peer_router(ffn):
       router = C * D * ffn.d_key + C * n_keys * ffn.d_key
     else:
       router = D * ffn.d_key + ffn.d_key * 2 * C * n_keys
@@ -137,7 +142,7 @@ def ffn_flops(model) -> int:
     macs = D * ffn.n_experts + ffn.experts_per_token * 3 * D * F
   elif ffn.type in ("peer", "sgatlin"):
     C, n_keys = ffn.n_channels, math.isqrt(F)
-    if ffn.type == "peer" or ffn.router == "peer":
+    if _peer_router(ffn):
       router = C * ffn.d_key * (D + n_keys)
     else:
       router = ffn.d_key * (D + 2 * C * n_keys)

@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 
 from sparsetx.config import ConfigError
 
-COMPUTE_ONLY = ("ffn", "dtype", "remat", "max_len", "kernel", "implementation")
+COMPUTE_ONLY = ("dtype", "remat", "max_len", "kernel", "implementation")  # may change on resume
 
 
 class Checkpointer:
@@ -64,7 +64,7 @@ class Checkpointer:
     saved, wanted = self.saved_config(step)["model"], config.model.to_dict()
     for prefix, old, new in (("config.model", saved, wanted), ("config.model.ffn", saved["ffn"], wanted["ffn"])):
       for key in sorted(set(old) | set(new)):
-        if key not in COMPUTE_ONLY and old.get(key) != new.get(key):
+        if key not in COMPUTE_ONLY + ("ffn",) and old.get(key) != new.get(key):  # ffn: compared on its own
           raise ConfigError(
               f"{prefix}.{key}={json.dumps(new.get(key))} but the checkpoint in {self.directory} was trained with "
               f"{json.dumps(old.get(key))}; use a new --workdir, or set the field back to resume."

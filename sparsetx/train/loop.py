@@ -6,8 +6,6 @@ before anything non-finite is saved.
 """
 
 import functools
-import glob
-import json
 import math
 import os
 import signal
@@ -194,10 +192,7 @@ def restore(checkpointer: checkpointing.Checkpointer, step: int, abstract_state,
   A data state saved by another number of data shards (another process count) cannot be resharded:
   the model state still restores (onto any mesh), and the data stream starts over, with a warning.
   """
-  saved_shards = set()
-  for path in glob.glob(os.path.join(checkpointer.data_directory, str(step), "*", "data_state.json")):
-    with open(path) as f:
-      saved_shards.add(json.load(f)["num_shards"])
+  saved_shards = pipeline.saved_shard_counts(os.path.join(checkpointer.data_directory, str(step)))
   shards = data_iterator.shard_info.num_shards
   if saved_shards and shards not in saved_shards:
     logging.warning(
