@@ -1,0 +1,138 @@
+"""Export kind `custom`: any sparsetx model as a Hugging Face directory with its own PyTorch modeling file.
+
+The directory holds `configuration_sparsetx.py` and `modeling_sparsetx.py` (MODELING_FILES, under
+hf_modeling/), named in config.json's `auto_map`, so `AutoModelForCausalLM.from_pretrained(dir,
+trust_remote_code=True)` runs the model in PyTorch. The modeling file reimplements the JAX forward in
+float32 for every architecture sparsetx builds (sgatlin, FFF, PEER, MoE, SwiGLU, MLP; both block kinds).
+
+Tensor names are the flax parameter paths with `/` -> `.`, `layers_<i>` -> `layers.<i>`, prefixed
+`model.` (the head `lm_head/kernel` stays `lm_head.kernel`); arrays keep their flax layout and are
+stored as float32 (bf16/f16 parameters widen losslessly and narrow back on import, so the round trip
+is bit-identical). The full sparsetx model config travels in config.json under `sparsetx_model`.
+"""
+
+import pathlib
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from sparsetx import config as config_lib
+from sparsetx.config import ConfigError
+
+MODEL_TYPE = "sparsetx"
+SPARSETX_KEY = "sparsetx_model"  # the full sparsetx model config (config.model), as hf_neox names it
+_MODELING_DIR = pathlib.Path(__file__).resolve().parent / "hf_modeling"
+MODELING_FILES = [str(_MODELING_DIR / "configuration_sparsetx.py"), str(_MODELING_DIR / "modeling_sparsetx.py")]
+AUTO_MAP = {
+    "AutoConfig": "configuration_sparsetx.SparsetxConfig",
+    "AutoModelForCausalLM": "modeling_sparsetx.SparsetxForCausalLM",
+}
+BOS_ID, EOS_ID, PAD_ID = 0, 1, 0  # sparsetx's packed rows start with id 0 (pad); seqio's eos is 1
+
+
+def unsupported_reason(model_config) -> str | None:
+  """None when modeling_sparsetx.py implements this architecture (every one sparsetx can build)."""
+  try:
+    config_lib.validate_model(model_config)
+  except ConfigError as error:
+    return f"the model config is invalid: {error}"
+  return None
+
+
+def tensor_name(path: tuple) -> str:
+  """Flax path ('layers_0', 'attention', 'query', 'kernel') -> 'model.layers.0.attention.query.kernel'."""
+  parts = [re.sub(r"^layers_(\d+)$", r"layers.\1", part) for part in path]
+  name = ".".join(parts)
+  return name if path[0] == "lm_head" else f"model.{name}"
+
+
+def flax_path(name: str) -> tuple:
+  """The inverse of tensor_name."""
+  name = name.removeprefix("model.")
+  name = re.sub(r"^layers\.(\d+)\.", r"layers_\1.", name)
+  return tuple(name.split("."))
+
+
+def expected_shapes(model_config) -> dict:
+  """Tensor name -> shape of every parameter the model config builds (traced abstractly, nothing computed)."""
+  from sparsetx.models.transformer import Transformer  # deferred: the model pulls in the kernels
+
+  frozen = ml_collections.FrozenConfigDict(model_config)
+  abstract = jax.eval_shape(Transformer(frozen).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+  flat = jax.tree_util.tree_flatten_with_path(nn.unbox(abstract)["params"])[0]
+  return {tensor_name(tuple(k.key for k in path)): tuple(leaf.shape) for path, leaf in flat}
+
+
+def to_hf(model_config, params) -> tuple[dict, dict]:
+  """(config.json dict, {tensor name: float32 numpy array}) for a model config and its flax params."""
+  reason = unsupported_reason(model_config)
+  if reason is not None:
+    raise ConfigError(f"cannot export as kind 'custom': {reason}")
+  flat = jax.tree_util.tree_flatten_with_path(nn.unbox(params))[0]
+  tensors = {tensor_name(tuple(k.key for k in path)): np.asarray(leaf).astype(np.float32) for path, leaf in flat}
+  _check_tensors(model_config, tensors, "the parameters")
+  m = model_config
+  config_json = dict(
+      model_type=MODEL_TYPE,
+      architectures=["SparsetxForCausalLM"],
+      auto_map=dict(AUTO_MAP),
+      sparsetx_model=ml_collections.ConfigDict(m).to_dict(),
+      vocab_size=m.vocab_size,
+      hidden_size=m.d_model,
+      num_hidden_layers=m.n_layers,
+      num_attention_heads=m.d_model // m.head_dim,
+      head_dim=m.head_dim,
+      max_position_embeddings=m.max_len,
+      tie_word_embeddings=bool(m.tie_embeddings),
+      bos_token_id=BOS_ID,
+      eos_token_id=EOS_ID,
+      pad_token_id=PAD_ID,
+      dtype="float32",
+  )
+  return config_json, tensors
+
+
+def from_hf(config_json: dict, tensors: dict) -> tuple[ml_collections.ConfigDict, dict]:
+  """(model config, flax param tree of numpy arrays in config.param_dtype) from an exported directory's contents."""
+  if config_json.get("model_type") != MODEL_TYPE or not isinstance(config_json.get(SPARSETX_KEY), dict):
+    raise ConfigError(
+        f"config.json has model_type={config_json.get('model_type')!r} without a {SPARSETX_KEY!r} model config; "
+        "import a directory written by sparsetx's export (kind 'custom')."
+    )
+  model_config = ml_collections.ConfigDict(config_json[SPARSETX_KEY])
+  try:
+    config_lib.validate_model(model_config)
+  except ConfigError as error:
+    raise ConfigError(f"config.json's {SPARSETX_KEY!r} model config is invalid: {error}") from None
+  _check_tensors(model_config, tensors, "model.safetensors")
+  param_dtype = jnp.dtype(model_config.param_dtype)
+  params = {}
+  for name, array in tensors.items():
+    *parents, leaf = flax_path(name)
+    node = params
+    for part in parents:
+      node = node.setdefault(part, {})
+    node[leaf] = np.asarray(array).astype(param_dtype)
+  return model_config, params
+
+
+def _check_tensors(model_config, tensors: dict, source: str) -> None:
+  """One clear error when the tensors do not match what the model config builds (names and shapes)."""
+  expected = expected_shapes(model_config)
+  missing = sorted(set(expected) - set(tensors))
+  unexpected = sorted(set(tensors) - set(expected))
+  if missing or unexpected:
+    raise ConfigError(
+        f"the tensors of {source} do not match the model config: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        f"{' (and more)' if len(missing) > 3 or len(unexpected) > 3 else ''}; export and import the same model."
+    )
+  for name, shape in expected.items():
+    if tuple(np.shape(tensors[name])) != shape:
+      raise ConfigError(
+          f"{source}: tensor {name!r} has shape {tuple(np.shape(tensors[name]))} but the model config builds {shape}; "
+          "export and import the same model."
+      )

@@ -1,0 +1,1 @@
+"""PyTorch modeling files copied into exported sparse-model directories (loaded with trust_remote_code)."""

@@ -1,0 +1,394 @@
+"""PyTorch reimplementation of sparsetx's decoder (sparsetx/models/transformer.py) for exported checkpoints.
+
+Copied into an export directory and loaded with `AutoModelForCausalLM.from_pretrained(dir,
+trust_remote_code=True)`. It imports torch and transformers only, and computes in float32 what the
+JAX model computes: the same norms and epsilon, GPT-NeoX rotary (rotate-half on the first
+`int(head_dim * rotary_fraction)` dims of each head), sequential or parallel blocks, tied or untied
+head, and every feed-forward type sparsetx builds: mlp, swiglu, moe, peer, sgatlin (all activations,
+product or PEER router) and fff (fff, fff_post). Taps are not needed here (they are identity).
+
+Parameters keep sparsetx's names and flax layouts, so the checkpoint is the flax tree flattened: the
+tensor of flax path `layers_0/attention/query/kernel` is `model.layers.0.attention.query.kernel`
+(`lm_head/kernel` is `lm_head.kernel`), and kernels multiply as `x @ W` over their leading input axes.
+
+There is no KV cache: every forward (also each generation step) recomputes the whole sequence.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_outputs import CausalLMOutput
+
+from .configuration_sparsetx import SparsetxConfig
+
+ACTIVATIONS = {
+    "identity": lambda h: h,
+    "relu": F.relu,
+    "gelu": F.gelu,  # exact (erf), as sparsetx's gelu
+    "swish": F.silu,
+}
+
+
+def n_keys_for(d_ffw: int) -> int:
+  return math.isqrt(d_ffw)
+
+
+class Dense(nn.Module):
+  """A flax Dense/DenseGeneral: `kernel` [*in_shape, *out_shape] contracted over the last len(in_shape) axes of x."""
+
+  def __init__(self, in_shape, out_shape, use_bias=False):
+    super().__init__()
+    self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
+    self.kernel = nn.Parameter(torch.empty(*self.in_shape, *self.out_shape))
+    self.bias = nn.Parameter(torch.empty(*self.out_shape)) if use_bias else None
+
+  def forward(self, x):
+    lead = x.shape[: x.dim() - len(self.in_shape)]
+    n_in, n_out = math.prod(self.in_shape), math.prod(self.out_shape)
+    y = x.reshape(-1, n_in) @ self.kernel.reshape(n_in, n_out)
+    y = y.reshape(*lead, *self.out_shape)
+    return y if self.bias is None else y + self.bias
+
+
+class Embed(nn.Module):
+  """flax Embed: the `embedding` table [V, D]."""
+
+  def __init__(self, vocab_size, d_model):
+    super().__init__()
+    self.embedding = nn.Parameter(torch.empty(vocab_size, d_model))
+
+
+class Norm(nn.Module):
+  """flax RMSNorm (`scale`) or LayerNorm (`scale`, `bias`, variance as E[x^2] - E[x]^2)."""
+
+  def __init__(self, cfg):
+    super().__init__()
+    self.kind, self.eps = cfg["norm"], cfg["norm_eps"]
+    self.scale = nn.Parameter(torch.empty(cfg["d_model"]))
+    self.bias = nn.Parameter(torch.empty(cfg["d_model"])) if self.kind == "layernorm" else None
+
+  def forward(self, x):
+    if self.kind == "rmsnorm":
+      return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps) * self.scale
+    mean = x.mean(-1, keepdim=True)
+    var = (x.square().mean(-1, keepdim=True) - mean.square()).clamp_min(0.0)
+    return (x - mean) * torch.rsqrt(var + self.eps) * self.scale + self.bias
+
+
+def apply_rotary(x_BTHK, positions_BT, rotary_dims: int, base: float):
+  """GPT-NeoX rotary on the first `rotary_dims` of each head; the rest pass through."""
+  if rotary_dims == 0:
+    return x_BTHK
+  exponent = torch.arange(0, rotary_dims, 2, dtype=torch.float32, device=x_BTHK.device) / rotary_dims
+  inv_freq = 1.0 / torch.pow(torch.tensor(base, dtype=torch.float32, device=x_BTHK.device), exponent)
+  angles_BTF = positions_BT[..., None].to(torch.float32) * inv_freq
+  angles_BT1R = torch.cat([angles_BTF, angles_BTF], dim=-1)[:, :, None, :]
+  rot, rest = x_BTHK[..., :rotary_dims], x_BTHK[..., rotary_dims:]
+  half = rotary_dims // 2
+  rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+  rot = rot * torch.cos(angles_BT1R) + rotated * torch.sin(angles_BT1R)
+  return torch.cat([rot, rest], dim=-1)
+
+
+class Attention(nn.Module):
+  def __init__(self, cfg):
+    super().__init__()
+    D, K = cfg["d_model"], cfg["head_dim"]
+    H = D // K
+    self.head_dim, self.rope_base = K, cfg["rope_base"]
+    self.rotary_dims = int(K * cfg["rotary_fraction"])
+    bias = cfg["use_bias"]
+    self.query, self.key, self.value = (Dense((D,), (H, K), bias) for _ in range(3))
+    self.out = Dense((H, K), (D,), bias)
+
+  def forward(self, x_BTD, positions_BT, mask_B1TS):
+    q_BTHK = apply_rotary(self.query(x_BTD), positions_BT, self.rotary_dims, self.rope_base)
+    k_BTHK = apply_rotary(self.key(x_BTD), positions_BT, self.rotary_dims, self.rope_base)
+    v_BTHK = self.value(x_BTD)
+    logits_BHTS = torch.einsum("bthk,bshk->bhts", q_BTHK, k_BTHK) / self.head_dim**0.5
+    logits_BHTS = logits_BHTS.masked_fill(~mask_B1TS, torch.finfo(torch.float32).min)
+    probs_BHTS = torch.softmax(logits_BHTS, dim=-1)
+    return self.out(torch.einsum("bhts,bshk->bthk", probs_BHTS, v_BTHK))
+
+
+def gated_gather(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, activation, bias_R=None, token_chunk=1024):
+  """y[n] = sum_s gates[n,s] * w_out[rows[n,s]] * act(<w_in[rows[n,s]], x[n]> + bias[rows[n,s]]).
+
+  Chunked over tokens so the gathered rows of at most `token_chunk` tokens exist at once.
+  """
+  outputs = []
+  for start in range(0, x_ND.shape[0], token_chunk):
+    x_nD, rows_nS = x_ND[start : start + token_chunk], rows_NS[start : start + token_chunk]
+    h_nS = torch.einsum("nd,nsd->ns", x_nD, w_in_RD[rows_nS])
+    if bias_R is not None:
+      h_nS = h_nS + bias_R[rows_nS]
+    h_nS = activation(h_nS) * gates_NS[start : start + token_chunk]
+    outputs.append(torch.einsum("ns,nsd->nd", h_nS, w_out_RD[rows_nS]))
+  return torch.cat(outputs, dim=0)
+
+
+def product_key_top_k(scores1, scores2, k: int):
+  """Top-k of {s1[i] + s2[j]} over the last axis: (values descending, indices i * n_keys + j)."""
+  n_keys = scores1.shape[-1]
+  s1, i1 = torch.topk(scores1, k, dim=-1)
+  s2, i2 = torch.topk(scores2, k, dim=-1)
+  sums = (s1[..., :, None] + s2[..., None, :]).flatten(-2)
+  ids = (i1[..., :, None] * n_keys + i2[..., None, :]).flatten(-2)
+  values, best = torch.topk(sums, k, dim=-1)
+  return values, torch.gather(ids, -1, best)
+
+
+class ProductKeyRouter(nn.Module):
+  """sgatlin's router: query = x W_query (shared by the channels); per channel, keys score it in two halves."""
+
+  def __init__(self, ffn, d_model):
+    super().__init__()
+    self.top_k, n_keys = ffn["top_k"], n_keys_for(ffn["d_ffw"])
+    self.query = Dense((d_model,), (ffn["d_key"],))
+    self.keys = Dense((ffn["d_key"],), (2, ffn["n_channels"], n_keys))
+
+  def forward(self, x_BTD):
+    scores_BT2CN = self.keys(self.query(x_BTD))
+    return product_key_top_k(scores_BT2CN[:, :, 0], scores_BT2CN[:, :, 1], self.top_k)
+
+
+class PeerRouter(nn.Module):
+  """PEER's router: a query per channel split in two halves, scored against two sub-key sets."""
+
+  def __init__(self, ffn, d_model):
+    super().__init__()
+    C, half = ffn["n_channels"], ffn["d_key"] // 2
+    self.top_k, n_keys = ffn["top_k"], n_keys_for(ffn["d_ffw"])
+    self.query = Dense((d_model,), (C, 2, half))
+    self.sub_keys = nn.Parameter(torch.empty(C, 2, n_keys, half))
+
+  def forward(self, x_BTD):
+    scores_BTC2N = torch.einsum("btcsh,csnh->btcsn", self.query(x_BTD), self.sub_keys)
+    return product_key_top_k(scores_BTC2N[..., 0, :], scores_BTC2N[..., 1, :], self.top_k)
+
+
+ROUTERS = {"product": ProductKeyRouter, "peer": PeerRouter}
+
+
+class Sgatlin(nn.Module):
+  """Per channel, the product-key top-k picks k rank-one neurons; gates are the raw scores (product router)."""
+
+  def __init__(self, cfg):
+    super().__init__()
+    ffn = cfg["ffn"]
+    self.C, self.N, self.router_kind = ffn["n_channels"], ffn["d_ffw"], ffn["router"]
+    self.activation = ACTIVATIONS[ffn["activation"]]
+    self.router = ROUTERS[self.router_kind](ffn, cfg["d_model"])
+    self.experts = nn.Parameter(torch.empty(2, self.C, self.N, cfg["d_model"]))
+
+  def forward(self, x_BTD):
+    B, T, D = x_BTD.shape
+    scores_BTCK, idx_BTCK = self.router(x_BTD)
+    gates_BTCK = scores_BTCK if self.router_kind == "product" else torch.softmax(scores_BTCK, dim=-1)
+    channel_offsets = self.N * torch.arange(self.C, device=idx_BTCK.device)[:, None]
+    rows_NS = (idx_BTCK + channel_offsets).reshape(B * T, -1)
+    table_in, table_out = self.experts[0].reshape(-1, D), self.experts[1].reshape(-1, D)
+    y_ND = gated_gather(x_BTD.reshape(B * T, D), table_in, table_out, rows_NS, gates_BTCK.reshape(B * T, -1),
+                        self.activation)
+    return y_ND.reshape(B, T, D)
+
+
+class Peer(nn.Module):
+  """PEER: per-channel routers over one shared table of GELU neurons, softmax over each channel's k scores."""
+
+  def __init__(self, cfg):
+    super().__init__()
+    ffn = cfg["ffn"]
+    self.router = PeerRouter(ffn, cfg["d_model"])
+    self.experts = nn.Parameter(torch.empty(2, ffn["d_ffw"], cfg["d_model"]))
+
+  def forward(self, x_BTD):
+    B, T, D = x_BTD.shape
+    scores_BTCK, idx_BTCK = self.router(x_BTD)
+    gates_BTCK = torch.softmax(scores_BTCK, dim=-1)
+    y_ND = gated_gather(x_BTD.reshape(B * T, D), self.experts[0], self.experts[1], idx_BTCK.reshape(B * T, -1),
+                        gates_BTCK.reshape(B * T, -1), F.gelu)
+    return y_ND.reshape(B, T, D)
+
+
+class Fff(nn.Module):
+  """P binary trees of depth D in heap order; per level z = <x, w_in> + b_in, child 2s+2 if z > 0 else 2s+1."""
+
+  def __init__(self, cfg):
+    super().__init__()
+    ffn, D = cfg["ffn"], cfg["d_model"]
+    self.depth, self.variant = ffn["depth"], ffn["variant"]
+    P, N = ffn["n_trees"], 2 ** (ffn["depth"] + 1) - 1
+    self.w_in = nn.Parameter(torch.empty(P, N, D))
+    self.b_in = nn.Parameter(torch.empty(P, N))
+    self.w_out = nn.Parameter(torch.empty(P, N, D))
+    self.b_out = nn.Parameter(torch.empty(D))
+
+  def forward(self, x_BTD):
+    B, T, D = x_BTD.shape
+    x_MD = x_BTD.reshape(B * T, D)
+    P = self.w_in.shape[0]
+    tree_P = torch.arange(P, device=x_MD.device)
+    node_MP = torch.zeros(x_MD.shape[0], P, dtype=torch.long, device=x_MD.device)
+    y_MD = torch.zeros_like(x_MD)
+    for _level in range(self.depth + 1):
+      z_MP = torch.einsum("md,mpd->mp", x_MD, self.w_in[tree_P, node_MP]) + self.b_in[tree_P, node_MP]
+      a_MP = F.gelu(z_MP) if self.variant == "fff" else z_MP
+      y_MD = y_MD + torch.einsum("mp,mpd->md", a_MP, self.w_out[tree_P, node_MP])
+      node_MP = 2 * node_MP + 1 + (z_MP > 0).long()
+    y_MD = y_MD + self.b_out
+    if self.variant == "fff_post":
+      y_MD = F.gelu(y_MD)
+    return y_MD.reshape(B, T, D)
+
+
+class Moe(nn.Module):
+  """GPT-OSS-style MoE: router with bias, top-k experts, softmax over the k logits, SwiGLU experts."""
+
+  def __init__(self, cfg):
+    super().__init__()
+    ffn, D = cfg["ffn"], cfg["d_model"]
+    E, F_, self.top_k = ffn["n_experts"], ffn["d_ffw"], ffn["experts_per_token"]
+    self.router = Dense((D,), (E,), use_bias=True)
+    self.wi_gate = nn.Parameter(torch.empty(E, D, F_))
+    self.wi_up = nn.Parameter(torch.empty(E, D, F_))
+    self.wo = nn.Parameter(torch.empty(E, F_, D))
+
+  def forward(self, x_BTD):
+    B, T, D = x_BTD.shape
+    x_ND = x_BTD.reshape(B * T, D)
+    top_logits_NK, expert_ids_NK = torch.topk(self.router(x_ND), self.top_k, dim=-1)
+    weights_NK = torch.softmax(top_logits_NK, dim=-1)
+    y_ND = torch.zeros_like(x_ND)
+    for expert in range(self.wi_gate.shape[0]):
+      token, slot = torch.nonzero(expert_ids_NK == expert, as_tuple=True)
+      if token.numel() == 0:
+        continue
+      x_nD = x_ND[token]
+      h_nF = F.silu(x_nD @ self.wi_gate[expert]) * (x_nD @ self.wi_up[expert])
+      y_ND = y_ND.index_add(0, token, (h_nF @ self.wo[expert]) * weights_NK[token, slot, None])
+    return y_ND.reshape(B, T, D)
+
+
+class Mlp(nn.Module):
+  def __init__(self, cfg):
+    super().__init__()
+    D, F_, bias = cfg["d_model"], cfg["ffn"]["d_ffw"], cfg["use_bias"]
+    self.wi, self.wo = Dense((D,), (F_,), bias), Dense((F_,), (D,), bias)
+
+  def forward(self, x_BTD):
+    return self.wo(F.gelu(self.wi(x_BTD)))
+
+
+class SwiGlu(nn.Module):
+  def __init__(self, cfg):
+    super().__init__()
+    D, F_, bias = cfg["d_model"], cfg["ffn"]["d_ffw"], cfg["use_bias"]
+    self.wi_gate, self.wi_up, self.wo = Dense((D,), (F_,), bias), Dense((D,), (F_,), bias), Dense((F_,), (D,), bias)
+
+  def forward(self, x_BTD):
+    return self.wo(F.silu(self.wi_gate(x_BTD)) * self.wi_up(x_BTD))
+
+
+FFN_LAYERS = {"mlp": Mlp, "swiglu": SwiGlu, "moe": Moe, "peer": Peer, "sgatlin": Sgatlin, "fff": Fff}
+
+
+class SparsetxBlock(nn.Module):
+  """sequential: x + attn(norm(x)), then + ffn(norm(.)); parallel: x + attn(ln_1(x)) + ffn(ln_2(x))."""
+
+  def __init__(self, cfg):
+    super().__init__()
+    self.sequential = cfg["block"] == "sequential"
+    self.attention_norm, self.attention = Norm(cfg), Attention(cfg)
+    self.mlp_norm, self.mlp = Norm(cfg), FFN_LAYERS[cfg["ffn"]["type"]](cfg)
+
+  def forward(self, x_BTD, positions_BT, mask_B1TS):
+    attn_BTD = self.attention(self.attention_norm(x_BTD), positions_BT, mask_B1TS)
+    ffn_BTD = self.mlp(self.mlp_norm(x_BTD + attn_BTD if self.sequential else x_BTD))
+    return x_BTD + attn_BTD + ffn_BTD
+
+
+class SparsetxPreTrainedModel(PreTrainedModel):
+  config_class = SparsetxConfig
+  base_model_prefix = "model"
+  _no_split_modules = ["SparsetxBlock"]
+  supports_gradient_checkpointing = False
+
+  @torch.no_grad()
+  def _init_weights(self, module):
+    """For models built from a config alone (not sparsetx's init; train in sparsetx, export, then load)."""
+    std = self.config.sparsetx_model.get("init_std", 0.02)
+    for name, param in module.named_parameters(recurse=False):
+      if name == "scale":
+        init.ones_(param)
+      elif name.startswith("b") and param.dim() <= 2:  # bias, b_in, b_out
+        init.zeros_(param)
+      else:
+        init.normal_(param, mean=0.0, std=std)
+
+
+class SparsetxModel(SparsetxPreTrainedModel):
+  """Embedding, blocks and final norm: token ids [B,T] -> hidden states [B,T,D]."""
+
+  def __init__(self, config: SparsetxConfig):
+    super().__init__(config)
+    cfg = config.sparsetx_model
+    self.embed = Embed(cfg["vocab_size"], cfg["d_model"])
+    self.layers = nn.ModuleList([SparsetxBlock(cfg) for _ in range(cfg["n_layers"])])
+    self.final_norm = Norm(cfg)
+    self.post_init()
+
+  def forward(self, input_ids, attention_mask=None, position_ids=None):
+    """attention_mask [B,T] (1 = token, 0 = padding) hides padding keys; positions count real tokens from 0."""
+    B, T = input_ids.shape
+    causal_TS = torch.tril(torch.ones(T, T, dtype=torch.bool, device=input_ids.device))
+    if attention_mask is None:
+      mask_B1TS = causal_TS[None, None].expand(B, 1, T, T)
+    else:
+      mask_B1TS = (causal_TS[None] & attention_mask.bool()[:, None, :])[:, None]
+    if position_ids is None:
+      if attention_mask is None:
+        position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, T)
+      else:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    x_BTD = self.embed.embedding[input_ids]
+    for layer in self.layers:
+      x_BTD = layer(x_BTD, position_ids, mask_B1TS)
+    return self.final_norm(x_BTD)
+
+
+class SparsetxForCausalLM(SparsetxPreTrainedModel, GenerationMixin):
+  """Logits [B,T,V] float32: hidden @ embedding^T (tied) or hidden @ lm_head.kernel."""
+
+  def __init__(self, config: SparsetxConfig):
+    super().__init__(config)
+    cfg = config.sparsetx_model
+    self.model = SparsetxModel(config)
+    self.lm_head = None if cfg["tie_embeddings"] else Dense((cfg["d_model"],), (cfg["vocab_size"],))
+    self.post_init()
+
+  @classmethod
+  def _supports_default_dynamic_cache(cls) -> bool:
+    return False  # no KV cache: each step recomputes the sequence
+
+  def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+  def forward(self, input_ids, attention_mask=None, position_ids=None, labels=None, **kwargs):
+    hidden_BTD = self.model(input_ids, attention_mask, position_ids)
+    if self.lm_head is None:
+      logits_BTV = hidden_BTD @ self.model.embed.embedding.T
+    else:
+      logits_BTV = self.lm_head(hidden_BTD)
+    loss = None
+    if labels is not None:  # next-token loss; -100 marks ignored targets
+      loss = F.cross_entropy(logits_BTV[:, :-1].reshape(-1, logits_BTV.shape[-1]), labels[:, 1:].reshape(-1),
+                             ignore_index=-100)
+    return CausalLMOutput(loss=loss, logits=logits_BTV)
+
+
+__all__ = ["SparsetxForCausalLM", "SparsetxModel", "SparsetxPreTrainedModel"]
