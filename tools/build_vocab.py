@@ -1,14 +1,23 @@
-"""Trains a SentencePiece vocabulary on local text, for `config.data.vocab.kind='sentencepiece'`.
+"""Trains a vocabulary on local text: SentencePiece (default) or a GPT-2-format byte-level BPE (--kind=gpt2).
 
   python tools/build_vocab.py --output=/data/spm/tinystories --vocab_size=8192 \
       --input=/data/train.txt --input=/data/more.jsonl
   # then: --config.data.vocab.kind=sentencepiece --config.data.vocab.path=/data/spm/tinystories.model
+
+  python tools/build_vocab.py --kind=gpt2 --output=/data/bpe/tinystories --vocab_size=8192 --input=...
+  # writes /data/bpe/tinystories/{vocab.json,merges.txt}; then --config.data.vocab.kind=gpt2
+  # --config.data.vocab.path=/data/bpe/tinystories
 
 Inputs are text files (one document per line) or JSONL files (`*.jsonl`, field --text_field);
 with no --input it trains on the embedded corpus (stories and facts, train split). The model
 uses seqio's ids (pad=0, eos=1, unk=2, no bos) and byte fallback with identity normalization,
 so every string round-trips exactly through encode/decode. The sgatlin paper used an
 8,192-piece BPE for TinyStories, hence the defaults. Nothing is downloaded.
+
+--kind=gpt2 trains with the `tokenizers` library exactly as GPT-2's tokenizer splits text (UTF-8 bytes,
+GPT-2's pre-tokenization regex, no prefix space) and writes GPT-2's file format (vocab.json +
+merges.txt) into the --output directory. Ids: <pad>=0, <|endoftext|>=1 (the EOS), the 256 byte tokens,
+then the merges; --max_documents takes the first documents (BPE training is deterministic).
 """
 
 import argparse
@@ -17,6 +26,9 @@ import json
 import os
 import sys
 from typing import Iterator
+
+import itertools
+import tempfile
 
 import sentencepiece as spm
 
@@ -91,16 +103,51 @@ def build_vocab(output: str, vocab_size: int, inputs: list[str] = (), model_type
   return output + ".model"
 
 
+GPT2_SPECIAL_TOKENS = ("<pad>", "<|endoftext|>")  # ids 0 and 1: padding (seqio's id 0) and EOS
+GPT2_MIN_VOCAB_SIZE = 256 + len(GPT2_SPECIAL_TOKENS) + 1  # the bytes, the specials and at least one merge
+
+
+def build_gpt2_bpe(output: str, vocab_size: int, inputs: list[str] = (), text_field: str = "text",
+                   max_documents: int = 1_000_000) -> str:
+  """Trains a byte-level BPE and writes `<output>/vocab.json` and `merges.txt` (GPT-2's format); returns `output`.
+
+  The files are written beside the targets and renamed over them, so a failed run damages no earlier vocabulary.
+  """
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # only this kind needs it
+
+  files = expand_inputs(list(inputs))
+  tokenizer = Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  tokenizer.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+      vocab_size=vocab_size,
+      special_tokens=list(GPT2_SPECIAL_TOKENS),
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, seen in the text or not
+      show_progress=False,
+  )
+  tokenizer.train_from_iterator(itertools.islice(documents(files, text_field), max_documents), trainer)
+  os.makedirs(output, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=output, prefix=".build_vocab-") as scratch:
+    for written in tokenizer.model.save(scratch):
+      os.replace(written, os.path.join(output, os.path.basename(written)))
+  return output
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--output", required=True, help="path prefix; writes <output>.model and <output>.vocab")
+  parser.add_argument("--kind", choices=("sentencepiece", "gpt2"), default="sentencepiece",
+                      help="sentencepiece: <output>.model; gpt2: <output>/vocab.json + merges.txt (GPT-2 format)")
+  parser.add_argument("--output", required=True,
+                      help="sentencepiece: path prefix, writes <output>.model and <output>.vocab; gpt2: a directory")
   parser.add_argument("--vocab_size", type=int, default=8192)
   parser.add_argument("--input", action="append", default=[], help="text or .jsonl file or glob; repeatable")
-  parser.add_argument("--model_type", choices=("bpe", "unigram"), default="bpe")
+  parser.add_argument("--model_type", choices=("bpe", "unigram"), default="bpe", help="sentencepiece only")
   parser.add_argument("--text_field", default="text", help="field of .jsonl inputs")
   parser.add_argument("--max_documents", type=int, default=1_000_000, help="documents sampled for training")
-  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--seed", type=int, default=0, help="sentencepiece only (its document sample)")
   args = parser.parse_args(argv)
+  if args.kind == "gpt2":
+    return main_gpt2(args)
   if args.vocab_size <= 259:
     print(f"error: --vocab_size={args.vocab_size} leaves no room beyond the 256 byte-fallback pieces and "
           "3 special ids; use at least 260 (8192 is typical).", file=sys.stderr)
@@ -114,6 +161,27 @@ def main(argv: list[str] | None = None) -> int:
   size = spm.SentencePieceProcessor(model_file=path).get_piece_size()
   print(f"wrote {path} ({size} pieces); use --config.data.vocab.kind=sentencepiece "
         f"--config.data.vocab.path={path} and config.model.vocab_size >= {size}")
+  return 0
+
+
+def main_gpt2(args: argparse.Namespace) -> int:
+  if args.vocab_size < GPT2_MIN_VOCAB_SIZE:
+    print(f"error: --vocab_size={args.vocab_size} leaves no room for merges beyond the 256 byte tokens and "
+          f"{', '.join(GPT2_SPECIAL_TOKENS)}; use at least {GPT2_MIN_VOCAB_SIZE} (8192 is typical).", file=sys.stderr)
+    return 2
+  if os.path.isfile(args.output):
+    print(f"error: --output={args.output!r} is a file; --kind=gpt2 writes a directory (vocab.json + merges.txt).",
+          file=sys.stderr)
+    return 2
+  try:
+    output = build_gpt2_bpe(args.output, args.vocab_size, args.input, args.text_field, args.max_documents)
+  except (ValueError, RuntimeError, OSError) as error:
+    print(f"error: {error}", file=sys.stderr)
+    return 2
+  with open(os.path.join(output, "vocab.json"), encoding="utf-8") as f:
+    size = len(json.load(f))
+  print(f"wrote {output}/vocab.json and merges.txt ({size} tokens, <pad>=0, <|endoftext|>=1); use "
+        f"--config.data.vocab.kind=gpt2 --config.data.vocab.path={output} and config.model.vocab_size >= {size}")
   return 0
 
 
