@@ -1,0 +1,65 @@
+"""`python -m sparsetx.evaluate --workdir=DIR [--step=N] [--task=facts,stories] [--mesh=one|saved|data=2,...]`.
+
+Prints each validation task's loss (nats per token) and perplexity, the numbers the trainer logs
+as `eval/<task>/loss` and `eval/<task>/perplexity` (see sparsetx/evaluate/perplexity.py), and with
+`--prompt` samples a continuation (`--temperature 0` is greedy; `--top_k`, `--seed`,
+`--max_new_tokens`). `--noeval` skips the perplexity pass. A missing workdir, a missing checkpoint
+or an unknown task ends the run with one line and exit code 2.
+"""
+
+import sys
+
+from absl import app, flags
+
+from sparsetx.config import ConfigError
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir holding checkpoints/.", required=True)
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default the latest.")
+_TASK = flags.DEFINE_list("task", None, "Tasks (or a mixture: a comma list) to evaluate; default the checkpoint's mixture.")
+_EVAL_BATCHES = flags.DEFINE_integer("eval_batches", None, "Batches per task; 0 = whole split; default the checkpoint's.")
+_MESH = flags.DEFINE_string("mesh", "one", "'one' device, 'saved' (the training mesh) or ici sizes, e.g. data=2,fsdp=4.")
+_EVAL = flags.DEFINE_bool("eval", True, "Report validation loss and perplexity.")
+_PROMPT = flags.DEFINE_string("prompt", None, "Text to continue; nothing is sampled without it.")
+_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to sample at most (stops at EOS).")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; 0 = all.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+
+
+def run() -> str:
+  """Evaluates and samples as the flags say; returns the printed report."""
+  from sparsetx.evaluate import perplexity, sampling
+  from sparsetx.interp import checkpoint as checkpoint_lib
+
+  config, mesh, model, params, step = perplexity.restore(_WORKDIR.value, _STEP.value, _MESH.value, _TASK.value)
+  lines = [f"checkpoint {_WORKDIR.value} step {step}, mesh {dict(mesh.shape)}"]
+  if _EVAL.value:
+    results = perplexity.evaluate(config, mesh, model, params, _EVAL_BATCHES.value)
+    lines.append(f"{'task':<20} {'loss (nats/token)':>18} {'perplexity':>12}")
+    for key in results:
+      if key.endswith("/loss"):
+        name = key[len("eval/"):-len("/loss")]
+        lines.append(f"{name:<20} {results[key]:>18.6f} {results[f'eval/{name}/perplexity']:>12.4f}")
+  if _PROMPT.value is not None:
+    vocabulary = checkpoint_lib.vocabulary(config)
+    sampler = sampling.Sampler(model, params, config.model.max_len, batch_size=1, eos_id=vocabulary.eos_id)
+    prompt = checkpoint_lib.encode_prompt(vocabulary, _PROMPT.value)
+    (new,) = sampler.generate([prompt], _MAX_NEW_TOKENS.value, _TEMPERATURE.value, _TOP_K.value, _SEED.value)
+    lines.append(f"prompt: {_PROMPT.value!r}")
+    lines.append(f"sample: {vocabulary.decode(new)!r}")
+  report = "\n".join(lines)
+  print(report)
+  return report
+
+
+def main(argv):
+  del argv
+  try:
+    run()
+  except ConfigError as error:
+    print(f"error: {error}", file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+  app.run(main)

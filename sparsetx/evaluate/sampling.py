@@ -1,0 +1,96 @@
+"""Text generation: greedy, temperature and top-k sampling, as one jitted loop over a token buffer.
+
+The model has no KV cache, so each step recomputes the whole buffer ([batch, max_len]) and reads
+the logits at each row's last token: a step costs one full forward pass. That is what the small
+models here need (a cache would save a factor of about max_len / 2 per step at the cost of a
+second forward path through every layer type). Prompts are left-aligned (token 0 at position 0,
+as in training) and of different lengths; each row writes its next token at its own length, and
+causal attention means the not-yet-written slots after it never influence it. The loop
+(`lax.while_loop`) stops when every row has produced `eos_id` or `max_new_tokens` tokens.
+
+A prompt longer than `max_len - max_new_tokens` loses its oldest tokens, so the generated tokens
+always fit in the model's window. Batches are padded to `batch_size` rows: one compiled program
+per (batch_size, max_len, top_k); temperature, max_new_tokens and the seed are traced values.
+"""
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparsetx import config as config_lib
+
+
+def choose_next(logits_BV, temperature, top_k: int, key):
+  """Greedy when temperature == 0, else a sample from softmax(logits / temperature) over the top k."""
+  logits_BV = logits_BV.astype(jnp.float32)
+  greedy_B = jnp.argmax(logits_BV, axis=-1)
+  if top_k:
+    kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
+    logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+  sampled_B = jax.random.categorical(key, logits_BV / jnp.maximum(temperature, 1e-6), axis=-1)
+  return jnp.where(temperature > 0, sampled_B, greedy_B).astype(jnp.int32)
+
+
+def _generate(model, top_k, params, tokens_BT, lengths_B, done_B, max_new_tokens, temperature, eos_id, key):
+  B, T = tokens_BT.shape
+  positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+  segment_ids_BT = jnp.ones((B, T), jnp.int32)
+  rows_B = jnp.arange(B)
+
+  def keep_going(carry):
+    step, _, _, done_B = carry
+    return (step < max_new_tokens) & ~jnp.all(done_B)
+
+  def one_token(carry):
+    step, tokens_BT, lengths_B, done_B = carry
+    logits_BTV = model.apply({"params": params}, tokens_BT, positions_BT, segment_ids_BT)
+    last_BV = logits_BTV[rows_B, lengths_B - 1]
+    next_B = choose_next(last_BV, temperature, top_k, jax.random.fold_in(key, step))
+    write_B = jnp.where(done_B, tokens_BT[rows_B, jnp.minimum(lengths_B, T - 1)], next_B)
+    tokens_BT = tokens_BT.at[rows_B, lengths_B].set(write_B, mode="drop")
+    lengths_B = jnp.where(done_B, lengths_B, lengths_B + 1)
+    done_B = done_B | (next_B == eos_id)
+    return step + 1, tokens_BT, lengths_B, done_B
+
+  _, tokens_BT, lengths_B, _ = jax.lax.while_loop(keep_going, one_token, (0, tokens_BT, lengths_B, done_B))
+  return tokens_BT, lengths_B
+
+
+class Sampler:
+  """Generates continuations of token-id prompts with one model; `max_len` is the model's window."""
+
+  def __init__(self, model, params, max_len: int, batch_size: int = 8, eos_id: int = 1):
+    self.model, self.params, self.max_len, self.batch_size, self.eos_id = model, params, max_len, batch_size, eos_id
+    self._generate = jax.jit(functools.partial(_generate, model), static_argnums=0)
+
+  def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
+               top_k: int = 0, seed: int = 0) -> list[list[int]]:
+    """The new tokens of each prompt, up to `max_new_tokens`, ending before the first eos_id."""
+    if not 0 < max_new_tokens < self.max_len:
+      raise config_lib.ConfigError(
+          f"max_new_tokens={max_new_tokens} must be between 1 and {self.max_len - 1} (the model's window of "
+          f"{self.max_len} tokens holds the prompt and the new tokens); lower it.")
+    if temperature < 0 or top_k < 0:
+      raise config_lib.ConfigError(f"temperature={temperature} and top_k={top_k} must be >= 0 (0: greedy / no top-k).")
+    if any(len(prompt) == 0 for prompt in prompts):
+      raise config_lib.ConfigError("a prompt has no tokens; start it with the start token (id 0).")
+    keep = self.max_len - max_new_tokens
+    prompts = [list(prompt)[-keep:] for prompt in prompts]
+    B, T = self.batch_size, self.max_len
+    key = jax.random.key(seed)
+    out = []
+    for start in range(0, len(prompts), B):
+      chunk = prompts[start:start + B]
+      tokens_BT, lengths_B, done_B = np.zeros((B, T), np.int32), np.ones(B, np.int32), np.ones(B, bool)
+      for b, prompt in enumerate(chunk):
+        tokens_BT[b, :len(prompt)], lengths_B[b], done_B[b] = prompt, len(prompt), False
+      tokens_BT, new_lengths_B = jax.device_get(self._generate(
+          int(top_k), self.params, tokens_BT, lengths_B, done_B, np.int32(max_new_tokens), np.float32(temperature),
+          np.int32(self.eos_id), jax.random.fold_in(key, start)))
+      for b, prompt in enumerate(chunk):
+        new = tokens_BT[b, len(prompt):new_lengths_B[b]].tolist()
+        out.append(new[:new.index(self.eos_id)] if self.eos_id in new else new)
+    return out
