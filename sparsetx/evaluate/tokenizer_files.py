@@ -1,0 +1,105 @@
+"""Hugging Face tokenizer files for the training vocabulary, so an export tokenizes as training did.
+
+The byte vocabulary (seqio.ByteVocabulary: pad=0, eos=1, unk=2, byte b -> id b + 3) becomes an exact
+`tokenizer.json`: a byte-level BPE with no merges whose vocabulary maps each byte's printable stand-in
+to b + 3, so encoding text gives one id per UTF-8 byte, the seqio ids. Its post-processor puts id 0
+first, as every packed training document starts with the shifted-in id 0 (encode with
+`add_special_tokens=False` for the bare seqio ids). A SentencePiece vocabulary is copied as
+`tokenizer.model`, with its special pieces named in `tokenizer_config.json`.
+"""
+
+import json
+import os
+import shutil
+
+import ml_collections
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors
+
+from sparsetx import config as config_lib
+
+BYTE_OFFSET = 3  # seqio.ByteVocabulary: ids 0, 1, 2 are pad, eos, unk
+PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
+SPECIAL_IDS = {PAD: 0, EOS: 1, UNK: 2}
+
+
+def byte_stand_ins() -> list[str]:
+  """The printable character the byte-level pre-tokenizer uses for each byte 0..255.
+
+  Printable Latin-1 bytes stand for themselves; the others (controls, space, soft hyphen) take
+  the code points from 256 upwards, in byte order. This is the byte-level convention of
+  `tokenizers.pre_tokenizers.ByteLevel`, which `byte_level_tokenizer` checks against its alphabet.
+  """
+  printable = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), ord("ÿ") + 1))
+  stand_ins, extra = [], 0
+  for b in range(256):
+    if b in printable:
+      stand_ins.append(chr(b))
+    else:
+      stand_ins.append(chr(256 + extra))
+      extra += 1
+  return stand_ins
+
+
+def byte_level_tokenizer() -> tokenizers.Tokenizer:
+  """A `tokenizers.Tokenizer` whose ids are exactly seqio.ByteVocabulary's."""
+  stand_ins = byte_stand_ins()
+  if set(stand_ins) != set(pre_tokenizers.ByteLevel.alphabet()):
+    raise RuntimeError("tokenizers' byte-level alphabet changed; the byte vocabulary cannot be exported exactly.")
+  vocab = dict(SPECIAL_IDS)
+  vocab.update({char: b + BYTE_OFFSET for b, char in enumerate(stand_ins)})
+  tokenizer = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  tokenizer.add_special_tokens([PAD, EOS, UNK])
+  tokenizer.post_processor = processors.TemplateProcessing(
+      single=f"{PAD} $A", pair=f"{PAD} $A {PAD} $B", special_tokens=[(PAD, SPECIAL_IDS[PAD])]
+  )
+  return tokenizer
+
+
+def _tokenizer_config(max_len: int, bos: str, eos: str, unk: str, pad: str, **extra) -> dict:
+  return dict(bos_token=bos, eos_token=eos, unk_token=unk, pad_token=pad, model_max_length=max_len,
+              clean_up_tokenization_spaces=False, **extra)
+
+
+def write(data: ml_collections.ConfigDict, max_len: int, out_dir: str) -> list[str]:
+  """Writes the tokenizer files of `config.data.vocab` into `out_dir`; returns the names written."""
+  kind = data.vocab.kind
+  if kind == "byte":
+    byte_level_tokenizer().save(os.path.join(out_dir, "tokenizer.json"))
+    config = _tokenizer_config(max_len, PAD, EOS, UNK, PAD, tokenizer_class="PreTrainedTokenizerFast",
+                               split_special_tokens=True)  # "<pad>" typed in text is 5 bytes, as in seqio
+    names = ["tokenizer.json", "tokenizer_config.json"]
+  elif kind == "sentencepiece":
+    path = data.vocab.path
+    if not path or not os.path.isfile(path):
+      raise config_lib.ConfigError(
+          f"the checkpoint's config.data.vocab.path={path!r} is not a file; the SentencePiece model must be "
+          "reachable to export its tokenizer (restore the file at that path).")
+    import sentencepiece  # seqio's dependency
+
+    processor = sentencepiece.SentencePieceProcessor(model_file=path)
+    pad, eos, unk = (processor.id_to_piece(i) for i in (0, 1, 2))
+    shutil.copyfile(path, os.path.join(out_dir, "tokenizer.model"))
+    config = _tokenizer_config(max_len, pad, eos, unk, pad, add_bos_token=True, add_eos_token=False)
+    names = ["tokenizer.model", "tokenizer_config.json"]
+  else:
+    raise config_lib.ConfigError(f"config.data.vocab.kind={kind!r} has no Hugging Face tokenizer export.")
+  with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+    json.dump(config, f, indent=2, sort_keys=True)
+  return names
+
+
+def vocab_of(hf_dir: str) -> ml_collections.ConfigDict | None:
+  """`config.data.vocab` for the tokenizer files in `hf_dir`: byte, sentencepiece, or None (another tokenizer)."""
+  model_file = os.path.join(hf_dir, "tokenizer.model")
+  if os.path.isfile(model_file):
+    return ml_collections.ConfigDict(dict(kind="sentencepiece", path=os.path.abspath(model_file)))
+  json_file = os.path.join(hf_dir, "tokenizer.json")
+  if os.path.isfile(json_file):
+    with open(json_file) as f:
+      saved = json.load(f)
+    if saved.get("model", {}).get("vocab") == json.loads(byte_level_tokenizer().to_str())["model"]["vocab"]:
+      return ml_collections.ConfigDict(dict(kind="byte", path=""))
+  return None
