@@ -55,16 +55,18 @@ def forward_and_grads(layer, probe, params, x):
   return y, grads
 
 
-# PEER's one table is shared by every channel, so it has no expert-parallel form (it stays data-
-# parallel under the mesh); one mesh shows the mesh context leaves it exact.
-CASES = [(ffn, mesh) for ffn in LAYERS for mesh in MESHES if ffn != "peer" or mesh == "data2_expert4"]
+# Tables split by d_model over the expert axis too (FSDP over fsdp x expert for every `embed` axis):
+# PEER's shared table, and sgatlin's when the expert axis is larger than its channel count.
+D_SPLIT_RULES = (("embed", ("fsdp", "expert")),) + config_lib.DEFAULT_RULES
+RULES = {"peer": D_SPLIT_RULES}
+CASES = [(ffn, mesh) for ffn in LAYERS for mesh in MESHES]
 
 
 @pytest.mark.parametrize("ffn_type, mesh_name", CASES)
 def test_sharded_layer_equals_single_device(ffn_type, mesh_name):
   layer, params, x, probe, (want_y, want_grads) = case(ffn_type)
   mesh = make_mesh(**MESHES[mesh_name])
-  rules = config_lib.DEFAULT_RULES
+  rules = RULES.get(ffn_type, config_lib.DEFAULT_RULES)
   boxed = jax.eval_shape(layer.init, jax.random.key(0), x)["params"]
   param_shardings = mesh_lib.logical_sharding(nn.get_partition_spec(boxed), mesh, rules)
   batch = mesh_lib.batch_sharding(mesh, rules)
@@ -74,7 +76,9 @@ def test_sharded_layer_equals_single_device(ffn_type, mesh_name):
     compiled = step.lower(jax.device_put(params, param_shardings), x_sharded).compile()
     y, grads = compiled(jax.device_put(params, param_shardings), x_sharded)
   hlo = compiled.as_text()
-  if ffn_type != "peer":  # the expert-parallel form ran: tokens moved, outputs reduce-scattered
+  if ffn_type == "peer":  # the d-split form ran: x and y moved by d-slice, partial dots summed
+    assert "all-to-all" in hlo and "all-reduce" in hlo
+  else:  # the expert-parallel form ran: tokens moved, outputs reduce-scattered
     assert "reduce-scatter" in hlo and ("all-gather" in hlo or "all-to-all" in hlo)
   np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
   for (path, g), w in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(want_grads)):

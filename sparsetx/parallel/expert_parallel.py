@@ -28,8 +28,10 @@ import dataclasses
 import functools
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sparsetx.config import DEFAULT_RULES, ConfigError
@@ -66,6 +68,7 @@ class ExpertGroup:
   mesh: object  # jax.sharding.AbstractMesh
   batch: tuple
   units: tuple
+  split: tuple = ()  # mesh axes splitting a neuron table's d_model (`split_gated_gather`)
 
   @property
   def n_unit_shards(self) -> int:
@@ -84,6 +87,15 @@ class ExpertGroup:
   def unit_spec(self):
     """Mesh axes of a units dimension, for a table's PartitionSpec."""
     return self.units or None
+
+  @property
+  def split_spec(self):
+    """Mesh axes of a table's d_model dimension, for its PartitionSpec."""
+    return self.split or None
+
+  @property
+  def n_slices(self) -> int:
+    return math.prod(self.mesh.shape[a] for a in self.split)
 
   def gathered_size(self) -> int:
     """How many devices' tokens one device sees after `gather_tokens`."""
@@ -114,6 +126,131 @@ def expert_group(logical_name: str, n_units: int, n_tokens: int, field: str):
   if n_tokens % group.n_token_shards:
     return None
   return group
+
+
+def table_group(table_names, unit_name, n_units: int, n_tokens: int, field: str):
+  """The ExpertGroup of a neuron table (sgatlin, PEER) as the rules lay it out, or None for the plain computation.
+
+  The table's PartitionSpec comes from its logical names under the rules (flax's assignment, so it
+  is the layout the parameter is stored in): `units` are the mesh axes of its `unit_name` dimension
+  (None for PEER's shared table), `split` those of its last (d_model) dimension. With the default
+  rules sgatlin's channels go to `expert` and d_model to `fsdp`, so a mesh expert=C x fsdp=S holds
+  rows[:, c, :, d-slice] on each device; rules mapping `embed` to ("fsdp", "expert") put a table's
+  d_model on the expert axis (PEER's form, and sgatlin's when the expert axis is larger than C).
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return None
+  rules = _RULES.get()
+  spec = tuple(nn.logical_to_mesh_axes(table_names, rules))
+  spec = spec + (None,) * (len(table_names) - len(spec))
+  sized = lambda axes: tuple(  # noqa: E731
+      a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a in mesh.shape and mesh.shape[a] > 1
+  )
+  units = sized(spec[table_names.index(unit_name)]) if unit_name else ()
+  group = ExpertGroup(mesh, sized(_mesh_axes(rules, "batch")), units, sized(spec[-1]))
+  if not group.units and not group.split:
+    return None
+  if n_units % group.n_unit_shards:
+    shape = " x ".join(f"{a}={mesh.shape[a]}" for a in group.units)
+    raise ConfigError(
+        f"{field}={n_units} is not divisible by the {group.n_unit_shards} devices of the mesh axes it is split over "
+        f"({shape}); make {field} a multiple of {group.n_unit_shards} or shrink those mesh axes."
+    )
+  if n_tokens % group.n_token_shards:
+    return None
+  return group
+
+
+def split_gated_gather(group: ExpertGroup, x_ND, experts_2UND, idx_NUK, gates_NUK, activation):
+  """A neuron table's gated gather with its units and its d_model split over the group, in one shard_map.
+
+  y[t] = sum_u sum_k gates[t, u, k] * w_out[u, i] * act(<w_in[u, i], x[t]>), i = idx[t, u, k].
+  Each device holds experts[:, u-block, :, d-slice] (`table_group`) and never sends it. Steps:
+  tokens gathered and indices sent to the units' owners as in the channel form (`gather_tokens`,
+  `to_owners`); then over the split axes x goes out by d-slice (all-to-all: each device keeps its
+  slice of the d-group's tokens) and indices and gates are all-gathered; each device dots its
+  slice of the picked w_in rows (partial dots), the partial dots are summed over the d-group
+  (all-reduce of [tokens, units * k] float32 scalars: this sum is why the split is exact, the
+  activation and gate act on whole dots), and gated slices of the picked w_out rows give the
+  output's d-slice, which goes back by all-to-all (the inverse of the x all-to-all) and then
+  through `scatter_back` over the unit axes. The partial dots and sums use float32.
+  """
+  N, D = x_ND.shape
+  U, K = idx_NUK.shape[1:]
+  n_neurons = experts_2UND.shape[2]
+  dtype = x_ND.dtype
+
+  def local(x_nD, experts_2uNd, idx_nUK, gates_nUK):
+    u, d = experts_2uNd.shape[1], experts_2uNd.shape[-1]
+    x_gD = gather_tokens(x_nD, group)
+    idx_guK, gates_guK = to_owners(idx_nUK, group, unit_dim=1), to_owners(gates_nUK, group, unit_dim=1)
+    x_hd = _to_slices(x_gD, group)
+    idx_huK, gates_huK = _gather_over_slices(idx_guK, group), _gather_over_slices(gates_guK, group)
+    rows_hS = (idx_huK + n_neurons * jnp.arange(u, dtype=idx_huK.dtype)[:, None]).reshape(-1, u * K)
+    w_in_hSd = _take_rows(experts_2uNd[0].reshape(u * n_neurons, d), rows_hS).astype(dtype)
+    partial_hS = jnp.einsum("hd,hsd->hs", x_hd, w_in_hSd, preferred_element_type=jnp.float32)
+    h_hS = jax.lax.psum(partial_hS, group.split) if group.split else partial_hS
+    a_hS = (activation(h_hS) * gates_huK.reshape(h_hS.shape).astype(jnp.float32)).astype(dtype)
+    w_out_hSd = _take_rows(experts_2uNd[1].reshape(u * n_neurons, d), rows_hS).astype(dtype)
+    y_hd = jnp.einsum("hs,hsd->hd", a_hS, w_out_hSd, preferred_element_type=jnp.float32)
+    y_gD = _from_slices(y_hd.astype(jnp.float32 if group.units else dtype), group)
+    return scatter_back(y_gD, group) if group.units else y_gD
+
+  tokens = group.token_spec
+  y_ND = shard_map(
+      local,
+      group,
+      in_specs=(tokens, P(None, group.unit_spec, None, group.split_spec), tokens, tokens),
+      out_specs=tokens,
+  )(x_ND, experts_2UND, idx_NUK.reshape(N, U, K), gates_NUK.reshape(N, U, K))
+  return y_ND.astype(dtype)
+
+
+def _to_slices(x_gD, group: ExpertGroup):
+  """[tokens, D] -> [d-group tokens, D / S]: all-to-all over split axes that split the batch, else a local slice."""
+  for axis in group.split:
+    if axis in group.batch:
+      x_gD = jax.lax.all_to_all(x_gD, axis, split_axis=1, concat_axis=0, tiled=True)
+    else:
+      size = x_gD.shape[1] // group.mesh.shape[axis]
+      x_gD = jax.lax.dynamic_slice_in_dim(x_gD, jax.lax.axis_index(axis) * size, size, axis=1)
+  return x_gD
+
+
+def _from_slices(y_hd, group: ExpertGroup):
+  """The inverse of `_to_slices`: [d-group tokens, D / S] -> [tokens, D]."""
+  for axis in reversed(group.split):
+    if axis in group.batch:
+      y_hd = jax.lax.all_to_all(y_hd, axis, split_axis=0, concat_axis=1, tiled=True)
+    else:
+      y_hd = jax.lax.all_gather(y_hd, axis, axis=1, tiled=True)
+  return y_hd
+
+
+def _gather_over_slices(a_g, group: ExpertGroup):
+  """Per-token routing data of the whole d-group: all-gather over the split axes that split the batch."""
+  return _all_gather(a_g, tuple(a for a in group.split if a in group.batch))
+
+
+@jax.custom_vjp
+def _take_rows(table_RD, rows_NS):
+  """table[rows]; its gradient is a float32 scatter-add (a bf16 one loses the small updates)."""
+  return table_RD[rows_NS]
+
+
+def _take_rows_fwd(table_RD, rows_NS):
+  return table_RD[rows_NS], (rows_NS, jnp.zeros((table_RD.shape[0], 0), table_RD.dtype))
+
+
+def _take_rows_bwd(residuals, d_rows_NSD):
+  rows_NS, probe_R0 = residuals
+  d_table_RD = jnp.zeros((probe_R0.shape[0], d_rows_NSD.shape[-1]), jnp.float32)
+  d_table_RD = d_table_RD.at[rows_NS].add(d_rows_NSD.astype(jnp.float32))
+  return d_table_RD.astype(probe_R0.dtype), np.zeros(rows_NS.shape, jax.dtypes.float0)
+
+
+_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 UNITS = {"sgatlin": ("channel", "n_channels"), "fff": ("tree", "n_trees"), "moe": ("expert", "n_experts")}
@@ -262,6 +399,7 @@ def shard_map(fn, group: ExpertGroup, in_specs, out_specs):
   single-device layer on meshes whose batch is split over the expert axis too.
   """
   return jax.shard_map(
-      fn, mesh=group.mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(group.batch + group.units),
+      fn, mesh=group.mesh, in_specs=in_specs, out_specs=out_specs,
+      axis_names=set(group.batch + group.units + group.split),
       check_vma=False,
   )
