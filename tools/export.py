@@ -1,0 +1,61 @@
+"""Export a checkpoint to the Hugging Face layout, or import an HF directory as a checkpoint.
+
+  .venv/bin/python tools/export.py --workdir=workdir/pythia --out=exports/pythia [--step=N] [--dtype=bfloat16]
+  .venv/bin/python tools/export.py --import_from=exports/pythia --workdir=workdir/pythia-ft [--config=configs/pythia.py]
+
+Export writes model.safetensors, config.json, generation_config.json and the tokenizer files
+(plus the bundled modeling files for sparse models). `--kind=auto` exports dense GPT-NeoX-block
+models as plain GPTNeoXForCausalLM and every other architecture as a custom model loaded with
+`trust_remote_code=True`; `--kind=neox` insists on the former. Import writes a step-0 checkpoint
+(params, fresh optimizer state, the data stream's start) that `python -m sparsetx.train` continues;
+--config supplies the data and train sections (its model must be the imported one). A directory
+that already holds files is replaced only with --overwrite. Errors print one line; exit code 2.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from sparsetx.config import ConfigError  # noqa: E402
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Export: the training run to read. Import: the new run directory.")
+_OUT = flags.DEFINE_string("out", None, "Export: the directory to write (must be new or empty, or --overwrite).")
+_STEP = flags.DEFINE_integer("step", None, "Export: the checkpoint step (default: the latest).")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an earlier export (or imported workdir) at the target.")
+_KIND = flags.DEFINE_enum("kind", "auto", ["auto", "neox", "custom"], "Export: GPT-NeoX when exact (auto), or forced.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Export: dtype of the saved weights.")
+_IMPORT_FROM = flags.DEFINE_string("import_from", None, "Import: an HF directory to convert into a checkpoint.")
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Import: the training config (data, train) to continue with.")
+
+
+def main(argv):
+  del argv
+  from sparsetx.evaluate import export
+
+  try:
+    if not _WORKDIR.value:
+      raise ConfigError("--workdir is required: the run to export, or the new run directory to import into.")
+    if _IMPORT_FROM.value:
+      if _OUT.value:
+        raise ConfigError("--out and --import_from exclude each other: export writes --out, import writes --workdir.")
+      config = export.import_hf(_IMPORT_FROM.value, _WORKDIR.value, overwrite=_OVERWRITE.value, config=_CONFIG.value)
+      print(json.dumps(dict(imported=os.path.abspath(_IMPORT_FROM.value), workdir=os.path.abspath(_WORKDIR.value),
+                            step=0, model=config.model.to_dict()), indent=1))
+    else:
+      if not _OUT.value:
+        raise ConfigError("--out is required to export: the directory to write the Hugging Face files to.")
+      summary = export.export(_WORKDIR.value, _OUT.value, step=_STEP.value, overwrite=_OVERWRITE.value,
+                              kind=_KIND.value, dtype=_DTYPE.value)
+      print(json.dumps(summary, indent=1))
+  except ConfigError as error:
+    print(f"error: {error}", file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+  app.run(main)
