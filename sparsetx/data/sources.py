@@ -15,6 +15,7 @@ from typing import Callable
 import ml_collections
 import seqio
 import tensorflow as tf
+import tensorflow_datasets as tfds
 
 from sparsetx import config as config_lib
 from sparsetx.data import corpus, preprocessors
@@ -35,6 +36,36 @@ def _files(field: str, patterns: tuple[str, ...]) -> list[str]:
       raise config_lib.ConfigError(f"{field}: no file matches {pattern!r}; check the path or create the file.")
     files.extend(matched)
   return files
+
+
+def _check_prepared_tfds(prefix: str, source: ml_collections.ConfigDict, data_source: seqio.TfdsDataSource,
+                         splits: dict[str, str]) -> None:
+  """Opens the prepared TFDS dataset now, so a missing dataset or split is one clear error here, not deep in tf.data.
+
+  `tfds.builder` reads a dataset's files from `data_dir` when its builder class is not imported, so a
+  dataset prepared elsewhere (e.g. `tfds build --data_dir=...`) needs no code here.
+  """
+  name, data_dir = source.tfds_name, source.data_dir
+  try:
+    builder = data_source.tfds_dataset.builder
+    prepared = builder.is_prepared()
+  except (tfds.core.registered.DatasetNotFoundError, ValueError, OSError):
+    prepared = False
+  if not prepared:
+    present = sorted(d for d in tf.io.gfile.listdir(data_dir) if tf.io.gfile.isdir(f"{data_dir}/{d}"))
+    raise config_lib.ConfigError(
+        f"{prefix}.tfds_name={name!r} is not a prepared TFDS dataset in {prefix}.data_dir={data_dir!r} (it holds "
+        f"{', '.join(present) or 'no dataset'}); prepare it there first (e.g. `tfds build --data_dir=...`) or fix "
+        "the name: nothing is downloaded."
+    )
+  for key, split in splits.items():
+    try:
+      builder.info.splits[split]
+    except (KeyError, ValueError, AssertionError) as error:
+      raise config_lib.ConfigError(
+          f"{prefix}.{key}={split!r} is not a split of TFDS dataset {name!r} (it has "
+          f"{', '.join(builder.info.splits)}); use one of them, optionally sliced like 'train[:5%]'."
+      ) from error
 
 
 def _embedded_source(name: str) -> seqio.DataSource:
@@ -66,6 +97,7 @@ def make_source(name: str, source: ml_collections.ConfigDict | None) -> tuple[se
     data_source = seqio.TfdsDataSource(
         tfds_name=source.tfds_name, tfds_data_dir=source.data_dir, splits=splits, read_only=True
     )
+    _check_prepared_tfds(prefix, source, data_source, splits)
     return data_source, preprocessors.field_to_targets(field)
   split_files = {"train": _files(f"{prefix}.train", _patterns(source.train))}
   validation = _patterns(source.get("validation"))
