@@ -1,14 +1,19 @@
-"""Vocabularies: byte-level by default; a SentencePiece model from tools/build_vocab.py round-trips text."""
+"""Vocabularies: byte-level by default; SentencePiece and GPT-2 BPE files from tools/build_vocab.py round-trip text."""
 
+import json
 import pathlib
 import subprocess
 import sys
 
+import ml_collections
+import numpy as np
 import pytest
 import seqio
+import tensorflow as tf
+import tokenizers
 
 from sparsetx import config as config_lib
-from sparsetx.data import vocab
+from sparsetx.data import corpus, pipeline, vocab
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TEXTS = (
@@ -76,3 +81,114 @@ def test_build_vocab_rejects_a_missing_input(tmp_path):
       capture_output=True, text=True, check=False, timeout=60)
   assert result.returncode == 2
   assert "--input=" in result.stderr and "missing.txt" in result.stderr and "matches no file" in result.stderr
+
+
+# GPT-2 byte-level BPE (config.data.vocab.kind='gpt2') from files that tools/build_vocab.py writes.
+
+GPT2_TEXTS = TEXTS + (" leading space", "  two leading, trailing  ", "Lily's dog said: \"Hi!\" 'twas 3.5°C ☃ 🐈")
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory) -> pathlib.Path:
+  """A 400-token byte-level BPE in GPT-2's format, trained by the tool on 3,000 documents of the embedded corpus."""
+  output = tmp_path_factory.mktemp("gpt2") / "bpe"
+  result = subprocess.run(
+      [sys.executable, str(REPO / "tools" / "build_vocab.py"), "--kind=gpt2", f"--output={output}", "--vocab_size=400",
+       "--max_documents=3000"],
+      capture_output=True, text=True, check=False, timeout=120)
+  assert result.returncode == 0, result.stderr
+  assert f"wrote {output}/vocab.json and merges.txt (400 tokens" in result.stdout
+  return output
+
+
+def gpt2_data(path) -> ml_collections.ConfigDict:
+  data = config_lib.default_config().data
+  data.vocab = dict(kind="gpt2", path=str(path))
+  return data
+
+
+def reference_ids(path: pathlib.Path, text: str) -> list[int]:
+  """`tokenizers`' own GPT-2 tokenizer over the same files (byte-level, no prefix space)."""
+  reference = tokenizers.ByteLevelBPETokenizer(str(path / "vocab.json"), str(path / "merges.txt"))
+  return reference.encode(text).ids
+
+
+def test_gpt2_bpe_round_trips_and_matches_tokenizers_on_both_paths(gpt2_dir):
+  vocabulary = vocab.make_vocabulary(gpt2_data(gpt2_dir), model_vocab_size=512)
+  assert isinstance(vocabulary, vocab.Gpt2BpeVocabulary)
+  assert (vocabulary.vocab_size, vocabulary.pad_id, vocabulary.eos_id, vocabulary.unk_id) == (400, 0, 1, None)
+  for text in GPT2_TEXTS:
+    ids = vocabulary.encode(text)
+    assert ids == reference_ids(gpt2_dir, text)
+    assert 0 not in ids and vocabulary.decode(ids) == text
+    assert vocabulary.encode_tf(tf.constant(text)).numpy().tolist() == ids
+    assert vocabulary.decode_tf(tf.constant(ids + [vocabulary.eos_id, 5, 6])).numpy().decode() == text  # up to EOS
+  ragged = vocabulary.encode_tf(tf.constant(GPT2_TEXTS[:2]))
+  assert ragged.to_list() == [vocabulary.encode(t) for t in GPT2_TEXTS[:2]]
+  assert len(vocabulary.encode(TEXTS[1])) < len(TEXTS[1].encode()) / 2  # merges learnt from the corpus
+
+
+def test_gpt2_files_without_a_pad_token_move_id_0_out_of_padding(gpt2_dir, tmp_path):
+  """GPT-2's own layout gives id 0 to '!': it moves to id n, all other ids stay tokenizers' ids."""
+  table = json.loads((gpt2_dir / "vocab.json").read_text())
+  table["<pad>"], table["!"] = table["!"], 0
+  (tmp_path / "vocab.json").write_text(json.dumps(table))
+  (tmp_path / "merges.txt").write_text((gpt2_dir / "merges.txt").read_text())
+  vocabulary = vocab.make_vocabulary(gpt2_data(tmp_path), model_vocab_size=512)
+  assert vocabulary.vocab_size == 401 and vocabulary.encode("!") == [400]
+  for text in GPT2_TEXTS:
+    ids = vocabulary.encode(text)
+    assert ids == [400 if i == 0 else i for i in reference_ids(tmp_path, text)]
+    assert 0 not in ids and vocabulary.decode(ids) == text
+  # The same vocabulary as one tokenizer.json file: same ids.
+  tokenizer_json = tmp_path / "tokenizer.json"
+  tokenizers.ByteLevelBPETokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt")).save(str(tokenizer_json))
+  from_json = vocab.make_vocabulary(gpt2_data(tokenizer_json))
+  assert [from_json.encode(t) for t in GPT2_TEXTS] == [vocabulary.encode(t) for t in GPT2_TEXTS]
+
+
+def test_gpt2_pipeline_batch_holds_corpus_text_within_the_vocabulary(gpt2_dir):
+  config = config_lib.default_config()
+  config.data.update(dict(vocab=dict(kind="gpt2", path=str(gpt2_dir)), seq_len=32, global_batch_size=8,
+                          shuffle_buffer=64))
+  vocabulary = vocab.make_vocabulary(config.data)
+  batch = next(pipeline.local_train_dataset(config, seqio.ShardInfo(0, 1), local_rows=8).as_numpy_iterator())
+  assert batch["targets"].shape == (8, 32)
+  assert batch["targets"].min() >= 0 and batch["targets"].max() < vocabulary.vocab_size <= config.model.vocab_size
+  np.testing.assert_array_equal(batch["loss_weights"], (batch["targets"] != 0).astype(np.float32))
+  assert batch["loss_weights"].mean() > 0.5  # packed: rows hold several documents, mostly full
+  corpus_text = "\n".join(list(corpus.stories("train")) + list(corpus.fact_documents("train")))
+  for targets, segment_ids in zip(batch["targets"], batch["segment_ids"]):
+    for s in range(1, segment_ids.max() + 1):
+      piece = vocabulary.decode(targets[segment_ids == s])  # up to an EOS, if the piece ends a document
+      assert piece and piece in corpus_text
+
+
+@pytest.mark.parametrize("present,missing", [("vocab.json", "merges.txt"), ("merges.txt", "vocab.json")])
+def test_gpt2_missing_file_is_one_clear_error(gpt2_dir, tmp_path, present, missing):
+  (tmp_path / present).write_text((gpt2_dir / present).read_text())
+  config = config_lib.default_config()
+  config.data.vocab = dict(kind="gpt2", path=str(tmp_path))
+  for check in (lambda: config_lib.validate(config), lambda: vocab.make_vocabulary(config.data)):
+    with pytest.raises(config_lib.ConfigError) as error:
+      check()
+    message = str(error.value)
+    assert f"config.data.vocab.path='{tmp_path}' has no {missing}" in message
+    assert "vocab.json + merges.txt" in message and "tools/build_vocab.py --kind=gpt2" in message
+
+
+def test_gpt2_corrupt_vocab_json_names_the_file(tmp_path):
+  (tmp_path / "vocab.json").write_text("{not json")
+  (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+  with pytest.raises(config_lib.ConfigError, match=r"vocab\.json \+ .*merges\.txt is not a GPT-2 BPE"):
+    vocab.make_vocabulary(gpt2_data(tmp_path))
+
+
+def test_config_refuses_a_model_vocab_smaller_than_the_gpt2_bpe(gpt2_dir):
+  config = config_lib.default_config()
+  config.data.vocab = dict(kind="gpt2", path=str(gpt2_dir))
+  config.model.vocab_size = 384
+  with pytest.raises(config_lib.ConfigError, match=r"config\.model\.vocab_size=384 is smaller than the GPT-2 BPE .*400 ids"):
+    config_lib.validate(config)
+  config.model.vocab_size = 400
+  config_lib.validate(config)
