@@ -14,7 +14,9 @@ Values researchers read are tapped (`sparsetx.models.taps`) under nnterp's stand
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 
+from sparsetx import config as config_lib
 from sparsetx.models.ffn.common import dense_init
 from sparsetx.models.taps import tap
 from sparsetx.models.ffn.registry import make_ffn
@@ -106,6 +108,16 @@ class Block(nn.Module):
     return out_BTD
 
 
+def block_config(cfg, layer: int):
+  """The model config block `layer` is built from: the same, with `dense_ffn` as its `ffn` when
+  `cfg.ffn_layers` leaves this layer out (mixed models from tools/sparsify.py)."""
+  if layer in config_lib.ffn_layer_indices(cfg):
+    return cfg
+  model = cfg.as_configdict() if isinstance(cfg, ml_collections.FrozenConfigDict) else cfg.copy_and_resolve_references()
+  model.ffn = model.dense_ffn
+  return ml_collections.FrozenConfigDict(model)
+
+
 class Transformer(nn.Module):
   """tokens [B,T] (int) -> logits [B,T,vocab] float32."""
 
@@ -133,7 +145,7 @@ class Transformer(nn.Module):
 
     block = nn.remat(Block) if cfg.remat else Block
     for i in range(cfg.n_layers):
-      x_BTD = block(cfg, name=f"layers_{i}")(x_BTD, positions_BT, mask_B1TT)
+      x_BTD = block(block_config(cfg, i), name=f"layers_{i}")(x_BTD, positions_BT, mask_B1TT)
 
     x_BTD = tap(self, "final_norm_output", make_norm(cfg, "final_norm")(x_BTD))
     if cfg.tie_embeddings:

@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from sparsetx import config as config_lib
+
 NO_DECAY_NAMES = ("bias", "scale", "b_in", "b_out")  # biases and norm scales
 
 
@@ -39,15 +41,49 @@ def decay_mask(params, decay_norms_and_biases: bool):
   return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(train: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def _adamw(train: ml_collections.ConfigDict, schedule: optax.Schedule) -> optax.GradientTransformation:
+  return optax.adamw(
+      schedule,
+      b1=train.b1,
+      b2=train.b2,
+      eps=train.eps,
+      weight_decay=train.weight_decay,
+      mask=lambda params: decay_mask(params, train.decay_norms_and_biases),
+  )
+
+
+def freeze_labels(params, model: ml_collections.ConfigDict):
+  """'new' on the feed-forward subtrees of the swapped layers (config.model.ffn_layers, every layer when empty),
+  'copied' elsewhere: derivable from the config alone, so a resumed run rebuilds the same groups."""
+  new_layers = {f"layers_{i}" for i in config_lib.ffn_layer_indices(model)}
+
+  def label(path, leaf):
+    keys = [getattr(k, "key", str(k)) for k in path]
+    return "new" if len(keys) > 1 and keys[0] in new_layers and keys[1] == "mlp" else "copied"
+
+  return jax.tree_util.tree_map_with_path(label, params)
+
+
+def frozen_schedule(schedule: optax.Schedule, freeze_steps: int) -> optax.Schedule:
+  """0 for the first `freeze_steps` steps, then `schedule` at the same step (no restart of its warmup)."""
+  return lambda step: jnp.where(step < freeze_steps, 0.0, schedule(step))
+
+
+def make_optimizer(train: ml_collections.ConfigDict, model: ml_collections.ConfigDict | None = None):
+  """Clipping + AdamW; with train.freeze_steps > 0, the copied parameters (all but the swapped feed-forward
+  layers) get learning rate 0 (and so no weight decay either) for that many steps."""
+  schedule = learning_rate_schedule(train)
+  freeze_steps = train.get("freeze_steps", 0)
+  if not freeze_steps:
+    return optax.chain(optax.clip_by_global_norm(train.clip_norm), _adamw(train, schedule))
+  if model is None:
+    raise config_lib.ConfigError(
+        "config.train.freeze_steps needs the model config to know which layers are new; pass config.model."
+    )
   return optax.chain(
       optax.clip_by_global_norm(train.clip_norm),
-      optax.adamw(
-          learning_rate_schedule(train),
-          b1=train.b1,
-          b2=train.b2,
-          eps=train.eps,
-          weight_decay=train.weight_decay,
-          mask=lambda params: decay_mask(params, train.decay_norms_and_biases),
+      optax.multi_transform(
+          {"new": _adamw(train, schedule), "copied": _adamw(train, frozen_schedule(schedule, freeze_steps))},
+          lambda params: freeze_labels(params, model),
       ),
   )

@@ -34,7 +34,7 @@ def _init(model, tx, seq_len, rng):
 
 def state_shardings(config: ml_collections.ConfigDict, mesh):
   """(abstract unboxed state with shardings, its NamedShardings, model, optimizer)."""
-  model, tx = build_model(config), make_optimizer(config.train)
+  model, tx = build_model(config), make_optimizer(config.train, config.model)
   init = functools.partial(_init, model, tx, config.data.seq_len)
   boxed = jax.eval_shape(init, jax.random.key(0))
   shardings = mesh_lib.logical_sharding(nn.get_partition_spec(boxed), mesh, config.mesh.rules)
@@ -43,6 +43,11 @@ def state_shardings(config: ml_collections.ConfigDict, mesh):
   )
   mesh_lib.check_not_replicated(shardings.params, abstract.params, mesh, config.mesh.max_replicated_mib)
   return abstract, shardings, model, tx
+
+
+def state_from_params(params, shardings, model, tx) -> TrainState:
+  """A step-0 state around given params (a sparsified start): fresh optimizer state, laid out as `shardings`."""
+  return jax.jit(lambda p: TrainState.create(apply_fn=model.apply, params=p, tx=tx), out_shardings=shardings)(params)
 
 
 def create_state(config: ml_collections.ConfigDict, shardings, model, tx) -> TrainState:

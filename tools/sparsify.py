@@ -1,0 +1,56 @@
+"""Sparse fine-tuning from a dense checkpoint: swap its feed-forward layers for FFF or sgatlin.
+
+  python tools/sparsify.py --source=workdir/dense --workdir=workdir/fff_ft --config=configs/tiny.py:fff \
+      [--config.model.ffn.depth=6] [--config.model.ffn_layers=1,3] [--overwrite]
+  python -m sparsetx.train --workdir=workdir/fff_ft --config=configs/tiny.py:fff [the same overrides] \
+      [--config.train.freeze_steps=100]
+
+--config describes the target model: the source's architecture (d_model, heads, vocab, layers, block
+kind must match, or the tool names the field) with the feed-forward layer of config.model.ffn in
+every block, or only in those config.model.ffn_layers lists. Attention, norms, embeddings and the
+head are copied bit for bit; the swapped layers start fresh. --workdir receives a step-0 checkpoint
+that the trainer starts from (fresh optimizer state and data stream; pass it the same model flags,
+printed below) and sparsify.json, the parameters copied / new / dropped by group.
+"""
+
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from sparsetx.config import ConfigError
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py:fff", "Target config file, optionally ':ARG'.", lock_config=True)
+_SOURCE = flags.DEFINE_string("source", None, "A sparsetx workdir holding the dense checkpoint to start from.")
+_SOURCE_STEP = flags.DEFINE_integer("source_step", None, "The source checkpoint's step (default: its latest).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "The new workdir the step-0 checkpoint is written to.", required=True)
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a run already in --workdir (its checkpoints and metrics).")
+
+
+def _dense_ffn_flags(wanted, given) -> list[str]:
+  """The --config.model.dense_ffn.* flags the trainer needs: the kept layers' fields that differ from --config."""
+  return [f"--config.model.dense_ffn.{key}={value}" for key, value in sorted(wanted.items())
+          if not isinstance(value, dict) and given.get(key) != value]
+
+
+def main(argv):
+  del argv
+  from sparsetx import config as config_lib, sparsify
+
+  try:
+    if not _SOURCE.value:
+      raise ConfigError("--source is empty; give the workdir of the dense sparsetx checkpoint to start from.")
+    given = _CONFIG.value
+    config, report = sparsify.sparsify_checkpoint(_SOURCE.value, given, _WORKDIR.value, _OVERWRITE.value, _SOURCE_STEP.value)
+  except ConfigError as error:
+    print(f"error: {error}", file=sys.stderr)
+    sys.exit(2)
+  print(sparsify.format_report(report))
+  print(f"swapped layers: {report['swapped_layers']}; report: {_WORKDIR.value}/{sparsify.REPORT_FILE}")
+  extra = _dense_ffn_flags(config.model.dense_ffn.to_dict(), given.model.dense_ffn.to_dict()) if config_lib.is_mixed(config.model) else []
+  print("Train on with the same --config and overrides" + (", plus " + " ".join(extra) if extra else "") +
+        f": python -m sparsetx.train --workdir={_WORKDIR.value} --config=... [--config.train.freeze_steps=N]")
+
+
+if __name__ == "__main__":
+  app.run(main)
