@@ -1,0 +1,177 @@
+"""Export to the Hugging Face GPT-NeoX layout and import back (sparsetx/evaluate/export.py, hf_neox.py).
+
+A random tiny dense GPT-NeoX-block model (every bias and norm scale perturbed away from its init, so
+each tensor's mapping is exercised) is exported; plain `transformers` loads it and its logits match the
+JAX model's; importing gives back the same bits; the imported checkpoint continues training.
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+import seqio
+from conftest import init_params, load_config
+
+from sparsetx import config as config_lib
+from sparsetx.evaluate import export, hf_neox
+from sparsetx.models.transformer import Transformer
+from sparsetx.train import checkpointing, loop
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+def neox_config(**model) -> ml_collections.ConfigDict:
+  """configs/pythia.py shrunk: 4 heads of 16, rotary on a quarter of each head, padded vocabulary."""
+  config = load_config("configs/pythia.py")
+  config.model.update(dict(vocab_size=272, d_model=64, n_layers=2, head_dim=16, max_len=32, dtype="float32"), **model)
+  config.model.ffn.update(d_ffw=128)
+  config.data.update(seq_len=32, global_batch_size=8, eval_batch_size=8, shuffle_buffer=64)
+  config.train.update(steps=1, warmup_steps=5, log_every=1, eval_every=1000, eval_batches=1)
+  return config_lib.validate(config)
+
+
+def random_params(config, seed=0) -> dict:
+  """Init, then every leaf moved by noise: LayerNorm scales leave 1, biases leave 0."""
+  model = Transformer(ml_collections.FrozenConfigDict(config.model))
+  params = init_params(model, jnp.zeros((1, 8), jnp.int32), seed=seed)
+  leaves, tree = jax.tree.flatten(params)
+  rng = np.random.default_rng(seed)
+  return jax.tree.unflatten(tree, [np.asarray(x) + rng.normal(0, 0.1, x.shape).astype(np.float32) for x in leaves])
+
+
+def jax_logits(config, params, tokens_BT) -> np.ndarray:
+  model = Transformer(ml_collections.FrozenConfigDict(config.model))
+  return np.asarray(jax.jit(model.apply)({"params": params}, jnp.asarray(tokens_BT)))
+
+
+def assert_same_params(expected, actual):
+  flat_expected, flat_actual = (dict(jax.tree_util.tree_flatten_with_path(t)[0]) for t in (expected, actual))
+  assert flat_expected.keys() == flat_actual.keys()
+  for path, value in flat_expected.items():
+    assert np.asarray(flat_actual[path]).dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(flat_actual[path]), np.asarray(value), err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+  config = neox_config()
+  params = random_params(config)
+  out = tmp_path_factory.mktemp("export") / "hf"
+  assert export.write_hf(config, params, str(out)) == "hf_neox"
+  return config, params, out
+
+
+@pytest.mark.parametrize("variant", ["parallel_untied", "sequential_tied"])
+def test_transformers_logits_match_jax(exported, tmp_path, variant):
+  if variant == "parallel_untied":
+    config, params, out = exported
+  else:  # the use_parallel_residual=False block and a tied head (only embed_in is written)
+    config = neox_config(block="sequential", tie_embeddings=True)
+    params, out = random_params(config, seed=1), tmp_path / "hf"
+    export.write_hf(config, params, str(out))
+  hf_config = json.loads((out / "config.json").read_text())
+  assert hf_config["architectures"] == ["GPTNeoXForCausalLM"] and "auto_map" not in hf_config
+  assert hf_config["tie_word_embeddings"] == config.model.tie_embeddings and hf_config["vocab_size"] == 272
+  model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+  assert type(model).__name__ == "GPTNeoXForCausalLM"
+  tokens_BT = np.random.default_rng(2).integers(0, 272, (3, 32))
+  tokens_BT[:, 0] = 0  # the start id every training document begins with
+  with torch.no_grad():
+    hf_logits = model(torch.from_numpy(tokens_BT)).logits.numpy()
+  np.testing.assert_allclose(hf_logits, jax_logits(config, params, tokens_BT), atol=1e-4, rtol=0)
+  # The mapping, not the check, carries the result: a wrong head permutation or rotary pairing would be O(1).
+  assert np.abs(hf_logits).max() > 0.5
+
+
+def test_import_gives_back_identical_params_and_config(exported):
+  config, params, out = exported
+  imported, imported_params = export.load_hf(str(out))
+  assert_same_params(params, imported_params)
+  assert imported.model.to_dict() == config.model.to_dict()
+  assert imported.data.vocab.kind == "byte"
+
+
+def test_tokenizer_encodes_like_seqio_byte_vocabulary(exported):
+  _, _, out = exported
+  tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
+  vocabulary = seqio.ByteVocabulary()
+  text = "Pythia wörds, 日本 🙂\n\t<pad></s> end"
+  ids = list(vocabulary.encode(text))
+  assert tokenizer(text, add_special_tokens=False).input_ids == ids
+  assert tokenizer(text).input_ids == [0] + ids  # documents start with the shifted-in id 0
+  assert tokenizer.decode(tokenizer(text).input_ids, skip_special_tokens=True) == text
+  assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (0, 1, 0)
+  generation = json.loads((out / "generation_config.json").read_text())
+  assert (generation["bos_token_id"], generation["eos_token_id"]) == (0, 1)
+
+
+def test_bfloat16_export_rounds_each_weight_once(exported, tmp_path):
+  config, params, _ = exported
+  export.write_hf(config, params, str(tmp_path / "bf16"), dtype="bfloat16")
+  _, imported_params = export.load_hf(str(tmp_path / "bf16"))
+  assert_same_params(jax.tree.map(lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32), params),
+                     imported_params)
+
+
+def test_import_checkpoint_export_round_trip_and_training_resumes(exported, tmp_path):
+  config, params, out = exported
+  workdir = tmp_path / "run"
+  export.import_hf(str(out), str(workdir), config=config)
+  summary = export.export(str(workdir), str(tmp_path / "again"))
+  assert summary["step"] == 0 and summary["kind"] == "hf_neox"
+  _, again = export.load_hf(str(tmp_path / "again"))
+  assert_same_params(params, again)
+  # The trainer continues from step 0; with warmup the first step's learning rate is 0, so the
+  # step-1 params are the imported ones exactly (a fresh init would differ everywhere).
+  loop.train(config, str(workdir))
+  checkpointer = checkpointing.Checkpointer(str(workdir), ml_collections.ConfigDict(dict(keep=None, keep_period=0,
+                                                                                          async_save=False)))
+  assert checkpointer.latest_step() == 1
+  checkpointer.close()
+  _, resumed, _ = export.load_checkpoint(str(workdir), 1)
+  assert_same_params(params, resumed)
+
+
+def test_errors_are_one_clear_sentence_and_nothing_is_overwritten(exported, tmp_path):
+  config, params, out = exported
+  with pytest.raises(config_lib.ConfigError, match="holds no checkpoints/ directory"):
+    export.export(str(tmp_path / "missing"), str(tmp_path / "x"))
+  with pytest.raises(config_lib.ConfigError, match="is not a directory"):
+    export.load_hf(str(tmp_path / "missing"))
+
+  target = tmp_path / "busy"
+  target.mkdir()
+  (target / "notes.txt").write_text("mine")
+  with pytest.raises(config_lib.ConfigError, match="already holds files; .* --overwrite"):
+    export.write_hf(config, params, str(target))
+  with pytest.raises(config_lib.ConfigError, match="not an earlier output"):
+    export.write_hf(config, params, str(target), overwrite=True)
+  assert os.listdir(target) == ["notes.txt"] and (target / "notes.txt").read_text() == "mine"
+  assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no staging directory left behind
+
+  before = (out / "model.safetensors").read_bytes()
+  with pytest.raises(config_lib.ConfigError, match="already holds files"):
+    export.write_hf(config, random_params(config, seed=3), str(out))
+  assert (out / "model.safetensors").read_bytes() == before
+
+  sgatlin = load_config("configs/tiny.py", "sgatlin")
+  with pytest.raises(config_lib.ConfigError, match=r"--kind=neox: .*ffn.type='sgatlin'"):
+    export.write_hf(sgatlin, {}, str(tmp_path / "sparse"), kind="neox")
+  rms = neox_config(norm="rmsnorm")
+  assert "norm='rmsnorm'" in hf_neox.unsupported_reason(rms.model)
+  assert not (tmp_path / "sparse").exists()
+
+  foreign = tmp_path / "foreign"
+  foreign.mkdir()
+  (foreign / "config.json").write_text(json.dumps(dict(model_type="llama")))
+  with pytest.raises(config_lib.ConfigError, match="model_type='llama'"):
+    export.load_hf(str(foreign))
+  mismatched = json.loads((out / "config.json").read_text())
+  mismatched["intermediate_size"] = 256
+  with pytest.raises(config_lib.ConfigError, match="shape .* config.json implies"):
+    hf_neox.from_hf(mismatched, export.read_tensors(str(out)))
