@@ -5,7 +5,8 @@ trust_remote_code=True)`. It imports torch and transformers only, and computes i
 JAX model computes: the same norms and epsilon, GPT-NeoX rotary (rotate-half on the first
 `int(head_dim * rotary_fraction)` dims of each head), sequential or parallel blocks, tied or untied
 head, and every feed-forward type sparsetx builds: mlp, swiglu, moe, peer, sgatlin (all activations,
-product or PEER router) and fff (fff, fff_post). Taps are not needed here (they are identity).
+product or PEER router) and fff (fff, fff_post), also mixed per layer (`ffn_layers` / `dense_ffn`, from
+tools/sparsify.py). Taps are not needed here (they are identity).
 
 Parameters keep sparsetx's names and flax layouts, so the checkpoint is the flax tree flattened: the
 tensor of flax path `layers_0/attention/query/kernel` is `model.layers.0.attention.query.kernel`
@@ -177,9 +178,8 @@ ROUTERS = {"product": ProductKeyRouter, "peer": PeerRouter}
 class Sgatlin(nn.Module):
   """Per channel, the product-key top-k picks k rank-one neurons; gates are the raw scores (product router)."""
 
-  def __init__(self, cfg):
+  def __init__(self, cfg, ffn):
     super().__init__()
-    ffn = cfg["ffn"]
     self.C, self.N, self.router_kind = ffn["n_channels"], ffn["d_ffw"], ffn["router"]
     self.activation = ACTIVATIONS[ffn["activation"]]
     self.router = ROUTERS[self.router_kind](ffn, cfg["d_model"])
@@ -200,9 +200,8 @@ class Sgatlin(nn.Module):
 class Peer(nn.Module):
   """PEER: per-channel routers over one shared table of GELU neurons, softmax over each channel's k scores."""
 
-  def __init__(self, cfg):
+  def __init__(self, cfg, ffn):
     super().__init__()
-    ffn = cfg["ffn"]
     self.router = PeerRouter(ffn, cfg["d_model"])
     self.experts = nn.Parameter(torch.empty(2, ffn["d_ffw"], cfg["d_model"]))
 
@@ -218,9 +217,9 @@ class Peer(nn.Module):
 class Fff(nn.Module):
   """P binary trees of depth D in heap order; per level z = <x, w_in> + b_in, child 2s+2 if z > 0 else 2s+1."""
 
-  def __init__(self, cfg):
+  def __init__(self, cfg, ffn):
     super().__init__()
-    ffn, D = cfg["ffn"], cfg["d_model"]
+    D = cfg["d_model"]
     self.depth, self.variant = ffn["depth"], ffn["variant"]
     P, N = ffn["n_trees"], 2 ** (ffn["depth"] + 1) - 1
     self.w_in = nn.Parameter(torch.empty(P, N, D))
@@ -249,9 +248,9 @@ class Fff(nn.Module):
 class Moe(nn.Module):
   """GPT-OSS-style MoE: router with bias, top-k experts, softmax over the k logits, SwiGLU experts."""
 
-  def __init__(self, cfg):
+  def __init__(self, cfg, ffn):
     super().__init__()
-    ffn, D = cfg["ffn"], cfg["d_model"]
+    D = cfg["d_model"]
     E, F_, self.top_k = ffn["n_experts"], ffn["d_ffw"], ffn["experts_per_token"]
     self.router = Dense((D,), (E,), use_bias=True)
     self.wi_gate = nn.Parameter(torch.empty(E, D, F_))
@@ -275,9 +274,9 @@ class Moe(nn.Module):
 
 
 class Mlp(nn.Module):
-  def __init__(self, cfg):
+  def __init__(self, cfg, ffn):
     super().__init__()
-    D, F_, bias = cfg["d_model"], cfg["ffn"]["d_ffw"], cfg["use_bias"]
+    D, F_, bias = cfg["d_model"], ffn["d_ffw"], cfg["use_bias"]
     self.wi, self.wo = Dense((D,), (F_,), bias), Dense((F_,), (D,), bias)
 
   def forward(self, x_BTD):
@@ -285,9 +284,9 @@ class Mlp(nn.Module):
 
 
 class SwiGlu(nn.Module):
-  def __init__(self, cfg):
+  def __init__(self, cfg, ffn):
     super().__init__()
-    D, F_, bias = cfg["d_model"], cfg["ffn"]["d_ffw"], cfg["use_bias"]
+    D, F_, bias = cfg["d_model"], ffn["d_ffw"], cfg["use_bias"]
     self.wi_gate, self.wi_up, self.wo = Dense((D,), (F_,), bias), Dense((D,), (F_,), bias), Dense((F_,), (D,), bias)
 
   def forward(self, x_BTD):
@@ -297,14 +296,21 @@ class SwiGlu(nn.Module):
 FFN_LAYERS = {"mlp": Mlp, "swiglu": SwiGlu, "moe": Moe, "peer": Peer, "sgatlin": Sgatlin, "fff": Fff}
 
 
+def layer_ffn_config(cfg, layer: int) -> dict:
+  """`ffn`, or `dense_ffn` for a layer a non-empty `ffn_layers` ("1,3") leaves out (mixed models)."""
+  text = (cfg.get("ffn_layers") or "").replace(" ", "")
+  listed = {int(part) for part in text.split(",") if part}
+  return cfg["ffn"] if not listed or layer in listed else cfg["dense_ffn"]
+
+
 class SparsetxBlock(nn.Module):
   """sequential: x + attn(norm(x)), then + ffn(norm(.)); parallel: x + attn(ln_1(x)) + ffn(ln_2(x))."""
 
-  def __init__(self, cfg):
+  def __init__(self, cfg, ffn):
     super().__init__()
     self.sequential = cfg["block"] == "sequential"
     self.attention_norm, self.attention = Norm(cfg), Attention(cfg)
-    self.mlp_norm, self.mlp = Norm(cfg), FFN_LAYERS[cfg["ffn"]["type"]](cfg)
+    self.mlp_norm, self.mlp = Norm(cfg), FFN_LAYERS[ffn["type"]](cfg, ffn)
 
   def forward(self, x_BTD, positions_BT, mask_B1TS):
     attn_BTD = self.attention(self.attention_norm(x_BTD), positions_BT, mask_B1TS)
@@ -338,7 +344,7 @@ class SparsetxModel(SparsetxPreTrainedModel):
     super().__init__(config)
     cfg = config.sparsetx_model
     self.embed = Embed(cfg["vocab_size"], cfg["d_model"])
-    self.layers = nn.ModuleList([SparsetxBlock(cfg) for _ in range(cfg["n_layers"])])
+    self.layers = nn.ModuleList([SparsetxBlock(cfg, layer_ffn_config(cfg, i)) for i in range(cfg["n_layers"])])
     self.final_norm = Norm(cfg)
     self.post_init()
 
