@@ -20,6 +20,7 @@ LAYERS = {
     "peer": dict(n_channels=8, d_ffw=36, top_k=2, d_key=8),
     "fff": dict(n_trees=8, depth=2),
     "moe": dict(n_experts=8, experts_per_token=2, d_ffw=8),
+    "sgatlin_c4": dict(n_channels=4, d_ffw=36, top_k=2, d_key=8),  # fewer channels than devices
 }
 MESHES = {
     "expert8": dict(expert=8),
@@ -36,9 +37,10 @@ def make_mesh(**axes):
 
 
 @functools.cache
-def case(ffn_type):
+def case(name):
   """(layer, params, x, loss weights, reference values, reference grads) on one device."""
-  layer = FFN_LAYERS[ffn_type](layer_model_config(ffn_type, d_model=D, **LAYERS[ffn_type]))
+  ffn_type = name.split("_")[0]
+  layer = FFN_LAYERS[ffn_type](layer_model_config(ffn_type, d_model=D, **LAYERS[name]))
   x = jax.random.normal(jax.random.key(1), (8, 4, D))
   params = init_params(layer, x)
   if ffn_type == "moe":
@@ -55,18 +57,20 @@ def forward_and_grads(layer, probe, params, x):
   return y, grads
 
 
-# Tables split by d_model over the expert axis too (FSDP over fsdp x expert for every `embed` axis):
-# PEER's shared table, and sgatlin's when the expert axis is larger than its channel count.
-D_SPLIT_RULES = (("embed", ("fsdp", "expert")),) + config_lib.DEFAULT_RULES
-RULES = {"peer": D_SPLIT_RULES}
-CASES = [(ffn, mesh) for ffn in LAYERS for mesh in MESHES]
+# Tables split by d_model over the expert axis too (FSDP over fsdp x expert for every `embed` axis, channels
+# whole): PEER's shared table, and sgatlin's when the expert axis is larger than its channel count.
+D_SPLIT_RULES = (("embed", ("fsdp", "expert")), ("channel", None)) + config_lib.DEFAULT_RULES
+RULES = {"peer": D_SPLIT_RULES, ("sgatlin_c4", "expert8"): D_SPLIT_RULES}
+# sgatlin on expert4_fsdp2 holds rows[:, c-block, :, d-slice] (channels over expert, d_model over fsdp);
+# sgatlin_c4 there is C=4 on 8 devices as channels x d-halves, and on expert8 (d_model split rules) d-eighths.
+CASES = [(ffn, mesh) for ffn in LAYERS for mesh in MESHES if ffn != "sgatlin_c4" or mesh != "data2_expert4"]
 
 
 @pytest.mark.parametrize("ffn_type, mesh_name", CASES)
 def test_sharded_layer_equals_single_device(ffn_type, mesh_name):
   layer, params, x, probe, (want_y, want_grads) = case(ffn_type)
   mesh = make_mesh(**MESHES[mesh_name])
-  rules = RULES.get(ffn_type, config_lib.DEFAULT_RULES)
+  rules = RULES.get((ffn_type, mesh_name), RULES.get(ffn_type, config_lib.DEFAULT_RULES))
   boxed = jax.eval_shape(layer.init, jax.random.key(0), x)["params"]
   param_shardings = mesh_lib.logical_sharding(nn.get_partition_spec(boxed), mesh, rules)
   batch = mesh_lib.batch_sharding(mesh, rules)
@@ -76,7 +80,11 @@ def test_sharded_layer_equals_single_device(ffn_type, mesh_name):
     compiled = step.lower(jax.device_put(params, param_shardings), x_sharded).compile()
     y, grads = compiled(jax.device_put(params, param_shardings), x_sharded)
   hlo = compiled.as_text()
-  if ffn_type == "peer":  # the d-split form ran: x and y moved by d-slice, partial dots summed
+  if ffn_type in ("sgatlin", "sgatlin_c4", "peer"):  # the table is stored split over every expert and fsdp device
+    table = params["experts"]
+    shard = param_shardings["experts"].shard_shape(table.shape)
+    assert np.prod(shard) * mesh.shape["expert"] * mesh.shape["fsdp"] == table.size
+  if ffn_type == "peer" or (ffn_type, mesh_name) == ("sgatlin_c4", "expert8"):  # the d-split form ran: x and y moved by d-slice, partial dots summed
     assert "all-to-all" in hlo and "all-reduce" in hlo
   else:  # the expert-parallel form ran: tokens moved, outputs reduce-scattered
     assert "reduce-scatter" in hlo and ("all-gather" in hlo or "all-to-all" in hlo)

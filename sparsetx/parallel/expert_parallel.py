@@ -136,7 +136,8 @@ def table_group(table_names, unit_name, n_units: int, n_tokens: int, field: str)
   (None for PEER's shared table), `split` those of its last (d_model) dimension. With the default
   rules sgatlin's channels go to `expert` and d_model to `fsdp`, so a mesh expert=C x fsdp=S holds
   rows[:, c, :, d-slice] on each device; rules mapping `embed` to ("fsdp", "expert") put a table's
-  d_model on the expert axis (PEER's form, and sgatlin's when the expert axis is larger than C).
+  d_model on the expert axis (PEER's form; with ("channel", None) before them, sgatlin's when the
+  expert axis is larger than C).
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is None or mesh.empty:
@@ -253,22 +254,39 @@ def _take_rows_bwd(residuals, d_rows_NSD):
 _take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
-UNITS = {"sgatlin": ("channel", "n_channels"), "fff": ("tree", "n_trees"), "moe": ("expert", "n_experts")}
+# Per sparse layer type: the logical name of its units, their config field, and its table's logical axes.
+UNITS = {
+    "sgatlin": ("channel", "n_channels", (None, "channel", "neuron", "embed")),
+    "fff": ("tree", "n_trees", ("tree", "node", "embed")),
+    "moe": ("expert", "n_experts", ("expert", "embed", "mlp")),
+}
 
 
 def check_units_divide(config, mesh) -> None:
-  """Refuses a sparse layer whose units don't split evenly over their mesh axes, naming the field."""
+  """Refuses a sparse layer whose units don't split evenly over their mesh axes, naming the field.
+
+  The axes are those the rules give the units in the layer's table (flax's assignment, as the
+  parameter is stored), so rules that move the expert axis to the table's d_model are honoured.
+  """
   ffn = config.model.ffn
   if ffn.type not in UNITS:
     return
-  name, field = UNITS[ffn.type]
-  axes = [a for a in _mesh_axes(config.mesh.rules, name) if a in mesh.shape]
+  name, field, table_names = UNITS[ffn.type]
+  spec = tuple(nn.logical_to_mesh_axes(table_names, tuple(config.mesh.rules)))
+  axes = spec[table_names.index(name)] if table_names.index(name) < len(spec) else None
+  axes = [a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a in mesh.shape]
   shards = math.prod(mesh.shape[a] for a in axes)
   if ffn[field] % shards:
     shape = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
+    hint = ""
+    if ffn.type == "sgatlin" and shards % ffn[field] == 0:
+      hint = (
+          '; or split the table\'s d_model over those devices instead: put ("embed", ("fsdp", "expert")) and '
+          '("channel", None) first in config.mesh.rules'
+      )
     raise ConfigError(
         f"config.model.ffn.{field}={ffn[field]} is not divisible by the {shards} devices of the mesh axes it is "
-        f"split over ({shape}); make it a multiple of {shards}, or move devices from those axes to data or fsdp."
+        f"split over ({shape}); make it a multiple of {shards}, or move devices from those axes to data or fsdp{hint}."
     )
 
 

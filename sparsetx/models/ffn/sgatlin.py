@@ -16,8 +16,17 @@ exactly k rows per token, so the work is balanced whatever the routing. Bytes a 
 own token and layer, b bytes per activation (2 for bf16), E the expert-axis size when it also
 splits the batch: forward (E-1)*D*b (x all-gather) + (E-1)/E*C*k*8 (int32 index and f32 gate,
 all-to-all) + (E-1)*D*4 (y reduce-scatter, summed in float32); backward (E-1)*D*4 (dy all-gather)
-+ (E-1)*D*4 (dx reduce-scatter, float32) + (E-1)/E*C*k*4 (gate gradients). The table's d_model
-axis (`embed`, fsdp) is all-gathered for the layer like any FSDP weight.
++ (E-1)*D*4 (dx reduce-scatter, float32) + (E-1)/E*C*k*4 (gate gradients).
+
+When the rules also split the table's d_model (its `embed` axis: `fsdp`, or ("fsdp", "expert") when
+the expert axis is larger than C and channels cannot be split over it), each device holds
+rows[:, c-block, :, d-slice] and the layer still moves only tokens: `split_gated_gather` adds,
+over the S devices of a d-group, an all-to-all of x and y by d-slice and an all-reduce of the
+float32 partial dots <w_in[c, i, d-slice], x[d-slice]> (the sum comes before the activation and
+the gate). Extra bytes per own token, c = C/E channels per device: forward (S-1)/S*D*b (x) +
+(S-1)*c*k*8 (indices and gates) + 2*(S-1)*c*k*4 (partial dots) + (S-1)/S*D*4 (y, float32
+partial sums over channels); backward about the same. It computes with plain gathers of the
+picked row slices (sparsetx/kernels has no partial-dot entry point).
 """
 
 import flax.linen as nn
@@ -39,6 +48,9 @@ def table_init(d_ffw: int):
   )
 
 
+TABLE_AXES = ep.UNITS["sgatlin"][2]
+
+
 class Sgatlin(nn.Module):
   cfg: object  # the model config (FrozenConfigDict)
 
@@ -46,7 +58,7 @@ class Sgatlin(nn.Module):
   def __call__(self, x_BTD):
     ffn = self.cfg.ffn
     C, N, D = ffn.n_channels, ffn.d_ffw, self.cfg.d_model
-    group = ep.expert_group("channel", C, x_BTD.shape[0] * x_BTD.shape[1], "config.model.ffn.n_channels")
+    group = ep.table_group(TABLE_AXES, "channel", C, x_BTD.shape[0] * x_BTD.shape[1], "config.model.ffn.n_channels")
     if group is not None:
       x_BTD = ep.on_token_shards(x_BTD, group)
     scores_BTCK, idx_BTCK = make_router(ffn.router, ffn, jnp.dtype(self.cfg.param_dtype))(x_BTD)
@@ -58,11 +70,17 @@ class Sgatlin(nn.Module):
 
     experts = self.param(
         "experts",
-        nn.with_logical_partitioning(table_init(N), (None, "channel", "neuron", "embed")),
+        nn.with_logical_partitioning(table_init(N), TABLE_AXES),
         (2, C, N, D),
         jnp.dtype(self.cfg.param_dtype),
     )
     B, T = idx_BTCK.shape[:2]
+    if group is not None and group.split:
+      y_ND = ep.split_gated_gather(
+          group, x_BTD.reshape(B * T, D), experts, idx_BTCK.reshape(B * T, C, -1), gates_BTCK.reshape(B * T, C, -1),
+          ACTIVATIONS[ffn.activation],
+      )
+      return y_ND.reshape(B, T, D)
     if group is not None:
       return _expert_parallel(group, x_BTD, experts, idx_BTCK, gates_BTCK, ffn)
     rows_BTS = (idx_BTCK + N * jnp.arange(C, dtype=idx_BTCK.dtype)[:, None]).reshape(B, T, C * ffn.top_k)
