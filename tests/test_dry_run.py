@@ -7,7 +7,7 @@ import pytest
 from conftest import load_config
 
 from sparsetx import config as config_lib
-from sparsetx.parallel import aot
+from sparsetx.parallel import aot, expert_parallel
 from sparsetx.parallel import mesh as mesh_lib
 
 
@@ -64,8 +64,24 @@ def test_channels_that_do_not_split_over_expert_are_refused():
   config = micro_config("sgatlin")
   config.model.ffn.n_channels = 4
   config.mesh.ici.update(data=1, expert=8)
-  with pytest.raises(config_lib.ConfigError, match=r"config.model.ffn.n_channels=4 is not divisible by the 8 devices"):
+  with pytest.raises(config_lib.ConfigError, match=r"config.model.ffn.n_channels=4 is not divisible by the 8 devices"
+                     r".*split the table's d_model over those devices instead"):
     aot.abstract_state(config, mesh_lib.make_mesh(config.mesh))
+  config.model.ffn.n_channels = 6  # neither divides the other: no d_model split either
+  with pytest.raises(config_lib.ConfigError, match=r"n_channels=6 is not divisible by the 8 devices.*fsdp\.$"):
+    aot.abstract_state(config, mesh_lib.make_mesh(config.mesh))
+
+
+def test_d_model_split_spreads_few_channels_over_more_devices():
+  """C=4 channels on expert=8 with the d_model split rules: the tables fall to 1/8 per device."""
+  config = micro_config("sgatlin")
+  config.model.ffn.n_channels = 4
+  config.mesh.ici.update(data=1, expert=8)
+  config.mesh.rules = expert_parallel.D_MODEL_SPLIT_RULES + config_lib.DEFAULT_RULES
+  abstract, _, _, _ = aot.abstract_state(config, mesh_lib.make_mesh(config.mesh))
+  assert aot.sparse_table_bytes(abstract.params) == 4 * table_params(config.model) // 8
+  specs = [leaf.sharding.spec for path, leaf in jax.tree.leaves_with_path(abstract.params) if "experts" in str(path)]
+  assert specs and all(tuple(spec) == (None, None, None, ("fsdp", "expert")) for spec in specs)
 
 
 @pytest.mark.parametrize("arg, mesh_shape", [("sgatlin8,h100", (8, 1, 1, 8)), ("sgatlin4b,v5p", (4, 1, 1, 16))])

@@ -59,7 +59,7 @@ def forward_and_grads(layer, probe, params, x):
 
 # Tables split by d_model over the expert axis too (FSDP over fsdp x expert for every `embed` axis, channels
 # whole): PEER's shared table, and sgatlin's when the expert axis is larger than its channel count.
-D_SPLIT_RULES = (("embed", ("fsdp", "expert")), ("channel", None)) + config_lib.DEFAULT_RULES
+D_SPLIT_RULES = ep.D_MODEL_SPLIT_RULES + config_lib.DEFAULT_RULES
 RULES = {"peer": D_SPLIT_RULES, ("sgatlin_c4", "expert8"): D_SPLIT_RULES}
 # sgatlin on expert4_fsdp2 holds rows[:, c-block, :, d-slice] (channels over expert, d_model over fsdp);
 # sgatlin_c4 there is C=4 on 8 devices as channels x d-halves, and on expert8 (d_model split rules) d-eighths.

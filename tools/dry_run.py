@@ -5,8 +5,13 @@
       --config.mesh.ici.data=8 --config.mesh.ici.fsdp=2 --config.mesh.ici.expert=4
 
 Prints per-device parameter and optimizer bytes, the compiler's memory analysis, FLOPs per step
-and the collectives of the compiled program (sparsetx/parallel/aot.py). `--expert_sweep=1,2,4,8`
-adds the per-device sparse-table bytes for each expert-axis size (abstract shapes only).
+and the collectives of the compiled program (sparsetx/parallel/aot.py). `--expert_sweep=1,2,4,8,32`
+adds the per-device sparse-table bytes for each expert-axis size (abstract shapes only); a size
+larger than sgatlin's channel count is shown with the table split by d_model over the expert axis
+(expert_parallel.D_MODEL_SPLIT_RULES). `--split_d_model` compiles with those rules, e.g. sgatlin
+scale 8 (C=16) on expert=32:
+  .venv/bin/python tools/dry_run.py --config=configs/ladder.py:sgatlin,8 --devices=64 --split_d_model \\
+      --config.mesh.ici.data=2 --config.mesh.ici.expert=32
 The mesh uses config.mesh.ici over `--devices` simulated devices (dcn must be all 1).
 """
 
@@ -38,17 +43,42 @@ from ml_collections import config_flags  # noqa: E402
 
 from sparsetx import config as config_lib  # noqa: E402
 from sparsetx.parallel import aot  # noqa: E402
+from sparsetx.parallel import expert_parallel  # noqa: E402
 from sparsetx.parallel import mesh as mesh_lib  # noqa: E402
 from sparsetx.train.loop import check_batch_divides  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file, optionally with ':ARG'.")
 _DEVICES = flags.DEFINE_integer("devices", 8, "Simulated CPU devices (the mesh's size).")
 _SWEEP = flags.DEFINE_list("expert_sweep", [], "Expert-axis sizes for a per-device sparse-table bytes table.")
+_SPLIT = flags.DEFINE_bool(
+    "split_d_model", False, "Split neuron tables by d_model over the expert axis (D_MODEL_SPLIT_RULES first)."
+)
+
+
+def with_d_model_split(config):
+  """A copy of config whose rules split neuron tables by d_model over fsdp x expert."""
+  config = config.copy_and_resolve_references()
+  config.mesh.rules = expert_parallel.D_MODEL_SPLIT_RULES + tuple(tuple(rule) for rule in config.mesh.rules)
+  return config
+
+
+def sweep_table_bytes(config, devices, expert_sizes) -> list:
+  """(expert, per-device table bytes, layout): tables split by unit, or by d_model where the units are too few."""
+  rows = []
+  for expert in expert_sizes:
+    ffn = config.model.ffn
+    units = ffn.n_channels if ffn.type == "sgatlin" else None
+    if units is not None and expert > units and expert % units == 0:
+      sized = aot.table_bytes_by_expert(with_d_model_split(config), devices, [expert])
+      rows += [(e, nbytes, "d_model") for e, nbytes in sized]
+    else:
+      rows += [(e, nbytes, "units") for e, nbytes in aot.table_bytes_by_expert(config, devices, [expert])]
+  return rows
 
 
 def main(argv):
   del argv
-  config = _CONFIG.value
+  config = with_d_model_split(_CONFIG.value) if _SPLIT.value else _CONFIG.value
   try:
     config_lib.validate(config)
     devices = jax.devices()[: _DEVICES.value]
@@ -63,9 +93,14 @@ def main(argv):
   print(f"lowered and compiled in {time.time() - start:.0f} s")
   if _SWEEP.value:
     print("sparse tables per device by expert-axis size (data takes the other devices):")
-    print(f"  {'expert':>6}  {'bytes':>14}  {'x expert':>14}")
-    for expert, nbytes in aot.table_bytes_by_expert(config, devices, [int(e) for e in _SWEEP.value]):
-      print(f"  {expert:>6}  {nbytes:>14,}  {nbytes * expert:>14,}")
+    print(f"  {'expert':>6}  {'bytes':>14}  {'x expert':>14}  split by")
+    try:
+      rows = sweep_table_bytes(_CONFIG.value, devices, [int(e) for e in _SWEEP.value])
+    except config_lib.ConfigError as error:
+      print(f"error: {error}", file=sys.stderr)
+      sys.exit(2)
+    for expert, nbytes, layout in rows:
+      print(f"  {expert:>6}  {nbytes:>14,}  {nbytes * expert:>14,}  {layout}")
 
 
 if __name__ == "__main__":

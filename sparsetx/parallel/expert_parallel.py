@@ -37,6 +37,11 @@ from jax.sharding import PartitionSpec as P
 from sparsetx.config import DEFAULT_RULES, ConfigError
 
 
+# Put first in config.mesh.rules, these split every `embed` axis over fsdp x expert and keep channels whole:
+# neuron tables (PEER's shared one; sgatlin's when the expert axis is larger than its channel count)
+# are then split by d_model over the expert axis, and the layers run `split_gated_gather`.
+D_MODEL_SPLIT_RULES = (("embed", ("fsdp", "expert")), ("channel", None))
+
 _RULES = contextvars.ContextVar("sparsetx_logical_rules", default=DEFAULT_RULES)
 
 
@@ -281,8 +286,8 @@ def check_units_divide(config, mesh) -> None:
     hint = ""
     if ffn.type == "sgatlin" and shards % ffn[field] == 0:
       hint = (
-          '; or split the table\'s d_model over those devices instead: put ("embed", ("fsdp", "expert")) and '
-          '("channel", None) first in config.mesh.rules'
+          "; or split the table's d_model over those devices instead: put "
+          f"{', '.join(map(str, D_MODEL_SPLIT_RULES))} first in config.mesh.rules"
       )
     raise ConfigError(
         f"config.model.ffn.{field}={ffn[field]} is not divisible by the {shards} devices of the mesh axes it is "
