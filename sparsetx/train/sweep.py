@@ -1,0 +1,240 @@
+"""Isoflop sweeps (sgatlin paper Sec. 3.1): the runs that spend each FLOP budget, their commands and results.
+
+A run is one (FLOP budget, feed-forward type, model size). Its config is exactly what its launch command
+  python -m sparsetx.train --config=BASE:ARG [size flags] [overrides] --config.train.steps=N --workdir=DIR
+parses to (a private copy of the trainer's absl / ml_collections flags), so a printed command and a run
+started in-process or by subprocess train the same model. Sizes are either ladder rungs
+(`configs/ladder.py:FFN,SCALE`, Listing 2) or, for CPU-sized sweeps, d_model values (and optionally layer
+counts) set by `--config.model.d_model=` on a base config that takes the type as its argument
+(`configs/tiny.py:FFN`).
+
+Accounting (sparsetx/models/ladder.py, on the run's actual model config): forward FLOPs per token at the
+trained context config.data.seq_len; training costs 3 x forward, so tokens = floor(budget / (3 * forward)),
+and steps = ceil(tokens / (global_batch_size * seq_len)): a run spends at most one step more than its budget.
+
+A run's result is the last evaluation in its metrics.jsonl, which the trainer writes at the final step:
+loss and perplexity per validation task, and `perplexity` = exp(mean of the task losses) (the geometric
+mean of the task perplexities); that one is plotted. A run whose metrics hold that evaluation is finished
+and is collected, never re-run; a run stopped part-way resumes from its checkpoint.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import re
+import shlex
+
+import ml_collections
+from absl import flags
+from ml_collections import config_flags
+
+from sparsetx import config as config_lib
+from sparsetx.models import ladder
+
+LADDER_CONFIG = "configs/ladder.py"
+TRAIN_COMMAND = ("python", "-m", "sparsetx.train")
+_OVERRIDE = re.compile(r"^(?:--)?(config(?:\.\w+)+)=(.*)$", re.DOTALL)
+_SWEEP_SETS = ("config.train.steps",)  # the sweep owns these fields
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepSpec:
+  """What to sweep; `scales` (ladder rungs) or `d_models` (on a base config taking ':FFN'), not both."""
+
+  budgets: tuple[float, ...]
+  ffn_types: tuple[str, ...]
+  workdir: str
+  base_config: str = LADDER_CONFIG
+  scales: tuple[int, ...] = ()
+  d_models: tuple[int, ...] = ()
+  n_layers: tuple[int, ...] = ()  # with d_models: one layer count per d_model; empty keeps the base config's
+  overrides: tuple[str, ...] = ()  # 'config.FIELD=VALUE', passed to every run
+  min_steps: int = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  budget: float
+  ffn_type: str
+  size: int  # the ladder scale or the d_model
+  name: str
+  workdir: str
+  args: tuple[str, ...]  # the trainer's flags
+  config: ml_collections.ConfigDict = dataclasses.field(compare=False, repr=False)
+  tokens: int  # the budget's tokens
+  tokens_per_step: int
+  steps: int
+  forward_flops_per_token: int
+  total_params: int
+  active_params: int
+
+  @property
+  def command(self) -> str:
+    return shlex.join(TRAIN_COMMAND + self.args)
+
+  @property
+  def flops(self) -> int:
+    """Training FLOPs actually spent (whole steps)."""
+    return 3 * self.forward_flops_per_token * self.steps * self.tokens_per_step
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+  budget: float
+  ffn_type: str
+  size: int
+  name: str
+  reason: str
+
+
+def check_spec(spec: SweepSpec) -> None:
+  """One clear error per bad input, before any config is loaded."""
+  if not spec.budgets:
+    raise config_lib.ConfigError("--budgets is empty; give one or more FLOP budgets, e.g. --budgets=1e17,6e17.")
+  for budget in spec.budgets:
+    if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
+      raise config_lib.ConfigError(f"--budgets holds {budget!r}; every FLOP budget must be a positive number, e.g. 1e17.")
+  if not spec.ffn_types:
+    raise config_lib.ConfigError(f"--ffn_types is empty; give one or more of {', '.join(config_lib.FFN_TYPES)}.")
+  for ffn_type in spec.ffn_types:
+    if ffn_type not in config_lib.FFN_TYPES:
+      raise config_lib.ConfigError(
+          f"--ffn_types holds {ffn_type!r}, an unknown feed-forward type; use some of {', '.join(config_lib.FFN_TYPES)}.")
+  if bool(spec.scales) == bool(spec.d_models):
+    raise config_lib.ConfigError(
+        "give exactly one of --scales (ladder rungs, e.g. --scales=2,3,4) and --d_models (sizes on --base_config, "
+        "e.g. --base_config=configs/tiny.py --d_models=32,64).")
+  for name, values in (("--scales", spec.scales), ("--d_models", spec.d_models), ("--n_layers", spec.n_layers)):
+    for value in values:
+      if not isinstance(value, int) or value < 1:
+        raise config_lib.ConfigError(f"{name} holds {value!r}; sizes must be positive integers.")
+  if spec.n_layers and len(spec.n_layers) != len(spec.d_models):
+    raise config_lib.ConfigError(
+        f"--n_layers has {len(spec.n_layers)} values for {len(spec.d_models)} --d_models; give one per d_model or none.")
+  if not os.path.isfile(spec.base_config):
+    raise config_lib.ConfigError(
+        f"--base_config={spec.base_config} is not a file; give a config path relative to the directory you run from "
+        "(the repository root) or an absolute one.")
+  if not isinstance(spec.min_steps, int) or spec.min_steps < 1:
+    raise config_lib.ConfigError(f"--min_steps={spec.min_steps!r} must be a positive integer.")
+  for override in spec.overrides:
+    match = _OVERRIDE.match(override)
+    if not match:
+      raise config_lib.ConfigError(
+          f"--overrides={override!r} is not 'config.FIELD=VALUE'; write e.g. --overrides=config.train.warmup_steps=10.")
+    if match.group(1) in _SWEEP_SETS:
+      raise config_lib.ConfigError(
+          f"--overrides={override!r} sets {match.group(1)}, which the sweep derives from the FLOP budget; remove it.")
+
+
+def budget_tag(budget: float) -> str:
+  """A directory name for a budget: 1e+17 -> '1e17', 6.5e17 -> '6.5e17'."""
+  mantissa, exponent = f"{budget:.3e}".split("e")
+  return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def _sizes(spec: SweepSpec, ffn_type: str) -> list[tuple[int, str, tuple[str, ...]]]:
+  """(size, run name, the trainer's config flags without steps) per size of one type."""
+  if spec.scales:
+    return [(s, f"{ffn_type}_s{s}", (f"--config={spec.base_config}:{ffn_type},{s}",)) for s in spec.scales]
+  sizes = []
+  for i, d_model in enumerate(spec.d_models):
+    args = [f"--config={spec.base_config}:{ffn_type}", f"--config.model.d_model={d_model}"]
+    name = f"{ffn_type}_d{d_model}"
+    if spec.n_layers:
+      args.append(f"--config.model.n_layers={spec.n_layers[i]}")
+      name += f"_l{spec.n_layers[i]}"
+    sizes.append((d_model, name, tuple(args)))
+  return sizes
+
+
+def parse_train_args(args: tuple[str, ...]) -> ml_collections.ConfigDict:
+  """The validated config `python -m sparsetx.train ARGS` would train (same flag definitions)."""
+  argv = ["sparsetx.train", *args]
+  flag_values = flags.FlagValues()
+  holder = config_flags.DEFINE_config_file("config", None, "Config file.", flag_values=flag_values, lock_config=True,
+                                           sys_argv=argv)
+  flags.DEFINE_string("workdir", None, "Run directory.", flag_values=flag_values)
+  try:
+    flag_values(argv)
+    config = holder.value
+  except config_lib.ConfigError:
+    raise
+  except Exception as error:  # absl / ml_collections flag errors (unknown field, bad value)
+    message = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+    raise config_lib.ConfigError(f"the run `{shlex.join(TRAIN_COMMAND + tuple(args))}` does not parse: {message}") from None
+  config_lib.validate(config)
+  return config
+
+
+def plan(spec: SweepSpec) -> tuple[list[Run], list[Skipped]]:
+  """The runs of the sweep (budget-major, then type, then size) and the ones too short to train."""
+  check_spec(spec)
+  overrides = tuple("--" + _OVERRIDE.match(o).group(1) + "=" + _OVERRIDE.match(o).group(2) for o in spec.overrides)
+  runs, skipped = [], []
+  for budget in spec.budgets:
+    for ffn_type in spec.ffn_types:
+      for size, name, size_args in _sizes(spec, ffn_type):
+        config = parse_train_args(size_args + overrides)
+        tokens_per_step = config.data.global_batch_size * config.data.seq_len
+        forward = ladder.forward_flops_per_token(config.model, config.data.seq_len)["total"]
+        tokens = ladder.training_tokens(config.model, budget, config.data.seq_len)
+        steps = math.ceil(tokens / tokens_per_step)
+        least = max(spec.min_steps, config.train.warmup_steps + 1)
+        if steps < least:
+          reason = (f"{budget:.3g} FLOPs buy {tokens:,} tokens = {steps} steps of {tokens_per_step:,} tokens, fewer than "
+                    f"{least} (--min_steps={spec.min_steps}, warmup {config.train.warmup_steps} steps)")
+          skipped.append(Skipped(budget, ffn_type, size, name, reason))
+          continue
+        workdir = os.path.join(spec.workdir, budget_tag(budget), name)
+        args = size_args + overrides + (f"--config.train.steps={steps}", f"--workdir={workdir}")
+        config = parse_train_args(args)
+        params = ladder.param_counts(config.model)
+        runs.append(Run(budget, ffn_type, size, name, workdir, args, config, tokens, tokens_per_step, steps, forward,
+                        params["total"], params["active"]))
+  return runs, skipped
+
+
+def final_eval(run: Run) -> dict | None:
+  """The run's evaluation at its final step from metrics.jsonl, or None while it is unfinished."""
+  path = os.path.join(run.workdir, "metrics.jsonl")
+  if not os.path.isfile(path):
+    return None
+  last = None
+  with open(path, encoding="utf-8") as f:
+    for number, line in enumerate(f, 1):
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError:
+        if line.endswith("\n"):
+          raise config_lib.ConfigError(f"{path} line {number} is not JSON; move the run directory away to re-run it.")
+        continue  # a line cut short by a killed run
+      if any(key.startswith("eval/") for key in row):
+        last = row
+  if last is None or last["step"] < run.steps:
+    return None
+  if last["step"] > run.steps:
+    raise config_lib.ConfigError(
+        f"{run.workdir} holds a run evaluated at step {last['step']}, but this sweep plans {run.steps} steps for "
+        f"{run.name}; use another --workdir or move that run away.")
+  return last
+
+
+def result_row(run: Run, evaluation: dict | None, status: str) -> dict:
+  """One row of sweep.json: the run's plan, accounting and final validation numbers."""
+  model = run.config.model
+  row = dict(
+      budget=run.budget, ffn_type=run.ffn_type, size=run.size, name=run.name, status=status,
+      d_model=model.d_model, n_layers=model.n_layers, total_params=run.total_params, active_params=run.active_params,
+      forward_flops_per_token=run.forward_flops_per_token, tokens=run.tokens, tokens_per_step=run.tokens_per_step,
+      steps=run.steps, trained_tokens=run.steps * run.tokens_per_step, flops=run.flops, workdir=run.workdir,
+      command=run.command, step=None, loss=None, perplexity=None, tasks={},
+  )
+  if evaluation is not None:
+    losses = {key.split("/")[1]: value for key, value in evaluation.items() if key.startswith("eval/") and key.endswith("/loss")}
+    row["tasks"] = {task: dict(loss=loss, perplexity=evaluation[f"eval/{task}/perplexity"]) for task, loss in losses.items()}
+    row["step"] = evaluation["step"]
+    row["loss"] = sum(losses.values()) / len(losses)
+    row["perplexity"] = math.exp(min(row["loss"], 50.0))
+  return row

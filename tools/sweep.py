@@ -1,0 +1,219 @@
+"""Isoflop sweep: for each FLOP budget, trains every feed-forward type at every size on the tokens the budget buys.
+
+  # the paper's ladder on a cluster: print one launch command per run, then collect and plot
+  python tools/sweep.py --budgets=1e17,6e17,1e18 --ffn_types=mlp,swiglu,sgatlin --scales=2,3,4,5,6 \\
+      --workdir=sweeps/ladder --mode=print
+  python tools/sweep.py ...same flags... --mode=collect
+  # a CPU-sized sweep, run here one run after the other
+  python tools/sweep.py --budgets=2e9,4e9 --ffn_types=mlp,sgatlin --base_config=configs/tiny.py \\
+      --d_models=32,64 --overrides=config.model.head_dim=32 --overrides=config.train.warmup_steps=2 \\
+      --workdir=sweeps/tiny
+
+Modes: run (train the unfinished runs sequentially, in this process or with --subprocess each as its printed
+command, then collect), print (the commands only), collect (the finished runs only; missing ones are listed).
+A run whose workdir already holds its final evaluation is collected, not re-run; one stopped part-way resumes.
+Accounting and the perplexity definition: sparsetx/train/sweep.py. Writes into --workdir:
+  sweep.json                       one row per run (plan, parameters, FLOPs, tokens, steps, validation numbers)
+  isoflop_perplexity_vs_size.png   per budget, perplexity against total and against active parameters, one line
+                                   per type (the sgatlin paper's Figure 3)
+  best_perplexity_vs_compute.png   per type, the best perplexity of each budget against the budget (its Figure 1)
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+from absl import app, flags
+
+from sparsetx.config import ConfigError
+from sparsetx.train import sweep
+
+_BUDGETS = flags.DEFINE_list("budgets", None, "Training FLOP budgets, e.g. 1e17,6e17.")
+_FFN_TYPES = flags.DEFINE_list("ffn_types", ["mlp", "sgatlin"], "Feed-forward types to compare.")
+_SCALES = flags.DEFINE_list("scales", None, "Ladder rungs (configs/ladder.py:FFN,SCALE), e.g. 2,3,4.")
+_D_MODELS = flags.DEFINE_list("d_models", None, "Instead of --scales: d_model values on --base_config (CPU-sized).")
+_N_LAYERS = flags.DEFINE_list("n_layers", None, "With --d_models: one layer count per d_model (default: the config's).")
+_BASE_CONFIG = flags.DEFINE_string("base_config", sweep.LADDER_CONFIG,
+                                   "Config file; takes 'FFN,SCALE' with --scales, 'FFN' with --d_models.")
+_OVERRIDES = flags.DEFINE_multi_string("overrides", [], "config.FIELD=VALUE for every run (repeat the flag).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Sweep root: <workdir>/<budget>/<run>/, sweep.json, PNGs.")
+_MODE = flags.DEFINE_enum("mode", "run", ["run", "print", "collect"], "Train, print commands, or collect only.")
+_SUBPROCESS = flags.DEFINE_bool("subprocess", False, "Run each training as its printed command in a new process.")
+_MIN_STEPS = flags.DEFINE_integer("min_steps", 10, "Skip (with a note) runs whose budget buys fewer steps.")
+
+
+def _ints(name: str, values) -> tuple[int, ...]:
+  try:
+    return tuple(int(v) for v in values or ())
+  except ValueError:
+    raise ConfigError(f"{name}={','.join(values)} must be a comma-separated list of integers.") from None
+
+
+def spec_from_flags() -> sweep.SweepSpec:
+  if not _BUDGETS.value:
+    raise ConfigError("--budgets is required; give one or more FLOP budgets, e.g. --budgets=1e17,6e17.")
+  if not _WORKDIR.value:
+    raise ConfigError("--workdir is required; give the directory that holds the sweep's runs.")
+  try:
+    budgets = tuple(float(b) for b in _BUDGETS.value)
+  except ValueError:
+    raise ConfigError(f"--budgets={','.join(_BUDGETS.value)} must be FLOP counts such as 1e17,6e17.") from None
+  return sweep.SweepSpec(
+      budgets=budgets, ffn_types=tuple(t.strip() for t in _FFN_TYPES.value or ()), workdir=_WORKDIR.value,
+      base_config=_BASE_CONFIG.value, scales=_ints("--scales", _SCALES.value), d_models=_ints("--d_models", _D_MODELS.value),
+      n_layers=_ints("--n_layers", _N_LAYERS.value), overrides=tuple(_OVERRIDES.value), min_steps=_MIN_STEPS.value)
+
+
+def train(run: sweep.Run, in_subprocess: bool) -> str:
+  """Trains one run to its final step; returns 'finished' or 'diverged'."""
+  if in_subprocess:
+    code = subprocess.run([sys.executable, "-m", "sparsetx.train", *run.args], check=False).returncode
+    if code == 3:
+      return "diverged"
+    if code:
+      raise ConfigError(f"run {run.name} failed with exit code {code}; rerun its command to see why: {run.command}")
+    return "finished"
+  import jax
+
+  from sparsetx.train import loop
+
+  try:
+    loop.train(run.config, run.workdir)
+  except loop.NonFiniteLossError as error:
+    print(f"sweep: {run.name} at {run.budget:.3g} FLOPs diverged: {error}", file=sys.stderr)
+    return "diverged"
+  finally:
+    jax.clear_caches()  # one run's compiled programs are not reused by the next
+  return "finished"
+
+
+def collect(runs: list[sweep.Run], mode: str, in_subprocess: bool) -> list[dict]:
+  rows = []
+  for i, run in enumerate(runs, 1):
+    evaluation = sweep.final_eval(run)
+    label = f"[{i}/{len(runs)}] {run.name} at {run.budget:.3g} FLOPs ({run.steps} steps)"
+    if evaluation is None and mode == "collect":
+      print(f"sweep: {label}: not finished, left out", file=sys.stderr)
+      continue
+    if evaluation is None:
+      print(f"sweep: {label}: training", file=sys.stderr)
+      status = train(run, in_subprocess)
+      evaluation = sweep.final_eval(run) if status == "finished" else None
+      if status == "finished" and evaluation is None:
+        raise ConfigError(f"run {run.name} ended without its final evaluation in {run.workdir}/metrics.jsonl.")
+    else:
+      status = "finished"
+      print(f"sweep: {label}: already finished, collected", file=sys.stderr)
+    rows.append(sweep.result_row(run, evaluation, status))
+  return rows
+
+
+def _plt():
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  return plt
+
+
+def plot_perplexity_vs_size(rows: list[dict], path: str) -> None:
+  """Figure 3 style: one column per budget, rows: total and active parameters; a line per type."""
+  plt = _plt()
+  budgets = sorted({r["budget"] for r in rows})
+  types = list(dict.fromkeys(r["ffn_type"] for r in rows))
+  fig, axes = plt.subplots(2, len(budgets), figsize=(4.2 * len(budgets), 7), squeeze=False, sharey="col")
+  for column, budget in enumerate(budgets):
+    for row_index, (key, label) in enumerate((("total_params", "total parameters"),
+                                               ("active_params", "active parameters per token"))):
+      ax = axes[row_index, column]
+      for color, ffn_type in enumerate(types):
+        points = sorted((r[key], r["perplexity"]) for r in rows if r["budget"] == budget and r["ffn_type"] == ffn_type)
+        if points:
+          ax.plot(*zip(*points), "o-", color=f"C{color}", label=ffn_type)
+      ax.set_xscale("log")
+      ax.set_xlabel(label)
+      ax.grid(alpha=0.3)
+      if row_index == 0:
+        ax.set_title(f"{budget:.3g} FLOPs")
+      if column == 0:
+        ax.set_ylabel("validation perplexity")
+  axes[0, 0].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def plot_best_vs_compute(rows: list[dict], path: str) -> None:
+  """Figure 1 style: per type, the best perplexity over sizes at each budget, labelled with its model size."""
+  plt = _plt()
+  fig, ax = plt.subplots(figsize=(6, 4.2))
+  for color, ffn_type in enumerate(dict.fromkeys(r["ffn_type"] for r in rows)):
+    best = {}
+    for r in rows:
+      if r["ffn_type"] == ffn_type and (r["budget"] not in best or r["perplexity"] < best[r["budget"]]["perplexity"]):
+        best[r["budget"]] = r
+    budgets = sorted(best)
+    ax.plot(budgets, [best[b]["perplexity"] for b in budgets], "o-", color=f"C{color}", label=ffn_type)
+    for b in budgets:
+      ax.annotate(f"{best[b]['total_params'] / 1e6:.3g}M", (b, best[b]["perplexity"]), fontsize=7,
+                  textcoords="offset points", xytext=(4, 4), color=f"C{color}")
+  ax.set_xscale("log")
+  ax.set_xlabel("training FLOP budget")
+  ax.set_ylabel("best validation perplexity (label: total parameters)")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def write_results(workdir: str, rows: list[dict], skipped: list[sweep.Skipped]) -> None:
+  os.makedirs(workdir, exist_ok=True)
+  summary = dict(
+      perplexity="exp(mean over validation tasks of the final-step loss)",
+      flops="3 x forward FLOPs per token (sparsetx/models/ladder.py) x trained tokens",
+      runs=rows, skipped=[vars(s) for s in skipped])
+  path = os.path.join(workdir, "sweep.json")
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    json.dump(summary, f, indent=1)
+  os.replace(path + ".tmp", path)  # a reader never sees half a file
+  plotted = [r for r in rows if r["perplexity"] is not None]
+  if plotted:
+    plot_perplexity_vs_size(plotted, os.path.join(workdir, "isoflop_perplexity_vs_size.png"))
+    plot_best_vs_compute(plotted, os.path.join(workdir, "best_perplexity_vs_compute.png"))
+  print(f"sweep: {len(rows)} runs in {path}" + (", plots written" if plotted else ", nothing to plot"), file=sys.stderr)
+
+
+def print_table(rows: list[dict]) -> None:
+  print(f"{'budget':>9} {'run':<16}{'total':>10}{'active':>10}{'steps':>7}{'tokens':>11}  perplexity")
+  for r in rows:
+    ppl = f"{r['perplexity']:.3f}" if r["perplexity"] is not None else r["status"]
+    print(f"{r['budget']:>9.3g} {r['name']:<16}{r['total_params']:>10,}{r['active_params']:>10,}{r['steps']:>7}"
+          f"{r['trained_tokens']:>11,}  {ppl}")
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}; every input is a --flag.")
+  try:
+    runs, skipped = sweep.plan(spec_from_flags())
+    for s in skipped:
+      print(f"sweep: skipping {s.name} at {s.budget:.3g} FLOPs: {s.reason}.", file=sys.stderr)
+    if not runs:
+      raise ConfigError("every run of the sweep is too short to train; raise --budgets or lower --min_steps.")
+    if _MODE.value == "print":
+      for run in runs:
+        print(run.command)
+      return
+    rows = collect(runs, _MODE.value, _SUBPROCESS.value)
+    write_results(_WORKDIR.value, rows, skipped)
+    print_table(rows)
+  except ConfigError as error:
+    print(f"error: {error}", file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+  app.run(main)
