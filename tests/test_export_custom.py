@@ -6,17 +6,16 @@ float32 logits must match the JAX model's within 1e-4.
 """
 
 import json
-import shutil
+import os
 
 import jax
 import ml_collections
 import numpy as np
 import pytest
-import safetensors.numpy
 
 from sparsetx import config as config_lib
 from sparsetx.config import ConfigError
-from sparsetx.evaluate import hf_custom
+from sparsetx.evaluate import export, hf_custom
 from sparsetx.models.transformer import Transformer
 from test_train import micro_config
 
@@ -38,10 +37,11 @@ CASES = {
 
 
 def case_config(name: str, **model) -> ml_collections.ConfigDict:
+  """The full (training) config of a case; export writes its model and its byte vocabulary's tokenizer files."""
   ffn_type, model_overrides, ffn_overrides = CASES[name]
-  config = micro_config(ffn_type).model
-  config.update(model_overrides, **model)
-  config.ffn.update(ffn_overrides)
+  config = micro_config(ffn_type)
+  config.model.update(model_overrides, **model)
+  config.model.ffn.update(ffn_overrides)
   return config
 
 
@@ -68,19 +68,6 @@ def random_params(model_config, seed: int = 0) -> dict:
   return params
 
 
-def write_hf_dir(model_config, params, path) -> None:
-  config_json, tensors = hf_custom.to_hf(model_config, params)
-  path.mkdir()
-  safetensors.numpy.save_file(tensors, str(path / "model.safetensors"))
-  (path / "config.json").write_text(json.dumps(config_json, indent=2))
-  for modeling_file in hf_custom.MODELING_FILES:
-    shutil.copy(modeling_file, path)
-
-
-def read_hf_dir(path) -> tuple[dict, dict]:
-  return json.loads((path / "config.json").read_text()), safetensors.numpy.load_file(str(path / "model.safetensors"))
-
-
 def assert_same_tree(expected, actual):
   assert jax.tree.structure(expected) == jax.tree.structure(actual)
   for e, a in zip(jax.tree.leaves(expected), jax.tree.leaves(actual)):
@@ -90,12 +77,14 @@ def assert_same_tree(expected, actual):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_transformers_logits_match_jax(case, tmp_path):
-  config = case_config(case)
+  full_config = case_config(case)
+  config = full_config.model
   params = random_params(config)
   tokens_BT = np.random.default_rng(1).integers(0, config.vocab_size, (2, config.max_len)).astype(np.int32)
   expected_BTV = np.asarray(jax.jit(Transformer(ml_collections.FrozenConfigDict(config)).apply)({"params": params}, tokens_BT))
 
-  write_hf_dir(config, params, tmp_path / "hf")
+  assert export.write_hf(full_config, params, str(tmp_path / "hf")) == "hf_custom"
+  assert {os.path.basename(f) for f in hf_custom.MODELING_FILES} <= set(os.listdir(tmp_path / "hf"))
   model, info = transformers.AutoModelForCausalLM.from_pretrained(
       tmp_path / "hf", trust_remote_code=True, output_loading_info=True
   )
@@ -106,17 +95,17 @@ def test_transformers_logits_match_jax(case, tmp_path):
     logits_BTV = model(torch.as_tensor(tokens_BT, dtype=torch.long)).logits.numpy()
   np.testing.assert_allclose(logits_BTV, expected_BTV, rtol=0, atol=1e-4)
 
-  model_config, imported = hf_custom.from_hf(*read_hf_dir(tmp_path / "hf"))
-  assert model_config.to_dict() == config.to_dict()
+  imported_config, imported = export.load_hf(str(tmp_path / "hf"))
+  assert imported_config.model.to_dict() == config.to_dict()
   assert_same_tree(params, imported)
 
 
 def test_left_padding_matches_the_unpadded_row(tmp_path):
   """attention_mask hides padding and positions restart at the first real token, as in a packed sparsetx row."""
   config = case_config("sgatlin")
-  write_hf_dir(config, random_params(config), tmp_path / "hf")
+  export.write_hf(config, random_params(config.model), str(tmp_path / "hf"))
   model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True)
-  row = torch.as_tensor(np.random.default_rng(2).integers(2, config.vocab_size, (1, 12)), dtype=torch.long)
+  row = torch.as_tensor(np.random.default_rng(2).integers(2, config.model.vocab_size, (1, 12)), dtype=torch.long)
   padded = torch.cat([torch.zeros((1, 4), dtype=torch.long), row], dim=1)
   mask = torch.cat([torch.zeros((1, 4), dtype=torch.long), torch.ones_like(row)], dim=1)
   with torch.no_grad():
@@ -126,7 +115,7 @@ def test_left_padding_matches_the_unpadded_row(tmp_path):
 
 
 def test_bfloat16_params_round_trip_bit_identical():
-  config = case_config("fff", param_dtype="bfloat16")
+  config = case_config("fff", param_dtype="bfloat16").model
   params = random_params(config, seed=3)
   config_json, tensors = hf_custom.to_hf(config, params)
   assert all(t.dtype == np.float32 for t in tensors.values())
@@ -139,14 +128,14 @@ def test_bfloat16_params_round_trip_bit_identical():
 
 def test_every_buildable_architecture_is_supported():
   for name in CASES:
-    assert hf_custom.unsupported_reason(case_config(name)) is None
-  broken = case_config("sgatlin")
+    assert hf_custom.unsupported_reason(case_config(name).model) is None
+  broken = case_config("sgatlin").model
   broken.ffn.d_ffw = 1000
   assert "perfect square" in hf_custom.unsupported_reason(broken)
 
 
 def test_import_refuses_tensors_of_another_model():
-  config = case_config("fff")
+  config = case_config("fff").model
   config_json, tensors = hf_custom.to_hf(config, random_params(config))
   wrong_shape = dict(tensors, **{"model.layers.0.mlp.w_in": tensors["model.layers.0.mlp.w_in"][:, :-1]})
   with pytest.raises(ConfigError, match=r"model\.layers\.0\.mlp\.w_in.*has shape"):
