@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
+from flax.core import meta as flax_meta
 
 from sparsetx import config as config_lib
 
@@ -61,7 +62,9 @@ def freeze_labels(params, model: ml_collections.ConfigDict):
     keys = [getattr(k, "key", str(k)) for k in path]
     return "new" if len(keys) > 1 and keys[0] in new_layers and keys[1] == "mlp" else "copied"
 
-  return jax.tree_util.tree_map_with_path(label, params)
+  # One label per parameter, also when the tree holds boxed (logically partitioned) leaves, so that the groups'
+  # masked optimizer states hold whole boxes or nothing.
+  return jax.tree_util.tree_map_with_path(label, params, is_leaf=lambda x: isinstance(x, flax_meta.AxisMetadata))
 
 
 def frozen_schedule(schedule: optax.Schedule, freeze_steps: int) -> optax.Schedule:
