@@ -2,7 +2,7 @@
 
 A random tiny dense GPT-NeoX-block model (every bias and norm scale perturbed away from its init, so
 each tensor's mapping is exercised) is exported; plain `transformers` loads it and its logits match the
-JAX model's; importing gives back the same bits; the imported checkpoint continues training.
+JAX model's; importing gives back the same bits; the trainer resumes from the imported step-0 checkpoint.
 """
 
 import json
@@ -19,7 +19,9 @@ from conftest import init_params, load_config
 from sparsetx import config as config_lib
 from sparsetx.evaluate import export, hf_neox
 from sparsetx.models.transformer import Transformer
-from sparsetx.train import checkpointing, loop
+from sparsetx.data import pipeline
+from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.train import checkpointing, loop, state as state_lib
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -118,7 +120,7 @@ def test_bfloat16_export_rounds_each_weight_once(exported, tmp_path):
                      imported_params)
 
 
-def test_import_checkpoint_export_round_trip_and_training_resumes(exported, tmp_path):
+def test_import_checkpoint_export_round_trip_and_trainer_resume(exported, tmp_path):
   config, params, out = exported
   workdir = tmp_path / "run"
   export.import_hf(str(out), str(workdir), config=config)
@@ -126,15 +128,17 @@ def test_import_checkpoint_export_round_trip_and_training_resumes(exported, tmp_
   assert summary["step"] == 0 and summary["kind"] == "hf_neox"
   _, again = export.load_hf(str(tmp_path / "again"))
   assert_same_params(params, again)
-  # The trainer continues from step 0; with warmup the first step's learning rate is 0, so the
-  # step-1 params are the imported ones exactly (a fresh init would differ everywhere).
-  loop.train(config, str(workdir))
-  checkpointer = checkpointing.Checkpointer(str(workdir), ml_collections.ConfigDict(dict(keep=None, keep_period=0,
-                                                                                          async_save=False)))
-  assert checkpointer.latest_step() == 1
+  # The trainer's own resume path accepts the workdir: same model, a data state for step 0, the state.
+  checkpointer = checkpointing.Checkpointer(str(workdir), config.checkpoint)
+  checkpointer.check_compatible(0, config)
+  mesh = mesh_lib.make_mesh(config.mesh)
+  abstract, _, _, _ = state_lib.state_shardings(config, mesh)
+  data_iterator = pipeline.make_train_iterator(config, mesh_lib.batch_sharding(mesh, config.mesh.rules))
+  state = loop.restore(checkpointer, checkpointer.latest_step(), abstract, data_iterator)
   checkpointer.close()
-  _, resumed, _ = export.load_checkpoint(str(workdir), 1)
-  assert_same_params(params, resumed)
+  assert int(state.step) == 0 and data_iterator.steps == 0
+  assert_same_params(params, jax.device_get(state.params))
+  assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(jax.device_get(state.opt_state)) if np.ndim(x) > 0)
 
 
 def test_errors_are_one_clear_sentence_and_nothing_is_overwritten(exported, tmp_path):
