@@ -14,7 +14,7 @@ import jax
 import ml_collections
 
 from sparsetx import config as config_lib
-from sparsetx.data import pipeline
+from sparsetx.data import pipeline, sources
 from sparsetx.interp import checkpoint as checkpoint_lib
 from sparsetx.parallel import expert_parallel, mesh as mesh_lib
 from sparsetx.train import checkpointing, loop, state as state_lib, step as step_lib
@@ -60,6 +60,8 @@ def restore(workdir: str, step: int | None = None, mesh: str = "one", tasks: lis
     config = ml_collections.ConfigDict(checkpoint_lib._tuples(manager.saved_config(step)))
     if tasks:
       config.data.mixture = tuple((name, 1.0) for name in tasks)
+      for name in tasks:  # an unknown task is named now, before anything is compiled
+        sources.make_source(name, (config.data.sources or {}).get(name))
     config.mesh = mesh_config(config, mesh)
     config_lib.validate(config)
     device_mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:1] if mesh == "one" else None)
