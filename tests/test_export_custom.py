@@ -81,7 +81,8 @@ def test_transformers_logits_match_jax(case, tmp_path):
   config = full_config.model
   params = random_params(config)
   tokens_BT = np.random.default_rng(1).integers(0, config.vocab_size, (2, config.max_len)).astype(np.int32)
-  expected_BTV = np.asarray(jax.jit(Transformer(ml_collections.FrozenConfigDict(config)).apply)({"params": params}, tokens_BT))
+  apply = jax.jit(Transformer(ml_collections.FrozenConfigDict(config)).apply)
+  expected_BTV = np.asarray(apply({"params": params}, tokens_BT))
 
   assert export.write_hf(full_config, params, str(tmp_path / "hf")) == "hf_custom"
   assert {os.path.basename(f) for f in hf_custom.MODELING_FILES} <= set(os.listdir(tmp_path / "hf"))

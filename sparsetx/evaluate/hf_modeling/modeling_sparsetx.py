@@ -1,12 +1,15 @@
 """PyTorch reimplementation of sparsetx's decoder (sparsetx/models/transformer.py) for exported checkpoints.
 
 Copied into an export directory and loaded with `AutoModelForCausalLM.from_pretrained(dir,
-trust_remote_code=True)`. It imports torch and transformers only, and computes in float32 what the
-JAX model computes: the same norms and epsilon, GPT-NeoX rotary (rotate-half on the first
+trust_remote_code=True)`. It imports torch and transformers only, and computes what the JAX model
+computes: the same norms and epsilon, GPT-NeoX rotary (rotate-half on the first
 `int(head_dim * rotary_fraction)` dims of each head), sequential or parallel blocks, tied or untied
 head, and every feed-forward type sparsetx builds: mlp, swiglu, moe, peer, sgatlin (all activations,
 product or PEER router) and fff (fff, fff_post), also mixed per layer (`ffn_layers` / `dense_ffn`, from
-tools/sparsify.py). Taps are not needed here (they are identity).
+tools/sparsify.py). Taps are not needed here (they are identity). Precision follows sparsetx: the
+matmuls run in the dtype the weights are loaded in (float32 exports match the JAX model's float32
+logits to ~1e-6; load a bfloat16 export with `dtype=torch.float32` for the same), while norms, rotary,
+attention softmax, router scores and both top-k stages, the sparse layers' sums and the logits are float32.
 
 Parameters keep sparsetx's names and flax layouts, so the checkpoint is the flax tree flattened: the
 tensor of flax path `layers_0/attention/query/kernel` is `model.layers.0.attention.query.kernel`
@@ -41,18 +44,20 @@ def n_keys_for(d_ffw: int) -> int:
 class Dense(nn.Module):
   """A flax Dense/DenseGeneral: `kernel` [*in_shape, *out_shape] contracted over the last len(in_shape) axes of x."""
 
-  def __init__(self, in_shape, out_shape, use_bias=False):
+  def __init__(self, in_shape, out_shape, use_bias=False, float32=False):
     super().__init__()
-    self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
+    self.in_shape, self.out_shape, self.float32 = tuple(in_shape), tuple(out_shape), float32
     self.kernel = nn.Parameter(torch.empty(*self.in_shape, *self.out_shape))
     self.bias = nn.Parameter(torch.empty(*self.out_shape)) if use_bias else None
 
   def forward(self, x):
     lead = x.shape[: x.dim() - len(self.in_shape)]
     n_in, n_out = math.prod(self.in_shape), math.prod(self.out_shape)
-    y = x.reshape(-1, n_in) @ self.kernel.reshape(n_in, n_out)
-    y = y.reshape(*lead, *self.out_shape)
-    return y if self.bias is None else y + self.bias
+    kernel, bias = self.kernel, self.bias
+    if self.float32:  # routers and the head compute in float32 whatever the weights' dtype, as in sparsetx
+      x, kernel, bias = x.float(), kernel.float(), None if bias is None else bias.float()
+    y = (x.reshape(-1, n_in) @ kernel.reshape(n_in, n_out)).reshape(*lead, *self.out_shape)
+    return y if bias is None else y + bias
 
 
 class Embed(nn.Module):
@@ -73,11 +78,13 @@ class Norm(nn.Module):
     self.bias = nn.Parameter(torch.empty(cfg["d_model"])) if self.kind == "layernorm" else None
 
   def forward(self, x):
+    """Computed in float32 (returned in float32: callers cast where sparsetx does)."""
+    x = x.float()
     if self.kind == "rmsnorm":
-      return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps) * self.scale
+      return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps) * self.scale.float()
     mean = x.mean(-1, keepdim=True)
     var = (x.square().mean(-1, keepdim=True) - mean.square()).clamp_min(0.0)
-    return (x - mean) * torch.rsqrt(var + self.eps) * self.scale + self.bias
+    return (x - mean) * torch.rsqrt(var + self.eps) * self.scale.float() + self.bias.float()
 
 
 def apply_rotary(x_BTHK, positions_BT, rotary_dims: int, base: float):
@@ -88,11 +95,11 @@ def apply_rotary(x_BTHK, positions_BT, rotary_dims: int, base: float):
   inv_freq = 1.0 / torch.pow(torch.tensor(base, dtype=torch.float32, device=x_BTHK.device), exponent)
   angles_BTF = positions_BT[..., None].to(torch.float32) * inv_freq
   angles_BT1R = torch.cat([angles_BTF, angles_BTF], dim=-1)[:, :, None, :]
-  rot, rest = x_BTHK[..., :rotary_dims], x_BTHK[..., rotary_dims:]
+  rot, rest = x_BTHK[..., :rotary_dims].float(), x_BTHK[..., rotary_dims:]
   half = rotary_dims // 2
   rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
   rot = rot * torch.cos(angles_BT1R) + rotated * torch.sin(angles_BT1R)
-  return torch.cat([rot, rest], dim=-1)
+  return torch.cat([rot.to(x_BTHK.dtype), rest], dim=-1)
 
 
 class Attention(nn.Module):
@@ -110,26 +117,27 @@ class Attention(nn.Module):
     q_BTHK = apply_rotary(self.query(x_BTD), positions_BT, self.rotary_dims, self.rope_base)
     k_BTHK = apply_rotary(self.key(x_BTD), positions_BT, self.rotary_dims, self.rope_base)
     v_BTHK = self.value(x_BTD)
-    logits_BHTS = torch.einsum("bthk,bshk->bhts", q_BTHK, k_BTHK) / self.head_dim**0.5
+    logits_BHTS = torch.einsum("bthk,bshk->bhts", q_BTHK.float(), k_BTHK.float()) / self.head_dim**0.5
     logits_BHTS = logits_BHTS.masked_fill(~mask_B1TS, torch.finfo(torch.float32).min)
     probs_BHTS = torch.softmax(logits_BHTS, dim=-1)
-    return self.out(torch.einsum("bhts,bshk->bthk", probs_BHTS, v_BTHK))
+    return self.out(torch.einsum("bhts,bshk->bthk", probs_BHTS.to(v_BTHK.dtype), v_BTHK))
 
 
 def gated_gather(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, activation, bias_R=None, token_chunk=1024):
   """y[n] = sum_s gates[n,s] * w_out[rows[n,s]] * act(<w_in[rows[n,s]], x[n]> + bias[rows[n,s]]).
 
-  Chunked over tokens so the gathered rows of at most `token_chunk` tokens exist at once.
+  Chunked over tokens so the gathered rows of at most `token_chunk` tokens exist at once. Computed in
+  float32, returned in x's dtype.
   """
   outputs = []
   for start in range(0, x_ND.shape[0], token_chunk):
-    x_nD, rows_nS = x_ND[start : start + token_chunk], rows_NS[start : start + token_chunk]
-    h_nS = torch.einsum("nd,nsd->ns", x_nD, w_in_RD[rows_nS])
+    x_nD, rows_nS = x_ND[start : start + token_chunk].float(), rows_NS[start : start + token_chunk]
+    h_nS = torch.einsum("nd,nsd->ns", x_nD, w_in_RD[rows_nS].float())
     if bias_R is not None:
-      h_nS = h_nS + bias_R[rows_nS]
-    h_nS = activation(h_nS) * gates_NS[start : start + token_chunk]
-    outputs.append(torch.einsum("ns,nsd->nd", h_nS, w_out_RD[rows_nS]))
-  return torch.cat(outputs, dim=0)
+      h_nS = h_nS + bias_R[rows_nS].float()
+    h_nS = activation(h_nS) * gates_NS[start : start + token_chunk].float()
+    outputs.append(torch.einsum("ns,nsd->nd", h_nS, w_out_RD[rows_nS].float()))
+  return torch.cat(outputs, dim=0).to(x_ND.dtype)
 
 
 def product_key_top_k(scores1, scores2, k: int):
@@ -149,8 +157,8 @@ class ProductKeyRouter(nn.Module):
   def __init__(self, ffn, d_model):
     super().__init__()
     self.top_k, n_keys = ffn["top_k"], n_keys_for(ffn["d_ffw"])
-    self.query = Dense((d_model,), (ffn["d_key"],))
-    self.keys = Dense((ffn["d_key"],), (2, ffn["n_channels"], n_keys))
+    self.query = Dense((d_model,), (ffn["d_key"],), float32=True)
+    self.keys = Dense((ffn["d_key"],), (2, ffn["n_channels"], n_keys), float32=True)
 
   def forward(self, x_BTD):
     scores_BT2CN = self.keys(self.query(x_BTD))
@@ -164,11 +172,11 @@ class PeerRouter(nn.Module):
     super().__init__()
     C, half = ffn["n_channels"], ffn["d_key"] // 2
     self.top_k, n_keys = ffn["top_k"], n_keys_for(ffn["d_ffw"])
-    self.query = Dense((d_model,), (C, 2, half))
+    self.query = Dense((d_model,), (C, 2, half), float32=True)
     self.sub_keys = nn.Parameter(torch.empty(C, 2, n_keys, half))
 
   def forward(self, x_BTD):
-    scores_BTC2N = torch.einsum("btcsh,csnh->btcsn", self.query(x_BTD), self.sub_keys)
+    scores_BTC2N = torch.einsum("btcsh,csnh->btcsn", self.query(x_BTD), self.sub_keys.float())
     return product_key_top_k(scores_BTC2N[..., 0, :], scores_BTC2N[..., 1, :], self.top_k)
 
 
@@ -233,16 +241,17 @@ class Fff(nn.Module):
     P = self.w_in.shape[0]
     tree_P = torch.arange(P, device=x_MD.device)
     node_MP = torch.zeros(x_MD.shape[0], P, dtype=torch.long, device=x_MD.device)
+    x_MD = x_MD.float()  # logits and sums in float32, as sparsetx
     y_MD = torch.zeros_like(x_MD)
     for _level in range(self.depth + 1):
-      z_MP = torch.einsum("md,mpd->mp", x_MD, self.w_in[tree_P, node_MP]) + self.b_in[tree_P, node_MP]
+      z_MP = torch.einsum("md,mpd->mp", x_MD, self.w_in[tree_P, node_MP].float()) + self.b_in[tree_P, node_MP].float()
       a_MP = F.gelu(z_MP) if self.variant == "fff" else z_MP
-      y_MD = y_MD + torch.einsum("mp,mpd->md", a_MP, self.w_out[tree_P, node_MP])
+      y_MD = y_MD + torch.einsum("mp,mpd->md", a_MP, self.w_out[tree_P, node_MP].float())
       node_MP = 2 * node_MP + 1 + (z_MP > 0).long()
-    y_MD = y_MD + self.b_out
+    y_MD = y_MD + self.b_out.float()
     if self.variant == "fff_post":
       y_MD = F.gelu(y_MD)
-    return y_MD.reshape(B, T, D)
+    return y_MD.reshape(B, T, D).to(x_BTD.dtype)
 
 
 class Moe(nn.Module):
@@ -252,7 +261,7 @@ class Moe(nn.Module):
     super().__init__()
     D = cfg["d_model"]
     E, F_, self.top_k = ffn["n_experts"], ffn["d_ffw"], ffn["experts_per_token"]
-    self.router = Dense((D,), (E,), use_bias=True)
+    self.router = Dense((D,), (E,), use_bias=True, float32=True)
     self.wi_gate = nn.Parameter(torch.empty(E, D, F_))
     self.wi_up = nn.Parameter(torch.empty(E, D, F_))
     self.wo = nn.Parameter(torch.empty(E, F_, D))
@@ -262,15 +271,15 @@ class Moe(nn.Module):
     x_ND = x_BTD.reshape(B * T, D)
     top_logits_NK, expert_ids_NK = torch.topk(self.router(x_ND), self.top_k, dim=-1)
     weights_NK = torch.softmax(top_logits_NK, dim=-1)
-    y_ND = torch.zeros_like(x_ND)
+    y_ND = torch.zeros_like(x_ND, dtype=torch.float32)
     for expert in range(self.wi_gate.shape[0]):
       token, slot = torch.nonzero(expert_ids_NK == expert, as_tuple=True)
       if token.numel() == 0:
         continue
       x_nD = x_ND[token]
       h_nF = F.silu(x_nD @ self.wi_gate[expert]) * (x_nD @ self.wi_up[expert])
-      y_ND = y_ND.index_add(0, token, (h_nF @ self.wo[expert]) * weights_NK[token, slot, None])
-    return y_ND.reshape(B, T, D)
+      y_ND = y_ND.index_add(0, token, (h_nF @ self.wo[expert]).float() * weights_NK[token, slot, None])
+    return y_ND.reshape(B, T, D).to(x_BTD.dtype)
 
 
 class Mlp(nn.Module):
@@ -313,8 +322,8 @@ class SparsetxBlock(nn.Module):
     self.mlp_norm, self.mlp = Norm(cfg), FFN_LAYERS[ffn["type"]](cfg, ffn)
 
   def forward(self, x_BTD, positions_BT, mask_B1TS):
-    attn_BTD = self.attention(self.attention_norm(x_BTD), positions_BT, mask_B1TS)
-    ffn_BTD = self.mlp(self.mlp_norm(x_BTD + attn_BTD if self.sequential else x_BTD))
+    attn_BTD = self.attention(self.attention_norm(x_BTD).to(x_BTD.dtype), positions_BT, mask_B1TS)
+    ffn_BTD = self.mlp(self.mlp_norm(x_BTD + attn_BTD if self.sequential else x_BTD).to(x_BTD.dtype))
     return x_BTD + attn_BTD + ffn_BTD
 
 
@@ -368,13 +377,13 @@ class SparsetxModel(SparsetxPreTrainedModel):
 
 
 class SparsetxForCausalLM(SparsetxPreTrainedModel, GenerationMixin):
-  """Logits [B,T,V] float32: hidden @ embedding^T (tied) or hidden @ lm_head.kernel."""
+  """Logits [B,T,V] float32: final-norm output (float32) @ embedding^T (tied) or @ lm_head.kernel."""
 
   def __init__(self, config: SparsetxConfig):
     super().__init__(config)
     cfg = config.sparsetx_model
     self.model = SparsetxModel(config)
-    self.lm_head = None if cfg["tie_embeddings"] else Dense((cfg["d_model"],), (cfg["vocab_size"],))
+    self.lm_head = None if cfg["tie_embeddings"] else Dense((cfg["d_model"],), (cfg["vocab_size"],), float32=True)
     self.post_init()
 
   @classmethod
@@ -387,7 +396,7 @@ class SparsetxForCausalLM(SparsetxPreTrainedModel, GenerationMixin):
   def forward(self, input_ids, attention_mask=None, position_ids=None, labels=None, **kwargs):
     hidden_BTD = self.model(input_ids, attention_mask, position_ids)
     if self.lm_head is None:
-      logits_BTV = hidden_BTD @ self.model.embed.embedding.T
+      logits_BTV = hidden_BTD @ self.model.embed.embedding.float().T
     else:
       logits_BTV = self.lm_head(hidden_BTD)
     loss = None
