@@ -252,6 +252,16 @@ def sparsify_checkpoint(source_workdir: str, config: ml_collections.ConfigDict, 
   return sparsify_params(source_config, source_params, config, workdir, mesh, overwrite)
 
 
+def sparsify_hf(hf_dir: str, config: ml_collections.ConfigDict, workdir: str, overwrite: bool = False):
+  """tools/sparsify.py --from_hf: the source is a Hugging Face directory (GPT-NeoX or a sparsetx export)."""
+  from sparsetx.evaluate import export  # the HF stack (safetensors, tokenizers) only when asked for
+
+  config_lib.validate(config)
+  check_target_workdir(workdir, overwrite)
+  source_config, source_params = export.load_hf(hf_dir)
+  return sparsify_params(source_config, source_params, config, workdir, mesh_lib.make_mesh(config.mesh), overwrite)
+
+
 def sparsify_params(source_config, source_params, config, workdir: str, mesh, overwrite: bool = False):
   """Any (config, params) source, e.g. an imported HF model: (target config, report); writes the start."""
   existing = check_target_workdir(workdir, overwrite)

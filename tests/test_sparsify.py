@@ -88,6 +88,21 @@ def test_layer_list_swaps_only_those(dense_workdir, mesh, tmp_path):
   assert report["new"]["groups"] == {"layers_1/mlp": sum(v.size for n, v in written.items() if n.startswith("layers_1/mlp/"))}
   assert written["layers_1/mlp/experts"].shape == (2, 4, 32**2, 64)
   assert report["dropped"]["names"] == ["layers_1/mlp/wi/kernel", "layers_1/mlp/wo/kernel"]  # micro model: no biases
+  with pytest.raises(config_lib.ConfigError, match="sparse statistics"):  # until sparse_stats reads each layer's ffn
+    loop.check_mixed_layers(config.model)
+
+
+def test_hf_source_copies_bit_identical(dense_workdir, mesh, tmp_path):
+  """The dense model exported to the HF layout (evaluate/export) and sparsified from there: the same copies."""
+  from sparsetx.evaluate import export
+
+  source_config, source_params = sparsify.load_checkpoint(dense_workdir, mesh)
+  export.write_hf(source_config, jax.device_get(source_params), str(tmp_path / "hf"))
+  config, report = sparsify.sparsify_hf(str(tmp_path / "hf"), micro_config("fff"), str(tmp_path / "fff"))
+  source, written = flat(source_params), read_params(str(tmp_path / "fff"), config, mesh, 0)
+  assert report["copied"]["names"] == sorted(n for n in written if "/mlp/" not in n)
+  for name in report["copied"]["names"]:
+    np.testing.assert_array_equal(written[name], source[name], err_msg=name)
 
 
 @pytest.mark.parametrize("field,value", [("d_model", 128), ("vocab_size", 1024), ("n_layers", 3), ("block", "parallel")])

@@ -2,6 +2,7 @@
 
   python tools/sparsify.py --source=workdir/dense --workdir=workdir/fff_ft --config=configs/tiny.py:fff \
       [--config.model.ffn.depth=6] [--config.model.ffn_layers=1,3] [--overwrite]
+  python tools/sparsify.py --from_hf=path/to/gpt_neox_dir --workdir=... --config=configs/pythia.py:... [overrides]
   python -m sparsetx.train --workdir=workdir/fff_ft --config=configs/tiny.py:fff [the same overrides] \
       [--config.train.freeze_steps=100]
 
@@ -22,6 +23,7 @@ from sparsetx.config import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py:fff", "Target config file, optionally ':ARG'.", lock_config=True)
 _SOURCE = flags.DEFINE_string("source", None, "A sparsetx workdir holding the dense checkpoint to start from.")
+_FROM_HF = flags.DEFINE_string("from_hf", None, "Instead of --source: a Hugging Face GPT-NeoX (or sparsetx export) directory.")
 _SOURCE_STEP = flags.DEFINE_integer("source_step", None, "The source checkpoint's step (default: its latest).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "The new workdir the step-0 checkpoint is written to.", required=True)
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a run already in --workdir (its checkpoints and metrics).")
@@ -38,10 +40,14 @@ def main(argv):
   from sparsetx import config as config_lib, sparsify
 
   try:
-    if not _SOURCE.value:
-      raise ConfigError("--source is empty; give the workdir of the dense sparsetx checkpoint to start from.")
+    if bool(_SOURCE.value) == bool(_FROM_HF.value):
+      raise ConfigError("give exactly one source: --source=WORKDIR (a sparsetx checkpoint) or --from_hf=DIR.")
     given = _CONFIG.value
-    config, report = sparsify.sparsify_checkpoint(_SOURCE.value, given, _WORKDIR.value, _OVERWRITE.value, _SOURCE_STEP.value)
+    if _FROM_HF.value:
+      config, report = sparsify.sparsify_hf(_FROM_HF.value, given, _WORKDIR.value, _OVERWRITE.value)
+    else:
+      config, report = sparsify.sparsify_checkpoint(_SOURCE.value, given, _WORKDIR.value, _OVERWRITE.value,
+                                                    _SOURCE_STEP.value)
   except ConfigError as error:
     print(f"error: {error}", file=sys.stderr)
     sys.exit(2)
