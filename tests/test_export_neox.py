@@ -88,6 +88,11 @@ def test_transformers_logits_match_jax(exported, tmp_path, variant):
   np.testing.assert_allclose(hf_logits, jax_logits(config, params, tokens_BT), atol=1e-4, rtol=0)
   # The mapping, not the check, carries the result: a wrong head permutation or rotary pairing would be O(1).
   assert np.abs(hf_logits).max() > 0.5
+  # What transformers itself writes (save_pretrained names the head lm_head) imports to the same bits.
+  model.save_pretrained(str(tmp_path / "resaved"))
+  resaved_config, resaved = export.load_hf(str(tmp_path / "resaved"))
+  assert_same_params(params, resaved)
+  assert resaved_config.model.tie_embeddings == config.model.tie_embeddings
 
 
 def test_import_gives_back_identical_params_and_config(exported):

@@ -246,18 +246,14 @@ def read_tensors(hf_dir: str) -> dict[str, np.ndarray]:
 
 
 def _check_tree(config: ml_collections.ConfigDict, params) -> dict:
-  """`params` as the model's exact tree of float32 arrays; a mismatch names the first differing leaf."""
-  model = state_lib.build_model(config)
-  tokens = jax.ShapeDtypeStruct((1, min(config.data.seq_len, config.model.max_len)), np.int32)
-  expected = jax.eval_shape(lambda t: model.init(jax.random.key(0), t), tokens)["params"]
+  """`params` as the model's exact tree, each leaf in its param dtype; a mismatch names the first differing leaf."""
   import flax.linen as nn
 
-  expected = nn.unbox(expected)
+  model = state_lib.build_model(config)
+  tokens = jax.ShapeDtypeStruct((1, min(config.data.seq_len, config.model.max_len)), np.int32)
+  expected = nn.unbox(jax.eval_shape(lambda t: model.init(jax.random.key(0), t), tokens)["params"])
   flat_expected = dict(jax.tree_util.tree_flatten_with_path(expected)[0])
-  try:
-    flat_given = dict(jax.tree_util.tree_flatten_with_path(params)[0])
-  except Exception as error:
-    raise ConfigError(f"the converted parameters are not a tree of arrays ({error}).") from error
+  flat_given = dict(jax.tree_util.tree_flatten_with_path(params)[0])
   for path in sorted(set(flat_expected) | set(flat_given), key=str):
     name = jax.tree_util.keystr(path)
     if path not in flat_given or path not in flat_expected:
@@ -266,11 +262,11 @@ def _check_tree(config: ml_collections.ConfigDict, params) -> dict:
     if tuple(np.shape(flat_given[path])) != tuple(flat_expected[path].shape):
       raise ConfigError(f"parameter {name} has shape {np.shape(flat_given[path])} but the model of config.json needs "
                         f"{flat_expected[path].shape}; the weights do not belong to this config.json.")
-  return jax.tree.map(lambda x: np.asarray(x, np.float32), params)
+  return jax.tree.map(lambda leaf, want: np.asarray(leaf).astype(want.dtype), params, expected)
 
 
 def load_hf(hf_dir: str) -> tuple[ml_collections.ConfigDict, dict]:
-  """(full sparsetx config, flax params as float32 numpy) of an HF directory: GPT-NeoX or a sparsetx custom export.
+  """(full sparsetx config, flax params as numpy in the param dtype) of an HF directory: GPT-NeoX or a sparsetx custom export.
 
   The config is `default_config()` with the model section from config.json, the vocabulary from the
   tokenizer files when they are sparsetx's (byte or SentencePiece), and seq_len fitted to the context.
@@ -289,7 +285,7 @@ def load_hf(hf_dir: str) -> tuple[ml_collections.ConfigDict, dict]:
     raise ConfigError(f"{config_path!r} holds no JSON object; export the model again.")
   if config_json.get("model_type") == hf_neox.MODEL_TYPE:
     mapping = hf_neox
-  elif "auto_map" in config_json:
+  elif config_json.get("model_type") == "sparsetx" or "auto_map" in config_json:
     mapping = _custom_module()
   else:
     raise ConfigError(
