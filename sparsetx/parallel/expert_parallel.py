@@ -16,6 +16,14 @@ inside one explicit `jax.shard_map` each:
 A unit axis that does not split the batch holds the same tokens on every device: step 1 is
 nothing, step 2 a local slice and step 4 an all-reduce. Mesh axes of size 1 are skipped.
 
+A neuron table (sgatlin, PEER) whose d_model is split too (`table_group`: the rules give its `embed`
+axis mesh axes; PEER's shared table has no other way to split, sgatlin needs it when the expert
+axis is larger than C) runs `split_gated_gather`: between steps 2 and 3, x goes to the S devices
+of a d-group by d-slice (all-to-all) and the indices and gates are all-gathered over it; step 3
+computes partial dots on the slice, sums them over the d-group (an all-reduce of [tokens, picks]
+float32 scalars, before the activation and gate), and the output's d-slices come back by the
+inverse all-to-all before step 4. The table never moves.
+
 The layers find the mesh and the rules in the context: `activate(mesh, rules)` sets the mesh
 (`jax.set_mesh`) and the logical rules (a context variable here; flax's own `nn.logical_axis_rules`
 would also turn on flax's parameter sharding constraints, which the DenseGeneral routers reject). With no mesh, or a unit axis of size

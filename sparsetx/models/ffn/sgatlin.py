@@ -23,9 +23,10 @@ the expert axis is larger than C and channels cannot be split over it), each dev
 rows[:, c-block, :, d-slice] and the layer still moves only tokens: `split_gated_gather` adds,
 over the S devices of a d-group, an all-to-all of x and y by d-slice and an all-reduce of the
 float32 partial dots <w_in[c, i, d-slice], x[d-slice]> (the sum comes before the activation and
-the gate). Extra bytes per own token, c = C/E channels per device: forward (S-1)/S*D*b (x) +
-(S-1)*c*k*8 (indices and gates) + 2*(S-1)*c*k*4 (partial dots) + (S-1)/S*D*4 (y, float32
-partial sums over channels); backward about the same. It computes with plain gathers of the
+the gate). Extra bytes per own token, E the channel-split size, S the d-group size, both also
+splitting the batch: forward E*(S-1)/S*D*b (x) + (S-1)*C*k*8 (indices and gates) + 2*(S-1)*C*k*4
+(partial dots) + E*(S-1)/S*D*4 (y, float32 partial sums over channels); backward the same for dy,
+the dot gradients and dx, and (S-1)*C*k*4 for the gate gradients. It computes with plain gathers of the
 picked row slices (sparsetx/kernels has no partial-dot entry point).
 """
 
