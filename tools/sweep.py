@@ -2,7 +2,8 @@
 
   # the paper's ladder on a cluster: print one launch command per run, then collect and plot
   python tools/sweep.py --budgets=1e17,6e17,1e18 --ffn_types=mlp,swiglu,sgatlin --scales=2,3,4,5,6 \\
-      --workdir=sweeps/ladder --mode=print
+      --overrides=config.data.seq_len=2048 --overrides=config.data.global_batch_size=128 \\
+      --overrides=config.train.warmup_steps=1000 --workdir=sweeps/ladder --mode=print
   python tools/sweep.py ...same flags... --mode=collect
   # a CPU-sized sweep, run here one run after the other
   python tools/sweep.py --budgets=2e9,4e9 --ffn_types=mlp,sgatlin --base_config=configs/tiny.py \\
@@ -19,6 +20,7 @@ Accounting and the perplexity definition: sparsetx/train/sweep.py. Writes into -
   best_perplexity_vs_compute.png   per type, the best perplexity of each budget against the budget (its Figure 1)
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -29,18 +31,23 @@ from absl import app, flags
 from sparsetx.config import ConfigError
 from sparsetx.train import sweep
 
-_BUDGETS = flags.DEFINE_list("budgets", None, "Training FLOP budgets, e.g. 1e17,6e17.")
-_FFN_TYPES = flags.DEFINE_list("ffn_types", ["mlp", "sgatlin"], "Feed-forward types to compare.")
-_SCALES = flags.DEFINE_list("scales", None, "Ladder rungs (configs/ladder.py:FFN,SCALE), e.g. 2,3,4.")
-_D_MODELS = flags.DEFINE_list("d_models", None, "Instead of --scales: d_model values on --base_config (CPU-sized).")
-_N_LAYERS = flags.DEFINE_list("n_layers", None, "With --d_models: one layer count per d_model (default: the config's).")
-_BASE_CONFIG = flags.DEFINE_string("base_config", sweep.LADDER_CONFIG,
-                                   "Config file; takes 'FFN,SCALE' with --scales, 'FFN' with --d_models.")
-_OVERRIDES = flags.DEFINE_multi_string("overrides", [], "config.FIELD=VALUE for every run (repeat the flag).")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Sweep root: <workdir>/<budget>/<run>/, sweep.json, PNGs.")
-_MODE = flags.DEFINE_enum("mode", "run", ["run", "print", "collect"], "Train, print commands, or collect only.")
-_SUBPROCESS = flags.DEFINE_bool("subprocess", False, "Run each training as its printed command in a new process.")
-_MIN_STEPS = flags.DEFINE_integer("min_steps", 10, "Skip (with a note) runs whose budget buys fewer steps.")
+
+def define_flags() -> dict:
+  """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
+  return dict(
+      budgets=flags.DEFINE_list("budgets", None, "Training FLOP budgets, e.g. 1e17,6e17."),
+      ffn_types=flags.DEFINE_list("ffn_types", ["mlp", "sgatlin"], "Feed-forward types to compare."),
+      scales=flags.DEFINE_list("scales", None, "Ladder rungs (configs/ladder.py:FFN,SCALE), e.g. 2,3,4."),
+      d_models=flags.DEFINE_list("d_models", None, "Instead of --scales: d_model values on --base_config (CPU-sized)."),
+      n_layers=flags.DEFINE_list("n_layers", None, "With --d_models: one layer count per d_model (default: the config's)."),
+      base_config=flags.DEFINE_string("base_config", sweep.LADDER_CONFIG,
+                                      "Config file; takes 'FFN,SCALE' with --scales, 'FFN' with --d_models."),
+      overrides=flags.DEFINE_multi_string("overrides", [], "config.FIELD=VALUE for every run (repeat the flag)."),
+      workdir=flags.DEFINE_string("workdir", None, "Sweep root: <workdir>/<budget>/<run>/, sweep.json, PNGs."),
+      mode=flags.DEFINE_enum("mode", "run", ["run", "print", "collect"], "Train, print commands, or collect only."),
+      subprocess=flags.DEFINE_bool("subprocess", False, "Run each training as its printed command in a new process."),
+      min_steps=flags.DEFINE_integer("min_steps", 10, "Skip (with a note) runs whose budget buys fewer steps."),
+  )
 
 
 def _ints(name: str, values) -> tuple[int, ...]:
@@ -50,19 +57,20 @@ def _ints(name: str, values) -> tuple[int, ...]:
     raise ConfigError(f"{name}={','.join(values)} must be a comma-separated list of integers.") from None
 
 
-def spec_from_flags() -> sweep.SweepSpec:
-  if not _BUDGETS.value:
+def spec_from_flags(values: dict) -> sweep.SweepSpec:
+  if not values["budgets"]:
     raise ConfigError("--budgets is required; give one or more FLOP budgets, e.g. --budgets=1e17,6e17.")
-  if not _WORKDIR.value:
+  if not values["workdir"]:
     raise ConfigError("--workdir is required; give the directory that holds the sweep's runs.")
   try:
-    budgets = tuple(float(b) for b in _BUDGETS.value)
+    budgets = tuple(float(b) for b in values["budgets"])
   except ValueError:
-    raise ConfigError(f"--budgets={','.join(_BUDGETS.value)} must be FLOP counts such as 1e17,6e17.") from None
+    raise ConfigError(f"--budgets={','.join(values['budgets'])} must be FLOP counts such as 1e17,6e17.") from None
   return sweep.SweepSpec(
-      budgets=budgets, ffn_types=tuple(t.strip() for t in _FFN_TYPES.value or ()), workdir=_WORKDIR.value,
-      base_config=_BASE_CONFIG.value, scales=_ints("--scales", _SCALES.value), d_models=_ints("--d_models", _D_MODELS.value),
-      n_layers=_ints("--n_layers", _N_LAYERS.value), overrides=tuple(_OVERRIDES.value), min_steps=_MIN_STEPS.value)
+      budgets=budgets, ffn_types=tuple(t.strip() for t in values["ffn_types"] or ()), workdir=values["workdir"],
+      base_config=values["base_config"], scales=_ints("--scales", values["scales"]),
+      d_models=_ints("--d_models", values["d_models"]), n_layers=_ints("--n_layers", values["n_layers"]),
+      overrides=tuple(values["overrides"]), min_steps=values["min_steps"])
 
 
 def train(run: sweep.Run, in_subprocess: bool) -> str:
@@ -101,7 +109,7 @@ def collect(runs: list[sweep.Run], mode: str, in_subprocess: bool) -> list[dict]
       status = train(run, in_subprocess)
       evaluation = sweep.final_eval(run) if status == "finished" else None
       if status == "finished" and evaluation is None:
-        raise ConfigError(f"run {run.name} ended without its final evaluation in {run.workdir}/metrics.jsonl.")
+        raise ConfigError(f"run {run.name} stopped before its final step (SIGTERM?); run the sweep again to resume it.")
     else:
       status = "finished"
       print(f"sweep: {label}: already finished, collected", file=sys.stderr)
@@ -174,7 +182,7 @@ def write_results(workdir: str, rows: list[dict], skipped: list[sweep.Skipped]) 
   summary = dict(
       perplexity="exp(mean over validation tasks of the final-step loss)",
       flops="3 x forward FLOPs per token (sparsetx/models/ladder.py) x trained tokens",
-      runs=rows, skipped=[vars(s) for s in skipped])
+      runs=rows, skipped=[dataclasses.asdict(s) for s in skipped])
   path = os.path.join(workdir, "sweep.json")
   with open(path + ".tmp", "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=1)
@@ -194,26 +202,34 @@ def print_table(rows: list[dict]) -> None:
           f"{r['trained_tokens']:>11,}  {ppl}")
 
 
-def main(argv) -> None:
+def run_sweep(spec: sweep.SweepSpec, mode: str = "run", in_subprocess: bool = False) -> list[dict]:
+  """Plans the sweep; prints the commands (print), or trains what is unfinished (run) and collects (run, collect)."""
+  runs, skipped = sweep.plan(spec)
+  for s in skipped:
+    print(f"sweep: skipping {s.name} at {s.budget:.3g} FLOPs: {s.reason}.", file=sys.stderr)
+  if not runs:
+    raise ConfigError("every run of the sweep is too short to train; raise --budgets or lower --min_steps.")
+  if mode == "print":
+    for run in runs:
+      print(run.command)
+    return []
+  rows = collect(runs, mode, in_subprocess)
+  write_results(spec.workdir, rows, skipped)
+  print_table(rows)
+  return rows
+
+
+def main(argv, flag_values: dict) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; every input is a --flag.")
+  values = {name: holder.value for name, holder in flag_values.items()}
   try:
-    runs, skipped = sweep.plan(spec_from_flags())
-    for s in skipped:
-      print(f"sweep: skipping {s.name} at {s.budget:.3g} FLOPs: {s.reason}.", file=sys.stderr)
-    if not runs:
-      raise ConfigError("every run of the sweep is too short to train; raise --budgets or lower --min_steps.")
-    if _MODE.value == "print":
-      for run in runs:
-        print(run.command)
-      return
-    rows = collect(runs, _MODE.value, _SUBPROCESS.value)
-    write_results(_WORKDIR.value, rows, skipped)
-    print_table(rows)
+    run_sweep(spec_from_flags(values), values["mode"], values["subprocess"])
   except ConfigError as error:
     print(f"error: {error}", file=sys.stderr)
     sys.exit(2)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _FLAGS = define_flags()
+  app.run(lambda argv: main(argv, _FLAGS))

@@ -161,7 +161,11 @@ def parse_train_args(args: tuple[str, ...]) -> ml_collections.ConfigDict:
     config = holder.value
   except config_lib.ConfigError:
     raise
-  except Exception as error:  # absl / ml_collections flag errors (unknown field, bad value)
+  except (AttributeError, KeyError) as error:  # ml_collections: an override names no field of the config
+    raise config_lib.ConfigError(
+        f"the run `{shlex.join(TRAIN_COMMAND + tuple(args))}` sets a field the config does not have ({error}); "
+        "check the --overrides names against sparsetx/config.py.") from None
+  except Exception as error:  # absl / ml_collections flag errors (a bad value, a bad config argument)
     message = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
     raise config_lib.ConfigError(f"the run `{shlex.join(TRAIN_COMMAND + tuple(args))}` does not parse: {message}") from None
   config_lib.validate(config)
@@ -171,7 +175,7 @@ def parse_train_args(args: tuple[str, ...]) -> ml_collections.ConfigDict:
 def plan(spec: SweepSpec) -> tuple[list[Run], list[Skipped]]:
   """The runs of the sweep (budget-major, then type, then size) and the ones too short to train."""
   check_spec(spec)
-  overrides = tuple("--" + _OVERRIDE.match(o).group(1) + "=" + _OVERRIDE.match(o).group(2) for o in spec.overrides)
+  overrides = tuple("--" + override.removeprefix("--") for override in spec.overrides)
   runs, skipped = [], []
   for budget in spec.budgets:
     for ffn_type in spec.ffn_types:
