@@ -39,7 +39,9 @@ def requests(kind, *arguments):
 
 
 class Direct:
-  """Sums of target log-probs from one unpadded forward pass per token sequence (no batching, no padding)."""
+  """Sums of target log-probs from one unpadded forward pass per token sequence (no batching, no padding).
+
+  The test requests share two lengths (18 and max_len inputs), so this compiles twice."""
 
   def __init__(self, lm):
     self.lm = lm
@@ -62,12 +64,12 @@ def test_registered_for_the_cli():
 
 def test_loglikelihood_equals_direct_sum_of_token_log_probs(lm):
   encode, vocabulary = lm.encode, lm.vocabulary
-  greedy = vocabulary.decode(lm.sampler.generate([[0] + encode("The ball was")], 3)[0])
+  greedy = vocabulary.decode(lm.sampler.generate([[0] + encode("The ball was")], 6)[0])
   long_context = "Lily the cat lived in a little house by the park. One day she"
   cases = [
       ("The ball was", " full.", [0] + encode("The ball was"), encode(" full.")),
       ("The kite was ", "white.", [0] + encode("The kite was"), encode(" white.")),  # the space moves over
-      ("", "Once upon a time", [0], encode("Once upon a time")),
+      ("", "The pie was sweet.", [0], encode("The pie was sweet.")),
       (long_context, " went out.", [0] + encode(long_context), encode(" went out.")),  # longer than max_len
       ("The ball was", greedy, [0] + encode("The ball was"), encode(greedy)),  # greedy by construction
   ]

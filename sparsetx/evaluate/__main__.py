@@ -7,6 +7,7 @@ as `eval/<task>/loss` and `eval/<task>/perplexity` (see sparsetx/evaluate/perple
 or an unknown task ends the run with one line and exit code 2.
 """
 
+import os
 import sys
 
 from absl import app, flags
@@ -55,6 +56,8 @@ def run() -> str:
 def main(argv):
   del argv
   try:
+    if not os.path.isdir(os.path.join(_WORKDIR.value, "checkpoints")):  # before the slow imports
+      raise ConfigError(f"--workdir={_WORKDIR.value!r} holds no checkpoints/ directory; train a model there first.")
     run()
   except ConfigError as error:
     print(f"error: {error}", file=sys.stderr)
