@@ -7,6 +7,7 @@ JAX model's; importing gives back the same bits; the trainer resumes from the im
 
 import json
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,12 +15,12 @@ import ml_collections
 import numpy as np
 import pytest
 import seqio
-from conftest import init_params, load_config
+from conftest import REPO, init_params, load_config
 
 from sparsetx import config as config_lib
-from sparsetx.evaluate import export, hf_neox
+from sparsetx.evaluate import export, hf_neox, tokenizer_files
 from sparsetx.models.transformer import Transformer
-from sparsetx.data import pipeline
+from sparsetx.data import pipeline, vocab as vocab_lib
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import checkpointing, loop, state as state_lib
 
@@ -115,6 +116,31 @@ def test_tokenizer_encodes_like_seqio_byte_vocabulary(exported):
   assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (0, 1, 0)
   generation = json.loads((out / "generation_config.json").read_text())
   assert (generation["bos_token_id"], generation["eos_token_id"]) == (0, 1)
+
+
+@pytest.mark.parametrize("files", ["padding_at_0", "gpt2_like"])
+def test_gpt2_bpe_tokenizer_json_encodes_like_sparsetx(tmp_path, files):
+  """kind='gpt2' files, as tools/build_vocab.py writes them (<pad>=0) or GPT-2-like (id 0 is a text token)."""
+  sys.path.insert(0, str(REPO / "tools"))
+  import build_vocab
+
+  build_vocab.build_gpt2_bpe(str(tmp_path / "bpe"), 300, max_documents=100)
+  if files == "gpt2_like":  # drop <pad>: <|endoftext|> takes id 0 and sparsetx moves it to the end
+    vocab = json.loads((tmp_path / "bpe" / "vocab.json").read_text())
+    (tmp_path / "bpe" / "vocab.json").write_text(json.dumps({t: i - 1 for t, i in vocab.items() if t != "<pad>"}))
+  data = config_lib.data_defaults()
+  data.vocab.update(kind="gpt2", path=str(tmp_path / "bpe"))
+  (tmp_path / "hf").mkdir()
+  tokenizer_files.write(data, 64, str(tmp_path / "hf"))
+  tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+  vocabulary = vocab_lib.make_vocabulary(data)
+  text = "Once upon a time, Tom's dog ran!! <|endoftext|>Then wörld 🙂 <pad>"
+  ids = list(vocabulary.encode(text))
+  assert (files == "gpt2_like") == (vocabulary.eos_id == vocabulary.vocab_size - 1)  # the files' id 0 moved
+  assert tokenizer(text, add_special_tokens=False).input_ids == ids
+  assert tokenizer(text).input_ids == [0] + ids
+  assert tokenizer.eos_token_id == vocabulary.eos_id
+  assert tokenizer_files.vocab_of(str(tmp_path / "hf")).kind == "gpt2"
 
 
 def test_bfloat16_export_rounds_each_weight_once(exported, tmp_path):

@@ -4,8 +4,11 @@ The byte vocabulary (seqio.ByteVocabulary: pad=0, eos=1, unk=2, byte b -> id b +
 `tokenizer.json`: a byte-level BPE with no merges whose vocabulary maps each byte's printable stand-in
 to b + 3, so encoding text gives one id per UTF-8 byte, the seqio ids. Its post-processor puts id 0
 first, as every packed training document starts with the shifted-in id 0 (encode with
-`add_special_tokens=False` for the bare seqio ids). A SentencePiece vocabulary is copied as
-`tokenizer.model`, with its special pieces named in `tokenizer_config.json`.
+`add_special_tokens=False` for the bare seqio ids). A GPT-2 BPE vocabulary (kind 'gpt2') becomes its
+`tokenizer.json` in sparsetx's id space (files whose id 0 is not padding have that token moved to id n and
+a `<pad>` at 0, as sparsetx.data.bpe_vocab does), with the same id-0 post-processor; its padding
+token is left unnamed in `tokenizer_config.json` so literal "<pad>" text encodes as in sparsetx. A SentencePiece
+vocabulary is copied as `tokenizer.model`, with its special pieces named in `tokenizer_config.json`.
 """
 
 import json
@@ -20,6 +23,7 @@ from sparsetx import config as config_lib
 
 BYTE_OFFSET = 3  # seqio.ByteVocabulary: ids 0, 1, 2 are pad, eos, unk
 PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
+GPT2_PAD = "<pad>"  # the name of id 0 when GPT-2 files have no padding token there
 SPECIAL_IDS = {PAD: 0, EOS: 1, UNK: 2}
 
 
@@ -58,6 +62,27 @@ def byte_level_tokenizer() -> tokenizers.Tokenizer:
   return tokenizer
 
 
+def gpt2_tokenizer(path: str) -> tuple[tokenizers.Tokenizer, str, str]:
+  """(tokenizer in sparsetx's ids, padding token, EOS token) of the GPT-2 BPE files at `path`."""
+  from sparsetx.data import bpe_vocab
+
+  bpe = bpe_vocab.load(path)
+  spec = json.loads(bpe.tokenizer.to_str())
+  if bpe.moved_id is None:
+    pad = bpe.tokenizer.id_to_token(0)
+  else:  # the files' id 0 moves to the end and id 0 becomes padding
+    model_ids = lambda i: bpe.moved_id if i == 0 else i  # noqa: E731
+    spec["model"]["vocab"] = {token: model_ids(i) for token, i in spec["model"]["vocab"].items()}
+    for added in spec["added_tokens"]:
+      added["id"] = model_ids(added["id"])
+    pad = GPT2_PAD
+    spec["model"]["vocab"][pad] = 0  # a model-vocabulary entry no merge reaches: text never encodes to it
+  tokenizer = tokenizers.Tokenizer.from_str(json.dumps(spec))
+  tokenizer.post_processor = processors.TemplateProcessing(
+      single=f"{pad} $A", pair=f"{pad} $A {pad} $B", special_tokens=[(pad, 0)])
+  return tokenizer, pad, bpe_vocab.EOS_TOKEN
+
+
 def _tokenizer_config(max_len: int, bos: str, eos: str, unk: str, pad: str, **extra) -> dict:
   return dict(bos_token=bos, eos_token=eos, unk_token=unk, pad_token=pad, model_max_length=max_len,
               clean_up_tokenization_spaces=False, **extra)
@@ -70,6 +95,14 @@ def write(data: ml_collections.ConfigDict, max_len: int, out_dir: str) -> list[s
     byte_level_tokenizer().save(os.path.join(out_dir, "tokenizer.json"))
     config = _tokenizer_config(max_len, PAD, EOS, UNK, PAD, tokenizer_class="PreTrainedTokenizerFast",
                                split_special_tokens=True)  # "<pad>" typed in text is 5 bytes, as in seqio
+    names = ["tokenizer.json", "tokenizer_config.json"]
+  elif kind == "gpt2":
+    tokenizer, pad, eos = gpt2_tokenizer(data.vocab.path)
+    tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    # Padding is not named a special token: transformers would then match a literal "<pad>" in text,
+    # which sparsetx encodes as ordinary BPE. The post-processor still puts id 0 first.
+    config = dict(eos_token=eos, model_max_length=max_len, clean_up_tokenization_spaces=False,
+                  tokenizer_class="PreTrainedTokenizerFast")
     names = ["tokenizer.json", "tokenizer_config.json"]
   elif kind == "sentencepiece":
     path = data.vocab.path
@@ -102,4 +135,6 @@ def vocab_of(hf_dir: str) -> ml_collections.ConfigDict | None:
       saved = json.load(f)
     if saved.get("model", {}).get("vocab") == json.loads(byte_level_tokenizer().to_str())["model"]["vocab"]:
       return ml_collections.ConfigDict(dict(kind="byte", path=""))
+    if saved.get("model", {}).get("type") == "BPE":  # sparsetx's reader takes a GPT-2 style tokenizer.json
+      return ml_collections.ConfigDict(dict(kind="gpt2", path=os.path.abspath(json_file)))
   return None
