@@ -161,3 +161,18 @@ def test_a_budget_too_small_for_every_run_is_refused(tmp_path, monkeypatch):
   assert runs == [] and len(skipped) == 4 and "fewer than" in skipped[0].reason
   with pytest.raises(sweep.config_lib.ConfigError, match="too short to train"):
     load_tool().run_sweep(tiny_spec(tmp_path, budgets=(1e8,)), "print")
+
+
+def test_a_run_dir_evaluated_at_another_step_count_is_refused_and_a_partial_one_resumes(tmp_path, monkeypatch):
+  monkeypatch.chdir(REPO)
+  run = sweep.plan(tiny_spec(tmp_path))[0][0]
+  os.makedirs(run.workdir)
+  path = os.path.join(run.workdir, "metrics.jsonl")
+  with open(path, "w") as f:
+    f.write(json.dumps({"step": run.steps - 1, "eval/facts/loss": 5.0, "eval/facts/perplexity": math.exp(5.0)}) + "\n")
+    f.write('{"step": ')  # a line cut short by a killed trainer
+  assert sweep.final_eval(run) is None  # unfinished: the sweep trains it (the trainer resumes its checkpoint)
+  with open(path, "w") as f:
+    f.write(json.dumps({"step": run.steps + 5, "eval/facts/loss": 5.0, "eval/facts/perplexity": math.exp(5.0)}) + "\n")
+  with pytest.raises(sweep.config_lib.ConfigError, match=f"evaluated at step {run.steps + 5}, but this sweep plans"):
+    sweep.final_eval(run)
