@@ -87,13 +87,14 @@ def test_loglikelihood_rolling_uses_lm_evals_windows(lm):
   text = "Once upon a time, there was a little cat named Lily. Lily lived in a little house by the park."
   tokens = lm.encode(text)
   assert len(tokens) > 2 * lm.max_len
-  windows = [lm_eval_utils.make_disjoint_window(w)
-             for w in lm_eval_utils.get_rolling_token_windows(tokens, 0, lm.max_len, 1)]
+  def lm_eval_windows(tokens):
+    windows = lm_eval_utils.get_rolling_token_windows(tokens, 0, lm.max_len, 1)
+    return [tuple(map(list, lm_eval_utils.make_disjoint_window(window))) for window in windows]
+
   for n in (1, 5, lm.max_len, lm.max_len + 1, len(tokens)):  # same windows as lm-eval's for any length
-    want = [lm_eval_utils.make_disjoint_window(w) for w in lm_eval_utils.get_rolling_token_windows(tokens[:n], 0, lm.max_len, 1)]
-    assert scoring.rolling_windows(tokens[:n], 0, lm.max_len) == [(list(a), list(b)) for a, b in want]
+    assert scoring.rolling_windows(tokens[:n], 0, lm.max_len) == lm_eval_windows(tokens[:n])
   direct = Direct(lm)
-  want = sum(direct.score(list(context) + list(continuation), len(continuation))[0] for context, continuation in windows)
+  want = sum(direct.score(context + target, len(target))[0] for context, target in lm_eval_windows(tokens))
   (got,) = lm.loglikelihood_rolling(requests("loglikelihood_rolling", (text,)))
   np.testing.assert_allclose(got, want, rtol=1e-5)
 
@@ -122,7 +123,8 @@ def test_local_tasks_end_to_end_offline(workdir, lm, monkeypatch):
                                      ("sparsetx_facts_choice", lambda d: d["choices"], lambda d: d["choice_label"])):
     correct = []
     for doc in docs:
-      scores = lm.loglikelihood(requests("loglikelihood", *[(f"The {doc['noun']} was", f" {c}") for c in choices_of(doc)]))
+      context = f"The {doc['noun']} was"
+      scores = lm.loglikelihood(requests("loglikelihood", *[(context, f" {c}") for c in choices_of(doc)]))
       correct.append(int(np.argmax([s for s, _ in scores])) == label_of(doc))
     assert 0.0 <= results[name]["acc,none"] <= 1.0
     assert results[name]["acc,none"] == pytest.approx(np.mean(correct))

@@ -16,9 +16,9 @@ from sparsetx.config import ConfigError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir holding checkpoints/.", required=True)
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default the latest.")
-_TASK = flags.DEFINE_list("task", None, "Tasks (or a mixture: a comma list) to evaluate; default the checkpoint's mixture.")
-_EVAL_BATCHES = flags.DEFINE_integer("eval_batches", None, "Batches per task; 0 = whole split; default the checkpoint's.")
-_MESH = flags.DEFINE_string("mesh", "one", "'one' device, 'saved' (the training mesh) or ici sizes, e.g. data=2,fsdp=4.")
+_TASK = flags.DEFINE_list("task", None, "Tasks (a comma list) to evaluate; default the checkpoint's mixture.")
+_EVAL_BATCHES = flags.DEFINE_integer("eval_batches", None, "Batches per task; 0 = all; default the checkpoint's.")
+_MESH = flags.DEFINE_string("mesh", "one", "'one' device, 'saved' (the training mesh) or ici sizes: data=2,fsdp=4.")
 _EVAL = flags.DEFINE_bool("eval", True, "Report validation loss and perplexity.")
 _PROMPT = flags.DEFINE_string("prompt", None, "Text to continue; nothing is sampled without it.")
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to sample at most (stops at EOS).")

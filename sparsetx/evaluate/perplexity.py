@@ -49,7 +49,8 @@ def restore(workdir: str, step: int | None = None, mesh: str = "one", tasks: lis
   if not os.path.isdir(directory):
     raise config_lib.ConfigError(f"--workdir={workdir!r} holds no checkpoints/ directory; train a model there first.")
   # keep=None: opening the directory must never delete a step.
-  manager = checkpointing.Checkpointer(workdir, ml_collections.ConfigDict(dict(keep=None, keep_period=0, async_save=False)))
+  options = ml_collections.ConfigDict(dict(keep=None, keep_period=0, async_save=False))
+  manager = checkpointing.Checkpointer(workdir, options)
   try:
     steps = manager.manager.all_steps()
     if not steps:

@@ -43,16 +43,14 @@ class Scorer:
     self._scores = jax.jit(functools.partial(_row_scores, model))
 
   def _row(self, context: Sequence[int], continuation: Sequence[int]):
-    if not continuation:
-      raise config_lib.ConfigError("a log-likelihood request has an empty continuation; give at least one token.")
+    """(inputs, targets, number of continuation targets at the end); an empty continuation scores 0."""
+    if not context:
+      raise config_lib.ConfigError("a log-likelihood request has no context token; start it with id 0 (the start token).")
     if len(continuation) > self.max_len:
       raise config_lib.ConfigError(
           f"a continuation of {len(continuation)} tokens does not fit the model's window of {self.max_len}; "
           "score it with loglikelihood_rolling or split it.")
     row = (list(context) + list(continuation))[-(self.max_len + 1):]
-    if len(row) < 2:
-      raise config_lib.ConfigError("a log-likelihood request needs a context token (the start token, id 0) before its "
-                                   "continuation.")
     return row[:-1], row[1:], len(continuation)
 
   def loglikelihood(self, requests: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[tuple[float, bool]]:
@@ -62,7 +60,8 @@ class Scorer:
     B, T = self.batch_size, self.max_len
     for start in range(0, len(rows), B):
       chunk = rows[start:start + B]
-      inputs, targets, segments, weights = (np.zeros((B, T), dtype) for dtype in (np.int32, np.int32, np.int32, np.float32))
+      inputs, targets, segments = (np.zeros((B, T), np.int32) for _ in range(3))
+      weights = np.zeros((B, T), np.float32)
       for b, (row_inputs, row_targets, n) in enumerate(chunk):
         L = len(row_inputs)
         inputs[b, :L], targets[b, :L], segments[b, :L] = row_inputs, row_targets, 1

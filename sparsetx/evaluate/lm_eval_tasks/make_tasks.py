@@ -67,7 +67,8 @@ def cloze_yaml() -> str:
 
 
 def choice_yaml() -> str:
-  return f"task: sparsetx_facts_choice\n{_COMMON.format(data_file=DATA_FILE)}doc_to_choice: choices\ndoc_to_target: choice_label\n"
+  return (f"task: sparsetx_facts_choice\n{_COMMON.format(data_file=DATA_FILE)}"
+          "doc_to_choice: choices\ndoc_to_target: choice_label\n")
 
 
 def main():
