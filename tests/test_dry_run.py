@@ -84,6 +84,15 @@ def test_d_model_split_spreads_few_channels_over_more_devices():
   assert specs and all(tuple(spec) == (None, None, None, ("fsdp", "expert")) for spec in specs)
 
 
+def test_d_model_that_does_not_split_is_refused():
+  config = micro_config("sgatlin")
+  config.model.d_model = 20
+  config.mesh.rules = expert_parallel.D_MODEL_SPLIT_RULES + config_lib.DEFAULT_RULES
+  mesh = jax.sharding.AbstractMesh((1, 1, 1, 8), config_lib.MESH_AXES)
+  with pytest.raises(config_lib.ConfigError, match=r"config.model.d_model=20 is not divisible by the 8 devices"):
+    expert_parallel.check_units_divide(config, mesh)
+
+
 @pytest.mark.parametrize("arg, mesh_shape", [("sgatlin8,h100", (8, 1, 1, 8)), ("sgatlin4b,v5p", (4, 1, 1, 16))])
 def test_large_configs_pass_the_replication_check(arg, mesh_shape):
   config = load_config("configs/large.py", arg)

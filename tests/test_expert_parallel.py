@@ -84,7 +84,8 @@ def test_sharded_layer_equals_single_device(ffn_type, mesh_name):
     table = params["experts"]
     shard = param_shardings["experts"].shard_shape(table.shape)
     assert np.prod(shard) * mesh.shape["expert"] * mesh.shape["fsdp"] == table.size
-  if ffn_type == "peer" or (ffn_type, mesh_name) == ("sgatlin_c4", "expert8"):  # the d-split form ran: x and y moved by d-slice, partial dots summed
+  if ffn_type == "peer" or (ffn_type, mesh_name) == ("sgatlin_c4", "expert8"):
+    # the d-split form ran: x and y moved by d-slice, partial dots summed
     assert "all-to-all" in hlo and "all-reduce" in hlo
   else:  # the expert-parallel form ran: tokens moved, outputs reduce-scattered
     assert "reduce-scatter" in hlo and ("all-gather" in hlo or "all-to-all" in hlo)

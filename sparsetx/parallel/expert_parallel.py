@@ -106,10 +106,6 @@ class ExpertGroup:
     """Mesh axes of a table's d_model dimension, for its PartitionSpec."""
     return self.split or None
 
-  @property
-  def n_slices(self) -> int:
-    return math.prod(self.mesh.shape[a] for a in self.split)
-
   def gathered_size(self) -> int:
     """How many devices' tokens one device sees after `gather_tokens`."""
     return math.prod(self.mesh.shape[a] for a in self.units if a in self.batch)
@@ -126,12 +122,20 @@ def expert_group(logical_name: str, n_units: int, n_tokens: int, field: str):
   if mesh is None or mesh.empty:
     return None
   rules = _RULES.get()
-  sized = lambda axes: tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1)  # noqa: E731
-  group = ExpertGroup(mesh, sized(_mesh_axes(rules, "batch")), sized(_mesh_axes(rules, logical_name)))
-  if not group.units:
-    return None
+  group = ExpertGroup(mesh, _sized(mesh, _mesh_axes(rules, "batch")), _sized(mesh, _mesh_axes(rules, logical_name)))
+  return _checked(group, n_units, n_tokens, field) if group.units else None
+
+
+def _sized(mesh, axes) -> tuple:
+  """The mesh axes (a name, a tuple of names or None) of size > 1."""
+  axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+  return tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1)
+
+
+def _checked(group: ExpertGroup, n_units: int, n_tokens: int, field: str):
+  """The group, refusing units that don't split evenly (naming `field`); None if the tokens don't split."""
   if n_units % group.n_unit_shards:
-    shape = " x ".join(f"{a}={mesh.shape[a]}" for a in group.units)
+    shape = " x ".join(f"{a}={group.mesh.shape[a]}" for a in group.units)
     raise ConfigError(
         f"{field}={n_units} is not divisible by the {group.n_unit_shards} devices of the mesh axes it is split over "
         f"({shape}); make {field} a multiple of {group.n_unit_shards} or shrink those mesh axes."
@@ -156,24 +160,18 @@ def table_group(table_names, unit_name, n_units: int, n_tokens: int, field: str)
   if mesh is None or mesh.empty:
     return None
   rules = _RULES.get()
-  spec = tuple(nn.logical_to_mesh_axes(table_names, rules))
-  spec = spec + (None,) * (len(table_names) - len(spec))
-  sized = lambda axes: tuple(  # noqa: E731
-      a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a in mesh.shape and mesh.shape[a] > 1
-  )
-  units = sized(spec[table_names.index(unit_name)]) if unit_name else ()
-  group = ExpertGroup(mesh, sized(_mesh_axes(rules, "batch")), units, sized(spec[-1]))
+  spec = _table_spec(table_names, rules)
+  units = _sized(mesh, spec[table_names.index(unit_name)]) if unit_name else ()
+  group = ExpertGroup(mesh, _sized(mesh, _mesh_axes(rules, "batch")), units, _sized(mesh, spec[-1]))
   if not group.units and not group.split:
     return None
-  if n_units % group.n_unit_shards:
-    shape = " x ".join(f"{a}={mesh.shape[a]}" for a in group.units)
-    raise ConfigError(
-        f"{field}={n_units} is not divisible by the {group.n_unit_shards} devices of the mesh axes it is split over "
-        f"({shape}); make {field} a multiple of {group.n_unit_shards} or shrink those mesh axes."
-    )
-  if n_tokens % group.n_token_shards:
-    return None
-  return group
+  return _checked(group, n_units, n_tokens, field)
+
+
+def _table_spec(table_names, rules) -> tuple:
+  """The mesh axes of each dimension of a table with these logical names (flax's assignment)."""
+  spec = tuple(nn.logical_to_mesh_axes(table_names, tuple(tuple(rule) for rule in rules)))
+  return spec + (None,) * (len(table_names) - len(spec))
 
 
 def split_gated_gather(group: ExpertGroup, x_ND, experts_2UND, idx_NUK, gates_NUK, activation):
@@ -273,6 +271,8 @@ UNITS = {
     "fff": ("tree", "n_trees", ("tree", "node", "embed")),
     "moe": ("expert", "n_experts", ("expert", "embed", "mlp")),
 }
+# Neuron tables whose d_model may be split (`split_gated_gather`), by their logical axes.
+NEURON_TABLES = {"sgatlin": UNITS["sgatlin"][2], "peer": (None, "neuron", "embed")}
 
 
 def check_units_divide(config, mesh) -> None:
@@ -282,12 +282,20 @@ def check_units_divide(config, mesh) -> None:
   parameter is stored), so rules that move the expert axis to the table's d_model are honoured.
   """
   ffn = config.model.ffn
+  if ffn.type in NEURON_TABLES:
+    names = NEURON_TABLES[ffn.type]
+    axes = _sized(mesh, _table_spec(names, config.mesh.rules)[-1])
+    slices = math.prod(mesh.shape[a] for a in axes)
+    if config.model.d_model % slices:
+      raise ConfigError(
+          f"config.model.d_model={config.model.d_model} is not divisible by the {slices} devices the "
+          f"{ffn.type} table's d_model is split over ({' x '.join(f'{a}={mesh.shape[a]}' for a in axes)}); "
+          "change those mesh axes or the rules that give them to `embed`."
+      )
   if ffn.type not in UNITS:
     return
   name, field, table_names = UNITS[ffn.type]
-  spec = tuple(nn.logical_to_mesh_axes(table_names, tuple(config.mesh.rules)))
-  axes = spec[table_names.index(name)] if table_names.index(name) < len(spec) else None
-  axes = [a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a in mesh.shape]
+  axes = _sized(mesh, _table_spec(table_names, config.mesh.rules)[table_names.index(name)])
   shards = math.prod(mesh.shape[a] for a in axes)
   if ffn[field] % shards:
     shape = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)

@@ -27,7 +27,7 @@ from sparsetx.models.ffn.common import gelu
 from sparsetx.models.ffn.product_keys import make_router
 from sparsetx.parallel import expert_parallel as ep
 
-TABLE_AXES = (None, "neuron", "embed")
+TABLE_AXES = ep.NEURON_TABLES["peer"]
 
 
 class Peer(nn.Module):
