@@ -143,6 +143,26 @@ def test_gpt2_bpe_tokenizer_json_encodes_like_sparsetx(tmp_path, files):
   assert tokenizer_files.vocab_of(str(tmp_path / "hf")).kind == "gpt2"
 
 
+def test_sentencepiece_tokenizer_json_encodes_like_seqio(tmp_path):
+  sys.path.insert(0, str(REPO / "tools"))
+  import build_vocab
+
+  path = build_vocab.build_vocab(str(tmp_path / "spm"), 400, max_documents=200)  # BPE with byte fallback
+  data = config_lib.data_defaults()
+  data.vocab.update(kind="sentencepiece", path=path)
+  (tmp_path / "hf").mkdir()
+  tokenizer_files.write(data, 64, str(tmp_path / "hf"))
+  tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+  vocabulary = vocab_lib.make_vocabulary(data)
+  for text in ("Once upon a time, Tom's dog ran!!  Then wörld 🙂 <pad></s><unk>", " leading space", "x\n\ny 12345  "):
+    ids = list(vocabulary.encode(text))
+    assert tokenizer(text, add_special_tokens=False).input_ids == ids
+    assert tokenizer(text).input_ids == [0] + ids
+    assert tokenizer.decode(ids) == vocabulary.decode(ids)
+  assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (0, 1, 2)
+  assert tokenizer_files.vocab_of(str(tmp_path / "hf")).kind == "sentencepiece"
+
+
 def test_bfloat16_export_rounds_each_weight_once(exported, tmp_path):
   config, params, _ = exported
   export.write_hf(config, params, str(tmp_path / "bf16"), dtype="bfloat16")

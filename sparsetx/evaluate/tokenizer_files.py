@@ -8,7 +8,8 @@ first, as every packed training document starts with the shifted-in id 0 (encode
 `tokenizer.json` in sparsetx's id space (files whose id 0 is not padding have that token moved to id n and
 a `<pad>` at 0, as sparsetx.data.bpe_vocab does), with the same id-0 post-processor; its padding
 token is left unnamed in `tokenizer_config.json` so literal "<pad>" text encodes as in sparsetx. A SentencePiece
-vocabulary is copied as `tokenizer.model`, with its special pieces named in `tokenizer_config.json`.
+vocabulary becomes a `tokenizer.json` by transformers' SentencePiece converter (and is copied as
+`tokenizer.model`, which sparsetx's import reads).
 """
 
 import json
@@ -83,6 +84,35 @@ def gpt2_tokenizer(path: str) -> tuple[tokenizers.Tokenizer, str, str]:
   return tokenizer, pad, bpe_vocab.EOS_TOKEN
 
 
+def sentencepiece_tokenizer(path: str) -> tuple[tokenizers.Tokenizer, tuple[str, str, str]]:
+  """(tokenizer encoding like seqio.SentencePieceVocabulary, its (pad, eos, unk) pieces) of a .model file.
+
+  transformers' converter follows the model's own normalizer spec (dummy prefix, whitespace escaping,
+  byte fallback, merges ranked by piece score), which is what makes the ids equal.
+  """
+  from sentencepiece import sentencepiece_model_pb2
+  from transformers.convert_slow_tokenizer import SpmConverter
+
+  proto = sentencepiece_model_pb2.ModelProto()
+  with open(path, "rb") as f:
+    proto.ParseFromString(f.read())
+  pieces = [piece.piece for piece in proto.pieces]
+  if proto.trainer_spec.model_type == sentencepiece_model_pb2.TrainerSpec.BPE:
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+  else:
+    # Known difference: a unigram lattice can match the literal spelling of a control piece ("<pad>" typed
+    # in text), which SentencePiece never does. BPE models (tools/build_vocab.py's default) are exact.
+    vocab = [(piece.piece, piece.score) for piece in proto.pieces]
+  tokenizer = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=True)
+  if tokenizer is None:
+    raise config_lib.ConfigError(f"the SentencePiece model {path!r} is neither BPE nor unigram; it has no HF export.")
+  pad, eos, unk = pieces[:3]
+  tokenizer.add_special_tokens([pad, eos, unk])
+  tokenizer.post_processor = processors.TemplateProcessing(
+      single=f"{pad} $A", pair=f"{pad} $A {pad} $B", special_tokens=[(pad, 0)])
+  return tokenizer, (pad, eos, unk)
+
+
 def _tokenizer_config(max_len: int, bos: str, eos: str, unk: str, pad: str, **extra) -> dict:
   return dict(bos_token=bos, eos_token=eos, unk_token=unk, pad_token=pad, model_max_length=max_len,
               clean_up_tokenization_spaces=False, **extra)
@@ -110,13 +140,12 @@ def write(data: ml_collections.ConfigDict, max_len: int, out_dir: str) -> list[s
       raise config_lib.ConfigError(
           f"the checkpoint's config.data.vocab.path={path!r} is not a file; the SentencePiece model must be "
           "reachable to export its tokenizer (restore the file at that path).")
-    import sentencepiece  # seqio's dependency
-
-    processor = sentencepiece.SentencePieceProcessor(model_file=path)
-    pad, eos, unk = (processor.id_to_piece(i) for i in (0, 1, 2))
-    shutil.copyfile(path, os.path.join(out_dir, "tokenizer.model"))
-    config = _tokenizer_config(max_len, pad, eos, unk, pad, add_bos_token=True, add_eos_token=False)
-    names = ["tokenizer.model", "tokenizer_config.json"]
+    tokenizer, (pad, eos, unk) = sentencepiece_tokenizer(path)
+    tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    shutil.copyfile(path, os.path.join(out_dir, "tokenizer.model"))  # what sparsetx's own import reads
+    config = _tokenizer_config(max_len, pad, eos, unk, pad, tokenizer_class="PreTrainedTokenizerFast",
+                               split_special_tokens=True)  # SentencePiece never reads control pieces from text
+    names = ["tokenizer.json", "tokenizer.model", "tokenizer_config.json"]
   else:
     raise config_lib.ConfigError(f"config.data.vocab.kind={kind!r} has no Hugging Face tokenizer export.")
   with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
