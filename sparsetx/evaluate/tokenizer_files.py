@@ -154,7 +154,8 @@ def write(data: ml_collections.ConfigDict, max_len: int, out_dir: str) -> list[s
 
 
 def vocab_of(hf_dir: str) -> ml_collections.ConfigDict | None:
-  """`config.data.vocab` for the tokenizer files in `hf_dir`: byte, sentencepiece, or None (another tokenizer)."""
+  """`config.data.vocab` for the tokenizer files in `hf_dir` when sparsetx reads them with the same ids as the
+  model's embedding (byte, sentencepiece, gpt2 with padding at 0); None for any other tokenizer."""
   model_file = os.path.join(hf_dir, "tokenizer.model")
   if os.path.isfile(model_file):
     return ml_collections.ConfigDict(dict(kind="sentencepiece", path=os.path.abspath(model_file)))
@@ -164,6 +165,13 @@ def vocab_of(hf_dir: str) -> ml_collections.ConfigDict | None:
       saved = json.load(f)
     if saved.get("model", {}).get("vocab") == json.loads(byte_level_tokenizer().to_str())["model"]["vocab"]:
       return ml_collections.ConfigDict(dict(kind="byte", path=""))
-    if saved.get("model", {}).get("type") == "BPE":  # sparsetx's reader takes a GPT-2 style tokenizer.json
-      return ml_collections.ConfigDict(dict(kind="gpt2", path=os.path.abspath(json_file)))
+    model = saved.get("model", {})
+    if model.get("type") == "BPE" and isinstance(model.get("vocab"), dict):
+      from sparsetx.data import bpe_vocab
+
+      # sparsetx reads a GPT-2 style tokenizer.json with the file's ids only when id 0 is padding; otherwise
+      # it would move id 0 and the ids would no longer index this model's embedding rows.
+      first = next((token for token, i in model["vocab"].items() if i == 0), None)
+      if first in bpe_vocab.PAD_TOKENS:
+        return ml_collections.ConfigDict(dict(kind="gpt2", path=os.path.abspath(json_file)))
   return None
