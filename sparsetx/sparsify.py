@@ -229,13 +229,22 @@ def write_start(workdir: str, config: ml_collections.ConfigDict, state, report: 
       json.dump(report, f, indent=1)
 
 
+def _by_module(groups: dict) -> str:
+  """'layers_0/attention 65,536, layers_1/attention 65,536' -> 'attention x2 131,072' (per-layer detail: the JSON)."""
+  totals, layers = {}, {}
+  for group, n in groups.items():
+    module = group.split("/", 1)[1] if group.startswith("layers_") else group
+    totals[module] = totals.get(module, 0) + n
+    layers[module] = layers.get(module, 0) + group.startswith("layers_")
+  return ", ".join(f"{m}{f' x{layers[m]}' if layers[m] else ''} {n:,}" for m, n in sorted(totals.items())) or "-"
+
+
 def format_report(report: dict) -> str:
-  """A table: parameters copied / new / dropped, by group."""
-  lines = [f"{'':<10}{'parameters':>14}{'tensors':>9}  groups"]
+  """A table: parameters copied / new / dropped, by module (summed over layers)."""
+  lines = [f"{'':<10}{'parameters':>14}{'tensors':>9}  by module"]
   for kind in ("copied", "new", "dropped"):
     part = report[kind]
-    groups = ", ".join(f"{g} {n:,}" for g, n in sorted(part["groups"].items())) or "-"
-    lines.append(f"{kind:<10}{part['parameters']:>14,}{part['tensors']:>9}  {groups}")
+    lines.append(f"{kind:<10}{part['parameters']:>14,}{part['tensors']:>9}  {_by_module(part['groups'])}")
   lines.append(f"{'total':<10}{report['total']:>14,}  (copied + new: the new model's parameters)")
   return "\n".join(lines)
 

@@ -1,7 +1,8 @@
 """The training loop: mesh -> sharded state -> data -> jitted steps -> metrics, evals, checkpoints.
 
 A run in a workdir that holds checkpoints resumes from the newest complete one (model state, data
-position). SIGTERM saves the current step and returns normally. A non-finite loss stops the run
+position); a step-0 checkpoint (tools/sparsify.py, HF import) gives only the parameters: the optimizer
+state and the data stream start fresh from this run's config. SIGTERM saves the current step and returns normally. A non-finite loss stops the run
 before anything non-finite is saved.
 """
 
