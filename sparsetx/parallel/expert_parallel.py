@@ -43,6 +43,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sparsetx.config import DEFAULT_RULES, ConfigError
+from sparsetx.kernels import segment_grads
 
 
 # Put first in config.mesh.rules, these split every `embed` axis over fsdp x expert and keep channels whole:
@@ -174,7 +175,7 @@ def _table_spec(table_names, rules) -> tuple:
   return spec + (None,) * (len(table_names) - len(spec))
 
 
-def split_gated_gather(group: ExpertGroup, x_ND, experts_2UND, idx_NUK, gates_NUK, activation):
+def split_gated_gather(group: ExpertGroup, x_ND, experts_2UND, idx_NUK, gates_NUK, activation, options):
   """A neuron table's gated gather with its units and its d_model split over the group, in one shard_map.
 
   y[t] = sum_u sum_k gates[t, u, k] * w_out[u, i] * act(<w_in[u, i], x[t]>), i = idx[t, u, k].
@@ -186,7 +187,8 @@ def split_gated_gather(group: ExpertGroup, x_ND, experts_2UND, idx_NUK, gates_NU
   (all-reduce of [tokens, units * k] float32 scalars: this sum is why the split is exact, the
   activation and gate act on whole dots), and gated slices of the picked w_out rows give the
   output's d-slice, which goes back by all-to-all (the inverse of the x all-to-all) and then
-  through `scatter_back` over the unit axes. The partial dots and sums use float32.
+  through `scatter_back` over the unit axes. The partial dots and sums use float32. `options`
+  (a KernelOptions) gives the token chunk of the gathers and the pair chunk of the table gradients.
   """
   N, D = x_ND.shape
   U, K = idx_NUK.shape[1:]
@@ -200,12 +202,10 @@ def split_gated_gather(group: ExpertGroup, x_ND, experts_2UND, idx_NUK, gates_NU
     x_hd = _to_slices(x_gD, group)
     idx_huK, gates_huK = _gather_over_slices(idx_guK, group), _gather_over_slices(gates_guK, group)
     rows_hS = (idx_huK + n_neurons * jnp.arange(u, dtype=idx_huK.dtype)[:, None]).reshape(-1, u * K)
-    w_in_hSd = _take_rows(experts_2uNd[0].reshape(u * n_neurons, d), rows_hS).astype(dtype)
-    partial_hS = jnp.einsum("hd,hsd->hs", x_hd, w_in_hSd, preferred_element_type=jnp.float32)
-    h_hS = jax.lax.psum(partial_hS, group.split) if group.split else partial_hS
-    a_hS = (activation(h_hS) * gates_huK.reshape(h_hS.shape).astype(jnp.float32)).astype(dtype)
-    w_out_hSd = _take_rows(experts_2uNd[1].reshape(u * n_neurons, d), rows_hS).astype(dtype)
-    y_hd = jnp.einsum("hs,hsd->hd", a_hS, w_out_hSd, preferred_element_type=jnp.float32)
+    y_hd = _sliced_gated_gather(
+        activation, options, group.split, x_hd, experts_2uNd[0].reshape(u * n_neurons, d),
+        experts_2uNd[1].reshape(u * n_neurons, d), rows_hS, gates_huK.reshape(rows_hS.shape),
+    )
     y_gD = _from_slices(y_hd.astype(jnp.float32 if group.units else dtype), group)
     return scatter_back(y_gD, group) if group.units else y_gD
 
@@ -245,24 +245,62 @@ def _gather_over_slices(a_g, group: ExpertGroup):
   return _all_gather(a_g, tuple(a for a in group.split if a in group.batch))
 
 
-@jax.custom_vjp
-def _take_rows(table_RD, rows_NS):
-  """table[rows]; its gradient is a float32 scatter-add (a bf16 one loses the small updates)."""
-  return table_RD[rows_NS]
+def _rows_dot(options, a_hd, table_Rd, rows_hS):
+  """[h, S]: <a[t], table[rows[t, s]]> in float32, `token_chunk` tokens' rows gathered at a time."""
+  dot = lambda a_d, rows_S: jnp.einsum("d,sd->s", a_d, table_Rd[rows_S].astype(a_d.dtype),  # noqa: E731
+                                       preferred_element_type=jnp.float32)
+  return jax.lax.map(lambda pair: dot(*pair), (a_hd, rows_hS), batch_size=options.token_chunk)
 
 
-def _take_rows_fwd(table_RD, rows_NS):
-  return table_RD[rows_NS], (rows_NS, jnp.zeros((table_RD.shape[0], 0), table_RD.dtype))
+def _rows_sum(options, coef_hS, table_Rd, rows_hS, dtype):
+  """[h, d]: sum_s coef[t, s] * table[rows[t, s]] in float32, chunked like `_rows_dot`."""
+  weighted = lambda c_S, rows_S: jnp.einsum("s,sd->d", c_S.astype(dtype), table_Rd[rows_S].astype(dtype),  # noqa: E731
+                                            preferred_element_type=jnp.float32)
+  return jax.lax.map(lambda pair: weighted(*pair), (coef_hS, rows_hS), batch_size=options.token_chunk)
 
 
-def _take_rows_bwd(residuals, d_rows_NSD):
-  rows_NS, probe_R0 = residuals
-  d_table_RD = jnp.zeros((probe_R0.shape[0], d_rows_NSD.shape[-1]), jnp.float32)
-  d_table_RD = d_table_RD.at[rows_NS].add(d_rows_NSD.astype(jnp.float32))
-  return d_table_RD.astype(probe_R0.dtype), np.zeros(rows_NS.shape, jax.dtypes.float0)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _sliced_gated_gather(activation, options, axes, x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS):
+  """One device's d-slice of the gated gather; partial dots summed over `axes`. Returns y [h, d] float32."""
+  return _sliced_forward(activation, options, axes, x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS)[0]
 
 
-_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+def _sliced_forward(activation, options, axes, x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS):
+  partial_hS = _rows_dot(options, x_hd, w_in_Rd, rows_hS)
+  h_hS = jax.lax.psum(partial_hS, axes) if axes else partial_hS
+  a_hS = activation(h_hS) * gates_hS.astype(jnp.float32)
+  y_hd = _rows_sum(options, a_hS, w_out_Rd, rows_hS, x_hd.dtype)
+  return y_hd, (x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS, h_hS)
+
+
+def _sliced_backward(activation, options, axes, residuals, dy_hd):
+  """Gradients as the gated gather's (sorted-segment table sums), with the d-group's sums made explicit.
+
+  <dy, w_out[row]> is partial on a d-slice: summed over the d-group it drives dL/dh (the same on
+  every device of the group, as h is); left partial it gives this slice's share of the gate
+  gradient, which the transpose of the gates' all-gather sums over the group.
+  """
+  x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS, h_hS = residuals
+  dy_hd = dy_hd.astype(x_hd.dtype)
+  dyw_partial_hS = _rows_dot(options, dy_hd, w_out_Rd, rows_hS)
+  dyw_hS = jax.lax.psum(dyw_partial_hS, axes) if axes else dyw_partial_hS
+  act_hS, act_vjp = jax.vjp(activation, h_hS)
+  gates_hS32 = gates_hS.astype(jnp.float32)
+  (coef_in_hS,) = act_vjp(gates_hS32 * dyw_hS)
+  dx_hd = _rows_sum(options, coef_in_hS, w_in_Rd, rows_hS, x_hd.dtype)
+  dw_in, dw_out, _ = segment_grads.table_grads(
+      x_hd, dy_hd, rows_hS, coef_in_hS, act_hS * gates_hS32, w_in_Rd.shape[0], options.pair_chunk, False
+  )
+  return (
+      dx_hd.astype(x_hd.dtype),
+      dw_in.astype(w_in_Rd.dtype),
+      dw_out.astype(w_out_Rd.dtype),
+      np.zeros(rows_hS.shape, jax.dtypes.float0),
+      (act_hS * dyw_partial_hS).astype(gates_hS.dtype),
+  )
+
+
+_sliced_gated_gather.defvjp(_sliced_forward, _sliced_backward)
 
 
 # Per sparse layer type: the logical name of its units, their config field, and its table's logical axes.

@@ -60,7 +60,7 @@ class Peer(nn.Module):
     if group is not None:
       y_ND = ep.split_gated_gather(
           group, x_BTD.reshape(B * T, D), experts[:, None], idx_BTCK.reshape(B * T, 1, -1),
-          gates_BTCK.reshape(B * T, 1, -1), gelu,
+          gates_BTCK.reshape(B * T, 1, -1), gelu, options_from_config(ffn.get("kernel")),
       )
       return y_ND.reshape(B, T, D)
     return gated_gather(

@@ -26,8 +26,9 @@ float32 partial dots <w_in[c, i, d-slice], x[d-slice]> (the sum comes before the
 the gate). Extra bytes per own token, E the channel-split size, S the d-group size, both also
 splitting the batch: forward E*(S-1)/S*D*b (x) + (S-1)*C*k*8 (indices and gates) + 2*(S-1)*C*k*4
 (partial dots) + E*(S-1)/S*D*4 (y, float32 partial sums over channels); backward the same for dy,
-the dot gradients and dx, and (S-1)*C*k*4 for the gate gradients. It computes with plain gathers of the
-picked row slices (sparsetx/kernels has no partial-dot entry point).
+the dot gradients and dx, and (S-1)*C*k*4 for the gate gradients. Its local work is the xla
+path's (token-chunked gathers of the picked row slices, sorted-segment table gradients); the
+Pallas kernels have no partial-dot entry point yet.
 """
 
 import flax.linen as nn
@@ -79,7 +80,7 @@ class Sgatlin(nn.Module):
     if group is not None and group.split:
       y_ND = ep.split_gated_gather(
           group, x_BTD.reshape(B * T, D), experts, idx_BTCK.reshape(B * T, C, -1), gates_BTCK.reshape(B * T, C, -1),
-          ACTIVATIONS[ffn.activation],
+          ACTIVATIONS[ffn.activation], options_from_config(ffn.get("kernel")),
       )
       return y_ND.reshape(B, T, D)
     if group is not None:
