@@ -126,6 +126,10 @@ def check_spec(spec: SweepSpec) -> None:
     if match.group(1) in _SWEEP_SETS:
       raise config_lib.ConfigError(
           f"--overrides={override!r} sets {match.group(1)}, which the sweep derives from the FLOP budget; remove it.")
+    swept = ("config.model.d_model",) * bool(spec.d_models) + ("config.model.n_layers",) * bool(spec.n_layers)
+    if match.group(1) in swept:
+      raise config_lib.ConfigError(
+          f"--overrides={override!r} sets {match.group(1)}, which the sweep varies (--d_models, --n_layers); remove it.")
 
 
 def budget_tag(budget: float) -> str:
