@@ -144,7 +144,13 @@ class _StagedDirectory:
     if os.path.isdir(self.target):
       old = tempfile.mkdtemp(prefix=f".{os.path.basename(self.target)}.old-", dir=os.path.dirname(self.target))
       os.rename(self.target, os.path.join(old, "replaced"))
-    os.rename(self.path, self.target)
+    try:
+      os.rename(self.path, self.target)
+    except OSError:
+      if old:  # put the previous directory back
+        os.rename(os.path.join(old, "replaced"), self.target)
+        os.rmdir(old)
+      raise
     if old:
       shutil.rmtree(old, ignore_errors=True)
 
