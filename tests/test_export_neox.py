@@ -213,6 +213,13 @@ def test_errors_are_one_clear_sentence_and_nothing_is_overwritten(exported, tmp_
   with pytest.raises(config_lib.ConfigError, match="already holds files"):
     export.write_hf(config, random_params(config, seed=3), str(out))
   assert (out / "model.safetensors").read_bytes() == before
+  previous = tmp_path / "previous"  # --overwrite replaces an earlier export as a whole
+  export.write_hf(config, params, str(previous))
+  (previous / "stale.txt").write_text("from before")
+  other = random_params(config, seed=3)
+  export.write_hf(config, other, str(previous), overwrite=True)
+  assert not (previous / "stale.txt").exists()
+  assert_same_params(other, export.load_hf(str(previous))[1])
 
   sgatlin = load_config("configs/tiny.py", "sgatlin")
   with pytest.raises(config_lib.ConfigError, match=r"--kind=neox: .*ffn.type='sgatlin'"):
