@@ -98,8 +98,12 @@ def test_hf_source_copies_bit_identical(dense_workdir, mesh, tmp_path):
 
   source_config, source_params = sparsify.load_checkpoint(dense_workdir, mesh)
   export.write_hf(source_config, jax.device_get(source_params), str(tmp_path / "hf"))
-  config, report = sparsify.sparsify_hf(str(tmp_path / "hf"), micro_config("fff"), str(tmp_path / "fff"))
-  source, written = flat(source_params), read_params(str(tmp_path / "fff"), config, mesh, 0)
+  previous = tmp_path / "fff"  # a finished run there, replaced on request
+  (previous / "checkpoints" / "40").mkdir(parents=True)
+  (previous / "metrics.jsonl").write_text("{}\n")
+  config, report = sparsify.sparsify_hf(str(tmp_path / "hf"), micro_config("fff"), str(previous), overwrite=True)
+  assert not (previous / "metrics.jsonl").exists() and os.listdir(previous / "checkpoints") == ["0"]
+  source, written = flat(source_params), read_params(str(previous), config, mesh, 0)
   assert report["copied"]["names"] == sorted(n for n in written if "/mlp/" not in n)
   for name in report["copied"]["names"]:
     np.testing.assert_array_equal(written[name], source[name], err_msg=name)
