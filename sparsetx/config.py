@@ -340,7 +340,9 @@ def validate_model(model: ml_collections.ConfigDict, prefix: str = "config.model
         f"{prefix}.ffn_layers={model.ffn_layers!r} holds layer {i}, outside the {model.n_layers} layers "
         f"(0..{model.n_layers - 1}); remove it.",
     )
-  _require(len(set(layers)) == len(layers), f"{prefix}.ffn_layers={model.ffn_layers!r} lists a layer twice; list each once.")
+  _require(
+      len(set(layers)) == len(layers), f"{prefix}.ffn_layers={model.ffn_layers!r} lists a layer twice; list each once."
+  )
   if is_mixed(model):
     validate_ffn(model.dense_ffn, model.d_model, f"{prefix}.dense_ffn")
 

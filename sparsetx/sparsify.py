@@ -82,7 +82,8 @@ def load_checkpoint(workdir: str, mesh, step: int | None = None):
   if not os.path.isdir(os.path.join(workdir, "checkpoints")):
     raise ConfigError(f"--source={workdir!r} holds no checkpoints/ directory; point it at a trained sparsetx workdir.")
   # keep=None: opening the source must never delete one of its steps.
-  checkpointer = checkpointing.Checkpointer(workdir, ml_collections.ConfigDict(dict(keep=None, keep_period=0, async_save=False)))
+  keep_all = ml_collections.ConfigDict(dict(keep=None, keep_period=0, async_save=False))
+  checkpointer = checkpointing.Checkpointer(workdir, keep_all)
   try:
     step = checkpointer.latest_step() if step is None else step
     if step is None or step not in checkpointer.manager.all_steps():
@@ -152,11 +153,11 @@ def sparsify(source_config, source_params, config: ml_collections.ConfigDict, me
     config.model.dense_ffn = kept
   config_lib.validate(config)
 
-  abstract, shardings, model, tx = state_lib.state_shardings(config, mesh)
+  _, shardings, model, tx = state_lib.state_shardings(config, mesh)
   fresh = state_lib.create_state(config, shardings, model, tx)
   new_layers = {f"layers_{i}" for i in config_lib.ffn_layer_indices(config.model)}
   source_leaves = {_path_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(source_params)}
-  copied, new, used = {}, {}, set()
+  copied, new = {}, {}
 
   def take(path, fresh_leaf, sharding):
     name = _path_name(path)
@@ -171,14 +172,13 @@ def sparsify(source_config, source_params, config: ml_collections.ConfigDict, me
     leaf = source_leaves[name]
     if tuple(leaf.shape) != tuple(fresh_leaf.shape) or leaf.dtype != fresh_leaf.dtype:
       raise ConfigError(f"parameter {name!r} is {leaf.dtype}{list(leaf.shape)} in the source but "
-                        f"{fresh_leaf.dtype}{list(fresh_leaf.shape)} in the target; the architectures must match outside "
-                        "the feed-forward layers.")
+                        f"{fresh_leaf.dtype}{list(fresh_leaf.shape)} in the target; the architectures must match "
+                        "outside the feed-forward layers.")
     copied[name] = size
-    used.add(name)
     return jax.device_put(leaf, sharding)
 
   params = jax.tree_util.tree_map_with_path(take, fresh.params, shardings.params)
-  dropped = {name: int(np.prod(leaf.shape)) for name, leaf in source_leaves.items() if name not in used}
+  dropped = {name: int(np.prod(leaf.shape)) for name, leaf in source_leaves.items() if name not in copied}
   report = dict(
       swapped_layers=list(config_lib.ffn_layer_indices(config.model)),
       ffn=config.model.ffn.to_dict(),

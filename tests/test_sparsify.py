@@ -85,7 +85,8 @@ def test_layer_list_swaps_only_those(dense_workdir, mesh, tmp_path):
   source, written = flat(source_params), read_params(str(tmp_path / "mixed"), config, mesh, 0)
   for name in ("layers_0/mlp/wi/kernel", "layers_0/mlp/wo/kernel"):
     np.testing.assert_array_equal(written[name], source[name])
-  assert report["new"]["groups"] == {"layers_1/mlp": sum(v.size for n, v in written.items() if n.startswith("layers_1/mlp/"))}
+  new_sizes = [v.size for n, v in written.items() if n.startswith("layers_1/mlp/")]
+  assert report["new"]["groups"] == {"layers_1/mlp": sum(new_sizes)}
   assert written["layers_1/mlp/experts"].shape == (2, 4, 32**2, 64)
   assert report["dropped"]["names"] == ["layers_1/mlp/wi/kernel", "layers_1/mlp/wo/kernel"]  # micro model: no biases
   with pytest.raises(config_lib.ConfigError, match="sparse statistics"):  # until sparse_stats reads each layer's ffn
@@ -109,7 +110,8 @@ def test_hf_source_copies_bit_identical(dense_workdir, mesh, tmp_path):
     np.testing.assert_array_equal(written[name], source[name], err_msg=name)
 
 
-@pytest.mark.parametrize("field,value", [("d_model", 128), ("vocab_size", 1024), ("n_layers", 3), ("block", "parallel")])
+@pytest.mark.parametrize("field,value", [("d_model", 128), ("vocab_size", 1024), ("n_layers", 3), ("head_dim", 32),
+                                         ("block", "parallel")])
 def test_other_shapes_refused(dense_workdir, tmp_path, field, value):
   wanted = micro_config("fff")
   wanted.model[field] = value

@@ -21,9 +21,10 @@ from ml_collections import config_flags
 
 from sparsetx.config import ConfigError
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py:fff", "Target config file, optionally ':ARG'.", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py:fff", "Target config file, optionally ':ARG'.",
+                                          lock_config=True)
 _SOURCE = flags.DEFINE_string("source", None, "A sparsetx workdir holding the dense checkpoint to start from.")
-_FROM_HF = flags.DEFINE_string("from_hf", None, "Instead of --source: a Hugging Face GPT-NeoX (or sparsetx export) directory.")
+_FROM_HF = flags.DEFINE_string("from_hf", None, "Instead of --source: an HF GPT-NeoX (or sparsetx export) directory.")
 _SOURCE_STEP = flags.DEFINE_integer("source_step", None, "The source checkpoint's step (default: its latest).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "The new workdir the step-0 checkpoint is written to.", required=True)
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a run already in --workdir (its checkpoints and metrics).")
@@ -53,7 +54,9 @@ def main(argv):
     sys.exit(2)
   print(sparsify.format_report(report))
   print(f"swapped layers: {report['swapped_layers']}; report: {_WORKDIR.value}/{sparsify.REPORT_FILE}")
-  extra = _dense_ffn_flags(config.model.dense_ffn.to_dict(), given.model.dense_ffn.to_dict()) if config_lib.is_mixed(config.model) else []
+  extra = []
+  if config_lib.is_mixed(config.model):
+    extra = _dense_ffn_flags(config.model.dense_ffn.to_dict(), given.model.dense_ffn.to_dict())
   print("Train on with the same --config and overrides" + (", plus " + " ".join(extra) if extra else "") +
         f": python -m sparsetx.train --workdir={_WORKDIR.value} --config=... [--config.train.freeze_steps=N]")
 

@@ -2,7 +2,8 @@
 
 A run in a workdir that holds checkpoints resumes from the newest complete one (model state, data
 position); a step-0 checkpoint (tools/sparsify.py, HF import) gives only the parameters: the optimizer
-state and the data stream start fresh from this run's config. SIGTERM saves the current step and returns normally. A non-finite loss stops the run
+state and the data stream start fresh from this run's config.
+SIGTERM saves the current step and returns normally. A non-finite loss stops the run
 before anything non-finite is saved.
 """
 
