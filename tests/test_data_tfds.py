@@ -1,4 +1,4 @@
-"""The TFDS source kind: a dataset prepared locally (nothing downloaded) is read back exactly; missing ones are clear errors."""
+"""The TFDS source kind: a locally prepared dataset (nothing downloaded) reads back exactly; missing: clear errors."""
 
 import collections
 

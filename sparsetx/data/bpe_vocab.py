@@ -41,7 +41,8 @@ def vocab_files(path: str, field: str = "config.data.vocab.path") -> tuple[str, 
   if not path:
     raise config_lib.ConfigError(f"{field} is empty; {fix}.")
   if "://" in path:
-    raise config_lib.ConfigError(f"{field}={path!r} is remote; GPT-2 BPE files are read locally, so copy them and {fix}.")
+    raise config_lib.ConfigError(
+        f"{field}={path!r} is remote; GPT-2 BPE files are read locally, so copy them and {fix}.")
   path = os.path.expanduser(path)
   if os.path.isfile(path):
     return (path,)
