@@ -87,3 +87,21 @@ def test_initialization_follows_ultrafastbert():
     assert np.abs(values).max() <= limit and np.abs(values).max() > 0.95 * limit, name
     np.testing.assert_allclose(values.std(), limit / np.sqrt(3), rtol=0.1, err_msg=name)
   assert np.all(np.asarray(params["b_out"]) == 0)
+
+
+def test_dense_top_levels_equal_a_walk_that_gathers_every_level():
+  """The top levels come from one matmul; gathering every level instead gives the same paths and outputs."""
+  from sparsetx.kernels.gated_gather import KernelOptions
+  from sparsetx.kernels.tree_route import sparse_forward
+
+  depth, n_trees, d_model = 4, 3, 16
+  k = jax.random.split(jax.random.key(7), 4)
+  x = jax.random.normal(k[0], (21, d_model))
+  w_in, w_out = (jax.random.normal(key, (n_trees, n_nodes(depth), d_model)) / 4 for key in k[1:3])
+  b_in = jax.random.normal(k[3], (n_trees, n_nodes(depth))) * 0.1
+  options = KernelOptions("xla", 4, 16)
+  runs = [sparse_forward(x, w_in, b_in, w_out, depth, jax.nn.gelu, options, dense_levels=levels) for levels in (0, 2, 5)]
+  for y, path, z in runs[1:]:
+    np.testing.assert_array_equal(path, runs[0][1])
+    np.testing.assert_allclose(z, runs[0][2], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y, runs[0][0], rtol=1e-5, atol=1e-6)

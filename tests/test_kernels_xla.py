@@ -92,3 +92,18 @@ def test_options_come_from_the_config_and_bad_values_are_named():
   config.model.ffn.kernel.token_chunk = 0
   with pytest.raises(config_lib.ConfigError, match=r"config.model.ffn.kernel.token_chunk=0"):
     config_lib.validate(config)
+
+
+def test_given_pre_activations_give_the_same_values_and_gradients():
+  """FFF hands the walk's logits in as pre-activations; x, w_in and bias still get their gradients."""
+  x, w_in, w_out, rows, gates, bias = gather_case(4, 2, 9, 3, 2, 5, 16)
+  act = ACTIVATIONS["gelu"]
+  options = KernelOptions("xla", 4, 16)
+
+  def given(x, w_in, w_out, rows, gates, bias):
+    h = jnp.einsum("btd,btsd->bts", x, w_in[rows]) + bias[rows]
+    return gated_gather(x, w_in, w_out, rows, gates, act, bias, options, pre_activation=jax.lax.stop_gradient(h))
+
+  ours = value_and_grads(given, x, w_in, w_out, rows, gates, bias)
+  ref = value_and_grads(lambda *a: gated_gather_reference(*a[:5], act, a[5]), x, w_in, w_out, rows, gates, bias)
+  assert_match(ours, ref, rtol=2e-5, atol=2e-6)

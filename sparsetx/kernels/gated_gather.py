@@ -66,23 +66,26 @@ def _backend(options: KernelOptions):
   return pallas_gpu
 
 
-def _forward_impl(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R):
+def _forward_impl(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS):
   backend = _backend(options)
+  if h_given_NS is not None and backend is xla_gather:
+    y_ND = xla_gather.forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_given_NS, activation, options)
+    return y_ND, h_given_NS
   return backend.forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, activation, options)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _gated_gather_ND(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R):
-  return _forward_impl(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R)[0]
+def _gated_gather_ND(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS):
+  return _forward_impl(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS)[0]
 
 
-def _fwd(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R):
-  y_ND, h_NS = _forward_impl(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R)
-  return y_ND, (x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_NS)
+def _fwd(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS):
+  y_ND, h_NS = _forward_impl(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS)
+  return y_ND, (x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_NS, h_given_NS)
 
 
 def _bwd(activation, options, residuals, dy_ND):
-  x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_NS = residuals
+  x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_NS, h_given_NS = residuals
   backend = _backend(options)
   dy_ND = dy_ND.astype(x_ND.dtype)
   dx_ND, dgates_NS, coef_in_NS, coef_out_NS = backend.backward_rows(
@@ -99,14 +102,22 @@ def _bwd(activation, options, residuals, dy_ND):
       rows_cotangent,
       dgates_NS.astype(gates_NS.dtype),
       None if bias_R is None else dbias.astype(bias_R.dtype),
+      None if h_given_NS is None else jnp.zeros_like(h_given_NS),  # the given pre-activations carry no gradient of their own
   )
 
 
 _gated_gather_ND.defvjp(_fwd, _bwd)
 
 
-def gated_gather(x_BTD, w_in_RD, w_out_RD, rows_BTS, gates_BTS, activation=identity, bias_R=None, options=None):
-  """y [B, T, D] in x's dtype; `options` is a KernelOptions (defaults: implementation 'auto')."""
+def gated_gather(
+    x_BTD, w_in_RD, w_out_RD, rows_BTS, gates_BTS, activation=identity, bias_R=None, options=None, pre_activation=None
+):
+  """y [B, T, D] in x's dtype; `options` is a KernelOptions (defaults: implementation 'auto').
+
+  `pre_activation` [B, T, S] (float32), when the caller already has <w_in[rows], x> + bias[rows] (FFF's
+  walk computes exactly these logits), spares the XLA forward its w_in gather. It must equal those
+  values; gradients still reach x, w_in and bias as if computed here, and it gets none of its own.
+  """
   options = KernelOptions() if options is None else options
   *lead, D = x_BTD.shape
   S = rows_BTS.shape[-1]
@@ -119,6 +130,7 @@ def gated_gather(x_BTD, w_in_RD, w_out_RD, rows_BTS, gates_BTS, activation=ident
       rows_BTS.reshape(-1, S).astype(jnp.int32),
       gates_BTS.reshape(-1, S),
       bias_R,
+      None if pre_activation is None else pre_activation.reshape(-1, S).astype(jnp.float32),
   )
   return y_ND.reshape(*lead, D)
 

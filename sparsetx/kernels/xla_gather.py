@@ -52,6 +52,22 @@ def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, activation, opti
   return _unchunk(y, n_tokens), _unchunk(h, n_tokens)
 
 
+def forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_NS, activation, options):
+  """y [N, D] (x's dtype) from given pre-activations h [N, S]: only w_out rows are gathered."""
+  n_tokens = x_ND.shape[0]
+  dtype = x_ND.dtype
+
+  def step(_, chunk):
+    rows_cS, gates_cS, h_cS = chunk
+    a_cS = (activation(h_cS) * gates_cS.astype(jnp.float32)).astype(dtype)
+    w_out_cSD = w_out_RD[rows_cS].astype(dtype)
+    y_cD = jnp.einsum("cs,csd->cd", a_cS, w_out_cSD, preferred_element_type=jnp.float32)
+    return None, y_cD.astype(dtype)
+
+  _, y = jax.lax.scan(step, None, _chunked([rows_NS, gates_NS, h_NS], options.token_chunk))
+  return _unchunk(y, n_tokens)
+
+
 def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, activation, options):
   """Token-side gradients from one more chunked gather pass.
 

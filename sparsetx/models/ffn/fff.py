@@ -8,8 +8,9 @@ start at the root; at each of the D+1 levels evaluate z = <x, w_in> + b_in and g
 No gradient flows through the routing decision.
 
 Two implementations that agree in values and gradients:
-  sparse        walks the trees (kernels/tree_route.py), then computes the D+1 path nodes per tree
-                with the shared gated gather (rows tree * n_nodes + node, gates 1, bias b_in);
+  sparse        kernels/tree_route.py: the top levels (15 nodes per tree) by one dense matmul, deeper
+                levels by gathering one row per (token, tree, level); their outputs through the shared
+                gated gather (rows tree * n_nodes + node, gates 1, bias b_in) fed the walk's logits;
   masked_dense  evaluates every node and masks with the path (the paper's analysis form; a reference).
 
 Expert parallelism (sparse implementation, a mesh in the context whose `tree` axes have size
@@ -29,8 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from sparsetx.kernels.gated_gather import gated_gather, options_from_config
-from sparsetx.kernels.tree_route import next_node, tree_paths
+from sparsetx.kernels.gated_gather import options_from_config
+from sparsetx.kernels.tree_route import next_node, sparse_forward
 from sparsetx.models.ffn.common import gelu, symmetric_uniform
 from sparsetx.parallel import expert_parallel as ep
 
@@ -78,16 +79,11 @@ class Fff(nn.Module):
     if group is not None:
       y_BTD, path_BTPL, z_BTPL = _expert_parallel(group, x_BTD, w_in, b_in, w_out, act, ffn)
     elif ffn.implementation == "sparse":
-      options = options_from_config(ffn.get("kernel"))
       B, T = x_BTD.shape[:2]
-      path_NPL, z_NPL = tree_paths(x_BTD.reshape(B * T, D), w_in, b_in, ffn.depth, options.token_chunk)
-      path_BTPL, z_BTPL = path_NPL.reshape(B, T, P, L), z_NPL.reshape(B, T, P, L)
-      rows_BTS = (path_BTPL + N * jnp.arange(P, dtype=jnp.int32)[:, None]).reshape(B, T, P * L)
-      gates_BTS = jnp.ones(rows_BTS.shape, jnp.float32)
-      flat = lambda table: table.reshape(P * N, D)
-      y_BTD = gated_gather(
-          x_BTD, flat(w_in), flat(w_out), rows_BTS, gates_BTS, act, bias_R=b_in.reshape(P * N), options=options
-      ).astype(jnp.float32)
+      y_ND, path_NPL, z_NPL = sparse_forward(
+          x_BTD.reshape(B * T, D), w_in, b_in, w_out, ffn.depth, act, options_from_config(ffn.get("kernel"))
+      )
+      y_BTD, path_BTPL, z_BTPL = y_ND.reshape(B, T, D), path_NPL.reshape(B, T, P, L), z_NPL.reshape(B, T, P, L)
     else:
       z_BTPN, mask_BTPN, path_BTPL = masked_dense_forward(x_BTD, w_in, b_in, ffn.depth)
       z_BTPL = jnp.take_along_axis(z_BTPN, path_BTPL, axis=-1)
@@ -105,19 +101,12 @@ class Fff(nn.Module):
 def _expert_parallel(group, x_BTD, w_in_PND, b_in_PN, w_out_PND, act, ffn):
   """Sparse FFF with trees split over the expert group: (y [B,T,D] f32, path and logits [B,T,P,L])."""
   B, T, D = x_BTD.shape
-  P, N, L = w_in_PND.shape[0], w_in_PND.shape[1], ffn.depth + 1
+  P, L = w_in_PND.shape[0], ffn.depth + 1
   options = options_from_config(ffn.get("kernel"))
 
   def local(x_nD, w_in_pND, b_in_pN, w_out_pND):
-    p = w_in_pND.shape[0]
     x_gD = ep.gather_tokens(x_nD, group)
-    path_gpL, z_gpL = tree_paths(x_gD, w_in_pND, b_in_pN, ffn.depth, options.token_chunk)
-    rows_gS = (path_gpL + N * jnp.arange(p, dtype=jnp.int32)[:, None]).reshape(-1, p * L)
-    flat = lambda table: table.reshape(p * N, D)  # noqa: E731
-    y_gD = gated_gather(
-        x_gD, flat(w_in_pND), flat(w_out_pND), rows_gS, jnp.ones(rows_gS.shape, jnp.float32), act,
-        bias_R=b_in_pN.reshape(p * N), options=options,
-    )
+    y_gD, path_gpL, z_gpL = sparse_forward(x_gD, w_in_pND, b_in_pN, w_out_pND, ffn.depth, act, options)
     return ep.scatter_back(y_gD, group), ep.from_owners(path_gpL, group, 1), ep.from_owners(z_gpL, group, 1)
 
   tokens, trees = group.token_spec, PartitionSpec(group.unit_spec)
