@@ -84,9 +84,6 @@ class Gpt2Bpe:
   def encode(self, text: str) -> list[int]:
     return self.to_model_ids(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
-  def encode_batch(self, texts: list[str]) -> list[list[int]]:
-    return [self.to_model_ids(e.ids) for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
-
   def decode(self, ids) -> str:
     """Text of model ids; padding, EOS and ids outside the vocabulary are skipped."""
     ids_L = np.asarray(ids, np.int64).reshape(-1)

@@ -58,8 +58,12 @@ class Gpt2BpeVocabulary(seqio.Vocabulary):
     return self._bpe.decode(ids)
 
   def _encode_np(self, text_N: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Flat ids and per-string lengths of an array of UTF-8 strings."""
-    ids = self._bpe.encode_batch([t.decode("utf-8") for t in np.asarray(text_N).reshape(-1)])
+    """Flat ids and per-string lengths of an array of UTF-8 strings.
+
+    One string at a time: `encode_batch` would start tokenizers' thread pool inside tf.data's threads, and a
+    later fork (multi-process launchers) then disables it with a warning.
+    """
+    ids = [self._bpe.encode(t.decode("utf-8")) for t in np.asarray(text_N).reshape(-1)]
     lengths_N = np.array([len(i) for i in ids], np.int64)
     flat = np.fromiter((t for i in ids for t in i), np.int32, count=int(lengths_N.sum()))
     return flat, lengths_N
