@@ -5,7 +5,8 @@
 Tables are flat `[R, D]`: sgatlin flattens its `(C, d_ffw)` channels into rows `c * d_ffw + i`,
 PEER's table is shared so rows are neuron ids, FFF's rows are `tree * n_nodes + node` with the
 node bias. Gradients flow to x, both tables, the gates and the bias (through the activation).
-Dots and sums accumulate in float32; y and dx have x's dtype.
+Dots and sums accumulate in float32; y and dx have x's dtype. A caller that already holds the
+pre-activations (FFF's walk) passes them in, and the XLA forward then gathers only w_out rows.
 
 `options.implementation` picks the backend: `xla` (token-chunked gathers, xla_gather.py),
 `pallas` (pallas_gpu.py on GPU, pallas_tpu.py on TPU, interpret mode elsewhere) or `auto`
