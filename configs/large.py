@@ -10,9 +10,10 @@ TARGET (the mesh; the tables are split by channel over `expert`, see sparsetx/pa
   v5p        one TPU v5p slice (all ICI): expert=16, one channel per chip, data over the rest
              (v5p-128: 64 chips, data=4)
 
-fsdp stays 1: an fsdp axis would shard the tables' d_model too, and the layer would then gather
-table slices instead of moving tokens. The embeddings and LM head are split over the vocabulary on
-the expert axis instead, so no large parameter is replicated. Try one on simulated devices first:
+fsdp stays 1: channel splitting moves the fewest bytes. (An fsdp axis would also split the tables'
+d_model; the layer then sends tokens to the d-slices, all-to-all, and sums partial dots, which costs
+more collectives per token.) The embeddings and LM head are split over the vocabulary on the expert
+axis instead, so no large parameter is replicated. Try one on simulated devices first:
   .venv/bin/python tools/dry_run.py --config=configs/large.py:sgatlin8,h100 --devices=64
 """
 
