@@ -56,40 +56,12 @@ def restore_params(checkpointer: checkpointing.Checkpointer, step: int, abstract
   return restored["state"]["params"]
 
 
-def _tuples(value):
-  """JSON turns the config's tuples (mixture, sharding rules) into lists; the schema wants tuples."""
-  if isinstance(value, dict):
-    return {k: _tuples(v) for k, v in value.items()}
-  if isinstance(value, list):
-    return tuple(_tuples(v) for v in value)
-  return value
-
-
-def config_from_saved(saved: dict) -> ml_collections.ConfigDict:
-  """A full config from one saved as JSON: the defaults, overridden by every saved field."""
-  config = config_lib.default_config()
-  for section, values in _tuples(saved).items():
-    if section in config and isinstance(values, dict):
-      for key, value in values.items():
-        config[section][key] = ml_collections.ConfigDict(value) if isinstance(value, dict) else value
-    else:
-      config[section] = value
-  return config
-
-
 def load_checkpoint(workdir: str, mesh, step: int | None = None):
   """(config, params) of a sparsetx workdir's checkpoint at `step` (default: the latest)."""
-  if not os.path.isdir(os.path.join(workdir, "checkpoints")):
-    raise ConfigError(f"--source={workdir!r} holds no checkpoints/ directory; point it at a trained sparsetx workdir.")
-  # keep=None: opening the source must never delete one of its steps.
-  keep_all = ml_collections.ConfigDict(dict(keep=None, keep_period=0, async_save=False))
-  checkpointer = checkpointing.Checkpointer(workdir, keep_all)
+  checkpointer = checkpointing.open_read_only(workdir, "--source")
   try:
-    step = checkpointer.latest_step() if step is None else step
-    if step is None or step not in checkpointer.manager.all_steps():
-      raise ConfigError(f"--source={workdir!r} has no complete checkpoint{'' if step is None else f' at step {step}'}; "
-                        "train it first or pick a saved step.")
-    config = config_lib.validate(config_from_saved(checkpointer.saved_config(step)))
+    step = checkpointer.checked_step(step, "--source")
+    config = config_lib.validate(checkpointer.saved_config(step))
     abstract, _, _, _ = state_lib.state_shardings(config, mesh)
     params = restore_params(checkpointer, step, abstract.params)
   finally:

@@ -130,11 +130,11 @@ def test_errors_are_one_line(workdir, tmp_path):
   result = run_cli(f"--workdir={tmp_path / 'missing'}")
   assert result.returncode == 2
   assert result.stderr.strip().splitlines()[-1] == (
-      f"error: --workdir={str(tmp_path / 'missing')!r} holds no checkpoints/ directory; train a model there first.")
+      f"error: --workdir={str(tmp_path / 'missing')!r} holds no checkpoints/ directory; give the workdir of a training run.")
   os.makedirs(tmp_path / "empty" / "checkpoints")
   with pytest.raises(config_lib.ConfigError, match="has no complete checkpoint") as error:
     perplexity.restore(str(tmp_path / "empty"))
-  with pytest.raises(config_lib.ConfigError, match=r"--step=7 is not saved .* saved steps: \[10, 20\]"):
+  with pytest.raises(config_lib.ConfigError, match=r"--step=7 is not a checkpoint .* saved steps: \[10, 20\]"):
     perplexity.restore(workdir, step=7)
   with pytest.raises(config_lib.ConfigError, match="task 'poems' is neither built in") as error:
     perplexity.restore(workdir, tasks=["facts", "poems"])

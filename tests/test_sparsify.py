@@ -89,8 +89,6 @@ def test_layer_list_swaps_only_those(dense_workdir, mesh, tmp_path):
   assert report["new"]["groups"] == {"layers_1/mlp": sum(new_sizes)}
   assert written["layers_1/mlp/experts"].shape == (2, 4, 32**2, 64)
   assert report["dropped"]["names"] == ["layers_1/mlp/wi/kernel", "layers_1/mlp/wo/kernel"]  # micro model: no biases
-  with pytest.raises(config_lib.ConfigError, match="sparse statistics"):  # until sparse_stats reads each layer's ffn
-    loop.check_mixed_layers(config.model)
 
 
 def test_hf_source_copies_bit_identical(dense_workdir, mesh, tmp_path):

@@ -39,7 +39,6 @@ def _dense_ffn_flags(wanted, given) -> list[str]:
 def main(argv):
   del argv
   from sparsetx import config as config_lib, sparsify
-  from sparsetx.train import loop
 
   try:
     if bool(_SOURCE.value) == bool(_FROM_HF.value):
@@ -58,10 +57,6 @@ def main(argv):
   extra = []
   if config_lib.is_mixed(config.model):
     extra = _dense_ffn_flags(config.model.dense_ffn.to_dict(), given.model.dense_ffn.to_dict())
-  try:
-    loop.check_mixed_layers(config.model)
-  except ConfigError as error:
-    print(f"note: the trainer refuses this model for now: {error}")
   print("Train on with the same --config and overrides" + (", plus " + " ".join(extra) if extra else "") +
         f": python -m sparsetx.train --workdir={_WORKDIR.value} --config=... [--config.train.freeze_steps=N]")
 

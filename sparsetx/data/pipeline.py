@@ -33,6 +33,7 @@ batch (loss_weights 0). All processes yield the same number of batches: shorter 
 padded with all-padding batches, agreed through one `process_allgather`.
 """
 
+import gc
 import json
 import os
 from typing import Iterator
@@ -182,6 +183,12 @@ class TrainIterator:
 
   def __next__(self) -> dict[str, jax.Array]:
     return _global_batch(self.next_local(), self._sharding, self._global_rows)
+
+  def close(self) -> None:
+    """Releases the tf.data iterator now. One still alive at interpreter exit, with Python code in the
+    stream (JSONL parsing, the GPT-2 tokenizer), can hang the process's shutdown."""
+    self._iterator = self._dataset = self._checkpoint = None
+    gc.collect()
 
   def _shard_dir(self, path: str) -> str:
     return os.path.join(path, f"shard_{self.shard_info.index:05d}_of_{self.shard_info.num_shards:05d}")

@@ -36,15 +36,6 @@ ConfigError = config_lib.ConfigError
 # ---------------------------------------------------------------------------------------------- reading checkpoints
 
 
-def _tuples(value):
-  """JSON turns the config's tuples (mixture, sharding rules) into lists; the schema wants tuples."""
-  if isinstance(value, dict):
-    return {k: _tuples(v) for k, v in value.items()}
-  if isinstance(value, list):
-    return tuple(_tuples(v) for v in value)
-  return value
-
-
 def single_device_mesh(config: ml_collections.ConfigDict):
   from sparsetx.parallel import mesh as mesh_lib
 
@@ -56,27 +47,17 @@ def single_device_mesh(config: ml_collections.ConfigDict):
 
 def load_checkpoint(workdir: str, step: int | None = None) -> tuple[ml_collections.ConfigDict, dict, int]:
   """(config, params as numpy, step) of the checkpoint at `step` (default: the latest), on one device."""
-  directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-  if not os.path.isdir(directory):
-    raise ConfigError(f"--workdir={workdir!r} holds no checkpoints/ directory; give the workdir of a training run.")
-  # keep=None: opening the directory must never delete a step.
-  manager = checkpointing.Checkpointer(workdir, ml_collections.ConfigDict(dict(keep=None, keep_period=0, async_save=False)))
+  manager = checkpointing.open_read_only(workdir)
   try:
-    steps = manager.manager.all_steps()
-    if step is None:
-      step = manager.latest_step()
-      if step is None:
-        raise ConfigError(f"--workdir={workdir!r} has no complete checkpoint; train a model there first.")
-    elif step not in steps:
-      raise ConfigError(f"--step={step} is not a checkpoint in {directory}; saved steps: {sorted(steps) or 'none'}.")
-    config = ml_collections.ConfigDict(_tuples(manager.saved_config(step)))
+    step = manager.checked_step(step)
+    config = manager.saved_config(step)
     config_lib.validate(config)
     abstract, _, _, _ = state_lib.state_shardings(config, single_device_mesh(config))
     try:
       params = manager.restore_state(step, abstract).params
     except (ValueError, KeyError, TypeError) as error:
       raise ConfigError(
-          f"the checkpoint at step {step} in {directory} does not match the model of its own config ({error}); "
+          f"the checkpoint at step {step} in {manager.directory} does not match the model of its own config ({error}); "
           "it was written by another version of the model code.") from error
   finally:
     manager.close()

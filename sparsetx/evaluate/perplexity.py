@@ -8,14 +8,12 @@ saved arrays onto the shardings the mesh gives the parameters. Loss is nats per 
 """
 
 import functools
-import os
 
 import jax
 import ml_collections
 
 from sparsetx import config as config_lib
 from sparsetx.data import pipeline, sources
-from sparsetx.interp import checkpoint as checkpoint_lib
 from sparsetx.parallel import expert_parallel, mesh as mesh_lib
 from sparsetx.train import checkpointing, loop, state as state_lib, step as step_lib
 
@@ -45,20 +43,10 @@ def restore(workdir: str, step: int | None = None, mesh: str = "one", tasks: lis
   `tasks` replaces the saved mixture (each task once); the saved config is used as trained
   (its dtype included), so the numbers are those the trainer reports.
   """
-  directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-  if not os.path.isdir(directory):
-    raise config_lib.ConfigError(f"--workdir={workdir!r} holds no checkpoints/ directory; train a model there first.")
-  # keep=None: opening the directory must never delete a step.
-  options = ml_collections.ConfigDict(dict(keep=None, keep_period=0, async_save=False))
-  manager = checkpointing.Checkpointer(workdir, options)
+  manager = checkpointing.open_read_only(workdir)
   try:
-    steps = manager.manager.all_steps()
-    if not steps:
-      raise config_lib.ConfigError(f"--workdir={workdir!r} has no complete checkpoint; train a model there first.")
-    step = max(steps) if step is None else step
-    if step not in steps:
-      raise config_lib.ConfigError(f"--step={step} is not saved in {directory}; saved steps: {sorted(steps)}.")
-    config = ml_collections.ConfigDict(checkpoint_lib._tuples(manager.saved_config(step)))
+    step = manager.checked_step(step)
+    config = manager.saved_config(step)
     if tasks:
       config.data.mixture = tuple((name, 1.0) for name in tasks)
       for name in tasks:  # an unknown task is named now, before anything is compiled

@@ -6,7 +6,6 @@ decoder's shifted-in start token), then the text's ids. With the default byte vo
 several tokens (one per byte + 3).
 """
 
-import os
 
 import jax
 import ml_collections
@@ -21,15 +20,6 @@ from sparsetx.train import checkpointing, state as state_lib
 START_ID = 0
 
 
-def _tuples(value):
-  """JSON turns the config's tuples (mixture, sharding rules) into lists; the schema wants tuples."""
-  if isinstance(value, dict):
-    return {k: _tuples(v) for k, v in value.items()}
-  if isinstance(value, list):
-    return tuple(_tuples(v) for v in value)
-  return value
-
-
 def single_device_mesh(config: ml_collections.ConfigDict):
   mesh_config = config.mesh.copy_and_resolve_references()
   mesh_config.ici.update(data=1, fsdp=1, tensor=1, expert=1)
@@ -39,16 +29,10 @@ def single_device_mesh(config: ml_collections.ConfigDict):
 
 def load(workdir: str, step: int | None = None):
   """(config, StandardizedTransformer, step) of the checkpoint at `step` (default: the latest)."""
-  directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-  if not os.path.isdir(directory):
-    raise config_lib.ConfigError(f"--workdir={workdir!r} holds no checkpoints/ directory; train a model there first.")
-  # keep=None: opening the directory must never delete a step.
-  manager = checkpointing.Checkpointer(workdir, ml_collections.ConfigDict(dict(keep=None, keep_period=0, async_save=False)))
+  manager = checkpointing.open_read_only(workdir)
   try:
-    step = manager.latest_step() if step is None else step
-    if step is None:
-      raise config_lib.ConfigError(f"--workdir={workdir!r} has no complete checkpoint; train a model there first.")
-    config = ml_collections.ConfigDict(_tuples(manager.saved_config(step)))
+    step = manager.checked_step(step)
+    config = manager.saved_config(step)
     config.model.dtype = "float32"  # analysis compares values exactly; compute-only, the params are float32
     config_lib.validate(config)
     abstract, _, _, _ = state_lib.state_shardings(config, single_device_mesh(config))

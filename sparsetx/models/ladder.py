@@ -89,9 +89,14 @@ def _peer_router(ffn) -> bool:
   return ffn.type == "peer" or ffn.router == "peer"
 
 
-def ffn_params(model) -> tuple[int, int]:
-  """(total, active per token) parameters of one feed-forward layer."""
-  ffn, D = model.ffn, model.d_model
+def _layer_ffns(model) -> list:
+  """Each block's feed-forward sub-config (they differ in a partly sparsified model)."""
+  return [config_lib.layer_ffn_config(model, i) for i in range(model.n_layers)]
+
+
+def ffn_params(model, ffn) -> tuple[int, int]:
+  """(total, active per token) parameters of one feed-forward layer `ffn` of `model`."""
+  D = model.d_model
   F, bias = ffn.d_ffw, int(model.use_bias)
   if ffn.type == "mlp":
     total = 2 * D * F + bias * (F + D)
@@ -121,18 +126,18 @@ def param_counts(model) -> dict:
   """Total and active (touched per token) parameters; the whole embedding counts as active."""
   D, V = model.d_model, model.vocab_size
   attention = 4 * D * D + int(model.use_bias) * 4 * D
-  ffn_total, ffn_active = ffn_params(model)
+  ffn_total, ffn_active = (sum(counts) for counts in zip(*(ffn_params(model, ffn) for ffn in _layer_ffns(model))))
   shared_per_layer = attention + 2 * _norm_params(model)
   embeddings = V * D * (1 if model.tie_embeddings else 2)
   rest = embeddings + _norm_params(model)
-  total = rest + model.n_layers * (shared_per_layer + ffn_total)
-  active = rest + model.n_layers * (shared_per_layer + ffn_active)
-  return dict(total=total, active=active, ffn_total=model.n_layers * ffn_total, ffn_active=model.n_layers * ffn_active)
+  total = rest + model.n_layers * shared_per_layer + ffn_total
+  active = rest + model.n_layers * shared_per_layer + ffn_active
+  return dict(total=total, active=active, ffn_total=ffn_total, ffn_active=ffn_active)
 
 
-def ffn_flops(model) -> int:
-  """Forward FLOPs per token of one feed-forward layer (2 per multiply-accumulate)."""
-  ffn, D = model.ffn, model.d_model
+def ffn_flops(model, ffn) -> int:
+  """Forward FLOPs per token of one feed-forward layer `ffn` of `model` (2 per multiply-accumulate)."""
+  D = model.d_model
   F = ffn.d_ffw
   if ffn.type == "mlp":
     macs = 2 * D * F
@@ -159,10 +164,10 @@ def forward_flops_per_token(model, seq_len: int | None = None) -> dict:
   T = seq_len or model.max_len
   D = model.d_model
   attention = 2 * (4 * D * D + 2 * T * D)
-  ffn = ffn_flops(model)
+  ffn = sum(ffn_flops(model, layer_ffn) for layer_ffn in _layer_ffns(model))
   head = 2 * D * model.vocab_size
-  total = model.n_layers * (attention + ffn) + head
-  return dict(attention=model.n_layers * attention, ffn=model.n_layers * ffn, head=head, total=total)
+  total = model.n_layers * attention + ffn + head
+  return dict(attention=model.n_layers * attention, ffn=ffn, head=head, total=total)
 
 
 def training_tokens(model, flop_budget: float, seq_len: int | None = None) -> int:

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from sparsetx import config as config_lib
 from sparsetx.config import DEFAULT_RULES, ConfigError
 from sparsetx.kernels import segment_grads
 
@@ -318,8 +319,14 @@ def check_units_divide(config, mesh) -> None:
 
   The axes are those the rules give the units in the layer's table (flax's assignment, as the
   parameter is stored), so rules that move the expert axis to the table's d_model are honoured.
+  Both feed-forward sub-configs of a partly sparsified model are checked.
   """
-  ffn = config.model.ffn
+  _check_layer_units(config, mesh, config.model.ffn, "config.model.ffn")
+  if config_lib.is_mixed(config.model):
+    _check_layer_units(config, mesh, config.model.dense_ffn, "config.model.dense_ffn")
+
+
+def _check_layer_units(config, mesh, ffn, prefix: str) -> None:
   if ffn.type in NEURON_TABLES:
     names = NEURON_TABLES[ffn.type]
     axes = _sized(mesh, _table_spec(names, config.mesh.rules)[-1])
@@ -344,7 +351,7 @@ def check_units_divide(config, mesh) -> None:
           f"{', '.join(map(str, D_MODEL_SPLIT_RULES))} first in config.mesh.rules"
       )
     raise ConfigError(
-        f"config.model.ffn.{field}={ffn[field]} is not divisible by the {shards} devices of the mesh axes it is "
+        f"{prefix}.{field}={ffn[field]} is not divisible by the {shards} devices of the mesh axes it is "
         f"split over ({shape}); make it a multiple of {shards}, or move devices from those axes to data or fsdp{hint}."
     )
 

@@ -15,9 +15,33 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
+from sparsetx import config as config_lib
 from sparsetx.config import ConfigError
 
 COMPUTE_ONLY = ("dtype", "remat", "max_len", "kernel", "implementation")  # may change on resume
+
+
+def _tuples(value):
+  """JSON turns the config's tuples (mixture, sharding rules) into lists; the schema wants tuples."""
+  if isinstance(value, dict):
+    return {k: _tuples(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return tuple(_tuples(v) for v in value)
+  return value
+
+
+def _merged(defaults: dict, saved: dict) -> dict:
+  return {
+      **defaults,
+      **{k: _merged(defaults[k], v) if isinstance(defaults.get(k), dict) and isinstance(v, dict) else v
+         for k, v in saved.items()},
+  }
+
+
+def config_from_saved(saved: dict) -> ml_collections.ConfigDict:
+  """The config a checkpoint was trained with: today's defaults overridden by every saved field, so a
+  checkpoint written before a field existed reads with that field's default."""
+  return ml_collections.ConfigDict(_merged(config_lib.default_config().to_dict(), _tuples(saved)))
 
 
 class Checkpointer:
@@ -35,8 +59,21 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
-  def saved_config(self, step: int) -> dict:
-    return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+  def checked_step(self, step: int | None, workdir_flag: str = "--workdir") -> int:
+    """`step` (default: the latest), refused in one sentence when it is not a complete checkpoint."""
+    steps = self.manager.all_steps()
+    if not steps:
+      raise ConfigError(f"{workdir_flag}={os.path.dirname(self.directory)!r} has no complete checkpoint; "
+                        "train a model there first.")
+    if step is None:
+      return max(steps)
+    if step not in steps:
+      raise ConfigError(f"--step={step} is not a checkpoint in {self.directory}; saved steps: {sorted(steps)}.")
+    return step
+
+  def saved_config(self, step: int) -> ml_collections.ConfigDict:
+    """The config saved with `step` (see `config_from_saved`)."""
+    return config_from_saved(self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
 
   def save(self, step: int, state, config: ml_collections.ConfigDict, data_iterator) -> None:
     data_iterator.save(os.path.join(self.data_directory, str(step)))
@@ -61,7 +98,7 @@ class Checkpointer:
 
     Compute-only fields (dtype, remat, kernels, FFF implementation) may change between runs.
     """
-    saved, wanted = self.saved_config(step)["model"], config.model.to_dict()
+    saved, wanted = self.saved_config(step).model.to_dict(), config.model.to_dict()
     for prefix, old, new in (("config.model", saved, wanted), ("config.model.ffn", saved["ffn"], wanted["ffn"])):
       for key in sorted(set(old) | set(new)):
         if key not in COMPUTE_ONLY + ("ffn",) and old.get(key) != new.get(key):  # ffn: compared on its own
@@ -84,3 +121,9 @@ class Checkpointer:
       if name.isdigit() and int(name) not in kept and int(name) < max(kept, default=0):
         shutil.rmtree(os.path.join(self.data_directory, name), ignore_errors=True)
 
+
+def open_read_only(workdir: str, workdir_flag: str = "--workdir") -> Checkpointer:
+  """A Checkpointer for reading a trained run (evaluation, export, analysis): it never deletes a step."""
+  if not os.path.isdir(os.path.join(os.path.abspath(workdir), "checkpoints")):
+    raise ConfigError(f"{workdir_flag}={workdir!r} holds no checkpoints/ directory; give the workdir of a training run.")
+  return Checkpointer(workdir, ml_collections.ConfigDict(dict(keep=None, keep_period=0, async_save=False)))

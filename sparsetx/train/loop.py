@@ -23,7 +23,6 @@ from jax.experimental import multihost_utils
 from sparsetx import config as config_lib, sparsify
 from sparsetx.data import pipeline
 from sparsetx.models import ladder
-from sparsetx.models.transformer import block_config
 from sparsetx.parallel import expert_parallel, mesh as mesh_lib
 from sparsetx.train import checkpointing, metrics as metrics_lib, state as state_lib, step as step_lib
 from sparsetx.train.optimizer import learning_rate_schedule
@@ -87,26 +86,6 @@ def check_batch_divides(config: ml_collections.ConfigDict, mesh) -> None:
     )
 
 
-SPARSE_STATS_TYPES = ("sgatlin", "peer", "fff", "moe")  # the types sparse_stats reads taps of
-
-
-def check_mixed_layers(model: ml_collections.ConfigDict) -> None:
-  """Refuses mixed layers the per-layer sparse statistics cannot read yet (they take config.model.ffn for
-  every layer, so a kept dense layer in a model whose ffn is sparse has none of the taps they read)."""
-  if config_lib.is_mixed(model) and model.ffn.type in SPARSE_STATS_TYPES and model.dense_ffn.type != model.ffn.type:
-    raise config_lib.ConfigError(
-        f"config.model.ffn_layers={model.ffn_layers!r} keeps {model.dense_ffn.type!r} layers next to "
-        f"{model.ffn.type!r} ones, which the trainer's sparse statistics (sparsetx/train/sparse_stats.py) cannot "
-        "read yet; swap every layer (config.model.ffn_layers='') for now."
-    )
-
-
-def forward_flops_per_token(model: ml_collections.ConfigDict, seq_len: int) -> float:
-  """The ladder's forward FLOPs per token, each block counted with its own feed-forward layer (mixed models)."""
-  per_layer = [ladder.forward_flops_per_token(block_config(model, i), seq_len)["total"] for i in range(model.n_layers)]
-  return sum(per_layer) / model.n_layers
-
-
 def evaluate(config, params, eval_fn, eval_data: pipeline.EvalData) -> dict:
   """Loss and perplexity per validation task, each split read once (or eval_batches batches)."""
   results = {}
@@ -126,7 +105,6 @@ def evaluate(config, params, eval_fn, eval_data: pipeline.EvalData) -> dict:
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains to config.train.steps (or until SIGTERM); returns the last step's metrics."""
   config_lib.validate(config)
-  check_mixed_layers(config.model)
   check_workdir(workdir)
   mesh = mesh_lib.make_mesh(config.mesh)
   check_batch_divides(config, mesh)
@@ -170,7 +148,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
     writer.write_hparams({k: v for k, v in _flatten(config.to_dict()).items() if isinstance(v, (int, float, str, bool))})
   progress = periodic_actions.ReportProgress(num_train_steps=config.train.steps, writer=writer, every_steps=config.train.log_every)
   tokens_per_step = config.data.global_batch_size * config.data.seq_len
-  flops_per_step = 3 * forward_flops_per_token(config.model, config.data.seq_len) * tokens_per_step
+  flops_per_step = 3 * ladder.forward_flops_per_token(config.model, config.data.seq_len)["total"] * tokens_per_step
   peak = metrics_lib.peak_flops_per_device()
 
   sigterm = _SigtermFlag()
@@ -211,6 +189,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
     checkpointer.wait()
     checkpointer.close()
     writer.flush()
+    data_iterator.close()
   return last_metrics
 
 

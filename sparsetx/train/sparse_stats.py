@@ -8,8 +8,9 @@ by XLA's dead-code elimination). Counts only real tokens (loss weight > 0).
   max_load  MoE: the busiest expert's share of routed tokens times n_experts (1 = balanced)
 """
 
-import jax
 import jax.numpy as jnp
+
+from sparsetx import config as config_lib
 
 
 def gini(counts):
@@ -62,6 +63,6 @@ def sparse_stats(model_cfg, intermediates: dict, token_weights_BT) -> dict:
   stats = {}
   for i in range(model_cfg.n_layers):
     taps = intermediates.get(f"layers_{i}", {}).get("mlp", {})
-    for name, value in layer_stats(model_cfg.ffn, taps, token_weights_BT).items():
+    for name, value in layer_stats(config_lib.layer_ffn_config(model_cfg, i), taps, token_weights_BT).items():
       stats[f"sparse/layers_{i}/{name}"] = value
   return stats
