@@ -71,6 +71,9 @@ class TwoProcessStreams:
   def restore(self, path):
     for part in self.parts:
       part.restore(path)
+  def close(self):
+    for part in self.parts:
+      part.close()
 
 assert jax.process_count() == 1 and jax.device_count() == 4
 pipeline.make_train_iterator = TwoProcessStreams

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import REPO
-from test_train import finish, losses, micro_config, run_cli
+from test_train import finish, losses, micro_config, one_step, run_cli
 
 from sparsetx import config as config_lib, sparsify
 from sparsetx.models import ladder
@@ -165,3 +165,16 @@ def test_tool_then_trainer_resumes_at_step_0_and_freezes(dense_workdir, mesh, tm
     else:
       np.testing.assert_array_equal(value, source[name], err_msg=name)  # frozen through step 10
       assert not np.array_equal(at_15[name], source[name]), name  # trained after
+
+
+def test_partly_sparsified_model_trains_with_per_layer_stats(mesh):
+  """A mixed model (FFF in layer 1, the dense MLP kept in layer 0) takes a sharded train step; the sparse
+  statistics read each layer's own feed-forward type, and the ladder counts each layer's own parameters."""
+  config = micro_config("fff")
+  config.model.ffn_layers = "1"
+  config.model.dense_ffn.update(type="mlp", d_ffw=128)
+  params, metrics = one_step(config, mesh)
+  assert np.isfinite(metrics["loss"])
+  assert {k for k in metrics if k.startswith("sparse/")} == {
+      "sparse/layers_1/used", "sparse/layers_1/gini", "sparse/layers_1/path_entropy"}
+  assert sum(np.size(v) for v in jax.tree.leaves(params)) == ladder.param_counts(config.model)["total"]

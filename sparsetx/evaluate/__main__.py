@@ -57,7 +57,7 @@ def main(argv):
   del argv
   try:
     if not os.path.isdir(os.path.join(_WORKDIR.value, "checkpoints")):  # before the slow imports
-      raise ConfigError(f"--workdir={_WORKDIR.value!r} holds no checkpoints/ directory; train a model there first.")
+      raise ConfigError(f"--workdir={_WORKDIR.value!r} holds no checkpoints/ directory; give the workdir of a training run.")
     run()
   except ConfigError as error:
     print(f"error: {error}", file=sys.stderr)
