@@ -6,7 +6,6 @@ import ml_collections
 import numpy as np
 import pytest
 import seqio
-import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from sparsetx import config as config_lib

@@ -2,7 +2,6 @@
 
 import flax.linen as nn
 import jax
-import ml_collections
 import numpy as np
 import pytest
 from interp_cases import B, T, model_config, parallel_sgatlin, tokens

@@ -7,7 +7,6 @@ from interp_cases import parallel_sgatlin, tokens
 
 from sparsetx.interp import Patch, nie
 from sparsetx.interp.circuits import rebuild_sgatlin_output
-from sparsetx.interp.trace import gate_vector
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

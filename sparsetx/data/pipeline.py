@@ -251,7 +251,7 @@ def local_eval_batches(config: ml_collections.ConfigDict, name: str, split: str,
   """One deterministic pass over task `name`'s split for this shard, the last batch zero-padded."""
   data = config.data
   lengths = {"targets": data.seq_len}
-  task = seqio.get_mixture_or_task(tasks.task_name(name))
+  task = tasks.register_task(name, data, vocab.make_vocabulary(data, config.model.vocab_size))
   dataset = task.get_dataset(lengths, split=split, shuffle=False, shard_info=shard_info, num_epochs=1,
                              try_in_mem_cache=False)
   dataset = _feature_converter(data.pack)(dataset, task_feature_lengths=lengths)
@@ -274,7 +274,7 @@ class EvalData:
     self._global_rows = data.eval_batch_size
     derived, local_rows = data_shard(batch_sharding, self._global_rows)
     shard_info = shard_info or derived
-    mixture = tasks.register_mixture(data, vocab.make_vocabulary(data, config.model.vocab_size))
+    tasks.register_mixture(data, vocab.make_vocabulary(data, config.model.vocab_size))  # the tasks named below
     names = [name for name, _ in data.mixture if split in seqio.get_mixture_or_task(tasks.task_name(name)).splits]
     if not names:
       raise config_lib.ConfigError(
