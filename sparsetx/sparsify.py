@@ -18,7 +18,6 @@ import shutil
 import jax
 import ml_collections
 import numpy as np
-import orbax.checkpoint as ocp
 
 from sparsetx import config as config_lib
 from sparsetx.config import ConfigError
@@ -33,29 +32,6 @@ REPORT_FILE = "sparsify.json"
 TRAINER_OUTPUTS = ("checkpoints", "data_state", "tensorboard", "metrics.jsonl", REPORT_FILE)
 
 
-def restore_params(checkpointer: checkpointing.Checkpointer, step: int, abstract_params):
-  """Only the parameters of the checkpoint at `step`, laid out as `abstract_params` (with shardings).
-
-  Read through a separate manager that deletes nothing (no max_to_keep): the optimizer state is skipped
-  (it may have another structure, e.g. other freeze settings), and the trainer's manager keeps its own
-  handlers for saving.
-  """
-  reader = ocp.CheckpointManager(checkpointer.directory)
-  try:
-    target = {"params": abstract_params}
-    restored = reader.restore(
-        step,
-        args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(
-                target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
-            )
-        ),
-    )
-  finally:
-    reader.close()
-  return restored["state"]["params"]
-
-
 def load_checkpoint(workdir: str, mesh, step: int | None = None):
   """(config, params) of a sparsetx workdir's checkpoint at `step` (default: the latest)."""
   checkpointer = checkpointing.open_read_only(workdir, "--source")
@@ -63,7 +39,7 @@ def load_checkpoint(workdir: str, mesh, step: int | None = None):
     step = checkpointer.checked_step(step, "--source")
     config = config_lib.validate(checkpointer.saved_config(step))
     abstract, _, _, _ = state_lib.state_shardings(config, mesh)
-    params = restore_params(checkpointer, step, abstract.params)
+    params = checkpointer.restore_params(step, abstract.params)
   finally:
     checkpointer.close()
   return config, params

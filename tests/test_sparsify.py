@@ -38,7 +38,7 @@ def read_params(workdir, config, mesh, step):
   abstract, _, _, _ = state_lib.state_shardings(config, mesh)
   checkpointer = checkpointing.Checkpointer(workdir, config.checkpoint)
   try:
-    return flat(sparsify.restore_params(checkpointer, step, abstract.params))
+    return flat(checkpointer.restore_params(step, abstract.params))
   finally:
     checkpointer.close()
 

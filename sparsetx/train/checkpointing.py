@@ -88,6 +88,19 @@ class Checkpointer:
     """The state at `step`, laid out as `abstract_state`'s shardings: restoring onto any mesh reshards."""
     return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
 
+  def restore_params(self, step: int, abstract_params):
+    """Only the parameters at `step`, laid out as `abstract_params`: a start whose optimizer state may have
+    another structure (tools/sparsify.py with other freeze settings, an HF import). Read through a separate
+    manager that deletes nothing and keeps this one's save handlers as they are."""
+    reader = ocp.CheckpointManager(self.directory)
+    try:
+      target = {"params": abstract_params}
+      restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+      args = ocp.args.Composite(state=ocp.args.PyTreeRestore(target, restore_args=restore_args, partial_restore=True))
+      return reader.restore(step, args=args)["state"]["params"]
+    finally:
+      reader.close()
+
   def restore(self, step: int, abstract_state, data_iterator):
     """The state at `step` and the data iterator's position."""
     data_iterator.restore(os.path.join(self.data_directory, str(step)))

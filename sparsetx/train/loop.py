@@ -20,7 +20,7 @@ from absl import logging
 from clu import periodic_actions
 from jax.experimental import multihost_utils
 
-from sparsetx import config as config_lib, sparsify
+from sparsetx import config as config_lib
 from sparsetx.data import pipeline
 from sparsetx.models import ladder
 from sparsetx.parallel import expert_parallel, mesh as mesh_lib
@@ -123,7 +123,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
     checkpointer.check_compatible(start, config)
   data_iterator = pipeline.make_train_iterator(config, batch_sharding)
   if start == 0:  # a start written by tools/sparsify.py: its parameters, fresh optimizer state and data stream
-    params = sparsify.restore_params(checkpointer, 0, abstract_state.params)
+    params = checkpointer.restore_params(0, abstract_state.params)
     state = state_lib.state_from_params(params, shardings, model, tx)
     logging.info("Starting from the step-0 parameters in %s.", checkpointer.directory)
   elif start is not None:
