@@ -2,7 +2,8 @@
 
 Files, one concern each:
   corpus.py         the embedded corpus (stories, facts), generated deterministically; `facts()`, `characters()`
-  vocab.py          `make_vocabulary(config.data, model_vocab_size)`: byte (default) or SentencePiece
+  vocab.py          `make_vocabulary(config.data, model_vocab_size)`: byte (default), SentencePiece or GPT-2 BPE
+  bpe_vocab.py      reading a GPT-2 byte-level BPE from local files (vocab.json + merges.txt, or tokenizer.json)
   sources.py        config.data.sources -> seqio DataSource (text, jsonl, tfrecord, tfds; embedded)
   preprocessors.py  text extraction, blank-document filter, splitting documents into seq_len pieces
   tasks.py          registers tasks `sparsetx.<name>` and the mixture `sparsetx.mixture` with seqio
@@ -31,6 +32,10 @@ files); otherwise every process reads everything and keeps every n-th document.
 SentencePiece: `python tools/build_vocab.py --output=/data/spm/web --vocab_size=8192 --input=...`
 then `config.data.vocab = dict(kind="sentencepiece", path="/data/spm/web.model")` and
 `config.model.vocab_size >= 8192`.
+
+GPT-2 BPE: `config.data.vocab = dict(kind="gpt2", path=DIR)` with DIR holding vocab.json + merges.txt
+(GPT-2's own files: 50,258 ids after "!" moves off id 0, the padding id; `config.model.vocab_size=50304`),
+or your own: `python tools/build_vocab.py --kind=gpt2 --output=/data/bpe --vocab_size=8192 --input=...`.
 
 Resume: `iterator.save(dir)` / `iterator.restore(dir)` on every process (see pipeline.py). The state
 is a tf.train.Checkpoint of the tf.data iterator (file offsets, sampler RNG, shuffle and packing
