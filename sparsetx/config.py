@@ -53,6 +53,7 @@ def ffn_defaults() -> ml_collections.ConfigDict:
                   token_chunk=4,  # xla: tokens whose gathered rows exist at once (2-8 fastest on CPU)
                   pair_chunk=2048,  # table gradients: sorted (token, slot) pairs added per step
                   block_tokens=8,  # pallas: tokens per program
+                  row_sorted=True,  # xla on CPU: training walks (token, slot) pairs in table-row order (kernels/xla_gather.py)
               )
           ),
       )

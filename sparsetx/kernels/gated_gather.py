@@ -11,7 +11,9 @@ pre-activations (FFF's walk) passes them in, and the XLA forward then gathers on
 `options.implementation` picks the backend: `xla` (token-chunked gathers, xla_gather.py),
 `pallas` (pallas_gpu.py on GPU, pallas_tpu.py on TPU, interpret mode elsewhere) or `auto`
 (pallas on GPU/TPU, xla on CPU). Every backend shares the deterministic sorted-segment table
-gradients (segment_grads.py). The papers' formulation stays in reference.py.
+gradients (segment_grads.py), except the XLA path's row-sorted variant (`options.row_sorted`, used on CPU
+in float32 when gradients are taken), whose forward sorts once and whose backward walks that same order
+for every gradient (xla_gather.py). The papers' formulation stays in reference.py.
 """
 
 import functools
@@ -34,6 +36,7 @@ class KernelOptions(NamedTuple):
   pair_chunk: int = 2048  # table gradients: sorted (token, slot) pairs added per step
   block_tokens: int = 8  # pallas: tokens per program (grid step)
   interpret: bool = False  # pallas: run the kernels in interpret mode (tests on CPU)
+  row_sorted: bool = True  # xla on CPU, with gradients: one row-order sort and walk (xla_gather.row_sorted_*)
 
 
 def options_from_config(kernel_cfg) -> KernelOptions:
@@ -45,6 +48,7 @@ def options_from_config(kernel_cfg) -> KernelOptions:
       token_chunk=kernel_cfg.token_chunk,
       pair_chunk=kernel_cfg.pair_chunk,
       block_tokens=kernel_cfg.block_tokens,
+      row_sorted=bool(kernel_cfg.get("row_sorted", True)),
   )
 
 
@@ -67,8 +71,24 @@ def _backend(options: KernelOptions):
   return pallas_gpu
 
 
-def _forward_impl(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS):
+def _row_sorted(options, x_ND, w_in_RD, h_given_NS):
+  """Whether this call takes the row-sorted XLA path (not for given pre-activations: FFF has its own walk)."""
+  return (
+      options.row_sorted
+      and h_given_NS is None
+      and _backend(options) is xla_gather
+      and jax.default_backend() == "cpu"  # its scatter-adds into x-sized sums are ordered (deterministic) on CPU
+      and x_ND.dtype == jnp.float32  # bf16 would round a row picked twice by a token once, not per slot
+      and xla_gather.row_sorted_fits(x_ND.shape[0], w_in_RD.shape[0])
+  )
+
+
+def _forward_impl(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS, for_backward):
   backend = _backend(options)
+  if for_backward and _row_sorted(options, x_ND, w_in_RD, h_given_NS):
+    order = xla_gather.row_order(rows_NS, gates_NS, w_in_RD.shape[0], options.pair_chunk)
+    y_ND, h_P = xla_gather.row_sorted_forward(x_ND, w_in_RD, w_out_RD, order, bias_R, activation, options)
+    return y_ND, (order, h_P)
   if h_given_NS is not None and backend is xla_gather:
     y_ND = xla_gather.forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_given_NS, activation, options)
     return y_ND, h_given_NS
@@ -77,11 +97,12 @@ def _forward_impl(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_N
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _gated_gather_ND(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS):
-  return _forward_impl(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS)[0]
+  # Without a backward pass the sort does not pay for itself (the row-sorted forward alone is 0-8% slower).
+  return _forward_impl(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS, False)[0]
 
 
 def _fwd(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS):
-  y_ND, h_NS = _forward_impl(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS)
+  y_ND, h_NS = _forward_impl(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS, True)
   return y_ND, (x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_NS, h_given_NS)
 
 
@@ -89,12 +110,18 @@ def _bwd(activation, options, residuals, dy_ND):
   x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_NS, h_given_NS = residuals
   backend = _backend(options)
   dy_ND = dy_ND.astype(x_ND.dtype)
-  dx_ND, dgates_NS, coef_in_NS, coef_out_NS = backend.backward_rows(
-      dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, activation, options
-  )
-  dw_in, dw_out, dbias = segment_grads.table_grads(
-      x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS, w_in_RD.shape[0], options.pair_chunk, bias_R is not None
-  )
+  if _row_sorted(options, x_ND, w_in_RD, h_given_NS):
+    order, h_P = h_NS  # the row-sorted forward keeps its sort and the sorted pre-activations
+    dx_ND, dgates_NS, dw_in, dw_out, dbias = xla_gather.row_sorted_backward(
+        dy_ND, x_ND, h_P, w_in_RD, w_out_RD, order, bias_R is not None, activation, options
+    )
+  else:
+    dx_ND, dgates_NS, coef_in_NS, coef_out_NS = backend.backward_rows(
+        dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, activation, options
+    )
+    dw_in, dw_out, dbias = segment_grads.table_grads(
+        x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS, w_in_RD.shape[0], options.pair_chunk, bias_R is not None
+    )
   rows_cotangent = jax.numpy.zeros(rows_NS.shape, jax.dtypes.float0)
   return (
       dx_ND.astype(x_ND.dtype),
