@@ -32,11 +32,25 @@ def assert_match(ours, ref, rtol, atol):
         ((1, 7, 1, 3, 4, 8), "relu", True, 1, 3),
     ],
 )
-def test_xla_path_equals_reference_float32(shape, activation, with_bias, token_chunk, pair_chunk):
+@pytest.mark.parametrize("row_sorted", [False, True])  # token-order walk, or the row-order one (CPU training)
+def test_xla_path_equals_reference_float32(shape, activation, with_bias, token_chunk, pair_chunk, row_sorted):
   x, w_in, w_out, rows, gates, bias = gather_case(0, *shape)
   bias = bias if with_bias else None
   act = ACTIVATIONS[activation]
-  options = KernelOptions("xla", token_chunk, pair_chunk)
+  options = KernelOptions("xla", token_chunk, pair_chunk, row_sorted=row_sorted)
+  ours = value_and_grads(lambda *a: gated_gather(*a[:5], act, a[5], options), x, w_in, w_out, rows, gates, bias)
+  ref = value_and_grads(lambda *a: gated_gather_reference(*a[:5], act, a[5]), x, w_in, w_out, rows, gates, bias)
+  assert_match(ours, ref, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("row_sorted", [False, True])
+def test_a_row_picked_twice_by_one_token_counts_twice(row_sorted):
+  """The op allows a token to pick one row in two slots (the row-sorted walk merges them): values and
+  every gradient still equal the reference."""
+  x, w_in, w_out, rows, gates, bias = gather_case(3, 1, 8, 2, 3, 6, 16)
+  rows = rows.at[:, :, 1].set(rows[:, :, 0])
+  act = ACTIVATIONS["gelu"]
+  options = KernelOptions("xla", 4, 16, row_sorted=row_sorted)
   ours = value_and_grads(lambda *a: gated_gather(*a[:5], act, a[5], options), x, w_in, w_out, rows, gates, bias)
   ref = value_and_grads(lambda *a: gated_gather_reference(*a[:5], act, a[5]), x, w_in, w_out, rows, gates, bias)
   assert_match(ours, ref, rtol=2e-5, atol=2e-6)
