@@ -111,7 +111,7 @@ def listed_ffn_layers(model, prefix: str = "config.model") -> tuple[int, ...]:
 
 def is_mixed(model) -> bool:
   """True when some layers keep `dense_ffn` (ffn_layers lists a strict subset of the layers)."""
-  return bool(listed_ffn_layers(model)) and len(set(listed_ffn_layers(model))) < model.n_layers
+  return len(ffn_layer_indices(model)) < model.n_layers
 
 
 def ffn_layer_indices(model) -> tuple[int, ...]:
@@ -462,10 +462,9 @@ def validate_train(train: ml_collections.ConfigDict, checkpoint: ml_collections.
     _positive_int(f"config.train.{field}", train[field])
   for field in ("warmup_steps", "eval_batches", "seed"):
     _require(isinstance(train[field], int) and train[field] >= 0, f"config.train.{field}={train[field]!r} must be an integer >= 0.")
-  freeze_steps = train.get("freeze_steps", 0)  # absent from configs saved before it existed
   _require(
-      isinstance(freeze_steps, int) and freeze_steps >= 0,
-      f"config.train.freeze_steps={freeze_steps!r} must be an integer >= 0 (0 trains every parameter from step 0).",
+      isinstance(train.freeze_steps, int) and train.freeze_steps >= 0,
+      f"config.train.freeze_steps={train.freeze_steps!r} must be an integer >= 0 (0 trains every parameter from step 0).",
   )
   _one_of("config.train.schedule", train.schedule, SCHEDULES)
   _require(train.learning_rate > 0, f"config.train.learning_rate={train.learning_rate!r} must be positive.")

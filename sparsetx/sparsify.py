@@ -22,7 +22,7 @@ import numpy as np
 from sparsetx import config as config_lib
 from sparsetx.config import ConfigError
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import checkpointing, state as state_lib
+from sparsetx.train import checkpointing, optimizer, state as state_lib
 
 # Model fields the target may set freely: the feed-forward choice and compute-only knobs. Every other
 # field (d_model, head_dim, vocab_size, n_layers, block, norm, biases, rotary, param_dtype, ...) shapes or
@@ -94,7 +94,7 @@ def sparsify(source_config, source_params, config: ml_collections.ConfigDict, me
   The target config's dense_ffn is set to the source's feed-forward layer when some layers are kept.
   """
   config = config.copy_and_resolve_references()
-  source_model = source_config.model if "model" in source_config else source_config
+  source_model = source_config.model
   check_same_architecture(source_model, config.model)
   kept = kept_ffn_config(source_model, config.model)
   if kept is not None:
@@ -103,15 +103,14 @@ def sparsify(source_config, source_params, config: ml_collections.ConfigDict, me
 
   _, shardings, model, tx = state_lib.state_shardings(config, mesh)
   fresh = state_lib.create_state(config, shardings, model, tx)
-  new_layers = {f"layers_{i}" for i in config_lib.ffn_layer_indices(config.model)}
+  labels = optimizer.freeze_labels(fresh.params, config.model)  # the same "new" layers freeze_steps trains
   source_leaves = {_path_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(source_params)}
   copied, new = {}, {}
 
-  def take(path, fresh_leaf, sharding):
+  def take(path, fresh_leaf, sharding, label):
     name = _path_name(path)
     size = int(np.prod(fresh_leaf.shape))
-    layer, module = (name.split("/") + [""])[:2]
-    if layer in new_layers and module == "mlp":
+    if label == "new":
       new[name] = size
       return fresh_leaf
     if name not in source_leaves:
@@ -125,7 +124,7 @@ def sparsify(source_config, source_params, config: ml_collections.ConfigDict, me
     copied[name] = size
     return jax.device_put(leaf, sharding)
 
-  params = jax.tree_util.tree_map_with_path(take, fresh.params, shardings.params)
+  params = jax.tree_util.tree_map_with_path(take, fresh.params, shardings.params, labels)
   dropped = {name: int(np.prod(leaf.shape)) for name, leaf in source_leaves.items() if name not in copied}
   report = dict(
       swapped_layers=list(config_lib.ffn_layer_indices(config.model)),

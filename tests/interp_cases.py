@@ -41,3 +41,10 @@ def random_model(ffn_type: str, ffn: tuple = (), **model) -> StandardizedTransfo
 
 def parallel_sgatlin() -> StandardizedTransformer:
   return random_model("sgatlin", block="parallel", norm="layernorm", use_bias=True)
+
+
+@functools.lru_cache(maxsize=None)
+def parallel_sgatlin_trace() -> dict:
+  """Every served value of `parallel_sgatlin()` on `tokens()`: one compiled trace shared by the test files."""
+  model = parallel_sgatlin()
+  return model.trace(tokens(), model.names)

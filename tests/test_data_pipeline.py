@@ -109,6 +109,7 @@ def test_mixture_draws_from_its_tasks_at_the_configured_rates(files):
 
 def test_packing_loses_and_duplicates_no_token(files, sharding):
   config = make_config(files, (("alpha", 1.0),))
+  tasks.register_mixture(config.data, vocab.make_vocabulary(config.data, config.model.vocab_size))
   batches = pipeline.local_eval_batches(config, "alpha", "validation", seqio.ShardInfo(0, 1), 8)
   expected = [p for text in files["alpha"] for p in pieces(text)]
   assert max(map(len, expected)) == SEQ_LEN and len(expected) > len(files["alpha"])  # some documents were split
@@ -154,6 +155,7 @@ def test_two_processes_read_disjoint_examples_whose_union_is_one_process(files, 
 
 def test_sharded_packed_eval_batches_partition_the_split(files):
   config = make_config(files, (("alpha", 1.0),), seq_len=256)
+  tasks.register_mixture(config.data, vocab.make_vocabulary(config.data, config.model.vocab_size))
   read = lambda index, count, rows: [  # noqa: E731
       s for b in pipeline.local_eval_batches(config, "alpha", "validation", seqio.ShardInfo(index, count), rows)
       for s in segments(b)]

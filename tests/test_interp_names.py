@@ -4,7 +4,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
-from interp_cases import B, T, model_config, parallel_sgatlin, tokens
+from interp_cases import B, T, model_config, parallel_sgatlin, parallel_sgatlin_trace, tokens
 
 from sparsetx import config as config_lib
 from sparsetx.interp import FromRun, Patch, StandardizedTransformer, layout_shape, names as names_lib
@@ -26,9 +26,8 @@ def sgatlin():
 
 
 @pytest.fixture(scope="module")
-def clean(sgatlin):
-  """Every served value of one input: one compiled trace shared by the tests."""
-  return sgatlin.trace(tokens(), sgatlin.names)
+def clean():
+  return parallel_sgatlin_trace()
 
 
 @pytest.mark.parametrize("ffn_type", config_lib.FFN_TYPES)

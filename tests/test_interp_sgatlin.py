@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import seqio
-from interp_cases import parallel_sgatlin, tokens
+from interp_cases import parallel_sgatlin, parallel_sgatlin_trace, tokens
 
 from sparsetx.interp import Patch, nie
 from sparsetx.interp.circuits import rebuild_sgatlin_output
@@ -17,8 +17,8 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def clean(model):
-  return model.trace(tokens(), model.names)
+def clean():
+  return parallel_sgatlin_trace()
 
 
 def experts(model, layer):

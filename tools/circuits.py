@@ -68,6 +68,9 @@ def analyse(args) -> dict:
   config, model, step = checkpoint.load(args.workdir, args.step)
   cfg = model.cfg
   circuits.check_sparse(cfg)
+  neighbour_layer = args.layer if args.layer is not None else max(cfg.n_layers - 2, 0)
+  if not 0 <= neighbour_layer < cfg.n_layers:  # before anything is computed or written
+    raise ValueError(f"--layer={neighbour_layer} is not a layer of this model; use 0..{cfg.n_layers - 1}.")
   out = args.output or os.path.join(args.workdir, "circuits")
   os.makedirs(out, exist_ok=True)
   vocabulary = checkpoint.vocabulary(config)
@@ -100,17 +103,15 @@ def analyse(args) -> dict:
   summary["usage"] = table
   print(_markdown(table))
 
-  layer = args.layer if args.layer is not None else max(cfg.n_layers - 2, 0)
-  if not 0 <= layer < cfg.n_layers:
-    raise ValueError(f"--layer={layer} is not a layer of this model; use 0..{cfg.n_layers - 1}.")
-  found = neighbours.nearest(model, db, checkpoint.encode_prompt(vocabulary, args.sentence), layer, args.neighbours)
+  prompt = checkpoint.encode_prompt(vocabulary, args.sentence)
+  found = neighbours.nearest(model, db, prompt, neighbour_layer, args.neighbours)
   write("neighbours.md", "\n".join([
-      f"# Nearest circuits at layer {layer} for: {args.sentence!r}", "",
+      f"# Nearest circuits at layer {neighbour_layer} for: {args.sentence!r}", "",
       "Each column is a token of the sentence; row r holds the input token of its r-th nearest circuit and "
       "the cosine distance.", "", neighbours.format_table(vocabulary, db, found), "", "## Contexts and predictions of the nearest circuits", "",
       neighbours.format_extended(vocabulary, db, found),
   ]))
-  print(f"nearest circuits at layer {layer}:\n" + neighbours.format_table(vocabulary, db, found))
+  print(f"nearest circuits at layer {neighbour_layer}:\n" + neighbours.format_table(vocabulary, db, found))
 
   for layer_i in range(cfg.n_layers):
     points = embedding.embed(cfg, db, layer_i, n_tokens=args.embed_tokens, per_token=args.per_token)

@@ -251,7 +251,7 @@ def local_eval_batches(config: ml_collections.ConfigDict, name: str, split: str,
   """One deterministic pass over task `name`'s split for this shard, the last batch zero-padded."""
   data = config.data
   lengths = {"targets": data.seq_len}
-  task = tasks.register_task(name, data, vocab.make_vocabulary(data, config.model.vocab_size))
+  task = seqio.get_mixture_or_task(tasks.task_name(name))  # registered by EvalData (or the caller)
   dataset = task.get_dataset(lengths, split=split, shuffle=False, shard_info=shard_info, num_epochs=1,
                              try_in_mem_cache=False)
   dataset = _feature_converter(data.pack)(dataset, task_feature_lengths=lengths)

@@ -32,10 +32,6 @@ class Gpt2BpeVocabulary(seqio.Vocabulary):
     super().__init__(extra_ids=0)
 
   @property
-  def bpe(self) -> bpe_vocab.Gpt2Bpe:
-    return self._bpe
-
-  @property
   def bos_id(self) -> None:
     return None
 

@@ -24,6 +24,7 @@ import safetensors.numpy
 
 from sparsetx import config as config_lib
 from sparsetx.evaluate import hf_neox, tokenizer_files
+from sparsetx.interp import checkpoint as checkpoint_lib
 from sparsetx.train import checkpointing, state as state_lib
 
 KINDS = ("auto", "neox", "custom")
@@ -36,15 +37,6 @@ ConfigError = config_lib.ConfigError
 # ---------------------------------------------------------------------------------------------- reading checkpoints
 
 
-def single_device_mesh(config: ml_collections.ConfigDict):
-  from sparsetx.parallel import mesh as mesh_lib
-
-  mesh_config = config.mesh.copy_and_resolve_references()
-  mesh_config.ici.update(data=1, fsdp=1, tensor=1, expert=1)
-  mesh_config.dcn.update(data=1, fsdp=1, tensor=1, expert=1)
-  return mesh_lib.make_mesh(mesh_config, jax.devices()[:1])
-
-
 def load_checkpoint(workdir: str, step: int | None = None) -> tuple[ml_collections.ConfigDict, dict, int]:
   """(config, params as numpy, step) of the checkpoint at `step` (default: the latest), on one device."""
   manager = checkpointing.open_read_only(workdir)
@@ -52,7 +44,7 @@ def load_checkpoint(workdir: str, step: int | None = None) -> tuple[ml_collectio
     step = manager.checked_step(step)
     config = manager.saved_config(step)
     config_lib.validate(config)
-    abstract, _, _, _ = state_lib.state_shardings(config, single_device_mesh(config))
+    abstract, _, _, _ = state_lib.state_shardings(config, checkpoint_lib.single_device_mesh(config))
     try:
       params = manager.restore_state(step, abstract).params
     except (ValueError, KeyError, TypeError) as error:
@@ -174,9 +166,9 @@ def write_hf(config: ml_collections.ConfigDict, params, out_dir: str, overwrite:
     _save_weights(tensors, os.path.join(staged.path, WEIGHTS), dtype)
     _write_json(os.path.join(staged.path, "config.json"), config_json)
     _write_json(os.path.join(staged.path, "generation_config.json"), dict(
-        bos_token_id=config_json.get("bos_token_id", hf_neox.START_ID),
-        eos_token_id=config_json.get("eos_token_id", hf_neox.EOS_ID),
-        pad_token_id=config_json.get("pad_token_id", hf_neox.PAD_ID),
+        bos_token_id=config_json["bos_token_id"],
+        eos_token_id=config_json["eos_token_id"],
+        pad_token_id=config_json["pad_token_id"],
         max_length=config.model.max_len,
     ))
     for path in getattr(mapping, "MODELING_FILES", ()):

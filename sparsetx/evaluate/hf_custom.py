@@ -22,16 +22,16 @@ import numpy as np
 
 from sparsetx import config as config_lib
 from sparsetx.config import ConfigError
+from sparsetx.evaluate.hf_neox import EOS_ID, PAD_ID, SPARSETX_KEY, START_ID as BOS_ID
+from sparsetx.train import checkpointing
 
 MODEL_TYPE = "sparsetx"
-SPARSETX_KEY = "sparsetx_model"  # the full sparsetx model config (config.model), as hf_neox names it
 _MODELING_DIR = pathlib.Path(__file__).resolve().parent / "hf_modeling"
 MODELING_FILES = [str(_MODELING_DIR / "configuration_sparsetx.py"), str(_MODELING_DIR / "modeling_sparsetx.py")]
 AUTO_MAP = {
     "AutoConfig": "configuration_sparsetx.SparsetxConfig",
     "AutoModelForCausalLM": "modeling_sparsetx.SparsetxForCausalLM",
 }
-BOS_ID, EOS_ID, PAD_ID = 0, 1, 0  # sparsetx's packed rows start with id 0 (pad); seqio's eos is 1
 
 
 def unsupported_reason(model_config) -> str | None:
@@ -80,7 +80,7 @@ def to_hf(model_config, params) -> tuple[dict, dict]:
       model_type=MODEL_TYPE,
       architectures=["SparsetxForCausalLM"],
       auto_map=dict(AUTO_MAP),
-      sparsetx_model=ml_collections.ConfigDict(m).to_dict(),
+      **{SPARSETX_KEY: ml_collections.ConfigDict(m).to_dict()},
       vocab_size=m.vocab_size,
       hidden_size=m.d_model,
       num_hidden_layers=m.n_layers,
@@ -103,7 +103,8 @@ def from_hf(config_json: dict, tensors: dict) -> tuple[ml_collections.ConfigDict
         f"config.json has model_type={config_json.get('model_type')!r} without a {SPARSETX_KEY!r} model config; "
         "import a directory written by sparsetx's export (kind 'custom')."
     )
-  model_config = ml_collections.ConfigDict(config_json[SPARSETX_KEY])
+  # As a checkpoint's saved config: tuples restored, fields newer than the export at their defaults.
+  model_config = checkpointing.config_from_saved({"model": config_json[SPARSETX_KEY]}).model
   try:
     config_lib.validate_model(model_config)
   except ConfigError as error:

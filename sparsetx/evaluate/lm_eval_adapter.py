@@ -80,7 +80,7 @@ class SparsetxLM(LM):
       sample = kwargs.pop("do_sample", None)
       temperature = float(kwargs.pop("temperature", 0.0)) if sample is not False else 0.0
       key = (max_new, temperature, int(kwargs.pop("top_k", 0) or 0), int(kwargs.pop("seed", 0) or 0))
-      groups.setdefault(key, []).append((i, [checkpoint_lib.START_ID] + self.encode(context), until))
+      groups.setdefault(key, []).append((i, checkpoint_lib.encode_prompt(self.vocabulary, context), until))
     for (max_new, temperature, top_k, seed), items in groups.items():
       generated = self.sampler.generate([prompt for _, prompt, _ in items], max_new, temperature, top_k, seed)
       for (i, _, until), ids in zip(items, generated):

@@ -63,7 +63,7 @@ class Sampler:
   """Generates continuations of token-id prompts with one model; `max_len` is the model's window."""
 
   def __init__(self, model, params, max_len: int, batch_size: int = 8, eos_id: int = 1):
-    self.model, self.params, self.max_len, self.batch_size, self.eos_id = model, params, max_len, batch_size, eos_id
+    self.params, self.max_len, self.batch_size, self.eos_id = params, max_len, batch_size, eos_id
     self._generate = jax.jit(functools.partial(_generate, model), static_argnums=0)
 
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,

@@ -91,9 +91,9 @@ def rolling_windows(tokens: list[int], prefix_id: int, max_len: int) -> list[tup
   prediction has as much context as the window allows. Same windows as lm-eval's, made disjoint.
   """
   windows, done = [], 0
+  padded = [prefix_id] + tokens  # padded[j] is the input that predicts tokens[j]
   while done < len(tokens):
     end = min(done + max_len, len(tokens))
-    padded = [prefix_id] + tokens  # padded[j] is the input that predicts tokens[j]
     first_input = max(0, end - max_len)
     windows.append((padded[first_input:done + 1], tokens[done:end]))
     done = end

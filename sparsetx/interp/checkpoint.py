@@ -36,7 +36,7 @@ def load(workdir: str, step: int | None = None):
     config.model.dtype = "float32"  # analysis compares values exactly; compute-only, the params are float32
     config_lib.validate(config)
     abstract, _, _, _ = state_lib.state_shardings(config, single_device_mesh(config))
-    params = manager.restore_state(step, abstract).params
+    params = manager.restore_params(step, abstract.params)
   finally:
     manager.close()
   return config, StandardizedTransformer(config.model, params), step

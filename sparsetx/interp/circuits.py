@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparsetx.models.ffn import fff
 from sparsetx.models.ffn.common import ACTIVATIONS
 
 SPARSE_TYPES = ("sgatlin", "peer", "fff", "moe")
@@ -47,7 +48,7 @@ def n_units(cfg) -> int:
   return {
       "sgatlin": ffn.n_channels * ffn.d_ffw,
       "peer": ffn.n_channels * ffn.d_ffw,
-      "fff": ffn.n_trees * (2 ** (ffn.depth + 1) - 1),
+      "fff": ffn.n_trees * fff.n_nodes(ffn.depth),
       "moe": ffn.n_experts,
   }[ffn.type]
 
@@ -61,8 +62,7 @@ def sparse_circuit(cfg, units, weights):
     ids = units + cfg.ffn.d_ffw * np.arange(units.shape[-2])[:, None]
     w = np.asarray(weights, np.float32)
   elif kind == "fff":  # [..., P, L]: one block of n_nodes per tree; a path is a set of nodes
-    n_nodes = 2 ** (cfg.ffn.depth + 1) - 1
-    ids = units + n_nodes * np.arange(units.shape[-2])[:, None]
+    ids = units + fff.n_nodes(cfg.ffn.depth) * np.arange(units.shape[-2])[:, None]
     w = np.ones(units.shape, np.float32)
   else:  # moe [..., K]
     return units.astype(np.int32), np.asarray(weights, np.float32)

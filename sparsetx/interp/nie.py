@@ -23,6 +23,7 @@ import dataclasses
 import numpy as np
 
 from sparsetx.data import corpus
+from sparsetx.interp import circuits as circuits_lib
 from sparsetx.interp.checkpoint import START_ID, encode_prompt
 from sparsetx.interp.trace import Patch
 
@@ -94,10 +95,8 @@ def fact_pairs(vocabulary, facts=None) -> PromptPairs:
 def gate_names(cfg, layer: int) -> tuple[str, str]:
   """The circuit's gates at a layer: what a do(g = g_patch) clamps."""
   kind = cfg.ffn.type
-  if kind in ("sgatlin", "peer"):
-    return f"layers[{layer}].mlp.gate_indices", f"layers[{layer}].mlp.gate_scores"
-  if kind == "moe":
-    return f"layers[{layer}].mlp.expert_ids", f"layers[{layer}].mlp.expert_weights"
+  if kind in ("sgatlin", "peer", "moe"):
+    return circuits_lib.circuit_names(cfg, layer)
   raise ValueError(
       f"config.model.ffn.type={kind!r} has no gates to patch (FFF routing is the forward pass; dense layers have none); "
       "NIE patching needs sgatlin, peer or moe."

@@ -13,6 +13,7 @@ fire together.
 import numpy as np
 
 from sparsetx.interp import circuits as circuits_lib
+from sparsetx.models.ffn import fff
 
 
 def gini(counts: np.ndarray) -> float:
@@ -88,6 +89,6 @@ def fff_path_table(cfg, db: circuits_lib.CircuitDatabase, top: int = 3) -> list[
 
 def fff_visits(cfg, db: circuits_lib.CircuitDatabase, layer: int):
   """(node visit frequency [P, n_nodes], leaf (path) frequency [P, 2**D]): fraction of tokens."""
-  n_nodes = 2 ** (cfg.ffn.depth + 1) - 1
+  n_nodes = fff.n_nodes(cfg.ffn.depth)
   node_PN = unit_counts(cfg, db, layer).reshape(cfg.ffn.n_trees, n_nodes) / max(len(db), 1)
   return node_PN, node_PN[:, n_nodes // 2 :]

@@ -108,10 +108,6 @@ class ExpertGroup:
     """Mesh axes of a table's d_model dimension, for its PartitionSpec."""
     return self.split or None
 
-  def gathered_size(self) -> int:
-    """How many devices' tokens one device sees after `gather_tokens`."""
-    return math.prod(self.mesh.shape[a] for a in self.units if a in self.batch)
-
 
 def expert_group(logical_name: str, n_units: int, n_tokens: int, field: str):
   """The ExpertGroup for units named `logical_name`, or None to run the plain computation.
@@ -384,9 +380,8 @@ def where_tokens_are(fn, *arrays_BT):
     return fn(*arrays_BT)
   flat = [a.reshape((B * T,) + a.shape[2:]) for a in arrays_BT]
   spec = P(batch)
-  out_shape = jax.eval_shape(fn, *flat)
   outs = jax.shard_map(
-      fn, mesh=mesh, in_specs=(spec,) * len(flat), out_specs=jax.tree.map(lambda _: spec, out_shape),
+      fn, mesh=mesh, in_specs=(spec,) * len(flat), out_specs=spec,
       axis_names=set(batch), check_vma=False,
   )(*flat)
   return jax.tree.map(lambda o: o.reshape((B, T) + o.shape[1:]), outs)

@@ -72,17 +72,13 @@ def frozen_schedule(schedule: optax.Schedule, freeze_steps: int) -> optax.Schedu
   return lambda step: jnp.where(step < freeze_steps, 0.0, schedule(step))
 
 
-def make_optimizer(train: ml_collections.ConfigDict, model: ml_collections.ConfigDict | None = None):
+def make_optimizer(train: ml_collections.ConfigDict, model: ml_collections.ConfigDict):
   """Clipping + AdamW; with train.freeze_steps > 0, the copied parameters (all but the swapped feed-forward
   layers) get learning rate 0 (and so no weight decay either) for that many steps."""
   schedule = learning_rate_schedule(train)
-  freeze_steps = train.get("freeze_steps", 0)
+  freeze_steps = train.freeze_steps
   if not freeze_steps:
     return optax.chain(optax.clip_by_global_norm(train.clip_norm), _adamw(train, schedule))
-  if model is None:
-    raise config_lib.ConfigError(
-        "config.train.freeze_steps needs the model config to know which layers are new; pass config.model."
-    )
   return optax.chain(
       optax.clip_by_global_norm(train.clip_norm),
       optax.multi_transform(

@@ -8,7 +8,7 @@ start at the root; at each of the D+1 levels evaluate z = <x, w_in> + b_in and g
 No gradient flows through the routing decision.
 
 Two implementations that agree in values and gradients:
-  sparse        kernels/tree_route.py: the top levels (15 nodes per tree) by one dense matmul, deeper
+  sparse        kernels/tree_route.py: the top DENSE_LEVELS levels (7 nodes per tree) by one dense matmul, deeper
                 levels by gathering one row per (token, tree, level); their outputs through the shared
                 gated gather (rows tree * n_nodes + node, gates 1, bias b_in) fed the walk's logits;
   masked_dense  evaluates every node and masks with the path (the paper's analysis form; a reference).
