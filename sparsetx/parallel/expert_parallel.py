@@ -26,8 +26,9 @@ inverse all-to-all before step 4. The table never moves.
 
 The layers find the mesh and the rules in the context: `activate(mesh, rules)` sets the mesh
 (`jax.set_mesh`) and the logical rules (a context variable here; flax's own `nn.logical_axis_rules`
-would also turn on flax's parameter sharding constraints, which the DenseGeneral routers reject). With no mesh, or a unit axis of size
-1, the layers run their plain single-device computation, so nothing changes for one device.
+would also turn on flax's parameter sharding constraints, which the DenseGeneral routers reject). With no
+mesh, or a unit axis of size 1, the layers run their plain single-device computation, so nothing changes for
+one device.
 """
 
 import contextlib
@@ -196,14 +197,14 @@ def split_gated_gather(group: ExpertGroup, x_ND, experts_2UND, idx_NUK, gates_NU
     u, d = experts_2uNd.shape[1], experts_2uNd.shape[-1]
     x_gD = gather_tokens(x_nD, group)
     idx_guK, gates_guK = to_owners(idx_nUK, group, unit_dim=1), to_owners(gates_nUK, group, unit_dim=1)
-    x_hd = _to_slices(x_gD, group)
+    x_hd = to_owners(x_gD, group, unit_dim=1, axes=group.split)  # d-slices: their owners are the split axes
     idx_huK, gates_huK = _gather_over_slices(idx_guK, group), _gather_over_slices(gates_guK, group)
     rows_hS = (idx_huK + n_neurons * jnp.arange(u, dtype=idx_huK.dtype)[:, None]).reshape(-1, u * K)
     y_hd = _sliced_gated_gather(
         activation, options, group.split, x_hd, experts_2uNd[0].reshape(u * n_neurons, d),
         experts_2uNd[1].reshape(u * n_neurons, d), rows_hS, gates_huK.reshape(rows_hS.shape),
     )
-    y_gD = _from_slices(y_hd.astype(jnp.float32 if group.units else dtype), group)
+    y_gD = from_owners(y_hd.astype(jnp.float32 if group.units else dtype), group, unit_dim=1, axes=group.split)
     return scatter_back(y_gD, group) if group.units else y_gD
 
   tokens = group.token_spec
@@ -214,27 +215,6 @@ def split_gated_gather(group: ExpertGroup, x_ND, experts_2UND, idx_NUK, gates_NU
       out_specs=tokens,
   )(x_ND, experts_2UND, idx_NUK.reshape(N, U, K), gates_NUK.reshape(N, U, K))
   return y_ND.astype(dtype)
-
-
-def _to_slices(x_gD, group: ExpertGroup):
-  """[tokens, D] -> [d-group tokens, D / S]: all-to-all over split axes that split the batch, else a local slice."""
-  for axis in group.split:
-    if axis in group.batch:
-      x_gD = jax.lax.all_to_all(x_gD, axis, split_axis=1, concat_axis=0, tiled=True)
-    else:
-      size = x_gD.shape[1] // group.mesh.shape[axis]
-      x_gD = jax.lax.dynamic_slice_in_dim(x_gD, jax.lax.axis_index(axis) * size, size, axis=1)
-  return x_gD
-
-
-def _from_slices(y_hd, group: ExpertGroup):
-  """The inverse of `_to_slices`: [d-group tokens, D / S] -> [tokens, D]."""
-  for axis in reversed(group.split):
-    if axis in group.batch:
-      y_hd = jax.lax.all_to_all(y_hd, axis, split_axis=0, concat_axis=1, tiled=True)
-    else:
-      y_hd = jax.lax.all_gather(y_hd, axis, axis=1, tiled=True)
-  return y_hd
 
 
 def _gather_over_slices(a_g, group: ExpertGroup):
@@ -426,9 +406,13 @@ def _gather_bwd(axes, dtype_probe, dy_g):
 _gather_f32_grad.defvjp(_gather_fwd, _gather_bwd)
 
 
-def to_owners(a_nU, group: ExpertGroup, unit_dim: int):
-  """[local tokens, all units, ...] -> [group tokens, local units, ...] (all-to-all or local slice)."""
-  for axis in group.units:
+def to_owners(a_nU, group: ExpertGroup, unit_dim: int, axes: tuple | None = None):
+  """[local tokens, all units, ...] -> [group tokens, local units, ...] (all-to-all or local slice).
+
+  Over `axes` (default: the group's unit axes); `split_gated_gather` passes the split axes to send
+  x's d-slices ([tokens, D] -> [d-group tokens, D / S]) the same way.
+  """
+  for axis in group.units if axes is None else axes:
     if axis in group.batch:
       a_nU = jax.lax.all_to_all(a_nU, axis, split_axis=unit_dim, concat_axis=0, tiled=True)
     else:
@@ -437,9 +421,9 @@ def to_owners(a_nU, group: ExpertGroup, unit_dim: int):
   return a_nU
 
 
-def from_owners(a_gU, group: ExpertGroup, unit_dim: int):
-  """The inverse of `to_owners`: [group tokens, local units, ...] -> [local tokens, all units, ...]."""
-  for axis in reversed(group.units):
+def from_owners(a_gU, group: ExpertGroup, unit_dim: int, axes: tuple | None = None):
+  """The inverse of `to_owners` (same `axes`): [group tokens, local units, ...] -> [local tokens, all units, ...]."""
+  for axis in reversed(group.units if axes is None else axes):
     if axis in group.batch:
       a_gU = jax.lax.all_to_all(a_gU, axis, split_axis=0, concat_axis=unit_dim, tiled=True)
     else:
