@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsetx.kernels.gated_gather import gated_gather
+from sparsetx.kernels.xla_gather import _chunked, _unchunk
 
 DENSE_LEVELS = 3  # levels computed by one matmul (7 nodes per tree) before the walk starts gathering
 WALK_ROWS_PER_CHUNK = 512  # gathered w_in rows per scan step of the walk (about 1.5 MiB at d_model 768)
@@ -33,10 +34,6 @@ def next_node(node, z):
   return 2 * node + 1 + (z > 0).astype(node.dtype)
 
 
-def _pad_tokens(a, n_padded):
-  return jnp.pad(a, [(0, n_padded - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
-
-
 def _walk_gathered(x_ND, w_in_PMD, b_in_PM, node_NP, n_levels, rows_per_chunk):
   """Walks n_levels levels down from node_NP, gathering one w_in row per (token, tree) per level.
 
@@ -45,13 +42,10 @@ def _walk_gathered(x_ND, w_in_PMD, b_in_PM, node_NP, n_levels, rows_per_chunk):
   multiply-reduce over all tokens, and ~15x faster than materializing [tokens, P, D].
   Returns the nodes and logits [N, P, n_levels].
   """
-  n_tokens, D = x_ND.shape
+  n_tokens = x_ND.shape[0]
   P = w_in_PMD.shape[0]
   tree_P = jnp.arange(P)
-  chunk = max(1, rows_per_chunk // P)
-  n_padded = -(-n_tokens // chunk) * chunk
-  x_KcD = _pad_tokens(x_ND, n_padded).reshape(-1, chunk, D)
-  node_KcP = _pad_tokens(node_NP, n_padded).reshape(-1, chunk, P)
+  x_KcD, node_KcP = _chunked([x_ND, node_NP], max(1, rows_per_chunk // P))
 
   def walk(_, xs):
     x_cD, node_cP = xs
@@ -66,7 +60,7 @@ def _walk_gathered(x_ND, w_in_PMD, b_in_PM, node_NP, n_levels, rows_per_chunk):
     return None, (jnp.stack(nodes, -1), jnp.stack(logits, -1))
 
   _, (path, z) = jax.lax.scan(walk, None, (x_KcD, node_KcP))
-  return path.reshape(n_padded, P, n_levels)[:n_tokens], z.reshape(n_padded, P, n_levels)[:n_tokens]
+  return _unchunk(path, n_tokens), _unchunk(z, n_tokens)
 
 
 def tree_paths(x_ND, w_in_PMD, b_in_PM, depth, dense_levels=DENSE_LEVELS, rows_per_chunk=WALK_ROWS_PER_CHUNK):

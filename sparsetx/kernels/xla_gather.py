@@ -36,13 +36,17 @@ def _pad_rows(a, n_padded):
 
 
 def _chunked(arrays, chunk):
-  """Pads the leading (token) axis to a multiple of chunk and splits it into [n_chunks, chunk, ...]."""
+  """Pads the leading (token) axis to a multiple of chunk and splits it into [n_chunks, chunk, ...].
+
+  Shared with tree_route's walk, which scans token chunks the same way.
+  """
   n = arrays[0].shape[0]
   n_padded = -(-n // chunk) * chunk
   return [_pad_rows(a, n_padded).reshape((n_padded // chunk, chunk) + a.shape[1:]) for a in arrays]
 
 
 def _unchunk(a, n):
+  """The inverse of `_chunked` for one array: [n_chunks, chunk, ...] -> the first n of [n_chunks * chunk, ...]."""
   return a.reshape((-1,) + a.shape[2:])[:n]
 
 
