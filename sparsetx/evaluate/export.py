@@ -224,24 +224,13 @@ def read_tensors(hf_dir: str) -> dict[str, np.ndarray]:
   return tensors
 
 
-def _check_tree(config: ml_collections.ConfigDict, params) -> dict:
-  """`params` as the model's exact tree, each leaf in its param dtype; a mismatch names the first differing leaf."""
-  import flax.linen as nn
+def _in_param_dtype(model: ml_collections.ConfigDict, params) -> dict:
+  """`params` as numpy in the model's param dtype (hf_neox reads float32; a saved param_dtype may be bfloat16).
 
-  model = state_lib.build_model(config)
-  tokens = jax.ShapeDtypeStruct((1, min(config.data.seq_len, config.model.max_len)), np.int32)
-  expected = nn.unbox(jax.eval_shape(lambda t: model.init(jax.random.key(0), t), tokens)["params"])
-  flat_expected = dict(jax.tree_util.tree_flatten_with_path(expected)[0])
-  flat_given = dict(jax.tree_util.tree_flatten_with_path(params)[0])
-  for path in sorted(set(flat_expected) | set(flat_given), key=str):
-    name = jax.tree_util.keystr(path)
-    if path not in flat_given or path not in flat_expected:
-      raise ConfigError(f"parameter {name} is {'missing' if path not in flat_given else 'unexpected'} for the model of "
-                        "config.json; the weights do not belong to this config.json.")
-    if tuple(np.shape(flat_given[path])) != tuple(flat_expected[path].shape):
-      raise ConfigError(f"parameter {name} has shape {np.shape(flat_given[path])} but the model of config.json needs "
-                        f"{flat_expected[path].shape}; the weights do not belong to this config.json.")
-  return jax.tree.map(lambda leaf, want: np.asarray(leaf).astype(want.dtype), params, expected)
+  Names and shapes are the mappings' to check: both refuse weights that do not fit config.json.
+  """
+  param_dtype = jax.numpy.dtype(model.param_dtype)
+  return jax.tree.map(lambda leaf: np.asarray(leaf).astype(param_dtype), params)
 
 
 def load_hf(hf_dir: str) -> tuple[ml_collections.ConfigDict, dict]:
@@ -278,7 +267,7 @@ def load_hf(hf_dir: str) -> tuple[ml_collections.ConfigDict, dict]:
   if vocab is not None:
     config.data.vocab = vocab
   config_lib.validate(config)
-  return config, _check_tree(config, params)
+  return config, _in_param_dtype(config.model, params)
 
 
 # ---------------------------------------------------------------------------------------------- writing checkpoints
