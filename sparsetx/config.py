@@ -19,6 +19,7 @@ SGATLIN_ROUTERS = ("product", "peer")
 FFF_VARIANTS = ("fff", "fff_post")
 FFF_IMPLEMENTATIONS = ("sparse", "masked_dense")
 KERNEL_IMPLEMENTATIONS = ("xla", "pallas", "auto")  # gated gather: see sparsetx/kernels/gated_gather.py
+GPU_KERNELS = ("mosaic", "triton", "auto")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -52,7 +53,10 @@ def ffn_defaults() -> ml_collections.ConfigDict:
                   implementation="auto",  # xla | pallas | auto (pallas on GPU/TPU, xla on CPU)
                   token_chunk=4,  # xla: tokens whose gathered rows exist at once (2-8 fastest on CPU)
                   pair_chunk=2048,  # table gradients: sorted (token, slot) pairs added per step
-                  block_tokens=8,  # pallas: tokens per program
+                  block_tokens=8,  # pallas (triton): tokens per program
+                  block_d=128,  # pallas (mosaic gpu): d_model chunk per gathered row copy (largest fitting divisor)
+                  stages=3,  # pallas (mosaic gpu): gathered [64, block_d] tiles in flight
+                  gpu_kernel="auto",  # pallas on GPU: mosaic | triton | auto (mosaic on sm_90+, triton before)
                   row_sorted=True,  # xla on CPU: training walks (token, slot) pairs in table-row order (kernels/xla_gather.py)
               )
           ),
@@ -307,8 +311,9 @@ def validate_ffn(ffn: ml_collections.ConfigDict, d_model: int, prefix: str = "co
     _one_of(f"{prefix}.implementation", ffn.implementation, FFF_IMPLEMENTATIONS)
   if kind in ("peer", "sgatlin", "fff"):
     _one_of(f"{prefix}.kernel.implementation", ffn.kernel.implementation, KERNEL_IMPLEMENTATIONS)
-    for field in ("token_chunk", "pair_chunk", "block_tokens"):
+    for field in ("token_chunk", "pair_chunk", "block_tokens", "block_d", "stages"):
       _positive_int(f"{prefix}.kernel.{field}", ffn.kernel[field])
+    _one_of(f"{prefix}.kernel.gpu_kernel", ffn.kernel.gpu_kernel, GPU_KERNELS)
 
 
 def validate_model(model: ml_collections.ConfigDict, prefix: str = "config.model") -> None:

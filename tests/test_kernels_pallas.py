@@ -51,3 +51,80 @@ def test_pallas_tpu_kernels_equal_xla_path_in_interpret_mode():
       xla_gather.backward_rows(dy, h_x, w_in, w_out, rows, gates, act, options),
   ):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, activation, with_bias, block_d, stages, rtol",
+    [
+        ((1, 11, 2, 1, 5, 64), jnp.float32, "gelu", True, 32, 2, 2e-5),  # two d_model chunks, ragged token block
+        ((2, 8, 2, 1, 4, 64), jnp.bfloat16, "identity", False, 64, 3, 2e-2),  # more stages than steps per chunk
+    ],
+)
+def test_mosaic_gpu_kernels_equal_xla_path(shape, dtype, activation, with_bias, block_d, stages, rtol):
+  from sparsetx.kernels import mosaic_gpu
+
+  x, w_in, w_out, rows, gates, bias = gather_case(6, *shape, dtype=dtype)
+  bias = bias if with_bias else None
+  act = ACTIVATIONS[activation]
+  run = lambda options: value_and_grads(
+      lambda *a: gated_gather(*a[:5], act, a[5], options), x, w_in, w_out, rows, gates, bias
+  )
+  mosaic = KernelOptions("pallas", gpu_kernel="mosaic", block_d=block_d, stages=stages, interpret=True)
+  (loss_m, grads_m) = run(mosaic)
+  (loss_x, grads_x) = run(KernelOptions("xla", token_chunk=4, pair_chunk=16))
+  assert not mosaic_gpu.races_found()  # the interpreter's shared-memory race detector saw none
+  np.testing.assert_allclose(loss_m, loss_x, rtol=rtol)
+  for name, a, b in zip(("x", "w_in", "w_out", "gates", "bias"), grads_m, grads_x):
+    assert a.dtype == b.dtype, name
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    scale = np.abs(b).max()
+    np.testing.assert_allclose(a / scale, b / scale, rtol=rtol, atol=rtol / 4, err_msg=name)
+
+
+def test_mosaic_gpu_forward_from_given_pre_activations_equals_xla_path():
+  x, w_in, w_out, rows, gates, bias = gather_case(7, 1, 9, 2, 1, 5, 32)
+  act = ACTIVATIONS["gelu"]
+  h = jnp.einsum("btd,btsd->bts", x, w_in[rows]) + bias[rows]
+  y = {
+      name: gated_gather(x, w_in, w_out, rows, gates, act, bias, options, pre_activation=h)
+      for name, options in [
+          ("mosaic", KernelOptions("pallas", gpu_kernel="mosaic", block_d=32, interpret=True)),
+          ("xla", KernelOptions("xla")),
+      ]
+  }
+  np.testing.assert_allclose(y["mosaic"], y["xla"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n_slots", [128, 300])  # sgatlin's C*K; more than one 256-slot TMA box
+def test_mosaic_gpu_kernels_lower_for_cuda(monkeypatch, n_slots):
+  """Lowering for CUDA on CPU runs Mosaic GPU's own checks (register layouts, transfer plans, TMA boxes)."""
+  import jax
+
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  options = KernelOptions("pallas", gpu_kernel="mosaic")
+  n_tokens, n_rows, d_model = 2048, 4096, 768
+  spec = jax.ShapeDtypeStruct
+  table, x = spec((n_rows, d_model), jnp.float32), spec((n_tokens, d_model), jnp.bfloat16)
+  rows, gates = spec((n_tokens, n_slots), jnp.int32), spec((n_tokens, n_slots), jnp.float32)
+  loss = lambda x, w_in, w_out, gates: jnp.sum(gated_gather(x, w_in, w_out, rows_, gates, options=options) ** 2)
+  rows_ = jnp.zeros(rows.shape, rows.dtype)
+  lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).trace(x, table, table, gates)
+  text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 4  # row_dots and row_accumulate, forward and backward
+
+
+def test_mosaic_gpu_kernel_options_are_checked():
+  from sparsetx.kernels import gated_gather as gg
+  from sparsetx.kernels import mosaic_gpu
+
+  x, table, rows = jnp.zeros((64, 16)), jnp.zeros((8, 16)), jnp.zeros((64, 2), jnp.int32)
+  with pytest.raises(ValueError, match="d_model=16 has no chunk"):
+    mosaic_gpu.row_dots(x, table, rows, KernelOptions(block_d=128))
+  x, table = jnp.zeros((64, 1024)), jnp.zeros((8, 1024))
+  with pytest.raises(ValueError, match="lower kernel.stages=8"):
+    mosaic_gpu.row_dots(x, table, rows, KernelOptions(block_d=1024, stages=8))
+  with pytest.raises(ValueError, match="blocks of 64"):
+    mosaic_gpu.row_accumulate(jnp.zeros((2, 10)), table, rows[:10], jnp.float32, KernelOptions())
+  assert gg._gpu_kernel(KernelOptions(), "cpu") == "triton"  # off GPU, auto interprets the faster Triton path
+  with pytest.raises(ValueError, match="gpu_kernel='cuda' is unknown"):
+    gg._gpu_kernel(KernelOptions(gpu_kernel="cuda"), "gpu")

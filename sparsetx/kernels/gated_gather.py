@@ -9,8 +9,8 @@ Dots and sums accumulate in float32; y and dx have x's dtype. A caller that alre
 pre-activations (FFF's walk) passes them in, and the XLA forward then gathers only w_out rows.
 
 `options.implementation` picks the backend: `xla` (token-chunked gathers, xla_gather.py),
-`pallas` (pallas_gpu.py on GPU, pallas_tpu.py on TPU, interpret mode elsewhere) or `auto`
-(pallas on GPU/TPU, xla on CPU). Every backend shares the deterministic sorted-segment table
+`pallas` (on GPU mosaic_gpu.py from Hopper on or the Triton lowering pallas_gpu.py, by `options.gpu_kernel`;
+pallas_tpu.py on TPU; interpret mode elsewhere) or `auto` (pallas on GPU/TPU, xla on CPU). Every backend shares the deterministic sorted-segment table
 gradients (segment_grads.py), except the XLA path's row-sorted variant (`options.row_sorted`, used on CPU
 in float32 when gradients are taken), whose forward sorts once and whose backward walks that same order
 for every gradient (xla_gather.py). The papers' formulation stays in reference.py.
@@ -22,10 +22,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sparsetx.config import GPU_KERNELS
+from sparsetx.config import KERNEL_IMPLEMENTATIONS as IMPLEMENTATIONS
 from sparsetx.kernels import segment_grads, xla_gather
 from sparsetx.kernels.reference import gated_gather_reference, identity
 
-IMPLEMENTATIONS = ("xla", "pallas", "auto")
 
 
 class KernelOptions(NamedTuple):
@@ -34,7 +35,10 @@ class KernelOptions(NamedTuple):
   implementation: str = "auto"
   token_chunk: int = 4  # xla path: tokens whose gathered rows exist at once
   pair_chunk: int = 2048  # table gradients: sorted (token, slot) pairs added per step
-  block_tokens: int = 8  # pallas: tokens per program (grid step)
+  block_tokens: int = 8  # pallas (triton): tokens per program (grid step)
+  block_d: int = 128  # pallas (mosaic gpu): d_model chunk of one gathered row copy
+  stages: int = 3  # pallas (mosaic gpu): gathered [64, block_d] tiles in flight
+  gpu_kernel: str = "auto"  # pallas on GPU: mosaic (Hopper and newer) | triton | auto (mosaic from sm_90)
   interpret: bool = False  # pallas: run the kernels in interpret mode (tests on CPU)
   row_sorted: bool = True  # xla on CPU, with gradients: one row-order sort and walk (xla_gather.row_sorted_*)
 
@@ -49,6 +53,9 @@ def options_from_config(kernel_cfg) -> KernelOptions:
       pair_chunk=kernel_cfg.pair_chunk,
       block_tokens=kernel_cfg.block_tokens,
       row_sorted=bool(kernel_cfg.get("row_sorted", True)),
+      block_d=kernel_cfg.get("block_d", 128),
+      stages=kernel_cfg.get("stages", 3),
+      gpu_kernel=kernel_cfg.get("gpu_kernel", "auto"),
   )
 
 
@@ -66,9 +73,27 @@ def _backend(options: KernelOptions):
     from sparsetx.kernels import pallas_tpu
 
     return pallas_tpu
-  from sparsetx.kernels import pallas_gpu  # GPU, or interpret mode anywhere else
+  if _gpu_kernel(options, platform) == "mosaic":
+    from sparsetx.kernels import mosaic_gpu
+
+    return mosaic_gpu
+  from sparsetx.kernels import pallas_gpu  # Triton: GPU, or interpret mode anywhere else
 
   return pallas_gpu
+
+
+def _gpu_kernel(options, platform):
+  """mosaic on Hopper and newer (sm_90+); triton on older GPUs and, by default, in interpret mode off GPU
+  (the generic interpreter is much faster than Mosaic GPU's simulation of TMA and barriers)."""
+  choice = options.gpu_kernel
+  if choice not in GPU_KERNELS:
+    raise ValueError(f"kernel gpu_kernel={choice!r} is unknown; use one of {GPU_KERNELS}.")
+  if choice != "auto":
+    return choice
+  if platform != "gpu":
+    return "triton"
+  capability = getattr(jax.devices()[0], "compute_capability", "0")
+  return "mosaic" if float(capability) >= 9.0 else "triton"
 
 
 def _row_sorted(options, x_ND, w_in_RD, h_given_NS):
@@ -89,8 +114,8 @@ def _forward_impl(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_N
     order = xla_gather.row_order(rows_NS, gates_NS, w_in_RD.shape[0], options.pair_chunk)
     y_ND, h_P = xla_gather.row_sorted_forward(x_ND, w_in_RD, w_out_RD, order, bias_R, activation, options)
     return y_ND, (order, h_P)
-  if h_given_NS is not None and backend is xla_gather:
-    y_ND = xla_gather.forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_given_NS, activation, options)
+  if h_given_NS is not None and hasattr(backend, "forward_from_pre_activation"):
+    y_ND = backend.forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_given_NS, activation, options)
     return y_ND, h_given_NS
   return backend.forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, activation, options)
 

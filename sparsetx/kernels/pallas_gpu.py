@@ -6,11 +6,10 @@ dots, gates and accumulates in float32 registers. Per-slot arrays travel transpo
 slot is a contiguous row of the block. The table gradients are the shared sorted-segment sums
 (segment_grads.py).
 
-Why Triton and not Mosaic GPU: the pinned JAX (0.10.x) still lowers Pallas to Triton, and a
-per-token row gather is an indexed pointer load there; Mosaic GPU on Hopper moves data with TMA
-tiles, which gather contiguous boxes rather than arbitrary rows, so a Mosaic GPU kernel needs a
-different design (row-sorted tiles) and is not written yet. Off GPU the kernels run in interpret
-mode, which is how the tests check them on CPU.
+Mosaic GPU (mosaic_gpu.py) is the kernel for Hopper and newer; this Triton lowering, still supported by the
+pinned JAX (0.10.x), serves older GPUs (A100) and `kernel.gpu_kernel=triton`, and off GPU its generic
+interpreter is the fast way to check a Pallas path on CPU. A per-token row gather is an indexed pointer load
+here, so no TMA row copies are needed.
 
 Triton needs power-of-two block shapes: S and the block of tokens are padded here (padding slots
 have gate 0 and contribute nothing); D must be a power of two on GPU (interpret mode takes any D).

@@ -1,0 +1,286 @@
+"""Mosaic GPU kernels of the gated gather (Hopper and newer: H100, H200, B200), forward and token-side backward.
+
+Two kernels do all the row work; the per-slot arithmetic between them is elementwise on [N, S] and stays
+in XLA (N * S floats, about 1 MB at 2,048 tokens and S = 128, against ~800 MB of gathered rows):
+
+  row_dots:        dots[s, t] = <lhs[t], table[rows[t, s]]>           (forward: x . w_in; backward: dy . w_out)
+  row_accumulate:  out[t]     = sum_s coef[s, t] * table[rows[t, s]]   (forward: y from w_out; backward: dx from w_in)
+
+One program owns a block of 64 tokens (the row tile of one warpgroup's WGMMA register layout) and walks
+d_model in chunks of `block_d`. Hopper's TMA engine moves boxes, not scattered rows, so each gathered
+[64, block_d] tile is filled by 64 one-row TMA copies (a row chunk, at the row the token picked) that all
+arrive on one barrier; a ring of `stages` such tiles keeps the next tiles in flight while the warpgroup
+multiplies the current one in float32 registers. No [tokens, S, D] copy of the rows exists in HBM.
+Blackwell's TMA gather (four rows per copy) would cut the copy count by 4; not used yet.
+
+Mosaic GPU's interpret mode runs these kernels on CPU (barriers, TMA and shared memory simulated, with race
+detection in the tests); it does not model register layouts, so layout casts and layout-directed loads are
+applied only when lowering for a GPU (`_Lanes`). Tests also lower both kernels for CUDA on CPU, which runs
+Mosaic's own layout and transfer checks.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# Mosaic GPU's interpret mode is not exported publicly in the pinned JAX (0.10.x).
+from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+BLOCK_TOKENS = 64  # rows of a WGMMA-layout register tile: one warpgroup's token block
+
+
+class _Lanes:
+  """Register-layout directives, applied only when compiling for a GPU (interpret mode has no layouts)."""
+
+  def __init__(self, interpret):
+    self.interpret = interpret
+
+  def load(self, ref, layout):
+    return ref[...] if self.interpret else plgpu.load(ref, (), layout=layout, optimized=False)
+
+  def cast(self, array, layout):
+    return array if self.interpret else plgpu.layout_cast(array, layout)
+
+
+TILE = plgpu.Layout.WGMMA  # [64, block_d] float32 tile
+PER_TOKEN = plgpu.Layout.WGMMA.reduce(1)  # [64] vector, one value per token row of a tile
+
+
+SMEM_BYTES = 227 * 1024  # per block on H100 / H200
+
+
+def races_found() -> bool:
+  """Whether a kernel run in interpret mode since the last reset raced on shared memory (tests assert not)."""
+  return get_races().races_found
+
+
+def _block_d(d_model, itemsize, options):
+  """The largest chunk <= options.block_d that divides d_model and makes one row copy a multiple of 128 bytes."""
+  step = max(1, 128 // itemsize)
+  fits = [b for b in range(step, min(options.block_d, d_model) + 1, step) if d_model % b == 0]
+  if not fits:
+    raise ValueError(
+        f"d_model={d_model} has no chunk <= kernel.block_d={options.block_d} that is a multiple of {step} values "
+        "(TMA copies move multiples of 128 bytes); raise block_d or use kernel.gpu_kernel='triton'."
+    )
+  return fits[-1]
+
+
+def _check_tokens(n_tokens):
+  if n_tokens % BLOCK_TOKENS:
+    raise ValueError(f"mosaic_gpu kernels take tokens in blocks of {BLOCK_TOKENS}; got {n_tokens} (pad first).")
+
+
+def _check_smem(nbytes, options):
+  if nbytes > SMEM_BYTES:
+    raise ValueError(
+        f"the kernel needs {nbytes} bytes of shared memory (> {SMEM_BYTES}); lower kernel.stages={options.stages} "
+        f"or kernel.block_d={options.block_d}."
+    )
+
+
+def _slot_slabs(n_slots):
+  """[start, size) ranges of at most 256 slots: a TMA box spans at most 256 elements per dimension."""
+  return [(start, min(256, n_slots - start)) for start in range(0, n_slots, 256)]
+
+
+def _interpret_params(options):
+  if options.interpret or jax.default_backend() != "gpu":
+    return InterpretGPUParams(detect_races=True)  # tests read the verdict: races_found()
+  return None
+
+
+def _gather_tile(table_gmem, rows_of, c, block_d, tile_smem, barrier):
+  """Starts the 64 one-row copies that fill tile_smem [64, block_d] with chunk c of rows_of(j), j < 64."""
+
+  @pl.loop(0, BLOCK_TOKENS)
+  def _(j):
+    row = table_gmem.at[pl.ds(rows_of(j), 1), pl.ds(c * block_d, block_d)]
+    plgpu.copy_gmem_to_smem(row, tile_smem.at[pl.ds(j, 1)], barrier)
+
+
+def row_dots(lhs_ND, table_RD, rows_NS, options):
+  """dots [S, N] float32: <lhs[t], table[rows[t, s]]>, both operands rounded to lhs's dtype, summed in float32."""
+  n_tokens, d_model = lhs_ND.shape
+  n_slots = rows_NS.shape[1]
+  dtype = lhs_ND.dtype
+  _check_tokens(n_tokens)
+  block_d = _block_d(d_model, min(dtype.itemsize, table_RD.dtype.itemsize), options)
+  stages = options.stages
+  _check_smem(stages * BLOCK_TOKENS * block_d * (dtype.itemsize + table_RD.dtype.itemsize) + 4 * n_slots * BLOCK_TOKENS, options)
+  interpret = _interpret_params(options)
+  lanes = _Lanes(interpret is not None)
+  n_chunks = d_model // block_d
+  steps_per_chunk = n_slots + 1  # the block's own lhs chunk, then one gathered tile per slot
+  n_steps = n_chunks * steps_per_chunk
+
+  def body(lhs_gmem, table_gmem, rows_gmem, dots_gmem, lhs_ring, table_ring, dots_smem, loaded):
+    t0 = lax.axis_index("tokens") * BLOCK_TOKENS
+
+    def issue(q):
+      c, r = lax.div(q, steps_per_chunk), lax.rem(q, steps_per_chunk)
+      slot = lax.rem(q, stages)
+
+      @pl.when(r == 0)
+      def _():
+        _gather_tile(lhs_gmem, lambda j: t0 + j, c, block_d, lhs_ring.at[slot], loaded.at[slot])
+
+      @pl.when(r > 0)
+      def _():
+        _gather_tile(table_gmem, lambda j: rows_gmem[t0 + j, r - 1], c, block_d, table_ring.at[slot], loaded.at[slot])
+
+    def take(q, ring):
+      @pl.when(q + stages - 1 < n_steps)
+      def _():
+        issue(q + stages - 1)
+
+      slot = lax.rem(q, stages)
+      plgpu.barrier_wait(loaded.at[slot])
+      return lanes.load(ring.at[slot], TILE).astype(dtype).astype(jnp.float32)
+
+    for q in range(min(stages - 1, n_steps)):
+      issue(q)
+
+    @pl.loop(0, n_chunks)
+    def _(c):
+      lhs_tile = take(c * steps_per_chunk, lhs_ring)
+
+      @pl.loop(0, n_slots)
+      def _(s):
+        table_tile = take(c * steps_per_chunk + 1 + s, table_ring)
+        partial = jnp.sum(lhs_tile * table_tile, axis=1)
+        previous = lanes.load(dots_smem.at[s], PER_TOKEN)
+        dots_smem[s] = jnp.where(c == 0, partial, previous + partial)
+
+    plgpu.commit_smem()
+    for start, size in _slot_slabs(n_slots):
+      plgpu.copy_smem_to_gmem(dots_smem.at[pl.ds(start, size)], dots_gmem.at[pl.ds(start, size), pl.ds(t0, BLOCK_TOKENS)])
+    plgpu.wait_smem_to_gmem(0)
+
+  kernel = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((n_slots, n_tokens), jnp.float32),
+      grid=(n_tokens // BLOCK_TOKENS,),
+      grid_names=("tokens",),
+      scratch_types=[
+          plgpu.SMEM((stages, BLOCK_TOKENS, block_d), dtype),
+          plgpu.SMEM((stages, BLOCK_TOKENS, block_d), table_RD.dtype),
+          plgpu.SMEM((n_slots, BLOCK_TOKENS), jnp.float32),
+          plgpu.Barrier(num_arrivals=BLOCK_TOKENS, num_barriers=stages),
+      ],
+      interpret=interpret,
+  )
+  return kernel(lhs_ND, table_RD, rows_NS)
+
+
+def row_accumulate(coef_SN, table_RD, rows_NS, out_dtype, options):
+  """out [N, D] in out_dtype: sum_s coef[s, t] * table[rows[t, s]] (rows rounded to out_dtype, float32 sums)."""
+  n_slots, n_tokens = coef_SN.shape
+  d_model = table_RD.shape[1]
+  out_dtype = jnp.dtype(out_dtype)
+  _check_tokens(n_tokens)
+  block_d = _block_d(d_model, min(out_dtype.itemsize, table_RD.dtype.itemsize), options)
+  stages = options.stages
+  _check_smem(BLOCK_TOKENS * block_d * (stages * table_RD.dtype.itemsize + out_dtype.itemsize) + 4 * n_slots * BLOCK_TOKENS, options)
+  interpret = _interpret_params(options)
+  lanes = _Lanes(interpret is not None)
+  n_chunks = d_model // block_d
+  n_steps = n_chunks * n_slots
+
+  def body(coef_gmem, table_gmem, rows_gmem, out_gmem, ring, coef_smem, out_smem, loaded, coef_loaded):
+    t0 = lax.axis_index("tokens") * BLOCK_TOKENS
+    for start, size in _slot_slabs(n_slots):
+      coef_slab = coef_gmem.at[pl.ds(start, size), pl.ds(t0, BLOCK_TOKENS)]
+      plgpu.copy_gmem_to_smem(coef_slab, coef_smem.at[pl.ds(start, size)], coef_loaded)
+
+    def issue(q):
+      c, s = lax.div(q, n_slots), lax.rem(q, n_slots)
+      slot = lax.rem(q, stages)
+      _gather_tile(table_gmem, lambda j: rows_gmem[t0 + j, s], c, block_d, ring.at[slot], loaded.at[slot])
+
+    for q in range(min(stages - 1, n_steps)):
+      issue(q)
+    plgpu.barrier_wait(coef_loaded)
+
+    @pl.loop(0, n_chunks)
+    def _(c):
+      def add_slot(s, acc):
+        q = c * n_slots + s
+
+        @pl.when(q + stages - 1 < n_steps)
+        def _():
+          issue(q + stages - 1)
+
+        slot = lax.rem(q, stages)
+        plgpu.barrier_wait(loaded.at[slot])
+        tile = lanes.load(ring.at[slot], TILE).astype(out_dtype).astype(jnp.float32)
+        coef = lanes.load(coef_smem.at[s], PER_TOKEN)
+        return acc + lax.broadcast_in_dim(coef, tile.shape, [0]) * tile
+
+      acc = lax.fori_loop(0, n_slots, add_slot, lanes.cast(jnp.zeros((BLOCK_TOKENS, block_d), jnp.float32), TILE))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk has left out_smem
+      out_smem[...] = acc.astype(out_dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[pl.ds(t0, BLOCK_TOKENS), pl.ds(c * block_d, block_d)])
+
+    plgpu.wait_smem_to_gmem(0)
+
+  kernel = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((n_tokens, d_model), out_dtype),
+      grid=(n_tokens // BLOCK_TOKENS,),
+      grid_names=("tokens",),
+      scratch_types=[
+          plgpu.SMEM((stages, BLOCK_TOKENS, block_d), table_RD.dtype),
+          plgpu.SMEM((n_slots, BLOCK_TOKENS), jnp.float32),
+          plgpu.SMEM((BLOCK_TOKENS, block_d), out_dtype),
+          plgpu.Barrier(num_arrivals=BLOCK_TOKENS, num_barriers=stages),
+          plgpu.Barrier(num_arrivals=len(_slot_slabs(n_slots))),
+      ],
+      interpret=interpret,
+  )
+  return kernel(coef_SN, table_RD, rows_NS)
+
+
+def _pad_tokens(n_tokens, *arrays_N):
+  n_padded = -(-n_tokens // BLOCK_TOKENS) * BLOCK_TOKENS
+  return [jnp.pad(a, [(0, n_padded - n_tokens)] + [(0, 0)] * (a.ndim - 1)) for a in arrays_N]
+
+
+def _derivative(activation, h):
+  """act'(h) for an elementwise activation (a JVP with unit tangent)."""
+  return jax.jvp(activation, (h,), (jnp.ones_like(h),))[1]
+
+
+def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, activation, options):
+  """y [N, D] (x's dtype) and pre-activations h [N, S] (float32). Padding tokens gather row 0 with gate 0."""
+  n_tokens = x_ND.shape[0]
+  x_pD, rows_pS = _pad_tokens(n_tokens, x_ND, rows_NS)
+  h_NS = row_dots(x_pD, w_in_RD, rows_pS, options).T[:n_tokens]
+  if bias_R is not None:
+    h_NS = h_NS + bias_R[rows_NS].astype(jnp.float32)
+  return forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_NS, activation, options), h_NS
+
+
+def forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_NS, activation, options):
+  """y [N, D] from given pre-activations h [N, S]: only w_out rows are gathered (FFF's walk has the logits)."""
+  n_tokens = x_ND.shape[0]
+  a_NS = (activation(h_NS) * gates_NS.astype(jnp.float32)).astype(x_ND.dtype).astype(jnp.float32)
+  a_pS, rows_pS = _pad_tokens(n_tokens, a_NS, rows_NS)
+  return row_accumulate(a_pS.T, w_out_RD, rows_pS, x_ND.dtype, options)[:n_tokens]
+
+
+def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, activation, options):
+  """dx [N, D], dgates, coef_in = dL/dh and coef_out = gate * act(h) ([N, S] float32)."""
+  n_tokens = dy_ND.shape[0]
+  dy_pD, rows_pS = _pad_tokens(n_tokens, dy_ND, rows_NS)
+  dyw_NS = row_dots(dy_pD, w_out_RD, rows_pS, options).T[:n_tokens]
+  gates_NS = gates_NS.astype(jnp.float32)
+  act_NS = activation(h_NS)
+  coef_in_NS = _derivative(activation, h_NS) * gates_NS * dyw_NS
+  dx_coef_pS, = _pad_tokens(n_tokens, coef_in_NS.astype(dy_ND.dtype).astype(jnp.float32))
+  dx_ND = row_accumulate(dx_coef_pS.T, w_in_RD, rows_pS, dy_ND.dtype, options)[:n_tokens]
+  return dx_ND, act_NS * dyw_NS, coef_in_NS, act_NS * gates_NS
