@@ -13,6 +13,9 @@ Writes to --output (default <workdir>/circuits):
   fff_visits.png, pruning.md, pruning.png   FFF: node visit frequencies; validation loss against the
                      fraction of least-visited nodes pruned
   summary.json       the numbers above, machine-readable
+
+A partly sparsified model (config.model.ffn_layers, from tools/sparsify.py) is analysed at its sparse
+layers only, each under its own index in the model; --layer must name one of them.
 """
 
 import argparse
@@ -67,14 +70,15 @@ def _plot_pruning(results: list[dict], path: str) -> None:
 def analyse(args) -> dict:
   config, model, step = checkpoint.load(args.workdir, args.step)
   cfg = model.cfg
-  circuits.check_sparse(cfg)
-  neighbour_layer = args.layer if args.layer is not None else max(cfg.n_layers - 2, 0)
-  if not 0 <= neighbour_layer < cfg.n_layers:  # before anything is computed or written
-    raise ValueError(f"--layer={neighbour_layer} is not a layer of this model; use 0..{cfg.n_layers - 1}.")
+  layers = circuits.sparse_layers(cfg)  # refuses a model without sparse circuits
+  # default: the penultimate layer, or the nearest sparse layer below it (a mixed model's first sparse layer)
+  neighbour_layer = args.layer if args.layer is not None else max([i for i in layers if i <= cfg.n_layers - 2],
+                                                                  default=layers[0])
+  circuits.check_layer(cfg, neighbour_layer, "--layer")  # before anything is computed or written
   out = args.output or os.path.join(args.workdir, "circuits")
   os.makedirs(out, exist_ok=True)
   vocabulary = checkpoint.vocabulary(config)
-  summary = dict(step=int(step), ffn_type=cfg.ffn.type, files=[])
+  summary = dict(step=int(step), ffn_type=cfg.ffn.type, sparse_layers=list(layers), files=[])
 
   def write(name: str, text: str) -> None:
     with open(os.path.join(out, name), "w") as f:
@@ -91,7 +95,7 @@ def analyse(args) -> dict:
 
   table = usage.usage_table(cfg, db)
   text = ["# Unit usage over the validation rows", "", _markdown(table)]
-  for layer in range(cfg.n_layers):
+  for layer in layers:
     pairs = usage.top_pairs(cfg, db, layer)
     if pairs:
       text += ["", f"## Layer {layer}: most co-activated units (lift over independence)", "", _markdown(pairs)]
@@ -113,7 +117,7 @@ def analyse(args) -> dict:
   ]))
   print(f"nearest circuits at layer {neighbour_layer}:\n" + neighbours.format_table(vocabulary, db, found))
 
-  for layer_i in range(cfg.n_layers):
+  for layer_i in layers:
     points = embedding.embed(cfg, db, layer_i, n_tokens=args.embed_tokens, per_token=args.per_token)
     embedding.plot(vocabulary, points, os.path.join(out, f"embedding_layer{layer_i}.png"))
     summary["files"].append(f"embedding_layer{layer_i}.png")
@@ -131,7 +135,7 @@ def analyse(args) -> dict:
     print(nie.format_table(result))
 
   if cfg.ffn.type == "fff":
-    visits = {layer_i: usage.fff_visits(cfg, db, layer_i)[0] for layer_i in range(cfg.n_layers)}
+    visits = {layer_i: usage.fff_visits(cfg, db, layer_i)[0] for layer_i in layers}
     _plot_visits(visits, os.path.join(out, "fff_visits.png"))
     summary["files"].append("fff_visits.png")
     fractions = [float(f) for f in args.prune_fractions.split(",")]
@@ -158,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--context", type=int, default=12, help="preceding tokens stored with each circuit")
   parser.add_argument("--sentence", default="A big dog named Rex had a red collar. He wore it every day.",
                       help="sentence whose circuits get neighbours (best not verbatim in the validation split)")
-  parser.add_argument("--layer", type=int, default=None, help="layer of the neighbour table (default: the penultimate)")
+  parser.add_argument("--layer", type=int, default=None,
+                      help="sparse layer of the neighbour table (default: penultimate, or the sparse layer below)")
   parser.add_argument("--neighbours", type=int, default=10)
   parser.add_argument("--embed_tokens", type=int, default=20, help="most frequent tokens in the 2-D map")
   parser.add_argument("--per_token", type=int, default=40, help="circuits per token in the 2-D map")

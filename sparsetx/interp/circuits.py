@@ -5,11 +5,13 @@ A token's circuit at a layer is a sparse vector over the layer's units, stored a
                  (S = C * K nonzeros; this is gate_vector flattened);
   FFF            the tree path: unit p * n_nodes + path_nodes[p, l], weight 1 (S = P * (D + 1));
   MoE            the chosen experts, weight expert_weights (S = experts_per_token).
-Dense layers have no sparse circuit. Cosine similarity of two circuits is the sgatlin paper's
+Dense layers have no sparse circuit: in a mixed model (config.model.ffn_layers, from tools/sparsify.py)
+only the layers built from config.model.ffn have one, and every tool here analyses those layers,
+numbered by their index in the model. Cosine similarity of two circuits is the sgatlin paper's
 metric (Sec. 4.2); on FFF paths it is the fraction of shared path nodes.
 
 The database (paper Fig. 4) holds, per real token of some validation rows: the input token, its
-preceding context, the model's top-5 next-token predictions and each layer's circuit. It is saved
+preceding context, the model's top-5 next-token predictions and each sparse layer's circuit. It is saved
 as one .npz of numeric arrays (loaded with allow_pickle=False).
 """
 
@@ -19,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparsetx import config as config_lib
 from sparsetx.models.ffn import fff
 from sparsetx.models.ffn.common import ACTIVATIONS
 
@@ -32,9 +35,31 @@ def check_sparse(cfg) -> None:
     )
 
 
+def sparse_layers(cfg) -> tuple[int, ...]:
+  """The layers with a sparse circuit: every layer, or those config.model.ffn_layers lists (mixed model)."""
+  check_sparse(cfg)
+  return config_lib.ffn_layer_indices(cfg)
+
+
+def check_layer(cfg, layer: int, label: str = "layer") -> None:
+  """Refuses a layer without a sparse circuit (a mixed model's dense layer, or none of the model's) by name."""
+  layers = sparse_layers(cfg)
+  if layer in layers:
+    return
+  listed = ", ".join(map(str, layers))
+  if 0 <= layer < cfg.n_layers:
+    raise config_lib.ConfigError(
+        f"{label}={layer} is a dense layer ({config_lib.layer_ffn_config(cfg, layer).type!r}, config.model.dense_ffn) "
+        f"of this mixed model and has no sparse circuit; use one of its {cfg.ffn.type} layers: {listed}."
+    )
+  raise config_lib.ConfigError(
+      f"{label}={layer} is not a layer of this model; use one of its {cfg.ffn.type} layers: {listed}."
+  )
+
+
 def circuit_names(cfg, layer: int) -> tuple[str, str]:
   """The two standard names a layer's circuit is read from: (units, weights)."""
-  check_sparse(cfg)
+  check_layer(cfg, layer)
   kind = cfg.ffn.type
   units, weights = {"fff": ("path_nodes", "node_logits"), "moe": ("expert_ids", "expert_weights")}.get(
       kind, ("gate_indices", "gate_scores")
@@ -108,7 +133,8 @@ def _pad_rows(x, rows: int):
 @dataclasses.dataclass
 class CircuitDatabase:
   """Per recorded token n: input token, context (preceding tokens, -1 padded), top-5 predictions and,
-  per layer l, the sparse circuit ids[l, n], weights[l, n]."""
+  per sparse layer l, the sparse circuit ids[l, n], weights[l, n]; layers_L[l] is that layer's index
+  in the model (every layer, or a mixed model's config.model.ffn_layers)."""
 
   tokens_N: np.ndarray
   context_NW: np.ndarray
@@ -116,9 +142,25 @@ class CircuitDatabase:
   ids_LNS: np.ndarray
   weights_LNS: np.ndarray
   ffn_type: str
+  layers_L: np.ndarray
 
   def __len__(self) -> int:
     return len(self.tokens_N)
+
+  def row(self, layer: int) -> int:
+    """The row of ids_LNS / weights_LNS that holds model layer `layer`."""
+    rows = np.flatnonzero(self.layers_L == layer)
+    if not len(rows):
+      raise config_lib.ConfigError(
+          f"layer {layer} has no circuits in this database; it holds layers {', '.join(map(str, self.layers_L))}."
+      )
+    return int(rows[0])
+
+  def ids(self, layer: int) -> np.ndarray:
+    return self.ids_LNS[self.row(layer)]
+
+  def weights(self, layer: int) -> np.ndarray:
+    return self.weights_LNS[self.row(layer)]
 
   def save(self, path: str) -> None:
     np.savez_compressed(path, **{k: np.asarray(v) for k, v in dataclasses.asdict(self).items()})
@@ -126,14 +168,17 @@ class CircuitDatabase:
   @classmethod
   def load(cls, path: str) -> "CircuitDatabase":
     with np.load(path, allow_pickle=False) as data:
-      fields = {field.name: data[field.name] for field in dataclasses.fields(cls)}
+      fields = {field.name: data[field.name] for field in dataclasses.fields(cls) if field.name in data}
+    fields.setdefault("layers_L", np.arange(len(fields["ids_LNS"])))  # saved before mixed models: every layer
     return cls(**{**fields, "ffn_type": str(fields["ffn_type"])})
 
 
 def record(model, rows: dict, context: int = 8, batch_rows: int = 16) -> CircuitDatabase:
-  """The circuit database of the real tokens of validation `rows` (see checkpoint.validation_rows)."""
+  """The circuit database of the real tokens of validation `rows` (see checkpoint.validation_rows), at
+  every sparse layer."""
   cfg = model.cfg
-  reads = [name for layer in range(cfg.n_layers) for name in circuit_names(cfg, layer)] + ["logits"]
+  layers = sparse_layers(cfg)
+  reads = [name for layer in layers for name in circuit_names(cfg, layer)] + ["logits"]
   tokens, contexts, top5, ids, weights = [], [], [], [], []
   for start in range(0, len(rows["inputs"]), batch_rows):
     # every batch padded to batch_rows (padding has loss weight 0): one compiled program
@@ -151,7 +196,7 @@ def record(model, rows: dict, context: int = 8, batch_rows: int = 16) -> Circuit
     top5.append(np.argsort(-logits_NV, axis=-1)[:, :5])
     layer_ids, layer_w = zip(*(
         sparse_circuit(cfg, np.asarray(out[units])[b_idx, t_idx], np.asarray(out[w])[b_idx, t_idx])
-        for units, w in (circuit_names(cfg, layer) for layer in range(cfg.n_layers))
+        for units, w in (circuit_names(cfg, layer) for layer in layers)
     ))
     ids.append(np.stack(layer_ids))
     weights.append(np.stack(layer_w))
@@ -162,4 +207,5 @@ def record(model, rows: dict, context: int = 8, batch_rows: int = 16) -> Circuit
       ids_LNS=np.concatenate(ids, axis=1),
       weights_LNS=np.concatenate(weights, axis=1),
       ffn_type=cfg.ffn.type,
+      layers_L=np.asarray(layers, np.int32),
   )

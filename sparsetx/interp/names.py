@@ -7,11 +7,15 @@ The feed-forward layers add their circuits: sgatlin/PEER gates, FFF tree paths, 
 A full name is `NAME` (model scope), `layers[i].NAME`, `layers[i].self_attn.NAME` or
 `layers[i].mlp.NAME`. Each entry says where the model taps it (module path under the scope and
 the tap name, see sparsetx/models/taps.py), or that it is derived from other values (read-only).
-Layouts name their axes; `layout_shape` resolves them against a model config.
+Layouts name their axes; `layout_shape` resolves them against a model config. A mixed model
+(config.model.ffn_layers, from tools/sparsify.py) serves at each layer the names of that block's own
+feed-forward type: gates at its sparse layers, mlp_neurons at the dense ones.
 """
 
 import dataclasses
 import re
+
+from sparsetx import config as config_lib
 
 ALL_FFN = None  # an entry served by every feed-forward type
 
@@ -126,8 +130,18 @@ class Resolved:
     return (layer, REGISTRY.index(self.entry))
 
 
-def served(entry: StandardName, cfg) -> bool:
-  return entry.ffn_types is ALL_FFN or cfg.ffn.type in entry.ffn_types
+def layer_ffn_type(cfg, layer: int) -> str:
+  """The feed-forward type of block `layer` (a mixed model's layers outside ffn_layers keep dense_ffn)."""
+  return config_lib.layer_ffn_config(cfg, layer).type
+
+
+def served(entry: StandardName, cfg, layer: int | None = None) -> bool:
+  """Whether the model serves `entry` at `layer` (None: at some layer). Feed-forward names follow each
+  block's own type, so a mixed model serves gate names only at its sparse layers."""
+  if entry.ffn_types is ALL_FFN:
+    return True
+  layers = range(cfg.n_layers) if layer is None else (layer,)
+  return any(layer_ffn_type(cfg, i) in entry.ffn_types for i in layers)
 
 
 def full_name(entry: StandardName, layer: int | None) -> str:
@@ -142,7 +156,7 @@ def served_names(cfg) -> list[str]:
   names = []
   for entry in REGISTRY:
     if served(entry, cfg):
-      layers = [None] if entry.scope == "model" else range(cfg.n_layers)
+      layers = [None] if entry.scope == "model" else [i for i in range(cfg.n_layers) if served(entry, cfg, i)]
       names += [full_name(entry, layer) for layer in layers]
   return sorted(names, key=lambda name: resolve(name, cfg).order)
 
@@ -159,14 +173,23 @@ def resolve(name: str, cfg) -> Resolved:
     raise KeyError(f"{name!r} has the wrong scope; write it as {full_name(entry, 0 if layer is None else layer)!r}.")
   if layer is not None and not 0 <= layer < cfg.n_layers:
     raise KeyError(f"{name!r}: the model has layers 0..{cfg.n_layers - 1}.")
-  if not served(entry, cfg):
-    raise KeyError(f"{name!r} exists only for feed-forward types {entry.ffn_types}; this model's is {cfg.ffn.type!r}.")
+  if not served(entry, cfg, layer):
+    raise KeyError(f"{name!r} exists only for feed-forward types {entry.ffn_types}; {_ffn_types_text(cfg, layer)}.")
   return Resolved(name, entry, layer)
 
 
-def axis_sizes(cfg, batch: int, seq: int) -> dict:
-  """Sizes of the layout axes for a model config (config.model) and a [batch, seq] input."""
-  ffn = cfg.ffn
+def _ffn_types_text(cfg, layer: int | None) -> str:
+  if not config_lib.is_mixed(cfg):
+    return f"this model's is {cfg.ffn.type!r}"
+  where = f"layer {layer} of this model is {layer_ffn_type(cfg, layer)!r}; " if layer is not None else ""
+  sparse = ", ".join(map(str, config_lib.ffn_layer_indices(cfg)))
+  return f"{where}this mixed model has {cfg.ffn.type!r} in layers {sparse} and {cfg.dense_ffn.type!r} in the others"
+
+
+def axis_sizes(cfg, batch: int, seq: int, layer: int | None = None) -> dict:
+  """Sizes of the layout axes for a model config (config.model) and a [batch, seq] input; the feed-forward
+  axes are those of block `layer` (default: config.model.ffn)."""
+  ffn = cfg.ffn if layer is None else config_lib.layer_ffn_config(cfg, layer)
   return dict(
       batch=batch, seq=seq, query=seq, key=seq, d_model=cfg.d_model, vocab_size=cfg.vocab_size,
       heads=cfg.d_model // cfg.head_dim, d_ffw=ffn.d_ffw, channels=ffn.n_channels, top_k=ffn.top_k,
@@ -176,5 +199,6 @@ def axis_sizes(cfg, batch: int, seq: int) -> dict:
 
 def layout_shape(name: str, cfg, batch: int, seq: int) -> tuple:
   """The documented shape of `name` for this model and input size."""
-  sizes = axis_sizes(cfg, batch, seq)
-  return tuple(sizes[axis] for axis in resolve(name, cfg).entry.axes)
+  resolved = resolve(name, cfg)
+  sizes = axis_sizes(cfg, batch, seq, resolved.layer)
+  return tuple(sizes[axis] for axis in resolved.entry.axes)

@@ -33,7 +33,7 @@ def nearest(model, db: circuits_lib.CircuitDatabase, tokens_T, layer: int, k: in
   units, weights = circuits_lib.circuit_names(cfg, layer)
   out = model.trace(np.asarray(tokens_T)[None], [units, weights])
   ids_QS, w_QS = circuits_lib.sparse_circuit(cfg, np.asarray(out[units])[0], np.asarray(out[weights])[0])
-  distance_QN = circuits_lib.cosine_distances(cfg, ids_QS, w_QS, db.ids_LNS[layer], db.weights_LNS[layer])
+  distance_QN = circuits_lib.cosine_distances(cfg, ids_QS, w_QS, db.ids(layer), db.weights(layer))
   index_QK = np.argsort(distance_QN, axis=1, kind="stable")[:, :k]
   return Neighbours(np.asarray(tokens_T), index_QK, np.take_along_axis(distance_QN, index_QK, 1), layer)
 

@@ -14,8 +14,10 @@ patched, with position masks that are all False outside the chosen layers.
 m(x) = logit(y_clean | x) - logit(y_patch | x) at the last position;
 NIE = (m(x_clean | do(g = g_patch)) - m(x_clean)) / (m(x_patch) - m(x_clean)),
 where g are the layer's gates (sgatlin/PEER: gate_indices and gate_scores; MoE: expert ids and
-weights). The table reports the mean NIE over pairs whose total effect |m(x_patch) - m(x_clean)| is
-at least `min_effect` logits (a pair the model cannot tell apart has no effect to normalize).
+weights). Only sparse layers have gates: a mixed model's rows are its config.model.ffn_layers (by their
+index in the model) and "all" patches those together. The table reports the mean NIE over pairs whose
+total effect |m(x_patch) - m(x_clean)| is at least `min_effect` logits (a pair the model cannot tell apart
+has no effect to normalize).
 """
 
 import dataclasses
@@ -96,7 +98,7 @@ def gate_names(cfg, layer: int) -> tuple[str, str]:
   """The circuit's gates at a layer: what a do(g = g_patch) clamps."""
   kind = cfg.ffn.type
   if kind in ("sgatlin", "peer", "moe"):
-    return circuits_lib.circuit_names(cfg, layer)
+    return circuits_lib.circuit_names(cfg, layer)  # refuses a mixed model's dense layer
   raise ValueError(
       f"config.model.ffn.type={kind!r} has no gates to patch (FFF routing is the forward pass; dense layers have none); "
       "NIE patching needs sgatlin, peer or moe."
@@ -111,7 +113,7 @@ def logit_difference(logits_BTV, y_clean_B, y_patch_B) -> np.ndarray:
 
 @dataclasses.dataclass
 class NieResult:
-  row_labels: list  # "0", "1", ..., "all"
+  row_labels: list  # the sparse layers' indices ("0", "1", ...) and "all"
   col_labels: list  # POSITION_SETS
   nie_RC: np.ndarray  # mean NIE over the kept pairs
   per_pair_RCB: np.ndarray  # NIE of every pair (nan where the pair was not kept)
@@ -122,7 +124,7 @@ class NieResult:
 
 
 def run(model, pairs: PromptPairs, min_effect: float = 0.5, source_gates: dict | None = None) -> NieResult:
-  """The NIE table: rows = single layers and all layers together, columns = position sets.
+  """The NIE table: rows = single sparse layers and all of them together, columns = position sets.
 
   `source_gates` overrides the patched values ({name: array}); by default they are the
   counterfactual run's gates (passing the clean run's own gates must give NIE 0). Every run,
@@ -130,16 +132,17 @@ def run(model, pairs: PromptPairs, min_effect: float = 0.5, source_gates: dict |
   different masks, so the clean baseline differs from a patched run only by what is patched.
   """
   cfg = model.cfg
-  names = [name for layer in range(cfg.n_layers) for name in gate_names(cfg, layer)]
+  layers = circuits_lib.sparse_layers(cfg)
+  names = [name for layer in layers for name in gate_names(cfg, layer)]
   kw = dict(positions_BT=pairs.positions_BT, segment_ids_BT=pairs.segment_ids_BT)
   shapes = model.eval_shapes(*pairs.clean_BT.shape, names)
   nothing = {name: np.zeros(s.shape, s.dtype) for name, s in shapes.items()}
   off = np.zeros_like(pairs.masks["all"])
 
-  def forward(tokens_BT, values, layers, mask_BT):
+  def forward(tokens_BT, values, patched_layers, mask_BT):
     patches = {
-        name: Patch(values[name], mask_BT if layer in layers else off)
-        for layer in range(cfg.n_layers)
+        name: Patch(values[name], mask_BT if layer in patched_layers else off)
+        for layer in layers
         for name in gate_names(cfg, layer)
     }
     out = model.patch(tokens_BT, patches, names + ["logits"], **kw)
@@ -150,14 +153,14 @@ def run(model, pairs: PromptPairs, min_effect: float = 0.5, source_gates: dict |
   clean, m_clean = forward(pairs.clean_BT, gates, (), off)
   total = m_patch - m_clean
   kept = np.abs(total) >= min_effect
-  layer_sets = [(layer,) for layer in range(cfg.n_layers)] + [tuple(range(cfg.n_layers))]
+  layer_sets = [(layer,) for layer in layers] + [layers]
   per_pair = np.full((len(layer_sets), len(POSITION_SETS), len(total)), np.nan)
-  for r, layers in enumerate(layer_sets):
+  for r, patched_layers in enumerate(layer_sets):
     for c, position_set in enumerate(POSITION_SETS):
-      effect = forward(pairs.clean_BT, gates, layers, pairs.masks[position_set])[1] - m_clean
+      effect = forward(pairs.clean_BT, gates, patched_layers, pairs.masks[position_set])[1] - m_clean
       per_pair[r, c] = np.where(kept, effect / np.where(kept, total, 1.0), np.nan)
   nie = np.nanmean(per_pair, axis=-1) if kept.any() else np.full(per_pair.shape[:2], np.nan)
-  rows = [str(layer) for layer in range(cfg.n_layers)] + ["all"]
+  rows = [str(layer) for layer in layers] + ["all"]
   clean_gates = {name: clean[name] for name in names}
   return NieResult(rows, list(POSITION_SETS), nie, per_pair, m_clean, m_patch, kept, clean_gates)
 

@@ -70,11 +70,12 @@ def validation_loss(model, params, rows: dict, batch_rows: int = 32) -> float:
 
 
 def sweep(model, db: circuits_lib.CircuitDatabase, rows: dict, fractions=(0.0, 0.1, 0.25, 0.5, 0.75)) -> list[dict]:
-  """Validation loss against the pruned fraction of every FFF layer's nodes (visits from `db`)."""
+  """Validation loss against the pruned fraction of every FFF layer's nodes (visits from `db`; a mixed model's
+  dense layers are left as they are)."""
   cfg = model.cfg
   if cfg.ffn.type != "fff":
     raise ValueError(f"pruning removes FFF nodes; this model's config.model.ffn.type is {cfg.ffn.type!r}.")
-  visits = {layer: usage.fff_visits(cfg, db, layer)[0] for layer in range(cfg.n_layers)}
+  visits = {layer: usage.fff_visits(cfg, db, layer)[0] for layer in db.layers_L.tolist()}
   results = []
   for fraction in fractions:
     masks = {layer: pruned_nodes(v, fraction) for layer, v in visits.items()}

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from sparsetx import config as config_lib
 from sparsetx.interp import names as names_lib
 from sparsetx.models.transformer import Transformer, make_norm
 
@@ -83,7 +84,9 @@ class StandardizedTransformer:
   """A Transformer and its params, addressed by standard names (see sparsetx/interp/names.py)."""
 
   def __init__(self, model_cfg, params):
-    self.cfg = ml_collections.FrozenConfigDict(model_cfg)
+    # from to_dict(), which reads a frozen config's own fields: a FrozenConfigDict's as_configdict() view can
+    # differ once a mixed model's block_config has run on it (copies made through it read dense_ffn as ffn)
+    self.cfg = ml_collections.FrozenConfigDict(model_cfg.to_dict())
     self.model = Transformer(self.cfg)
     self.params = params
     self._forward = jax.jit(self._forward_impl, static_argnames=("reads",))
@@ -112,7 +115,8 @@ class StandardizedTransformer:
         out[name] = jax.nn.softmax(logits_BTV[:, -1].astype(jnp.float32), axis=-1)
       elif entry.name == "gate_vector":
         mlp = _nested_get(intermediates, (f"layers_{resolved.layer}", "mlp"))
-        out[name] = gate_vector(mlp["gate_indices"][0], mlp["gate_scores"][0], self.cfg.ffn.d_ffw)
+        d_ffw = config_lib.layer_ffn_config(self.cfg, resolved.layer).d_ffw
+        out[name] = gate_vector(mlp["gate_indices"][0], mlp["gate_scores"][0], d_ffw)
       else:  # every derived registry entry has a rule above; reaching here is a bug in this file
         raise AssertionError(f"no rule derives {entry.name!r}")
     return out

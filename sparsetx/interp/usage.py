@@ -8,6 +8,8 @@ fire together.
   coactivation  among the most used units, how often two fire for the same token relative to
               independence (lift = P(i and j) / (P(i) P(j))): shared sub-circuits
   FFF visits  per node and per path (leaf) of each tree: the routing imbalance the FFF paper reports
+
+Layers are the model's own indices; a mixed model's tables cover its sparse layers only (those in the database).
 """
 
 import numpy as np
@@ -26,8 +28,8 @@ def unit_ids(cfg, db: circuits_lib.CircuitDatabase, layer: int):
   """(ids [N, S] in usage space, number of units). The circuit's flat space, except PEER, whose
   channels share one table: there a unit is a neuron, whichever channel picked it."""
   if cfg.ffn.type == "peer":
-    return db.ids_LNS[layer] % cfg.ffn.d_ffw, cfg.ffn.d_ffw
-  return db.ids_LNS[layer], circuits_lib.n_units(cfg)
+    return db.ids(layer) % cfg.ffn.d_ffw, cfg.ffn.d_ffw
+  return db.ids(layer), circuits_lib.n_units(cfg)
 
 
 def unit_counts(cfg, db: circuits_lib.CircuitDatabase, layer: int) -> np.ndarray:
@@ -37,9 +39,9 @@ def unit_counts(cfg, db: circuits_lib.CircuitDatabase, layer: int) -> np.ndarray
 
 
 def usage_table(cfg, db: circuits_lib.CircuitDatabase) -> list[dict]:
-  """Per layer: units, fraction used at least once, Gini, and the busiest unit's share of tokens."""
+  """Per sparse layer: units, fraction used at least once, Gini, and the busiest unit's share of tokens."""
   rows = []
-  for layer in range(cfg.n_layers):
+  for layer in db.layers_L.tolist():
     counts = unit_counts(cfg, db, layer)
     rows.append(dict(layer=layer, units=len(counts), used=float((counts > 0).mean()), gini=gini(counts),
                      top_unit_share=float(counts.max() / max(len(db), 1))))
@@ -76,7 +78,7 @@ def fff_path_table(cfg, db: circuits_lib.CircuitDatabase, top: int = 3) -> list[
   """Per layer and tree: leaves (paths) reached at least once, path entropy in bits (max = depth), and
   the most taken paths with their share of tokens."""
   rows = []
-  for layer in range(cfg.n_layers):
+  for layer in db.layers_L.tolist():
     _, leaves_PL = fff_visits(cfg, db, layer)
     for tree, share in enumerate(leaves_PL):
       p = share[share > 0]
