@@ -1,4 +1,5 @@
-"""tools/circuits.py end to end on a tiny trained sgatlin checkpoint: tables, database and PNGs."""
+"""tools/circuits.py end to end on a tiny trained sgatlin checkpoint and on a mixed (partly sparsified) one:
+tables, database and PNGs."""
 
 import importlib.util
 import json
@@ -7,9 +8,12 @@ import os
 import numpy as np
 import pytest
 from conftest import REPO, load_config
+from test_train import micro_config
 
+from sparsetx import sparsify
 from sparsetx.interp.circuits import CircuitDatabase
-from sparsetx.train import loop
+from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.train import loop, state as state_lib
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -65,3 +69,47 @@ def test_circuits_tool_refuses_a_workdir_without_checkpoints(tmp_path, capsys):
   assert load_tool().main([f"--workdir={tmp_path}"]) == 2
   assert "holds no checkpoints/ directory" in capsys.readouterr().err
   assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.fixture(scope="module")
+def mixed_workdir(tmp_path_factory):
+  """What tools/sparsify.py writes for a micro dense MLP with ffn_layers=1: step 0, layer 0 the source's MLP,
+  layer 1 a fresh sgatlin (untrained: no train step to compile; tests/test_sparsify.py's configs, so the
+  init programs are shared through the compilation cache)."""
+  source = micro_config("mlp")
+  mesh = mesh_lib.make_mesh(source.mesh)
+  _, shardings, model, tx = state_lib.state_shardings(source, mesh)
+  params = state_lib.create_state(source, shardings, model, tx).params
+  target = micro_config("sgatlin")
+  target.model.ffn_layers = "1"
+  target.data.mixture = (("facts", 1.0),)  # a small validation split
+  path = str(tmp_path_factory.mktemp("interp_mixed") / "run")
+  sparsify.sparsify_params(source, params, target, path, mesh)
+  return path
+
+
+def test_circuits_tool_on_a_mixed_model_refuses_a_dense_layer_and_analyses_the_sparse_one(mixed_workdir, tmp_path,
+                                                                                          capsys):
+  refused = tmp_path / "refused"
+  assert load_tool().main([f"--workdir={mixed_workdir}", f"--output={refused}", "--layer=0"]) == 2
+  assert capsys.readouterr().err.strip() == (
+      "error: --layer=0 is a dense layer ('mlp', config.model.dense_ffn) of this mixed model and has no sparse "
+      "circuit; use one of its sgatlin layers: 1.")
+  assert not refused.exists()  # refused before anything is written
+
+  out = tmp_path / "circuits"
+  code = load_tool().main([f"--workdir={mixed_workdir}", f"--output={out}", "--rows=8", "--neighbours=3",
+                           "--embed_tokens=4", "--per_token=5", "--min_effect=0"])
+  assert code == 0
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["step"] == 0 and summary["sparse_layers"] == [1]
+  assert sorted(summary["files"]) == sorted(os.listdir(out)) and "embedding_layer0.png" not in summary["files"]
+  assert (out / "embedding_layer1.png").read_bytes()[:8] == PNG
+  db = CircuitDatabase.load(str(out / "circuits.npz"))
+  assert db.layers_L.tolist() == [1] and db.ids_LNS.shape == (1, len(db), 4 * 8) and db.ids_LNS.max() < 4 * 1024
+  assert [row["layer"] for row in summary["usage"]] == [1] and summary["nie"]["rows"] == ["1", "all"]
+  assert np.array(summary["nie"]["values"], dtype=float).shape == (2, 5)
+  assert "# Nearest circuits at layer 1 " in (out / "neighbours.md").read_text()
+  printout = (out / "model.txt").read_text()
+  assert "ffn=sgatlin in layers 1, mlp in the others" in printout
+  assert "(0): Block(" in printout and "(mlp): Mlp(" in printout and "(1): Block(" in printout
