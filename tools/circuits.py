@@ -71,7 +71,7 @@ def analyse(args) -> dict:
   config, model, step = checkpoint.load(args.workdir, args.step)
   cfg = model.cfg
   layers = circuits.sparse_layers(cfg)  # refuses a model without sparse circuits
-  # default: the penultimate layer, or the nearest sparse layer below it (a mixed model's first sparse layer)
+  # default: the penultimate layer, or the nearest sparse layer below it (the first sparse layer if none is)
   neighbour_layer = args.layer if args.layer is not None else max([i for i in layers if i <= cfg.n_layers - 2],
                                                                   default=layers[0])
   circuits.check_layer(cfg, neighbour_layer, "--layer")  # before anything is computed or written
