@@ -24,7 +24,6 @@ import safetensors.numpy
 
 from sparsetx import config as config_lib
 from sparsetx.evaluate import hf_neox, tokenizer_files
-from sparsetx.interp import checkpoint as checkpoint_lib
 from sparsetx.train import checkpointing, state as state_lib
 
 KINDS = ("auto", "neox", "custom")
@@ -39,20 +38,9 @@ ConfigError = config_lib.ConfigError
 
 def load_checkpoint(workdir: str, step: int | None = None) -> tuple[ml_collections.ConfigDict, dict, int]:
   """(config, params as numpy, step) of the checkpoint at `step` (default: the latest), on one device."""
-  manager = checkpointing.open_read_only(workdir)
-  try:
-    step = manager.checked_step(step)
-    config = manager.saved_config(step)
-    config_lib.validate(config)
-    abstract, _, _, _ = state_lib.state_shardings(config, checkpoint_lib.single_device_mesh(config))
-    try:
-      params = manager.restore_state(step, abstract).params
-    except (ValueError, KeyError, TypeError) as error:
-      raise ConfigError(
-          f"the checkpoint at step {step} in {manager.directory} does not match the model of its own config ({error}); "
-          "it was written by another version of the model code.") from error
-  finally:
-    manager.close()
+  from sparsetx.evaluate import perplexity  # deferred, as import_hf's pipeline: it pulls in the data stack
+
+  config, _, _, params, step = perplexity.restore(workdir, step, mesh="one")
   return config, jax.tree.map(np.asarray, jax.device_get(params)), step
 
 
@@ -206,7 +194,8 @@ def read_tensors(hf_dir: str) -> dict[str, np.ndarray]:
   elif os.path.isfile(os.path.join(hf_dir, WEIGHTS)):
     files = [WEIGHTS]
   else:
-    pickled = [n for n in ("pytorch_model.bin", "pytorch_model.bin.index.json") if os.path.exists(os.path.join(hf_dir, n))]
+    pickled = [n for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")
+               if os.path.exists(os.path.join(hf_dir, n))]
     hint = (f"it holds {pickled[0]} (pickle, which sparsetx never loads); re-save it with "
             "save_pretrained(dir, safe_serialization=True)" if pickled else "export the model again")
     raise ConfigError(f"{hf_dir!r} has no {WEIGHTS} or {WEIGHTS_INDEX}; {hint}.")
@@ -215,7 +204,8 @@ def read_tensors(hf_dir: str) -> dict[str, np.ndarray]:
     for name in files:
       path = os.path.join(hf_dir, name)
       if not os.path.isfile(path):
-        raise ConfigError(f"{WEIGHTS_INDEX} in {hf_dir!r} names {name!r}, which is missing; the directory is incomplete.")
+        raise ConfigError(
+            f"{WEIGHTS_INDEX} in {hf_dir!r} names {name!r}, which is missing; the directory is incomplete.")
       try:
         loaded = safetensors.flax.load_file(path)
       except Exception as error:  # safetensors raises its own error types for a corrupt header
@@ -234,7 +224,7 @@ def _in_param_dtype(model: ml_collections.ConfigDict, params) -> dict:
 
 
 def load_hf(hf_dir: str) -> tuple[ml_collections.ConfigDict, dict]:
-  """(full sparsetx config, flax params as numpy in the param dtype) of an HF directory: GPT-NeoX or a sparsetx custom export.
+  """(full sparsetx config, flax params as numpy in the param dtype) of an HF directory (GPT-NeoX or sparsetx custom).
 
   The config is `default_config()` with the model section from config.json, the vocabulary from the
   tokenizer files when they are sparsetx's (byte or SentencePiece), and seq_len fitted to the context.

@@ -41,7 +41,8 @@ def restore(workdir: str, step: int | None = None, mesh: str = "one", tasks: lis
   """(config, mesh, model, params, step) of the checkpoint at `step` (default the latest) on `mesh`.
 
   `tasks` replaces the saved mixture (each task once); the saved config is used as trained
-  (its dtype included), so the numbers are those the trainer reports.
+  (its dtype included), so the numbers are those the trainer reports. `export.load_checkpoint`
+  reads through this too (mesh 'one').
   """
   manager = checkpointing.open_read_only(workdir)
   try:
@@ -57,7 +58,12 @@ def restore(workdir: str, step: int | None = None, mesh: str = "one", tasks: lis
     loop.check_batch_divides(config, device_mesh)
     expert_parallel.check_units_divide(config, device_mesh)
     abstract, _, model, _ = state_lib.state_shardings(config, device_mesh)
-    params = manager.restore_state(step, abstract).params
+    try:
+      params = manager.restore_state(step, abstract).params
+    except (ValueError, KeyError, TypeError) as error:
+      raise config_lib.ConfigError(
+          f"the checkpoint at step {step} in {manager.directory} does not match the model of its own config ({error}); "
+          "it was written by another version of the model code.") from error
   finally:
     manager.close()
   return config, device_mesh, model, params, step
