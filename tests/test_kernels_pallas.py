@@ -95,13 +95,15 @@ def test_mosaic_gpu_forward_from_given_pre_activations_equals_xla_path():
   np.testing.assert_allclose(y["mosaic"], y["xla"], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("n_slots", [128, 300])  # sgatlin's C*K; more than one 256-slot TMA box
-def test_mosaic_gpu_kernels_lower_for_cuda(monkeypatch, n_slots):
+@pytest.mark.parametrize(
+    "n_slots, block_d, stages", [(128, 128, 3), (300, 64, 2)]  # sgatlin's C*K (defaults); more than one 256-slot box
+)
+def test_mosaic_gpu_kernels_lower_for_cuda(monkeypatch, n_slots, block_d, stages):
   """Lowering for CUDA on CPU runs Mosaic GPU's own checks (register layouts, transfer plans, TMA boxes)."""
   import jax
 
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  options = KernelOptions("pallas", gpu_kernel="mosaic")
+  options = KernelOptions("pallas", gpu_kernel="mosaic", block_d=block_d, stages=stages)
   n_tokens, n_rows, d_model = 2048, 4096, 768
   spec = jax.ShapeDtypeStruct
   table, x = spec((n_rows, d_model), jnp.float32), spec((n_tokens, d_model), jnp.bfloat16)
@@ -119,12 +121,12 @@ def test_mosaic_gpu_kernel_options_are_checked():
 
   x, table, rows = jnp.zeros((64, 16)), jnp.zeros((8, 16)), jnp.zeros((64, 2), jnp.int32)
   with pytest.raises(ValueError, match="d_model=16 has no chunk"):
-    mosaic_gpu.row_dots(x, table, rows, KernelOptions(block_d=128))
+    mosaic_gpu.row_dots(x, table, rows.T, KernelOptions(block_d=128))
   x, table = jnp.zeros((64, 1024)), jnp.zeros((8, 1024))
   with pytest.raises(ValueError, match="lower kernel.stages=8"):
-    mosaic_gpu.row_dots(x, table, rows, KernelOptions(block_d=1024, stages=8))
+    mosaic_gpu.row_dots(x, table, rows.T, KernelOptions(block_d=1024, stages=8))
   with pytest.raises(ValueError, match="blocks of 64"):
-    mosaic_gpu.row_accumulate(jnp.zeros((2, 10)), table, rows[:10], jnp.float32, KernelOptions())
+    mosaic_gpu.row_accumulate(jnp.zeros((2, 10)), table, rows[:10].T, jnp.float32, KernelOptions())
   assert gg._gpu_kernel(KernelOptions(), "cpu") == "triton"  # off GPU, auto interprets the faster Triton path
   with pytest.raises(ValueError, match="gpu_kernel='cuda' is unknown"):
     gg._gpu_kernel(KernelOptions(gpu_kernel="cuda"), "gpu")

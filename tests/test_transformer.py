@@ -9,7 +9,7 @@ import pytest
 from conftest import load_config
 
 from sparsetx import config as config_lib
-from sparsetx.models.transformer import Transformer, apply_rotary
+from sparsetx.models.transformer import Transformer, apply_rotary, block_config
 
 
 def small_model(ffn_type="sgatlin", **model):
@@ -118,3 +118,13 @@ def test_rotary_rotates_only_its_fraction_and_preserves_norm(fraction, rotated):
   q, k = x[:, :1], x[:, 1:2]
   dot = lambda m, n: jnp.sum(apply_rotary(q, jnp.array([[m]]), rotated, 1e4) * apply_rotary(k, jnp.array([[n]]), rotated, 1e4))  # noqa: E731
   np.testing.assert_allclose(dot(7, 3), dot(14, 10), rtol=1e-5)
+
+
+def test_block_config_of_a_dense_layer_leaves_the_model_config_unchanged():
+  cfg = config_lib.default_config().model
+  cfg.ffn_layers = "1"
+  frozen = ml_collections.FrozenConfigDict(cfg)
+  before = frozen.to_dict()
+  assert block_config(frozen, 0).ffn.type == frozen.dense_ffn.type
+  assert block_config(frozen, 1).ffn.type == frozen.ffn.type
+  assert frozen.to_dict() == before and ml_collections.FrozenConfigDict(frozen).ffn.type == cfg.ffn.type

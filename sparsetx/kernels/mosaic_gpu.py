@@ -87,6 +87,13 @@ def _slot_slabs(n_slots):
   return [(start, min(256, n_slots - start)) for start in range(0, n_slots, 256)]
 
 
+def _copy_token_block(src_SN_gmem, dst_SB_smem, t0, barrier):
+  """Starts the copies of the block's columns [S, 64] of a per-slot array (one arrival per 256-slot slab)."""
+  for start, size in _slot_slabs(dst_SB_smem.shape[0]):
+    slab = src_SN_gmem.at[pl.ds(start, size), pl.ds(t0, BLOCK_TOKENS)]
+    plgpu.copy_gmem_to_smem(slab, dst_SB_smem.at[pl.ds(start, size)], barrier)
+
+
 def _interpret_params(options):
   if options.interpret or jax.default_backend() != "gpu":
     return InterpretGPUParams(detect_races=True)  # tests read the verdict: races_found()
@@ -102,147 +109,198 @@ def _gather_tile(table_gmem, rows_of, c, block_d, tile_smem, barrier):
     plgpu.copy_gmem_to_smem(row, tile_smem.at[pl.ds(j, 1)], barrier)
 
 
-def row_dots(lhs_ND, table_RD, rows_NS, options):
-  """dots [S, N] float32: <lhs[t], table[rows[t, s]]>, both operands rounded to lhs's dtype, summed in float32."""
+class _Ring:
+  """`stages` tile slots between the copy warpgroup, which fills step q into slot q % stages once the compute
+  warpgroup has taken step q - stages out of it, and the compute warpgroup, which takes the steps in order."""
+
+  def __init__(self, stages, loaded, consumed, lanes):
+    self.stages, self.loaded, self.consumed, self.lanes = stages, loaded, consumed, lanes
+
+  def fill_all(self, n_steps, fill):
+    """Copy warpgroup: fill(q, slot, barrier) for every step, each after its slot is free."""
+
+    @pl.loop(0, n_steps)
+    def _(q):
+      slot = lax.rem(q, self.stages)
+
+      @pl.when(q >= self.stages)
+      def _():
+        plgpu.barrier_wait(self.consumed.at[slot])
+
+      fill(q, slot, self.loaded.at[slot])
+
+    @pl.loop(max(0, n_steps - self.stages), n_steps)  # drain: see every slot taken (no phase left unobserved)
+    def _(q):
+      plgpu.barrier_wait(self.consumed.at[lax.rem(q, self.stages)])
+
+  def take(self, q, tiles_smem, dtype):
+    """Compute warpgroup: step q's tile in float32 registers (rounded to dtype first); its slot is freed."""
+    slot = lax.rem(q, self.stages)
+    plgpu.barrier_wait(self.loaded.at[slot])
+    tile = self.lanes.load(tiles_smem.at[slot], TILE)
+    plgpu.barrier_arrive(self.consumed.at[slot])
+    return tile.astype(dtype).astype(jnp.float32)
+
+
+def _ring_barriers(stages):
+  return [
+      plgpu.Barrier(num_arrivals=BLOCK_TOKENS, num_barriers=stages),  # loaded: one arrival per row copy
+      plgpu.Barrier(num_barriers=stages),  # consumed: the compute warpgroup's arrival
+  ]
+
+
+def _specialized_kernel(body, out_type, n_tokens, scratch_types, interpret):
+  """Two warpgroups per 64-token block: 0 computes, 1 issues the copies (body(wg, *refs) branches on wg)."""
+  return plgpu.kernel(
+      lambda *refs: body(lax.axis_index("wg"), *refs),
+      out_type=out_type,
+      grid=(n_tokens // BLOCK_TOKENS,),
+      grid_names=("tokens",),
+      num_threads=2,
+      thread_name="wg",
+      scratch_types=scratch_types,
+      interpret=interpret,
+  )
+
+
+def row_dots(lhs_ND, table_RD, rows_SN, options):
+  """dots [S, N] float32: <lhs[t], table[rows[s, t]]>, both operands rounded to lhs's dtype, summed in float32."""
   n_tokens, d_model = lhs_ND.shape
-  n_slots = rows_NS.shape[1]
+  n_slots = rows_SN.shape[0]
   dtype = lhs_ND.dtype
   _check_tokens(n_tokens)
   block_d = _block_d(d_model, min(dtype.itemsize, table_RD.dtype.itemsize), options)
   stages = options.stages
-  _check_smem(stages * BLOCK_TOKENS * block_d * (dtype.itemsize + table_RD.dtype.itemsize) + 4 * n_slots * BLOCK_TOKENS, options)
+  per_slot_bytes = 2 * 4 * n_slots * BLOCK_TOKENS  # the block's rows and dots
+  _check_smem(stages * BLOCK_TOKENS * block_d * (dtype.itemsize + table_RD.dtype.itemsize) + per_slot_bytes, options)
   interpret = _interpret_params(options)
   lanes = _Lanes(interpret is not None)
   n_chunks = d_model // block_d
   steps_per_chunk = n_slots + 1  # the block's own lhs chunk, then one gathered tile per slot
-  n_steps = n_chunks * steps_per_chunk
 
-  def body(lhs_gmem, table_gmem, rows_gmem, dots_gmem, lhs_ring, table_ring, dots_smem, loaded):
+  def body(wg, lhs_gmem, table_gmem, rows_gmem, dots_gmem, lhs_ring, table_ring, rows_smem, dots_smem, *barriers):
+    loaded, consumed, rows_loaded = barriers
+    ring = _Ring(stages, loaded, consumed, lanes)
     t0 = lax.axis_index("tokens") * BLOCK_TOKENS
 
-    def issue(q):
-      c, r = lax.div(q, steps_per_chunk), lax.rem(q, steps_per_chunk)
-      slot = lax.rem(q, stages)
+    @pl.when(wg == 1)
+    def _copy():
+      _copy_token_block(rows_gmem, rows_smem, t0, rows_loaded)
+      plgpu.barrier_wait(rows_loaded)
 
-      @pl.when(r == 0)
-      def _():
-        _gather_tile(lhs_gmem, lambda j: t0 + j, c, block_d, lhs_ring.at[slot], loaded.at[slot])
+      def fill(q, slot, barrier):
+        c, r = lax.div(q, steps_per_chunk), lax.rem(q, steps_per_chunk)
 
-      @pl.when(r > 0)
-      def _():
-        _gather_tile(table_gmem, lambda j: rows_gmem[t0 + j, r - 1], c, block_d, table_ring.at[slot], loaded.at[slot])
+        @pl.when(r == 0)
+        def _():
+          _gather_tile(lhs_gmem, lambda j: t0 + j, c, block_d, lhs_ring.at[slot], barrier)
 
-    def take(q, ring):
-      @pl.when(q + stages - 1 < n_steps)
-      def _():
-        issue(q + stages - 1)
+        @pl.when(r > 0)
+        def _():
+          _gather_tile(table_gmem, lambda j: rows_smem[r - 1, j], c, block_d, table_ring.at[slot], barrier)
 
-      slot = lax.rem(q, stages)
-      plgpu.barrier_wait(loaded.at[slot])
-      return lanes.load(ring.at[slot], TILE).astype(dtype).astype(jnp.float32)
+      ring.fill_all(n_chunks * steps_per_chunk, fill)
 
-    for q in range(min(stages - 1, n_steps)):
-      issue(q)
+    @pl.when(wg == 0)
+    def _compute():
+      @pl.loop(0, n_chunks)
+      def _(c):
+        lhs_tile = ring.take(c * steps_per_chunk, lhs_ring, dtype)
 
-    @pl.loop(0, n_chunks)
-    def _(c):
-      lhs_tile = take(c * steps_per_chunk, lhs_ring)
+        @pl.loop(0, n_slots)
+        def _(s):
+          partial = jnp.sum(lhs_tile * ring.take(c * steps_per_chunk + 1 + s, table_ring, dtype), axis=1)
+          previous = lanes.load(dots_smem.at[s], PER_TOKEN)
+          dots_smem[s] = jnp.where(c == 0, partial, previous + partial)
 
-      @pl.loop(0, n_slots)
-      def _(s):
-        table_tile = take(c * steps_per_chunk + 1 + s, table_ring)
-        partial = jnp.sum(lhs_tile * table_tile, axis=1)
-        previous = lanes.load(dots_smem.at[s], PER_TOKEN)
-        dots_smem[s] = jnp.where(c == 0, partial, previous + partial)
+      plgpu.commit_smem()
+      for start, size in _slot_slabs(n_slots):
+        out = dots_gmem.at[pl.ds(start, size), pl.ds(t0, BLOCK_TOKENS)]
+        plgpu.copy_smem_to_gmem(dots_smem.at[pl.ds(start, size)], out)
+      plgpu.wait_smem_to_gmem(0)
 
-    plgpu.commit_smem()
-    for start, size in _slot_slabs(n_slots):
-      plgpu.copy_smem_to_gmem(dots_smem.at[pl.ds(start, size)], dots_gmem.at[pl.ds(start, size), pl.ds(t0, BLOCK_TOKENS)])
-    plgpu.wait_smem_to_gmem(0)
-
-  kernel = plgpu.kernel(
+  kernel = _specialized_kernel(
       body,
-      out_type=jax.ShapeDtypeStruct((n_slots, n_tokens), jnp.float32),
-      grid=(n_tokens // BLOCK_TOKENS,),
-      grid_names=("tokens",),
-      scratch_types=[
+      jax.ShapeDtypeStruct((n_slots, n_tokens), jnp.float32),
+      n_tokens,
+      [
           plgpu.SMEM((stages, BLOCK_TOKENS, block_d), dtype),
           plgpu.SMEM((stages, BLOCK_TOKENS, block_d), table_RD.dtype),
+          plgpu.SMEM((n_slots, BLOCK_TOKENS), jnp.int32),
           plgpu.SMEM((n_slots, BLOCK_TOKENS), jnp.float32),
-          plgpu.Barrier(num_arrivals=BLOCK_TOKENS, num_barriers=stages),
+          *_ring_barriers(stages),
+          plgpu.Barrier(num_arrivals=len(_slot_slabs(n_slots))),
       ],
-      interpret=interpret,
+      interpret,
   )
-  return kernel(lhs_ND, table_RD, rows_NS)
+  return kernel(lhs_ND, table_RD, rows_SN)
 
 
-def row_accumulate(coef_SN, table_RD, rows_NS, out_dtype, options):
-  """out [N, D] in out_dtype: sum_s coef[s, t] * table[rows[t, s]] (rows rounded to out_dtype, float32 sums)."""
+def row_accumulate(coef_SN, table_RD, rows_SN, out_dtype, options):
+  """out [N, D] in out_dtype: sum_s coef[s, t] * table[rows[s, t]] (rows rounded to out_dtype, float32 sums)."""
   n_slots, n_tokens = coef_SN.shape
   d_model = table_RD.shape[1]
   out_dtype = jnp.dtype(out_dtype)
   _check_tokens(n_tokens)
   block_d = _block_d(d_model, min(out_dtype.itemsize, table_RD.dtype.itemsize), options)
   stages = options.stages
-  _check_smem(BLOCK_TOKENS * block_d * (stages * table_RD.dtype.itemsize + out_dtype.itemsize) + 4 * n_slots * BLOCK_TOKENS, options)
+  per_slot_bytes = 2 * 4 * n_slots * BLOCK_TOKENS  # the block's rows and coefficients
+  _check_smem(BLOCK_TOKENS * block_d * (stages * table_RD.dtype.itemsize + out_dtype.itemsize) + per_slot_bytes, options)
   interpret = _interpret_params(options)
   lanes = _Lanes(interpret is not None)
   n_chunks = d_model // block_d
-  n_steps = n_chunks * n_slots
 
-  def body(coef_gmem, table_gmem, rows_gmem, out_gmem, ring, coef_smem, out_smem, loaded, coef_loaded):
+  def body(wg, coef_gmem, table_gmem, rows_gmem, out_gmem, tiles, rows_smem, coef_smem, out_smem, *barriers):
+    loaded, consumed, block_loaded = barriers
+    ring = _Ring(stages, loaded, consumed, lanes)
     t0 = lax.axis_index("tokens") * BLOCK_TOKENS
-    for start, size in _slot_slabs(n_slots):
-      coef_slab = coef_gmem.at[pl.ds(start, size), pl.ds(t0, BLOCK_TOKENS)]
-      plgpu.copy_gmem_to_smem(coef_slab, coef_smem.at[pl.ds(start, size)], coef_loaded)
 
-    def issue(q):
-      c, s = lax.div(q, n_slots), lax.rem(q, n_slots)
-      slot = lax.rem(q, stages)
-      _gather_tile(table_gmem, lambda j: rows_gmem[t0 + j, s], c, block_d, ring.at[slot], loaded.at[slot])
+    @pl.when(wg == 1)
+    def _copy():
+      _copy_token_block(rows_gmem, rows_smem, t0, block_loaded)
+      _copy_token_block(coef_gmem, coef_smem, t0, block_loaded)
+      plgpu.barrier_wait(block_loaded)
 
-    for q in range(min(stages - 1, n_steps)):
-      issue(q)
-    plgpu.barrier_wait(coef_loaded)
+      def fill(q, slot, barrier):
+        c, s = lax.div(q, n_slots), lax.rem(q, n_slots)
+        _gather_tile(table_gmem, lambda j: rows_smem[s, j], c, block_d, tiles.at[slot], barrier)
 
-    @pl.loop(0, n_chunks)
-    def _(c):
-      def add_slot(s, acc):
-        q = c * n_slots + s
+      ring.fill_all(n_chunks * n_slots, fill)
 
-        @pl.when(q + stages - 1 < n_steps)
-        def _():
-          issue(q + stages - 1)
+    @pl.when(wg == 0)
+    def _compute():
+      plgpu.barrier_wait(block_loaded)
 
-        slot = lax.rem(q, stages)
-        plgpu.barrier_wait(loaded.at[slot])
-        tile = lanes.load(ring.at[slot], TILE).astype(out_dtype).astype(jnp.float32)
-        coef = lanes.load(coef_smem.at[s], PER_TOKEN)
-        return acc + lax.broadcast_in_dim(coef, tile.shape, [0]) * tile
+      @pl.loop(0, n_chunks)
+      def _(c):
+        def add_slot(s, acc):
+          tile = ring.take(c * n_slots + s, tiles, out_dtype)
+          coef = lanes.load(coef_smem.at[s], PER_TOKEN)
+          return acc + lax.broadcast_in_dim(coef, tile.shape, [0]) * tile
 
-      acc = lax.fori_loop(0, n_slots, add_slot, lanes.cast(jnp.zeros((BLOCK_TOKENS, block_d), jnp.float32), TILE))
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk has left out_smem
-      out_smem[...] = acc.astype(out_dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[pl.ds(t0, BLOCK_TOKENS), pl.ds(c * block_d, block_d)])
+        acc = lax.fori_loop(0, n_slots, add_slot, lanes.cast(jnp.zeros((BLOCK_TOKENS, block_d), jnp.float32), TILE))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk has left out_smem
+        out_smem[...] = acc.astype(out_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[pl.ds(t0, BLOCK_TOKENS), pl.ds(c * block_d, block_d)])
 
-    plgpu.wait_smem_to_gmem(0)
+      plgpu.wait_smem_to_gmem(0)
 
-  kernel = plgpu.kernel(
+  kernel = _specialized_kernel(
       body,
-      out_type=jax.ShapeDtypeStruct((n_tokens, d_model), out_dtype),
-      grid=(n_tokens // BLOCK_TOKENS,),
-      grid_names=("tokens",),
-      scratch_types=[
+      jax.ShapeDtypeStruct((n_tokens, d_model), out_dtype),
+      n_tokens,
+      [
           plgpu.SMEM((stages, BLOCK_TOKENS, block_d), table_RD.dtype),
+          plgpu.SMEM((n_slots, BLOCK_TOKENS), jnp.int32),
           plgpu.SMEM((n_slots, BLOCK_TOKENS), jnp.float32),
           plgpu.SMEM((BLOCK_TOKENS, block_d), out_dtype),
-          plgpu.Barrier(num_arrivals=BLOCK_TOKENS, num_barriers=stages),
-          plgpu.Barrier(num_arrivals=len(_slot_slabs(n_slots))),
+          *_ring_barriers(stages),
+          plgpu.Barrier(num_arrivals=2 * len(_slot_slabs(n_slots))),
       ],
-      interpret=interpret,
+      interpret,
   )
-  return kernel(coef_SN, table_RD, rows_NS)
+  return kernel(coef_SN, table_RD, rows_SN)
 
 
 def _pad_tokens(n_tokens, *arrays_N):
@@ -259,7 +317,7 @@ def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, activation, opti
   """y [N, D] (x's dtype) and pre-activations h [N, S] (float32). Padding tokens gather row 0 with gate 0."""
   n_tokens = x_ND.shape[0]
   x_pD, rows_pS = _pad_tokens(n_tokens, x_ND, rows_NS)
-  h_NS = row_dots(x_pD, w_in_RD, rows_pS, options).T[:n_tokens]
+  h_NS = row_dots(x_pD, w_in_RD, rows_pS.T, options).T[:n_tokens]
   if bias_R is not None:
     h_NS = h_NS + bias_R[rows_NS].astype(jnp.float32)
   return forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_NS, activation, options), h_NS
@@ -270,17 +328,17 @@ def forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_NS, activat
   n_tokens = x_ND.shape[0]
   a_NS = (activation(h_NS) * gates_NS.astype(jnp.float32)).astype(x_ND.dtype).astype(jnp.float32)
   a_pS, rows_pS = _pad_tokens(n_tokens, a_NS, rows_NS)
-  return row_accumulate(a_pS.T, w_out_RD, rows_pS, x_ND.dtype, options)[:n_tokens]
+  return row_accumulate(a_pS.T, w_out_RD, rows_pS.T, x_ND.dtype, options)[:n_tokens]
 
 
 def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, activation, options):
   """dx [N, D], dgates, coef_in = dL/dh and coef_out = gate * act(h) ([N, S] float32)."""
   n_tokens = dy_ND.shape[0]
   dy_pD, rows_pS = _pad_tokens(n_tokens, dy_ND, rows_NS)
-  dyw_NS = row_dots(dy_pD, w_out_RD, rows_pS, options).T[:n_tokens]
+  dyw_NS = row_dots(dy_pD, w_out_RD, rows_pS.T, options).T[:n_tokens]
   gates_NS = gates_NS.astype(jnp.float32)
   act_NS = activation(h_NS)
   coef_in_NS = _derivative(activation, h_NS) * gates_NS * dyw_NS
   dx_coef_pS, = _pad_tokens(n_tokens, coef_in_NS.astype(dy_ND.dtype).astype(jnp.float32))
-  dx_ND = row_accumulate(dx_coef_pS.T, w_in_RD, rows_pS, dy_ND.dtype, options)[:n_tokens]
+  dx_ND = row_accumulate(dx_coef_pS.T, w_in_RD, rows_pS.T, dy_ND.dtype, options)[:n_tokens]
   return dx_ND, act_NS * dyw_NS, coef_in_NS, act_NS * gates_NS

@@ -113,7 +113,7 @@ def block_config(cfg, layer: int):
   `cfg.ffn_layers` leaves this layer out (mixed models from tools/sparsify.py)."""
   if layer in config_lib.ffn_layer_indices(cfg):
     return cfg
-  model = cfg.as_configdict() if isinstance(cfg, ml_collections.FrozenConfigDict) else cfg.copy_and_resolve_references()
+  model = ml_collections.ConfigDict(cfg.to_dict())  # a copy: FrozenConfigDict.as_configdict() shares cfg's own storage
   model.ffn = model.dense_ffn
   return ml_collections.FrozenConfigDict(model)
 
