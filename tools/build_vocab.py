@@ -113,12 +113,12 @@ def build_gpt2_bpe(output: str, vocab_size: int, inputs: list[str] = (), text_fi
 
   The files are written beside the targets and renamed over them, so a failed run damages no earlier vocabulary.
   """
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # only this kind needs it
+  from tokenizers import models, pre_tokenizers, trainers  # only this kind needs tokenizers
+
+  from sparsetx.data import bpe_vocab
 
   files = expand_inputs(list(inputs))
-  tokenizer = Tokenizer(models.BPE())
-  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-  tokenizer.decoder = decoders.ByteLevel()
+  tokenizer = bpe_vocab.gpt2_byte_level(models.BPE())  # the splitting the reader uses
   trainer = trainers.BpeTrainer(
       vocab_size=vocab_size,
       special_tokens=list(GPT2_SPECIAL_TOKENS),

@@ -57,11 +57,18 @@ def vocab_files(path: str, field: str = "config.data.vocab.path") -> tuple[str, 
   raise config_lib.ConfigError(f"{field}={path!r} has no {missing} (and no {TOKENIZER_FILE}); {fix}.")
 
 
-def _gpt2_tokenizer(vocab_path: str, merges_path: str) -> Tokenizer:
-  """GPT-2's tokenizer over these files: byte-level BPE, GPT-2 regex, no prefix space, EOS special."""
-  tokenizer = Tokenizer(models.BPE.from_file(vocab_path, merges_path))
+def gpt2_byte_level(bpe_model: models.BPE) -> Tokenizer:
+  """A tokenizer that splits and joins text as GPT-2's does around `bpe_model`: UTF-8 bytes, GPT-2's regex,
+  no prefix space. tools/build_vocab.py --kind=gpt2 trains on it, so its files read back here encode the same."""
+  tokenizer = Tokenizer(bpe_model)
   tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
   tokenizer.decoder = decoders.ByteLevel()
+  return tokenizer
+
+
+def _gpt2_tokenizer(vocab_path: str, merges_path: str) -> Tokenizer:
+  """GPT-2's tokenizer over these files: `gpt2_byte_level` of their BPE, EOS special."""
+  tokenizer = gpt2_byte_level(models.BPE.from_file(vocab_path, merges_path))
   if tokenizer.token_to_id(EOS_TOKEN) is not None:
     tokenizer.add_special_tokens([AddedToken(EOS_TOKEN, special=True)])
   return tokenizer
