@@ -177,14 +177,19 @@ def parse_train_args(args: tuple[str, ...]) -> ml_collections.ConfigDict:
 
 
 def plan(spec: SweepSpec) -> tuple[list[Run], list[Skipped]]:
-  """The runs of the sweep (budget-major, then type, then size) and the ones too short to train."""
+  """The runs of the sweep (budget-major, then type, then size) and the ones too short to train.
+
+  Each size's config is parsed once; a run's config is that one with the budget's steps, which is what
+  its command (the same flags plus --config.train.steps) parses to.
+  """
   check_spec(spec)
   overrides = tuple("--" + override.removeprefix("--") for override in spec.overrides)
+  sizes = {ffn_type: [(size, name, size_args, parse_train_args(size_args + overrides))
+                      for size, name, size_args in _sizes(spec, ffn_type)] for ffn_type in spec.ffn_types}
   runs, skipped = [], []
   for budget in spec.budgets:
     for ffn_type in spec.ffn_types:
-      for size, name, size_args in _sizes(spec, ffn_type):
-        config = parse_train_args(size_args + overrides)
+      for size, name, size_args, config in sizes[ffn_type]:
         tokens_per_step = config.data.global_batch_size * config.data.seq_len
         forward = ladder.forward_flops_per_token(config.model, config.data.seq_len)["total"]
         tokens = ladder.training_tokens(config.model, budget, config.data.seq_len)
@@ -197,11 +202,17 @@ def plan(spec: SweepSpec) -> tuple[list[Run], list[Skipped]]:
           continue
         workdir = os.path.join(spec.workdir, budget_tag(budget), name)
         args = size_args + overrides + (f"--config.train.steps={steps}", f"--workdir={workdir}")
-        config = parse_train_args(args)
         params = ladder.param_counts(config.model)
-        runs.append(Run(budget, ffn_type, size, name, workdir, args, config, tokens, tokens_per_step, steps, forward,
-                        params["total"], params["active"]))
+        runs.append(Run(budget, ffn_type, size, name, workdir, args, _with_steps(config, steps), tokens,
+                        tokens_per_step, steps, forward, params["total"], params["active"]))
   return runs, skipped
+
+
+def _with_steps(config: ml_collections.ConfigDict, steps: int) -> ml_collections.ConfigDict:
+  """A copy of `config` training `steps` steps, validated as the trainer's flag parsing would."""
+  config = config.copy_and_resolve_references()
+  config.train.steps = steps
+  return config_lib.validate(config)
 
 
 def final_eval(run: Run) -> dict | None:
