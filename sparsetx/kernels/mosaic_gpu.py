@@ -3,15 +3,16 @@
 Two kernels do all the row work; the per-slot arithmetic between them is elementwise on [N, S] and stays
 in XLA (N * S floats, about 1 MB at 2,048 tokens and S = 128, against ~800 MB of gathered rows):
 
-  row_dots:        dots[s, t] = <lhs[t], table[rows[t, s]]>           (forward: x . w_in; backward: dy . w_out)
-  row_accumulate:  out[t]     = sum_s coef[s, t] * table[rows[t, s]]   (forward: y from w_out; backward: dx from w_in)
+  row_dots:        dots[s, t] = <lhs[t], table[rows[s, t]]>           (forward: x . w_in; backward: dy . w_out)
+  row_accumulate:  out[t]     = sum_s coef[s, t] * table[rows[s, t]]   (forward: y from w_out; backward: dx from w_in)
 
-One program owns a block of 64 tokens (the row tile of one warpgroup's WGMMA register layout) and walks
+One program owns a block of 64 tokens (the row tile of a warpgroup's WGMMA register layout) and walks
 d_model in chunks of `block_d`. Hopper's TMA engine moves boxes, not scattered rows, so each gathered
-[64, block_d] tile is filled by 64 one-row TMA copies (a row chunk, at the row the token picked) that all
-arrive on one barrier; a ring of `stages` such tiles keeps the next tiles in flight while the warpgroup
-multiplies the current one in float32 registers. No [tokens, S, D] copy of the rows exists in HBM.
-Blackwell's TMA gather (four rows per copy) would cut the copy count by 4; not used yet.
+[64, block_d] tile is filled by 64 one-row TMA copies (a row chunk, at the row the token picked, read from
+the block's rows in shared memory) that all arrive on one barrier. Two warpgroups share the program: the
+copy warpgroup keeps a ring of `stages` tiles filling, the compute warpgroup takes them in order, multiplies
+in float32 registers and frees each slot by a barrier arrival. No [tokens, S, D] copy of the rows exists in
+HBM. Blackwell's TMA gather (four rows per copy) would cut the copy count by 4; not used yet.
 
 Mosaic GPU's interpret mode runs these kernels on CPU (barriers, TMA and shared memory simulated, with race
 detection in the tests); it does not model register layouts, so layout casts and layout-directed loads are
@@ -30,6 +31,9 @@ from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
 BLOCK_TOKENS = 64  # rows of a WGMMA-layout register tile: one warpgroup's token block
+TILE = plgpu.Layout.WGMMA  # [64, block_d] float32 tile
+PER_TOKEN = plgpu.Layout.WGMMA.reduce(1)  # [64] vector, one value per token row of a tile
+SMEM_BYTES = 227 * 1024  # per block on H100 / H200
 
 
 class _Lanes:
@@ -45,15 +49,9 @@ class _Lanes:
     return array if self.interpret else plgpu.layout_cast(array, layout)
 
 
-TILE = plgpu.Layout.WGMMA  # [64, block_d] float32 tile
-PER_TOKEN = plgpu.Layout.WGMMA.reduce(1)  # [64] vector, one value per token row of a tile
-
-
-SMEM_BYTES = 227 * 1024  # per block on H100 / H200
-
 
 def races_found() -> bool:
-  """Whether a kernel run in interpret mode since the last reset raced on shared memory (tests assert not)."""
+  """Whether the last kernel run in interpret mode raced on shared memory (tests assert not)."""
   return get_races().races_found
 
 
