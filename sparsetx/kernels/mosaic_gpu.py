@@ -12,7 +12,9 @@ d_model in chunks of `block_d`. Hopper's TMA engine moves boxes, not scattered r
 the block's rows in shared memory) that all arrive on one barrier. Two warpgroups share the program: the
 copy warpgroup keeps a ring of `stages` tiles filling, the compute warpgroup takes them in order, multiplies
 in float32 registers and frees each slot by a barrier arrival. No [tokens, S, D] copy of the rows exists in
-HBM. Blackwell's TMA gather (four rows per copy) would cut the copy count by 4; not used yet.
+HBM. Tiles stay untiled and unswizzled in shared memory (a swizzled tile only takes copies of 8 whole rows),
+so the register loads are not the bank-conflict-free kind. Blackwell's TMA gather (four rows per copy)
+would cut the copy count by 4; not used yet.
 
 Mosaic GPU's interpret mode runs these kernels on CPU (barriers, TMA and shared memory simulated, with race
 detection in the tests); it does not model register layouts, so layout casts and layout-directed loads are
