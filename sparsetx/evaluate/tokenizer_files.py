@@ -46,6 +46,11 @@ def byte_stand_ins() -> list[str]:
   return stand_ins
 
 
+def _padding_first(pad: str) -> processors.TemplateProcessing:
+  """The post-processor of every kind: id 0 (the padding token `pad`) first, as each packed training row starts."""
+  return processors.TemplateProcessing(single=f"{pad} $A", pair=f"{pad} $A {pad} $B", special_tokens=[(pad, 0)])
+
+
 def byte_level_tokenizer() -> tokenizers.Tokenizer:
   """A `tokenizers.Tokenizer` whose ids are exactly seqio.ByteVocabulary's."""
   stand_ins = byte_stand_ins()
@@ -57,9 +62,7 @@ def byte_level_tokenizer() -> tokenizers.Tokenizer:
   tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
   tokenizer.decoder = decoders.ByteLevel()
   tokenizer.add_special_tokens([PAD, EOS, UNK])
-  tokenizer.post_processor = processors.TemplateProcessing(
-      single=f"{PAD} $A", pair=f"{PAD} $A {PAD} $B", special_tokens=[(PAD, SPECIAL_IDS[PAD])]
-  )
+  tokenizer.post_processor = _padding_first(PAD)
   return tokenizer
 
 
@@ -79,8 +82,7 @@ def gpt2_tokenizer(path: str) -> tuple[tokenizers.Tokenizer, str, str]:
     pad = GPT2_PAD
     spec["model"]["vocab"][pad] = 0  # a model-vocabulary entry no merge reaches: text never encodes to it
   tokenizer = tokenizers.Tokenizer.from_str(json.dumps(spec))
-  tokenizer.post_processor = processors.TemplateProcessing(
-      single=f"{pad} $A", pair=f"{pad} $A {pad} $B", special_tokens=[(pad, 0)])
+  tokenizer.post_processor = _padding_first(pad)
   return tokenizer, pad, bpe_vocab.EOS_TOKEN
 
 
@@ -108,8 +110,7 @@ def sentencepiece_tokenizer(path: str) -> tuple[tokenizers.Tokenizer, tuple[str,
     raise config_lib.ConfigError(f"the SentencePiece model {path!r} is neither BPE nor unigram; it has no HF export.")
   pad, eos, unk = pieces[:3]
   tokenizer.add_special_tokens([pad, eos, unk])
-  tokenizer.post_processor = processors.TemplateProcessing(
-      single=f"{pad} $A", pair=f"{pad} $A {pad} $B", special_tokens=[(pad, 0)])
+  tokenizer.post_processor = _padding_first(pad)
   return tokenizer, (pad, eos, unk)
 
 
