@@ -1,16 +1,22 @@
-"""Text generation: greedy, temperature and top-k sampling, as one jitted loop over a token buffer.
+"""Text generation: greedy, temperature and top-k sampling, as one jitted program per batch of prompts.
 
-The model has no KV cache, so each step recomputes the whole buffer ([batch, max_len]) and reads
-the logits at each row's last token: a step costs one full forward pass. That is what the small
-models here need (a cache would save a factor of about max_len / 2 per step at the cost of a
-second forward path through every layer type). Prompts are left-aligned (token 0 at position 0,
-as in training) and of different lengths; each row writes its next token at its own length, and
-causal attention means the not-yet-written slots after it never influence it. The loop
-(`lax.while_loop`) stops when every row has produced `eos_id` or `max_new_tokens` tokens.
+With the KV cache (the default), the prompts are prefilled in one decode call of the model
+(sparsetx.models.transformer: each attention layer stores its keys/values) and every new token is one
+decode step of [batch, 1] tokens that reads the cache: a step costs a forward of one token per row, not of
+the whole window. `kv_cache=False` recomputes the whole buffer ([batch, max_len]) every step and reads
+the logits at each row's last token: the training forward itself, kept as the reference the cached path
+is tested against and the baseline a speed comparison needs.
+
+Prompts are left-aligned (token 0 at position 0, as in training) and of different lengths; each row
+writes its next token at its own length. The prefill covers the longest prompt (rounded up to a power of
+two, so a few prefill lengths serve all prompts); a shorter row's cache slots after its prompt hold
+padding that its queries never read (they read slots up to their own position) and that its new tokens
+overwrite. Step s draws with `fold_in(key, s)` on both paths. The loop (`lax.while_loop`) stops when
+every row has produced `eos_id` or `max_new_tokens` tokens.
 
 A prompt longer than `max_len - max_new_tokens` loses its oldest tokens, so the generated tokens
 always fit in the model's window. Batches are padded to `batch_size` rows: one compiled program
-per (batch_size, max_len, top_k); temperature, max_new_tokens and the seed are traced values.
+per (batch_size, max_len, top_k, prefill length); temperature, max_new_tokens and the seed are traced values.
 """
 
 import functools
@@ -21,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparsetx import config as config_lib
+from sparsetx.models.transformer import init_cache
 
 
 def choose_next(logits_BV, temperature, top_k: int, key):
@@ -34,7 +41,7 @@ def choose_next(logits_BV, temperature, top_k: int, key):
   return jnp.where(temperature > 0, sampled_B, greedy_B).astype(jnp.int32)
 
 
-def _generate(model, top_k, params, tokens_BT, lengths_B, done_B, max_new_tokens, temperature, eos_id, key):
+def _generate_recompute(model, top_k, params, tokens_BT, lengths_B, done_B, max_new_tokens, temperature, eos_id, key):
   B, T = tokens_BT.shape
   positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
   segment_ids_BT = jnp.ones((B, T), jnp.int32)
@@ -59,12 +66,63 @@ def _generate(model, top_k, params, tokens_BT, lengths_B, done_B, max_new_tokens
   return tokens_BT, lengths_B
 
 
-class Sampler:
-  """Generates continuations of token-id prompts with one model; `max_len` is the model's window."""
+def _generate_cached(model, top_k, prefill_len, params, tokens_BT, lengths_B, done_B, max_new_tokens, temperature,
+                     eos_id, key):
+  """_generate_recompute's tokens from a prefill of tokens_BT[:, :prefill_len] and one decode step per new token."""
+  B, T = tokens_BT.shape
+  rows_B = jnp.arange(B)
 
-  def __init__(self, model, params, max_len: int, batch_size: int = 8, eos_id: int = 1):
+  def decode(cache, tokens_BS, positions_BS=None):
+    logits_BSV, variables = model.apply(
+        {"params": params, "cache": cache}, tokens_BS, positions_BS, decode=True, mutable=["cache"])
+    return logits_BSV, variables["cache"]
+
+  logits_BPV, cache = decode(init_cache(model, B), tokens_BT[:, :prefill_len])
+  last_BV = logits_BPV[rows_B, lengths_B - 1]
+
+  def keep_going(carry):
+    step, _, _, done_B, _, _ = carry
+    return (step < max_new_tokens) & ~jnp.all(done_B)
+
+  def one_token(carry):
+    step, tokens_BT, lengths_B, done_B, cache, last_BV = carry
+    next_B = choose_next(last_BV, temperature, top_k, jax.random.fold_in(key, step))
+    write_B = jnp.where(done_B, tokens_BT[rows_B, jnp.minimum(lengths_B, T - 1)], next_B)
+    tokens_BT = tokens_BT.at[rows_B, lengths_B].set(write_B, mode="drop")
+    lengths_B = jnp.where(done_B, lengths_B, lengths_B + 1)
+    done_B = done_B | (next_B == eos_id)
+    # Each row's newest token (a finished row's last one again: same slot, same values) at its position.
+    newest_B1 = (lengths_B - 1)[:, None]
+    logits_B1V, cache = decode(cache, tokens_BT[rows_B[:, None], newest_B1], newest_B1)
+    return step + 1, tokens_BT, lengths_B, done_B, cache, logits_B1V[:, 0]
+
+  carry = (0, tokens_BT, lengths_B, done_B, cache, last_BV)
+  _, tokens_BT, lengths_B, _, _, _ = jax.lax.while_loop(keep_going, one_token, carry)
+  return tokens_BT, lengths_B
+
+
+def prefill_length(longest_prompt: int, max_len: int) -> int:
+  """The prefill's token count: the longest prompt rounded up to a power of two, at most max_len."""
+  return min(max_len, 1 << max(0, longest_prompt - 1).bit_length())
+
+
+class Sampler:
+  """Generates continuations of token-id prompts with one model; `max_len` is the model's window.
+
+  kv_cache=False recomputes the whole window per token (the reference; see the module docstring).
+  """
+
+  def __init__(self, model, params, max_len: int, batch_size: int = 8, eos_id: int = 1, kv_cache: bool = True):
+    if kv_cache and max_len > model.cfg.max_len:
+      raise config_lib.ConfigError(
+          f"the sampler's max_len={max_len} exceeds the model's decode cache of config.model.max_len="
+          f"{model.cfg.max_len} positions; pass max_len={model.cfg.max_len}.")
     self.params, self.max_len, self.batch_size, self.eos_id = params, max_len, batch_size, eos_id
-    self._generate = jax.jit(functools.partial(_generate, model), static_argnums=0)
+    self.kv_cache = kv_cache
+    if kv_cache:
+      self._generate = jax.jit(functools.partial(_generate_cached, model), static_argnums=(0, 1))
+    else:
+      self._generate = jax.jit(functools.partial(_generate_recompute, model), static_argnums=0)
 
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                top_k: int = 0, seed: int = 0) -> list[list[int]]:
@@ -87,8 +145,9 @@ class Sampler:
       tokens_BT, lengths_B, done_B = np.zeros((B, T), np.int32), np.ones(B, np.int32), np.ones(B, bool)
       for b, prompt in enumerate(chunk):
         tokens_BT[b, :len(prompt)], lengths_B[b], done_B[b] = prompt, len(prompt), False
+      static = (int(top_k), prefill_length(max(map(len, chunk)), T)) if self.kv_cache else (int(top_k),)
       tokens_BT, new_lengths_B = jax.device_get(self._generate(
-          int(top_k), self.params, tokens_BT, lengths_B, done_B, np.int32(max_new_tokens), np.float32(temperature),
+          *static, self.params, tokens_BT, lengths_B, done_B, np.int32(max_new_tokens), np.float32(temperature),
           np.int32(self.eos_id), jax.random.fold_in(key, start)))
       for b, prompt in enumerate(chunk):
         new = tokens_BT[b, len(prompt):new_lengths_B[b]].tolist()

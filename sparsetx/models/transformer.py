@@ -6,6 +6,12 @@ Two block kinds:
 Compute runs in `cfg.dtype` (bf16); attention softmax and logits are float32. Positions and segment
 ids come from packing: attention never crosses a document and rotary phases restart per document.
 
+Decoding (`decode=True`, as MaxText / T5X do it in linen): every attention layer keeps the keys and values
+of the positions already seen in the `cache` collection ([B, max_len, H, K], made by `init_cache`). A call
+writes its T tokens' keys/values at their positions (a prefill: the prompt; a step: T = 1), and each query
+reads the cache slots up to its own position. Positions default to the cache index (tokens written so far);
+rows of different lengths pass their own. Feed-forward layers are per token and need nothing.
+
 Values researchers read are tapped (`sparsetx.models.taps`) under nnterp's standard names
 (`layer_input`, `attention_norm_output`, `attention_output`, `mlp_input`, `mlp_output`,
 `layer_output`, ...); the feed-forward layers tap their circuits (gates, paths, expert ids).
@@ -54,8 +60,14 @@ def attention_mask(segment_ids_BT):
   return (causal_TT & same_BTT)[:, None]
 
 
+def decode_mask(positions_BT, cache_len: int):
+  """[B,1,T,L] True where query t may read cache slot s: s <= its position (later slots are unwritten or stale)."""
+  return (jnp.arange(cache_len)[None, None, :] <= positions_BT[:, :, None])[:, None]
+
+
 class Attention(nn.Module):
   cfg: object  # the model config (FrozenConfigDict)
+  decode: bool = False  # keys/values of earlier positions come from the `cache` collection; mask is [B,1,T,max_len]
 
   @nn.compact
   def __call__(self, x_BTD, positions_BT, mask_B1TT):
@@ -82,6 +94,9 @@ class Attention(nn.Module):
     rotary_dims = int(K * cfg.rotary_fraction)
     q_BTHK = apply_rotary(q_BTHK, positions_BT, rotary_dims, cfg.rope_base)
     k_BTHK = apply_rotary(k_BTHK, positions_BT, rotary_dims, cfg.rope_base)
+    if self.decode:  # from here on T of the keys/values is the cache length: the mask covers it
+      k_BTHK, v_BTHK = (self._cached(name, new_BTHK, positions_BT)
+                        for name, new_BTHK in (("cached_key", k_BTHK), ("cached_value", v_BTHK)))
     logits_BHTS = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BTHK, preferred_element_type=jnp.float32) / K**0.5
     logits_BHTS = jnp.where(mask_B1TT, logits_BHTS, jnp.finfo(jnp.float32).min)
     probs_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
@@ -89,9 +104,17 @@ class Attention(nn.Module):
     out_BTHK = jnp.einsum("bhts,bshk->bthk", probs_BHTS.astype(dtype), v_BTHK)
     return project("out", cfg.d_model, (-2, -1), ("heads", "kv", "embed"), ("embed",))(out_BTHK)
 
+  def _cached(self, name: str, new_BTHK, positions_BT):
+    """The cache variable `name` ([B, max_len, H, K]) with the new keys or values written at their positions."""
+    B, _, H, K = new_BTHK.shape
+    cache = self.variable("cache", name, jnp.zeros, (B, self.cfg.max_len, H, K), new_BTHK.dtype)
+    cache.value = cache.value.at[jnp.arange(B)[:, None], positions_BT].set(new_BTHK, mode="drop")
+    return cache.value
+
 
 class Block(nn.Module):
   cfg: object
+  decode: bool = False  # see Attention.decode
 
   @nn.compact
   def __call__(self, x_BTD, positions_BT, mask_B1TT):
@@ -100,7 +123,7 @@ class Block(nn.Module):
     x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "length", "embed"))
     x_BTD = tap(self, "layer_input", x_BTD)
     attn_in_BTD = tap(self, "attention_norm_output", make_norm(cfg, "attention_norm")(x_BTD).astype(dtype))
-    attn_BTD = tap(self, "attention_output", Attention(cfg, name="attention")(attn_in_BTD, positions_BT, mask_B1TT))
+    attn_BTD = tap(self, "attention_output", Attention(cfg, self.decode, name="attention")(attn_in_BTD, positions_BT, mask_B1TT))
     residual_BTD = x_BTD + attn_BTD if cfg.block == "sequential" else x_BTD
     mlp_in_BTD = tap(self, "mlp_input", make_norm(cfg, "mlp_norm")(residual_BTD).astype(dtype))
     ffn_BTD = tap(self, "mlp_output", make_ffn(cfg, name="mlp")(mlp_in_BTD))
@@ -119,18 +142,25 @@ def block_config(cfg, layer: int):
 
 
 class Transformer(nn.Module):
-  """tokens [B,T] (int) -> logits [B,T,vocab] float32."""
+  """tokens [B,T] (int) -> logits [B,T,vocab] float32.
+
+  decode=True (with `cache` mutable, see init_cache): tokens at `positions_BT` (default: the cache index
+  onwards) attend to themselves and the cached earlier positions; segment ids are not used.
+  """
 
   cfg: object  # the model config (FrozenConfigDict)
 
   @nn.compact
-  def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None):
+  def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, decode: bool = False):
     cfg = self.cfg
-    if positions_BT is None:
-      positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
-    if segment_ids_BT is None:
-      segment_ids_BT = jnp.ones_like(tokens_BT)
-    mask_B1TT = attention_mask(segment_ids_BT)
+    if decode:
+      positions_BT, mask_B1TT = self._decode_positions(tokens_BT, positions_BT, segment_ids_BT)
+    else:
+      if positions_BT is None:
+        positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+      if segment_ids_BT is None:
+        segment_ids_BT = jnp.ones_like(tokens_BT)
+      mask_B1TT = attention_mask(segment_ids_BT)
 
     embed = nn.Embed(
         cfg.vocab_size,
@@ -143,9 +173,9 @@ class Transformer(nn.Module):
     x_BTD = embed(tokens_BT)
     x_BTD = tap(self, "token_embeddings", x_BTD)
 
-    block = nn.remat(Block) if cfg.remat else Block
+    block = nn.remat(Block) if cfg.remat and not decode else Block  # remat saves memory for gradients only
     for i in range(cfg.n_layers):
-      x_BTD = block(block_config(cfg, i), name=f"layers_{i}")(x_BTD, positions_BT, mask_B1TT)
+      x_BTD = block(block_config(cfg, i), decode, name=f"layers_{i}")(x_BTD, positions_BT, mask_B1TT)
 
     x_BTD = tap(self, "final_norm_output", make_norm(cfg, "final_norm")(x_BTD))
     if cfg.tie_embeddings:
@@ -161,3 +191,26 @@ class Transformer(nn.Module):
       )(x_BTD.astype(jnp.float32))
     logits_BTV = tap(self, "logits", logits_BTV.astype(jnp.float32))
     return nn.with_logical_constraint(logits_BTV, ("batch", "length", "vocab"))
+
+  def _decode_positions(self, tokens_BT, positions_BT, segment_ids_BT):
+    """(positions [B,T], mask [B,1,T,max_len]) of a decode call; advances the cache index past its tokens."""
+    B, T = tokens_BT.shape
+    if segment_ids_BT is not None:
+      raise config_lib.ConfigError("decode=True takes one sequence per row; drop segment_ids (they are for packed rows).")
+    if T > self.cfg.max_len:
+      raise config_lib.ConfigError(
+          f"a decode call of {T} tokens does not fit the cache of config.model.max_len={self.cfg.max_len} positions; "
+          "shorten the prompt (keep its newest tokens) or use a model with a longer window.")
+    index = self.variable("cache", "cache_index", jnp.zeros, (B,), jnp.int32)
+    if positions_BT is None:
+      positions_BT = index.value[:, None] + jnp.arange(T, dtype=jnp.int32)
+    positions_BT = jnp.asarray(positions_BT, jnp.int32)
+    index.value = positions_BT[:, -1] + 1
+    return positions_BT, decode_mask(positions_BT, self.cfg.max_len)
+
+
+def init_cache(model: Transformer, batch_size: int):
+  """The zeroed decode cache of `model` for `batch_size` rows of max_len positions (shapes only: no params made)."""
+  tokens_B1 = jnp.zeros((batch_size, 1), jnp.int32)
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens_B1, decode=True))["cache"]
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
