@@ -92,7 +92,10 @@ def _check_target(out_dir: str, overwrite: bool, what: str, marker: str) -> None
 
 
 class _StagedDirectory:
-  """A hidden sibling of `target` to write into; `commit()` puts it in place of `target` in one rename."""
+  """A hidden sibling of `target` to write into; `commit()` puts it in place of `target` in one rename.
+
+  As a context manager it commits when the block ends normally and discards what was written otherwise.
+  """
 
   def __init__(self, target: str):
     self.target = os.path.abspath(target)
@@ -117,6 +120,19 @@ class _StagedDirectory:
 
   def discard(self) -> None:
     shutil.rmtree(self.path, ignore_errors=True)
+
+  def __enter__(self) -> "_StagedDirectory":
+    return self
+
+  def __exit__(self, error_type, error, traceback) -> None:
+    if error_type is not None:
+      self.discard()
+      return
+    try:
+      self.commit()
+    except BaseException:
+      self.discard()
+      raise
 
 
 def _inside(path: str, directory: str) -> bool:
@@ -149,8 +165,7 @@ def write_hf(config: ml_collections.ConfigDict, params, out_dir: str, overwrite:
   _check_target(out_dir, overwrite, "--out", "config.json")
   config_json, tensors = mapping.to_hf(config.model, params)
   config_json = dict(config_json, dtype=dtype, torch_dtype=dtype)  # torch_dtype: the transformers 4.x name
-  staged = _StagedDirectory(out_dir)
-  try:
+  with _StagedDirectory(out_dir) as staged:
     _save_weights(tensors, os.path.join(staged.path, WEIGHTS), dtype)
     _write_json(os.path.join(staged.path, "config.json"), config_json)
     _write_json(os.path.join(staged.path, "generation_config.json"), dict(
@@ -162,10 +177,6 @@ def write_hf(config: ml_collections.ConfigDict, params, out_dir: str, overwrite:
     for path in getattr(mapping, "MODELING_FILES", ()):
       shutil.copyfile(path, os.path.join(staged.path, os.path.basename(path)))
     tokenizer_files.write(config.data, config.model.max_len, staged.path)
-    staged.commit()
-  except BaseException:
-    staged.discard()
-    raise
   return mapping.__name__.rsplit(".", 1)[-1]
 
 
@@ -290,8 +301,7 @@ def import_hf(hf_dir: str, workdir: str, overwrite: bool = False,
     config_lib.validate(config)
   mesh = mesh_lib.make_mesh(config.mesh)
   _, shardings, model, tx = state_lib.state_shardings(config, mesh)
-  staged = _StagedDirectory(workdir)
-  try:
+  with _StagedDirectory(workdir) as staged:
     state = jax.jit(
         lambda p: state_lib.TrainState.create(apply_fn=model.apply, params=p, tx=tx), out_shardings=shardings
     )(jax.device_put(params, shardings.params))
@@ -302,8 +312,4 @@ def import_hf(hf_dir: str, workdir: str, overwrite: bool = False,
       checkpointer.wait()
     finally:
       checkpointer.close()
-    staged.commit()
-  except BaseException:
-    staged.discard()
-    raise
   return config
