@@ -354,7 +354,7 @@ def where_tokens_are(fn, *arrays_BT):
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is None or mesh.empty:
     return fn(*arrays_BT)
-  batch = tuple(a for a in _mesh_axes(_RULES.get(), "batch") if a in mesh.shape and mesh.shape[a] > 1)
+  batch = _sized(mesh, _mesh_axes(_RULES.get(), "batch"))
   B, T = arrays_BT[0].shape[:2]
   if not batch or (B * T) % math.prod(mesh.shape[a] for a in batch):
     return fn(*arrays_BT)
