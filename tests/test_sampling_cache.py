@@ -17,16 +17,19 @@ from sparsetx.models.transformer import Transformer, init_cache
 PROMPT_LEN, TOTAL_LEN = 5, 14
 
 
-def micro_model(ffn_type: str, block: str = "sequential") -> Transformer:
-  """micro_config's model (d_model 64, 2 layers, window 32, f32) with the block kind under test."""
+def micro_model(ffn_type: str, block: str = "sequential", ffn_layers: str = "") -> Transformer:
+  """micro_config's model (d_model 64, 2 layers, window 32, f32) with the block kind under test; ffn_layers "1":
+  layer 0 keeps a dense MLP (mixed models), so one model covers the MLP and a sparse layer."""
   config = micro_config(ffn_type)
-  config.model.update(block=block, norm="rmsnorm" if block == "sequential" else "layernorm")
+  config.model.update(block=block, norm="rmsnorm" if block == "sequential" else "layernorm", ffn_layers=ffn_layers)
   config_lib.validate(config)
   return Transformer(ml_collections.FrozenConfigDict(config.model))
 
 
-def micro_params(model):
-  return nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))["params"]
+def params_and_full_logits(model, tokens_BT):
+  """The model's params and its training forward's logits on tokens_BT (one compiled program)."""
+  logits_BTV, variables = jax.jit(model.init_with_output)(jax.random.key(0), tokens_BT)
+  return nn.unbox(variables)["params"], np.asarray(logits_BTV)
 
 
 def decode_step(model):
@@ -34,15 +37,14 @@ def decode_step(model):
       {"params": params, "cache": cache}, tokens_BT, positions_BT, decode=True, mutable=["cache"]))
 
 
-@pytest.mark.parametrize("ffn_type", ["mlp", "sgatlin", "fff", "moe"])
-@pytest.mark.parametrize("block", ["sequential", "parallel"])
+@pytest.mark.parametrize("ffn_type,block", [(f, b) for f in ("sgatlin", "fff") for b in ("sequential", "parallel")]
+                         + [("moe", "sequential")])
 def test_prefill_and_steps_give_the_full_forward_logits(ffn_type, block):
   """Rows of different prompt lengths, as the sampler runs them: a padded prefill, then each row's next
-  token at its own position; the logits of every real token equal the full forward's."""
-  model = micro_model(ffn_type, block)
-  params = micro_params(model)
+  token at its own position; the logits of every real token equal the full forward's. Layer 0 is an MLP."""
+  model = micro_model(ffn_type, block, ffn_layers="1")
   tokens_BT = jax.random.randint(jax.random.key(1), (2, TOTAL_LEN), 2, 259)
-  full_BTV = np.asarray(jax.jit(model.apply)({"params": params}, tokens_BT))
+  params, full_BTV = params_and_full_logits(model, tokens_BT)
 
   lengths_B = np.array([PROMPT_LEN, PROMPT_LEN - 2])
   prefill_BT = np.where(np.arange(PROMPT_LEN) < lengths_B[:, None], tokens_BT[:, :PROMPT_LEN], 0)
@@ -63,8 +65,8 @@ def test_prefill_and_steps_give_the_full_forward_logits(ffn_type, block):
 def test_positions_default_to_the_cache_index():
   """Without positions, a decode call continues where the cache stands: prefill then steps == full forward."""
   model = micro_model("mlp")
-  params = micro_params(model)
   tokens_BT = jax.random.randint(jax.random.key(2), (2, 9), 2, 259)
+  params, full_BTV = params_and_full_logits(model, tokens_BT)
   apply = jax.jit(lambda cache, tokens: model.apply({"params": params, "cache": cache}, tokens, decode=True,
                                                     mutable=["cache"]))
   logits, variables = apply(init_cache(model, 2), tokens_BT[:, :6])
@@ -72,29 +74,28 @@ def test_positions_default_to_the_cache_index():
   for t in range(6, 9):
     logits, variables = apply(variables["cache"], tokens_BT[:, t:t + 1])
     pieces.append(logits)
-  np.testing.assert_allclose(np.concatenate(pieces, 1), model.apply({"params": params}, tokens_BT), rtol=1e-5,
-                             atol=1e-5)
+  np.testing.assert_allclose(np.concatenate(pieces, 1), full_BTV, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("ffn_type,block", [("sgatlin", "sequential"), ("fff", "parallel")])
+@pytest.mark.parametrize("ffn_type,block", [("sgatlin", "sequential"), ("mlp", "parallel")])
 def test_cached_sampler_generates_what_recomputing_does(ffn_type, block):
   model = micro_model(ffn_type, block)
-  params = micro_params(model)
+  params, _ = params_and_full_logits(model, jnp.zeros((1, 8), jnp.int32))
   prompts = [[0, 5, 9, 13, 200], [0, 7], [0, 3, 3, 3, 3, 3, 3, 3, 40, 41, 42]]
   cached = sampling.Sampler(model, params, 32, batch_size=4, eos_id=1)
   recompute = sampling.Sampler(model, params, 32, batch_size=4, eos_id=1, kv_cache=False)
   greedy = cached.generate(prompts, max_new_tokens=12)
   assert [len(new) for new in greedy] == [12, 12, 12]
   assert greedy == recompute.generate(prompts, max_new_tokens=12)
-  # The same draws: step s uses fold_in(key, s) on both paths.
-  sampled = cached.generate(prompts, max_new_tokens=12, temperature=1.0, top_k=50, seed=3)
-  assert sampled == recompute.generate(prompts, max_new_tokens=12, temperature=1.0, top_k=50, seed=3)
+  # The same draws: step s uses fold_in(key, s) on both paths (top_k 0: the greedy runs' compiled programs).
+  sampled = cached.generate(prompts, max_new_tokens=12, temperature=1.0, seed=3)
+  assert sampled == recompute.generate(prompts, max_new_tokens=12, temperature=1.0, seed=3)
   assert sampled != greedy
 
 
 def test_calls_that_do_not_fit_the_cache_are_refused():
   model = micro_model("mlp")
-  params = micro_params(model)
+  params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]  # shapes suffice
   cache = init_cache(model, 1)
   with pytest.raises(config_lib.ConfigError, match=r"decode call of 33 tokens does not fit the cache of "
                      r"config.model.max_len=32 positions; shorten the prompt"):
