@@ -70,7 +70,7 @@ class Attention(nn.Module):
   decode: bool = False  # keys/values of earlier positions come from the `cache` collection; mask is [B,1,T,max_len]
 
   @nn.compact
-  def __call__(self, x_BTD, positions_BT, mask_B1TT):
+  def __call__(self, x_BTD, positions_BT, mask_B1TS):
     cfg = self.cfg
     H, K = cfg.d_model // cfg.head_dim, cfg.head_dim
     dtype = jnp.dtype(cfg.dtype)
@@ -94,18 +94,22 @@ class Attention(nn.Module):
     rotary_dims = int(K * cfg.rotary_fraction)
     q_BTHK = apply_rotary(q_BTHK, positions_BT, rotary_dims, cfg.rope_base)
     k_BTHK = apply_rotary(k_BTHK, positions_BT, rotary_dims, cfg.rope_base)
-    if self.decode:  # from here on T of the keys/values is the cache length: the mask covers it
-      k_BTHK, v_BTHK = (self._cached(name, new_BTHK, positions_BT)
+    k_BSHK, v_BSHK = k_BTHK, v_BTHK  # S = T, or the cache length when decoding (the mask covers S)
+    if self.decode:
+      k_BSHK, v_BSHK = (self._cached(name, new_BTHK, positions_BT)
                         for name, new_BTHK in (("cached_key", k_BTHK), ("cached_value", v_BTHK)))
-    logits_BHTS = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BTHK, preferred_element_type=jnp.float32) / K**0.5
-    logits_BHTS = jnp.where(mask_B1TT, logits_BHTS, jnp.finfo(jnp.float32).min)
+    logits_BHTS = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BSHK, preferred_element_type=jnp.float32) / K**0.5
+    logits_BHTS = jnp.where(mask_B1TS, logits_BHTS, jnp.finfo(jnp.float32).min)
     probs_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
     probs_BHTS = tap(self, "attention_probabilities", probs_BHTS)
-    out_BTHK = jnp.einsum("bhts,bshk->bthk", probs_BHTS.astype(dtype), v_BTHK)
+    out_BTHK = jnp.einsum("bhts,bshk->bthk", probs_BHTS.astype(dtype), v_BSHK)
     return project("out", cfg.d_model, (-2, -1), ("heads", "kv", "embed"), ("embed",))(out_BTHK)
 
   def _cached(self, name: str, new_BTHK, positions_BT):
-    """The cache variable `name` ([B, max_len, H, K]) with the new keys or values written at their positions."""
+    """The cache variable `name` ([B, max_len, H, K]) with the new keys or values written at their positions.
+
+    Positions past the cache are dropped (jit cannot raise on values): callers stay within max_len, as the Sampler does.
+    """
     B, _, H, K = new_BTHK.shape
     cache = self.variable("cache", name, jnp.zeros, (B, self.cfg.max_len, H, K), new_BTHK.dtype)
     cache.value = cache.value.at[jnp.arange(B)[:, None], positions_BT].set(new_BTHK, mode="drop")
@@ -117,13 +121,14 @@ class Block(nn.Module):
   decode: bool = False  # see Attention.decode
 
   @nn.compact
-  def __call__(self, x_BTD, positions_BT, mask_B1TT):
+  def __call__(self, x_BTD, positions_BT, mask_B1TS):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
     x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "length", "embed"))
     x_BTD = tap(self, "layer_input", x_BTD)
     attn_in_BTD = tap(self, "attention_norm_output", make_norm(cfg, "attention_norm")(x_BTD).astype(dtype))
-    attn_BTD = tap(self, "attention_output", Attention(cfg, self.decode, name="attention")(attn_in_BTD, positions_BT, mask_B1TT))
+    attention = Attention(cfg, self.decode, name="attention")
+    attn_BTD = tap(self, "attention_output", attention(attn_in_BTD, positions_BT, mask_B1TS))
     residual_BTD = x_BTD + attn_BTD if cfg.block == "sequential" else x_BTD
     mlp_in_BTD = tap(self, "mlp_input", make_norm(cfg, "mlp_norm")(residual_BTD).astype(dtype))
     ffn_BTD = tap(self, "mlp_output", make_ffn(cfg, name="mlp")(mlp_in_BTD))
@@ -154,13 +159,13 @@ class Transformer(nn.Module):
   def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, decode: bool = False):
     cfg = self.cfg
     if decode:
-      positions_BT, mask_B1TT = self._decode_positions(tokens_BT, positions_BT, segment_ids_BT)
+      positions_BT, mask_B1TS = self._decode_positions(tokens_BT, positions_BT, segment_ids_BT)
     else:
       if positions_BT is None:
         positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
       if segment_ids_BT is None:
         segment_ids_BT = jnp.ones_like(tokens_BT)
-      mask_B1TT = attention_mask(segment_ids_BT)
+      mask_B1TS = attention_mask(segment_ids_BT)
 
     embed = nn.Embed(
         cfg.vocab_size,
@@ -175,7 +180,7 @@ class Transformer(nn.Module):
 
     block = nn.remat(Block) if cfg.remat and not decode else Block  # remat saves memory for gradients only
     for i in range(cfg.n_layers):
-      x_BTD = block(block_config(cfg, i), decode, name=f"layers_{i}")(x_BTD, positions_BT, mask_B1TT)
+      x_BTD = block(block_config(cfg, i), decode, name=f"layers_{i}")(x_BTD, positions_BT, mask_B1TS)
 
     x_BTD = tap(self, "final_norm_output", make_norm(cfg, "final_norm")(x_BTD))
     if cfg.tie_embeddings:
@@ -196,7 +201,8 @@ class Transformer(nn.Module):
     """(positions [B,T], mask [B,1,T,max_len]) of a decode call; advances the cache index past its tokens."""
     B, T = tokens_BT.shape
     if segment_ids_BT is not None:
-      raise config_lib.ConfigError("decode=True takes one sequence per row; drop segment_ids (they are for packed rows).")
+      raise config_lib.ConfigError(
+          "decode=True takes one sequence per row; drop segment_ids (they are for packed rows).")
     if T > self.cfg.max_len:
       raise config_lib.ConfigError(
           f"a decode call of {T} tokens does not fit the cache of config.model.max_len={self.cfg.max_len} positions; "
