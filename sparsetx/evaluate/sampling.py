@@ -41,6 +41,14 @@ def choose_next(logits_BV, temperature, top_k: int, key):
   return jnp.where(temperature > 0, sampled_B, greedy_B).astype(jnp.int32)
 
 
+def _append(tokens_BT, lengths_B, done_B, next_B, eos_id):
+  """Each unfinished row's next token written at its length (finished rows unchanged); done once it is eos_id."""
+  rows_B, T = jnp.arange(tokens_BT.shape[0]), tokens_BT.shape[1]
+  write_B = jnp.where(done_B, tokens_BT[rows_B, jnp.minimum(lengths_B, T - 1)], next_B)
+  tokens_BT = tokens_BT.at[rows_B, lengths_B].set(write_B, mode="drop")
+  return tokens_BT, jnp.where(done_B, lengths_B, lengths_B + 1), done_B | (next_B == eos_id)
+
+
 def _generate_recompute(model, top_k, params, tokens_BT, lengths_B, done_B, max_new_tokens, temperature, eos_id, key):
   B, T = tokens_BT.shape
   positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
@@ -56,10 +64,7 @@ def _generate_recompute(model, top_k, params, tokens_BT, lengths_B, done_B, max_
     logits_BTV = model.apply({"params": params}, tokens_BT, positions_BT, segment_ids_BT)
     last_BV = logits_BTV[rows_B, lengths_B - 1]
     next_B = choose_next(last_BV, temperature, top_k, jax.random.fold_in(key, step))
-    write_B = jnp.where(done_B, tokens_BT[rows_B, jnp.minimum(lengths_B, T - 1)], next_B)
-    tokens_BT = tokens_BT.at[rows_B, lengths_B].set(write_B, mode="drop")
-    lengths_B = jnp.where(done_B, lengths_B, lengths_B + 1)
-    done_B = done_B | (next_B == eos_id)
+    tokens_BT, lengths_B, done_B = _append(tokens_BT, lengths_B, done_B, next_B, eos_id)
     return step + 1, tokens_BT, lengths_B, done_B
 
   _, tokens_BT, lengths_B, _ = jax.lax.while_loop(keep_going, one_token, (0, tokens_BT, lengths_B, done_B))
@@ -69,7 +74,7 @@ def _generate_recompute(model, top_k, params, tokens_BT, lengths_B, done_B, max_
 def _generate_cached(model, top_k, prefill_len, params, tokens_BT, lengths_B, done_B, max_new_tokens, temperature,
                      eos_id, key):
   """_generate_recompute's tokens from a prefill of tokens_BT[:, :prefill_len] and one decode step per new token."""
-  B, T = tokens_BT.shape
+  B = tokens_BT.shape[0]
   rows_B = jnp.arange(B)
 
   def decode(cache, tokens_BS, positions_BS=None):
@@ -87,10 +92,7 @@ def _generate_cached(model, top_k, prefill_len, params, tokens_BT, lengths_B, do
   def one_token(carry):
     step, tokens_BT, lengths_B, done_B, cache, last_BV = carry
     next_B = choose_next(last_BV, temperature, top_k, jax.random.fold_in(key, step))
-    write_B = jnp.where(done_B, tokens_BT[rows_B, jnp.minimum(lengths_B, T - 1)], next_B)
-    tokens_BT = tokens_BT.at[rows_B, lengths_B].set(write_B, mode="drop")
-    lengths_B = jnp.where(done_B, lengths_B, lengths_B + 1)
-    done_B = done_B | (next_B == eos_id)
+    tokens_BT, lengths_B, done_B = _append(tokens_BT, lengths_B, done_B, next_B, eos_id)
     # Each row's newest token (a finished row's last one again: same slot, same values) at its position.
     newest_B1 = (lengths_B - 1)[:, None]
     logits_B1V, cache = decode(cache, tokens_BT[rows_B[:, None], newest_B1], newest_B1)
