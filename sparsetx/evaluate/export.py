@@ -231,7 +231,7 @@ def _in_param_dtype(model: ml_collections.ConfigDict, params) -> dict:
   Names and shapes are the mappings' to check: both refuse weights that do not fit config.json.
   """
   param_dtype = jax.numpy.dtype(model.param_dtype)
-  return jax.tree.map(lambda leaf: np.asarray(leaf).astype(param_dtype), params)
+  return jax.tree.map(lambda leaf: np.asarray(leaf).astype(param_dtype, copy=False), params)
 
 
 def load_hf(hf_dir: str) -> tuple[ml_collections.ConfigDict, dict]:
