@@ -49,15 +49,16 @@ def _append(tokens_BT, lengths_B, done_B, next_B, eos_id):
   return tokens_BT, jnp.where(done_B, lengths_B, lengths_B + 1), done_B | (next_B == eos_id)
 
 
+def _keep_going(max_new_tokens):
+  """while_loop condition over a (step, tokens, lengths, done, ...) carry: more to generate and a row not done."""
+  return lambda carry: (carry[0] < max_new_tokens) & ~jnp.all(carry[3])
+
+
 def _generate_recompute(model, top_k, params, tokens_BT, lengths_B, done_B, max_new_tokens, temperature, eos_id, key):
   B, T = tokens_BT.shape
   positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
   segment_ids_BT = jnp.ones((B, T), jnp.int32)
   rows_B = jnp.arange(B)
-
-  def keep_going(carry):
-    step, _, _, done_B = carry
-    return (step < max_new_tokens) & ~jnp.all(done_B)
 
   def one_token(carry):
     step, tokens_BT, lengths_B, done_B = carry
@@ -67,7 +68,7 @@ def _generate_recompute(model, top_k, params, tokens_BT, lengths_B, done_B, max_
     tokens_BT, lengths_B, done_B = _append(tokens_BT, lengths_B, done_B, next_B, eos_id)
     return step + 1, tokens_BT, lengths_B, done_B
 
-  _, tokens_BT, lengths_B, _ = jax.lax.while_loop(keep_going, one_token, (0, tokens_BT, lengths_B, done_B))
+  _, tokens_BT, lengths_B, _ = jax.lax.while_loop(_keep_going(max_new_tokens), one_token, (0, tokens_BT, lengths_B, done_B))
   return tokens_BT, lengths_B
 
 
@@ -85,21 +86,17 @@ def _generate_cached(model, top_k, prefill_len, params, tokens_BT, lengths_B, do
   logits_BPV, cache = decode(init_cache(model, B), tokens_BT[:, :prefill_len])
   last_BV = logits_BPV[rows_B, lengths_B - 1]
 
-  def keep_going(carry):
-    step, _, _, done_B, _, _ = carry
-    return (step < max_new_tokens) & ~jnp.all(done_B)
-
   def one_token(carry):
     step, tokens_BT, lengths_B, done_B, cache, last_BV = carry
     next_B = choose_next(last_BV, temperature, top_k, jax.random.fold_in(key, step))
     tokens_BT, lengths_B, done_B = _append(tokens_BT, lengths_B, done_B, next_B, eos_id)
     # Each row's newest token (a finished row's last one again: same slot, same values) at its position.
     newest_B1 = (lengths_B - 1)[:, None]
-    logits_B1V, cache = decode(cache, tokens_BT[rows_B[:, None], newest_B1], newest_B1)
+    logits_B1V, cache = decode(cache, jnp.take_along_axis(tokens_BT, newest_B1, 1), newest_B1)
     return step + 1, tokens_BT, lengths_B, done_B, cache, logits_B1V[:, 0]
 
   carry = (0, tokens_BT, lengths_B, done_B, cache, last_BV)
-  _, tokens_BT, lengths_B, _, _, _ = jax.lax.while_loop(keep_going, one_token, carry)
+  _, tokens_BT, lengths_B, _, _, _ = jax.lax.while_loop(_keep_going(max_new_tokens), one_token, carry)
   return tokens_BT, lengths_B
 
 

@@ -178,7 +178,8 @@ def record(model, rows: dict, context: int = 8, batch_rows: int = 16) -> Circuit
   every sparse layer."""
   cfg = model.cfg
   layers = sparse_layers(cfg)
-  reads = [name for layer in layers for name in circuit_names(cfg, layer)] + ["logits"]
+  names_L = [circuit_names(cfg, layer) for layer in layers]
+  reads = [name for pair in names_L for name in pair] + ["logits"]
   tokens, contexts, top5, ids, weights = [], [], [], [], []
   for start in range(0, len(rows["inputs"]), batch_rows):
     # every batch padded to batch_rows (padding has loss weight 0): one compiled program
@@ -196,7 +197,7 @@ def record(model, rows: dict, context: int = 8, batch_rows: int = 16) -> Circuit
     top5.append(np.argsort(-logits_NV, axis=-1)[:, :5])
     layer_ids, layer_w = zip(*(
         sparse_circuit(cfg, np.asarray(out[units])[b_idx, t_idx], np.asarray(out[w])[b_idx, t_idx])
-        for units, w in (circuit_names(cfg, layer) for layer in layers)
+        for units, w in names_L
     ))
     ids.append(np.stack(layer_ids))
     weights.append(np.stack(layer_w))

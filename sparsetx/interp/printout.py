@@ -6,6 +6,7 @@ meaning. Identical blocks are printed once as `(0-N): N x Block`; a mixed model 
 prints each run of blocks with the same feed-forward type on its own.
 """
 
+import itertools
 import numpy as np
 
 from sparsetx import config as config_lib
@@ -42,15 +43,10 @@ def _name_lines(cfg, scope: str, indent: str, layer: int | None = None) -> list[
   ]
 
 
-def _block_groups(cfg) -> list[range]:
+def _block_groups(cfg) -> list[list[int]]:
   """Runs of consecutive blocks with the same feed-forward type (one run unless the model is mixed)."""
-  groups = []
-  for layer in range(cfg.n_layers):
-    if groups and names_lib.layer_ffn_type(cfg, layer) == names_lib.layer_ffn_type(cfg, groups[-1][0]):
-      groups[-1] = range(groups[-1][0], layer + 1)
-    else:
-      groups.append(range(layer, layer + 1))
-  return groups
+  by_type = itertools.groupby(range(cfg.n_layers), lambda layer: names_lib.layer_ffn_type(cfg, layer))
+  return [list(group) for _, group in by_type]
 
 
 def describe(cfg, params) -> str:

@@ -84,9 +84,7 @@ class StandardizedTransformer:
   """A Transformer and its params, addressed by standard names (see sparsetx/interp/names.py)."""
 
   def __init__(self, model_cfg, params):
-    # from to_dict(), which reads a frozen config's own fields: a FrozenConfigDict's as_configdict() view can
-    # differ once a mixed model's block_config has run on it (copies made through it read dense_ffn as ffn)
-    self.cfg = ml_collections.FrozenConfigDict(model_cfg.to_dict())
+    self.cfg = ml_collections.FrozenConfigDict(model_cfg)
     self.model = Transformer(self.cfg)
     self.params = params
     self._forward = jax.jit(self._forward_impl, static_argnames=("reads",))

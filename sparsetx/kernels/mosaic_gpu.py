@@ -32,6 +32,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
+from sparsetx.kernels import xla_gather
+from sparsetx.kernels.reference import derivative
+
 BLOCK_TOKENS = 64  # rows of a WGMMA-layout register tile: one warpgroup's token block
 TILE = plgpu.Layout.WGMMA  # [64, block_d] float32 tile
 PER_TOKEN = plgpu.Layout.WGMMA.reduce(1)  # [64] vector, one value per token row of a tile
@@ -305,12 +308,7 @@ def row_accumulate(coef_SN, table_RD, rows_SN, out_dtype, options):
 
 def _pad_tokens(n_tokens, *arrays_N):
   n_padded = -(-n_tokens // BLOCK_TOKENS) * BLOCK_TOKENS
-  return [jnp.pad(a, [(0, n_padded - n_tokens)] + [(0, 0)] * (a.ndim - 1)) for a in arrays_N]
-
-
-def _derivative(activation, h):
-  """act'(h) for an elementwise activation (a JVP with unit tangent)."""
-  return jax.jvp(activation, (h,), (jnp.ones_like(h),))[1]
+  return [xla_gather._pad_rows(a, n_padded) for a in arrays_N]
 
 
 def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, activation, options):
@@ -338,7 +336,7 @@ def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, activation,
   dyw_NS = row_dots(dy_pD, w_out_RD, rows_pS.T, options).T[:n_tokens]
   gates_NS = gates_NS.astype(jnp.float32)
   act_NS = activation(h_NS)
-  coef_in_NS = _derivative(activation, h_NS) * gates_NS * dyw_NS
+  coef_in_NS = derivative(activation, h_NS) * gates_NS * dyw_NS
   dx_coef_pS, = _pad_tokens(n_tokens, coef_in_NS.astype(dy_ND.dtype).astype(jnp.float32))
   dx_ND = row_accumulate(dx_coef_pS.T, w_in_RD, rows_pS.T, dy_ND.dtype, options)[:n_tokens]
   return dx_ND, act_NS * dyw_NS, coef_in_NS, act_NS * gates_NS

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from sparsetx.kernels.reference import derivative
+
 
 def _next_pow2(n):
   return 1 << max(0, (n - 1).bit_length())
@@ -37,11 +39,6 @@ def _layout(x_ND, rows_NS, per_slot, block_tokens):
 
 def _interpret():
   return jax.default_backend() != "gpu"
-
-
-def _derivative(activation, h):
-  """act'(h) for an elementwise activation (a JVP with unit tangent)."""
-  return jax.jvp(activation, (h,), (jnp.ones_like(h),))[1]
 
 
 def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, activation, options):
@@ -101,7 +98,7 @@ def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, activation,
       h_b = h_ref[s, :]
       gates_b = gates_ref[s, :].astype(jnp.float32)
       act_b = activation(h_b)
-      coef_in_b = _derivative(activation, h_b) * gates_b * dyw_b
+      coef_in_b = derivative(activation, h_b) * gates_b * dyw_b
       dgates_ref[s, :] = act_b * dyw_b
       cin_ref[s, :] = coef_in_b
       cout_ref[s, :] = act_b * gates_b

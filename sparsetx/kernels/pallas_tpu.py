@@ -12,6 +12,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from sparsetx.kernels.reference import derivative
+
 
 def _interpret(options):
   if jax.default_backend() == "tpu" and not options.interpret:
@@ -109,7 +111,7 @@ def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, activation,
     h_bS = h_ref[...]
     gates_bS = gates_ref[...].astype(jnp.float32)
     act_bS = activation(h_bS)
-    coef_in_bS = jax.jvp(activation, (h_bS,), (jnp.ones_like(h_bS),))[1] * gates_bS * dyw_bS
+    coef_in_bS = derivative(activation, h_bS) * gates_bS * dyw_bS
     dgates_ref[...] = act_bS * dyw_bS
     cin_ref[...] = coef_in_bS
     cout_ref[...] = act_bS * gates_bS

@@ -112,7 +112,7 @@ def product_key_top_k(scores1_N: jax.Array, scores2_N: jax.Array, k: int):
     raise ConfigError(f"top_k={k} must lie in [1, sqrt(d_ffw)={n_keys}); lower top_k or raise d_ffw.")
   s1, s2 = scores1_N.astype(jnp.float32), scores2_N.astype(jnp.float32)
   neuron_ids = _neuron_ids_cpu if jax.default_backend() == "cpu" else _neuron_ids_top_k
-  indices = neuron_ids(_order_key(jax.lax.stop_gradient(s1)), _order_key(jax.lax.stop_gradient(s2)), k)
+  indices = neuron_ids(_order_key(s1), _order_key(s2), k)  # integer keys: no gradient flows into the choice
   values = jnp.take_along_axis(s1, indices // n_keys, axis=-1) + jnp.take_along_axis(s2, indices % n_keys, axis=-1)
   return values, indices
 
