@@ -62,9 +62,9 @@ def main():
   parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke check)")
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--repeats", type=int, default=20)
-  parser.add_argument("--block-tokens", type=int, nargs="+", default=[8, 16, 32], help="triton: tokens per program")
-  parser.add_argument("--block-d", type=int, nargs="+", default=[64, 128, 256], help="mosaic: d_model chunk per row copy")
-  parser.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4], help="mosaic: gathered tiles in flight")
+  parser.add_argument("--block-tokens", type=int, nargs="+", default=[8, 16], help="triton: tokens per program")
+  parser.add_argument("--block-d", type=int, nargs="+", default=[128, 256], help="mosaic: d_model chunk per row copy")
+  parser.add_argument("--stages", type=int, nargs="+", default=[2, 3], help="mosaic: gathered tiles in flight")
   args = parser.parse_args()
   dtype = jnp.dtype(args.dtype)
   kind = jax.devices()[0].device_kind
