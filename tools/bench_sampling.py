@@ -1,0 +1,79 @@
+"""Generation speed with the KV cache against recomputing the window, side by side in one process.
+
+  python tools/bench_sampling.py [--config=configs/tiny.py] [--ffn mlp sgatlin fff] [--dtype=float32]
+                                 [--batch=8] [--prompt=64] [--new=64]
+
+For each feed-forward type: a random-init model of the config, `--batch` random byte prompts of
+`--prompt` tokens, `--new` greedy tokens (EOS ignored), seconds per `Sampler.generate` call (best of 3
+after compiling) with `kv_cache=False` and `kv_cache=True`, their ratio, and whether the tokens agree.
+"""
+
+import argparse
+import importlib.util
+import pathlib
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from sparsetx import config as config_lib
+from sparsetx.evaluate import sampling
+from sparsetx.models.transformer import Transformer
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_config(path: str, ffn: str, dtype: str) -> ml_collections.ConfigDict:
+  module_spec = importlib.util.spec_from_file_location("bench_config", REPO / path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  config = module.get_config(ffn)
+  config.model.dtype = dtype
+  return config_lib.validate(config)
+
+
+def seconds_per_call(sampler, prompts, new_tokens):
+  tokens = sampler.generate(prompts, new_tokens)  # compiles
+  times = []
+  for _ in range(3):
+    start = time.perf_counter()
+    sampler.generate(prompts, new_tokens)
+    times.append(time.perf_counter() - start)
+  return min(times), tokens
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--config", default="configs/tiny.py", help="a config file taking the ffn type as argument")
+  parser.add_argument("--ffn", nargs="+", default=["mlp", "sgatlin", "fff"])
+  parser.add_argument("--dtype", default="float32")
+  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--prompt", type=int, default=64)
+  parser.add_argument("--new", type=int, default=64)
+  args = parser.parse_args()
+  print(f"{args.config}, {args.dtype}, batch {args.batch}, prompt {args.prompt}, {args.new} new tokens (greedy)")
+  print(f"{'ffn':<10}{'recompute s':>12}{'kv cache s':>12}{'speed-up':>10}{'same tokens':>13}")
+  for ffn in args.ffn:
+    config = load_config(args.config, ffn, args.dtype)
+    if args.prompt + args.new > config.model.max_len:
+      raise SystemExit(f"error: --prompt + --new = {args.prompt + args.new} exceeds config.model.max_len={config.model.max_len}.")
+    model = Transformer(ml_collections.FrozenConfigDict(config.model))
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))["params"]
+    prompts = np.random.default_rng(0).integers(2, 259, (args.batch, args.prompt)).tolist()
+    timed = {
+        kv_cache: seconds_per_call(
+            sampling.Sampler(model, params, config.model.max_len, batch_size=args.batch, eos_id=-1, kv_cache=kv_cache),
+            prompts,
+            args.new,
+        )
+        for kv_cache in (False, True)
+    }
+    (recompute, tokens_r), (cached, tokens_c) = timed[False], timed[True]
+    print(f"{ffn:<10}{recompute:>12.3f}{cached:>12.3f}{recompute / cached:>9.1f}x{str(tokens_r == tokens_c):>13}")
+
+
+if __name__ == "__main__":
+  main()
