@@ -146,3 +146,16 @@ def test_import_refuses_tensors_of_another_model():
     hf_custom.from_hf(config_json, missing)
   with pytest.raises(ConfigError, match="model_type='gpt_neox'"):
     hf_custom.from_hf(dict(config_json, model_type="gpt_neox"), tensors)
+
+
+def test_exported_router_breaks_exact_ties_like_the_jax_router():
+  """The bundled PyTorch product-key top-k picks the same neurons as JAX's when sums tie exactly."""
+  from sparsetx.evaluate.hf_modeling import modeling_sparsetx
+  from sparsetx.models.ffn.product_keys import product_key_top_k
+
+  rng = np.random.default_rng(0)
+  s1, s2 = (rng.integers(0, 4, (300, 12)).astype(np.float32) for _ in range(2))  # many exact ties
+  values_t, ids_t = modeling_sparsetx.product_key_top_k(torch.from_numpy(s1), torch.from_numpy(s2), 4)
+  values_j, ids_j = product_key_top_k(s1, s2, 4)
+  np.testing.assert_array_equal(values_t.numpy(), np.asarray(values_j))
+  np.testing.assert_array_equal(ids_t.numpy(), np.asarray(ids_j))

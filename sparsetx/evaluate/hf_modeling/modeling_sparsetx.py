@@ -140,14 +140,24 @@ def gated_gather(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, activation, bias_R=
   return torch.cat(outputs, dim=0).to(x_ND.dtype)
 
 
+def _top_k_lowest_first(scores, k: int):
+  """Top-k over the last axis with equal scores going to the lower index, as the JAX model picks them
+  (torch.topk leaves the order of ties open)."""
+  order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+  return torch.gather(scores, -1, order), order
+
+
 def product_key_top_k(scores1, scores2, k: int):
-  """Top-k of {s1[i] + s2[j]} over the last axis: (values descending, indices i * n_keys + j)."""
+  """Top-k of {s1[i] + s2[j]} over the last axis: (values descending, indices i * n_keys + j); equal sums
+  go to the lower neuron index, as in sparsetx.models.ffn.product_keys."""
   n_keys = scores1.shape[-1]
-  s1, i1 = torch.topk(scores1, k, dim=-1)
-  s2, i2 = torch.topk(scores2, k, dim=-1)
+  s1, i1 = _top_k_lowest_first(scores1, k)
+  s2, i2 = _top_k_lowest_first(scores2, k)
   sums = (s1[..., :, None] + s2[..., None, :]).flatten(-2)
   ids = (i1[..., :, None] * n_keys + i2[..., None, :]).flatten(-2)
-  values, best = torch.topk(sums, k, dim=-1)
+  by_id = torch.argsort(ids, dim=-1)
+  sums, ids = torch.gather(sums, -1, by_id), torch.gather(ids, -1, by_id)
+  values, best = _top_k_lowest_first(sums, k)
   return values, torch.gather(ids, -1, best)
 
 
