@@ -93,3 +93,44 @@ def test_sharded_layer_equals_single_device(ffn_type, mesh_name):
   for (path, g), w in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(want_grads)):
     scale = np.abs(w).max() + 1e-6
     np.testing.assert_allclose(g / scale, w / scale, rtol=1e-5, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+
+
+# A d-split over a mesh axis that does not split the batch: the table's d_model over `tensor` while the batch is
+# split over `data` (and `expert`) only, replicated over tensor, so x's d-slices are local slices, not an all-to-all,
+# and the outputs' slices come back by all-gather. On data2_expert2_tensor2 sgatlin's channels go to `expert` too
+# (units moved by all-to-all, d_model sliced locally); elsewhere the channels stay whole.
+TENSOR_SPLIT_RULES = (("embed", "tensor"), ("channel", None)) + config_lib.DEFAULT_RULES
+TENSOR_SPLIT_CHANNELS_OVER_EXPERT_RULES = (("embed", "tensor"),) + config_lib.DEFAULT_RULES
+TENSOR_SPLIT_CASES = {
+    ("peer", "data2_tensor4"): (dict(data=2, tensor=4), TENSOR_SPLIT_RULES),
+    ("sgatlin", "data2_tensor4"): (dict(data=2, tensor=4), TENSOR_SPLIT_RULES),
+    ("sgatlin", "data2_expert2_tensor2"): (dict(data=2, expert=2, tensor=2), TENSOR_SPLIT_CHANNELS_OVER_EXPERT_RULES),
+}
+
+
+@pytest.mark.parametrize("ffn_type, mesh_name", list(TENSOR_SPLIT_CASES))
+def test_d_split_over_a_non_batch_axis_equals_single_device(ffn_type, mesh_name, monkeypatch):
+  layer, params, x, probe, (want_y, want_grads) = case(ffn_type)
+  axes, rules = TENSOR_SPLIT_CASES[ffn_type, mesh_name]
+  mesh = make_mesh(**axes)
+  boxed = jax.eval_shape(layer.init, jax.random.key(0), x)["params"]
+  param_shardings = mesh_lib.logical_sharding(nn.get_partition_spec(boxed), mesh, rules)
+  batch = mesh_lib.batch_sharding(mesh, rules)
+  assert "tensor" not in jax.tree.leaves(tuple(batch.spec))
+  x_sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*batch.spec, None)))
+  groups = []  # the groups the layer ran `split_gated_gather` with
+  split_gated_gather = ep.split_gated_gather
+  spy = lambda group, *args: groups.append(group) or split_gated_gather(group, *args)  # noqa: E731
+  monkeypatch.setattr(ep, "split_gated_gather", spy)
+  with ep.activate(mesh, rules):
+    step = jax.jit(functools.partial(forward_and_grads, layer, probe))
+    y, grads = step(jax.device_put(params, param_shardings), x_sharded)
+  units = ("expert",) if "expert" in axes else ()
+  assert groups and all(g.split == ("tensor",) and g.units == units for g in groups)
+  table = params["experts"]
+  shard = param_shardings["experts"].shard_shape(table.shape)
+  assert np.prod(shard) * axes["tensor"] * axes.get("expert", 1) == table.size  # stored split: d_model (x channels)
+  np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
+  for (path, g), w in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(want_grads)):
+    scale = np.abs(w).max() + 1e-6
+    np.testing.assert_allclose(g / scale, w / scale, rtol=1e-5, atol=2e-6, err_msg=jax.tree_util.keystr(path))
