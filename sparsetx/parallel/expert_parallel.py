@@ -459,7 +459,8 @@ def shard_map(fn, group: ExpertGroup, in_specs, out_specs):
 
   check_vma is off: the kernels' scans start float32 accumulators from zeros, which the varying-
   axes check rejects inside a shard_map. The tests compare values and gradients with the
-  single-device layer on meshes whose batch is split over the expert axis too.
+  single-device layer on meshes whose batch is split over the expert axis too, and on meshes whose
+  d_model split axis (tensor) does not split the batch.
   """
   return jax.shard_map(
       fn, mesh=group.mesh, in_specs=in_specs, out_specs=out_specs,
