@@ -33,6 +33,15 @@ def tokens(seed=1, batch=B, length=T):
 
 
 @functools.lru_cache(maxsize=None)
+def validation_rows():
+  """Four rows of 32 tokens as checkpoint.validation_rows gives them, the first with a padded tail."""
+  inputs = tokens(seed=3, batch=4, length=32)
+  weights = np.ones(inputs.shape, np.float32)
+  weights[0, 20:] = 0.0  # a padded tail is not recorded
+  return dict(inputs=inputs, targets=np.roll(inputs, -1, axis=1), positions=np.broadcast_to(np.arange(32), inputs.shape),
+              segment_ids=np.ones_like(inputs), loss_weights=weights)
+
+
 def random_model(ffn_type: str, ffn: tuple = (), **model) -> StandardizedTransformer:
   """`ffn`: (field, value) pairs for config.model.ffn (a tuple, so the model can be cached)."""
   cfg = model_config(ffn_type, ffn, **model)

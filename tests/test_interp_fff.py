@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from interp_cases import random_model, tokens
+from interp_cases import random_model, tokens, validation_rows
 
 from sparsetx.interp import circuits, pruning, usage
 
@@ -14,11 +14,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def rows():
-  inputs = tokens(seed=3, batch=4, length=32)
-  weights = np.ones(inputs.shape, np.float32)
-  weights[0, 20:] = 0.0  # a padded tail is not recorded
-  return dict(inputs=inputs, targets=np.roll(inputs, -1, axis=1), positions=np.broadcast_to(np.arange(32), inputs.shape),
-              segment_ids=np.ones_like(inputs), loss_weights=weights)
+  return validation_rows()
 
 
 def walk(x_ND, w_in_PND, b_in_PN, depth):

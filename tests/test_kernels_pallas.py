@@ -10,6 +10,17 @@ from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
 from sparsetx.models.ffn.common import ACTIVATIONS
 
 
+def assert_same_loss_and_grads(result, expected, rtol):
+  """Loss and each gradient (same dtype; scaled by the expected gradient's largest entry) agree within rtol."""
+  (loss, grads), (loss_expected, grads_expected) = result, expected
+  np.testing.assert_allclose(loss, loss_expected, rtol=rtol)
+  for name, a, b in zip(("x", "w_in", "w_out", "gates", "bias"), grads, grads_expected):
+    assert a.dtype == b.dtype, name
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    scale = np.abs(b).max()
+    np.testing.assert_allclose(a / scale, b / scale, rtol=rtol, atol=rtol / 4, err_msg=name)
+
+
 @pytest.mark.parametrize(
     "shape, dtype, activation, with_bias, block_tokens, rtol",
     [
@@ -24,14 +35,11 @@ def test_pallas_gpu_kernels_equal_xla_path(shape, dtype, activation, with_bias, 
   run = lambda options: value_and_grads(
       lambda *a: gated_gather(*a[:5], act, a[5], options), x, w_in, w_out, rows, gates, bias
   )
-  (loss_p, grads_p) = run(KernelOptions("pallas", block_tokens=block_tokens, interpret=True))
-  (loss_x, grads_x) = run(KernelOptions("xla", token_chunk=4, pair_chunk=16))
-  np.testing.assert_allclose(loss_p, loss_x, rtol=rtol)
-  for name, a, b in zip(("x", "w_in", "w_out", "gates", "bias"), grads_p, grads_x):
-    assert a.dtype == b.dtype, name
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    scale = np.abs(b).max()
-    np.testing.assert_allclose(a / scale, b / scale, rtol=rtol, atol=rtol / 4, err_msg=name)
+  assert_same_loss_and_grads(
+      run(KernelOptions("pallas", block_tokens=block_tokens, interpret=True)),
+      run(KernelOptions("xla", token_chunk=4, pair_chunk=16)),
+      rtol,
+  )
 
 
 def test_pallas_tpu_kernels_equal_xla_path_in_interpret_mode():
@@ -71,15 +79,9 @@ def test_mosaic_gpu_kernels_equal_xla_path(shape, dtype, activation, with_bias, 
       lambda *a: gated_gather(*a[:5], act, a[5], options), x, w_in, w_out, rows, gates, bias
   )
   mosaic = KernelOptions("pallas", gpu_kernel="mosaic", block_d=block_d, stages=stages, interpret=True)
-  (loss_m, grads_m) = run(mosaic)
-  (loss_x, grads_x) = run(KernelOptions("xla", token_chunk=4, pair_chunk=16))
+  mosaic_result = run(mosaic)
   assert not mosaic_gpu.races_found()  # in the last kernel (backward dx); each kernel alone: the test below
-  np.testing.assert_allclose(loss_m, loss_x, rtol=rtol)
-  for name, a, b in zip(("x", "w_in", "w_out", "gates", "bias"), grads_m, grads_x):
-    assert a.dtype == b.dtype, name
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    scale = np.abs(b).max()
-    np.testing.assert_allclose(a / scale, b / scale, rtol=rtol, atol=rtol / 4, err_msg=name)
+  assert_same_loss_and_grads(mosaic_result, run(KernelOptions("xla", token_chunk=4, pair_chunk=16)), rtol)
 
 
 def test_mosaic_gpu_row_kernels_equal_einsum_without_races():
