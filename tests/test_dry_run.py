@@ -49,6 +49,7 @@ def test_dry_run_reports_the_compiled_step():
   assert report.optimizer_bytes >= 2 * report.param_bytes  # Adam's two moments, sharded like the params
   assert report.memory["argument"] >= report.param_bytes + report.optimizer_bytes
   assert report.memory["temp"] > 0 and report.compiled_flops > 0
+  assert report.bytes_accessed >= report.memory["argument"] and report.tokens_per_step == 8 * 16  # reads every input once
   assert report.model_flops > report.compiled_flops  # the model's work is spread over 8 devices
   ops = {(c.op, c.group) for c in report.collectives}
   # the sgatlin layers' shard_map: tokens gathered, indices to owners, outputs reduce-scattered over expert=4
@@ -103,3 +104,25 @@ def test_large_configs_pass_the_replication_check(arg, mesh_shape):
   n_params = sum(math.prod(p.shape) for p in jax.tree.leaves(abstract.params))
   assert n_params > (6e9 if arg.startswith("sgatlin8") else 4e9)
   assert aot.sparse_table_bytes(abstract.params) == 4 * table_params(config.model) // mesh_shape[3]
+
+
+def test_dry_run_tool_prints_the_projected_step_time_per_target():
+  """tools/dry_run.py on the micro sgatlin model: the roofline table has a row per chip, each with a finite step."""
+  import subprocess
+  import sys
+
+  from conftest import REPO
+
+  micro = ["--config.model.d_model=32", "--config.model.n_layers=2", "--config.model.head_dim=32",
+           "--config.model.max_len=16", "--config.model.dtype=float32", "--config.model.ffn.n_channels=8",
+           "--config.model.ffn.d_ffw=64", "--config.model.ffn.top_k=2", "--config.model.ffn.d_key=8",
+           "--config.data.seq_len=16", "--config.data.global_batch_size=8", "--config.data.eval_batch_size=8"]
+  result = subprocess.run([sys.executable, "tools/dry_run.py", "--config=configs/tiny.py:sgatlin", "--devices=8", *micro],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr
+  rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("  H100", "  H200", "  TPU"))]
+  assert [" ".join(r[:2]) for r in rows] == ["H100 SXM", "H200 SXM", "TPU v5p", "TPU v6e"]
+  for row in rows:
+    compute, memory, comm, overlap = (float(v) for v in row[2:6])
+    assert overlap == pytest.approx(max(compute, memory, comm), rel=1e-2) and overlap > 0  # printed to 3 digits
+    assert float(row[8]) == pytest.approx(max(compute, memory) + comm, rel=1e-2)

@@ -5,7 +5,8 @@
       --config.mesh.ici.data=8 --config.mesh.ici.fsdp=2 --config.mesh.ici.expert=4
 
 Prints per-device parameter and optimizer bytes, the compiler's memory analysis, FLOPs per step
-and the collectives of the compiled program (sparsetx/parallel/aot.py). `--expert_sweep=1,2,4,8,32`
+and the collectives of the compiled program (sparsetx/parallel/aot.py), then the projected step time,
+tokens/s and MFU on `--target=h100|h200|v5p|v6e|all` (sparsetx/parallel/roofline.py). `--expert_sweep=1,2,4,8,32`
 adds the per-device sparse-table bytes for each expert-axis size (abstract shapes only); a size
 larger than sgatlin's channel count is shown with the table split by d_model over the expert axis
 (expert_parallel.D_MODEL_SPLIT_RULES). `--split_d_model` compiles with those rules, e.g. sgatlin
@@ -44,12 +45,17 @@ from ml_collections import config_flags  # noqa: E402
 from sparsetx import config as config_lib  # noqa: E402
 from sparsetx.parallel import aot  # noqa: E402
 from sparsetx.parallel import expert_parallel  # noqa: E402
+from sparsetx.parallel import hardware  # noqa: E402
 from sparsetx.parallel import mesh as mesh_lib  # noqa: E402
+from sparsetx.parallel import roofline  # noqa: E402
 from sparsetx.train.loop import check_batch_divides  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file, optionally with ':ARG'.")
 _DEVICES = flags.DEFINE_integer("devices", 8, "Simulated CPU devices (the mesh's size).")
 _SWEEP = flags.DEFINE_list("expert_sweep", [], "Expert-axis sizes for a per-device sparse-table bytes table.")
+_TARGET = flags.DEFINE_enum(
+    "target", "all", [*hardware.CHIPS, "all"], "Chip of the projected step time (roofline), or all of them."
+)
 _SPLIT = flags.DEFINE_bool(
     "split_d_model", False, "Split neuron tables by d_model over the expert axis (D_MODEL_SPLIT_RULES first)."
 )
@@ -91,6 +97,7 @@ def main(argv):
     sys.exit(2)
   print(aot.format_report(report))
   print(f"lowered and compiled in {time.time() - start:.0f} s")
+  print(roofline.format_projections([roofline.project(report, chip) for chip in hardware.chips(_TARGET.value)]))
   if _SWEEP.value:
     print("sparse tables per device by expert-axis size (data takes the other devices):")
     print(f"  {'expert':>6}  {'bytes':>14}  {'x expert':>14}  split by")

@@ -114,6 +114,8 @@ class Report:
   model_flops: float  # per step, the whole model (ladder accounting, forward + backward)
   compiled_flops: float  # per step, one device's program (XLA cost analysis)
   collectives: list  # Collective
+  bytes_accessed: float = 0.0  # per step, one device's program (XLA cost analysis "bytes accessed")
+  tokens_per_step: int = 0  # global batch x sequence length
 
 
 def abstract_state(config, mesh):
@@ -155,6 +157,8 @@ def dry_run(config: ml_collections.ConfigDict, mesh) -> Report:
       model_flops=3.0 * ladder.forward_flops_per_token(config.model, config.data.seq_len)["total"] * tokens,
       compiled_flops=float((cost or {}).get("flops", 0.0)),
       collectives=collectives(compiled.as_text()),
+      bytes_accessed=float((cost or {}).get("bytes accessed", 0.0)),
+      tokens_per_step=tokens,
   )
 
 

@@ -1,0 +1,52 @@
+"""Published per-chip figures of the accelerators a run is sized for (tools/dry_run.py's roofline).
+
+One table, so every estimate uses the same numbers; each figure names where it is published.
+Bandwidths are bytes per second and, as vendors publish them for NVLink and ICI, *bidirectional*
+(what a chip sends plus what it receives). A ring collective moves data in both directions at once,
+so sparsetx/parallel/roofline.py uses half of that figure as the rate a chip sends at. DCN figures
+are NIC line rates, one direction.
+
+A collective group of at most `fast_domain` chips runs over NVLink (one 8-GPU HGX/DGX node) or ICI
+(one TPU slice, as large as a pod); a larger group is paced by the data-center network (DCN).
+"""
+
+import dataclasses
+
+TERA = 1e12
+GIGA = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  name: str
+  peak_flops: float  # bf16 dense (no structured sparsity) FLOP/s per chip
+  hbm_bandwidth: float  # bytes/s per chip
+  ici_bandwidth: float  # bytes/s per chip, bidirectional: NVLink inside a node, ICI inside a TPU slice
+  dcn_bandwidth: float  # bytes/s per chip, one direction, between nodes / slices
+  fast_domain: int  # chips one NVLink node / ICI slice joins
+
+
+CHIPS = {
+    # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16 dense (1,979 with 2:4 sparsity), 3.35 TB/s HBM3,
+    # NVLink 4 900 GB/s bidirectional (18 links x 50 GB/s); DGX H100: one ConnectX-7 400 Gb/s NIC per GPU.
+    "h100": Chip("H100 SXM", 989 * TERA, 3.35e12, 900 * GIGA, 400 / 8 * GIGA, fast_domain=8),
+    # NVIDIA H200 SXM datasheet: the H100's GH100 die (989 TFLOP/s bf16 dense), 4.8 TB/s HBM3e, NVLink 4
+    # 900 GB/s; DGX/HGX H200 keeps one 400 Gb/s ConnectX-7 per GPU.
+    "h200": Chip("H200 SXM", 989 * TERA, 4.8e12, 900 * GIGA, 400 / 8 * GIGA, fast_domain=8),
+    # cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, HBM2e 2,765 GB/s, bidirectional ICI 1,200 GB/s
+    # per chip (4,800 Gbps), DCN 50 Gbps per chip; largest slice 6,144 chips.
+    "v5p": Chip("TPU v5p", 459 * TERA, 2765 * GIGA, 1200 * GIGA, 50 / 8 * GIGA, fast_domain=6144),
+    # cloud.google.com/tpu/docs/v6e (Trillium): 918 TFLOP/s bf16, HBM 1,640 GB/s (the page also rounds
+    # it to 1,600), bidirectional ICI 800 GB/s per chip, 4 x 200 Gbps NICs per 8-chip host = 100 Gbps
+    # per chip; a pod (the largest slice) is 256 chips.
+    "v6e": Chip("TPU v6e", 918 * TERA, 1640 * GIGA, 800 * GIGA, 100 / 8 * GIGA, fast_domain=256),
+}
+
+
+def chips(target: str) -> list[Chip]:
+  """The chips a `--target` names: one key of CHIPS, or 'all'."""
+  if target == "all":
+    return list(CHIPS.values())
+  if target not in CHIPS:
+    raise ValueError(f"--target={target} is not a known chip; use one of {', '.join(CHIPS)} or all.")
+  return [CHIPS[target]]
