@@ -15,8 +15,18 @@ REPO=${REPO:-\$HOME/sparsetx}                          # the checkout on each wo
 CONFIG=${CONFIG:-configs/ladder.py:sgatlin,4}
 WORKDIR=${WORKDIR:?set WORKDIR to a directory every worker shares (NFS / Filestore / gcsfuse mount)}
 
+# The libtpu flags MaxText trains with: asynchronous, fused collectives overlapped with compute and the
+# data-parallel all-reduce optimization. LIBTPU_INIT_ARGS set here before the call replaces them.
+LIBTPU_INIT_ARGS=${LIBTPU_INIT_ARGS:-"--xla_tpu_enable_data_parallel_all_reduce_opt=true \
+ --xla_tpu_data_parallel_opt_different_sized_ops=true \
+ --xla_tpu_enable_async_collective_fusion=true \
+ --xla_tpu_enable_async_collective_fusion_fuse_all_gather=true \
+ --xla_tpu_enable_async_collective_fusion_multiple_steps=true \
+ --xla_tpu_overlap_compute_collective_tc=true \
+ --xla_enable_async_all_gather=true"}
+
 FLAGS=""
 if [ $# -gt 0 ]; then printf -v FLAGS ' %q' "$@"; fi   # extra train flags, quoted for the remote shell
 gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --project="$PROJECT" --worker=all --command="
-  cd $REPO && .venv/bin/python -m sparsetx.train --config=$CONFIG --workdir=$WORKDIR ${FLAGS}
+  cd $REPO && LIBTPU_INIT_ARGS='$LIBTPU_INIT_ARGS' .venv/bin/python -m sparsetx.train --config=$CONFIG --workdir=$WORKDIR ${FLAGS}
 "
