@@ -21,6 +21,9 @@ FFF_IMPLEMENTATIONS = ("sparse", "masked_dense")
 KERNEL_IMPLEMENTATIONS = ("xla", "pallas", "auto")  # gated gather: see sparsetx/kernels/gated_gather.py
 GPU_KERNELS = ("mosaic", "triton", "auto")
 DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash", "pallas")  # see sparsetx/models/attention.py
+# Rematerialization per block: none, full (recompute everything), or a jax.checkpoint_policies name (what is saved).
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 
 
 class ConfigError(ValueError):
@@ -82,7 +85,9 @@ def model_defaults() -> ml_collections.ConfigDict:
           init_std=0.02,  # embeddings and dense projections
           dtype="bfloat16",  # compute; softmax and logits are always float32
           param_dtype="float32",
-          remat=False,
+          # auto: cudnn on GPU (xla in float32), splash on TPU, xla on CPU | xla | cudnn | splash | pallas
+          attention="auto",
+          remat="none",  # none | full | dots_saveable | dots_with_no_batch_dims_saveable (saved True/False: full/none)
           ffn=ffn_defaults(),
           # Mixed layers (sparse fine-tuning of some layers, tools/sparsify.py): the listed layer indices ("1,3")
           # use `ffn`, the others `dense_ffn`; "" = every layer uses `ffn` (and `dense_ffn` is unused). A string,
@@ -219,6 +224,9 @@ def checkpoint_defaults() -> ml_collections.ConfigDict:
           keep=3,  # the newest K are kept
           keep_period=0,  # also keep every step divisible by this permanently; 0 = none
           async_save=True,
+          # Resume from this saved step instead of the newest (e.g. when the newest is damaged); the steps after
+          # it are moved to <workdir>/superseded/ (nothing is deleted). None: the newest.
+          restore_step=ml_collections.config_dict.placeholder(int),
       )
   )
 
@@ -316,6 +324,34 @@ def validate_ffn(ffn: ml_collections.ConfigDict, d_model: int, prefix: str = "co
     _one_of(f"{prefix}.kernel.gpu_kernel", ffn.kernel.gpu_kernel, GPU_KERNELS)
 
 
+def remat_policy(model, prefix: str = "config.model") -> str:
+  """The remat policy name of `model.remat`; configs saved before the policies hold True (full) or False (none)."""
+  remat = model.get("remat", "none")
+  if isinstance(remat, bool):
+    return "full" if remat else "none"
+  _require(
+      remat in REMAT_POLICIES,
+      f"{prefix}.remat={remat!r} is unknown; use one of {', '.join(map(repr, REMAT_POLICIES))}.",
+  )
+  return remat
+
+
+def validate_attention(model, prefix: str = "config.model") -> None:
+  attention = model.get("attention", "auto")  # configs saved before the field: auto
+  _one_of(f"{prefix}.attention", attention, ATTENTION_IMPLEMENTATIONS)
+  if attention == "cudnn":
+    _require(
+        model.dtype in ("bfloat16", "float16"),
+        f"{prefix}.attention='cudnn' has no {model.dtype} kernel; set {prefix}.dtype to 'bfloat16' or 'float16', "
+        "or use attention='auto' (xla in float32).",
+    )
+    _require(
+        model.head_dim % 8 == 0 and model.head_dim <= 256,
+        f"{prefix}.attention='cudnn' needs a head_dim that is a multiple of 8 and at most 256 (128 before Hopper), "
+        f"not {model.head_dim}; change {prefix}.head_dim or use attention='xla'.",
+    )
+
+
 def validate_model(model: ml_collections.ConfigDict, prefix: str = "config.model") -> None:
   for field in ("vocab_size", "d_model", "n_layers", "head_dim", "max_len"):
     _positive_int(f"{prefix}.{field}", model[field])
@@ -326,6 +362,8 @@ def validate_model(model: ml_collections.ConfigDict, prefix: str = "config.model
   )
   _one_of(f"{prefix}.block", model.block, BLOCK_KINDS)
   _one_of(f"{prefix}.norm", model.norm, NORM_KINDS)
+  validate_attention(model, prefix)
+  remat_policy(model, prefix)
   _one_of(f"{prefix}.dtype", model.dtype, DTYPES)
   _one_of(f"{prefix}.param_dtype", model.param_dtype, DTYPES)
   _require(
@@ -488,6 +526,11 @@ def validate_train(train: ml_collections.ConfigDict, checkpoint: ml_collections.
       isinstance(checkpoint.keep_period, int) and checkpoint.keep_period >= 0,
       f"config.checkpoint.keep_period={checkpoint.keep_period!r} must be an integer >= 0 (0 keeps none permanently).",
   )
+  restore_step = checkpoint.get("restore_step")
+  _require(
+      restore_step is None or (isinstance(restore_step, int) and restore_step >= 0),
+      f"config.checkpoint.restore_step={restore_step!r} must be a saved step (an integer >= 0), or None for the newest.",
+  )
 
 
 def validate_mesh(mesh: ml_collections.ConfigDict) -> None:
@@ -508,8 +551,21 @@ def validate_mesh(mesh: ml_collections.ConfigDict) -> None:
     )
 
 
+def validate_finite(tree, prefix: str = "config") -> None:
+  """Refuses inf and NaN anywhere: `--config.train.learning_rate=inf` parses as a float, and would only show
+  up as a diverged run after compiling (NaN also passes every `x > 0` check as False, inf passes them)."""
+  items = tree.items() if isinstance(tree, (dict, ml_collections.ConfigDict)) else enumerate(tree)
+  for key, value in items:
+    name = f"{prefix}.{key}" if isinstance(key, str) else f"{prefix}[{key}]"
+    if isinstance(value, (dict, ml_collections.ConfigDict, tuple, list)):
+      validate_finite(value, name)
+    elif isinstance(value, float) and not math.isfinite(value):
+      _require(False, f"{name}={value!r} is not a finite number; give a finite value.")
+
+
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Checks the whole config; returns it unchanged so callers can chain."""
+  validate_finite(config)
   validate_model(config.model)
   validate_data(config.data, config.model)
   validate_train(config.train, config.checkpoint, config.data.global_batch_size)

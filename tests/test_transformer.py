@@ -84,15 +84,36 @@ def test_bf16_compute_keeps_float32_params_and_logits():
   assert model.apply(variables, tokens).dtype == jnp.float32
 
 
-def test_remat_changes_neither_loss_nor_gradients():
+@pytest.mark.parametrize("policy", [True, *config_lib.REMAT_POLICIES[1:]])
+def test_remat_changes_neither_loss_nor_gradients(policy):
+  """Every policy (and a saved config's remat=True) recomputes the same float32 values: equal up to rounding."""
   tokens = jax.random.randint(jax.random.key(5), (2, 8), 0, 259)
-  plain, remat = small_model("mlp"), small_model("mlp", remat=True)
+  plain = small_model("mlp")
+  config = load_config("configs/tiny.py", "mlp")
+  config.model.update(n_layers=2, dtype="float32", max_len=32)
+  model = config.model.to_dict()
+  model["remat"] = policy  # a plain dict: a saved config's bool passes as it would from JSON
+  remat = Transformer(ml_collections.FrozenConfigDict(model))
   variables = init(plain, tokens)
   loss = lambda m: jax.jit(jax.value_and_grad(lambda v: m.apply(v, tokens).mean()))  # noqa: E731
   (value_plain, grads_plain), (value_remat, grads_remat) = loss(plain)(variables), loss(remat)(variables)
   np.testing.assert_allclose(value_plain, value_remat, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(grads_plain), jax.tree.leaves(grads_remat)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  jaxpr = str(jax.make_jaxpr(jax.grad(lambda v: remat.apply(v, tokens).mean()))(variables))
+  assert "remat" in jaxpr or "checkpoint" in jaxpr  # the blocks really are rematerialized
+
+
+@pytest.mark.parametrize("policy", config_lib.REMAT_POLICIES[2:])
+def test_remat_policies_are_jax_checkpoint_policies(policy):
+  assert callable(getattr(jax.checkpoint_policies, policy))
+
+
+def test_unknown_remat_policy_is_refused_with_the_valid_names():
+  config = load_config("configs/tiny.py", "mlp")
+  config.model.remat = "dots"
+  with pytest.raises(config_lib.ConfigError, match=r"config\.model\.remat='dots' is unknown; use one of 'none', 'full'"):
+    config_lib.validate(config)
 
 
 def test_tied_embeddings_share_the_table():

@@ -71,7 +71,7 @@ def ladder_model_config(scale: int, ffn_type: str) -> ml_collections.ConfigDict:
     raise config_lib.ConfigError(f"ladder scale={scale!r} must be a positive integer (the paper uses 2..8).")
   d_model, n_layers, d_ffw = scaling_ladder(scale, ffn_type)
   model = config_lib.model_defaults()
-  model.update(d_model=d_model, n_layers=n_layers, vocab_size=LADDER_VOCAB, max_len=LADDER_SEQ_LEN, remat=True)
+  model.update(d_model=d_model, n_layers=n_layers, vocab_size=LADDER_VOCAB, max_len=LADDER_SEQ_LEN, remat="full")
   model.ffn.type = ffn_type
   if ffn_type == "fff":
     model.ffn.update(depth=FFF_DEPTH, n_trees=fff_trees(scale))

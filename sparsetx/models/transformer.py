@@ -5,6 +5,8 @@ Two block kinds:
   parallel    x + attn(ln_1(x)) + ffn(ln_2(x))                   (GPT-NeoX / Pythia, LayerNorm with bias)
 Compute runs in `cfg.dtype` (bf16); attention softmax and logits are float32. Positions and segment
 ids come from packing: attention never crosses a document and rotary phases restart per document.
+Attention runs by `cfg.attention` (sparsetx/models/attention.py: XLA, cuDNN, splash or Pallas flash attention);
+`cfg.remat` rematerializes each block in the backward pass, fully or by a `jax.checkpoint_policies` policy.
 
 Decoding (`decode=True`, as MaxText / T5X do it in linen): every attention layer keeps the keys and values
 of the positions already seen in the `cache` collection ([B, max_len, H, K], made by `init_cache`). A call
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from sparsetx import config as config_lib
+from sparsetx.models import attention as attention_lib
 from sparsetx.models.ffn.common import dense_init
 from sparsetx.models.taps import tap
 from sparsetx.models.ffn.registry import make_ffn
@@ -52,12 +55,7 @@ def apply_rotary(x_BTHK, positions_BT, rotary_dims: int, base: float):
   return jnp.concatenate([rot.astype(x_BTHK.dtype), rest], axis=-1)
 
 
-def attention_mask(segment_ids_BT):
-  """[B,1,T,T] True where query t may read key s: s <= t within the same segment."""
-  T = segment_ids_BT.shape[1]
-  causal_TT = jnp.tril(jnp.ones((T, T), bool))
-  same_BTT = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
-  return (causal_TT & same_BTT)[:, None]
+attention_mask = attention_lib.causal_segment_mask  # [B,1,T,T]: s <= t within the same segment
 
 
 def decode_mask(positions_BT, cache_len: int):
@@ -66,11 +64,21 @@ def decode_mask(positions_BT, cache_len: int):
 
 
 class Attention(nn.Module):
+  """Multi-head self-attention with rotary positions, by `cfg.attention`.
+
+  The XLA path (the reference) runs whenever the fused kernels cannot or should not:
+  - decoding: queries read a cache of max_len slots up to their own positions (not the square causal
+    pattern the kernels compute), and a step has T = 1, so there is no T x T matrix to save;
+  - tracing or patching: when `intermediates` is mutable or `patches` holds `attention_probabilities`, so
+    the interp tools see and replace the pattern (the fused kernels never form it).
+  """
+
   cfg: object  # the model config (FrozenConfigDict)
   decode: bool = False  # keys/values of earlier positions come from the `cache` collection; mask is [B,1,T,max_len]
 
   @nn.compact
-  def __call__(self, x_BTD, positions_BT, mask_B1TS):
+  def __call__(self, x_BTD, positions_BT, mask_B1TS, segment_ids_BT=None):
+    """mask_B1TS: the XLA path's mask (None when a fused kernel runs); segment_ids_BT: the fused kernels'."""
     cfg = self.cfg
     H, K = cfg.d_model // cfg.head_dim, cfg.head_dim
     dtype = jnp.dtype(cfg.dtype)
@@ -98,11 +106,17 @@ class Attention(nn.Module):
     if self.decode:
       k_BSHK, v_BSHK = (self._cached(name, new_BTHK, positions_BT)
                         for name, new_BTHK in (("cached_key", k_BTHK), ("cached_value", v_BTHK)))
-    logits_BHTS = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BSHK, preferred_element_type=jnp.float32) / K**0.5
-    logits_BHTS = jnp.where(mask_B1TS, logits_BHTS, jnp.finfo(jnp.float32).min)
-    probs_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
-    probs_BHTS = tap(self, "attention_probabilities", probs_BHTS)
-    out_BTHK = jnp.einsum("bhts,bshk->bthk", probs_BHTS.astype(dtype), v_BSHK)
+    implementation = attention_implementation(cfg, self.decode)
+    if implementation != "xla" and (
+        self.is_mutable_collection("intermediates") or self.has_variable("patches", "attention_probabilities")):
+      implementation = "xla"
+    if implementation == "xla":
+      if mask_B1TS is None:
+        mask_B1TS = attention_lib.causal_segment_mask(segment_ids_BT)
+      out_BTHK = attention_lib.xla_attention(
+          q_BTHK, k_BSHK, v_BSHK, mask_B1TS, lambda probs_BHTS: tap(self, "attention_probabilities", probs_BHTS))
+    else:
+      out_BTHK = attention_lib.fused_attention(implementation, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)
     return project("out", cfg.d_model, (-2, -1), ("heads", "kv", "embed"), ("embed",))(out_BTHK)
 
   def _cached(self, name: str, new_BTHK, positions_BT):
@@ -116,19 +130,26 @@ class Attention(nn.Module):
     return cache.value
 
 
+def attention_implementation(cfg, decode: bool = False) -> str:
+  """What `cfg.attention` runs on this backend: xla when decoding (see `Attention`), `auto` resolved."""
+  if decode:
+    return "xla"
+  return attention_lib.resolve(cfg.get("attention", "auto"), jnp.dtype(cfg.dtype))
+
+
 class Block(nn.Module):
   cfg: object
   decode: bool = False  # see Attention.decode
 
   @nn.compact
-  def __call__(self, x_BTD, positions_BT, mask_B1TS):
+  def __call__(self, x_BTD, positions_BT, mask_B1TS, segment_ids_BT=None):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
     x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "length", "embed"))
     x_BTD = tap(self, "layer_input", x_BTD)
     attn_in_BTD = tap(self, "attention_norm_output", make_norm(cfg, "attention_norm")(x_BTD).astype(dtype))
     attention = Attention(cfg, self.decode, name="attention")
-    attn_BTD = tap(self, "attention_output", attention(attn_in_BTD, positions_BT, mask_B1TS))
+    attn_BTD = tap(self, "attention_output", attention(attn_in_BTD, positions_BT, mask_B1TS, segment_ids_BT))
     residual_BTD = x_BTD + attn_BTD if cfg.block == "sequential" else x_BTD
     mlp_in_BTD = tap(self, "mlp_input", make_norm(cfg, "mlp_norm")(residual_BTD).astype(dtype))
     ffn_BTD = tap(self, "mlp_output", make_ffn(cfg, name="mlp")(mlp_in_BTD))
@@ -165,7 +186,8 @@ class Transformer(nn.Module):
         positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
       if segment_ids_BT is None:
         segment_ids_BT = jnp.ones_like(tokens_BT)
-      mask_B1TS = attention_mask(segment_ids_BT)
+      # The [B,1,T,T] mask only for the XLA path; the fused kernels read the segment ids.
+      mask_B1TS = attention_mask(segment_ids_BT) if attention_implementation(cfg) == "xla" else None
 
     embed = nn.Embed(
         cfg.vocab_size,
@@ -178,9 +200,9 @@ class Transformer(nn.Module):
     x_BTD = embed(tokens_BT)
     x_BTD = tap(self, "token_embeddings", x_BTD)
 
-    block = nn.remat(Block) if cfg.remat and not decode else Block  # remat saves memory for gradients only
+    block = remat_block(cfg) if not decode else Block  # remat saves memory for gradients only
     for i in range(cfg.n_layers):
-      x_BTD = block(block_config(cfg, i), decode, name=f"layers_{i}")(x_BTD, positions_BT, mask_B1TS)
+      x_BTD = block(block_config(cfg, i), decode, name=f"layers_{i}")(x_BTD, positions_BT, mask_B1TS, segment_ids_BT)
 
     x_BTD = tap(self, "final_norm_output", make_norm(cfg, "final_norm")(x_BTD))
     if cfg.tie_embeddings:
@@ -213,6 +235,15 @@ class Transformer(nn.Module):
     positions_BT = jnp.asarray(positions_BT, jnp.int32)
     index.value = positions_BT[:, -1] + 1
     return positions_BT, decode_mask(positions_BT, self.cfg.max_len)
+
+
+def remat_block(cfg):
+  """Block, rematerialized by `cfg.remat`: none, full (saves only the block's inputs) or a policy of
+  `jax.checkpoint_policies` naming what the forward keeps (e.g. dots_saveable: matmul outputs)."""
+  policy = config_lib.remat_policy(cfg)
+  if policy == "none":
+    return Block
+  return nn.remat(Block, policy=None if policy == "full" else getattr(jax.checkpoint_policies, policy))
 
 
 def init_cache(model: Transformer, batch_size: int):

@@ -1,0 +1,166 @@
+"""Causal self-attention over packed rows, four ways: `config.model.attention` = auto | xla | cudnn | splash | pallas.
+
+Every implementation computes the same thing: query t reads key s iff s <= t and both belong to the same
+document (segment id), softmax statistics (max, sum, logsumexp) in float32, output in the inputs' dtype.
+
+  xla     the reference and the CPU default: materializes [B,H,T,S] float32 logits and probabilities
+          (the only one with an attention pattern to tap; also the decode path, see `Attention` in transformer.py).
+  cudnn   `jax.nn.dot_product_attention(implementation="cudnn")` on GPU: cuDNN's fused flash attention, causal by
+          its mask type; documents are kept apart by the same-segment mask, which JAX turns into an additive
+          [B,1,T,T] bias in the compute dtype (per row, not per head: H times less than the XLA logits).
+          cuDNN has no float32 kernel: bfloat16 or float16 only.
+  splash  splash attention on TPU (`jax.experimental.pallas.ops.tpu.splash_attention`): a static causal block
+          mask (fully masked blocks are skipped) and segment ids, float32 m/l scratch.
+  pallas  the Pallas flash attention for GPU (`jax.experimental.pallas.ops.gpu.attention.mha`, Triton lowering)
+          with causal masking and segment ids.
+  auto    cudnn on GPU (xla when the compute dtype is float32), splash on TPU, xla on CPU.
+
+The Pallas kernels run in interpret mode off their target (how the tests check them on CPU). They need the
+length in whole blocks: rows are padded at the end, which is exact for causal attention (no real query
+reads a later key) and the padded queries, which read themselves, are sliced off.
+Under a mesh (`expert_parallel.activate`) the Pallas kernels run in a shard_map over the batch and head axes
+(they have no partitioning rule of their own); cuDNN's call carries its own.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+from jax.sharding import PartitionSpec as P
+
+from sparsetx import config as config_lib
+from sparsetx.parallel import expert_parallel
+
+IMPLEMENTATIONS = config_lib.ATTENTION_IMPLEMENTATIONS
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+_TARGET = {"cudnn": "gpu", "splash": "tpu", "pallas": "gpu"}  # where each fused kernel runs natively
+
+
+def resolve(implementation: str, dtype) -> str:
+  """The implementation `auto` stands for on this backend (others are returned as given)."""
+  if implementation != "auto":
+    return implementation
+  backend = jax.default_backend()
+  if backend == "gpu":
+    return "cudnn" if jnp.dtype(dtype) in map(jnp.dtype, CUDNN_DTYPES) else "xla"
+  return "splash" if backend == "tpu" else "xla"
+
+
+def causal_segment_mask(segment_ids_BT):
+  """[B,1,T,T] True where query t may read key s: s <= t within the same segment."""
+  T = segment_ids_BT.shape[1]
+  causal_TT = jnp.tril(jnp.ones((T, T), bool))
+  same_BTT = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
+  return (causal_TT & same_BTT)[:, None]
+
+
+def xla_attention(q_BTHK, k_BSHK, v_BSHK, mask_B1TS, on_probabilities=lambda probs_BHTS: probs_BHTS):
+  """out [B,T,H,K] in q's dtype, for any mask (so also the decode cache's [B,1,T,max_len]).
+
+  `on_probabilities` sees the [B,H,T,S] float32 pattern before it mixes the values (the model's tap).
+  """
+  K = q_BTHK.shape[-1]
+  logits_BHTS = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BSHK, preferred_element_type=jnp.float32) / K**0.5
+  logits_BHTS = jnp.where(mask_B1TS, logits_BHTS, jnp.finfo(jnp.float32).min)
+  probs_BHTS = on_probabilities(jax.nn.softmax(logits_BHTS, axis=-1))
+  return jnp.einsum("bhts,bshk->bthk", probs_BHTS.astype(q_BTHK.dtype), v_BSHK)
+
+
+def fused_attention(implementation: str, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT):
+  """Causal self-attention within segments by a fused kernel (cudnn | splash | pallas): out [B,T,H,K]."""
+  _check_backend(implementation, q_BTHK.dtype)
+  if implementation == "cudnn":
+    return cudnn_attention(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)
+  interpret = jax.default_backend() != _TARGET[implementation]
+  kernel = splash_attention if implementation == "splash" else pallas_attention
+  return _per_shard(lambda q, k, v, s: kernel(q, k, v, s, interpret=interpret), q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)
+
+
+def cudnn_attention(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT):
+  """cuDNN flash attention: causal mask type plus the same-segment mask (an additive bias inside JAX)."""
+  same_B1TS = (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])[:, None]
+  return jax.nn.dot_product_attention(q_BTHK, k_BTHK, v_BTHK, mask=same_B1TS, is_causal=True, implementation="cudnn")
+
+
+def splash_attention(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT, interpret: bool = False):
+  """Splash attention (heads-major per row, vmapped over the batch); splash takes the query pre-scaled."""
+  B, T, H, K = q_BTHK.shape
+  T_pad = -(-T // 128) * 128  # the kernel's blocks are multiples of 128 lanes
+  block = next(b for b in (512, 256, 128) if T_pad % b == 0)
+  q_BHTK, k_BHTK, v_BHTK = (_pad_length(a, T_pad).transpose(0, 2, 1, 3) for a in (q_BTHK, k_BTHK, v_BTHK))
+  segments_BT = _pad_length(segment_ids_BT, T_pad)
+  mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((T_pad, T_pad))] * H)
+  sizes = splash_kernel.BlockSizes(
+      block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
+      block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
+  )
+  kernel = splash_kernel.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+  q_BHTK = (q_BHTK * (1.0 / math.sqrt(K))).astype(q_BTHK.dtype)
+  out_BHTK = jax.vmap(kernel)(q_BHTK, k_BHTK, v_BHTK, segment_ids=splash_kernel.SegmentIds(segments_BT, segments_BT))
+  return out_BHTK.transpose(0, 2, 1, 3)[:, :T]
+
+
+def pallas_attention(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT, interpret: bool = False):
+  """The Pallas GPU flash attention (Triton compiler params: lowered by Triton, not Mosaic GPU)."""
+  B, T, H, K = q_BTHK.shape
+  # Blocks of 128 (32 in the backward); Triton wants power-of-two tiles, at least 16 rows for its dots.
+  T_pad = -(-T // 128) * 128 if T > 128 else max(16, 1 << (T - 1).bit_length())
+  q_BTHK, k_BTHK, v_BTHK, segments_BT = (_pad_length(a, T_pad) for a in (q_BTHK, k_BTHK, v_BTHK, segment_ids_BT))
+  out_BTHK = gpu_attention.mha(
+      q_BTHK, k_BTHK, v_BTHK, segments_BT, sm_scale=1.0 / math.sqrt(K), causal=True, interpret=interpret
+  )
+  return out_BTHK[:, :T]
+
+
+def _pad_length(a_BT, length: int):
+  """a [B,T,...] zero-padded at the end of T to `length`."""
+  pad = [(0, 0)] * a_BT.ndim
+  pad[1] = (0, length - a_BT.shape[1])
+  return jnp.pad(a_BT, pad)
+
+
+def _check_backend(implementation: str, dtype) -> None:
+  backend = jax.default_backend()
+  if implementation == "cudnn":
+    if backend != "gpu":
+      raise config_lib.ConfigError(
+          f"config.model.attention='cudnn' runs on NVIDIA GPUs only, and this process runs on {backend}; "
+          "use 'auto' (or 'xla') here.")
+    if jnp.dtype(dtype) not in map(jnp.dtype, CUDNN_DTYPES):
+      raise config_lib.ConfigError(
+          f"config.model.attention='cudnn' has no {jnp.dtype(dtype).name} kernel; set config.model.dtype to "
+          "'bfloat16' or 'float16', or use attention='xla'.")
+  elif backend in ("gpu", "tpu") and backend != _TARGET[implementation]:
+    use = "splash" if backend == "tpu" else "cudnn' or 'pallas"
+    raise config_lib.ConfigError(
+        f"config.model.attention={implementation!r} is a {_TARGET[implementation].upper()} kernel and this process "
+        f"runs on {backend}; use 'auto' or '{use}'.")
+
+
+def _per_shard(fn, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT):
+  """fn on each device's rows and heads: a shard_map over the mesh axes of `batch` and `heads` when a mesh is set.
+
+  Pallas calls have no partitioning rule, so without it the compiler would gather every row onto every device.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return fn(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)
+  rules = expert_parallel._RULES.get()
+  B, _, H, _ = q_BTHK.shape
+
+  def dividing(name: str, size: int) -> tuple:
+    axes = expert_parallel._sized(mesh, expert_parallel._mesh_axes(rules, name))
+    return axes if axes and size % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+
+  batch, heads = dividing("batch", B), dividing("heads", H)
+  heads = tuple(a for a in heads if a not in batch)
+  if not batch and not heads:
+    return fn(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)
+  spec_BTHK, spec_BT = P(batch or None, None, heads or None, None), P(batch or None, None)
+  return jax.shard_map(
+      fn, mesh=mesh, in_specs=(spec_BTHK,) * 3 + (spec_BT,), out_specs=spec_BTHK,
+      axis_names=set(batch) | set(heads), check_vma=False,
+  )(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)
