@@ -90,6 +90,23 @@ def test_fused_kernel_in_bfloat16_is_within_bfloat16_rounding(name, kernel):
                              atol=4 * EPS_BF16 * float(jnp.abs(v.astype(jnp.float32)).max()), rtol=0)
 
 
+@pytest.mark.parametrize("attention", ["splash", "pallas"])
+def test_fused_kernel_on_a_mesh_runs_per_shard_and_equals_xla(attention):
+  """Rows over data (4), heads over tensor (2): each device runs the kernel on its own rows and heads."""
+  from sparsetx.parallel import expert_parallel, mesh as mesh_lib
+
+  config = config_lib.default_config().mesh
+  config.ici.update(data=4, fsdp=1, tensor=2, expert=1)
+  mesh = mesh_lib.make_mesh(config)
+  q, k, v = qkv(B=4, T=40, H=2)
+  segments = jnp.concatenate([packed_segments(2, 40)] * 2)
+  with expert_parallel.activate(mesh, config_lib.DEFAULT_RULES):
+    fused = jax.jit(lambda *a: attention_lib.fused_attention(attention, *a))
+    assert "shard_map" in str(jax.make_jaxpr(fused)(q, k, v, segments))
+    out = fused(q, k, v, segments)
+  np.testing.assert_allclose(out, jax.jit(xla)(q, k, v, segments), atol=128 * EPS32 * float(jnp.abs(v).max()), rtol=0)
+
+
 def model_config(attention: str, **model) -> ml_collections.FrozenConfigDict:
   config = load_config("configs/tiny.py", "mlp")
   config.model.update(dict(n_layers=1, dtype="float32", max_len=48, attention=attention), **model)
@@ -177,6 +194,12 @@ def test_cudnn_off_gpu_is_one_clear_error():
 # ------------------------------------------------------------------------------------- lowering for the accelerators
 
 
+def logits_shape() -> str:
+  """The [B,H,T,T] float32 logits the XLA path materializes in the lowered model (B = 2, T = 256)."""
+  config = model_config("xla")
+  return f"tensor<2x{config.d_model // config.head_dim}x256x256xf32>"
+
+
 def lowered_train_grads(monkeypatch, platform: str, attention: str) -> str:
   """StableHLO of the loss gradients of a bf16 model at T = 256, lowered for `platform` on this CPU machine."""
   backend = {"cuda": "gpu", "tpu": "tpu"}[platform]
@@ -196,10 +219,11 @@ def lowered_train_grads(monkeypatch, platform: str, attention: str) -> str:
 
 
 def test_cuda_lowering_runs_cudnn_flash_attention_forward_and_backward(monkeypatch):
+  assert logits_shape() in lowered_train_grads(monkeypatch, "cuda", "xla")  # the reference materializes them
   text = lowered_train_grads(monkeypatch, "cuda", "auto")
   calls = set(re.findall(r"__cudnn\$fmha\w+", text))
   assert calls == {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"}, calls
-  assert "f32[2,4,256,256]" not in text  # no materialized logits or probabilities
+  assert logits_shape() not in text  # cuDNN does not
 
 
 def test_cuda_lowering_of_pallas_attention_is_triton(monkeypatch):
@@ -211,4 +235,4 @@ def test_tpu_lowering_runs_splash_attention_forward_and_backward(monkeypatch):
   text = lowered_train_grads(monkeypatch, "tpu", "auto")
   assert text.count("tpu_custom_call") >= 3  # forward, dq and dkv kernels
   assert "splash_mha_fwd" in text and "splash_mha_dq" in text and "splash_mha_dkv" in text
-  assert "f32[2,4,256,256]" not in text
+  assert logits_shape() not in text
