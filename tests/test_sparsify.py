@@ -175,6 +175,7 @@ def test_partly_sparsified_model_trains_with_per_layer_stats(mesh):
   config.model.dense_ffn.update(type="mlp", d_ffw=128)
   params, metrics = one_step(config, mesh)
   assert np.isfinite(metrics["loss"])
-  assert {k for k in metrics if k.startswith("sparse/")} == {
-      "sparse/layers_1/used", "sparse/layers_1/gini", "sparse/layers_1/path_entropy"}
+  fff_stats = ("used", "gini", "gini_level_1", "gini_level_2", "gini_level_3", "gini_level_4", "leftmost_leaf_share",
+               "left_turns", "path_entropy")  # depth 4
+  assert {k for k in metrics if k.startswith("sparse/")} == {f"sparse/layers_1/{name}" for name in fff_stats}
   assert sum(np.size(v) for v in jax.tree.leaves(params)) == ladder.param_counts(config.model)["total"]

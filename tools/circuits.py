@@ -103,6 +103,10 @@ def analyse(args) -> dict:
     paths = usage.fff_path_table(cfg, db)
     text += ["", "## FFF paths (leaves) per tree", "", _markdown(paths)]
     summary["fff_paths"] = paths
+    balance = usage.fff_balance_table(cfg, db)
+    text += ["", "## FFF routing balance (balanced: every Gini 0, left turns 0.5, leftmost leaf 2**-depth)", "",
+             _markdown(balance)]
+    summary["fff_balance"] = balance
   write("usage.md", "\n".join(text))
   summary["usage"] = table
   print(_markdown(table))

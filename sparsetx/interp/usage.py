@@ -4,10 +4,12 @@ fire together.
   used        fraction of units (sgatlin/PEER neurons per channel, FFF nodes, MoE experts) picked by at
               least one token; dead units waste parameters
   gini        Gini coefficient of the usage counts (0 uniform, 1 one unit takes everything), the same
-              statistic the trainer logs (sparsetx/train/sparse_stats.py) but over a validation set
+              statistic the trainer logs (sparsetx/train/sparse_stats.py) but over a validation set;
+              for FFF over the leaves, so a balanced tree scores 0 at any depth
   coactivation  among the most used units, how often two fire for the same token relative to
               independence (lift = P(i and j) / (P(i) P(j))): shared sub-circuits
   FFF visits  per node and per path (leaf) of each tree: the routing imbalance the FFF paper reports
+  FFF balance Gini per level and over the leaves, the leftmost leaf's share, the fraction of left turns
 
 Layers are the model's own indices; a mixed model's tables cover its sparse layers only (those in the database).
 """
@@ -16,6 +18,7 @@ import numpy as np
 
 from sparsetx.interp import circuits as circuits_lib
 from sparsetx.models.ffn import fff
+from sparsetx.train import sparse_stats
 
 
 def gini(counts: np.ndarray) -> float:
@@ -43,9 +46,21 @@ def usage_table(cfg, db: circuits_lib.CircuitDatabase) -> list[dict]:
   rows = []
   for layer in db.layers_L.tolist():
     counts = unit_counts(cfg, db, layer)
-    rows.append(dict(layer=layer, units=len(counts), used=float((counts > 0).mean()), gini=gini(counts),
+    spread = fff_balance(cfg, db, layer)["gini"] if cfg.ffn.type == "fff" else gini(counts)
+    rows.append(dict(layer=layer, units=len(counts), used=float((counts > 0).mean()), gini=spread,
                      top_unit_share=float(counts.max() / max(len(db), 1))))
   return rows
+
+
+def fff_balance(cfg, db: circuits_lib.CircuitDatabase, layer: int) -> dict:
+  """Gini over the leaves and per level, leftmost-leaf share and fraction of left turns of one FFF layer."""
+  counts_PN = unit_counts(cfg, db, layer).reshape(cfg.ffn.n_trees, fff.n_nodes(cfg.ffn.depth))
+  return {name: float(value) for name, value in sparse_stats.fff_balance(counts_PN).items()}
+
+
+def fff_balance_table(cfg, db: circuits_lib.CircuitDatabase) -> list[dict]:
+  """One row of fff_balance per layer (balanced routing: every Gini 0, left turns 0.5, leftmost 2**-depth)."""
+  return [dict(layer=layer, **fff_balance(cfg, db, layer)) for layer in db.layers_L.tolist()]
 
 
 def coactivation(cfg, db: circuits_lib.CircuitDatabase, layer: int, top: int = 64):

@@ -3,10 +3,17 @@
 Computed inside the jitted step from the `intermediates` the layers sow (unused taps are removed
 by XLA's dead-code elimination). Counts only real tokens (loss weight > 0).
   used      fraction of neurons (sgatlin, PEER), nodes (FFF) or experts (MoE) picked at least once
-  gini      Gini coefficient of the usage counts (0 = uniform, 1 = one unit takes everything)
+  gini      Gini coefficient of the usage counts (0 = uniform, 1 = one unit takes everything); for FFF
+            over the leaves of all trees, so a balanced tree scores 0 at any depth (over all nodes it
+            would not: the root sees every token, a leaf a fraction)
+  gini_level_l  FFF: Gini over the nodes of level l (1 = the root's children .. depth = the leaves)
+  leftmost_leaf_share  FFF: share of tokens reaching each tree's leftmost leaf (balanced: 2**-depth),
+            averaged over trees; left_turns: fraction of routing decisions going left (balanced: 0.5)
   path_entropy  FFF: entropy in bits of the leaf distribution, averaged over trees (max = depth)
   max_load  MoE: the busiest expert's share of routed tokens times n_experts (1 = balanced)
 """
+
+import math
 
 import jax.numpy as jnp
 
@@ -25,6 +32,21 @@ def gini(counts):
 def usage_counts(ids, weights_per_id, size: int):
   """How often each of `size` units was picked: a weighted bincount."""
   return jnp.zeros((size,), jnp.float32).at[ids.reshape(-1)].add(weights_per_id.reshape(-1))
+
+
+def fff_balance(counts_PN) -> dict:
+  """FFF routing balance from per-node visit counts [trees, 2**(depth+1) - 1] (heap order; the left child
+  of node n is 2n + 1, so every odd node is a left turn)."""
+  counts_PN = jnp.asarray(counts_PN, jnp.float32)
+  n_nodes = counts_PN.shape[-1]
+  depth = int(math.log2(n_nodes + 1)) - 1
+  leaves_PL = counts_PN[:, n_nodes // 2 :]
+  stats = dict(gini=gini(leaves_PL.reshape(-1)))
+  for level in range(1, depth + 1):
+    stats[f"gini_level_{level}"] = gini(counts_PN[:, 2**level - 1 : 2 ** (level + 1) - 1].reshape(-1))
+  stats["leftmost_leaf_share"] = (leaves_PL[:, 0] / jnp.maximum(counts_PN[:, 0], 1e-9)).mean()  # roots see every token
+  stats["left_turns"] = counts_PN[:, 1::2].sum() / jnp.maximum(counts_PN[:, 1:].sum(), 1e-9)
+  return stats
 
 
 def layer_stats(ffn_cfg, taps: dict, token_weights_BT) -> dict:
@@ -48,7 +70,7 @@ def layer_stats(ffn_cfg, taps: dict, token_weights_BT) -> dict:
     leaves_PN = counts.reshape(P, n_nodes)[:, n_nodes // 2 :]
     p = leaves_PN / jnp.maximum(leaves_PN.sum(-1, keepdims=True), 1e-9)
     entropy = -(jnp.where(p > 0, p * jnp.log2(jnp.where(p > 0, p, 1.0)), 0.0)).sum(-1)
-    return dict(used=(counts > 0).mean(), gini=gini(counts), path_entropy=entropy.mean())
+    return dict(used=(counts > 0).mean(), **fff_balance(counts.reshape(P, n_nodes)), path_entropy=entropy.mean())
   if kind == "moe":
     ids_BTK = taps["expert_ids"][0]
     w = jnp.broadcast_to(token_weights_BT[:, :, None], ids_BTK.shape)
