@@ -11,14 +11,22 @@ pinned JAX (0.10.x), serves older GPUs (A100) and `kernel.gpu_kernel=triton`, an
 interpreter is the fast way to check a Pallas path on CPU. A per-token row gather is an indexed pointer load
 here, so no TMA row copies are needed.
 
+The calls pass Triton compiler params explicitly: in JAX 0.10 a `pl.pallas_call` without them is lowered
+by Mosaic GPU (`jax_pallas_use_mosaic_gpu` defaults to True), which would stage the whole tables into
+shared memory. Triton lowers neither erf nor erfc, so the activation runs through kernel_math.lowerable.
+
 Triton needs power-of-two block shapes: S and the block of tokens are padded here (padding slots
 have gate 0 and contribute nothing); D must be a power of two on GPU (interpret mode takes any D).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
+from sparsetx.kernels.kernel_math import lowerable
 from sparsetx.kernels.reference import derivative
 
 
@@ -49,6 +57,7 @@ def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, activation, opti
   has_bias = bias_R is not None
   bias_R1 = (bias_R if has_bias else jnp.zeros((1,), jnp.float32)).reshape(-1, 1)
   dtype = x_ND.dtype
+  activation = lowerable(activation)
 
   def kernel(x_ref, rows_ref, gates_ref, w_in_ref, w_out_ref, bias_ref, y_ref, h_ref):
     x_bD = x_ref[...]
@@ -76,6 +85,8 @@ def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, activation, opti
       out_specs=[token_block, slot_block],
       out_shape=[jax.ShapeDtypeStruct((n_padded, D), dtype), jax.ShapeDtypeStruct((s_padded, n_padded), jnp.float32)],
       interpret=_interpret() or options.interpret,
+      compiler_params=pltriton.CompilerParams(),
+      name="gated_gather_forward",
   )(x_ND, rows_SN, gates_SN, w_in_RD, w_out_RD, bias_R1)
   return y_ND[:n_tokens], h_SN.T[:n_tokens, :S]
 
@@ -87,6 +98,7 @@ def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, activation,
   bt = _next_pow2(options.block_tokens)
   dy_ND, (rows_SN, gates_SN, h_SN), n_padded, s_padded = _layout(dy_ND, rows_NS, (gates_NS, h_NS), bt)
   dtype = dy_ND.dtype
+  act, act_grad = lowerable(activation), lowerable(functools.partial(derivative, activation))
 
   def kernel(dy_ref, rows_ref, gates_ref, h_ref, w_in_ref, w_out_ref, dx_ref, dgates_ref, cin_ref, cout_ref):
     dy_bD = dy_ref[...].astype(jnp.float32)
@@ -97,8 +109,8 @@ def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, activation,
       dyw_b = jnp.sum(dy_bD * w_out_bD, axis=1)
       h_b = h_ref[s, :]
       gates_b = gates_ref[s, :].astype(jnp.float32)
-      act_b = activation(h_b)
-      coef_in_b = derivative(activation, h_b) * gates_b * dyw_b
+      act_b = act(h_b)
+      coef_in_b = act_grad(h_b) * gates_b * dyw_b
       dgates_ref[s, :] = act_b * dyw_b
       cin_ref[s, :] = coef_in_b
       cout_ref[s, :] = act_b * gates_b
@@ -118,6 +130,8 @@ def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, activation,
       out_specs=[token_block, slot_block, slot_block, slot_block],
       out_shape=[jax.ShapeDtypeStruct((n_padded, D), dtype), slot_out, slot_out, slot_out],
       interpret=_interpret() or options.interpret,
+      compiler_params=pltriton.CompilerParams(),
+      name="gated_gather_backward",
   )(dy_ND, rows_SN, gates_SN, h_SN, w_in_RD, w_out_RD)
   crop = lambda a_SN: a_SN.T[:n_tokens, :S]
   return dx_ND[:n_tokens], crop(dgates_SN), crop(cin_SN), crop(cout_SN)

@@ -4,14 +4,18 @@ One program handles `block_tokens` tokens. Their row ids sit in SMEM; the progra
 per (token, slot) row from each table in HBM into VMEM scratch [bt, S, D], waits for all of them,
 then dots, gates and sums on the VPU in float32. Only a block's rows are ever resident. The bias
 values ([N, S], tiny) are gathered by XLA before the call. Table gradients are the shared
-sorted-segment sums (segment_grads.py). Off TPU the kernels run in TPU interpret mode.
+sorted-segment sums (segment_grads.py). Off TPU the kernels run in TPU interpret mode. Pallas TPU does
+not lower erfc (exact GELU), so the activation runs through kernel_math.lowerable.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from sparsetx.kernels.kernel_math import lowerable
 from sparsetx.kernels.reference import derivative
 
 
@@ -67,6 +71,7 @@ def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, activation, opti
   bias_NS = jnp.zeros(rows_NS.shape, jnp.float32) if bias_R is None else bias_R[rows_NS].astype(jnp.float32)
   x_ND, rows_NS, gates_NS, bias_NS = _pad_tokens([x_ND, rows_NS, gates_NS, bias_NS], bt)
   n_padded = x_ND.shape[0]
+  activation = lowerable(activation)
 
   def kernel(rows_smem, x_ref, gates_ref, bias_ref, w_in_hbm, w_out_hbm, y_ref, h_ref, w_in_v, w_out_v, sem):
     _gather_rows(rows_smem, (w_in_hbm, w_out_hbm), (w_in_v, w_out_v), sem, bt, S)
@@ -91,6 +96,7 @@ def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, activation, opti
           pltpu.SemaphoreType.DMA((2,)),
       ],
       interpret=_interpret(options),
+      name="gated_gather_forward",
   )(rows_NS, x_ND, gates_NS, bias_NS, w_in_RD, w_out_RD)
   return y_ND[:n_tokens], h_NS[:n_tokens]
 
@@ -103,6 +109,7 @@ def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, activation,
   dtype = dy_ND.dtype
   dy_ND, rows_NS, gates_NS, h_NS = _pad_tokens([dy_ND, rows_NS, gates_NS, h_NS], bt)
   n_padded = dy_ND.shape[0]
+  act, act_grad = lowerable(activation), lowerable(functools.partial(derivative, activation))
 
   def kernel(rows_smem, dy_ref, gates_ref, h_ref, w_in_hbm, w_out_hbm, dx_ref, dgates_ref, cin_ref, cout_ref, w_in_v, w_out_v, sem):
     _gather_rows(rows_smem, (w_in_hbm, w_out_hbm), (w_in_v, w_out_v), sem, bt, S)
@@ -110,8 +117,8 @@ def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, activation,
     dyw_bS = jnp.sum(dy_bD[:, None, :] * w_out_v[...].astype(dtype).astype(jnp.float32), axis=-1)
     h_bS = h_ref[...]
     gates_bS = gates_ref[...].astype(jnp.float32)
-    act_bS = activation(h_bS)
-    coef_in_bS = derivative(activation, h_bS) * gates_bS * dyw_bS
+    act_bS = act(h_bS)
+    coef_in_bS = act_grad(h_bS) * gates_bS * dyw_bS
     dgates_ref[...] = act_bS * dyw_bS
     cin_ref[...] = coef_in_bS
     cout_ref[...] = act_bS * gates_bS
@@ -132,5 +139,6 @@ def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, activation,
           pltpu.SemaphoreType.DMA((2,)),
       ],
       interpret=_interpret(options),
+      name="gated_gather_backward",
   )(rows_NS, dy_ND, gates_NS, h_NS, w_in_RD, w_out_RD)
   return dx_ND[:n_tokens], dgates[:n_tokens], cin[:n_tokens], cout[:n_tokens]
