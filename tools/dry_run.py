@@ -39,9 +39,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import time  # noqa: E402
 
 import jax  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from sparsetx import cli  # noqa: E402
 from sparsetx import config as config_lib  # noqa: E402
 from sparsetx.parallel import aot  # noqa: E402
 from sparsetx.parallel import expert_parallel  # noqa: E402
@@ -93,8 +94,7 @@ def main(argv):
     start = time.time()
     report = aot.dry_run(config, mesh)
   except config_lib.ConfigError as error:
-    print(f"error: {error}", file=sys.stderr)
-    sys.exit(2)
+    cli.fail(error)
   print(aot.format_report(report))
   print(f"lowered and compiled in {time.time() - start:.0f} s")
   print(roofline.format_projections([roofline.project(report, chip) for chip in hardware.chips(_TARGET.value)]))
@@ -104,11 +104,10 @@ def main(argv):
     try:
       rows = sweep_table_bytes(_CONFIG.value, devices, [int(e) for e in _SWEEP.value])
     except config_lib.ConfigError as error:
-      print(f"error: {error}", file=sys.stderr)
-      sys.exit(2)
+      cli.fail(error)
     for expert, nbytes, layout in rows:
       print(f"  {expert:>6}  {nbytes:>14,}  {nbytes * expert:>14,}  {layout}")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -9,7 +9,8 @@ models as plain GPTNeoXForCausalLM and every other architecture as a custom mode
 `trust_remote_code=True`; `--kind=neox` insists on the former. Import writes a step-0 checkpoint
 (params, fresh optimizer state, the data stream's start) that `python -m sparsetx.train` continues;
 --config supplies the data and train sections (its model must be the imported one). A directory
-that already holds files is replaced only with --overwrite. Errors print one line; exit code 2.
+that already holds files is replaced only with --overwrite. Errors (a bad flag or --config, a missing or
+damaged checkpoint) print one `error:` line; exit code 2.
 """
 
 import json
@@ -18,9 +19,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from sparsetx import cli  # noqa: E402
 from sparsetx.config import ConfigError  # noqa: E402
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Export: the training run to read. Import: the new run directory.")
@@ -53,9 +55,8 @@ def main(argv):
                               kind=_KIND.value, dtype=_DTYPE.value)
       print(json.dumps(summary, indent=1))
   except ConfigError as error:
-    print(f"error: {error}", file=sys.stderr)
-    sys.exit(2)
+    cli.fail(error)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

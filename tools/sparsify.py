@@ -14,11 +14,10 @@ that the trainer starts from (fresh optimizer state and data stream; pass it the
 printed below) and sparsify.json, the parameters copied / new / dropped by group.
 """
 
-import sys
-
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
+from sparsetx import cli
 from sparsetx.config import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py:fff", "Target config file, optionally ':ARG'.",
@@ -50,8 +49,7 @@ def main(argv):
       config, report = sparsify.sparsify_checkpoint(_SOURCE.value, given, _WORKDIR.value, _OVERWRITE.value,
                                                     _SOURCE_STEP.value)
   except ConfigError as error:
-    print(f"error: {error}", file=sys.stderr)
-    sys.exit(2)
+    cli.fail(error)
   print(sparsify.format_report(report))
   print(f"swapped layers: {report['swapped_layers']}; report: {_WORKDIR.value}/{sparsify.REPORT_FILE}")
   extra = []
@@ -62,4 +60,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -5,10 +5,9 @@
       --overrides=config.data.seq_len=2048 --overrides=config.data.global_batch_size=128 \\
       --overrides=config.train.warmup_steps=1000 --workdir=sweeps/ladder --mode=print
   python tools/sweep.py ...same flags... --mode=collect
-  # a CPU-sized sweep, run here one run after the other
-  python tools/sweep.py --budgets=2e9,4e9 --ffn_types=mlp,sgatlin --base_config=configs/tiny.py \\
-      --d_models=32,64 --overrides=config.model.head_dim=32 --overrides=config.train.warmup_steps=2 \\
-      --workdir=sweeps/tiny
+  # a CPU-sized sweep, run here one run after the other (each type sized from d_model as the ladder does)
+  python tools/sweep.py --budgets=3e9,6e9 --ffn_types=mlp,sgatlin,fff --base_config=configs/sweep_cpu.py \\
+      --d_models=32,64 --workdir=sweeps/tiny
 
 Modes: run (train the unfinished runs sequentially, in this process or with --subprocess each as its printed
 command, then collect), print (the commands only), collect (the finished runs only; missing ones are listed).
@@ -26,8 +25,9 @@ import os
 import subprocess
 import sys
 
-from absl import app, flags
+from absl import flags
 
+from sparsetx import cli
 from sparsetx.config import ConfigError
 from sparsetx.train import sweep
 
@@ -195,11 +195,12 @@ def write_results(workdir: str, rows: list[dict], skipped: list[sweep.Skipped]) 
 
 
 def print_table(rows: list[dict]) -> None:
-  print(f"{'budget':>9} {'run':<16}{'total':>10}{'active':>10}{'steps':>7}{'tokens':>11}  perplexity")
+  """One line per run: its size, the forward FLOPs per token it pays, the tokens they buy, the result."""
+  print(f"{'budget':>9} {'run':<16}{'total':>10}{'active':>10}{'FLOPs/token':>13}{'steps':>7}{'tokens':>11}  perplexity")
   for r in rows:
     ppl = f"{r['perplexity']:.3f}" if r["perplexity"] is not None else r["status"]
-    print(f"{r['budget']:>9.3g} {r['name']:<16}{r['total_params']:>10,}{r['active_params']:>10,}{r['steps']:>7}"
-          f"{r['trained_tokens']:>11,}  {ppl}")
+    print(f"{r['budget']:>9.3g} {r['name']:<16}{r['total_params']:>10,}{r['active_params']:>10,}"
+          f"{r['forward_flops_per_token']:>13,}{r['steps']:>7}{r['trained_tokens']:>11,}  {ppl}")
 
 
 def run_sweep(spec: sweep.SweepSpec, mode: str = "run", in_subprocess: bool = False) -> list[dict]:
@@ -221,15 +222,14 @@ def run_sweep(spec: sweep.SweepSpec, mode: str = "run", in_subprocess: bool = Fa
 
 def main(argv, flag_values: dict) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments {argv[1:]}; every input is a --flag.")
+    cli.fail(f"unexpected arguments {argv[1:]}; every input is a --flag.")
   values = {name: holder.value for name, holder in flag_values.items()}
   try:
     run_sweep(spec_from_flags(values), values["mode"], values["subprocess"])
   except ConfigError as error:
-    print(f"error: {error}", file=sys.stderr)
-    sys.exit(2)
+    cli.fail(error)
 
 
 if __name__ == "__main__":
   _FLAGS = define_flags()
-  app.run(lambda argv: main(argv, _FLAGS))
+  cli.run(lambda argv: main(argv, _FLAGS))

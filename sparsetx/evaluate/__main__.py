@@ -3,15 +3,16 @@
 Prints each validation task's loss (nats per token) and perplexity, the numbers the trainer logs
 as `eval/<task>/loss` and `eval/<task>/perplexity` (see sparsetx/evaluate/perplexity.py), and with
 `--prompt` samples a continuation (`--temperature 0` is greedy; `--top_k`, `--seed`,
-`--max_new_tokens`). `--noeval` skips the perplexity pass. A missing workdir, a missing checkpoint
-or an unknown task ends the run with one line and exit code 2.
+`--max_new_tokens`). `--noeval` skips the perplexity pass. A bad flag, a missing workdir, a missing
+or damaged checkpoint (the line names the step and the other saved steps, for `--step`) or an
+unknown task ends the run with one `error:` line and exit code 2 (sparsetx/cli.py).
 """
 
 import os
-import sys
 
-from absl import app, flags
+from absl import flags
 
+from sparsetx import cli
 from sparsetx.config import ConfigError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir holding checkpoints/.", required=True)
@@ -60,9 +61,8 @@ def main(argv):
       raise ConfigError(f"--workdir={_WORKDIR.value!r} holds no checkpoints/ directory; give the workdir of a training run.")
     run()
   except ConfigError as error:
-    print(f"error: {error}", file=sys.stderr)
-    sys.exit(2)
+    cli.fail(error)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -1,18 +1,20 @@
 """`python -m sparsetx.train --config=configs/tiny.py --workdir=DIR [--config.train.steps=200 ...]`.
 
 Every config field can be overridden on the command line (ml_collections config_flags). A bad
-config, mesh, batch size or workdir ends the run with one line naming the field and exit code 2.
+config file, override, mesh, batch size, workdir or checkpoint ends the run with one `error:` line
+naming the file or field and exit code 2 (sparsetx/cli.py); a damaged newest checkpoint names the
+older steps to resume from with --config.checkpoint.restore_step=N.
 Multi-host: the process joins the run its environment describes (SLURM, JobSet, TPU VM pod; see
 sparsetx/parallel/distributed.py), the flags --coordinator_address, --num_processes, --process_id
 override it; a run whose peers do not all connect ends with exit code 4.
 """
 
 import os
-import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
+from sparsetx import cli
 from sparsetx.config import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file, optionally with ':ARG'.", lock_config=True)
@@ -25,37 +27,34 @@ _INIT_TIMEOUT = flags.DEFINE_integer("distributed_timeout", 300, "Multi-host: se
 _HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout", 100, "Multi-host: seconds without a heartbeat before a peer counts as dead.")
 
 
-def _fail(error: Exception, code: int):
-  print(f"error: {error}", file=sys.stderr)
-  sys.exit(code)
-
-
 def main(argv):
   del argv
+  from sparsetx import config as config_lib
   from sparsetx.parallel import distributed
 
   try:
+    config_lib.validate(_CONFIG.value)  # before joining peers: a bad value is reported by every process alike
     spec = distributed.detect(
         os.environ, coordinator_address=_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
         process_id=_PROCESS_ID.value, local_device_ids=[int(i) for i in _LOCAL_DEVICES.value or []],
         tpu_present=distributed.tpu_vm_present())
     distributed.initialize(spec, timeout_s=_INIT_TIMEOUT.value, heartbeat_timeout_s=_HEARTBEAT.value)
   except ConfigError as error:
-    _fail(error, 2)
+    cli.fail(error, 2)
   except distributed.DistributedError as error:
-    _fail(error, 4)
+    cli.fail(error, 4)
   # After joining (a missing peer is reported before the slow imports) and after flags (fast --help).
   from sparsetx.train.loop import NonFiniteLossError, train
 
   try:
     train(_CONFIG.value, _WORKDIR.value)
   except ConfigError as error:
-    _fail(error, 2)
+    cli.fail(error, 2)
   except NonFiniteLossError as error:
-    _fail(error, 3)
+    cli.fail(error, 3)
   distributed.shutdown()
   logging.info("Done. Checkpoints: %s/checkpoints, TensorBoard: %s/tensorboard", _WORKDIR.value, _WORKDIR.value)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -6,7 +6,9 @@ parses to (a private copy of the trainer's absl / ml_collections flags), so a pr
 started in-process or by subprocess train the same model. Sizes are either ladder rungs
 (`configs/ladder.py:FFN,SCALE`, Listing 2) or, for CPU-sized sweeps, d_model values (and optionally layer
 counts) set by `--config.model.d_model=` on a base config that takes the type as its argument
-(`configs/tiny.py:FFN`).
+(`configs/sweep_cpu.py:FFN`). A d_model size also sizes the feed-forward layer from d_model as the ladder
+does (ffn_size_args), so no type keeps a width meant for another d_model: at equal budget and d_model,
+runs differ only in the feed-forward layer, and the FLOPs per token it costs set their token counts.
 
 Accounting (sparsetx/models/ladder.py, on the run's actual model config): forward FLOPs per token at the
 trained context config.data.seq_len; training costs 3 x forward, so tokens = floor(budget / (3 * forward)),
@@ -29,7 +31,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from sparsetx import config as config_lib
+from sparsetx import cli, config as config_lib
 from sparsetx.models import ladder
 
 LADDER_CONFIG = "configs/ladder.py"
@@ -144,7 +146,8 @@ def _sizes(spec: SweepSpec, ffn_type: str) -> list[tuple[int, str, tuple[str, ..
     return [(s, f"{ffn_type}_s{s}", (f"--config={spec.base_config}:{ffn_type},{s}",)) for s in spec.scales]
   sizes = []
   for i, d_model in enumerate(spec.d_models):
-    args = [f"--config={spec.base_config}:{ffn_type}", f"--config.model.d_model={d_model}"]
+    args = [f"--config={spec.base_config}:{ffn_type}", f"--config.model.d_model={d_model}",
+            *ffn_size_args(ffn_type, d_model)]
     name = f"{ffn_type}_d{d_model}"
     if spec.n_layers:
       args.append(f"--config.model.n_layers={spec.n_layers[i]}")
@@ -153,27 +156,46 @@ def _sizes(spec: SweepSpec, ffn_type: str) -> list[tuple[int, str, tuple[str, ..
   return sizes
 
 
+def dense_width(d_model: int) -> int:
+  """The MLP/SwiGLU width of the ladder, 8/3 d_model rounded down to a multiple of 256; below d_model 96,
+  where that is 0, rounded down to a multiple of d_model (2 d_model)."""
+  return ladder.mlp_d_ffw(d_model) or int(8 / 3 * d_model / d_model) * d_model
+
+
+def ffn_size_args(ffn_type: str, d_model: int) -> tuple[str, ...]:
+  """The trainer flags that size `ffn_type` from d_model by the ladder's rules (sparsetx/models/ladder.py)
+  at scale = d_model / 128: mlp/swiglu dense_width; sgatlin (16 + 12 scale)**2 and PEER (32 + 24 scale)**2
+  neurons, rounded to a square; MoE experts d_model wide; FFF depth 6 with dense_width // 128 trees (at
+  least one). The other knobs (channels, top-k, d_key, experts) stay the base config's."""
+  scale = d_model / 128
+  match ffn_type:
+    case "mlp" | "swiglu":
+      sized = dict(d_ffw=dense_width(d_model))
+    case "sgatlin":
+      sized = dict(d_ffw=round(16 + 12 * scale) ** 2)
+    case "peer":
+      sized = dict(d_ffw=round(32 + 24 * scale) ** 2)
+    case "moe":
+      sized = dict(d_ffw=d_model)
+    case "fff":
+      sized = dict(depth=ladder.FFF_DEPTH, n_trees=max(1, dense_width(d_model) // 128))
+    case _:
+      sized = {}
+  return tuple(f"--config.model.ffn.{name}={value}" for name, value in sized.items())
+
+
 def parse_train_args(args: tuple[str, ...]) -> ml_collections.ConfigDict:
-  """The validated config `python -m sparsetx.train ARGS` would train (same flag definitions)."""
+  """The validated config `python -m sparsetx.train ARGS` would train (same flag definitions and errors)."""
   argv = ["sparsetx.train", *args]
   flag_values = flags.FlagValues()
   holder = config_flags.DEFINE_config_file("config", None, "Config file.", flag_values=flag_values, lock_config=True,
                                            sys_argv=argv)
   flags.DEFINE_string("workdir", None, "Run directory.", flag_values=flag_values)
   try:
-    flag_values(argv)
-    config = holder.value
-  except config_lib.ConfigError:
-    raise
-  except (AttributeError, KeyError) as error:  # ml_collections: an override names no field of the config
-    raise config_lib.ConfigError(
-        f"the run `{shlex.join(TRAIN_COMMAND + tuple(args))}` sets a field the config does not have ({error}); "
-        "check the --overrides names against sparsetx/config.py.") from None
-  except Exception as error:  # absl / ml_collections flag errors (a bad value, a bad config argument)
-    message = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-    raise config_lib.ConfigError(f"the run `{shlex.join(TRAIN_COMMAND + tuple(args))}` does not parse: {message}") from None
-  config_lib.validate(config)
-  return config
+    cli.config_args(argv, flag_values)
+  except config_lib.ConfigError as error:
+    raise config_lib.ConfigError(f"the run `{shlex.join(TRAIN_COMMAND + tuple(args))}` does not parse: {error}") from None
+  return config_lib.validate(holder.value)
 
 
 def plan(spec: SweepSpec) -> tuple[list[Run], list[Skipped]]:
