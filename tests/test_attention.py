@@ -12,8 +12,10 @@ import pytest
 from conftest import load_config
 
 from sparsetx import config as config_lib
+from sparsetx.interp.trace import StandardizedTransformer
 from sparsetx.models import attention as attention_lib
 from sparsetx.models.transformer import Transformer, init_cache
+from sparsetx.train import step as step_lib
 
 EPS32 = float(jnp.finfo(jnp.float32).eps)
 EPS_BF16 = float(jnp.finfo(jnp.bfloat16).eps)
@@ -140,12 +142,18 @@ def test_model_with_fused_attention_matches_xla_and_runs_the_kernel(attention):
   np.testing.assert_allclose(value_fused, value_xla, rtol=1e-6)
   for g_fused, g_xla in zip(jax.tree.leaves(grads_fused), jax.tree.leaves(grads_xla)):
     np.testing.assert_allclose(g_fused, g_xla, atol=128 * EPS32 * float(jnp.abs(g_xla).max()), rtol=0)
-  apply = lambda model: str(jax.make_jaxpr(model.apply)(variables, tokens, positions, segments))  # noqa: E731
-  assert "pallas_call" in apply(fused) and "pallas_call" not in apply(reference)
-  # Tracing the intermediates takes the XLA path, so the attention pattern exists for the interp tools.
+  # The train step's loss (which records intermediates for the sparse-layer stats) runs the kernel.
+  batch = dict(inputs=tokens, targets=tokens, positions=positions, segment_ids=segments)
+  losses = lambda model: str(jax.make_jaxpr(  # noqa: E731
+      lambda p: step_lib.token_losses(model, p, batch, 0.0))(variables["params"]))
+  assert "pallas_call" in losses(fused) and "pallas_call" not in losses(reference)
+  # The fused kernels form no pattern to tap; the interp tools' model (with_xla_attention) does.
   _, state = fused.apply(variables, tokens, positions, segments, mutable=["intermediates"])
+  assert "attention_probabilities" not in state["intermediates"]["layers_0"].get("attention", {})
+  traced = StandardizedTransformer(fused.cfg, variables["params"])
+  _, state = traced.model.apply(variables, tokens, positions, segments, mutable=["intermediates"])
   probs_BHTS = state["intermediates"]["layers_0"]["attention"]["attention_probabilities"][0]
-  assert probs_BHTS.shape[::2] == (2, 40) and probs_BHTS.shape[3] == 40 and float(probs_BHTS[0, :, 12, :11].max()) == 0.0  # doc 2 skips doc 1
+  assert probs_BHTS.shape[2:] == (40, 40) and float(probs_BHTS[0, :, 12, :11].max()) == 0.0  # doc 2 skips doc 1
 
 
 def test_decoding_with_a_fused_attention_config_equals_the_full_forward():

@@ -23,7 +23,7 @@ import numpy as np
 
 from sparsetx import config as config_lib
 from sparsetx.interp import names as names_lib
-from sparsetx.models.transformer import Transformer, make_norm
+from sparsetx.models.transformer import Transformer, make_norm, with_xla_attention
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -85,7 +85,7 @@ class StandardizedTransformer:
 
   def __init__(self, model_cfg, params):
     self.cfg = ml_collections.FrozenConfigDict(model_cfg)
-    self.model = Transformer(self.cfg)
+    self.model = Transformer(with_xla_attention(self.cfg))  # the XLA attention: the only one with a pattern to read
     self.params = params
     self._forward = jax.jit(self._forward_impl, static_argnames=("reads",))
 

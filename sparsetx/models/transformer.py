@@ -66,11 +66,11 @@ def decode_mask(positions_BT, cache_len: int):
 class Attention(nn.Module):
   """Multi-head self-attention with rotary positions, by `cfg.attention`.
 
-  The XLA path (the reference) runs whenever the fused kernels cannot or should not:
+  The XLA path (the reference) also runs where the fused kernels cannot:
   - decoding: queries read a cache of max_len slots up to their own positions (not the square causal
     pattern the kernels compute), and a step has T = 1, so there is no T x T matrix to save;
-  - tracing or patching: when `intermediates` is mutable or `patches` holds `attention_probabilities`, so
-    the interp tools see and replace the pattern (the fused kernels never form it).
+  - patching `attention_probabilities` (the fused kernels never form the pattern).
+  Only the XLA path taps `attention_probabilities`; the interp tools build their model with `with_xla_attention`.
   """
 
   cfg: object  # the model config (FrozenConfigDict)
@@ -107,8 +107,7 @@ class Attention(nn.Module):
       k_BSHK, v_BSHK = (self._cached(name, new_BTHK, positions_BT)
                         for name, new_BTHK in (("cached_key", k_BTHK), ("cached_value", v_BTHK)))
     implementation = attention_implementation(cfg, self.decode)
-    if implementation != "xla" and (
-        self.is_mutable_collection("intermediates") or self.has_variable("patches", "attention_probabilities")):
+    if self.has_variable("patches", "attention_probabilities"):
       implementation = "xla"
     if implementation == "xla":
       if mask_B1TS is None:
@@ -135,6 +134,13 @@ def attention_implementation(cfg, decode: bool = False) -> str:
   if decode:
     return "xla"
   return attention_lib.resolve(cfg.get("attention", "auto"), jnp.dtype(cfg.dtype))
+
+
+def with_xla_attention(cfg):
+  """`cfg` with attention='xla': the model whose traces hold `attention_probabilities` (what interp reads)."""
+  model = ml_collections.ConfigDict(cfg.to_dict())
+  model.attention = "xla"
+  return ml_collections.FrozenConfigDict(model)
 
 
 class Block(nn.Module):
