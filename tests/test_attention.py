@@ -244,3 +244,23 @@ def test_tpu_lowering_runs_splash_attention_forward_and_backward(monkeypatch):
   assert text.count("tpu_custom_call") >= 3  # forward, dq and dkv kernels
   assert "splash_mha_fwd" in text and "splash_mha_dq" in text and "splash_mha_dkv" in text
   assert logits_shape() not in text
+
+
+@pytest.mark.parametrize("platform, calls", [
+    ("cuda", {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"}),
+    ("tpu", {"splash_mha_fwd_segmented_residuals", "splash_mha_dq_segmented_no_residuals",
+             "splash_mha_dkv_segmented_no_residuals"}),
+])
+def test_train_step_lowers_with_the_fused_attention_by_default(monkeypatch, platform, calls):
+  """The whole train step (bf16, attention=auto) lowered as the trainer jits it: the fused calls, no XLA logits."""
+  from jax._src.cudnn import fused_attention_stablehlo
+  from sparsetx.parallel import aot
+
+  monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)  # see lowered_train_grads
+  config = load_config("configs/tiny.py", "mlp")
+  config.model.update(max_len=256, n_layers=2)
+  config.data.update(seq_len=256, global_batch_size=2)
+  config_lib.validate(config)
+  text = aot.lower_train_step(config, platform)
+  assert calls <= {name or target for target, name in aot.custom_calls(text)}
+  assert logits_shape() not in text
