@@ -34,7 +34,7 @@ TRAINER_OUTPUTS = ("checkpoints", "data_state", "tensorboard", "metrics.jsonl", 
 
 def load_checkpoint(workdir: str, mesh, step: int | None = None):
   """(config, params) of a sparsetx workdir's checkpoint at `step` (default: the latest)."""
-  checkpointer = checkpointing.open_read_only(workdir, "--source")
+  checkpointer = checkpointing.open_read_only(workdir, "--source", "--source_step")
   try:
     step = checkpointer.checked_step(step, "--source")
     config = config_lib.validate(checkpointer.saved_config(step))

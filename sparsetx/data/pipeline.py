@@ -240,6 +240,44 @@ def saved_shard_counts(path: str) -> set[int]:
   return counts
 
 
+def check_saved_state(path: str) -> None:
+  """Raises ValueError naming what is missing or unreadable among the data states saved under `path`: every
+  data shard (process) of the count that saved them, its JSON and its TensorFlow iterator checkpoint (read in
+  full: a few MB). The checkpoint opener calls this before anything is built, so a damaged state is reported
+  in one line instead of failing inside TensorFlow at the restore."""
+  shard_dirs = sorted(tf.io.gfile.glob(os.path.join(path, "shard_*_of_*"))) if tf.io.gfile.isdir(path) else []
+  if not shard_dirs:
+    raise ValueError(f"its data state {path} is missing")
+  counts = set()
+  for shard_dir in shard_dirs:
+    state_file = os.path.join(shard_dir, _STATE_JSON)
+    if not tf.io.gfile.exists(state_file):
+      raise ValueError(f"its data state file {state_file} is missing")
+    try:
+      with tf.io.gfile.GFile(state_file) as f:
+        state = json.load(f)
+      counts.add(int(state["num_shards"]))
+    except (ValueError, KeyError, TypeError) as error:
+      raise ValueError(f"its data state file {state_file} is unreadable ({type(error).__name__}: {error})") from None
+    prefix = os.path.join(shard_dir, _STATE_PREFIX)
+    try:
+      tf.train.load_checkpoint(prefix)  # the index: which variables, in how many data files
+    except (tf.errors.OpError, ValueError) as error:
+      reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+      raise ValueError(f"its data iterator checkpoint {prefix} is unreadable ({reason})") from None
+    data_files = tf.io.gfile.glob(f"{prefix}.data-*-of-*")
+    parts = int(data_files[0].rsplit("-of-", 1)[1]) if data_files else 1
+    for part in range(parts):
+      data_file = f"{prefix}.data-{part:05d}-of-{parts:05d}"
+      if data_file not in data_files or tf.io.gfile.stat(data_file).length == 0:
+        raise ValueError(f"its data iterator checkpoint file {data_file} is missing or empty")
+  for count in sorted(counts):
+    for index in range(count):
+      shard_dir = os.path.join(path, f"shard_{index:05d}_of_{count:05d}")
+      if os.path.basename(shard_dir) not in {os.path.basename(d.rstrip("/")) for d in shard_dirs}:
+        raise ValueError(f"its data state lacks shard {index} of {count} ({shard_dir} is missing)")
+
+
 def make_train_iterator(config: ml_collections.ConfigDict, batch_sharding: jax.sharding.Sharding,
                         shard_info: seqio.ShardInfo | None = None) -> TrainIterator:
   """The training batches of `config.data`; `shard_info` overrides the derived data shard (tests)."""

@@ -60,6 +60,8 @@ def restore(workdir: str, step: int | None = None, mesh: str = "one", tasks: lis
     abstract, _, model, _ = state_lib.state_shardings(config, device_mesh)
     try:
       params = manager.restore_state(step, abstract).params
+    except config_lib.ConfigError:  # a damaged step (checkpointing.CheckpointError): reported as it is
+      raise
     except (ValueError, KeyError, TypeError) as error:
       raise config_lib.ConfigError(
           f"the checkpoint at step {step} in {manager.directory} does not match the model of its own config ({error}); "

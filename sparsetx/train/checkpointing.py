@@ -5,20 +5,60 @@ complete (orbax's atomic finalize), so a run killed mid-save resumes from the pr
 data iterator's state (a TensorFlow iterator checkpoint per process, see sparsetx/data/pipeline.py)
 is written synchronously to `<workdir>/data_state/<step>` *before* the model save starts, so every
 complete model checkpoint has its data state; data states of deleted steps are removed.
+
+Opening a step checks that it can be read (`Checkpointer.verify`: every item, the arrays' metadata, for
+training the data state of every process), and a failed read of its arrays is reported the same way: one
+`CheckpointError` naming the step, what is wrong and the flag that picks another saved step
+(`--config.checkpoint.restore_step=N` to resume, `--step=N` to evaluate or export). Nothing is deleted.
 """
 
+import contextlib
 import json
 import os
+import re
 import shutil
+import time
 
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
+from absl import logging
+from etils import epath
+from jax.experimental import multihost_utils
 
 from sparsetx import config as config_lib
 from sparsetx.config import ConfigError
 
 COMPUTE_ONLY = ("dtype", "remat", "max_len", "kernel", "implementation")  # may change on resume
+ITEMS = ("state", "config")
+SUPERSEDED = "superseded"  # <workdir>/superseded/<time>/: the steps after a restore_step, set aside
+# Status codes of tensorstore / TensorFlow read failures (a damaged file), as opposed to a structure mismatch.
+_READ_FAILURE = re.compile(r"\b(NOT_FOUND|DATA_LOSS|OUT_OF_RANGE|FAILED_PRECONDITION|PERMISSION_DENIED|UNAVAILABLE)\b")
+
+
+class CheckpointError(ConfigError):
+  """A saved step cannot be read; the message names the step, what is wrong and how to go on."""
+
+
+def _reason(error: BaseException) -> str:
+  """One short line for a failed read."""
+  text = str(error).strip().split(". See full TensorStore details")[0]
+  text = text.splitlines()[0] if text else type(error).__name__
+  return text if len(text) <= 240 else text[:240] + "..."
+
+
+def _read_failure(error: BaseException) -> str | None:
+  """The reason when `error` (or one it was raised from) is a failed read of a file; None for anything else."""
+  seen = []
+  while error is not None and error not in seen:
+    seen.append(error)
+    text = str(error)
+    if (isinstance(error, (OSError, json.JSONDecodeError)) or _READ_FAILURE.search(text)
+        or type(error).__module__.startswith("tensorflow")  # tf.errors.OpError: a data state that does not read
+        or "Encountered error while reading" in text):
+      return _reason(error)
+    error = error.__cause__ or error.__context__
+  return None
 
 
 def _tuples(value):
@@ -44,8 +84,40 @@ def config_from_saved(saved: dict) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(_merged(config_lib.default_config().to_dict(), _tuples(saved)))
 
 
+def _model_fields(model: dict, prefix: str = "") -> dict:
+  """The model's fields that fix its parameters, flattened to dotted names in schema order (compute-only
+  fields left out)."""
+  fields = {}
+  for key, value in model.items():
+    if key in COMPUTE_ONLY:
+      continue
+    if isinstance(value, dict):
+      fields.update(_model_fields(value, f"{prefix}{key}."))
+    else:
+      fields[f"{prefix}{key}"] = value
+  return fields
+
+
+def _basic_rank(key: str) -> int:
+  """Most basic first: the layer types, then the network's own fields, then each feed-forward layer's sizes."""
+  if key.endswith("type") and "." in key:
+    return 0
+  return 1 if "." not in key else 2
+
+
+def _first_index(key: str, *orders: dict) -> int:
+  for order in orders:
+    if key in order:
+      return list(order).index(key)
+  return 0
+
+
 class Checkpointer:
-  def __init__(self, workdir: str, checkpoint: ml_collections.ConfigDict):
+  """`step_flag` is the flag that picks another saved step, named when a step cannot be read."""
+
+  def __init__(self, workdir: str, checkpoint: ml_collections.ConfigDict,
+               step_flag: str = "--config.checkpoint.restore_step"):
+    self.step_flag = step_flag
     self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
     self.data_directory = os.path.join(os.path.abspath(workdir), "data_state")
     options = ocp.CheckpointManagerOptions(
@@ -60,20 +132,98 @@ class Checkpointer:
     return self.manager.latest_step()
 
   def checked_step(self, step: int | None, workdir_flag: str = "--workdir") -> int:
-    """`step` (default: the latest), refused in one sentence when it is not a complete checkpoint."""
+    """`step` (default: the latest), refused in one sentence when it is not a complete, readable checkpoint."""
     steps = self.manager.all_steps()
     if not steps:
       raise ConfigError(f"{workdir_flag}={os.path.dirname(self.directory)!r} has no complete checkpoint; "
                         "train a model there first.")
-    if step is None:
-      return max(steps)
-    if step not in steps:
-      raise ConfigError(f"--step={step} is not a checkpoint in {self.directory}; saved steps: {sorted(steps)}.")
+    if step is not None and step not in steps:
+      raise ConfigError(f"{self.step_flag}={step} is not a checkpoint in {self.directory}; saved steps: {sorted(steps)}.")
+    step = max(steps) if step is None else step
+    self.verify(step)
     return step
+
+  def resume_step(self, restore_step: int | None = None) -> int | None:
+    """The step a training run resumes from (`restore_step`, default the newest; None when there is none),
+    verified with its data state before anything is built."""
+    steps = self.manager.all_steps()
+    if restore_step is not None and restore_step not in steps:
+      raise CheckpointError(
+          f"{self.step_flag}={restore_step} is not a saved step in {self.directory}; saved steps: "
+          f"{', '.join(map(str, sorted(steps))) or 'none'}.")
+    step = restore_step if restore_step is not None else max(steps, default=None)
+    if step is not None:
+      self.verify(step, data_state=step > 0)  # a step-0 start (sparsify, import) has no data state
+    return step
+
+  def verify(self, step: int, data_state: bool = False) -> None:
+    """Refuses a step that cannot be read, before anything is built: an item missing (an empty step
+    directory included), a config or array metadata that does not parse or whose files are gone, and with
+    `data_state` a missing or unreadable data state of any process. Array contents are read (and their
+    failures reported the same way) by the restore itself."""
+    step_dir = os.path.join(self.directory, str(step))
+    try:
+      items = set(self.manager.item_metadata(step).keys())
+    except Exception as error:  # noqa: BLE001  (any failed read of the step's metadata)
+      raise self.damaged(step, f"its metadata is unreadable ({_reason(error)})") from None
+    missing = [item for item in ITEMS if item not in items]
+    if len(missing) == len(ITEMS):
+      raise self.damaged(step, f"its directory {step_dir} holds no checkpoint items")
+    if missing:
+      raise self.damaged(step, f"its {missing[0]!r} item ({os.path.join(step_dir, missing[0])}) is missing")
+    self.saved_config(step)
+    handler = ocp.StandardCheckpointHandler()
+    try:
+      handler.metadata(epath.Path(step_dir) / "state")
+    except Exception as error:  # noqa: BLE001
+      raise self.damaged(step, f"the metadata of its arrays is unreadable ({_reason(error)})") from None
+    finally:
+      handler.close()
+    if data_state:
+      from sparsetx.data import pipeline  # TensorFlow: only where a data state is read
+
+      try:
+        pipeline.check_saved_state(os.path.join(self.data_directory, str(step)))
+      except ValueError as error:
+        raise self.damaged(step, str(error)) from None
+
+  def damaged(self, step: int, problem: str) -> CheckpointError:
+    """The one-line error for an unreadable `step`: what is wrong, the other saved steps, the flag to pick one."""
+    others = sorted(s for s in self.manager.all_steps() if s != step)
+    if others:
+      way = (f"pick an older complete step with {self.step_flag}=N (saved steps: {', '.join(map(str, others))}); "
+             "nothing was deleted.")
+    else:
+      way = "no other step is saved, so start over in a new --workdir; nothing was deleted."
+    return CheckpointError(f"checkpoint step {step} in {self.directory} cannot be read: {problem}; {way}")
+
+  def set_aside_after(self, step: int) -> list[int]:
+    """Moves the saved steps after `step` (and their data states) to <workdir>/superseded/<time>/, so a run
+    resumed from an older `restore_step` saves its own steps there; returns the steps moved."""
+    later = [s for s in self.manager.all_steps() if s > step]
+    if later and jax.process_index() == 0:
+      target = os.path.join(os.path.dirname(self.directory), SUPERSEDED, time.strftime("%Y%m%d-%H%M%S"))
+      for s in later:
+        for source, kind in ((self.directory, "checkpoints"), (self.data_directory, "data_state")):
+          if os.path.exists(os.path.join(source, str(s))):
+            os.makedirs(os.path.join(target, kind), exist_ok=True)
+            shutil.move(os.path.join(source, str(s)), os.path.join(target, kind, str(s)))
+      logging.warning("Resuming from step %d: the later steps %s were moved to %s.", step, later, target)
+    if later:
+      if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("checkpoint_set_aside")
+      self.manager.reload()
+    return later
 
   def saved_config(self, step: int) -> ml_collections.ConfigDict:
     """The config saved with `step` (see `config_from_saved`)."""
-    return config_from_saved(self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
+    try:
+      saved = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    except Exception as error:  # noqa: BLE001  (a missing, truncated or garbled config/metadata)
+      raise self.damaged(step, f"its saved config is unreadable ({_reason(error)})") from None
+    if not isinstance(saved, dict):
+      raise self.damaged(step, f"its saved config is not a JSON object ({type(saved).__name__})")
+    return config_from_saved(saved)
 
   def save(self, step: int, state, config: ml_collections.ConfigDict, data_iterator) -> None:
     data_iterator.save(os.path.join(self.data_directory, str(step)))
@@ -86,7 +236,21 @@ class Checkpointer:
 
   def restore_state(self, step: int, abstract_state):
     """The state at `step`, laid out as `abstract_state`'s shardings: restoring onto any mesh reshards."""
-    return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
+    with self._reading(step):
+      return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
+
+  @contextlib.contextmanager
+  def _reading(self, step: int):
+    """Turns a failed read of a file of `step` into its `damaged` error; other errors pass unchanged."""
+    try:
+      yield
+    except ConfigError:
+      raise
+    except Exception as error:  # noqa: BLE001  (classified by _read_failure)
+      reason = _read_failure(error)
+      if reason is None:
+        raise
+      raise self.damaged(step, f"reading it failed ({reason})") from None
 
   def restore_params(self, step: int, abstract_params):
     """Only the parameters at `step`, laid out as `abstract_params`: a start whose optimizer state may have
@@ -97,28 +261,30 @@ class Checkpointer:
       target = {"params": abstract_params}
       restore_args = ocp.checkpoint_utils.construct_restore_args(target)
       args = ocp.args.Composite(state=ocp.args.PyTreeRestore(target, restore_args=restore_args, partial_restore=True))
-      return reader.restore(step, args=args)["state"]["params"]
+      with self._reading(step):
+        return reader.restore(step, args=args)["state"]["params"]
     finally:
       reader.close()
 
   def restore(self, step: int, abstract_state, data_iterator):
     """The state at `step` and the data iterator's position."""
-    data_iterator.restore(os.path.join(self.data_directory, str(step)))
+    with self._reading(step):
+      data_iterator.restore(os.path.join(self.data_directory, str(step)))
     return self.restore_state(step, abstract_state)
 
   def check_compatible(self, step: int, config: ml_collections.ConfigDict) -> None:
-    """Refuses to resume a workdir whose checkpoint holds a different model, naming the field.
+    """Refuses to resume a workdir whose checkpoint holds a different model, naming the most basic field that
+    differs (see `_model_fields`: `ffn.type` before `ffn.d_ffw`).
 
     Compute-only fields (dtype, remat, kernels, FFF implementation) may change between runs.
     """
-    saved, wanted = self.saved_config(step).model.to_dict(), config.model.to_dict()
-    for prefix, old, new in (("config.model", saved, wanted), ("config.model.ffn", saved["ffn"], wanted["ffn"])):
-      for key in sorted(set(old) | set(new)):
-        if key not in COMPUTE_ONLY + ("ffn",) and old.get(key) != new.get(key):  # ffn: compared on its own
-          raise ConfigError(
-              f"{prefix}.{key}={json.dumps(new.get(key))} but the checkpoint in {self.directory} was trained with "
-              f"{json.dumps(old.get(key))}; use a new --workdir, or set the field back to resume."
-          )
+    saved, wanted = _model_fields(self.saved_config(step).model.to_dict()), _model_fields(config.model.to_dict())
+    for key in sorted(set(saved) | set(wanted), key=lambda k: (_basic_rank(k), _first_index(k, wanted, saved))):
+      if saved.get(key) != wanted.get(key):
+        raise ConfigError(
+            f"config.model.{key}={json.dumps(wanted.get(key))} but the checkpoint in {self.directory} was trained with "
+            f"{json.dumps(saved.get(key))}; use a new --workdir, or set the field back to resume."
+        )
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
@@ -135,8 +301,9 @@ class Checkpointer:
         shutil.rmtree(os.path.join(self.data_directory, name), ignore_errors=True)
 
 
-def open_read_only(workdir: str, workdir_flag: str = "--workdir") -> Checkpointer:
-  """A Checkpointer for reading a trained run (evaluation, export, analysis): it never deletes a step."""
+def open_read_only(workdir: str, workdir_flag: str = "--workdir", step_flag: str = "--step") -> Checkpointer:
+  """A Checkpointer for reading a trained run (evaluation, export, analysis): it never deletes a step.
+  `step_flag` picks the step (named when one cannot be read)."""
   if not os.path.isdir(os.path.join(os.path.abspath(workdir), "checkpoints")):
     raise ConfigError(f"{workdir_flag}={workdir!r} holds no checkpoints/ directory; give the workdir of a training run.")
-  return Checkpointer(workdir, ml_collections.ConfigDict(dict(keep=None, keep_period=0, async_save=False)))
+  return Checkpointer(workdir, ml_collections.ConfigDict(dict(keep=None, keep_period=0, async_save=False)), step_flag)

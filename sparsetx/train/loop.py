@@ -1,8 +1,9 @@
 """The training loop: mesh -> sharded state -> data -> jitted steps -> metrics, evals, checkpoints.
 
-A run in a workdir that holds checkpoints resumes from the newest complete one (model state, data
-position); a step-0 checkpoint (tools/sparsify.py, HF import) gives only the parameters: the optimizer
-state and the data stream start fresh from this run's config.
+A run in a workdir that holds checkpoints resumes from the newest one (or config.checkpoint.restore_step,
+whose later steps are moved to <workdir>/superseded/), after checking that it can be read (model state,
+data position); a step-0 checkpoint (tools/sparsify.py, HF import) gives only the parameters: the
+optimizer state and the data stream start fresh from this run's config.
 SIGTERM saves the current step and returns normally. A non-finite loss stops the run
 before anything non-finite is saved.
 """
@@ -118,7 +119,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
   batch_sharding = mesh_lib.batch_sharding(mesh, config.mesh.rules)
 
   checkpointer = checkpointing.Checkpointer(workdir, config.checkpoint)
-  start = checkpointer.latest_step()
+  start = checkpointer.resume_step(config.checkpoint.get("restore_step"))  # verified: items, arrays' metadata, data
   if start is not None:
     checkpointer.check_compatible(start, config)
   data_iterator = pipeline.make_train_iterator(config, batch_sharding)
@@ -132,6 +133,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
   else:
     state = state_lib.create_state(config, shardings, model, tx)
     start = 0
+  checkpointer.set_aside_after(start)  # a restore_step before the newest: later steps move to superseded/
 
   schedule = learning_rate_schedule(config.train)
   step_fn = jax.jit(
