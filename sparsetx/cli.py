@@ -1,6 +1,7 @@
 """The command-line convention of every sparsetx program: one `error:` line and exit code 2.
 
-`run(main)` is `absl.app.run` with `parse_flags` as its flags parser. absl and ml_collections'
+`run(main)` is `absl.app.run` with `parse_flags` as its flags parser, and `define_config_file` the
+`--config` flag it parses. absl and ml_collections'
 `config_flags` load the `--config` file and apply the `--config.FIELD=VALUE` overrides while the
 flags are parsed, before `main` runs, and report their failures as tracebacks or usage dumps with
 exit code 1. `parse_flags` catches them and says in one sentence what is wrong, naming the file or
@@ -37,6 +38,20 @@ def run(main) -> None:
   app.run(main, flags_parser=parse_flags)
 
 
+def define_config_file(name: str, default: str | None, help_string: str, flag_values: flags.FlagValues = flags.FLAGS,
+                       **kwargs) -> flags.FlagHolder:
+  """`config_flags.DEFINE_config_file` whose default is loaded when the flags are parsed, not here.
+
+  ml_collections loads a default config file (and applies the command line's overrides to it) while the
+  flag is defined, at import, where no parser can catch a bad override; `config_args` passes the default
+  as if given on the command line instead.
+  """
+  holder = config_flags.DEFINE_config_file(
+      name, None, help_string + (f" Default: {default}." if default else ""), flag_values=flag_values, **kwargs)
+  flag_values[name].default_spec = default
+  return holder
+
+
 def parse_flags(argv: list[str], flag_values: flags.FlagValues = flags.FLAGS) -> list[str]:
   """Parses `argv` into `flag_values` (an `app.run` flags parser); a problem ends the program via `fail`."""
   try:
@@ -50,6 +65,9 @@ def config_args(argv: list[str], flag_values: flags.FlagValues = flags.FLAGS) ->
   sentence for a bad config file, override, flag or value (what `parse_flags` prints)."""
   config_names = [name for name in flag_values if config_flags_lib.is_config_flag(flag_values[name])]
   for name in config_names:
+    default = getattr(flag_values[name], "default_spec", None)  # see define_config_file
+    if default and not any(re.fullmatch(rf"--?{name}(=.*)?", arg, re.S) for arg in argv[1:]):
+      argv = [argv[0], f"--{name}={default}", *argv[1:]]
     _check_config_file(name, _config_spec(argv, name, flag_values))
   try:
     return flag_values(argv)

@@ -40,7 +40,6 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 from absl import flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
 from sparsetx import cli  # noqa: E402
 from sparsetx import config as config_lib  # noqa: E402
@@ -51,7 +50,7 @@ from sparsetx.parallel import mesh as mesh_lib  # noqa: E402
 from sparsetx.parallel import roofline  # noqa: E402
 from sparsetx.train.loop import check_batch_divides  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file, optionally with ':ARG'.")
+_CONFIG = cli.define_config_file("config", "configs/tiny.py", "Config file, optionally with ':ARG'.")
 _DEVICES = flags.DEFINE_integer("devices", 8, "Simulated CPU devices (the mesh's size).")
 _SWEEP = flags.DEFINE_list("expert_sweep", [], "Expert-axis sizes for a per-device sparse-table bytes table.")
 _TARGET = flags.DEFINE_enum(

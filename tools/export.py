@@ -20,7 +20,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
 from sparsetx import cli  # noqa: E402
 from sparsetx.config import ConfigError  # noqa: E402
@@ -32,7 +31,7 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an earlier export (o
 _KIND = flags.DEFINE_enum("kind", "auto", ["auto", "neox", "custom"], "Export: GPT-NeoX when exact (auto), or forced.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Export: dtype of the saved weights.")
 _IMPORT_FROM = flags.DEFINE_string("import_from", None, "Import: an HF directory to convert into a checkpoint.")
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Import: the training config (data, train) to continue with.")
+_CONFIG = cli.define_config_file("config", None, "Import: the training config (data, train) to continue with.")
 
 
 def main(argv):

@@ -15,12 +15,11 @@ printed below) and sparsify.json, the parameters copied / new / dropped by group
 """
 
 from absl import flags
-from ml_collections import config_flags
 
 from sparsetx import cli
 from sparsetx.config import ConfigError
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py:fff", "Target config file, optionally ':ARG'.",
+_CONFIG = cli.define_config_file("config", "configs/tiny.py:fff", "Target config file, optionally ':ARG'.",
                                           lock_config=True)
 _SOURCE = flags.DEFINE_string("source", None, "A sparsetx workdir holding the dense checkpoint to start from.")
 _FROM_HF = flags.DEFINE_string("from_hf", None, "Instead of --source: an HF GPT-NeoX (or sparsetx export) directory.")

@@ -12,12 +12,11 @@ override it; a run whose peers do not all connect ends with exit code 4.
 import os
 
 from absl import flags, logging
-from ml_collections import config_flags
 
 from sparsetx import cli
 from sparsetx.config import ConfigError
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file, optionally with ':ARG'.", lock_config=True)
+_CONFIG = cli.define_config_file("config", "configs/tiny.py", "Config file, optionally with ':ARG'.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and TensorBoard logs.", required=True)
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "Multi-host: HOST:PORT of process 0 (overrides the environment).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes (overrides the environment).")
