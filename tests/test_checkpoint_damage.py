@@ -1,0 +1,156 @@
+"""A damaged checkpoint ends in one line naming the step, what is wrong and the older steps to use, for
+training (`--config.checkpoint.restore_step=N`) and for the readers (`--step=N`); nothing in the workdir
+changes. Resuming from the older step with restore_step reproduces the lost step exactly.
+
+One sgatlin run of 4 steps (checkpoints at 2 and 4) is trained once; each test damages a copy of it.
+"""
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import REPO, load_config
+from sparsetx.interp import checkpoint as interp_checkpoint
+from sparsetx.train import checkpointing, loop
+
+
+def micro_config(ffn_type: str = "sgatlin", **train):
+  config = load_config("configs/tiny.py", ffn_type)
+  config.model.update(d_model=64, n_layers=2, max_len=32, dtype="float32")
+  config.data.update(seq_len=32, global_batch_size=8, eval_batch_size=8, shuffle_buffer=64)
+  config.train.update(dict(steps=4, warmup_steps=1, log_every=1, eval_every=1000, eval_batches=1), **train)
+  config.checkpoint.update(every=2, async_save=False)
+  return config
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> str:
+  workdir = str(tmp_path_factory.mktemp("trained") / "run")
+  loop.train(micro_config(), workdir)
+  return workdir
+
+
+@pytest.fixture
+def copy(trained, tmp_path) -> str:
+  workdir = str(tmp_path / "run")
+  shutil.copytree(trained, workdir)
+  return workdir
+
+
+def tree(workdir: str) -> dict:
+  """Every directory and file under `workdir` with its bytes: what a refused run must leave unchanged."""
+  found = {}
+  for root, dirs, files in os.walk(workdir):
+    for name in dirs:
+      found[os.path.relpath(os.path.join(root, name), workdir) + "/"] = None
+    for name in files:
+      with open(os.path.join(root, name), "rb") as f:
+        found[os.path.relpath(os.path.join(root, name), workdir)] = f.read()
+  return found
+
+
+def truncate(path: str) -> None:
+  with open(path, "rb") as f:
+    data = f.read()
+  with open(path, "wb") as f:
+    f.write(data[: len(data) // 2])
+
+
+def delete(pattern: str) -> None:
+  paths = glob.glob(pattern)
+  assert paths, pattern
+  for path in paths:
+    os.remove(path)
+
+
+def empty_step(step_dir: str) -> None:
+  shutil.rmtree(step_dir)
+  os.mkdir(step_dir)
+
+
+STEP = "{w}/checkpoints/4"
+DATA = "{w}/data_state/4/shard_00000_of_00001"
+DAMAGES = {  # name: (damage of the newest step, what the message says is wrong)
+    "config JSON cut short": (lambda w: truncate(f"{STEP.format(w=w)}/config/metadata"), "its saved config is unreadable"),
+    "config deleted": (lambda w: delete(f"{STEP.format(w=w)}/config/metadata"), "its saved config is unreadable"),
+    "array metadata cut short": (lambda w: truncate(f"{STEP.format(w=w)}/state/_METADATA"),
+                                 "the metadata of its arrays is unreadable"),
+    "array files deleted": (lambda w: delete(f"{STEP.format(w=w)}/state/d/*"), "the metadata of its arrays is unreadable"),
+    "array chunks deleted": (lambda w: delete(f"{STEP.format(w=w)}/state/ocdbt.process_0/d/*"), "reading it failed"),
+    "state item deleted": (lambda w: shutil.rmtree(f"{STEP.format(w=w)}/state"), "its 'state' item"),
+    "empty step directory": (lambda w: empty_step(STEP.format(w=w)), "holds no checkpoint items"),
+    "data state missing": (lambda w: shutil.rmtree(f"{w}/data_state/4"), "its data state"),
+    "data state JSON garbage": (lambda w: open(f"{DATA.format(w=w)}/data_state.json", "w").write("garbage"),
+                                "data_state.json is unreadable"),
+    "data iterator garbage": (lambda w: open(f"{DATA.format(w=w)}/iterator.index", "w").write("garbage"),
+                              "its data iterator checkpoint"),
+}
+READER_SEES = ("config", "array", "state item", "empty")  # the readers need no data state
+
+
+@pytest.mark.parametrize("name", DAMAGES)
+def test_damaged_newest_step_is_one_error_and_changes_nothing(copy, name):
+  damage, problem = DAMAGES[name]
+  damage(copy)
+  before = tree(copy)
+  with pytest.raises(checkpointing.CheckpointError) as error:
+    loop.train(micro_config(steps=6), copy)
+  message = str(error.value)
+  assert message.startswith(f"checkpoint step 4 in {copy}/checkpoints cannot be read: ") and problem in message
+  assert message.endswith("pick an older complete step with --config.checkpoint.restore_step=N (saved steps: 2); "
+                          "nothing was deleted.") and "\n" not in message
+  if any(word in name for word in READER_SEES):
+    with pytest.raises(checkpointing.CheckpointError, match=r"with --step=N \(saved steps: 2\)"):
+      interp_checkpoint.load(copy)
+  assert tree(copy) == before
+
+
+def test_resume_from_an_older_step_reproduces_the_damaged_one(trained, copy):
+  truncate(f"{copy}/checkpoints/4/config/metadata")
+  damaged = tree(f"{copy}/checkpoints/4")
+  config = micro_config()
+  config.checkpoint.restore_step = 2
+  loop.train(config, copy)
+  superseded = glob.glob(f"{copy}/{checkpointing.SUPERSEDED}/*/checkpoints/4")
+  assert len(superseded) == 1 and tree(superseded[0]) == damaged  # set aside as it was, not deleted
+  assert os.path.isdir(os.path.join(os.path.dirname(os.path.dirname(superseded[0])), "data_state", "4"))
+  _, model, step = interp_checkpoint.load(copy)
+  _, want, _ = interp_checkpoint.load(trained)
+  assert step == 4
+  jax.tree.map(np.testing.assert_array_equal, model.params, want.params)  # bit-identical to the uninterrupted run
+
+
+def test_resume_with_another_feed_forward_type_names_the_type(copy):
+  before = tree(copy)
+  with pytest.raises(checkpointing.ConfigError, match=r'^config.model.ffn.type="fff" but the checkpoint .* was '
+                                                      r'trained with "sgatlin"'):
+    loop.train(micro_config("fff", steps=6), copy)
+  assert tree(copy) == before
+
+
+def test_restore_step_that_was_not_saved_is_refused(copy):
+  config = micro_config(steps=6)
+  config.checkpoint.restore_step = 3
+  before = tree(copy)
+  with pytest.raises(checkpointing.CheckpointError, match=r"restore_step=3 is not a saved step .*; saved steps: 2, 4\."):
+    loop.train(config, copy)
+  assert tree(copy) == before
+
+
+def test_evaluate_reports_a_damaged_step_in_one_line(copy):
+  delete(f"{copy}/checkpoints/4/config/metadata")
+  before = tree(copy)
+  result = subprocess.run([sys.executable, "-m", "sparsetx.evaluate", f"--workdir={copy}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 2, result.stderr
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+  assert errors[0].startswith(f"error: checkpoint step 4 in {copy}/checkpoints cannot be read: its saved config")
+  assert errors[0].endswith("pick an older complete step with --step=N (saved steps: 2); nothing was deleted.")
+  assert tree(copy) == before
