@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 
 import jax
@@ -34,6 +35,23 @@ ITEMS = ("state", "config")
 SUPERSEDED = "superseded"  # <workdir>/superseded/<time>/: the steps after a restore_step, set aside
 # Status codes of tensorstore / TensorFlow read failures (a damaged file), as opposed to a structure mismatch.
 _READ_FAILURE = re.compile(r"\b(NOT_FOUND|DATA_LOSS|OUT_OF_RANGE|FAILED_PRECONDITION|PERMISSION_DENIED|UNAVAILABLE)\b")
+
+
+def _quiet_closed_loop_callbacks() -> None:
+  """After a failed restore, tensorstore completes the reads still in flight into orbax's event loop, closed by
+  then, and each completion prints an unraisable 'Event loop is closed' traceback after the one-line error.
+  Those (and only those) are dropped from then on."""
+  previous = sys.unraisablehook
+  if getattr(previous, "drops_closed_loop_callbacks", False):
+    return
+
+  def hook(unraisable):
+    error = unraisable.exc_value
+    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+      previous(unraisable)
+
+  hook.drops_closed_loop_callbacks = True
+  sys.unraisablehook = hook
 
 
 class CheckpointError(ConfigError):
@@ -250,6 +268,7 @@ class Checkpointer:
       reason = _read_failure(error)
       if reason is None:
         raise
+      _quiet_closed_loop_callbacks()
       raise self.damaged(step, f"reading it failed ({reason})") from None
 
   def restore_params(self, step: int, abstract_params):
