@@ -1,9 +1,11 @@
-"""tools/sweep.py end to end: a tiny isoflop sweep (mlp, sgatlin x d_model 32, 64) trained, collected and plotted."""
+"""tools/sweep.py end to end: README's CPU isoflop sweep (mlp, sgatlin x d_model 32, 64) run as written,
+collected and plotted; every type sized from d_model as the ladder does."""
 
 import importlib.util
 import json
 import math
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -17,14 +19,17 @@ from ml_collections import config_flags
 from sparsetx.models import ladder
 from sparsetx.train import sweep
 
-BUDGET = 2e9  # 7 to 19 steps of 256 tokens per run
-# tests/test_train.py's micro settings (head_dim 32 so d_model 32 fits), facts only: one small validation split.
-MICRO = (
-    "config.model.head_dim=32", "config.model.n_layers=2", "config.model.max_len=32", "config.model.dtype=float32",
-    "config.data.seq_len=32", "config.data.global_batch_size=8", "config.data.eval_batch_size=8",
-    "config.data.shuffle_buffer=64", 'config.data.mixture=(("facts",1.0),)', "config.train.warmup_steps=2",
-    "config.train.log_every=1", "config.train.eval_batches=1", "config.checkpoint.every=1000",
-)
+BUDGET = 3e9  # 18 to 53 steps of 256 tokens per run
+# The feed-forward widths the ladder's rules give, by hand: mlp 8/3 d rounded down to a multiple of 256, or of
+# d below d=96 (2 d); sgatlin (16 + 12 d/128)**2 -> 19**2, 22**2.
+WIDTHS = {("mlp", 32): 64, ("mlp", 64): 128, ("sgatlin", 32): 19**2, ("sgatlin", 64): 22**2}
+
+
+def readme_sweep_command() -> list[str]:
+  """The CPU sweep command README.md shows, as argv (its continuation lines joined, its comment dropped)."""
+  text = (REPO / "README.md").read_text().replace("\\\n", " ")
+  (line,) = [line for line in text.splitlines() if line.startswith(".venv/bin/python tools/sweep.py") and "--d_models" in line]
+  return shlex.split(line, comments=True)
 
 
 def load_tool():
@@ -35,8 +40,9 @@ def load_tool():
 
 
 def tiny_spec(workdir, **changes) -> sweep.SweepSpec:
-  fields = dict(budgets=(BUDGET,), ffn_types=("mlp", "sgatlin"), workdir=str(workdir), base_config="configs/tiny.py",
-                d_models=(32, 64), overrides=MICRO, min_steps=2)
+  """README's sweep (readme_sweep_command) as a SweepSpec."""
+  fields = dict(budgets=(BUDGET,), ffn_types=("mlp", "sgatlin"), workdir=str(workdir),
+                base_config="configs/sweep_cpu.py", d_models=(32, 64))
   return sweep.SweepSpec(**{**fields, **changes})
 
 
@@ -69,14 +75,22 @@ def metrics(workdir):
 
 @pytest.fixture(scope="module")
 def finished_sweep(tmp_path_factory):
-  """The sweep trained in this process (the CLI's run mode without its flag parsing)."""
+  """README's sweep command, run as written but for its --workdir."""
   root = tmp_path_factory.mktemp("sweep")
-  cwd = os.getcwd()
-  os.chdir(REPO)  # --base_config is relative to the repository, as the printed commands are
-  try:
-    rows = load_tool().run_sweep(tiny_spec(root), "run")
-  finally:
-    os.chdir(cwd)
+  argv = readme_sweep_command()
+  assert argv[:2] == [".venv/bin/python", "tools/sweep.py"] and argv[-1] == "--workdir=/tmp/sweep"
+  given = dict(arg.removeprefix("--").split("=", 1) for arg in argv[2:-1])  # what tiny_spec holds
+  assert given == dict(budgets="3e9", ffn_types="mlp,sgatlin", base_config="configs/sweep_cpu.py", d_models="32,64")
+  argv = [sys.executable, *argv[1:-1], f"--workdir={root}"]
+  result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  with open(root / "sweep.json") as f:
+    rows = json.load(f)["runs"]
+  table = result.stdout.splitlines()
+  assert "FLOPs/token" in table[0] and len(table) == 1 + len(rows)
+  for line, row in zip(table[1:], rows):  # each result printed next to the FLOPs per token it paid
+    assert line.split()[1:5] == [row["name"], f"{row['total_params']:,}", f"{row['active_params']:,}",
+                                 f"{row['forward_flops_per_token']:,}"]
   return root, rows
 
 
@@ -84,12 +98,13 @@ def test_sweep_trains_the_budgets_steps_and_collects_each_final_eval(finished_sw
   root, rows = finished_sweep
   assert [(r["ffn_type"], r["d_model"]) for r in rows] == [("mlp", 32), ("mlp", 64), ("sgatlin", 32), ("sgatlin", 64)]
   for row in rows:
-    config = load_config("configs/tiny.py", row["ffn_type"])
-    config.model.update(d_model=row["d_model"], n_layers=2, head_dim=32)
+    config = load_config("configs/sweep_cpu.py", row["ffn_type"])
+    config.model.update(d_model=row["d_model"])
+    config.model.ffn.d_ffw = WIDTHS[row["ffn_type"], row["d_model"]]
     forward = ladder.forward_flops_per_token(config.model, 32)["total"]
     tokens = int(BUDGET // (3 * forward))
     assert (row["forward_flops_per_token"], row["tokens"]) == (forward, tokens)
-    assert row["steps"] == math.ceil(tokens / (8 * 32)) >= 2
+    assert row["steps"] == math.ceil(tokens / (8 * 32)) >= 10
     assert BUDGET <= row["flops"] < BUDGET + 3 * forward * 8 * 32  # at most one step beyond the budget
     params = ladder.param_counts(config.model)
     assert (row["total_params"], row["active_params"]) == (params["total"], params["active"])
@@ -176,3 +191,22 @@ def test_a_run_dir_evaluated_at_another_step_count_is_refused_and_a_partial_one_
     f.write(json.dumps({"step": run.steps + 5, "eval/facts/loss": 5.0, "eval/facts/perplexity": math.exp(5.0)}) + "\n")
   with pytest.raises(sweep.config_lib.ConfigError, match=f"evaluated at step {run.steps + 5}, but this sweep plans"):
     sweep.final_eval(run)
+
+
+def test_d_model_sizes_every_type_by_the_ladders_rules(tmp_path, monkeypatch):
+  """Widths by hand from Listing 2 at scale d/128; at d=256 (scale 2) they equal the ladder rung's."""
+  monkeypatch.chdir(REPO)
+  spec = tiny_spec(tmp_path, budgets=(1e12,), ffn_types=("mlp", "swiglu", "sgatlin", "peer", "moe", "fff"),
+                   d_models=(32, 256), min_steps=1)
+  sized = {(run.ffn_type, run.size): run.config.model.ffn for run in sweep.plan(spec)[0]}
+  expected = {
+      ("mlp", 32): dict(d_ffw=64), ("mlp", 256): dict(d_ffw=512), ("swiglu", 32): dict(d_ffw=64),
+      ("swiglu", 256): dict(d_ffw=512), ("sgatlin", 32): dict(d_ffw=19**2), ("sgatlin", 256): dict(d_ffw=40**2),
+      ("peer", 32): dict(d_ffw=38**2), ("peer", 256): dict(d_ffw=80**2), ("moe", 32): dict(d_ffw=32),
+      ("moe", 256): dict(d_ffw=256), ("fff", 32): dict(depth=6, n_trees=1), ("fff", 256): dict(depth=6, n_trees=4),
+  }
+  assert set(sized) == set(expected)
+  for key, fields in expected.items():
+    assert {name: sized[key][name] for name in fields} == fields, key
+  rung = ladder.ladder_model_config(2, "sgatlin").ffn
+  assert sized["sgatlin", 256].d_ffw == rung.d_ffw and sized["fff", 256].n_trees == ladder.ladder_model_config(2, "fff").ffn.n_trees
