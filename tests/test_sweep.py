@@ -5,7 +5,6 @@ import importlib.util
 import json
 import math
 import os
-import re
 import shlex
 import subprocess
 import sys

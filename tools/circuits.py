@@ -135,7 +135,7 @@ def analyse(args) -> dict:
     summary["files"].append("nie.png")
     summary["nie"] = dict(rows=result.row_labels, columns=result.col_labels,
                           values=np.where(np.isfinite(result.nie_RC), result.nie_RC, None).tolist(),
-                          kept_pairs=int(result.kept_B.sum()), pairs=len(result.kept_B))
+                          kept_pairs=int(result.kept_B.sum()), pairs=len(result.kept_B), not_available=result.reasons)
     print(nie.format_table(result))
 
   if cfg.ffn.type == "fff":

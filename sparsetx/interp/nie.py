@@ -17,7 +17,9 @@ where g are the layer's gates (sgatlin/PEER: gate_indices and gate_scores; MoE: 
 weights). Only sparse layers have gates: a mixed model's rows are its config.model.ffn_layers (by their
 index in the model) and "all" patches those together. The table reports the mean NIE over pairs whose
 total effect |m(x_patch) - m(x_clean)| is at least `min_effect` logits (a pair the model cannot tell apart
-has no effect to normalize).
+has no effect to normalize) and that have tokens in the column's position set (with a BPE vocabulary
+"was" is the token before the last one, so nothing lies between it and the noun). A cell without such
+pairs is "n/a", never NaN or a +0.000 that patched nothing, and the table says why (NieResult.reasons).
 """
 
 import dataclasses
@@ -121,6 +123,8 @@ class NieResult:
   m_patch_B: np.ndarray
   kept_B: np.ndarray
   clean_gates: dict  # the clean run's own gates ({name: array}); patching them back must give NIE 0
+  reasons: list = dataclasses.field(default_factory=list)  # why cells are n/a, one sentence each
+  min_effect: float = 0.0
 
 
 def run(model, pairs: PromptPairs, min_effect: float = 0.5, source_gates: dict | None = None) -> NieResult:
@@ -157,22 +161,41 @@ def run(model, pairs: PromptPairs, min_effect: float = 0.5, source_gates: dict |
   per_pair = np.full((len(layer_sets), len(POSITION_SETS), len(total)), np.nan)
   for r, patched_layers in enumerate(layer_sets):
     for c, position_set in enumerate(POSITION_SETS):
+      counted = kept & pairs.masks[position_set].any(-1)  # patching no position measures nothing
       effect = forward(pairs.clean_BT, gates, patched_layers, pairs.masks[position_set])[1] - m_clean
-      per_pair[r, c] = np.where(kept, effect / np.where(kept, total, 1.0), np.nan)
-  nie = np.nanmean(per_pair, axis=-1) if kept.any() else np.full(per_pair.shape[:2], np.nan)
+      per_pair[r, c] = np.where(counted, effect / np.where(counted, total, 1.0), np.nan)
+  finite = np.isfinite(per_pair).sum(-1)
+  nie = np.where(finite > 0, np.nansum(per_pair, -1) / np.maximum(finite, 1), np.nan)
   rows = [str(layer) for layer in layers] + ["all"]
   clean_gates = {name: clean[name] for name in names}
-  return NieResult(rows, list(POSITION_SETS), nie, per_pair, m_clean, m_patch, kept, clean_gates)
+  return NieResult(rows, list(POSITION_SETS), nie, per_pair, m_clean, m_patch, kept, clean_gates,
+                   reasons=na_reasons(pairs, kept, min_effect), min_effect=min_effect)
+
+
+def na_reasons(pairs: PromptPairs, kept_B: np.ndarray, min_effect: float) -> list:
+  """Why a column (or the whole table) has no NIE: no pair passed the total-effect threshold, or the
+  prompts of the passing pairs hold no token of that position set."""
+  if not kept_B.any():
+    return [f"n/a everywhere: 0 of {len(kept_B)} pairs have a total effect |m(x_patch) - m(x_clean)| of at least "
+            f"{min_effect:g} logits (min_effect); the model does not yet tell the facts apart, or lower min_effect."]
+  present = [name for name in POSITION_SETS if pairs.masks[name][kept_B].any()]
+  return [f"n/a in column {name}: the prompts of the {int(kept_B.sum())} kept pairs have no {name} position (this "
+          f"vocabulary's prompts hold {', '.join(present)})" for name in POSITION_SETS if name not in present]
 
 
 def format_table(result: NieResult) -> str:
   lines = ["| layer | " + " | ".join(result.col_labels) + " |", "|---" * (len(result.col_labels) + 1) + "|"]
   for label, values in zip(result.row_labels, result.nie_RC):
-    lines.append(f"| {label} | " + " | ".join(f"{v:+.3f}" for v in values) + " |")
+    lines.append(f"| {label} | " + " | ".join(_cell(v) for v in values) + " |")
   kept, total = int(result.kept_B.sum()), len(result.kept_B)
-  lines.append(f"\n{kept} of {total} pairs have a total effect |m(x_patch) - m(x_clean)| above the threshold; "
-               f"mean total effect {np.mean(result.m_patch_B - result.m_clean_B):+.3f} logits.")
+  lines.append(f"\n{kept} of {total} pairs have a total effect |m(x_patch) - m(x_clean)| of at least "
+               f"{result.min_effect:g} logits; mean total effect {np.mean(result.m_patch_B - result.m_clean_B):+.3f} logits.")
+  lines += result.reasons
   return "\n".join(lines)
+
+
+def _cell(value: float) -> str:
+  return f"{value:+.3f}" if np.isfinite(value) else "n/a"
 
 
 def plot(result: NieResult, path: str, title: str = "NIE of patching the gates") -> None:
@@ -187,7 +210,7 @@ def plot(result: NieResult, path: str, title: str = "NIE of patching the gates")
   ax.set_xticks(range(len(result.col_labels)), result.col_labels)
   ax.set_yticks(range(len(result.row_labels)), [f"layer {r}" if r != "all" else "all layers" for r in result.row_labels])
   for (r, c), value in np.ndenumerate(result.nie_RC):
-    ax.text(c, r, f"{value:.2f}", ha="center", va="center", fontsize=8)
+    ax.text(c, r, f"{value:.2f}" if np.isfinite(value) else "n/a", ha="center", va="center", fontsize=8)
   ax.set_title(title)
   fig.colorbar(image, ax=ax)
   fig.tight_layout()
