@@ -12,17 +12,23 @@ starts. The numbers:
 """
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import math
 import re
 from typing import NamedTuple
+from unittest import mock
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
+from jax._src.cudnn import fused_attention_stablehlo  # cuDNN's version check (no public API)
+from jax._src.pallas.mosaic import tpu_info  # the chip Pallas TPU lowers for (no public API)
 
+from sparsetx import config as config_lib
+from sparsetx.evaluate import sampling
 from sparsetx.models import ladder
 from sparsetx.parallel import expert_parallel
 from sparsetx.parallel import mesh as mesh_lib
@@ -124,17 +130,128 @@ def abstract_state(config, mesh):
   return state_lib.state_shardings(config, mesh)
 
 
-def compile_train_step(config: ml_collections.ConfigDict, mesh):
-  """Lowers and compiles the train step for `mesh` from abstract inputs; returns (compiled, state)."""
+def _trace_train_step(config: ml_collections.ConfigDict, mesh):
+  """(the train step jitted as the trainer jits it, traced on abstract inputs; the abstract state)."""
   abstract, shardings, model, tx = abstract_state(config, mesh)
   batch_sharding = mesh_lib.batch_sharding(mesh, config.mesh.rules)
   step = functools.partial(
       step_lib.train_step, model=model, train=config.train, schedule=learning_rate_schedule(config.train)
   )
+  jitted = jax.jit(step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0)
+  return jitted.trace(abstract, abstract_batch(config, batch_sharding)), abstract
+
+
+def compile_train_step(config: ml_collections.ConfigDict, mesh):
+  """Lowers and compiles the train step for `mesh` from abstract inputs; returns (compiled, state)."""
   with expert_parallel.activate(mesh, config.mesh.rules):
-    jitted = jax.jit(step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0)
-    compiled = jitted.lower(abstract, abstract_batch(config, batch_sharding)).compile()
+    traced, abstract = _trace_train_step(config, mesh)
+    compiled = traced.lower().compile()
   return compiled, abstract
+
+
+# Lowering for an accelerator this machine does not have ------------------------------------------------------
+
+LOWERING_PLATFORMS = ("cuda", "tpu")
+LOWERING_CUDNN_VERSION = 91000  # cuDNN 9.10
+_BACKEND_OF_PLATFORM = {"cuda": "gpu", "tpu": "tpu"}
+_CUSTOM_CALL_RE = re.compile(r"stablehlo\.custom_call @([\w$.]+)")
+# The kernel's name: Pallas TPU's kernel_name, Triton's name in its backend config (pallas_call(name=...)).
+_KERNEL_NAME_RE = re.compile(r'\b(?:kernel_)?name = "([^"]*)"')
+
+
+def tpu_device_kind(chip: str) -> str:
+  """The device_kind Pallas TPU expects for a chip name: 'v5p' -> 'TPU v5p' ('TPU v6 lite' passes as is)."""
+  kind = chip if chip.startswith("TPU") else f"TPU {chip}"
+  if tpu_info.chip_version_from_device_kind(kind) is None:
+    raise config_lib.ConfigError(f"TPU chip {chip!r} is unknown to Pallas TPU; use e.g. v4, v5e, v5p or v6e.")
+  return kind
+
+
+@contextlib.contextmanager
+def target_platform(platform: str, chip: str | None = None):
+  """Inside it, tracing takes `platform`'s code paths on a CPU-only machine, for lowering (not running).
+
+  The stack picks its kernels by jax.default_backend() (gated gather, attention, product keys), so that
+  answers the target's backend ('gpu' for cuda); Pallas TPU sizes its kernels by the chip it asks
+  tpu_info for, which answers `chip` (default v5p; its cached answer is dropped on entry and exit).
+  On cuda, kernel.gpu_kernel=auto finds no compute capability and takes the Triton kernels (pre-Hopper), and
+  cuDNN's attention is lowered for cuDNN LOWERING_CUDNN_VERSION (its version check needs the library).
+  """
+  if platform not in LOWERING_PLATFORMS:
+    raise config_lib.ConfigError(f"platform {platform!r} cannot be lowered for; use one of {LOWERING_PLATFORMS}.")
+  patches = [mock.patch.object(jax, "default_backend", lambda: _BACKEND_OF_PLATFORM[platform])]
+  if platform == "tpu":
+    kind = tpu_device_kind(chip or "v5p")
+    cores = tpu_info.chip_version_from_device_kind(kind).num_physical_tensor_cores_per_chip
+    patches += [
+        mock.patch.object(tpu_info, "get_device_kind", lambda: kind),
+        mock.patch.object(tpu_info, "get_num_device_cores", lambda: cores),
+    ]
+  elif chip is not None:
+    raise config_lib.ConfigError(f"chip={chip!r} is for platform tpu; cuda takes its kernel from kernel.gpu_kernel.")
+  else:  # cuDNN's fused attention asks the library's version while tracing; there is no library here
+    patches.append(mock.patch.object(fused_attention_stablehlo, "check_cudnn_version", lambda: LOWERING_CUDNN_VERSION))
+  with contextlib.ExitStack() as stack:
+    for patch in patches:
+      stack.enter_context(patch)
+    tpu_info.get_tpu_info.cache_clear()
+    stack.callback(tpu_info.get_tpu_info.cache_clear)
+    yield
+
+
+def _lowering_mesh(config, mesh):
+  return mesh if mesh is not None else mesh_lib.make_mesh(config.mesh, jax.devices()[:1])
+
+
+def lower_train_step(config: ml_collections.ConfigDict, platform: str, chip: str | None = None, mesh=None) -> str:
+  """StableHLO text of the train step, as the trainer jits it, lowered for `platform` (cuda | tpu; `chip`
+  for TPU) from abstract inputs on this machine; `mesh` defaults to one device. Nothing is compiled."""
+  mesh = _lowering_mesh(config, mesh)
+  with target_platform(platform, chip), expert_parallel.activate(mesh, config.mesh.rules):
+    traced, _ = _trace_train_step(config, mesh)
+    return traced.lower(lowering_platforms=(platform,)).as_text()
+
+
+def lower_eval_step(config: ml_collections.ConfigDict, platform: str, chip: str | None = None, mesh=None) -> str:
+  """StableHLO text of the evaluation step (summed loss of a batch), lowered like lower_train_step."""
+  mesh = _lowering_mesh(config, mesh)
+  with target_platform(platform, chip), expert_parallel.activate(mesh, config.mesh.rules):
+    abstract, shardings, model, _ = abstract_state(config, mesh)
+    batch_sharding = mesh_lib.batch_sharding(mesh, config.mesh.rules)
+    jitted = jax.jit(functools.partial(step_lib.eval_step, model=model), in_shardings=(shardings.params, batch_sharding))
+    traced = jitted.trace(abstract.params, abstract_batch(config, batch_sharding))
+    return traced.lower(lowering_platforms=(platform,)).as_text()
+
+
+def lower_generate(config: ml_collections.ConfigDict, platform: str, chip: str | None = None, batch_size: int = 8,
+                   prefill_len: int | None = None) -> str:
+  """StableHLO text of the sampler's cached generation (a prefill of `prefill_len` tokens, then one decode step
+  per new token reading the KV cache) for `batch_size` rows of config.model.max_len, lowered like lower_train_step."""
+  model = state_lib.build_model(config)
+  B, T = batch_size, config.model.max_len
+  prefill_len = prefill_len or sampling.prefill_length(T // 2, T)
+  with target_platform(platform, chip):
+    params = jax.eval_shape(lambda rng: nn.unbox(model.init(rng, jnp.zeros((1, T), jnp.int32)))["params"],
+                            jax.random.key(0))
+    spec = jax.ShapeDtypeStruct
+    args = (params, spec((B, T), jnp.int32), spec((B,), jnp.int32), spec((B,), jnp.bool_), spec((), jnp.int32),
+            spec((), jnp.float32), spec((), jnp.int32), jax.eval_shape(jax.random.key, 0))
+    jitted = jax.jit(functools.partial(sampling._generate_cached, model), static_argnums=(0, 1))
+    return jitted.trace(0, prefill_len, *args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def custom_calls(lowered_text: str) -> collections.Counter:
+  """How often each (custom-call target, kernel name) appears in a lowered (StableHLO) program's text.
+
+  The name is the Pallas kernel's for TPU (tpu_custom_call) and Triton (__gpu$xla.gpu.triton) calls, ''
+  where the call carries none (Mosaic GPU, cuDNN, XLA's own)."""
+  found = collections.Counter()
+  for line in lowered_text.splitlines():
+    target = _CUSTOM_CALL_RE.search(line)
+    if target:
+      name = _KERNEL_NAME_RE.search(line, target.end())
+      found[target[1], name[1] if name else ""] += 1
+  return found
 
 
 def dry_run(config: ml_collections.ConfigDict, mesh) -> Report:
@@ -227,4 +344,7 @@ def table_bytes_by_expert(config: ml_collections.ConfigDict, devices, expert_siz
   return rows
 
 
-__all__ = ["Report", "dry_run", "format_report", "device_bytes", "collectives", "table_bytes_by_expert"]
+__all__ = [
+    "Report", "dry_run", "format_report", "device_bytes", "collectives", "table_bytes_by_expert", "target_platform",
+    "lower_train_step", "lower_eval_step", "lower_generate", "custom_calls",
+]
