@@ -1,10 +1,9 @@
 """The command-line convention of every sparsetx program: one `error:` line and exit code 2.
 
 `run(main)` is `absl.app.run` with `parse_flags` as its flags parser, and `define_config_file` the
-`--config` flag it parses. absl and ml_collections'
-`config_flags` load the `--config` file and apply the `--config.FIELD=VALUE` overrides while the
-flags are parsed, before `main` runs, and report their failures as tracebacks or usage dumps with
-exit code 1. `parse_flags` catches them and says in one sentence what is wrong, naming the file or
+`--config` flag it parses. absl and ml_collections' `config_flags` load the `--config` file and
+apply the `--config.FIELD=VALUE` overrides while the flags are parsed, before `main` runs, and
+report their failures as tracebacks or usage dumps with exit code 1. `parse_flags` catches them and says in one sentence what is wrong, naming the file or
 the field, and how to fix it: a missing config file, a syntax error or an exception inside it (its
 own `ConfigError` for an unknown `:ARG` included), an override of a field the config does not have
 (with the nearest name), a value of the wrong type, an unknown flag. Nothing has been built then.
