@@ -40,7 +40,11 @@ def ffn_defaults() -> ml_collections.ConfigDict:
           n_channels=16,
           top_k=8,
           d_key=128,
-          activation="identity",  # sgatlin ablation: relu | gelu | swish on <w_in, z>
+          activation="identity",  # sgatlin ablation: relu | gelu | swish on the gated pre-activation g * <w_in, z>
+          # GELU form (peer, fff, sgatlin's gelu ablation): None = each layer's official code (peer, sgatlin:
+          # tanh approximation, jax.nn.gelu's default; fff: exact erf); True = tanh; False = exact erf.
+          # A config saved before this field reads None. models/ffn/common.py: OFFICIAL_GELU_APPROXIMATE.
+          gelu_approximate=ml_collections.config_dict.placeholder(bool),
           router="product",  # sgatlin: product (shared query) | peer (per-channel query, softmax)
           # moe (GPT-OSS style)
           n_experts=16,
@@ -310,6 +314,13 @@ def validate_ffn(ffn: ml_collections.ConfigDict, d_model: int, prefix: str = "co
     _one_of(f"{prefix}.activation", ffn.activation, SGATLIN_ACTIVATIONS)
     _one_of(f"{prefix}.router", ffn.router, SGATLIN_ROUTERS)
   if kind == "fff":
+  if kind in ("peer", "sgatlin", "fff"):
+    choice = ffn.get("gelu_approximate", None)
+    _require(
+        choice is None or isinstance(choice, bool),
+        f"{prefix}.gelu_approximate={choice!r} must be None (the layer's official form), True (tanh) or "
+        "False (exact erf).",
+    )
     _require(
         isinstance(ffn.depth, int) and ffn.depth >= 0,
         f"{prefix}.depth={ffn.depth!r} must be an integer >= 0 (0 is a single node per tree).",

@@ -1,6 +1,11 @@
 """The gated gather shared by sgatlin, PEER and FFF, as one op with a custom VJP.
 
-  y[t] = sum_s gates[t, s] * w_out[rows[t, s]] * act(<w_in[rows[t, s]], x[t]> + bias[rows[t, s]])
+  y[t] = sum_s a(h[t, s], gates[t, s]) * w_out[rows[t, s]],  h[t, s] = <w_in[rows[t, s]], x[t]> + bias[rows[t, s]]
+
+where the slot coefficient a is act(g * h) with `gate_inside_activation=True` (the default: sgatlin's
+official code applies its ablation activation to the gated pre-activation) or g * act(h) with False (PEER:
+softmax scores times GELU'd neurons; FFF: gates 1). reference.Gating holds the choice and the slopes every
+backend's backward uses; with the identity activation both forms are the paper's g * h exactly.
 
 Tables are flat `[R, D]`: sgatlin flattens its `(C, d_ffw)` channels into rows `c * d_ffw + i`,
 PEER's table is shared so rows are neuron ids, FFF's rows are `tree * n_nodes + node` with the
@@ -25,7 +30,7 @@ import jax.numpy as jnp
 from sparsetx.config import GPU_KERNELS
 from sparsetx.config import KERNEL_IMPLEMENTATIONS as IMPLEMENTATIONS
 from sparsetx.kernels import segment_grads, xla_gather
-from sparsetx.kernels.reference import gated_gather_reference, identity
+from sparsetx.kernels.reference import Gating, gated_gather_reference, identity
 
 
 
@@ -108,41 +113,41 @@ def _row_sorted(options, x_ND, w_in_RD, h_given_NS):
   )
 
 
-def _forward_impl(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS, for_backward):
+def _forward_impl(gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS, for_backward):
   backend = _backend(options)
   if for_backward and _row_sorted(options, x_ND, w_in_RD, h_given_NS):
-    order = xla_gather.row_order(rows_NS, gates_NS, w_in_RD.shape[0], options.pair_chunk)
-    y_ND, h_P = xla_gather.row_sorted_forward(x_ND, w_in_RD, w_out_RD, order, bias_R, activation, options)
+    order = xla_gather.row_order(rows_NS, gates_NS, w_in_RD.shape[0], options.pair_chunk, gating.linear_in_gate)
+    y_ND, h_P = xla_gather.row_sorted_forward(x_ND, w_in_RD, w_out_RD, order, bias_R, gating, options)
     return y_ND, (order, h_P)
   if h_given_NS is not None and hasattr(backend, "forward_from_pre_activation"):
-    y_ND = backend.forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_given_NS, activation, options)
+    y_ND = backend.forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_given_NS, gating, options)
     return y_ND, h_given_NS
-  return backend.forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, activation, options)
+  return backend.forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _gated_gather_ND(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS):
+def _gated_gather_ND(gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS):
   # Without a backward pass the sort does not pay for itself (the row-sorted forward alone is 0-8% slower).
-  return _forward_impl(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS, False)[0]
+  return _forward_impl(gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS, False)[0]
 
 
-def _fwd(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS):
-  y_ND, h_NS = _forward_impl(activation, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS, True)
+def _fwd(gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS):
+  y_ND, h_NS = _forward_impl(gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS, True)
   return y_ND, (x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_NS, h_given_NS)
 
 
-def _bwd(activation, options, residuals, dy_ND):
+def _bwd(gating, options, residuals, dy_ND):
   x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_NS, h_given_NS = residuals
   backend = _backend(options)
   dy_ND = dy_ND.astype(x_ND.dtype)
   if _row_sorted(options, x_ND, w_in_RD, h_given_NS):
     order, h_P = h_NS  # the row-sorted forward keeps its sort and the sorted pre-activations
     dx_ND, dgates_NS, dw_in, dw_out, dbias = xla_gather.row_sorted_backward(
-        dy_ND, x_ND, h_P, w_in_RD, w_out_RD, order, bias_R is not None, activation, options
+        dy_ND, x_ND, h_P, w_in_RD, w_out_RD, order, bias_R is not None, gating, options
     )
   else:
     dx_ND, dgates_NS, coef_in_NS, coef_out_NS = backend.backward_rows(
-        dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, activation, options
+        dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options
     )
     dw_in, dw_out, dbias = segment_grads.table_grads(
         x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS, w_in_RD.shape[0], options.pair_chunk, bias_R is not None
@@ -163,9 +168,13 @@ _gated_gather_ND.defvjp(_fwd, _bwd)
 
 
 def gated_gather(
-    x_BTD, w_in_RD, w_out_RD, rows_BTS, gates_BTS, activation=identity, bias_R=None, options=None, pre_activation=None
+    x_BTD, w_in_RD, w_out_RD, rows_BTS, gates_BTS, activation=identity, bias_R=None, options=None, pre_activation=None,
+    gate_inside_activation=True,
 ):
   """y [B, T, D] in x's dtype; `options` is a KernelOptions (defaults: implementation 'auto').
+
+  `gate_inside_activation` (static): act(g * h) when True (sgatlin, its official code), g * act(h) when
+  False (PEER, FFF); see the module docstring.
 
   `pre_activation` [B, T, S] (float32), when the caller already has <w_in[rows], x> + bias[rows] (FFF's
   walk computes exactly these logits), spares the XLA forward its w_in gather. It must equal those
@@ -175,7 +184,7 @@ def gated_gather(
   *lead, D = x_BTD.shape
   S = rows_BTS.shape[-1]
   y_ND = _gated_gather_ND(
-      activation,
+      Gating(activation, bool(gate_inside_activation)),
       options,
       x_BTD.reshape(-1, D),
       w_in_RD,
@@ -188,4 +197,4 @@ def gated_gather(
   return y_ND.reshape(*lead, D)
 
 
-__all__ = ["gated_gather", "gated_gather_reference", "KernelOptions", "options_from_config", "IMPLEMENTATIONS"]
+__all__ = ["gated_gather", "gated_gather_reference", "Gating", "KernelOptions", "options_from_config", "IMPLEMENTATIONS"]

@@ -33,7 +33,6 @@ from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
 from sparsetx.kernels import xla_gather
-from sparsetx.kernels.reference import derivative
 
 BLOCK_TOKENS = 64  # rows of a WGMMA-layout register tile: one warpgroup's token block
 TILE = plgpu.Layout.WGMMA  # [64, block_d] float32 tile
@@ -311,32 +310,31 @@ def _pad_tokens(n_tokens, *arrays_N):
   return [xla_gather._pad_rows(a, n_padded) for a in arrays_N]
 
 
-def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, activation, options):
+def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options):
   """y [N, D] (x's dtype) and pre-activations h [N, S] (float32). Padding tokens gather row 0 with gate 0."""
   n_tokens = x_ND.shape[0]
   x_pD, rows_pS = _pad_tokens(n_tokens, x_ND, rows_NS)
   h_NS = row_dots(x_pD, w_in_RD, rows_pS.T, options).T[:n_tokens]
   if bias_R is not None:
     h_NS = h_NS + bias_R[rows_NS].astype(jnp.float32)
-  return forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_NS, activation, options), h_NS
+  return forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating, options), h_NS
 
 
-def forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_NS, activation, options):
+def forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating, options):
   """y [N, D] from given pre-activations h [N, S]: only w_out rows are gathered (FFF's walk has the logits)."""
   n_tokens = x_ND.shape[0]
-  a_NS = (activation(h_NS) * gates_NS.astype(jnp.float32)).astype(x_ND.dtype).astype(jnp.float32)
+  a_NS = gating.value(h_NS, gates_NS.astype(jnp.float32)).astype(x_ND.dtype).astype(jnp.float32)
   a_pS, rows_pS = _pad_tokens(n_tokens, a_NS, rows_NS)
   return row_accumulate(a_pS.T, w_out_RD, rows_pS.T, x_ND.dtype, options)[:n_tokens]
 
 
-def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, activation, options):
-  """dx [N, D], dgates, coef_in = dL/dh and coef_out = gate * act(h) ([N, S] float32)."""
+def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options):
+  """dx [N, D], dgates, coef_in = dL/dh and coef_out = a(h, gate) ([N, S] float32)."""
   n_tokens = dy_ND.shape[0]
   dy_pD, rows_pS = _pad_tokens(n_tokens, dy_ND, rows_NS)
   dyw_NS = row_dots(dy_pD, w_out_RD, rows_pS.T, options).T[:n_tokens]
-  gates_NS = gates_NS.astype(jnp.float32)
-  act_NS = activation(h_NS)
-  coef_in_NS = derivative(activation, h_NS) * gates_NS * dyw_NS
+  a_NS, da_dh_NS, da_dg_NS = gating.value_and_slopes(h_NS, gates_NS.astype(jnp.float32))
+  coef_in_NS = da_dh_NS * dyw_NS
   dx_coef_pS, = _pad_tokens(n_tokens, coef_in_NS.astype(dy_ND.dtype).astype(jnp.float32))
   dx_ND = row_accumulate(dx_coef_pS.T, w_in_RD, rows_pS.T, dy_ND.dtype, options)[:n_tokens]
-  return dx_ND, act_NS * dyw_NS, coef_in_NS, act_NS * gates_NS
+  return dx_ND, da_dg_NS * dyw_NS, coef_in_NS, a_NS

@@ -49,7 +49,7 @@ def _interpret():
   return jax.default_backend() != "gpu"
 
 
-def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, activation, options):
+def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options):
   n_tokens, D = x_ND.shape
   S = rows_NS.shape[1]
   bt = _next_pow2(options.block_tokens)
@@ -57,7 +57,7 @@ def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, activation, opti
   has_bias = bias_R is not None
   bias_R1 = (bias_R if has_bias else jnp.zeros((1,), jnp.float32)).reshape(-1, 1)
   dtype = x_ND.dtype
-  activation = lowerable(activation)
+  gating = gating.lowered()
 
   def kernel(x_ref, rows_ref, gates_ref, w_in_ref, w_out_ref, bias_ref, y_ref, h_ref):
     x_bD = x_ref[...]
@@ -69,7 +69,7 @@ def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, activation, opti
       if has_bias:
         h_b = h_b + bias_ref[rows_b, 0].astype(jnp.float32)
       h_ref[s, :] = h_b
-      a_b = (activation(h_b) * gates_ref[s, :].astype(jnp.float32)).astype(dtype)
+      a_b = gating.value(h_b, gates_ref[s, :].astype(jnp.float32)).astype(dtype)
       w_out_bD = w_out_ref[rows_b, :].astype(dtype)
       return y_bD + a_b.astype(jnp.float32)[:, None] * w_out_bD.astype(jnp.float32)
 
@@ -91,14 +91,14 @@ def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, activation, opti
   return y_ND[:n_tokens], h_SN.T[:n_tokens, :S]
 
 
-def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, activation, options):
-  """dx [N, D], dgates, coef_in = dL/dh and coef_out = gate * act(h) ([N, S] float32)."""
+def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options):
+  """dx [N, D], dgates, coef_in = dL/dh and coef_out = a(h, gate) ([N, S] float32)."""
   n_tokens, D = dy_ND.shape
   S = rows_NS.shape[1]
   bt = _next_pow2(options.block_tokens)
   dy_ND, (rows_SN, gates_SN, h_SN), n_padded, s_padded = _layout(dy_ND, rows_NS, (gates_NS, h_NS), bt)
   dtype = dy_ND.dtype
-  act, act_grad = lowerable(activation), lowerable(functools.partial(derivative, activation))
+  gating = gating.lowered()
 
   def kernel(dy_ref, rows_ref, gates_ref, h_ref, w_in_ref, w_out_ref, dx_ref, dgates_ref, cin_ref, cout_ref):
     dy_bD = dy_ref[...].astype(jnp.float32)
@@ -109,11 +109,11 @@ def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, activation,
       dyw_b = jnp.sum(dy_bD * w_out_bD, axis=1)
       h_b = h_ref[s, :]
       gates_b = gates_ref[s, :].astype(jnp.float32)
-      act_b = act(h_b)
-      coef_in_b = act_grad(h_b) * gates_b * dyw_b
-      dgates_ref[s, :] = act_b * dyw_b
+      a_b, da_dh_b, da_dg_b = gating.value_and_slopes(h_b, gates_b)
+      coef_in_b = da_dh_b * dyw_b
+      dgates_ref[s, :] = da_dg_b * dyw_b
       cin_ref[s, :] = coef_in_b
-      cout_ref[s, :] = act_b * gates_b
+      cout_ref[s, :] = a_b
       w_in_bD = w_in_ref[rows_b, :].astype(dtype).astype(jnp.float32)
       return dx_bD + coef_in_b.astype(dtype).astype(jnp.float32)[:, None] * w_in_bD
 

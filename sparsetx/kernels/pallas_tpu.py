@@ -63,7 +63,7 @@ def _specs(bt, S, D, n_slot_inputs):
   return token, slot, [rows, token] + [slot] * n_slot_inputs + [hbm, hbm]
 
 
-def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, activation, options):
+def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options):
   n_tokens, D = x_ND.shape
   S = rows_NS.shape[1]
   bt = options.block_tokens
@@ -71,7 +71,7 @@ def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, activation, opti
   bias_NS = jnp.zeros(rows_NS.shape, jnp.float32) if bias_R is None else bias_R[rows_NS].astype(jnp.float32)
   x_ND, rows_NS, gates_NS, bias_NS = _pad_tokens([x_ND, rows_NS, gates_NS, bias_NS], bt)
   n_padded = x_ND.shape[0]
-  activation = lowerable(activation)
+  gating = gating.lowered()
 
   def kernel(rows_smem, x_ref, gates_ref, bias_ref, w_in_hbm, w_out_hbm, y_ref, h_ref, w_in_v, w_out_v, sem):
     _gather_rows(rows_smem, (w_in_hbm, w_out_hbm), (w_in_v, w_out_v), sem, bt, S)
@@ -79,7 +79,7 @@ def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, activation, opti
     w_in_bSD = w_in_v[...].astype(dtype).astype(jnp.float32)
     h_bS = jnp.sum(x_bD[:, None, :] * w_in_bSD, axis=-1) + bias_ref[...]
     h_ref[...] = h_bS
-    a_bS = (activation(h_bS) * gates_ref[...].astype(jnp.float32)).astype(dtype).astype(jnp.float32)
+    a_bS = gating.value(h_bS, gates_ref[...].astype(jnp.float32)).astype(dtype).astype(jnp.float32)
     w_out_bSD = w_out_v[...].astype(dtype).astype(jnp.float32)
     y_ref[...] = jnp.sum(a_bS[:, :, None] * w_out_bSD, axis=1).astype(y_ref.dtype)
 
@@ -101,15 +101,15 @@ def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, activation, opti
   return y_ND[:n_tokens], h_NS[:n_tokens]
 
 
-def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, activation, options):
-  """dx [N, D], dgates, coef_in = dL/dh and coef_out = gate * act(h) ([N, S] float32)."""
+def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options):
+  """dx [N, D], dgates, coef_in = dL/dh and coef_out = a(h, gate) ([N, S] float32)."""
   n_tokens, D = dy_ND.shape
   S = rows_NS.shape[1]
   bt = options.block_tokens
   dtype = dy_ND.dtype
   dy_ND, rows_NS, gates_NS, h_NS = _pad_tokens([dy_ND, rows_NS, gates_NS, h_NS], bt)
   n_padded = dy_ND.shape[0]
-  act, act_grad = lowerable(activation), lowerable(functools.partial(derivative, activation))
+  gating = gating.lowered()
 
   def kernel(rows_smem, dy_ref, gates_ref, h_ref, w_in_hbm, w_out_hbm, dx_ref, dgates_ref, cin_ref, cout_ref, w_in_v, w_out_v, sem):
     _gather_rows(rows_smem, (w_in_hbm, w_out_hbm), (w_in_v, w_out_v), sem, bt, S)
@@ -117,11 +117,11 @@ def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, activation,
     dyw_bS = jnp.sum(dy_bD[:, None, :] * w_out_v[...].astype(dtype).astype(jnp.float32), axis=-1)
     h_bS = h_ref[...]
     gates_bS = gates_ref[...].astype(jnp.float32)
-    act_bS = act(h_bS)
-    coef_in_bS = act_grad(h_bS) * gates_bS * dyw_bS
-    dgates_ref[...] = act_bS * dyw_bS
+    a_bS, da_dh_bS, da_dg_bS = gating.value_and_slopes(h_bS, gates_bS)
+    coef_in_bS = da_dh_bS * dyw_bS
+    dgates_ref[...] = da_dg_bS * dyw_bS
     cin_ref[...] = coef_in_bS
-    cout_ref[...] = act_bS * gates_bS
+    cout_ref[...] = a_bS
     c_bS = coef_in_bS.astype(dtype).astype(jnp.float32)
     dx_ref[...] = jnp.sum(c_bS[:, :, None] * w_in_v[...].astype(dtype).astype(jnp.float32), axis=1).astype(dx_ref.dtype)
 

@@ -114,5 +114,6 @@ def sparse_forward(x_ND, w_in_PMD, b_in_PM, w_out_PMD, depth, activation, option
     y_ND = y_ND + gated_gather(
         x_ND, flat(w_in_PMD), flat(w_out_PMD), rows_NS, jnp.ones(rows_NS.shape, jnp.float32), activation,
         bias_R=b_in_PM.reshape(P * M), options=options, pre_activation=z_NPL[..., top:].reshape(rows_NS.shape),
+        gate_inside_activation=False,  # gates 1: act(z) * w_out, the FFF formula as written
     ).astype(jnp.float32)
   return y_ND, path_NPL, z_NPL

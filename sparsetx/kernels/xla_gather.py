@@ -58,15 +58,17 @@ def _pre_activation(x_cD, w_in_RD, rows_cS, bias_R):
   return h_cS, w_in_cSD
 
 
-def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, activation, options):
-  """Returns y [N, D] (x's dtype) and the pre-activations h [N, S] (float32, kept for backward)."""
+def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options):
+  """Returns y [N, D] (x's dtype) and the pre-activations h [N, S] (float32, kept for backward).
+
+  `gating` (reference.Gating) turns (h, gate) into the slot coefficient that multiplies w_out's row."""
   n_tokens = x_ND.shape[0]
   dtype = x_ND.dtype
 
   def step(_, chunk):
     x_cD, rows_cS, gates_cS = chunk
     h_cS, _ = _pre_activation(x_cD, w_in_RD, rows_cS, bias_R)
-    a_cS = (activation(h_cS) * gates_cS.astype(jnp.float32)).astype(dtype)
+    a_cS = gating.value(h_cS, gates_cS.astype(jnp.float32)).astype(dtype)
     w_out_cSD = w_out_RD[rows_cS].astype(dtype)
     y_cD = jnp.einsum("cs,csd->cd", a_cS, w_out_cSD, preferred_element_type=jnp.float32)
     return None, (y_cD.astype(dtype), h_cS)
@@ -75,14 +77,14 @@ def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, activation, opti
   return _unchunk(y, n_tokens), _unchunk(h, n_tokens)
 
 
-def forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_NS, activation, options):
+def forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating, options):
   """y [N, D] (x's dtype) from given pre-activations h [N, S]: only w_out rows are gathered."""
   n_tokens = x_ND.shape[0]
   dtype = x_ND.dtype
 
   def step(_, chunk):
     rows_cS, gates_cS, h_cS = chunk
-    a_cS = (activation(h_cS) * gates_cS.astype(jnp.float32)).astype(dtype)
+    a_cS = gating.value(h_cS, gates_cS.astype(jnp.float32)).astype(dtype)
     w_out_cSD = w_out_RD[rows_cS].astype(dtype)
     y_cD = jnp.einsum("cs,csd->cd", a_cS, w_out_cSD, preferred_element_type=jnp.float32)
     return None, y_cD.astype(dtype)
@@ -91,12 +93,12 @@ def forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_NS, activat
   return _unchunk(y, n_tokens)
 
 
-def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, activation, options):
+def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options):
   """Token-side gradients from one more chunked gather pass.
 
   Returns dx [N, D] (dy's dtype), dgates [N, S], and the float32 per-pair coefficients
-  coef_in = dL/dh (multiplies x into w_in's rows) and coef_out = gate * act(h) (multiplies dy
-  into w_out's rows).
+  coef_in = dL/dh (multiplies x into w_in's rows) and coef_out = the slot coefficient a(h, gate)
+  (multiplies dy into w_out's rows).
   """
   n_tokens = dy_ND.shape[0]
   dtype = dy_ND.dtype
@@ -105,12 +107,11 @@ def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, activation,
     dy_cD, h_cS, rows_cS, gates_cS = chunk
     w_out_cSD = w_out_RD[rows_cS].astype(dtype)
     dyw_cS = jnp.einsum("cd,csd->cs", dy_cD, w_out_cSD, preferred_element_type=jnp.float32)
-    act_cS, act_vjp = jax.vjp(activation, h_cS)
-    gates_cS = gates_cS.astype(jnp.float32)
-    (coef_in_cS,) = act_vjp(gates_cS * dyw_cS)
+    a_cS, da_dh_cS, da_dg_cS = gating.value_and_slopes(h_cS, gates_cS.astype(jnp.float32))
+    coef_in_cS = da_dh_cS * dyw_cS
     w_in_cSD = w_in_RD[rows_cS].astype(dtype)
     dx_cD = jnp.einsum("cs,csd->cd", coef_in_cS.astype(dtype), w_in_cSD, preferred_element_type=jnp.float32)
-    return None, (dx_cD.astype(dtype), act_cS * dyw_cS, coef_in_cS, act_cS * gates_cS)
+    return None, (dx_cD.astype(dtype), da_dg_cS * dyw_cS, coef_in_cS, a_cS)
 
   chunks = _chunked([dy_ND, h_NS, rows_NS, gates_NS], options.token_chunk)
   _, outs = jax.lax.scan(step, None, chunks)
@@ -133,7 +134,9 @@ class RowOrder(NamedTuple):
 
   rows_P / tokens_P / gates_P are in sorted order (padding: row R, token 0, gate 0); position_NS maps each
   (token, slot) to its sorted position. A row picked twice by one token (a shared PEER table) sorts to two
-  equal keys: both slots map to the first one, which carries the summed gate, and the second gets gate 0.
+  equal keys. With `merge_duplicates` (a gating linear in the gate: g * act(h), or the identity) both slots
+  map to the first one, which carries the summed gate, and the second gets gate 0; otherwise (act(g * h))
+  each slot takes its own position, the first plus its rank among the token's earlier slots on that row.
   """
 
   rows_P: jax.Array
@@ -142,20 +145,26 @@ class RowOrder(NamedTuple):
   position_NS: jax.Array
 
 
-def row_order(rows_NS, gates_NS, n_rows, pair_chunk):
+def row_order(rows_NS, gates_NS, n_rows, pair_chunk, merge_duplicates=True):
   """Sorts the pairs by row with one single-key int32 sort (4x faster on CPU than a key-value sort)."""
   n_tokens, n_slots = rows_NS.shape
   key_NS = rows_NS.astype(jnp.int32) * n_tokens + jax.lax.iota(jnp.int32, n_tokens)[:, None]
   sorted_key_P = jax.lax.sort(key_NS.reshape(-1), is_stable=False)
-  position_P = jnp.searchsorted(sorted_key_P, key_NS.reshape(-1)).astype(jnp.int32)
-  gates_P = jnp.zeros(sorted_key_P.shape, jnp.float32).at[position_P].add(gates_NS.reshape(-1).astype(jnp.float32))
+  position_NS = jnp.searchsorted(sorted_key_P, key_NS.reshape(-1)).astype(jnp.int32).reshape(n_tokens, n_slots)
+  gates_NS = gates_NS.astype(jnp.float32)
+  if not merge_duplicates:
+    earlier_SS = jnp.tril(jnp.ones((n_slots, n_slots), jnp.bool_), -1)  # [s, s']: s' < s
+    same_NSS = rows_NS[:, :, None] == rows_NS[:, None, :]
+    position_NS = position_NS + jnp.sum(same_NSS & earlier_SS, axis=-1, dtype=jnp.int32)
+  position_P = position_NS.reshape(-1)
+  gates_P = jnp.zeros(sorted_key_P.shape, jnp.float32).at[position_P].add(gates_NS.reshape(-1))
   n_pairs = n_tokens * n_slots
   pad = -(-n_pairs // pair_chunk) * pair_chunk - n_pairs
   return RowOrder(
       rows_P=jnp.pad(sorted_key_P // n_tokens, (0, pad), constant_values=n_rows),
       tokens_P=jnp.pad(sorted_key_P % n_tokens, (0, pad)),
       gates_P=jnp.pad(gates_P, (0, pad)),
-      position_NS=position_P.reshape(n_tokens, n_slots),
+      position_NS=position_NS,
   )
 
 
@@ -168,7 +177,7 @@ def _in_dtype(a, dtype):
   return a.astype(dtype).astype(jnp.float32)
 
 
-def row_sorted_forward(x_ND, w_in_RD, w_out_RD, order, bias_R, activation, options):
+def row_sorted_forward(x_ND, w_in_RD, w_out_RD, order, bias_R, gating, options):
   """y [N, D] (x's dtype) and the float32 pre-activations in sorted order h_P, walking the table by row."""
   dtype = x_ND.dtype
   gather = dict(mode="clip")
@@ -180,7 +189,7 @@ def row_sorted_forward(x_ND, w_in_RD, w_out_RD, order, bias_R, activation, optio
     h_c = jnp.sum(_in_dtype(w_in_RD.at[rows_c].get(**gather), dtype) * x_cD, axis=-1)
     if bias_R is not None:
       h_c = h_c + bias_R.at[rows_c].get(**gather).astype(jnp.float32)
-    a_c = _in_dtype(activation(h_c) * gates_c, dtype)
+    a_c = _in_dtype(gating.value(h_c, gates_c), dtype)
     y_ND = y_ND.at[tokens_c].add(a_c[:, None] * _in_dtype(w_out_RD.at[rows_c].get(**gather), dtype), **scatter)
     return y_ND, h_c
 
@@ -189,11 +198,12 @@ def row_sorted_forward(x_ND, w_in_RD, w_out_RD, order, bias_R, activation, optio
   return y_ND.astype(x_ND.dtype), h_P.reshape(-1)
 
 
-def row_sorted_backward(dy_ND, x_ND, h_P, w_in_RD, w_out_RD, order, with_bias, activation, options):
+def row_sorted_backward(dy_ND, x_ND, h_P, w_in_RD, w_out_RD, order, with_bias, gating, options):
   """(dx [N, D], dgates [N, S], dW_in [R, D], dW_out [R, D], dbias [R] or None), float32, in one row-order pass.
 
-  Per sorted pair: dyw = <dy[t], w_out[r]>, coef_in = act'(h) * gate * dyw; dx[t] += coef_in * w_in[r],
-  dW_in[r] += coef_in * x[t], dW_out[r] += gate * act(h) * dy[t], and dgate = act(h) * dyw.
+  Per sorted pair, a = a(h, gate) the slot coefficient (reference.Gating): dyw = <dy[t], w_out[r]>,
+  coef_in = da/dh * dyw; dx[t] += coef_in * w_in[r], dW_in[r] += coef_in * x[t], dW_out[r] += a * dy[t],
+  and dgate = da/dgate * dyw.
   """
   n_rows, D = w_in_RD.shape
   dtype = dy_ND.dtype
@@ -207,15 +217,15 @@ def row_sorted_backward(dy_ND, x_ND, h_P, w_in_RD, w_out_RD, order, with_bias, a
     dy_cD = dy_ND.at[tokens_c].get(**gather).astype(jnp.float32)
     x_cD = x_ND.at[tokens_c].get(**gather).astype(jnp.float32)
     dyw_c = jnp.sum(_in_dtype(w_out_RD.at[rows_c].get(**gather), dtype) * dy_cD, axis=-1)
-    act_c, act_vjp = jax.vjp(activation, h_c)
-    (coef_in_c,) = act_vjp(gates_c * dyw_c)
+    a_c, da_dh_c, da_dg_c = gating.value_and_slopes(h_c, gates_c)
+    coef_in_c = da_dh_c * dyw_c
     w_in_cD = _in_dtype(w_in_RD.at[rows_c].get(**gather), dtype)
     dx_ND = dx_ND.at[tokens_c].add(_in_dtype(coef_in_c, dtype)[:, None] * w_in_cD, **scatter)
     dw_in = dw_in.at[rows_c].add(coef_in_c[:, None] * x_cD, **rows_scatter)
-    dw_out = dw_out.at[rows_c].add((gates_c * act_c)[:, None] * dy_cD, **rows_scatter)
+    dw_out = dw_out.at[rows_c].add(a_c[:, None] * dy_cD, **rows_scatter)
     if with_bias:
       dbias = dbias.at[rows_c].add(coef_in_c, **rows_scatter)
-    return (dx_ND, dw_in, dw_out, dbias), act_c * dyw_c
+    return (dx_ND, dw_in, dw_out, dbias), da_dg_c * dyw_c
 
   zeros_RD = jnp.zeros((n_rows, D), jnp.float32)
   dbias_R = jnp.zeros((n_rows,), jnp.float32) if with_bias else None

@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 from sparsetx import config as config_lib
 from sparsetx.config import DEFAULT_RULES, ConfigError
 from sparsetx.kernels import segment_grads
+from sparsetx.kernels.reference import Gating
 
 
 # Put first in config.mesh.rules, these split every `embed` axis over fsdp x expert and keep channels whole:
@@ -173,10 +174,12 @@ def _table_spec(table_names, rules) -> tuple:
   return spec + (None,) * (len(table_names) - len(spec))
 
 
-def split_gated_gather(group: ExpertGroup, x_ND, experts_2UND, idx_NUK, gates_NUK, activation, options):
+def split_gated_gather(group: ExpertGroup, x_ND, experts_2UND, idx_NUK, gates_NUK, activation, options,
+                       gate_inside_activation=True):
   """A neuron table's gated gather with its units and its d_model split over the group, in one shard_map.
 
-  y[t] = sum_u sum_k gates[t, u, k] * w_out[u, i] * act(<w_in[u, i], x[t]>), i = idx[t, u, k].
+  y[t] = sum_u sum_k a(<w_in[u, i], x[t]>, gates[t, u, k]) * w_out[u, i], i = idx[t, u, k], with the slot
+  coefficient a = act(g * h) (`gate_inside_activation`, sgatlin) or g * act(h) (PEER), as the gated gather.
   Each device holds experts[:, u-block, :, d-slice] (`table_group`) and never sends it. Steps:
   tokens gathered and indices sent to the units' owners as in the channel form (`gather_tokens`,
   `to_owners`); then over the split axes x goes out by d-slice (all-to-all: each device keeps its
@@ -192,6 +195,7 @@ def split_gated_gather(group: ExpertGroup, x_ND, experts_2UND, idx_NUK, gates_NU
   U, K = idx_NUK.shape[1:]
   n_neurons = experts_2UND.shape[2]
   dtype = x_ND.dtype
+  gating = Gating(activation, bool(gate_inside_activation))
 
   def local(x_nD, experts_2uNd, idx_nUK, gates_nUK):
     u, d = experts_2uNd.shape[1], experts_2uNd.shape[-1]
@@ -201,7 +205,7 @@ def split_gated_gather(group: ExpertGroup, x_ND, experts_2UND, idx_NUK, gates_NU
     idx_huK, gates_huK = _gather_over_slices(idx_guK, group), _gather_over_slices(gates_guK, group)
     rows_hS = (idx_huK + n_neurons * jnp.arange(u, dtype=idx_huK.dtype)[:, None]).reshape(-1, u * K)
     y_hd = _sliced_gated_gather(
-        activation, options, group.split, x_hd, experts_2uNd[0].reshape(u * n_neurons, d),
+        gating, options, group.split, x_hd, experts_2uNd[0].reshape(u * n_neurons, d),
         experts_2uNd[1].reshape(u * n_neurons, d), rows_hS, gates_huK.reshape(rows_hS.shape),
     )
     y_gD = from_owners(y_hd.astype(jnp.float32 if group.units else dtype), group, unit_dim=1, axes=group.split)
@@ -237,43 +241,43 @@ def _rows_sum(options, coef_hS, table_Rd, rows_hS, dtype):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _sliced_gated_gather(activation, options, axes, x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS):
+def _sliced_gated_gather(gating, options, axes, x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS):
   """One device's d-slice of the gated gather; partial dots summed over `axes`. Returns y [h, d] float32."""
-  return _sliced_forward(activation, options, axes, x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS)[0]
+  return _sliced_forward(gating, options, axes, x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS)[0]
 
 
-def _sliced_forward(activation, options, axes, x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS):
+def _sliced_forward(gating, options, axes, x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS):
   partial_hS = _rows_dot(options, x_hd, w_in_Rd, rows_hS)
   h_hS = jax.lax.psum(partial_hS, axes) if axes else partial_hS
-  a_hS = activation(h_hS) * gates_hS.astype(jnp.float32)
+  a_hS = gating.value(h_hS, gates_hS.astype(jnp.float32))
   y_hd = _rows_sum(options, a_hS, w_out_Rd, rows_hS, x_hd.dtype)
   return y_hd, (x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS, h_hS)
 
 
-def _sliced_backward(activation, options, axes, residuals, dy_hd):
+def _sliced_backward(gating, options, axes, residuals, dy_hd):
   """Gradients as the gated gather's (sorted-segment table sums), with the d-group's sums made explicit.
 
   <dy, w_out[row]> is partial on a d-slice: summed over the d-group it drives dL/dh (the same on
   every device of the group, as h is); left partial it gives this slice's share of the gate
-  gradient, which the transpose of the gates' all-gather sums over the group.
+  gradient (da/dgate * partial dyw: linear in dyw), which the transpose of the gates' all-gather sums
+  over the group.
   """
   x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS, h_hS = residuals
   dy_hd = dy_hd.astype(x_hd.dtype)
   dyw_partial_hS = _rows_dot(options, dy_hd, w_out_Rd, rows_hS)
   dyw_hS = jax.lax.psum(dyw_partial_hS, axes) if axes else dyw_partial_hS
-  act_hS, act_vjp = jax.vjp(activation, h_hS)
-  gates_hS32 = gates_hS.astype(jnp.float32)
-  (coef_in_hS,) = act_vjp(gates_hS32 * dyw_hS)
+  a_hS, da_dh_hS, da_dg_hS = gating.value_and_slopes(h_hS, gates_hS.astype(jnp.float32))
+  coef_in_hS = da_dh_hS * dyw_hS
   dx_hd = _rows_sum(options, coef_in_hS, w_in_Rd, rows_hS, x_hd.dtype)
   dw_in, dw_out, _ = segment_grads.table_grads(
-      x_hd, dy_hd, rows_hS, coef_in_hS, act_hS * gates_hS32, w_in_Rd.shape[0], options.pair_chunk, False
+      x_hd, dy_hd, rows_hS, coef_in_hS, a_hS, w_in_Rd.shape[0], options.pair_chunk, False
   )
   return (
       dx_hd.astype(x_hd.dtype),
       dw_in.astype(w_in_Rd.dtype),
       dw_out.astype(w_out_Rd.dtype),
       np.zeros(rows_hS.shape, jax.dtypes.float0),
-      (act_hS * dyw_partial_hS).astype(gates_hS.dtype),
+      (da_dg_hS * dyw_partial_hS).astype(gates_hS.dtype),
   )
 
 

@@ -4,6 +4,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sparsetx.kernels.reference import identity
+
 
 def dense_init(std: float, names: tuple):
   """Normal(std) kernel init carrying the logical axis names used for sharding."""
@@ -25,13 +27,39 @@ def symmetric_uniform(limit: float):
 
 
 def gelu(x):
-  """Exact (erf) GELU, as in GPT-NeoX and the FFF paper."""
+  """Exact (erf) GELU, as in GPT-NeoX, the FFF paper and UltraFastBERT (torch's default nn.GELU)."""
   return jax.nn.gelu(x, approximate=False)
 
 
+def gelu_tanh(x):
+  """GELU's tanh approximation: `jax.nn.gelu`'s default, as the PEER and sgatlin authors' code calls it."""
+  return jax.nn.gelu(x, approximate=True)
+
+
 ACTIVATIONS = {
-    "identity": lambda x: x,
+    "identity": identity,  # the kernels' own identity: the gated gather knows it is linear in the gate
     "relu": jax.nn.relu,
     "gelu": gelu,
     "swish": jax.nn.silu,
 }
+
+# `config.model.ffn.gelu_approximate` = None (the default, and what a config saved before the field reads
+# as) takes the form each layer's source code uses: PEER and sgatlin's GELU ablation call `jax.nn.gelu`
+# with its default tanh approximation; FFF (paper, UltraFastBERT) uses the exact erf GELU. The dense MLP
+# stays exact (GPT-NeoX / Pythia, HF's "gelu").
+OFFICIAL_GELU_APPROXIMATE = {"sgatlin": True, "peer": True, "fff": False}
+
+
+def gelu_approximate(ffn) -> bool:
+  """Whether this feed-forward config's GELU is the tanh approximation (see OFFICIAL_GELU_APPROXIMATE)."""
+  choice = ffn.get("gelu_approximate", None)
+  return OFFICIAL_GELU_APPROXIMATE.get(ffn.type, False) if choice is None else bool(choice)
+
+
+def gelu_for(ffn):
+  return gelu_tanh if gelu_approximate(ffn) else gelu
+
+
+def activation_for(ffn):
+  """sgatlin's ablation activation (`ffn.activation`), its GELU in the form `gelu_approximate` picks."""
+  return gelu_for(ffn) if ffn.activation == "gelu" else ACTIVATIONS[ffn.activation]

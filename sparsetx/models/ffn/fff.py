@@ -5,7 +5,8 @@ start at the root; at each of the D+1 levels evaluate z = <x, w_in> + b_in and g
 `2s + 2` if z > 0 else `2s + 1` (a logit of exactly 0 goes left). Then
   fff:       y = b_out + sum_p sum_levels GELU(z) * w_out
   fff_post:  y = GELU(b_out + sum_p sum_levels z * w_out).
-No gradient flows through the routing decision.
+No gradient flows through the routing decision. GELU is the exact erf form, as the FFF paper's code and
+UltraFastBERT (torch's default nn.GELU) compute it; `ffn.gelu_approximate=True` gives the tanh form.
 
 Two implementations that agree in values and gradients:
   sparse        kernels/tree_route.py: the top DENSE_LEVELS levels (7 nodes per tree) by one dense matmul, deeper
@@ -31,8 +32,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from sparsetx.kernels.gated_gather import options_from_config
+from sparsetx.kernels.reference import identity
 from sparsetx.kernels.tree_route import next_node, sparse_forward
-from sparsetx.models.ffn.common import gelu, symmetric_uniform
+from sparsetx.models.ffn.common import gelu_for, symmetric_uniform
 from sparsetx.parallel import expert_parallel as ep
 
 
@@ -72,7 +74,8 @@ class Fff(nn.Module):
     w_out = self.param("w_out", nn.with_logical_partitioning(out_init, ("tree", "node", "embed")), (P, N, D), param_dtype)
     b_out = self.param("b_out", nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)), (D,), param_dtype)
 
-    act = gelu if ffn.variant == "fff" else (lambda z: z)
+    gelu = gelu_for(ffn)
+    act = gelu if ffn.variant == "fff" else identity
     group = None
     if ffn.implementation == "sparse":
       group = ep.expert_group("tree", P, x_BTD.shape[0] * x_BTD.shape[1], "config.model.ffn.n_trees")

@@ -2,7 +2,9 @@
 
 Differences from sgatlin, as the seed paper lists them: every channel has its own query, the
 neuron table is shared by the channels, the neurons are GELU, and the k scores of a channel are
-softmax-normalized. (PEER's query batch norm is not part of the baseline in the seed paper.)
+softmax-normalized. As the authors' code computes it, y = sum softmax(scores) * gelu(<w_in, x>) * w_out
+(the gate outside the activation) with `jax.nn.gelu`'s default tanh approximation
+(`ffn.gelu_approximate=False` gives the exact erf form). (PEER's query batch norm is not part of the baseline in the seed paper.)
 
 Expert parallelism (see sparsetx/parallel/expert_parallel.py): the one table is shared by the
 channels, so it cannot be split by channel; it is split by d_model instead, over the mesh axes the
@@ -23,7 +25,7 @@ import jax.numpy as jnp
 
 from sparsetx.kernels.gated_gather import gated_gather, options_from_config
 from sparsetx.models.taps import tap
-from sparsetx.models.ffn.common import gelu
+from sparsetx.models.ffn.common import gelu_for
 from sparsetx.models.ffn.product_keys import make_router
 from sparsetx.parallel import expert_parallel as ep
 
@@ -60,7 +62,8 @@ class Peer(nn.Module):
     if group is not None:
       y_ND = ep.split_gated_gather(
           group, x_BTD.reshape(B * T, D), experts[:, None], idx_BTCK.reshape(B * T, 1, -1),
-          gates_BTCK.reshape(B * T, 1, -1), gelu, options_from_config(ffn.get("kernel")),
+          gates_BTCK.reshape(B * T, 1, -1), gelu_for(ffn), options_from_config(ffn.get("kernel")),
+          gate_inside_activation=False,
       )
       return y_ND.reshape(B, T, D)
     return gated_gather(
@@ -69,6 +72,7 @@ class Peer(nn.Module):
         experts[1],
         idx_BTCK.reshape(B, T, -1),
         gates_BTCK.reshape(B, T, -1),
-        gelu,
+        gelu_for(ffn),
         options=options_from_config(ffn.get("kernel")),
+        gate_inside_activation=False,  # softmax scores times GELU'd neurons, as PEER's code
     )

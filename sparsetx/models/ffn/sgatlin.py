@@ -3,8 +3,10 @@
 Per channel c a product-key gate picks exactly k of d_ffw rank-one neurons;
 out = sum_c sum_{i in topk_c} g_{c,i} * w_out_{c,i} * <w_in_{c,i}, z>. The gates are the raw summed
 product-key scores (no softmax, no scaling) and nothing is nonlinear but the top-k itself. Options
-for the paper's ablations: an activation on <w_in, z>, and PEER's router (per-channel query and a
-softmax over the k scores) in place of the shared-query product keys.
+for the paper's ablations (Table 1): an activation (`ffn.activation`: relu | gelu | swish) applied as
+the authors' code applies it, to the gated pre-activation, act(g_{c,i} * <w_in_{c,i}, z>), with GELU in
+`jax.nn.gelu`'s default tanh form unless `ffn.gelu_approximate=False`; and PEER's router (per-channel
+query and a softmax over the k scores) in place of the shared-query product keys.
 
 Expert parallelism (a mesh in the context whose `channel` axes have size E > 1, see
 sparsetx/parallel/expert_parallel.py): the table is split by channel, C/E channels per device,
@@ -38,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparsetx.kernels.gated_gather import gated_gather, options_from_config
 from sparsetx.models.taps import tap
-from sparsetx.models.ffn.common import ACTIVATIONS
+from sparsetx.models.ffn.common import activation_for
 from sparsetx.models.ffn.product_keys import make_router
 from sparsetx.parallel import expert_parallel as ep
 
@@ -80,7 +82,7 @@ class Sgatlin(nn.Module):
     if group is not None and group.split:
       y_ND = ep.split_gated_gather(
           group, x_BTD.reshape(B * T, D), experts, idx_BTCK.reshape(B * T, C, -1), gates_BTCK.reshape(B * T, C, -1),
-          ACTIVATIONS[ffn.activation], options_from_config(ffn.get("kernel")),
+          activation_for(ffn), options_from_config(ffn.get("kernel")),
       )
       return y_ND.reshape(B, T, D)
     if group is not None:
@@ -92,7 +94,7 @@ class Sgatlin(nn.Module):
         experts[1].reshape(C * N, D),
         rows_BTS,
         gates_BTCK.reshape(B, T, -1),
-        ACTIVATIONS[ffn.activation],
+        activation_for(ffn),
         options=options_from_config(ffn.get("kernel")),
     )
 
@@ -115,7 +117,7 @@ def _expert_parallel(group, x_BTD, experts_2CND, idx_BTCK, gates_BTCK, ffn):
         experts_2cND[1].reshape(c * N, D),
         rows_gS,
         gates_gcK.reshape(rows_gS.shape),
-        ACTIVATIONS[ffn.activation],
+        activation_for(ffn),
         options=options,
     )
     return ep.scatter_back(y_gD, group)
