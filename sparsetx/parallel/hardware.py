@@ -50,3 +50,18 @@ def chips(target: str) -> list[Chip]:
   if target not in CHIPS:
     raise ValueError(f"--target={target} is not a known chip; use one of {', '.join(CHIPS)} or all.")
   return [CHIPS[target]]
+
+
+def chip_of(device_kind: str) -> Chip | None:
+  """The CHIPS entry of a `jax.Device.device_kind` ("NVIDIA H100 80GB HBM3", "TPU v5p" or "TPU v5", "TPU v6 lite"),
+  or None for a chip the table does not hold (CPU, TPU v5e = "TPU v5 lite", ...)."""
+  kind = device_kind.lower()
+  if "h100" in kind:
+    return CHIPS["h100"]
+  if "h200" in kind:
+    return CHIPS["h200"]
+  if kind in ("tpu v5", "tpu v5p"):
+    return CHIPS["v5p"]
+  if kind in ("tpu v6 lite", "tpu v6e"):
+    return CHIPS["v6e"]
+  return None
