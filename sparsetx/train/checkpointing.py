@@ -218,6 +218,8 @@ class Checkpointer:
   def set_aside_after(self, step: int) -> list[int]:
     """Moves the saved steps after `step` (and their data states) to <workdir>/superseded/<time>/, so a run
     resumed from an older `restore_step` saves its own steps there; returns the steps moved."""
+    if jax.process_count() > 1:  # every process lists the steps before process 0 moves any
+      multihost_utils.sync_global_devices("checkpoint_set_aside_list")
     later = [s for s in self.manager.all_steps() if s > step]
     if later and jax.process_index() == 0:
       target = os.path.join(os.path.dirname(self.directory), SUPERSEDED, time.strftime("%Y%m%d-%H%M%S"))
@@ -227,9 +229,9 @@ class Checkpointer:
             os.makedirs(os.path.join(target, kind), exist_ok=True)
             shutil.move(os.path.join(source, str(s)), os.path.join(target, kind, str(s)))
       logging.warning("Resuming from step %d: the later steps %s were moved to %s.", step, later, target)
+    if jax.process_count() > 1:  # moved before any process saves
+      multihost_utils.sync_global_devices("checkpoint_set_aside")
     if later:
-      if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("checkpoint_set_aside")
       self.manager.reload()
     return later
 
