@@ -217,6 +217,10 @@ def train_defaults() -> ml_collections.ConfigDict:
           # Sparse fine-tuning: for the first N steps only the feed-forward layers of config.model.ffn_layers
           # (every layer's when empty) train; everything else (copied by tools/sparsify.py) has learning rate 0.
           freeze_steps=0,
+          # "START,COUNT": a jax.profiler trace of COUNT steps from step START, under <workdir>/tensorboard
+          # (TensorBoard's profile tab); "" = none. Process 0 only unless profile_all_processes.
+          profile_steps="",
+          profile_all_processes=False,
       )
   )
 
@@ -511,6 +515,22 @@ def validate_data(data: ml_collections.ConfigDict, model: ml_collections.ConfigD
       )
 
 
+def profile_steps(train: ml_collections.ConfigDict) -> tuple[int, int] | None:
+  """(START, COUNT) of config.train.profile_steps="START,COUNT", or None when it is empty."""
+  value = train.get("profile_steps", "")
+  if value in ("", None):
+    return None
+  text = ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
+  parts = text.replace(" ", "").split(",")
+  ok = len(parts) == 2 and all(p.isdigit() for p in parts) and int(parts[0]) >= 1 and int(parts[1]) >= 1
+  _require(
+      ok,
+      f"config.train.profile_steps={value!r} must be 'START,COUNT' with START >= 1 and COUNT >= 1 (e.g. '10,5' "
+      "traces steps 10 to 14), or '' for no profile.",
+  )
+  return int(parts[0]), int(parts[1])
+
+
 def validate_train(train: ml_collections.ConfigDict, checkpoint: ml_collections.ConfigDict, global_batch_size: int) -> None:
   for field in ("steps", "microbatches", "log_every", "eval_every"):
     _positive_int(f"config.train.{field}", train[field])
@@ -530,6 +550,11 @@ def validate_train(train: ml_collections.ConfigDict, checkpoint: ml_collections.
       global_batch_size % train.microbatches == 0,
       f"config.train.microbatches={train.microbatches} does not divide config.data.global_batch_size="
       f"{global_batch_size}; pick a divisor.",
+  )
+  profile_steps(train)
+  _require(
+      isinstance(train.get("profile_all_processes", False), bool),
+      f"config.train.profile_all_processes={train.get('profile_all_processes')!r} must be True or False.",
   )
   _positive_int("config.checkpoint.every", checkpoint.every)
   _positive_int("config.checkpoint.keep", checkpoint.keep)

@@ -35,7 +35,6 @@ padded with all-padding batches, agreed through one `process_allgather`.
 
 import gc
 import json
-import os
 from typing import Iterator
 
 import jax
@@ -44,8 +43,9 @@ import ml_collections
 import numpy as np
 import seqio
 import tensorflow as tf
+from etils import epath
 
-from sparsetx import config as config_lib
+from sparsetx import config as config_lib, paths
 from sparsetx.data import tasks, vocab
 
 try:  # TensorFlow must not take the accelerators JAX uses.
@@ -190,91 +190,91 @@ class TrainIterator:
     self._iterator = self._dataset = self._checkpoint = None
     gc.collect()
 
-  def _shard_dir(self, path: str) -> str:
-    return os.path.join(path, f"shard_{self.shard_info.index:05d}_of_{self.shard_info.num_shards:05d}")
+  def _shard_dir(self, path: epath.PathLike) -> epath.Path:
+    return epath.Path(path) / f"shard_{self.shard_info.index:05d}_of_{self.shard_info.num_shards:05d}"
 
-  def save(self, path: str) -> str:
-    """Writes this process's stream position under `path`; returns the shard directory written."""
+  def save(self, path: epath.PathLike) -> epath.Path:
+    """Writes this process's stream position under `path` (local or a URL); returns the shard directory."""
     shard_dir = self._shard_dir(path)
-    tf.io.gfile.makedirs(shard_dir)
-    self._checkpoint.write(os.path.join(shard_dir, _STATE_PREFIX))
+    with paths.local_staging() as local:  # TensorFlow writes its checkpoint; epath copies it to the workdir
+      self._checkpoint.write(str(local / _STATE_PREFIX))
+      paths.copy_tree(local, shard_dir)
     state = dict(format=STATE_FORMAT, steps=self.steps, shard_index=self.shard_info.index,
                  num_shards=self.shard_info.num_shards, data=self._stream)
     # Written last: its presence marks a complete state.
-    with tf.io.gfile.GFile(os.path.join(shard_dir, _STATE_JSON), "w") as f:
-      json.dump(state, f, indent=1, sort_keys=True)
+    (shard_dir / _STATE_JSON).write_text(json.dumps(state, indent=1, sort_keys=True))
     return shard_dir
 
-  def restore(self, path: str) -> None:
+  def restore(self, path: epath.PathLike) -> None:
     """Continues the stream saved by `save(path)` under the same data config and sharding."""
     shard_dir = self._shard_dir(path)
-    state_file = os.path.join(shard_dir, _STATE_JSON)
-    if not tf.io.gfile.exists(state_file):
+    state_file = shard_dir / _STATE_JSON
+    if not state_file.exists():
       raise ValueError(
-          f"no data state for shard {self.shard_info.index} of {self.shard_info.num_shards} at {shard_dir!r}; "
+          f"no data state for shard {self.shard_info.index} of {self.shard_info.num_shards} at {str(shard_dir)!r}; "
           "it was not saved (or saved with another number of data shards, which cannot be resharded): "
           "restore from a complete checkpoint written with the same batch sharding."
       )
-    with tf.io.gfile.GFile(state_file) as f:
-      state = json.load(f)
+    state = json.loads(state_file.read_text())
     if state.get("format") != STATE_FORMAT:
-      raise ValueError(f"{state_file!r} has data state format {state.get('format')!r}; this code reads {STATE_FORMAT}.")
+      raise ValueError(f"{str(state_file)!r} has data state format {state.get('format')!r}; this code reads {STATE_FORMAT}.")
     for field in _STREAM_FIELDS:
       if state["data"].get(field) != self._stream[field]:
         raise config_lib.ConfigError(
-            f"the data state at {shard_dir!r} was saved with config.data.{field}={state['data'].get(field)!r}, "
+            f"the data state at {str(shard_dir)!r} was saved with config.data.{field}={state['data'].get(field)!r}, "
             f"but the config now has {self._stream[field]!r}; restore with the same value or start the data stream fresh."
         )
     if self._read:
       self._build()
-    self._checkpoint.read(os.path.join(shard_dir, _STATE_PREFIX)).assert_consumed()
+    with paths.local_staging() as local:  # epath brings the checkpoint where TensorFlow reads it
+      paths.copy_tree(shard_dir, local)
+      self._checkpoint.read(str(local / _STATE_PREFIX)).assert_consumed()
     self.steps = state["steps"]
 
 
-def saved_shard_counts(path: str) -> set[int]:
+def saved_shard_counts(path: epath.PathLike) -> set[int]:
   """The numbers of data shards that saved states under `path` (empty when none was saved)."""
-  counts = set()
-  for state_file in tf.io.gfile.glob(os.path.join(path, "*", _STATE_JSON)):
-    with tf.io.gfile.GFile(state_file) as f:
-      counts.add(json.load(f)["num_shards"])
-  return counts
+  return {json.loads(state_file.read_text())["num_shards"] for state_file in epath.Path(path).glob(f"*/{_STATE_JSON}")}
 
 
-def check_saved_state(path: str) -> None:
+def check_saved_state(path: epath.PathLike) -> None:
   """Raises ValueError naming what is missing or unreadable among the data states saved under `path`: every
   data shard (process) of the count that saved them, its JSON and its TensorFlow iterator checkpoint (read in
   full: a few MB). The checkpoint opener calls this before anything is built, so a damaged state is reported
   in one line instead of failing inside TensorFlow at the restore."""
-  shard_dirs = sorted(tf.io.gfile.glob(os.path.join(path, "shard_*_of_*"))) if tf.io.gfile.isdir(path) else []
+  path = epath.Path(path)
+  shard_dirs = sorted(path.glob("shard_*_of_*")) if path.is_dir() else []
   if not shard_dirs:
     raise ValueError(f"its data state {path} is missing")
   counts = set()
   for shard_dir in shard_dirs:
-    state_file = os.path.join(shard_dir, _STATE_JSON)
-    if not tf.io.gfile.exists(state_file):
+    state_file = shard_dir / _STATE_JSON
+    if not state_file.exists():
       raise ValueError(f"its data state file {state_file} is missing")
     try:
-      with tf.io.gfile.GFile(state_file) as f:
-        state = json.load(f)
+      state = json.loads(state_file.read_text())
       counts.add(int(state["num_shards"]))
     except (ValueError, KeyError, TypeError) as error:
       raise ValueError(f"its data state file {state_file} is unreadable ({type(error).__name__}: {error})") from None
-    prefix = os.path.join(shard_dir, _STATE_PREFIX)
-    try:
-      tf.train.load_checkpoint(prefix)  # the index: which variables, in how many data files
-    except (tf.errors.OpError, ValueError) as error:
-      reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-      raise ValueError(f"its data iterator checkpoint {prefix} is unreadable ({reason})") from None
-    data_files = tf.io.gfile.glob(f"{prefix}.data-*-of-*")
-    parts = int(data_files[0].rsplit("-of-", 1)[1]) if data_files else 1
-    for part in range(parts):
-      data_file = f"{prefix}.data-{part:05d}-of-{parts:05d}"
-      if data_file not in data_files or tf.io.gfile.stat(data_file).length == 0:
-        raise ValueError(f"its data iterator checkpoint file {data_file} is missing or empty")
+    prefix = shard_dir / _STATE_PREFIX
+    with paths.local_staging() as local:  # TensorFlow reads the checkpoint where epath copied it
+      paths.copy_tree(shard_dir, local)
+      try:
+        tf.train.load_checkpoint(str(local / _STATE_PREFIX))  # the index: which variables, in how many data files
+      except (tf.errors.OpError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"its data iterator checkpoint {prefix} is unreadable ({reason})") from None
+      data_files = {p.name: p for p in local.glob(f"{_STATE_PREFIX}.data-*-of-*")}
+      parts = int(next(iter(data_files)).rsplit("-of-", 1)[1]) if data_files else 1
+      for part in range(parts):
+        name = f"{_STATE_PREFIX}.data-{part:05d}-of-{parts:05d}"
+        if name not in data_files or data_files[name].stat().length == 0:
+          raise ValueError(f"its data iterator checkpoint file {shard_dir / name} is missing or empty")
+  names = {d.name for d in shard_dirs}
   for count in sorted(counts):
     for index in range(count):
-      shard_dir = os.path.join(path, f"shard_{index:05d}_of_{count:05d}")
-      if os.path.basename(shard_dir) not in {os.path.basename(d.rstrip("/")) for d in shard_dirs}:
+      shard_dir = path / f"shard_{index:05d}_of_{count:05d}"
+      if shard_dir.name not in names:
         raise ValueError(f"its data state lacks shard {index} of {count} ({shard_dir} is missing)")
 
 

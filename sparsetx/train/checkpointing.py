@@ -14,9 +14,7 @@ training the data state of every process), and a failed read of its arrays is re
 
 import contextlib
 import json
-import os
 import re
-import shutil
 import sys
 import time
 
@@ -27,7 +25,7 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from sparsetx import config as config_lib
+from sparsetx import config as config_lib, paths
 from sparsetx.config import ConfigError
 
 COMPUTE_ONLY = ("dtype", "remat", "max_len", "kernel", "implementation")  # may change on resume
@@ -136,8 +134,8 @@ class Checkpointer:
   def __init__(self, workdir: str, checkpoint: ml_collections.ConfigDict,
                step_flag: str = "--config.checkpoint.restore_step"):
     self.step_flag = step_flag
-    self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-    self.data_directory = os.path.join(os.path.abspath(workdir), "data_state")
+    self.directory = paths.resolve(workdir) / "checkpoints"  # local, or a URL such as gs://bucket/run
+    self.data_directory = paths.resolve(workdir) / "data_state"
     options = ocp.CheckpointManagerOptions(
         max_to_keep=checkpoint.keep,
         keep_period=checkpoint.keep_period or None,
@@ -153,7 +151,7 @@ class Checkpointer:
     """`step` (default: the latest), refused in one sentence when it is not a complete, readable checkpoint."""
     steps = self.manager.all_steps()
     if not steps:
-      raise ConfigError(f"{workdir_flag}={os.path.dirname(self.directory)!r} has no complete checkpoint; "
+      raise ConfigError(f"{workdir_flag}={str(self.directory.parent)!r} has no complete checkpoint; "
                         "train a model there first.")
     if step is not None and step not in steps:
       raise ConfigError(f"{self.step_flag}={step} is not a checkpoint in {self.directory}; saved steps: {sorted(steps)}.")
@@ -179,7 +177,7 @@ class Checkpointer:
     directory included), a config or array metadata that does not parse or whose files are gone, and with
     `data_state` a missing or unreadable data state of any process. Array contents are read (and their
     failures reported the same way) by the restore itself."""
-    step_dir = os.path.join(self.directory, str(step))
+    step_dir = self.directory / str(step)
     try:
       items = set(self.manager.item_metadata(step).keys())
     except Exception as error:  # noqa: BLE001  (any failed read of the step's metadata)
@@ -188,11 +186,11 @@ class Checkpointer:
     if len(missing) == len(ITEMS):
       raise self.damaged(step, f"its directory {step_dir} holds no checkpoint items")
     if missing:
-      raise self.damaged(step, f"its {missing[0]!r} item ({os.path.join(step_dir, missing[0])}) is missing")
+      raise self.damaged(step, f"its {missing[0]!r} item ({step_dir / missing[0]}) is missing")
     self.saved_config(step)
     handler = ocp.StandardCheckpointHandler()
     try:
-      handler.metadata(epath.Path(step_dir) / "state")
+      handler.metadata(step_dir / "state")
     except Exception as error:  # noqa: BLE001
       raise self.damaged(step, f"the metadata of its arrays is unreadable ({_reason(error)})") from None
     finally:
@@ -201,7 +199,7 @@ class Checkpointer:
       from sparsetx.data import pipeline  # TensorFlow: only where a data state is read
 
       try:
-        pipeline.check_saved_state(os.path.join(self.data_directory, str(step)))
+        pipeline.check_saved_state(self.data_directory / str(step))
       except ValueError as error:
         raise self.damaged(step, str(error)) from None
 
@@ -222,12 +220,12 @@ class Checkpointer:
       multihost_utils.sync_global_devices("checkpoint_set_aside_list")
     later = [s for s in self.manager.all_steps() if s > step]
     if later and jax.process_index() == 0:
-      target = os.path.join(os.path.dirname(self.directory), SUPERSEDED, time.strftime("%Y%m%d-%H%M%S"))
+      target = self.directory.parent / SUPERSEDED / time.strftime("%Y%m%d-%H%M%S")
       for s in later:
         for source, kind in ((self.directory, "checkpoints"), (self.data_directory, "data_state")):
-          if os.path.exists(os.path.join(source, str(s))):
-            os.makedirs(os.path.join(target, kind), exist_ok=True)
-            shutil.move(os.path.join(source, str(s)), os.path.join(target, kind, str(s)))
+          if (source / str(s)).exists():
+            (target / kind).mkdir(parents=True, exist_ok=True)
+            (source / str(s)).rename(target / kind / str(s))
       logging.warning("Resuming from step %d: the later steps %s were moved to %s.", step, later, target)
     if jax.process_count() > 1:  # moved before any process saves
       multihost_utils.sync_global_devices("checkpoint_set_aside")
@@ -246,7 +244,7 @@ class Checkpointer:
     return config_from_saved(saved)
 
   def save(self, step: int, state, config: ml_collections.ConfigDict, data_iterator) -> None:
-    data_iterator.save(os.path.join(self.data_directory, str(step)))
+    data_iterator.save(self.data_directory / str(step))
     self.manager.save(
         step,
         args=ocp.args.Composite(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict())),
@@ -290,7 +288,7 @@ class Checkpointer:
   def restore(self, step: int, abstract_state, data_iterator):
     """The state at `step` and the data iterator's position."""
     with self._reading(step):
-      data_iterator.restore(os.path.join(self.data_directory, str(step)))
+      data_iterator.restore(self.data_directory / str(step))
     return self.restore_state(step, abstract_state)
 
   def check_compatible(self, step: int, config: ml_collections.ConfigDict) -> None:
@@ -314,17 +312,17 @@ class Checkpointer:
     self.manager.close()
 
   def _remove_orphan_data_states(self) -> None:
-    if jax.process_index() != 0 or not os.path.isdir(self.data_directory):
+    if jax.process_index() != 0 or not self.data_directory.is_dir():
       return
     kept = set(self.manager.all_steps())
-    for name in os.listdir(self.data_directory):
-      if name.isdigit() and int(name) not in kept and int(name) < max(kept, default=0):
-        shutil.rmtree(os.path.join(self.data_directory, name), ignore_errors=True)
+    for path in self.data_directory.iterdir():
+      if path.name.isdigit() and int(path.name) not in kept and int(path.name) < max(kept, default=0):
+        path.rmtree(missing_ok=True)
 
 
 def open_read_only(workdir: str, workdir_flag: str = "--workdir", step_flag: str = "--step") -> Checkpointer:
   """A Checkpointer for reading a trained run (evaluation, export, analysis): it never deletes a step.
   `step_flag` picks the step (named when one cannot be read)."""
-  if not os.path.isdir(os.path.join(os.path.abspath(workdir), "checkpoints")):
+  if not (paths.resolve(workdir) / "checkpoints").is_dir():
     raise ConfigError(f"{workdir_flag}={workdir!r} holds no checkpoints/ directory; give the workdir of a training run.")
   return Checkpointer(workdir, ml_collections.ConfigDict(dict(keep=None, keep_period=0, async_save=False)), step_flag)

@@ -6,11 +6,16 @@ data position); a step-0 checkpoint (tools/sparsify.py, HF import) gives only th
 optimizer state and the data stream start fresh from this run's config.
 SIGTERM saves the current step and returns normally. A non-finite loss stops the run
 before anything non-finite is saved.
+
+The host runs one step ahead of the devices: it dispatches step N, then reads step N-1's metrics
+(the non-finite check and the log), then reads and places the batch of step N+1 while step N runs.
+It waits on step N itself only where the state must be known good: before an evaluation or a
+checkpoint of step N (the state is donated to step N+1, so both happen before N+1 is dispatched),
+and at the end. The next batch is read after any save, so a saved data position is exact.
 """
 
 import functools
 import math
-import os
 import signal
 import time
 
@@ -19,9 +24,10 @@ import ml_collections
 import numpy as np
 from absl import logging
 from clu import periodic_actions
+from etils import epath
 from jax.experimental import multihost_utils
 
-from sparsetx import config as config_lib
+from sparsetx import config as config_lib, paths
 from sparsetx.data import pipeline
 from sparsetx.models import ladder
 from sparsetx.parallel import expert_parallel, mesh as mesh_lib
@@ -47,25 +53,105 @@ class _SigtermFlag:
   def restore(self):
     signal.signal(signal.SIGTERM, self._previous)
 
-  def agreed(self) -> bool:
+  def agreed(self, step: int, every: int) -> bool:
     """True if any process got SIGTERM: signals reach processes between different steps, and all
-    processes must stop (and save) at the same step or their collectives would mismatch."""
+    processes must stop (and save) at the same step or their collectives would mismatch.
+
+    Several processes agree through a collective, which waits for the step the devices are running;
+    they do so every `every` steps (config.train.log_every) so that the host stays a step ahead."""
     if jax.process_count() == 1:
       return self.raised
+    if step % every:
+      return False
     return bool(np.any(multihost_utils.process_allgather(np.array(self.raised))))
 
 
 def check_workdir(workdir: str) -> None:
+  """Creates the workdir (a local path or a URL such as gs://bucket/run) and checks that it takes a file."""
   try:
-    os.makedirs(workdir, exist_ok=True)
-    probe = os.path.join(workdir, f".write_probe_{jax.process_index()}")
-    with open(probe, "w") as f:
-      f.write("ok")
-    os.remove(probe)
-  except OSError as error:
+    path = paths.resolve(workdir)
+    path.mkdir(parents=True, exist_ok=True)
+    probe = path / f".write_probe_{jax.process_index()}"
+    probe.write_text("ok")
+    probe.unlink()
+  except Exception as error:  # OSError locally; tf.io.gfile's OpError for a remote URL
     raise config_lib.ConfigError(
-        f"--workdir={workdir} is not writable ({error.strerror}); choose a directory you can write to."
+        f"--workdir={workdir} is not writable ({paths.reason(error)}); choose a directory you can write to."
     ) from None
+
+
+class _StepReader:
+  """Reads each step's metrics once the host has dispatched the next one: the non-finite check,
+  the progress report and the metrics log (every config.train.log_every steps and the last)."""
+
+  def __init__(self, config: ml_collections.ConfigDict, writer, progress, saved_step: int):
+    self._train, self._writer, self._progress = config.train, writer, progress
+    self._tokens_per_step = config.data.global_batch_size * config.data.seq_len
+    self._flops_per_step = 3 * ladder.forward_flops_per_token(config.model, config.data.seq_len)["total"] * self._tokens_per_step
+    self._peak = metrics_lib.peak_flops_per_device()
+    self._pending = None
+    self._window_start, self._window_steps = time.time(), 0
+    self.saved_step = saved_step  # named by the divergence message
+    self.last = {}  # the last metrics logged
+
+  def dispatched(self, step: int, metrics: dict) -> None:
+    """Takes the metrics of the step just dispatched; reads the step before it."""
+    self.read()
+    self._pending = step, metrics
+
+  def read(self) -> None:
+    """Reads the pending step's metrics (waiting for the devices); raises NonFiniteLossError naming the step."""
+    if self._pending is None:
+      return
+    (step, metrics), self._pending = self._pending, None
+    self._window_steps += 1
+    health = jax.device_get({k: metrics[k] for k in ("loss", "grad_norm", "param_norm")})
+    if not all(np.isfinite(v) for v in health.values()):
+      raise NonFiniteLossError(
+          f"training diverged at step {step} ({', '.join(f'{k}={float(v)}' for k, v in health.items())}); "
+          f"nothing after step {self.saved_step} was saved. Lower config.train.learning_rate or raise "
+          "config.train.warmup_steps, then resume."
+      )
+    self._progress(step)
+    if step % self._train.log_every == 0 or step == self._train.steps:
+      elapsed = time.time() - self._window_start
+      self.last = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      self.last["tokens_per_sec"] = self._window_steps * self._tokens_per_step / elapsed
+      self.last["model_tflops_per_sec"] = self._window_steps * self._flops_per_step / elapsed / 1e12
+      if self._peak:
+        self.last["mfu"] = self._window_steps * self._flops_per_step / elapsed / (self._peak * jax.device_count())
+      self._writer.write_scalars(step, self.last)
+      self._window_start, self._window_steps = time.time(), 0
+
+
+class _Profiler:
+  """A jax.profiler trace of the steps config.train.profile_steps=START,COUNT names, written under the
+  TensorBoard directory (plugins/profile/<run>/), where TensorBoard's profile plugin finds it. Process 0
+  only, or every process with config.train.profile_all_processes."""
+
+  def __init__(self, train: ml_collections.ConfigDict, logdir: epath.Path):
+    steps = config_lib.profile_steps(train)
+    wanted = steps is not None and (jax.process_index() == 0 or train.get("profile_all_processes", False))
+    self._first, self._last = (steps[0], steps[0] + steps[1] - 1) if wanted else (0, -1)
+    self._logdir, self._active = logdir, False
+
+  def before(self, step: int) -> None:
+    if self._first <= step <= self._last and not self._active:  # a resumed run traces what is left
+      self._logdir.mkdir(parents=True, exist_ok=True)
+      jax.profiler.start_trace(str(self._logdir))
+      self._active = True
+
+  def after(self, step: int, metrics: dict) -> None:
+    if self._active and step == self._last:
+      jax.block_until_ready(metrics)  # the trace holds the last step's device work
+      self.close()
+      self._first = self._last + 1
+      logging.info("Profile of steps up to %d written under %s/plugins/profile.", step, self._logdir)
+
+  def close(self) -> None:
+    if self._active:
+      jax.profiler.stop_trace()
+      self._active = False
 
 
 def check_batch_divides(config: ml_collections.ConfigDict, mesh) -> None:
@@ -145,54 +231,45 @@ def _run(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
   eval_fn = jax.jit(functools.partial(step_lib.eval_step, model=model), in_shardings=(shardings.params, batch_sharding))
   eval_data = pipeline.EvalData(config, batch_sharding, split="validation")
 
-  writer = metrics_lib.make_writer(workdir)
+  writer = metrics_lib.make_writer(workdir, start)
   if start == 0 and jax.process_index() == 0:
     writer.write_hparams({k: v for k, v in _flatten(config.to_dict()).items() if isinstance(v, (int, float, str, bool))})
   progress = periodic_actions.ReportProgress(num_train_steps=config.train.steps, writer=writer, every_steps=config.train.log_every)
-  tokens_per_step = config.data.global_batch_size * config.data.seq_len
-  flops_per_step = 3 * ladder.forward_flops_per_token(config.model, config.data.seq_len)["total"] * tokens_per_step
-  peak = metrics_lib.peak_flops_per_device()
 
   sigterm = _SigtermFlag()
-  last_metrics, step, saved_step = {}, start, start
-  window_start, window_steps = time.time(), 0
+  profiler = _Profiler(config.train, metrics_lib.tensorboard_dir(workdir))
+  reader = _StepReader(config, writer, progress, saved_step=start)
+  step, saved_step = start, start
+  batch = next(data_iterator) if step < config.train.steps else None
   try:
-    while step < config.train.steps and not sigterm.agreed():
-      batch = next(data_iterator)
-      state, step_metrics = step_fn(state, batch)
+    while step < config.train.steps:
+      profiler.before(step + 1)
+      with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
+        state, step_metrics = step_fn(state, batch)
       step += 1
-      window_steps += 1
-      health = jax.device_get({k: step_metrics[k] for k in ("loss", "grad_norm", "param_norm")})
-      if not all(np.isfinite(v) for v in health.values()):
-        raise NonFiniteLossError(
-            f"training diverged at step {step} ({', '.join(f'{k}={float(v)}' for k, v in health.items())}); "
-            f"nothing after step {saved_step} was saved. Lower config.train.learning_rate or raise "
-            "config.train.warmup_steps, then resume."
-        )
-      progress(step)
-      if step % config.train.log_every == 0 or step == config.train.steps:
-        elapsed = time.time() - window_start
-        last_metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
-        last_metrics["tokens_per_sec"] = window_steps * tokens_per_step / elapsed
-        last_metrics["model_tflops_per_sec"] = window_steps * flops_per_step / elapsed / 1e12
-        if peak:
-          last_metrics["mfu"] = window_steps * flops_per_step / elapsed / (peak * jax.device_count())
-        writer.write_scalars(step, last_metrics)
-        window_start, window_steps = time.time(), 0
+      profiler.after(step, step_metrics)
+      reader.dispatched(step, step_metrics)  # reads step - 1's metrics: the devices still run `step`
       if step % config.train.eval_every == 0 or step == config.train.steps:
+        reader.read()  # waits for `step`: evaluate only a state known finite
         writer.write_scalars(step, evaluate(config, state.params, eval_fn, eval_data))
       if step % config.checkpoint.every == 0 or step == config.train.steps:
+        reader.read()  # waits for `step`: save only a state known finite, before step + 1 takes its buffers
         checkpointer.save(step, state, config, data_iterator)
-        saved_step = step
+        saved_step = reader.saved_step = step
+      if step == config.train.steps or sigterm.agreed(step, every=config.train.log_every):
+        break
+      batch = next(data_iterator)  # read and placed on the devices while they run `step`
+    reader.read()
     if step != saved_step:  # stopped by SIGTERM (agreed by all processes) between checkpoints
       checkpointer.save(step, state, config, data_iterator)
   finally:
+    profiler.close()
     sigterm.restore()
     checkpointer.wait()
     checkpointer.close()
     writer.flush()
     data_iterator.close()
-  return last_metrics
+  return reader.last
 
 
 def restore(checkpointer: checkpointing.Checkpointer, step: int, abstract_state, data_iterator):
@@ -201,7 +278,7 @@ def restore(checkpointer: checkpointing.Checkpointer, step: int, abstract_state,
   A data state saved by another number of data shards (another process count) cannot be resharded:
   the model state still restores (onto any mesh), and the data stream starts over, with a warning.
   """
-  saved_shards = pipeline.saved_shard_counts(os.path.join(checkpointer.data_directory, str(step)))
+  saved_shards = pipeline.saved_shard_counts(epath.Path(checkpointer.data_directory) / str(step))
   shards = data_iterator.shard_info.num_shards
   if saved_shards and shards not in saved_shards:
     logging.warning(

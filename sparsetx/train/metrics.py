@@ -2,14 +2,25 @@
 
 Only process 0 writes; other processes get a writer that only logs. Model FLOPs come from the
 ladder's accounting (3 x forward FLOPs per token); MFU divides by the bf16 peak of the device kind.
+
+A run that starts at step S (0, or the step it resumes from) keeps one value per step: metrics.jsonl
+loses the rows an earlier run logged past S (rewritten atomically), and the new TensorBoard event file
+starts with a SessionLog START event at step S + 1, which makes TensorBoard discard the older events
+of steps S + 1 and later (its purge of orphaned data, as PyTorch's `purge_step` does).
 """
 
 import json
-import os
 
 import jax
+from absl import logging
+import tensorflow as tf
 from clu import metric_writers
 from clu.metric_writers import interface
+from etils import epath
+from tensorboard.compat.proto import event_pb2
+from tensorflow.python.ops import summary_ops_v2
+
+from sparsetx import paths
 
 # Dense bf16 peak FLOP/s per device, by jax's device_kind.
 PEAK_FLOPS = {
@@ -34,14 +45,32 @@ def peak_flops_per_device() -> float | None:
   return PEAK_FLOPS.get(kind) or next((v for k, v in PEAK_FLOPS.items() if kind.startswith(k)), None)
 
 
-class JsonlWriter(interface.MetricWriter):
-  """Appends one JSON object per write_scalars call to <workdir>/metrics.jsonl."""
+def drop_rows_after(path: epath.Path, step: int) -> int:
+  """Rewrites metrics.jsonl (atomically) without its rows past `step`; returns how many were dropped."""
+  if not path.exists():
+    return 0
+  lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+  kept = []
+  for line in lines:
+    try:
+      if json.loads(line)["step"] <= step:
+        kept.append(line if line.endswith("\n") else line + "\n")
+    except (ValueError, KeyError, TypeError):  # a row cut short by a kill: it belongs to no step
+      pass
+  if len(kept) != len(lines):
+    paths.write_text_atomically(path, "".join(kept))
+  return len(lines) - len(kept)
 
-  def __init__(self, path: str):
-    self._file = open(path, "a", encoding="utf-8", buffering=1)  # line-buffered: tail -f works
+
+class JsonlWriter(interface.MetricWriter):
+  """Appends one JSON object per write_scalars call to <workdir>/metrics.jsonl, flushed at once (tail -f works)."""
+
+  def __init__(self, path: epath.Path):
+    self._file = path.open("a", encoding="utf-8")
 
   def write_scalars(self, step, scalars):
     self._file.write(json.dumps({"step": int(step), **{k: float(v) for k, v in scalars.items()}}) + "\n")
+    self._file.flush()
 
   def write_summaries(self, step, values, metadata=None):
     pass
@@ -71,8 +100,28 @@ class JsonlWriter(interface.MetricWriter):
     self._file.close()
 
 
-def make_writer(workdir: str) -> metric_writers.MetricWriter:
+def tensorboard_dir(workdir: str) -> epath.Path:
+  return paths.resolve(workdir) / "tensorboard"
+
+
+def tensorboard_writer(logdir: epath.Path, start_step: int) -> interface.MetricWriter:
+  """clu's TensorBoard writer whose file opens with the START event that purges older events past `start_step`."""
+  writer = metric_writers.SummaryWriter(str(logdir))
+  event = event_pb2.Event(step=start_step + 1, session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START))
+  with writer._summary_writer.as_default():  # clu keeps its tf.summary writer private  # noqa: SLF001
+    summary_ops_v2.import_event(tf.constant(event.SerializeToString()))
+  return writer
+
+
+def make_writer(workdir: str, start_step: int = 0) -> metric_writers.MetricWriter:
+  """The writer of a run starting at `start_step`: what an earlier run logged past it is dropped (see above)."""
   if jax.process_index() != 0:
     return metric_writers.create_default_writer(None, just_logging=True)
-  default = metric_writers.create_default_writer(os.path.join(workdir, "tensorboard"), asynchronous=False)
-  return metric_writers.MultiWriter([default, JsonlWriter(os.path.join(workdir, "metrics.jsonl"))])
+  jsonl = paths.resolve(workdir) / "metrics.jsonl"
+  if dropped := drop_rows_after(jsonl, start_step):
+    logging.info("Starting at step %d: dropped %d rows of %s logged after it by an earlier run.", start_step, dropped, jsonl)
+  return metric_writers.MultiWriter([
+      metric_writers.LoggingWriter(),
+      tensorboard_writer(tensorboard_dir(workdir), start_step),
+      JsonlWriter(jsonl),
+  ])

@@ -1,0 +1,53 @@
+"""Every file the stack writes or reads under a workdir goes through `etils.epath`.
+
+So a workdir may be a local directory or a URL such as `gs://bucket/run`: epath reaches Cloud
+Storage through `tf.io.gfile` (TensorFlow is installed for seqio), orbax writes its arrays there
+through tensorstore, and TensorBoard's writer through TensorFlow.
+"""
+
+import os
+import tempfile
+from collections.abc import Iterator
+import contextlib
+
+from etils import epath
+
+
+def is_remote(path: epath.PathLike) -> bool:
+  """Whether `path` is a URL (gs://, s3://, ...) rather than a local path."""
+  return "://" in os.fspath(path)
+
+
+def resolve(path: epath.PathLike) -> epath.Path:
+  """`path` as an epath.Path; a local path made absolute (orbax wants absolute paths)."""
+  return epath.Path(path) if is_remote(path) else epath.Path(os.path.abspath(os.fspath(path)))
+
+
+def reason(error: Exception) -> str:
+  """The first line of a filesystem error, for a one-sentence message."""
+  text = getattr(error, "strerror", None) or str(error).strip()
+  return text.splitlines()[0] if text else type(error).__name__
+
+
+def write_text_atomically(path: epath.Path, text: str) -> None:
+  """Writes `path` so that a reader (or a crash) sees the old content or the new, never half of it."""
+  staged = path.parent / f".{path.name}.partial"
+  staged.write_text(text)
+  staged.replace(path)
+
+
+def copy_tree(source: epath.Path, target: epath.Path) -> None:
+  """Copies the files under `source` to `target` (created), keeping the relative layout."""
+  for root, _, files in source.walk():
+    root = epath.Path(root)
+    out = target / os.path.relpath(os.fspath(root), os.fspath(source))
+    out.mkdir(parents=True, exist_ok=True)
+    for name in files:
+      (root / name).copy(out / name, overwrite=True)
+
+
+@contextlib.contextmanager
+def local_staging() -> Iterator[epath.Path]:
+  """A local temporary directory for files a library can only write locally (removed afterwards)."""
+  with tempfile.TemporaryDirectory(prefix="sparsetx-stage-") as directory:
+    yield epath.Path(directory)
