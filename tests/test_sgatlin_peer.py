@@ -1,55 +1,15 @@
-"""sgatlin and PEER against dense references that build each channel's full sparse gate vector."""
+"""sgatlin and PEER layers (router included) against their authors' code, transcribed in tests/official_refs.py."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import official_refs as official
 import pytest
 from conftest import init_params, layer_model_config
 
-from sparsetx.models.ffn.common import ACTIVATIONS, gelu
+from sparsetx.models.ffn.common import gelu
 from sparsetx.models.ffn.peer import Peer
 from sparsetx.models.ffn.sgatlin import Sgatlin
-
-
-def brute_force_gates(s1_NK, s2_NK, k):
-  """Full sparse gate vectors g in R^(n_keys**2): top-k over all sums, zeros elsewhere."""
-  sums = (s1_NK[..., :, None] + s2_NK[..., None, :]).reshape(s1_NK.shape[:-1] + (-1,))
-  values, indices = jax.lax.top_k(sums, k)
-  return (jax.nn.one_hot(indices, sums.shape[-1]) * values[..., None]).sum(-2)
-
-
-def sgatlin_reference(params, x_BTD, ffn):
-  """sum_c W_out_c^T diag(g_c) act(W_in_c z), with the shared-query product-key gate."""
-  q = x_BTD @ params["router"]["query"]["kernel"]
-  scores_BT2CN = jnp.einsum("btk,kscn->btscn", q, params["router"]["keys"]["kernel"])
-  g_BTCF = brute_force_gates(scores_BT2CN[:, :, 0], scores_BT2CN[:, :, 1], ffn.top_k)
-  w_in_CFD, w_out_CFD = params["experts"]
-  h_BTCF = ACTIVATIONS[ffn.activation](jnp.einsum("btd,cfd->btcf", x_BTD, w_in_CFD))
-  return jnp.einsum("btcf,btcf,cfd->btd", g_BTCF, h_BTCF, w_out_CFD)
-
-
-def peer_reference(params, x_BTD, ffn, activation=gelu):
-  """PEER: per-channel split query, softmax over each channel's k scores, one shared table."""
-  q_BTC2H = jnp.einsum("btd,dcsh->btcsh", x_BTD, params["router"]["query"]["kernel"])
-  s_BTC2N = jnp.einsum("btcsh,csnh->btcsn", q_BTC2H, params["router"]["sub_keys"])
-  sums = (s_BTC2N[..., 0, :, None] + s_BTC2N[..., 1, None, :]).reshape(s_BTC2N.shape[:3] + (-1,))
-  values, indices = jax.lax.top_k(sums, ffn.top_k)
-  g_BTCF = (jax.nn.one_hot(indices, sums.shape[-1]) * jax.nn.softmax(values)[..., None]).sum(-2)
-  w_in_FD, w_out_FD = params["experts"][0], params["experts"][1]
-  h_BTF = activation(x_BTD @ w_in_FD.T)
-  return jnp.einsum("btcf,btf,fd->btd", g_BTCF, h_BTF, w_out_FD)
-
-
-def peer_router_reference(params, x_BTD, ffn, activation):
-  """sgatlin with PEER's router: per-channel tables, softmax gates."""
-  q_BTC2H = jnp.einsum("btd,dcsh->btcsh", x_BTD, params["router"]["query"]["kernel"])
-  s_BTC2N = jnp.einsum("btcsh,csnh->btcsn", q_BTC2H, params["router"]["sub_keys"])
-  sums = (s_BTC2N[..., 0, :, None] + s_BTC2N[..., 1, None, :]).reshape(s_BTC2N.shape[:3] + (-1,))
-  values, indices = jax.lax.top_k(sums, ffn.top_k)
-  g_BTCF = (jax.nn.one_hot(indices, sums.shape[-1]) * jax.nn.softmax(values)[..., None]).sum(-2)
-  w_in_CFD, w_out_CFD = params["experts"]
-  h_BTCF = activation(jnp.einsum("btd,cfd->btcf", x_BTD, w_in_CFD))
-  return jnp.einsum("btcf,btcf,cfd->btd", g_BTCF, h_BTCF, w_out_CFD)
 
 
 def assert_layer_matches(layer, reference, x_BTD, params):
@@ -70,9 +30,11 @@ def assert_layer_matches(layer, reference, x_BTD, params):
 
 @pytest.mark.parametrize(
     "d_ffw, n_channels, top_k, d_key, activation",
-    [(64, 1, 1, 8, "identity"), (256, 4, 8, 16, "identity"), (144, 3, 5, 8, "identity"), (64, 2, 4, 8, "swish")],
+    [(64, 1, 1, 8, "identity"), (256, 4, 8, 16, "identity"), (144, 3, 5, 8, "relu"), (64, 2, 4, 8, "swish"),
+     (64, 2, 3, 8, "gelu")],
 )
-def test_sgatlin_equals_dense_reference(d_ffw, n_channels, top_k, d_key, activation):
+def test_sgatlin_equals_listing_1(d_ffw, n_channels, top_k, d_key, activation):
+  """The paper's layer (identity) and its Table 1 ablations, act(g * <w_in, x>) with tanh GELU."""
   cfg = layer_model_config(
       "sgatlin", d_model=24, d_ffw=d_ffw, n_channels=n_channels, top_k=top_k, d_key=d_key, activation=activation
   )
@@ -80,26 +42,31 @@ def test_sgatlin_equals_dense_reference(d_ffw, n_channels, top_k, d_key, activat
   layer = Sgatlin(cfg)
   params = init_params(layer, x)
   assert params["experts"].shape == (2, n_channels, d_ffw, cfg.d_model)
-  assert_layer_matches(layer, lambda p, x: sgatlin_reference(p, x, cfg.ffn), x, params)
+  act = official.ACTIVATIONS[activation]
+  assert_layer_matches(layer, lambda p, x: official.sgatlin(p, x, top_k, act), x, params)
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
-def test_sgatlin_with_peer_router_equals_reference(activation):
+def test_sgatlin_with_peer_router_equals_listing_1(activation):
   cfg = layer_model_config("sgatlin", d_model=16, d_ffw=64, n_channels=2, top_k=3, d_key=8, router="peer", activation=activation)
   x = jax.random.normal(jax.random.key(2), (2, 4, cfg.d_model))
   layer = Sgatlin(cfg)
   params = init_params(layer, x)
-  assert_layer_matches(layer, lambda p, x: peer_router_reference(p, x, cfg.ffn, ACTIVATIONS[activation]), x, params)
+  act = official.ACTIVATIONS[activation]
+  assert_layer_matches(layer, lambda p, x: official.sgatlin_peer_router(p, x, cfg.ffn.top_k, act), x, params)
 
 
-@pytest.mark.parametrize("d_ffw, n_channels, top_k", [(64, 2, 4), (256, 4, 8)])
-def test_peer_equals_dense_reference(d_ffw, n_channels, top_k):
-  cfg = layer_model_config("peer", d_model=16, d_ffw=d_ffw, n_channels=n_channels, top_k=top_k, d_key=8)
+@pytest.mark.parametrize("d_ffw, n_channels, top_k, gelu_approximate", [(64, 2, 4, None), (256, 4, 8, False)])
+def test_peer_equals_its_code(d_ffw, n_channels, top_k, gelu_approximate):
+  """softmax(scores) * gelu(<w_in, x>): tanh GELU by default (PEER's code), exact erf when asked."""
+  cfg = layer_model_config("peer", d_model=16, d_ffw=d_ffw, n_channels=n_channels, top_k=top_k, d_key=8,
+                           gelu_approximate=gelu_approximate)
   x = jax.random.normal(jax.random.key(3), (2, 4, cfg.d_model))
   layer = Peer(cfg)
   params = init_params(layer, x)
   assert params["experts"].shape == (2, d_ffw, cfg.d_model)
-  assert_layer_matches(layer, lambda p, x: peer_reference(p, x, cfg.ffn), x, params)
+  act = official.OFFICIAL_GELU if gelu_approximate is None else gelu
+  assert_layer_matches(layer, lambda p, x: official.peer(p, x, top_k, act), x, params)
 
 
 def test_sgatlin_exposes_its_circuit_and_initialization():
