@@ -2,7 +2,7 @@
 training (`--config.checkpoint.restore_step=N`) and for the readers (`--step=N`); nothing in the workdir
 changes. Resuming from the older step with restore_step reproduces the lost step exactly.
 
-One sgatlin run of 4 steps (checkpoints at 2 and 4) is trained once; each test damages a copy of it.
+One MLP run of 4 steps (checkpoints at 2 and 4) is trained once; each test damages a copy of it.
 """
 
 import glob
@@ -20,7 +20,7 @@ from sparsetx.interp import checkpoint as interp_checkpoint
 from sparsetx.train import checkpointing, loop
 
 
-def micro_config(ffn_type: str = "sgatlin", **train):
+def micro_config(ffn_type: str = "mlp", **train):
   config = load_config("configs/tiny.py", ffn_type)
   config.model.update(d_model=64, n_layers=2, max_len=32, dtype="float32")
   config.data.update(seq_len=32, global_batch_size=8, eval_batch_size=8, shuffle_buffer=64)
@@ -129,7 +129,7 @@ def test_resume_from_an_older_step_reproduces_the_damaged_one(trained, copy):
 def test_resume_with_another_feed_forward_type_names_the_type(copy):
   before = tree(copy)
   with pytest.raises(checkpointing.ConfigError, match=r'^config.model.ffn.type="fff" but the checkpoint .* was '
-                                                      r'trained with "sgatlin"'):
+                                                      r'trained with "mlp"'):
     loop.train(micro_config("fff", steps=6), copy)
   assert tree(copy) == before
 
