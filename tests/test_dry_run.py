@@ -126,3 +126,14 @@ def test_dry_run_tool_prints_the_projected_step_time_per_target():
     compute, memory, comm, overlap = (float(v) for v in row[2:6])
     assert overlap == pytest.approx(max(compute, memory, comm), rel=1e-2) and overlap > 0  # printed to 3 digits
     assert float(row[8]) == pytest.approx(max(compute, memory) + comm, rel=1e-2)
+
+
+def test_remat_sweep_full_remat_recomputes_the_forward():
+  config = micro_config("fff")
+  config.mesh.ici.update(data=8)
+  rows = aot.remat_rows(config, mesh_lib.make_mesh(config.mesh), policies=("none", "full"))
+  assert [policy for policy, _, _ in rows] == ["none", "full"]
+  flops = {policy: f for policy, _, f in rows}
+  assert all(temp > 0 for _, temp, _ in rows)
+  # full remat runs each block's forward twice: more FLOPs than none, at most one more forward (1/3 of a step)
+  assert flops["none"] < flops["full"] <= flops["none"] * (1 + 1 / 3) * 1.05

@@ -6,7 +6,9 @@
 
 Prints per-device parameter and optimizer bytes, the compiler's memory analysis, FLOPs per step
 and the collectives of the compiled program (sparsetx/parallel/aot.py), then the projected step time,
-tokens/s and MFU on `--target=h100|h200|v5p|v6e|all` (sparsetx/parallel/roofline.py). `--expert_sweep=1,2,4,8,32`
+tokens/s and MFU on `--target=h100|h200|v5p|v6e|all` (sparsetx/parallel/roofline.py). `--remat_sweep`
+compiles the step once per config.model.remat policy and prints each one's temp memory and FLOPs
+next to no remat's. `--expert_sweep=1,2,4,8,32`
 adds the per-device sparse-table bytes for each expert-axis size (abstract shapes only); a size
 larger than sgatlin's channel count is shown with the table split by d_model over the expert axis
 (expert_parallel.D_MODEL_SPLIT_RULES). `--split_d_model` compiles with those rules, e.g. sgatlin
@@ -56,6 +58,9 @@ _SWEEP = flags.DEFINE_list("expert_sweep", [], "Expert-axis sizes for a per-devi
 _TARGET = flags.DEFINE_enum(
     "target", "all", [*hardware.CHIPS, "all"], "Chip of the projected step time (roofline), or all of them."
 )
+_REMAT_SWEEP = flags.DEFINE_bool(
+    "remat_sweep", False, "Also compile the step with every config.model.remat policy and print its temp memory."
+)
 _SPLIT = flags.DEFINE_bool(
     "split_d_model", False, "Split neuron tables by d_model over the expert axis (D_MODEL_SPLIT_RULES first)."
 )
@@ -82,6 +87,15 @@ def sweep_table_bytes(config, devices, expert_sizes) -> list:
   return rows
 
 
+def print_remat_rows(rows) -> None:
+  """Temp memory and recompute cost per policy, relative to no remat (what a policy trades)."""
+  base = dict((policy, (temp, flops)) for policy, temp, flops in rows).get("none", (rows[0][1], rows[0][2]))
+  print("train step per remat policy (config.model.remat; compiler memory analysis, one device):")
+  print(f"  {'policy':<34}{'temp MiB':>10}{'x none':>8}{'FLOPs':>12}{'x none':>8}")
+  for policy, temp, flops in rows:
+    print(f"  {policy:<34}{temp / 2**20:>10.1f}{temp / max(base[0], 1):>8.2f}{flops:>12.3e}{flops / max(base[1], 1):>8.2f}")
+
+
 def main(argv):
   del argv
   config = with_d_model_split(_CONFIG.value) if _SPLIT.value else _CONFIG.value
@@ -97,6 +111,8 @@ def main(argv):
   print(aot.format_report(report))
   print(f"lowered and compiled in {time.time() - start:.0f} s")
   print(roofline.format_projections([roofline.project(report, chip) for chip in hardware.chips(_TARGET.value)]))
+  if _REMAT_SWEEP.value:
+    print_remat_rows(aot.remat_rows(config, mesh))
   if _SWEEP.value:
     print("sparse tables per device by expert-axis size (data takes the other devices):")
     print(f"  {'expert':>6}  {'bytes':>14}  {'x expert':>14}  split by")

@@ -279,6 +279,20 @@ def dry_run(config: ml_collections.ConfigDict, mesh) -> Report:
   )
 
 
+def remat_rows(config: ml_collections.ConfigDict, mesh, policies=config_lib.REMAT_POLICIES) -> list:
+  """(policy, per-device temp bytes, compiled FLOPs per device) of the train step under each config.model.remat
+  policy: the memory a policy saves and the recomputation it costs (tools/dry_run.py --remat_sweep)."""
+  rows = []
+  for policy in policies:
+    variant = config.copy_and_resolve_references()
+    variant.model.remat = policy
+    compiled, _ = compile_train_step(config_lib.validate(variant), mesh)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    rows.append((policy, int(compiled.memory_analysis().temp_size_in_bytes), float((cost or {}).get("flops", 0.0))))
+  return rows
+
+
 def _size(nbytes: float) -> str:
   for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
     if abs(nbytes) < 1024 or unit == "TiB":
