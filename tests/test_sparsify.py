@@ -173,7 +173,7 @@ def test_partly_sparsified_model_trains_with_per_layer_stats(mesh):
   config = micro_config("fff")
   config.model.ffn_layers = "1"
   config.model.dense_ffn.update(type="mlp", d_ffw=128)
-  params, metrics = one_step(config, mesh)
+  params, metrics, _ = one_step(config, mesh)
   assert np.isfinite(metrics["loss"])
   fff_stats = ("used", "gini", "gini_level_1", "gini_level_2", "gini_level_3", "gini_level_4", "leftmost_leaf_share",
                "left_turns", "path_entropy")  # depth 4

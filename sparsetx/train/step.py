@@ -31,33 +31,39 @@ def _summed_loss(model, z_loss, params, batch):
   return (loss_BT * weights_BT).sum(), (weights_BT.sum(), intermediates)
 
 
-def train_step(state, batch, *, model, train: ml_collections.ConfigDict, schedule):
-  """One optimizer step over the global batch, accumulating gradients over `microbatches` slices.
-
-  The loss is the weighted mean over every real token of the global batch, so the result does not
-  depend on how the batch is split into micro-batches or over devices.
-  """
+def loss_and_grads(params, batch, *, model, train: ml_collections.ConfigDict):
+  """(mean loss, gradients of it, real tokens, sparse-layer stats) over the global batch, accumulating over
+  `microbatches` slices; the optimizer-free half of the step (tests compare it across meshes)."""
   grad_fn = jax.value_and_grad(functools.partial(_summed_loss, model, train.z_loss), has_aux=True)
   m = train.microbatches
   if m == 1:
-    (loss_sum, (weight_sum, intermediates)), grads = grad_fn(state.params, batch)
+    (loss_sum, (weight_sum, intermediates)), grads = grad_fn(params, batch)
     stats = sparse_stats(model.cfg, intermediates, batch["loss_weights"])
   else:
     micro = jax.tree.map(lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:]), batch)
 
     def accumulate(carry, microbatch):
-      (loss_sum, (weight_sum, intermediates)), grads = grad_fn(state.params, microbatch)
+      (loss_sum, (weight_sum, intermediates)), grads = grad_fn(params, microbatch)
       total_loss, total_weight, total_grads = carry
       stats = sparse_stats(model.cfg, intermediates, microbatch["loss_weights"])
       return (total_loss + loss_sum, total_weight + weight_sum, jax.tree.map(jnp.add, total_grads, grads)), stats
 
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    zeros = jax.tree.map(jnp.zeros_like, params)
     (loss_sum, weight_sum, grads), stats = jax.lax.scan(accumulate, (0.0, 0.0, zeros), micro)
     stats = jax.tree.map(lambda s: s.mean(0), stats)  # the mean over micro-batches
   denominator = jnp.maximum(weight_sum, 1.0)
   grads = jax.tree.map(lambda g: g / denominator, grads)
+  return loss_sum / denominator, grads, weight_sum, stats
+
+
+def train_step(state, batch, *, model, train: ml_collections.ConfigDict, schedule):
+  """One optimizer step over the global batch.
+
+  The loss is the weighted mean over every real token of the global batch, so the result does not
+  depend on how the batch is split into micro-batches or over devices.
+  """
+  loss, grads, weight_sum, stats = loss_and_grads(state.params, batch, model=model, train=train)
   new_state = state.apply_gradients(grads=grads)
-  loss = loss_sum / denominator
   metrics = dict(
       loss=loss,
       perplexity=jnp.exp(loss),
