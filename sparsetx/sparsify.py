@@ -27,7 +27,7 @@ from sparsetx.train import checkpointing, optimizer, state as state_lib
 # Model fields the target may set freely: the feed-forward choice and compute-only knobs. Every other
 # field (d_model, head_dim, vocab_size, n_layers, block, norm, biases, rotary, param_dtype, ...) shapes or
 # defines the copied parameters and must equal the source's.
-FREE_FIELDS = ("ffn", "ffn_layers", "dense_ffn", "dtype", "remat", "max_len", "init_std")
+FREE_FIELDS = ("ffn", "ffn_layers", "dense_ffn", "dtype", "remat", "attention", "max_len", "init_std")
 REPORT_FILE = "sparsify.json"
 TRAINER_OUTPUTS = ("checkpoints", "data_state", "tensorboard", "metrics.jsonl", REPORT_FILE)
 

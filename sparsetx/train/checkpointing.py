@@ -28,7 +28,7 @@ from jax.experimental import multihost_utils
 from sparsetx import config as config_lib, paths
 from sparsetx.config import ConfigError
 
-COMPUTE_ONLY = ("dtype", "remat", "max_len", "kernel", "implementation")  # may change on resume
+COMPUTE_ONLY = ("dtype", "remat", "attention", "max_len", "kernel", "implementation")  # may change on resume
 ITEMS = ("state", "config")
 SUPERSEDED = "superseded"  # <workdir>/superseded/<time>/: the steps after a restore_step, set aside
 # Status codes of tensorstore / TensorFlow read failures (a damaged file), as opposed to a structure mismatch.
