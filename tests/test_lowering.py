@@ -136,3 +136,29 @@ def test_unknown_targets_are_refused():
   with pytest.raises(config_lib.ConfigError, match="chip='v5p' is for platform tpu"):
     with aot.target_platform("cuda", "v5p"):
       pass
+
+
+def test_dry_run_tool_lowers_for_a_platform_and_lists_the_kernels():
+  """tools/dry_run.py --platform=tpu --chip=v6e: one row per custom call, the gated gather's two kernels per layer."""
+  import subprocess
+  import sys
+
+  from conftest import REPO
+
+  small = ["--config.model.n_layers=2", "--config.model.ffn.kernel.implementation=pallas", "--config.data.seq_len=64",
+           "--config.model.max_len=64", "--config.data.global_batch_size=2"]
+  result = subprocess.run([sys.executable, "tools/dry_run.py", "--config=configs/tiny.py:fff", "--devices=1",
+                           "--platform=tpu", "--chip=v6e", *small], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr
+  assert "train step lowered for tpu (TPU v6e)" in result.stdout
+  rows = {tuple(line.split()[:2]): int(line.split()[-1]) for line in result.stdout.splitlines()
+          if line.startswith("  tpu_custom_call")}
+  assert rows[("tpu_custom_call", "gated_gather_forward")] == rows[("tpu_custom_call", "gated_gather_backward")] == 2
+  assert "compiler memory analysis" not in result.stdout  # lowered only
+
+
+def test_custom_calls_table():
+  calls = collections.Counter({("tpu_custom_call", "gated_gather_forward"): 2, ("mosaic_gpu_v2", ""): 4})
+  lines = aot.format_custom_calls(calls).splitlines()
+  assert [line.split() for line in lines[1:]] == [["mosaic_gpu_v2", "-", "4"], ["tpu_custom_call", "gated_gather_forward", "2"]]
+  assert "(none" in aot.format_custom_calls(collections.Counter())

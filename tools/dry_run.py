@@ -16,6 +16,12 @@ scale 8 (C=16) on expert=32:
   .venv/bin/python tools/dry_run.py --config=configs/ladder.py:sgatlin,8 --devices=64 --split_d_model \\
       --config.mesh.ici.data=2 --config.mesh.ici.expert=32
 The mesh uses config.mesh.ici over `--devices` simulated devices (dcn must be all 1).
+
+`--platform=cuda|tpu` (with `--chip=v5p|v6e|...` for TPU) instead lowers the train step for that accelerator,
+on the same mesh, without compiling it (aot.lower_train_step), and lists its custom calls: the kernels it
+would launch (gated gather, fused attention), e.g. the Triton kernels of a pre-Hopper GPU:
+  .venv/bin/python tools/dry_run.py --config=configs/ladder.py:sgatlin,2 --platform=cuda \\
+      --config.model.ffn.kernel.implementation=pallas --config.model.ffn.kernel.gpu_kernel=triton
 """
 
 import os
@@ -61,6 +67,11 @@ _TARGET = flags.DEFINE_enum(
 _REMAT_SWEEP = flags.DEFINE_bool(
     "remat_sweep", False, "Also compile the step with every config.model.remat policy and print its temp memory."
 )
+_PLATFORM = flags.DEFINE_enum(
+    "platform", "cpu", ["cpu", *aot.LOWERING_PLATFORMS],
+    "cpu: compile on the simulated devices and report; cuda | tpu: lower the train step for that target and list its custom calls.",
+)
+_CHIP = flags.DEFINE_string("chip", None, "With --platform=tpu: the chip to lower for (v4, v5e, v5p, v6e; default v5p).")
 _SPLIT = flags.DEFINE_bool(
     "split_d_model", False, "Split neuron tables by d_model over the expert axis (D_MODEL_SPLIT_RULES first)."
 )
@@ -96,6 +107,14 @@ def print_remat_rows(rows) -> None:
     print(f"  {policy:<34}{temp / 2**20:>10.1f}{temp / max(base[0], 1):>8.2f}{flops:>12.3e}{flops / max(base[1], 1):>8.2f}")
 
 
+def print_lowering(config, mesh, platform: str, chip) -> None:
+  """The custom calls of the train step lowered for `platform` (the kernels a run there would launch)."""
+  text = aot.lower_train_step(config, platform, chip, mesh)
+  target = f"tpu ({aot.tpu_device_kind(chip or 'v5p')})" if platform == "tpu" else platform
+  print(f"train step lowered for {target}, {len(text):,} characters of StableHLO; custom calls:")
+  print(aot.format_custom_calls(aot.custom_calls(text)))
+
+
 def main(argv):
   del argv
   config = with_d_model_split(_CONFIG.value) if _SPLIT.value else _CONFIG.value
@@ -105,6 +124,10 @@ def main(argv):
     mesh = mesh_lib.make_mesh(config.mesh, devices)
     check_batch_divides(config, mesh)
     start = time.time()
+    if _PLATFORM.value != "cpu":
+      print_lowering(config, mesh, _PLATFORM.value, _CHIP.value)
+      print(f"lowered (not compiled) in {time.time() - start:.0f} s")
+      return
     report = aot.dry_run(config, mesh)
   except config_lib.ConfigError as error:
     cli.fail(error)

@@ -254,6 +254,13 @@ def custom_calls(lowered_text: str) -> collections.Counter:
   return found
 
 
+def format_custom_calls(calls: collections.Counter) -> str:
+  """A table of custom_calls(...): target, kernel name, count (the kernels the lowered program would launch)."""
+  lines = [f"  {'custom-call target':<30}{'kernel':<42}{'count':>6}"]
+  lines += [f"  {target:<30}{name or '-':<42}{count:>6}" for (target, name), count in sorted(calls.items())]
+  return "\n".join(lines if calls else lines + ["  (none: XLA's own code only)"])
+
+
 def dry_run(config: ml_collections.ConfigDict, mesh) -> Report:
   compiled, abstract = compile_train_step(config, mesh)
   memory = compiled.memory_analysis()
@@ -360,5 +367,5 @@ def table_bytes_by_expert(config: ml_collections.ConfigDict, devices, expert_siz
 
 __all__ = [
     "Report", "dry_run", "format_report", "device_bytes", "collectives", "table_bytes_by_expert", "target_platform",
-    "lower_train_step", "lower_eval_step", "lower_generate", "custom_calls",
+    "lower_train_step", "lower_eval_step", "lower_generate", "custom_calls", "format_custom_calls",
 ]
