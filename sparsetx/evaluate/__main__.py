@@ -12,7 +12,7 @@ import os
 
 from absl import flags
 
-from sparsetx import cli
+from sparsetx import cli, paths
 from sparsetx.config import ConfigError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir holding checkpoints/.", required=True)
@@ -57,7 +57,7 @@ def run() -> str:
 def main(argv):
   del argv
   try:
-    if not os.path.isdir(os.path.join(_WORKDIR.value, "checkpoints")):  # before the slow imports
+    if not (paths.resolve(_WORKDIR.value) / "checkpoints").is_dir():  # before the slow imports (local or gs://)
       raise ConfigError(f"--workdir={_WORKDIR.value!r} holds no checkpoints/ directory; give the workdir of a training run.")
     run()
   except ConfigError as error:

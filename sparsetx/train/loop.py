@@ -22,6 +22,7 @@ import time
 import jax
 import ml_collections
 import numpy as np
+import tensorflow as tf
 from absl import logging
 from clu import periodic_actions
 from etils import epath
@@ -74,7 +75,7 @@ def check_workdir(workdir: str) -> None:
     probe = path / f".write_probe_{jax.process_index()}"
     probe.write_text("ok")
     probe.unlink()
-  except Exception as error:  # OSError locally; tf.io.gfile's OpError for a remote URL
+  except (OSError, tf.errors.OpError) as error:  # tf.io.gfile's errors for a remote URL are no OSError
     raise config_lib.ConfigError(
         f"--workdir={workdir} is not writable ({paths.reason(error)}); choose a directory you can write to."
     ) from None
