@@ -13,7 +13,7 @@ def gather_case(seed, batch, length, n_channels, top_k, n_neurons, d_model, dtyp
   w_in = jax.random.normal(k[1], (n_rows, d_model)) / d_model**0.5
   w_out = jax.random.normal(k[2], (n_rows, d_model)) / d_model**0.5
   local = jax.random.randint(k[3], (batch, length, n_channels, top_k), 0, n_neurons)
-  rows = (local + n_neurons * jnp.arange(n_channels)[:, None]).reshape(batch, length, n_channels * top_k)
+  rows = (local + n_neurons * jnp.arange(n_channels)[None, None, :, None]).reshape(batch, length, n_channels * top_k)
   gates = jax.random.normal(k[4], rows.shape)
   bias = jax.random.normal(k[5], (n_rows,))
   return x, w_in, w_out, rows, gates, bias

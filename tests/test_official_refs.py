@@ -78,7 +78,7 @@ def sgatlin_official(activation):
 
 def sgatlin_op(act, options):
   def fn(x_BTD, experts_2CND, scores_BTCK):
-    rows_BTS = (indices + N * jnp.arange(C)[:, None]).reshape(B, T, C * K)
+    rows_BTS = (indices + N * jnp.arange(C)[None, None, :, None]).reshape(B, T, C * K)
     return gated_gather(x_BTD, experts_2CND[0].reshape(C * N, D), experts_2CND[1].reshape(C * N, D), rows_BTS,
                         scores_BTCK.reshape(B, T, C * K), act, options=options)
 
@@ -118,7 +118,7 @@ def test_peer_gate_outside_activation_equals_peer_code(backend):
 def test_identity_is_the_paper_layer_bit_for_bit_in_either_gate_position():
   """With no activation, act(g h) and g act(h) are the same float32 products: outputs and gradients identical."""
   fn_inside, x, experts, indices, scores = sgatlin_op(ACTS["identity"], BACKENDS["xla"])
-  rows = (indices + N * jnp.arange(C)[:, None]).reshape(B, T, C * K)
+  rows = (indices + N * jnp.arange(C)[None, None, :, None]).reshape(B, T, C * K)
   fn_outside = lambda x, e, s: gated_gather(  # noqa: E731
       x, e[0].reshape(C * N, D), e[1].reshape(C * N, D), rows, s.reshape(B, T, C * K), options=BACKENDS["xla"],
       gate_inside_activation=False)

@@ -78,7 +78,7 @@ def tree_paths(x_ND, w_in_PMD, b_in_PM, depth, dense_levels=DENSE_LEVELS, rows_p
     z_top_NPM = jnp.einsum(
         "nd,pmd->npm", x_ND, w_in_PMD[:, :n_top].astype(x_ND.dtype), preferred_element_type=jnp.float32
     )
-    z_top_NPM = z_top_NPM + b_in_PM[:, :n_top].astype(jnp.float32)
+    z_top_NPM = z_top_NPM + b_in_PM[None, :, :n_top].astype(jnp.float32)
     frozen_NPM = jax.lax.stop_gradient(z_top_NPM)
     for _level in range(top):
       z_NP = jnp.take_along_axis(frozen_NPM, node_NP[..., None], axis=-1)[..., 0]
@@ -109,7 +109,7 @@ def sparse_forward(x_ND, w_in_PMD, b_in_PM, w_out_PMD, depth, activation, option
     y_ND = jnp.einsum("npm,pmd->nd", a_NPM, w_top_PMD, preferred_element_type=jnp.float32)
   if L > top:
     deep_NPL = path_NPL[..., top:]
-    rows_NS = (deep_NPL + M * jnp.arange(P, dtype=jnp.int32)[:, None]).reshape(x_ND.shape[0], -1)
+    rows_NS = (deep_NPL + M * jnp.arange(P, dtype=jnp.int32)[None, :, None]).reshape(x_ND.shape[0], -1)
     flat = lambda table: table.reshape(P * M, D)  # noqa: E731
     y_ND = y_ND + gated_gather(
         x_ND, flat(w_in_PMD), flat(w_out_PMD), rows_NS, jnp.ones(rows_NS.shape, jnp.float32), activation,

@@ -155,7 +155,7 @@ def row_order(rows_NS, gates_NS, n_rows, pair_chunk, merge_duplicates=True):
   if not merge_duplicates:
     earlier_SS = jnp.tril(jnp.ones((n_slots, n_slots), jnp.bool_), -1)  # [s, s']: s' < s
     same_NSS = rows_NS[:, :, None] == rows_NS[:, None, :]
-    position_NS = position_NS + jnp.sum(same_NSS & earlier_SS, axis=-1, dtype=jnp.int32)
+    position_NS = position_NS + jnp.sum(same_NSS & earlier_SS[None], axis=-1, dtype=jnp.int32)
   position_P = position_NS.reshape(-1)
   gates_P = jnp.zeros(sorted_key_P.shape, jnp.float32).at[position_P].add(gates_NS.reshape(-1))
   n_pairs = n_tokens * n_slots

@@ -54,7 +54,7 @@ def causal_segment_mask(segment_ids_BT):
   T = segment_ids_BT.shape[1]
   causal_TT = jnp.tril(jnp.ones((T, T), bool))
   same_BTT = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
-  return (causal_TT & same_BTT)[:, None]
+  return (causal_TT[None] & same_BTT)[:, None]
 
 
 def xla_attention(q_BTHK, k_BSHK, v_BSHK, mask_B1TS, on_probabilities=lambda probs_BHTS: probs_BHTS):

@@ -46,7 +46,7 @@ def apply_rotary(x_BTHK, positions_BT, rotary_dims: int, base: float):
   if rotary_dims == 0:
     return x_BTHK
   inv_freq = 1.0 / (base ** (jnp.arange(0, rotary_dims, 2, dtype=jnp.float32) / rotary_dims))
-  angles_BTF = positions_BT[..., None].astype(jnp.float32) * inv_freq
+  angles_BTF = positions_BT[..., None].astype(jnp.float32) * inv_freq[None, None, :]
   angles_BT1R = jnp.concatenate([angles_BTF, angles_BTF], axis=-1)[:, :, None, :]
   rot, rest = x_BTHK[..., :rotary_dims].astype(jnp.float32), x_BTHK[..., rotary_dims:]
   half = rotary_dims // 2
@@ -237,7 +237,7 @@ class Transformer(nn.Module):
           "shorten the prompt (keep its newest tokens) or use a model with a longer window.")
     index = self.variable("cache", "cache_index", jnp.zeros, (B,), jnp.int32)
     if positions_BT is None:
-      positions_BT = index.value[:, None] + jnp.arange(T, dtype=jnp.int32)
+      positions_BT = index.value[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     positions_BT = jnp.asarray(positions_BT, jnp.int32)
     index.value = positions_BT[:, -1] + 1
     return positions_BT, decode_mask(positions_BT, self.cfg.max_len)

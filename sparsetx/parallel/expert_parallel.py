@@ -203,7 +203,7 @@ def split_gated_gather(group: ExpertGroup, x_ND, experts_2UND, idx_NUK, gates_NU
     idx_guK, gates_guK = to_owners(idx_nUK, group, unit_dim=1), to_owners(gates_nUK, group, unit_dim=1)
     x_hd = to_owners(x_gD, group, unit_dim=1, axes=group.split)  # d-slices: their owners are the split axes
     idx_huK, gates_huK = _gather_over_slices(idx_guK, group), _gather_over_slices(gates_guK, group)
-    rows_hS = (idx_huK + n_neurons * jnp.arange(u, dtype=idx_huK.dtype)[:, None]).reshape(-1, u * K)
+    rows_hS = (idx_huK + n_neurons * jnp.arange(u, dtype=idx_huK.dtype)[None, :, None]).reshape(-1, u * K)
     y_hd = _sliced_gated_gather(
         gating, options, group.split, x_hd, experts_2uNd[0].reshape(u * n_neurons, d),
         experts_2uNd[1].reshape(u * n_neurons, d), rows_hS, gates_huK.reshape(rows_hS.shape),

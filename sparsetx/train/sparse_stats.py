@@ -56,7 +56,7 @@ def layer_stats(ffn_cfg, taps: dict, token_weights_BT) -> dict:
     C, K = idx_BTCK.shape[-2:]
     n = ffn_cfg.d_ffw
     if kind == "sgatlin":  # each channel owns its table: count (channel, neuron) units
-      idx_BTCK = idx_BTCK + n * jnp.arange(C)[:, None]
+      idx_BTCK = idx_BTCK + n * jnp.arange(C)[None, None, :, None]
       n = C * n
     w = jnp.broadcast_to(token_weights_BT[:, :, None, None], idx_BTCK.shape)
     counts = usage_counts(idx_BTCK, w, n)
@@ -66,7 +66,7 @@ def layer_stats(ffn_cfg, taps: dict, token_weights_BT) -> dict:
     P, L = path_BTPL.shape[-2:]
     n_nodes = 2**L - 1
     w = jnp.broadcast_to(token_weights_BT[:, :, None, None], path_BTPL.shape)
-    counts = usage_counts(path_BTPL + n_nodes * jnp.arange(P)[:, None], w, P * n_nodes)
+    counts = usage_counts(path_BTPL + n_nodes * jnp.arange(P)[None, None, :, None], w, P * n_nodes)
     leaves_PN = counts.reshape(P, n_nodes)[:, n_nodes // 2 :]
     p = leaves_PN / jnp.maximum(leaves_PN.sum(-1, keepdims=True), 1e-9)
     entropy = -(jnp.where(p > 0, p * jnp.log2(jnp.where(p > 0, p, 1.0)), 0.0)).sum(-1)

@@ -45,7 +45,7 @@ def n_nodes(depth: int) -> int:
 def masked_dense_forward(x_BTD, w_in_PND, b_in_PN, depth: int):
   """Every node's logit Z [B,T,P,N] and the path mask M [B,T,P,N] (one node per level)."""
   z_BTPN = jnp.einsum("btd,pnd->btpn", x_BTD, w_in_PND.astype(x_BTD.dtype), preferred_element_type=jnp.float32)
-  z_BTPN = z_BTPN + b_in_PN.astype(jnp.float32)
+  z_BTPN = z_BTPN + b_in_PN[None, None].astype(jnp.float32)
   frozen_BTPN = jax.lax.stop_gradient(z_BTPN)
   node_BTP = jnp.zeros(z_BTPN.shape[:3], jnp.int32)
   nodes = []
@@ -95,7 +95,7 @@ class Fff(nn.Module):
     self.sow("intermediates", "path_nodes", path_BTPL)  # recorded, not patchable: routing is the forward pass
     self.sow("intermediates", "node_logits", z_BTPL)
 
-    y_BTD = y_BTD + b_out.astype(jnp.float32)
+    y_BTD = y_BTD + b_out[None, None].astype(jnp.float32)
     if ffn.variant == "fff_post":
       y_BTD = gelu(y_BTD)
     return y_BTD.astype(dtype)

@@ -87,7 +87,7 @@ class Sgatlin(nn.Module):
       return y_ND.reshape(B, T, D)
     if group is not None:
       return _expert_parallel(group, x_BTD, experts, idx_BTCK, gates_BTCK, ffn)
-    rows_BTS = (idx_BTCK + N * jnp.arange(C, dtype=idx_BTCK.dtype)[:, None]).reshape(B, T, C * ffn.top_k)
+    rows_BTS = (idx_BTCK + N * jnp.arange(C, dtype=idx_BTCK.dtype)[None, None, :, None]).reshape(B, T, C * ffn.top_k)
     return gated_gather(
         x_BTD,
         experts[0].reshape(C * N, D),
@@ -110,7 +110,7 @@ def _expert_parallel(group, x_BTD, experts_2CND, idx_BTCK, gates_BTCK, ffn):
     x_gD = ep.gather_tokens(x_nD, group)
     idx_gcK = ep.to_owners(idx_nCK, group, unit_dim=1)
     gates_gcK = ep.to_owners(gates_nCK, group, unit_dim=1)
-    rows_gS = (idx_gcK + N * jnp.arange(c, dtype=idx_gcK.dtype)[:, None]).reshape(-1, c * K)
+    rows_gS = (idx_gcK + N * jnp.arange(c, dtype=idx_gcK.dtype)[None, :, None]).reshape(-1, c * K)
     y_gD = gated_gather(
         x_gD,
         experts_2cND[0].reshape(c * N, D),
