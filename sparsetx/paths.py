@@ -51,3 +51,9 @@ def local_staging() -> Iterator[epath.Path]:
   """A local temporary directory for files a library can only write locally (removed afterwards)."""
   with tempfile.TemporaryDirectory(prefix="sparsetx-stage-") as directory:
     yield epath.Path(directory)
+
+
+def save_figure(fig, path: epath.PathLike, dpi: int = 110) -> None:
+  """matplotlib's savefig through epath (a PNG next to a run may live in Cloud Storage too)."""
+  with epath.Path(path).open("wb") as f:
+    fig.savefig(f, format="png", dpi=dpi)

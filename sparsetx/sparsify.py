@@ -12,14 +12,12 @@ importer of sparsetx/evaluate/export.py, a Hugging Face GPT-NeoX directory.
 """
 
 import json
-import os
-import shutil
 
 import jax
 import ml_collections
 import numpy as np
 
-from sparsetx import config as config_lib
+from sparsetx import config as config_lib, paths
 from sparsetx.config import ConfigError
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import checkpointing, optimizer, state as state_lib
@@ -146,7 +144,7 @@ class _StreamStart:
 
 def check_target_workdir(workdir: str, overwrite: bool) -> list[str]:
   """The trainer's outputs already in `workdir`; refuses them unless `overwrite`."""
-  existing = [name for name in TRAINER_OUTPUTS if os.path.exists(os.path.join(workdir, name))]
+  existing = [name for name in TRAINER_OUTPUTS if (paths.resolve(workdir) / name).exists()]  # local or gs://
   if existing and not overwrite:
     raise ConfigError(
         f"--workdir={workdir!r} already holds {', '.join(existing)}; choose a new directory or pass --overwrite "
@@ -158,13 +156,13 @@ def check_target_workdir(workdir: str, overwrite: bool) -> list[str]:
 def remove_outputs(workdir: str, names: list[str]) -> None:
   """Removes the previous run's outputs (--overwrite), only once the new start is ready to be written."""
   for name in names:
-    path = os.path.join(workdir, name)
-    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    path = paths.resolve(workdir) / name
+    path.rmtree() if path.is_dir() else path.unlink()
 
 
 def write_start(workdir: str, config: ml_collections.ConfigDict, state, report: dict) -> None:
   """The step-0 checkpoint (parameters, fresh optimizer state, config) and the report as JSON."""
-  os.makedirs(workdir, exist_ok=True)
+  paths.resolve(workdir).mkdir(parents=True, exist_ok=True)
   checkpointer = checkpointing.Checkpointer(workdir, config.checkpoint)
   try:
     checkpointer.save(0, state, config, _StreamStart())
@@ -172,8 +170,7 @@ def write_start(workdir: str, config: ml_collections.ConfigDict, state, report: 
   finally:
     checkpointer.close()
   if jax.process_index() == 0:
-    with open(os.path.join(workdir, REPORT_FILE), "w") as f:
-      json.dump(report, f, indent=1)
+    (paths.resolve(workdir) / REPORT_FILE).write_text(json.dumps(report, indent=1))
 
 
 def _by_module(groups: dict) -> str:
@@ -199,7 +196,7 @@ def format_report(report: dict) -> str:
 def sparsify_checkpoint(source_workdir: str, config: ml_collections.ConfigDict, workdir: str,
                         overwrite: bool = False, source_step: int | None = None):
   """tools/sparsify.py on a sparsetx source: (target config, report); writes the start into `workdir`."""
-  if os.path.abspath(source_workdir) == os.path.abspath(workdir):
+  if paths.resolve(source_workdir) == paths.resolve(workdir):
     raise ConfigError(f"--workdir={workdir!r} is the source itself; write the sparsified model to a new directory.")
   config_lib.validate(config)
   check_target_workdir(workdir, overwrite)  # before the (slow) source is read

@@ -20,11 +20,11 @@ layers only, each under its own index in the model; --layer must name one of the
 
 import argparse
 import json
-import os
 import sys
 
 import numpy as np
 
+from sparsetx import paths
 from sparsetx.config import ConfigError
 from sparsetx.interp import checkpoint, circuits, embedding, neighbours, nie, pruning, usage
 
@@ -48,7 +48,7 @@ def _plot_visits(visits_by_layer: dict, path: str) -> None:
     ax.set_ylabel(f"layer {layer}\ntree")
   axes[-1, 0].set_xlabel("node (heap order: root, level 1, ..., leaves)")
   fig.colorbar(image, ax=axes[:, 0].tolist(), label="fraction of tokens visiting")
-  fig.savefig(path, dpi=110)
+  paths.save_figure(fig, path)
   plt.close(fig)
 
 
@@ -63,7 +63,7 @@ def _plot_pruning(results: list[dict], path: str) -> None:
   ax.set_xlabel("fraction of nodes pruned (least visited first)")
   ax.set_ylabel("validation loss")
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  paths.save_figure(fig, path)
   plt.close(fig)
 
 
@@ -75,20 +75,19 @@ def analyse(args) -> dict:
   neighbour_layer = args.layer if args.layer is not None else max([i for i in layers if i <= cfg.n_layers - 2],
                                                                   default=layers[0])
   circuits.check_layer(cfg, neighbour_layer, "--layer")  # before anything is computed or written
-  out = args.output or os.path.join(args.workdir, "circuits")
-  os.makedirs(out, exist_ok=True)
+  out = paths.resolve(args.output) if args.output else paths.resolve(args.workdir) / "circuits"  # local or gs://
+  out.mkdir(parents=True, exist_ok=True)
   vocabulary = checkpoint.vocabulary(config)
   summary = dict(step=int(step), ffn_type=cfg.ffn.type, sparse_layers=list(layers), files=[])
 
   def write(name: str, text: str) -> None:
-    with open(os.path.join(out, name), "w") as f:
-      f.write(text + "\n")
+    (out / name).write_text(text + "\n")
     summary["files"].append(name)
 
   write("model.txt", str(model))
   rows = checkpoint.validation_rows(config, args.rows)
   db = circuits.record(model, rows, context=args.context)
-  db.save(os.path.join(out, "circuits.npz"))
+  db.save(out / "circuits.npz")
   summary["files"].append("circuits.npz")
   summary["database_tokens"] = len(db)
   print(f"step {step}: {len(db)} tokens of {len(rows['inputs'])} validation rows in the circuit database")
@@ -100,9 +99,9 @@ def analyse(args) -> dict:
     if pairs:
       text += ["", f"## Layer {layer}: most co-activated units (lift over independence)", "", _markdown(pairs)]
   if cfg.ffn.type == "fff":
-    paths = usage.fff_path_table(cfg, db)
-    text += ["", "## FFF paths (leaves) per tree", "", _markdown(paths)]
-    summary["fff_paths"] = paths
+    fff_paths = usage.fff_path_table(cfg, db)
+    text += ["", "## FFF paths (leaves) per tree", "", _markdown(fff_paths)]
+    summary["fff_paths"] = fff_paths
     balance = usage.fff_balance_table(cfg, db)
     text += ["", "## FFF routing balance (balanced: every Gini 0, left turns 0.5, leftmost leaf 2**-depth)", "",
              _markdown(balance)]
@@ -123,7 +122,7 @@ def analyse(args) -> dict:
 
   for layer_i in layers:
     points = embedding.embed(cfg, db, layer_i, n_tokens=args.embed_tokens, per_token=args.per_token)
-    embedding.plot(vocabulary, points, os.path.join(out, f"embedding_layer{layer_i}.png"))
+    embedding.plot(vocabulary, points, out / f"embedding_layer{layer_i}.png")
     summary["files"].append(f"embedding_layer{layer_i}.png")
     summary["embedding_method"] = points.method
 
@@ -131,7 +130,7 @@ def analyse(args) -> dict:
     result = nie.run(model, nie.fact_pairs(vocabulary), min_effect=args.min_effect)
     write("nie.md", "# Normalized indirect effect of patching the gates (rows: layers, columns: positions)\n\n"
           + nie.format_table(result))
-    nie.plot(result, os.path.join(out, "nie.png"), title=f"NIE of patching {cfg.ffn.type} gates (step {step})")
+    nie.plot(result, out / "nie.png", title=f"NIE of patching {cfg.ffn.type} gates (step {step})")
     summary["files"].append("nie.png")
     summary["nie"] = dict(rows=result.row_labels, columns=result.col_labels,
                           values=np.where(np.isfinite(result.nie_RC), result.nie_RC, None).tolist(),
@@ -140,19 +139,18 @@ def analyse(args) -> dict:
 
   if cfg.ffn.type == "fff":
     visits = {layer_i: usage.fff_visits(cfg, db, layer_i)[0] for layer_i in layers}
-    _plot_visits(visits, os.path.join(out, "fff_visits.png"))
+    _plot_visits(visits, out / "fff_visits.png")
     summary["files"].append("fff_visits.png")
     fractions = [float(f) for f in args.prune_fractions.split(",")]
     results = pruning.sweep(model, db, rows, fractions)
     write("pruning.md", "# Validation loss against the fraction of least-visited FFF nodes pruned\n\n" + _markdown(results))
-    _plot_pruning(results, os.path.join(out, "pruning.png"))
+    _plot_pruning(results, out / "pruning.png")
     summary["files"].append("pruning.png")
     summary["pruning"] = results
     print(_markdown(results))
 
   summary["files"].append("summary.json")
-  with open(os.path.join(out, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=1)
+  (out / "summary.json").write_text(json.dumps(summary, indent=1))
   print(f"wrote {', '.join(summary['files'])} to {out}")
   return summary
 

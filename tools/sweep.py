@@ -21,13 +21,12 @@ Accounting and the perplexity definition: sparsetx/train/sweep.py. Writes into -
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 
 from absl import flags
 
-from sparsetx import cli
+from sparsetx import cli, paths
 from sparsetx.config import ConfigError
 from sparsetx.train import sweep
 
@@ -149,7 +148,7 @@ def plot_perplexity_vs_size(rows: list[dict], path: str) -> None:
         ax.set_ylabel("validation perplexity")
   axes[0, 0].legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  paths.save_figure(fig, path)
   plt.close(fig)
 
 
@@ -173,24 +172,23 @@ def plot_best_vs_compute(rows: list[dict], path: str) -> None:
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  paths.save_figure(fig, path)
   plt.close(fig)
 
 
 def write_results(workdir: str, rows: list[dict], skipped: list[sweep.Skipped]) -> None:
-  os.makedirs(workdir, exist_ok=True)
+  root = paths.resolve(workdir)  # local or gs://
+  root.mkdir(parents=True, exist_ok=True)
   summary = dict(
       perplexity="exp(mean over validation tasks of the final-step loss)",
       flops="3 x forward FLOPs per token (sparsetx/models/ladder.py) x trained tokens",
       runs=rows, skipped=[dataclasses.asdict(s) for s in skipped])
-  path = os.path.join(workdir, "sweep.json")
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    json.dump(summary, f, indent=1)
-  os.replace(path + ".tmp", path)  # a reader never sees half a file
+  path = root / "sweep.json"
+  paths.write_text_atomically(path, json.dumps(summary, indent=1))  # a reader never sees half a file
   plotted = [r for r in rows if r["perplexity"] is not None]
   if plotted:
-    plot_perplexity_vs_size(plotted, os.path.join(workdir, "isoflop_perplexity_vs_size.png"))
-    plot_best_vs_compute(plotted, os.path.join(workdir, "best_perplexity_vs_compute.png"))
+    plot_perplexity_vs_size(plotted, root / "isoflop_perplexity_vs_size.png")
+    plot_best_vs_compute(plotted, root / "best_perplexity_vs_compute.png")
   print(f"sweep: {len(rows)} runs in {path}" + (", plots written" if plotted else ", nothing to plot"), file=sys.stderr)
 
 

@@ -8,7 +8,6 @@ or damaged checkpoint (the line names the step and the other saved steps, for `-
 unknown task ends the run with one `error:` line and exit code 2 (sparsetx/cli.py).
 """
 
-import os
 
 from absl import flags
 

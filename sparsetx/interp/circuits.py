@@ -20,6 +20,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 
 from sparsetx import config as config_lib
 from sparsetx.models.ffn import fff
@@ -162,12 +163,13 @@ class CircuitDatabase:
   def weights(self, layer: int) -> np.ndarray:
     return self.weights_LNS[self.row(layer)]
 
-  def save(self, path: str) -> None:
-    np.savez_compressed(path, **{k: np.asarray(v) for k, v in dataclasses.asdict(self).items()})
+  def save(self, path: epath.PathLike) -> None:
+    with epath.Path(path).open("wb") as f:  # local or a URL
+      np.savez_compressed(f, **{k: np.asarray(v) for k, v in dataclasses.asdict(self).items()})
 
   @classmethod
-  def load(cls, path: str) -> "CircuitDatabase":
-    with np.load(path, allow_pickle=False) as data:
+  def load(cls, path: epath.PathLike) -> "CircuitDatabase":
+    with epath.Path(path).open("rb") as f, np.load(f, allow_pickle=False) as data:
       fields = {field.name: data[field.name] for field in dataclasses.fields(cls) if field.name in data}
     fields.setdefault("layers_L", np.arange(len(fields["ids_LNS"])))  # saved before mixed models: every layer
     return cls(**{**fields, "ffn_type": str(fields["ffn_type"])})

@@ -9,6 +9,7 @@ import dataclasses
 
 import numpy as np
 
+from sparsetx import paths
 from sparsetx.interp import circuits as circuits_lib
 from sparsetx.interp.checkpoint import token_text
 
@@ -72,5 +73,5 @@ def plot(vocabulary, embedding: Embedding, path: str) -> None:
   ax.set_title(f"layer {embedding.layer} circuits of the {len(tokens)} most frequent tokens ({embedding.method})")
   ax.legend(fontsize=7, ncol=2, markerscale=2, loc="best")
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  paths.save_figure(fig, path)
   plt.close(fig)

@@ -26,6 +26,7 @@ import dataclasses
 
 import numpy as np
 
+from sparsetx import paths
 from sparsetx.data import corpus
 from sparsetx.interp import circuits as circuits_lib
 from sparsetx.interp.checkpoint import START_ID, encode_prompt
@@ -214,5 +215,5 @@ def plot(result: NieResult, path: str, title: str = "NIE of patching the gates")
   ax.set_title(title)
   fig.colorbar(image, ax=ax)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  paths.save_figure(fig, path)
   plt.close(fig)

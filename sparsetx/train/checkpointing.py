@@ -22,7 +22,6 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 from absl import logging
-from etils import epath
 from jax.experimental import multihost_utils
 
 from sparsetx import config as config_lib, paths

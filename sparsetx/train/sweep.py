@@ -28,6 +28,7 @@ import re
 import shlex
 
 import ml_collections
+from etils import epath
 from absl import flags
 from ml_collections import config_flags
 
@@ -222,7 +223,7 @@ def plan(spec: SweepSpec) -> tuple[list[Run], list[Skipped]]:
                     f"{least} (--min_steps={spec.min_steps}, warmup {config.train.warmup_steps} steps)")
           skipped.append(Skipped(budget, ffn_type, size, name, reason))
           continue
-        workdir = os.path.join(spec.workdir, budget_tag(budget), name)
+        workdir = str(epath.Path(spec.workdir) / budget_tag(budget) / name)  # local or gs://
         args = size_args + overrides + (f"--config.train.steps={steps}", f"--workdir={workdir}")
         params = ladder.param_counts(config.model)
         runs.append(Run(budget, ffn_type, size, name, workdir, args, _with_steps(config, steps), tokens,
@@ -239,11 +240,11 @@ def _with_steps(config: ml_collections.ConfigDict, steps: int) -> ml_collections
 
 def final_eval(run: Run) -> dict | None:
   """The run's evaluation at its final step from metrics.jsonl, or None while it is unfinished."""
-  path = os.path.join(run.workdir, "metrics.jsonl")
-  if not os.path.isfile(path):
+  path = epath.Path(run.workdir) / "metrics.jsonl"
+  if not path.is_file():
     return None
   last = None
-  with open(path, encoding="utf-8") as f:
+  with path.open("r", encoding="utf-8") as f:
     for number, line in enumerate(f, 1):
       try:
         row = json.loads(line)
