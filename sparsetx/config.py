@@ -314,10 +314,6 @@ def validate_ffn(ffn: ml_collections.ConfigDict, d_model: int, prefix: str = "co
         not uses_peer_router or ffn.d_key % 2 == 0,
         f"{prefix}.d_key={ffn.d_key} must be even for the PEER router (the query is split in two halves).",
     )
-  if kind == "sgatlin":
-    _one_of(f"{prefix}.activation", ffn.activation, SGATLIN_ACTIVATIONS)
-    _one_of(f"{prefix}.router", ffn.router, SGATLIN_ROUTERS)
-  if kind == "fff":
   if kind in ("peer", "sgatlin", "fff"):
     choice = ffn.get("gelu_approximate", None)
     _require(
@@ -325,6 +321,10 @@ def validate_ffn(ffn: ml_collections.ConfigDict, d_model: int, prefix: str = "co
         f"{prefix}.gelu_approximate={choice!r} must be None (the layer's official form), True (tanh) or "
         "False (exact erf).",
     )
+  if kind == "sgatlin":
+    _one_of(f"{prefix}.activation", ffn.activation, SGATLIN_ACTIVATIONS)
+    _one_of(f"{prefix}.router", ffn.router, SGATLIN_ROUTERS)
+  if kind == "fff":
     _require(
         isinstance(ffn.depth, int) and ffn.depth >= 0,
         f"{prefix}.depth={ffn.depth!r} must be an integer >= 0 (0 is a single node per tree).",
