@@ -20,7 +20,7 @@ from orbax.checkpoint._src.path import gcs_utils
 from tensorboard.backend.event_processing import plugin_event_accumulator
 
 from sparsetx import paths
-from sparsetx.evaluate import perplexity
+from sparsetx.evaluate import export, perplexity
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import checkpointing, loop, metrics as metrics_lib, state as state_lib
 from test_train import micro_config
@@ -153,3 +153,11 @@ def test_unwritable_gs_workdir_is_one_line(fake_gcs):
   (fake_gcs / "bucket").write_text("")  # a "bucket" where no object can be created
   with pytest.raises(loop.config_lib.ConfigError, match=r"^--workdir=gs://bucket/run is not writable \(.+\); choose"):
     loop.check_workdir("gs://bucket/run")
+
+
+def test_export_and_import_refuse_a_url_target_in_one_line(fake_gcs, tmp_path):
+  with pytest.raises(loop.config_lib.ConfigError, match=r"^--out='gs://bucket/hf' is a URL, but this writes a local"):
+    export.export(str(tmp_path / "run"), "gs://bucket/hf")
+  with pytest.raises(loop.config_lib.ConfigError, match=r"^--workdir='gs://bucket/run' is a URL, but this writes a local"):
+    export.import_hf(str(tmp_path / "hf"), "gs://bucket/run")
+  assert os.listdir(fake_gcs) == []

@@ -22,7 +22,7 @@ import numpy as np
 import safetensors.flax
 import safetensors.numpy
 
-from sparsetx import config as config_lib
+from sparsetx import config as config_lib, paths
 from sparsetx.evaluate import hf_neox, tokenizer_files
 from sparsetx.train import checkpointing, state as state_lib
 
@@ -79,6 +79,9 @@ def mapping_for(model: ml_collections.ConfigDict, kind: str = "auto"):
 
 def _check_target(out_dir: str, overwrite: bool, what: str, marker: str) -> None:
   """Refuses a target that holds files unless `overwrite`, and then only one holding `marker`."""
+  if paths.is_remote(out_dir):  # _StagedDirectory's commit is a local rename
+    raise ConfigError(f"{what}={out_dir!r} is a URL, but this writes a local directory (staged, then renamed into "
+                      "place); write it to a local path, then copy it (e.g. gsutil -m cp -r).")
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise ConfigError(f"{what}={out_dir!r} is a file; give a directory path.")
   if not os.path.isdir(out_dir) or not os.listdir(out_dir):
