@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from sparsetx import config as config_lib
+from sparsetx import config as config_lib, paths
 from sparsetx.data import pipeline
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import checkpointing, loop, metrics as metrics_lib, state as state_lib
@@ -85,3 +85,22 @@ def test_profile_steps_are_validated():
       config_lib.validate(config)
   config.train.profile_steps = "10,5"
   assert config_lib.profile_steps(config_lib.validate(config).train) == (10, 5)
+
+
+@pytest.mark.parametrize("process, all_processes, traced", [(0, False, True), (1, False, False), (1, True, True)])
+def test_profile_is_written_by_process_0_or_every_process_with_the_flag(process, all_processes, traced, monkeypatch,
+                                                                        tmp_path):
+  calls = []
+  monkeypatch.setattr(jax, "process_index", lambda: process)
+  monkeypatch.setattr(jax.profiler, "start_trace", lambda logdir: calls.append(("start", logdir)))
+  monkeypatch.setattr(jax.profiler, "stop_trace", lambda: calls.append(("stop",)))
+  train = micro_config(profile_steps="3,2", profile_all_processes=all_processes).train
+  profiler = loop._Profiler(train, paths.resolve(str(tmp_path)))  # noqa: SLF001
+  for step in range(1, 7):
+    profiler.before(step)
+    calls.append(("step", step))
+    profiler.after(step, {})
+  profiler.close()
+  steps = [("step", s) for s in range(1, 7)]
+  want = steps[:2] + [("start", str(tmp_path)), *steps[2:4], ("stop",), *steps[4:]] if traced else steps
+  assert calls == want
