@@ -49,6 +49,8 @@ def ffn_defaults() -> ml_collections.ConfigDict:
           # moe (GPT-OSS style)
           n_experts=16,
           experts_per_token=2,
+          aux_loss=0.0,  # Switch load-balancing loss weight (N * sum_i f_i P_i); 0 = off (the paper's baseline)
+          router_z_loss=0.0,  # ST-MoE router z-loss weight (mean logsumexp(router logits)**2); 0 = off
           # fff
           depth=6,
           n_trees=4,
@@ -299,6 +301,12 @@ def validate_ffn(ffn: ml_collections.ConfigDict, d_model: int, prefix: str = "co
         f"{prefix}.experts_per_token={ffn.experts_per_token} exceeds {prefix}.n_experts={ffn.n_experts}; "
         "route each token to at most n_experts experts.",
     )
+    for field in ("aux_loss", "router_z_loss"):
+      value = ffn.get(field, 0.0)
+      _require(
+          isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0,
+          f"{prefix}.{field}={value!r} must be a finite number >= 0 (0 turns it off).",
+      )
   if kind in ("peer", "sgatlin"):
     n_keys = n_keys_for(ffn.d_ffw, f"{prefix}.d_ffw")
     _positive_int(f"{prefix}.n_channels", ffn.n_channels)

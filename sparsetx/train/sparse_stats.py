@@ -11,6 +11,8 @@ by XLA's dead-code elimination). Counts only real tokens (loss weight > 0).
             averaged over trees; left_turns: fraction of routing decisions going left (balanced: 0.5)
   path_entropy  FFF: entropy in bits of the leaf distribution, averaged over trees (max = depth)
   max_load  MoE: the busiest expert's share of routed tokens times n_experts (1 = balanced)
+  aux_loss, router_z_loss  MoE: the Switch load-balancing value N * sum f_i P_i (1 = balanced) and the router
+            z-loss mean(logsumexp(logits)**2), unweighted (models/ffn/moe.py)
 """
 
 import math
@@ -18,6 +20,7 @@ import math
 import jax.numpy as jnp
 
 from sparsetx import config as config_lib
+from sparsetx.models.ffn import moe
 
 
 def gini(counts):
@@ -76,7 +79,10 @@ def layer_stats(ffn_cfg, taps: dict, token_weights_BT) -> dict:
     w = jnp.broadcast_to(token_weights_BT[:, :, None], ids_BTK.shape)
     counts = usage_counts(ids_BTK, w, ffn_cfg.n_experts)
     share = counts / jnp.maximum(counts.sum(), 1e-9)
-    return dict(used=(counts > 0).mean(), gini=gini(counts), max_load=share.max() * ffn_cfg.n_experts)
+    stats = dict(used=(counts > 0).mean(), gini=gini(counts), max_load=share.max() * ffn_cfg.n_experts)
+    if "router_logits" in taps:  # the balancing losses' values (weighted into the loss by config.model.ffn)
+      stats.update(moe.balance_losses(ffn_cfg.n_experts, taps["router_logits"][0], ids_BTK, token_weights_BT))
+    return stats
   return {}
 
 

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from sparsetx.models.ffn import moe
 from sparsetx.train.sparse_stats import sparse_stats
 
 
@@ -26,9 +27,13 @@ def token_losses(model, params, batch, z_loss: float):
 
 
 def _summed_loss(model, z_loss, params, batch):
+  """Weighted sum of the token losses, plus the MoE balancing losses (means over the batch's real tokens,
+  models/ffn/moe.py) times its token weight, so the step's mean loss carries them once."""
   loss_BT, intermediates = token_losses(model, params, batch, z_loss)
   weights_BT = batch["loss_weights"]
-  return (loss_BT * weights_BT).sum(), (weights_BT.sum(), intermediates)
+  weight_sum = weights_BT.sum()
+  balance = moe.balance_loss(model.cfg, intermediates, weights_BT)
+  return (loss_BT * weights_BT).sum() + balance * weight_sum, (weight_sum, intermediates)
 
 
 def loss_and_grads(params, batch, *, model, train: ml_collections.ConfigDict):
@@ -77,6 +82,7 @@ def train_step(state, batch, *, model, train: ml_collections.ConfigDict, schedul
 
 
 def eval_step(params, batch, *, model):
-  """Summed loss and token count of one batch (padding has weight 0)."""
-  loss_sum, (weight_sum, _) = _summed_loss(model, 0.0, params, batch)
-  return dict(loss_sum=loss_sum, tokens=weight_sum)
+  """Summed cross-entropy and token count of one batch (padding has weight 0; no auxiliary losses)."""
+  loss_BT, _ = token_losses(model, params, batch, 0.0)
+  weights_BT = batch["loss_weights"]
+  return dict(loss_sum=(loss_BT * weights_BT).sum(), tokens=weights_BT.sum())

@@ -15,6 +15,14 @@ room for every pair. Bytes a device sends per own token and layer, b bytes per a
 expert-axis size when it also splits the batch: forward (E-1)*(D*b + k*8) (x, ids, weights) +
 (E-1)*D*4 (y, summed in float32); backward (E-1)*D*4 (dy) + (E-1)*(D*4 + k*4) (dx in float32,
 weight gradients).
+
+Load balancing (optional; both 0 by default, the seed paper's baseline): `ffn.aux_loss` weights the Switch
+Transformer auxiliary loss N * sum_i f_i * P_i (f_i: the share of the routed (token, slot) pairs that go to
+expert i, so with k > 1 the k picks of a token count once each and the balanced value is 1 for any k;
+P_i: the mean over tokens of softmax(all N router logits)_i; gradient flows through P only), and
+`ffn.router_z_loss` the ST-MoE router z-loss mean(logsumexp(logits)**2). Both are means over the real
+tokens (loss weight > 0) of a batch, summed over the MoE layers and added to the training loss
+(sparsetx/train/step.py); their unweighted values are reported per layer (sparse_stats).
 """
 
 import flax.linen as nn
@@ -22,9 +30,38 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from sparsetx import config as config_lib
 from sparsetx.models.ffn.common import dense_init
 from sparsetx.models.taps import tap
 from sparsetx.parallel import expert_parallel as ep
+
+
+def balance_losses(n_experts: int, logits_BTE, expert_ids_BTK, token_weights_BT) -> dict:
+  """Unweighted {'aux_loss': N * sum_i f_i * P_i, 'router_z_loss': mean logsumexp(logits)**2} over the tokens
+  with weight > 0 (see the module docstring)."""
+  real_BT = (token_weights_BT > 0).astype(jnp.float32)
+  n_real = jnp.maximum(real_BT.sum(), 1.0)
+  probs_BTE = jax.nn.softmax(logits_BTE.astype(jnp.float32), axis=-1)
+  p_E = (probs_BTE * real_BT[:, :, None]).sum((0, 1)) / n_real
+  picks_BTKE = jax.nn.one_hot(expert_ids_BTK, n_experts, dtype=jnp.float32) * real_BT[:, :, None, None]
+  f_E = jax.lax.stop_gradient(picks_BTKE.sum((0, 1, 2)) / jnp.maximum(picks_BTKE.sum(), 1.0))
+  z_BT = jax.nn.logsumexp(logits_BTE.astype(jnp.float32), axis=-1)
+  return dict(aux_loss=n_experts * jnp.sum(f_E * p_E), router_z_loss=(z_BT**2 * real_BT).sum() / n_real)
+
+
+def balance_loss(model_cfg, intermediates: dict, token_weights_BT):
+  """sum over MoE layers of aux_loss * (its value) + router_z_loss * (its value): what the step adds to the
+  mean training loss (0.0 when no layer has a non-zero coefficient)."""
+  total = 0.0
+  for i in range(model_cfg.n_layers):
+    ffn = config_lib.layer_ffn_config(model_cfg, i)
+    coefficients = (ffn.get("aux_loss", 0.0) or 0.0, ffn.get("router_z_loss", 0.0) or 0.0)
+    if ffn.type != "moe" or not any(coefficients):
+      continue
+    taps = intermediates[f"layers_{i}"]["mlp"]
+    values = balance_losses(ffn.n_experts, taps["router_logits"][0], taps["expert_ids"][0], token_weights_BT)
+    total = total + coefficients[0] * values["aux_loss"] + coefficients[1] * values["router_z_loss"]
+  return total
 
 
 def dispatch_experts(x_ND, expert_ids_NK, weights_NK, wi_gate_EDF, wi_up_EDF, wo_EFD, first_expert=0):
@@ -68,6 +105,7 @@ class Moe(nn.Module):
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
         name="router",
     )(x_BTD.astype(jnp.float32))
+    self.sow("intermediates", "router_logits", logits_BTE)  # the balancing losses' input (unused ones are pruned)
     top_logits_BTK, expert_ids_BTK = ep.where_tokens_are(lambda l: jax.lax.top_k(l, K), logits_BTE)
     weights_BTK = jax.nn.softmax(top_logits_BTK, axis=-1)
     expert_ids_BTK = tap(self, "expert_ids", expert_ids_BTK)
