@@ -27,7 +27,8 @@ from jax.experimental import multihost_utils
 from sparsetx import config as config_lib, paths
 from sparsetx.config import ConfigError
 
-COMPUTE_ONLY = ("dtype", "remat", "attention", "max_len", "kernel", "implementation")  # may change on resume
+COMPUTE_ONLY = ("dtype", "remat", "attention", "max_len", "kernel", "implementation",
+                "aux_loss", "router_z_loss")  # may change on resume (MoE balancing weights: the loss, not the parameters)
 ITEMS = ("state", "config")
 SUPERSEDED = "superseded"  # <workdir>/superseded/<time>/: the steps after a restore_step, set aside
 # Status codes of tensorstore / TensorFlow read failures (a damaged file), as opposed to a structure mismatch.

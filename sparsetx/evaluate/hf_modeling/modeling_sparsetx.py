@@ -32,9 +32,22 @@ from .configuration_sparsetx import SparsetxConfig
 ACTIVATIONS = {
     "identity": lambda h: h,
     "relu": F.relu,
-    "gelu": F.gelu,  # exact (erf), as sparsetx's gelu
+    "gelu": F.gelu,  # exact (erf)
     "swish": F.silu,
 }
+# config.model.ffn.gelu_approximate None: each layer's official form (sparsetx/models/ffn/common.py)
+OFFICIAL_GELU_APPROXIMATE = {"sgatlin": True, "peer": True, "fff": False}
+
+
+def gelu_for(ffn):
+  """GELU in the form the layer's config picks: tanh approximation or exact erf."""
+  choice = ffn.get("gelu_approximate")
+  approximate = OFFICIAL_GELU_APPROXIMATE.get(ffn.get("type"), False) if choice is None else bool(choice)
+  return (lambda h: F.gelu(h, approximate="tanh")) if approximate else F.gelu
+
+
+def activation_for(ffn):
+  return gelu_for(ffn) if ffn["activation"] == "gelu" else ACTIVATIONS[ffn["activation"]]
 
 
 def n_keys_for(d_ffw: int) -> int:
@@ -123,8 +136,10 @@ class Attention(nn.Module):
     return self.out(torch.einsum("bhts,bshk->bthk", probs_BHTS.to(v_BTHK.dtype), v_BTHK))
 
 
-def gated_gather(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, activation, bias_R=None, token_chunk=1024):
-  """y[n] = sum_s gates[n,s] * w_out[rows[n,s]] * act(<w_in[rows[n,s]], x[n]> + bias[rows[n,s]]).
+def gated_gather(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, activation, bias_R=None, token_chunk=1024,
+                 gate_inside_activation=True):
+  """y[n] = sum_s a(h[n,s], gates[n,s]) * w_out[rows[n,s]], h[n,s] = <w_in[rows[n,s]], x[n]> + bias[rows[n,s]],
+  a = act(g * h) with the gate inside the activation (sgatlin, its official code) else g * act(h) (PEER).
 
   Chunked over tokens so the gathered rows of at most `token_chunk` tokens exist at once. Computed in
   float32, returned in x's dtype.
@@ -135,7 +150,8 @@ def gated_gather(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, activation, bias_R=
     h_nS = torch.einsum("nd,nsd->ns", x_nD, w_in_RD[rows_nS].float())
     if bias_R is not None:
       h_nS = h_nS + bias_R[rows_nS].float()
-    h_nS = activation(h_nS) * gates_NS[start : start + token_chunk].float()
+    g_nS = gates_NS[start : start + token_chunk].float()
+    h_nS = activation(g_nS * h_nS) if gate_inside_activation else g_nS * activation(h_nS)
     outputs.append(torch.einsum("ns,nsd->nd", h_nS, w_out_RD[rows_nS].float()))
   return torch.cat(outputs, dim=0).to(x_ND.dtype)
 
@@ -199,7 +215,7 @@ class Sgatlin(nn.Module):
   def __init__(self, cfg, ffn):
     super().__init__()
     self.C, self.N, self.router_kind = ffn["n_channels"], ffn["d_ffw"], ffn["router"]
-    self.activation = ACTIVATIONS[ffn["activation"]]
+    self.activation = activation_for(ffn)
     self.router = ROUTERS[self.router_kind](ffn, cfg["d_model"])
     self.experts = nn.Parameter(torch.empty(2, self.C, self.N, cfg["d_model"]))
 
@@ -221,6 +237,7 @@ class Peer(nn.Module):
   def __init__(self, cfg, ffn):
     super().__init__()
     self.router = PeerRouter(ffn, cfg["d_model"])
+    self.gelu = gelu_for(ffn)
     self.experts = nn.Parameter(torch.empty(2, ffn["d_ffw"], cfg["d_model"]))
 
   def forward(self, x_BTD):
@@ -228,7 +245,7 @@ class Peer(nn.Module):
     scores_BTCK, idx_BTCK = self.router(x_BTD)
     gates_BTCK = torch.softmax(scores_BTCK, dim=-1)
     y_ND = gated_gather(x_BTD.reshape(B * T, D), self.experts[0], self.experts[1], idx_BTCK.reshape(B * T, -1),
-                        gates_BTCK.reshape(B * T, -1), F.gelu)
+                        gates_BTCK.reshape(B * T, -1), self.gelu, gate_inside_activation=False)
     return y_ND.reshape(B, T, D)
 
 
@@ -239,6 +256,7 @@ class Fff(nn.Module):
     super().__init__()
     D = cfg["d_model"]
     self.depth, self.variant = ffn["depth"], ffn["variant"]
+    self.gelu = gelu_for(ffn)
     P, N = ffn["n_trees"], 2 ** (ffn["depth"] + 1) - 1
     self.w_in = nn.Parameter(torch.empty(P, N, D))
     self.b_in = nn.Parameter(torch.empty(P, N))
@@ -255,12 +273,12 @@ class Fff(nn.Module):
     y_MD = torch.zeros_like(x_MD)
     for _level in range(self.depth + 1):
       z_MP = torch.einsum("md,mpd->mp", x_MD, self.w_in[tree_P, node_MP].float()) + self.b_in[tree_P, node_MP].float()
-      a_MP = F.gelu(z_MP) if self.variant == "fff" else z_MP
+      a_MP = self.gelu(z_MP) if self.variant == "fff" else z_MP
       y_MD = y_MD + torch.einsum("mp,mpd->md", a_MP, self.w_out[tree_P, node_MP].float())
       node_MP = 2 * node_MP + 1 + (z_MP > 0).long()
     y_MD = y_MD + self.b_out.float()
     if self.variant == "fff_post":
-      y_MD = F.gelu(y_MD)
+      y_MD = self.gelu(y_MD)
     return y_MD.reshape(B, T, D).to(x_BTD.dtype)
 
 
