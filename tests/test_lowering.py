@@ -22,6 +22,7 @@ from sparsetx import config as config_lib
 from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
 from sparsetx.models.ffn.common import ACTIVATIONS
 from sparsetx.parallel import aot
+from sparsetx.parallel import mesh as mesh_lib
 
 FFN_TYPES = ("mlp", "swiglu", "moe", "peer", "sgatlin", "fff")
 GATHER_TYPES = ("peer", "sgatlin", "fff")
@@ -162,3 +163,20 @@ def test_custom_calls_table():
   lines = aot.format_custom_calls(calls).splitlines()
   assert [line.split() for line in lines[1:]] == [["mosaic_gpu_v2", "-", "4"], ["tpu_custom_call", "gated_gather_forward", "2"]]
   assert "(none" in aot.format_custom_calls(collections.Counter())
+
+
+@pytest.mark.parametrize("ici", [dict(data=8), dict(data=4, tensor=2)])
+@pytest.mark.parametrize("ffn_type, target", [("sgatlin", "tpu-v5p"), ("fff", "tpu-v6e"), ("peer", "cuda-triton")])
+def test_train_step_lowers_on_a_mesh_with_each_device_on_its_tokens(ffn_type, target, ici):
+  """On a mesh the kernels sit in a shard_map (Pallas TPU lowers nothing else) and see one device's tokens."""
+  platform, chip, gpu_kernel = TARGETS[target]
+  config = lowering_config(ffn_type, gpu_kernel)
+  config.data.global_batch_size = 8
+  config.model.attention = "xla"  # the subject is the gated gather; fused attention on a mesh: test_attention.py
+  config.mesh.ici.update(data=1, fsdp=1, tensor=1, expert=1)
+  config.mesh.ici.update(**ici)
+  text = aot.lower_train_step(config, platform, chip, mesh_lib.make_mesh(config.mesh, jax.devices()[:8]))
+  assert gather_kernels(text, target) == expected_kernels(ffn_type, target, "train")
+  tokens_per_device = 8 * 64 // ici["data"]
+  operands = [line.split("->")[-1] for line in text.splitlines() if "gated_gather_forward" in line and "custom_call" in line]
+  assert operands and all(line.lstrip(" (").startswith(f"tensor<{tokens_per_device}x128xbf16>") for line in operands)

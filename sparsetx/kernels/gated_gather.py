@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from sparsetx.config import GPU_KERNELS
 from sparsetx.config import KERNEL_IMPLEMENTATIONS as IMPLEMENTATIONS
-from sparsetx.kernels import segment_grads, xla_gather
+from sparsetx.kernels import segment_grads, token_shards, xla_gather
 from sparsetx.kernels.reference import Gating, gated_gather_reference, identity
 
 
@@ -120,9 +120,17 @@ def _forward_impl(gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, b
     y_ND, h_P = xla_gather.row_sorted_forward(x_ND, w_in_RD, w_out_RD, order, bias_R, gating, options)
     return y_ND, (order, h_P)
   if h_given_NS is not None and hasattr(backend, "forward_from_pre_activation"):
-    y_ND = backend.forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_given_NS, gating, options)
+    y_ND = _per_token(backend, backend.forward_from_pre_activation, gating, options, (True, False, True, True, True),
+                      x_ND, w_out_RD, rows_NS, gates_NS, h_given_NS)
     return y_ND, h_given_NS
-  return backend.forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options)
+  return _per_token(backend, backend.forward, gating, options, (True, False, False, True, True, False),
+                    x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R)
+
+
+def _per_token(backend, fn, gating, options, per_token, *args):
+  """fn(*args, gating, options); a Pallas backend's kernels run on each device's own tokens (token_shards.py)."""
+  call = lambda *a: fn(*a, gating, options)  # noqa: E731
+  return call(*args) if backend is xla_gather else token_shards.on_token_shards(call, per_token, *args)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -146,8 +154,9 @@ def _bwd(gating, options, residuals, dy_ND):
         dy_ND, x_ND, h_P, w_in_RD, w_out_RD, order, bias_R is not None, gating, options
     )
   else:
-    dx_ND, dgates_NS, coef_in_NS, coef_out_NS = backend.backward_rows(
-        dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options
+    dx_ND, dgates_NS, coef_in_NS, coef_out_NS = _per_token(
+        backend, backend.backward_rows, gating, options, (True, True, False, False, True, True),
+        dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS,
     )
     dw_in, dw_out, dbias = segment_grads.table_grads(
         x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS, w_in_RD.shape[0], options.pair_chunk, bias_R is not None

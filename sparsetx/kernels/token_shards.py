@@ -1,0 +1,38 @@
+"""Pallas kernels on a mesh: each device runs the gated gather's token-side kernels on its own tokens.
+
+A Pallas kernel is a custom call that XLA cannot partition: Pallas TPU lowers one only where every mesh axis
+is manual ("Mosaic kernels cannot be automatically partitioned"), and XLA would run a GPU kernel whole on
+every device, for every token. The gated gather's kernels work per token and read the tables whole, so
+`on_token_shards` runs them in a `jax.shard_map` over every mesh axis not manual yet (inside an
+expert-parallel shard_map, expert_parallel.py, the group's axes already are): per-token operands and all
+results are split over the batch's axes (config.mesh.rules' `batch`) among those, and the tables enter whole
+on every device (under fsdp, the all-gather XLA adds is the one the layer's dense weights get too). Other
+axes (tensor) hold the same tokens and compute the same values. Tokens that do not split evenly stay whole.
+Without a mesh of more than one device the call is unchanged.
+"""
+
+import math
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from sparsetx.parallel import expert_parallel
+
+
+def on_token_shards(fn, per_token, *args):
+  """fn(*args), each device on its own tokens: args[i] is split along its leading (token) dimension where
+  per_token[i] is true and passed whole otherwise (None passes through); every result is per token."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty or mesh.size == 1:
+    return fn(*args)
+  free = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
+  if not free:
+    return fn(*args)
+  batch = expert_parallel._sized(mesh, expert_parallel._mesh_axes(expert_parallel._RULES.get(), "batch"))
+  batch = tuple(a for a in batch if a in free)
+  n_tokens = next(a.shape[0] for a, split in zip(args, per_token) if split)
+  tokens = P(batch) if batch and n_tokens % math.prod(mesh.shape[a] for a in batch) == 0 else P()
+  in_specs = tuple(tokens if split else P() for split in per_token)
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=tokens, axis_names=set(free), check_vma=False)(
+      *args
+  )

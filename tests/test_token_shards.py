@@ -1,0 +1,34 @@
+"""token_shards: the Pallas gated gather on a mesh (each device on its own tokens) equals the single-device op."""
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+from kernel_cases import gather_case, value_and_grads
+
+from sparsetx.config import DEFAULT_RULES
+from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
+from sparsetx.models.ffn.common import ACTIVATIONS
+from sparsetx.parallel import expert_parallel
+from sparsetx.parallel import mesh as mesh_lib
+
+
+@pytest.mark.parametrize("ici", [dict(data=8), dict(data=2, fsdp=2, tensor=2)])
+def test_pallas_gated_gather_on_a_mesh_equals_one_device(ici):
+  """Loss and every gradient (x, both tables, gates, bias) agree; the kernels ran in a shard_map over the mesh."""
+  x, w_in, w_out, rows, gates, bias = gather_case(11, 8, 4, 2, 2, 5, 16)
+  options = KernelOptions("pallas", block_tokens=4, interpret=True)
+  fn = lambda *a: gated_gather(*a[:5], ACTIVATIONS["gelu"], a[5], options)  # noqa: E731
+  expected = value_and_grads(fn, x, w_in, w_out, rows, gates, bias)
+  mesh_config = ml_collections.ConfigDict(dict(ici={**dict(data=1, fsdp=1, tensor=1, expert=1), **ici},
+                                               dcn=dict(data=1, fsdp=1, tensor=1, expert=1)))
+  mesh = mesh_lib.make_mesh(mesh_config, jax.devices()[:8])
+  with expert_parallel.activate(mesh, DEFAULT_RULES):
+    jaxpr = str(jax.make_jaxpr(fn)(x, w_in, w_out, rows, gates, bias))
+    got = value_and_grads(fn, x, w_in, w_out, rows, gates, bias)
+  assert "shard_map" in jaxpr
+  # the loss sums x.size terms of |sin| <= 1, in another order over the shards: eps per term at most
+  np.testing.assert_allclose(got[0], expected[0], rtol=0, atol=x.size * np.finfo(np.float32).eps)
+  for name, a, b in zip(("x", "w_in", "w_out", "gates", "bias"), got[1], expected[1]):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)  # float32 sums in another order
+
