@@ -96,9 +96,10 @@ def test_eval_and_decoding_lower_with_the_gated_gather_kernels(ffn_type, target,
   assert gather_kernels(text, target) == expected_kernels(ffn_type, target, program)
 
 
+@pytest.mark.parametrize("gate_inside", [True, False])  # act(g * h) (sgatlin) | g * act(h) (PEER, FFF)
 @pytest.mark.parametrize("activation", [*ACTIVATIONS, "gelu_tanh"])
 @pytest.mark.parametrize("target", ["cuda-triton", "tpu-v5p"])
-def test_kernels_lower_with_every_activation(target, activation):
+def test_kernels_lower_with_every_activation(target, activation, gate_inside):
   """The activation runs inside the Triton and TPU kernels; exact GELU's erf is the one that needs kernel_math."""
   platform, chip, gpu_kernel = TARGETS[target]
   act = (lambda h: jax.nn.gelu(h, approximate=True)) if activation == "gelu_tanh" else ACTIVATIONS[activation]
@@ -108,7 +109,8 @@ def test_kernels_lower_with_every_activation(target, activation):
   rows, gates, bias = spec((64, 16), jnp.int32), spec((64, 16), jnp.float32), spec((256,), jnp.float32)
 
   def loss(x, w_in, w_out, gates, bias, rows):
-    return jnp.sum(gated_gather(x, w_in, w_out, rows, gates, act, bias, options).astype(jnp.float32) ** 2)
+    return jnp.sum(gated_gather(x, w_in, w_out, rows, gates, act, bias, options,
+                                   gate_inside_activation=gate_inside).astype(jnp.float32) ** 2)
 
   with aot.target_platform(platform, chip):
     traced = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))).trace(x, table, table, gates, bias, rows)
