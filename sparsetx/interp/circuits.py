@@ -24,7 +24,7 @@ from etils import epath
 
 from sparsetx import config as config_lib
 from sparsetx.models.ffn import fff
-from sparsetx.models.ffn.common import ACTIVATIONS
+from sparsetx.models.ffn.common import ACTIVATIONS, gelu_tanh
 
 SPARSE_TYPES = ("sgatlin", "peer", "fff", "moe")
 
@@ -116,15 +116,18 @@ def cosine_distances(cfg, query_ids_QS, query_w_QS, ids_NS, w_NS, chunk: int = 4
   return out
 
 
-def rebuild_sgatlin_output(gate_vector_BTCN, experts_2CND, mlp_input_BTD, activation: str = "identity"):
-  """The sgatlin layer from its circuit: sum_c sum_n g[c,n] * w_out[c,n] * act(<w_in[c,n], z>).
+def rebuild_sgatlin_output(gate_vector_BTCN, experts_2CND, mlp_input_BTD, activation="identity"):
+  """The sgatlin layer from its circuit: sum_c sum_n w_out[c,n] * act(g[c,n] * <w_in[c,n], z>).
 
   The whole layer is this formula with a fixed gate vector, which is why patching the gates is
-  a do-intervention on the circuit alone (the tables and the input are left as they are).
+  a do-intervention on the circuit alone (the tables and the input are left as they are). The gate sits
+  inside the ablation activation as in the layer; act(0) = 0 for each of them, so unpicked neurons add
+  nothing. `activation`: a name (GELU in the tanh form sgatlin's code uses) or the function itself.
   """
+  act = activation if callable(activation) else (gelu_tanh if activation == "gelu" else ACTIVATIONS[activation])
   hi = jax.lax.Precision.HIGHEST
-  a_BTCN = ACTIVATIONS[activation](jnp.einsum("btd,cnd->btcn", mlp_input_BTD, experts_2CND[0], precision=hi))
-  return jnp.einsum("btcn,cnd->btd", gate_vector_BTCN * a_BTCN, experts_2CND[1], precision=hi)
+  h_BTCN = jnp.einsum("btd,cnd->btcn", mlp_input_BTD, experts_2CND[0], precision=hi)
+  return jnp.einsum("btcn,cnd->btd", act(gate_vector_BTCN * h_BTCN), experts_2CND[1], precision=hi)
 
 
 def _pad_rows(x, rows: int):
