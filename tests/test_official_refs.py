@@ -145,3 +145,23 @@ def test_fff_equals_a_per_token_tree_walk(variant, implementation):
                                  params["b_out"], depth, variant)
   assert path[0, 0, 1] == 1  # the tie went left
   np.testing.assert_allclose(np.asarray(y).reshape(-1, d_model), want, rtol=1e-5, atol=1e-6)
+
+
+def test_gelu_form_defaults_to_each_layers_code_also_for_configs_saved_before_the_field():
+  """gelu_approximate None (the default, and a saved config without it): tanh for peer and sgatlin, erf for fff."""
+  from sparsetx import config as config_lib
+  from sparsetx.models.ffn.common import gelu_approximate
+  from sparsetx.train import checkpointing
+
+  saved = config_lib.default_config().to_dict()
+  del saved["model"]["ffn"]["gelu_approximate"]
+  ffn = checkpointing.config_from_saved(saved).model.ffn
+  assert ffn.gelu_approximate is None
+  for ffn_type, want in (("peer", True), ("sgatlin", True), ("fff", False)):
+    ffn.type = ffn_type
+    assert gelu_approximate(ffn) is want
+  ffn.gelu_approximate = False
+  assert gelu_approximate(ffn) is False
+  saved["model"]["ffn"].update(type="peer", gelu_approximate="tanh")  # a hand-edited JSON config
+  with pytest.raises(config_lib.ConfigError, match=r"config.model.ffn.gelu_approximate='tanh'"):
+    config_lib.validate(checkpointing.config_from_saved(saved))
