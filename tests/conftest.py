@@ -20,6 +20,10 @@ import ml_collections  # noqa: E402
 
 from sparsetx import config as config_lib  # noqa: E402
 
+# Implicit rank promotion (x_BTD + b_D broadcasting by adding leading axes) hides shape mistakes: every test
+# runs with it as an error, so the code under test spells each broadcast out.
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 

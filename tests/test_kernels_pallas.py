@@ -7,6 +7,7 @@ import pytest
 from kernel_cases import gather_case, value_and_grads
 
 from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
+from sparsetx.kernels.reference import Gating
 from sparsetx.models.ffn.common import ACTIVATIONS
 
 
@@ -47,7 +48,7 @@ def test_pallas_tpu_kernels_equal_xla_path_in_interpret_mode():
 
   x, w_in, w_out, rows, gates, bias = gather_case(5, 1, 11, 3, 2, 5, 16)
   x, rows, gates = x.reshape(11, 16), rows.reshape(11, 6), gates.reshape(11, 6)
-  act = ACTIVATIONS["gelu"]
+  act = Gating(ACTIVATIONS["gelu"])  # the backends take the op's gating (activation and gate position)
   options = KernelOptions("pallas", token_chunk=4, block_tokens=4, interpret=True)
   y_t, h_t = pallas_tpu.forward(x, w_in, w_out, rows, gates, bias, act, options)
   y_x, h_x = xla_gather.forward(x, w_in, w_out, rows, gates, bias, act, options)

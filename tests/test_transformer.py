@@ -69,7 +69,7 @@ def test_parallel_block_adds_attention_and_mlp_to_its_input():
     # Both branches read the block input: the MLP's input is the LayerNorm of layer_input.
     ln = variables["params"][f"layers_{i}"]["mlp_norm"]
     x = values["layer_input"]
-    normed = (x - x.mean(-1, keepdims=True)) / jnp.sqrt(x.var(-1, keepdims=True) + 1e-5) * ln["scale"] + ln["bias"]
+    normed = (x - x.mean(-1, keepdims=True)) / jnp.sqrt(x.var(-1, keepdims=True) + 1e-5) * ln["scale"][None, None] + ln["bias"][None, None]
     np.testing.assert_allclose(values["mlp_input"], normed, rtol=1e-4, atol=1e-4)
 
 
