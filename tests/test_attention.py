@@ -264,3 +264,19 @@ def test_train_step_lowers_with_the_fused_attention_by_default(monkeypatch, plat
   text = aot.lower_train_step(config, platform)
   assert calls <= {name or target for target, name in aot.custom_calls(text)}
   assert logits_shape() not in text
+
+
+@pytest.mark.parametrize("ici", [dict(data=8), dict(data=4, tensor=2)])
+def test_splash_train_step_lowers_on_a_tpu_mesh(ici):
+  """On a mesh splash runs in a shard_map over every free axis (Pallas TPU refuses a partially manual region)."""
+  from sparsetx.parallel import aot, mesh as mesh_lib
+
+  config = load_config("configs/tiny.py", "mlp")
+  config.model.update(max_len=256, n_layers=1)
+  config.data.update(seq_len=256, global_batch_size=8)
+  config.mesh.ici.update(data=1, fsdp=1, tensor=1, expert=1)
+  config.mesh.ici.update(**ici)
+  config_lib.validate(config)
+  text = aot.lower_train_step(config, "tpu", "v5p", mesh_lib.make_mesh(config.mesh, jax.devices()[:8]))
+  names = {name for _, name in aot.custom_calls(text)}
+  assert {"splash_mha_fwd_segmented_residuals", "splash_mha_dkv_segmented_no_residuals"} <= names

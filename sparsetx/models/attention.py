@@ -162,5 +162,6 @@ def _per_shard(fn, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT):
   spec_BTHK, spec_BT = P(batch or None, None, heads or None, None), P(batch or None, None)
   return jax.shard_map(
       fn, mesh=mesh, in_specs=(spec_BTHK,) * 3 + (spec_BT,), out_specs=spec_BTHK,
-      axis_names=set(batch) | set(heads), check_vma=False,
+      # Every free axis manual (the others replicate): Pallas TPU refuses a partially manual region.
+      axis_names=set(mesh.axis_names) - set(mesh.manual_axes), check_vma=False,
   )(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)
