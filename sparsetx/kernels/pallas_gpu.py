@@ -19,15 +19,10 @@ Triton needs power-of-two block shapes: S and the block of tokens are padded her
 have gate 0 and contribute nothing); D must be a power of two on GPU (interpret mode takes any D).
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
-
-from sparsetx.kernels.kernel_math import lowerable
-from sparsetx.kernels.reference import derivative
 
 
 def _next_pow2(n):

@@ -8,15 +8,10 @@ sorted-segment sums (segment_grads.py). Off TPU the kernels run in TPU interpret
 not lower erfc (exact GELU), so the activation runs through kernel_math.lowerable.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-
-from sparsetx.kernels.kernel_math import lowerable
-from sparsetx.kernels.reference import derivative
 
 
 def _interpret(options):
