@@ -37,8 +37,8 @@ _READ_FAILURE = re.compile(r"\b(NOT_FOUND|DATA_LOSS|OUT_OF_RANGE|FAILED_PRECONDI
 
 def _quiet_closed_loop_callbacks() -> None:
   """After a failed restore, tensorstore completes the reads still in flight into orbax's event loop, closed by
-  then, and each completion prints an unraisable 'Event loop is closed' traceback after the one-line error.
-  Those (and only those) are dropped from then on."""
+  then, and each completion prints an unraisable 'Event loop is closed' traceback around the one-line error.
+  Those (and only those) are dropped once a read has started."""
   previous = sys.unraisablehook
   if getattr(previous, "drops_closed_loop_callbacks", False):
     return
@@ -260,6 +260,7 @@ class Checkpointer:
   @contextlib.contextmanager
   def _reading(self, step: int):
     """Turns a failed read of a file of `step` into its `damaged` error; other errors pass unchanged."""
+    _quiet_closed_loop_callbacks()  # before the read: a failing restore's callbacks can fire while it unwinds
     try:
       yield
     except ConfigError:
@@ -268,7 +269,6 @@ class Checkpointer:
       reason = _read_failure(error)
       if reason is None:
         raise
-      _quiet_closed_loop_callbacks()
       raise self.damaged(step, f"reading it failed ({reason})") from None
 
   def restore_params(self, step: int, abstract_params):
