@@ -28,7 +28,7 @@ def on_token_shards(fn, per_token, *args):
   free = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
   if not free:
     return fn(*args)
-  batch = expert_parallel._sized(mesh, expert_parallel._mesh_axes(expert_parallel._RULES.get(), "batch"))
+  batch = expert_parallel.active_mesh_axes(mesh, "batch")
   batch = tuple(a for a in batch if a in free)
   n_tokens = next(a.shape[0] for a, split in zip(args, per_token) if split)
   tokens = P(batch) if batch and n_tokens % math.prod(mesh.shape[a] for a in batch) == 0 else P()

@@ -148,11 +148,10 @@ def _per_shard(fn, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT):
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is None or mesh.empty:
     return fn(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)
-  rules = expert_parallel._RULES.get()
   B, _, H, _ = q_BTHK.shape
 
   def dividing(name: str, size: int) -> tuple:
-    axes = expert_parallel._sized(mesh, expert_parallel._mesh_axes(rules, name))
+    axes = expert_parallel.active_mesh_axes(mesh, name)
     return axes if axes and size % math.prod(mesh.shape[a] for a in axes) == 0 else ()
 
   batch, heads = dividing("batch", B), dividing("heads", H)

@@ -132,6 +132,11 @@ def _sized(mesh, axes) -> tuple:
   return tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1)
 
 
+def active_mesh_axes(mesh, logical_name: str) -> tuple:
+  """The mesh axes of size > 1 that the active rules map `logical_name` to (e.g. 'batch', 'heads')."""
+  return _sized(mesh, _mesh_axes(_RULES.get(), logical_name))
+
+
 def _checked(group: ExpertGroup, n_units: int, n_tokens: int, field: str):
   """The group, refusing units that don't split evenly (naming `field`); None if the tokens don't split."""
   if n_units % group.n_unit_shards:
@@ -358,7 +363,7 @@ def where_tokens_are(fn, *arrays_BT):
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is None or mesh.empty:
     return fn(*arrays_BT)
-  batch = _sized(mesh, _mesh_axes(_RULES.get(), "batch"))
+  batch = active_mesh_axes(mesh, "batch")
   B, T = arrays_BT[0].shape[:2]
   if not batch or (B * T) % math.prod(mesh.shape[a] for a in batch):
     return fn(*arrays_BT)
