@@ -22,46 +22,12 @@ for every gradient (xla_gather.py). The papers' formulation stays in reference.p
 """
 
 import functools
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
-from sparsetx.config import GPU_KERNELS
-from sparsetx.config import KERNEL_IMPLEMENTATIONS as IMPLEMENTATIONS
 from sparsetx.kernels import segment_grads, token_shards, xla_gather
+from sparsetx.kernels.options import GPU_KERNELS, IMPLEMENTATIONS, KernelOptions, options_from_config  # noqa: F401 (API)
 from sparsetx.kernels.reference import Gating, gated_gather_reference, identity
-
-
-
-class KernelOptions(NamedTuple):
-  """Static knobs of the op (hashable, so they can ride along as a nondiff argument)."""
-
-  implementation: str = "auto"
-  token_chunk: int = 4  # xla path: tokens whose gathered rows exist at once
-  pair_chunk: int = 2048  # table gradients: sorted (token, slot) pairs added per step
-  block_tokens: int = 8  # pallas (triton): tokens per program (grid step)
-  block_d: int = 128  # pallas (mosaic gpu): d_model chunk of one gathered row copy
-  stages: int = 3  # pallas (mosaic gpu): gathered [64, block_d] tiles in flight
-  gpu_kernel: str = "auto"  # pallas on GPU: mosaic (Hopper and newer) | triton | auto (mosaic from sm_90)
-  interpret: bool = False  # pallas: run the kernels in interpret mode (tests on CPU)
-  row_sorted: bool = True  # xla on CPU, with gradients: one row-order sort and walk (xla_gather.row_sorted_*)
-
-
-def options_from_config(kernel_cfg) -> KernelOptions:
-  """KernelOptions from `config.model.ffn.kernel` (None gives the defaults)."""
-  if kernel_cfg is None:
-    return KernelOptions()
-  return KernelOptions(
-      implementation=kernel_cfg.implementation,
-      token_chunk=kernel_cfg.token_chunk,
-      pair_chunk=kernel_cfg.pair_chunk,
-      block_tokens=kernel_cfg.block_tokens,
-      row_sorted=bool(kernel_cfg.get("row_sorted", True)),
-      block_d=kernel_cfg.get("block_d", KernelOptions._field_defaults["block_d"]),  # configs saved before the field
-      stages=kernel_cfg.get("stages", KernelOptions._field_defaults["stages"]),
-      gpu_kernel=kernel_cfg.get("gpu_kernel", KernelOptions._field_defaults["gpu_kernel"]),
-  )
 
 
 def _backend(options: KernelOptions):
