@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 WORKDIR ?= workdir/tiny
 
-.PHONY: train test clean
+.PHONY: train test lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -20,6 +20,11 @@ train: $(VENV)/.installed
 # 8 simulated CPU devices (tests/conftest.py sets XLA_FLAGS); two workers for the two cores.
 test: $(VENV)/.installed
 	$(PY) -m pytest -n 2 tests
+
+# The house style (pyproject.toml [tool.ruff]); `ruff format .` and `ruff check --fix .` repair most of it.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 
 clean:
 	rm -rf $(VENV)
