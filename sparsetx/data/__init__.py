@@ -41,7 +41,7 @@ or your own: `python tools/build_vocab.py --kind=gpt2 --output=/data/bpe --vocab
 Resume: `iterator.save(dir)` / `iterator.restore(dir)` on every process (see pipeline.py). The state
 is a tf.train.Checkpoint of the tf.data iterator (file offsets, sampler RNG, shuffle and packing
 buffers) plus data_state.json; restoring never re-reads consumed data. Its size is about
-shuffle_buffer pieces per task per process (~2 MB at the defaults).
+shuffle_buffer pieces per task per process.
 
 Importing this package is cheap; TensorFlow and seqio load with the modules that need them.
 """
