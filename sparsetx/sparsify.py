@@ -19,6 +19,7 @@ import numpy as np
 
 from sparsetx import config as config_lib, paths
 from sparsetx.config import ConfigError
+from sparsetx.data import check_files
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import checkpointing, optimizer, state as state_lib
 
@@ -35,7 +36,7 @@ def load_checkpoint(workdir: str, mesh, step: int | None = None):
   checkpointer = checkpointing.open_read_only(workdir, "--source", "--source_step")
   try:
     step = checkpointer.checked_step(step, "--source")
-    config = config_lib.validate(checkpointer.saved_config(step))
+    config = check_files(config_lib.validate(checkpointer.saved_config(step)))
     abstract, _, _, _ = state_lib.state_shardings(config, mesh)
     params = checkpointer.restore_params(step, abstract.params)
   finally:
@@ -97,7 +98,7 @@ def sparsify(source_config, source_params, config: ml_collections.ConfigDict, me
   kept = kept_ffn_config(source_model, config.model)
   if kept is not None:
     config.model.dense_ffn = kept
-  config_lib.validate(config)
+  check_files(config_lib.validate(config))
 
   _, shardings, model, tx = state_lib.state_shardings(config, mesh)
   fresh = state_lib.create_state(config, shardings, model, tx)
@@ -198,7 +199,7 @@ def sparsify_checkpoint(source_workdir: str, config: ml_collections.ConfigDict, 
   """tools/sparsify.py on a sparsetx source: (target config, report); writes the start into `workdir`."""
   if paths.resolve(source_workdir) == paths.resolve(workdir):
     raise ConfigError(f"--workdir={workdir!r} is the source itself; write the sparsified model to a new directory.")
-  config_lib.validate(config)
+  check_files(config_lib.validate(config))
   check_target_workdir(workdir, overwrite)  # before the (slow) source is read
   mesh = mesh_lib.make_mesh(config.mesh)
   source_config, source_params = load_checkpoint(source_workdir, mesh, source_step)
@@ -209,7 +210,7 @@ def sparsify_hf(hf_dir: str, config: ml_collections.ConfigDict, workdir: str, ov
   """tools/sparsify.py --from_hf: the source is a Hugging Face directory (GPT-NeoX or a sparsetx export)."""
   from sparsetx.evaluate import export  # the HF stack (safetensors, tokenizers) only when asked for
 
-  config_lib.validate(config)
+  check_files(config_lib.validate(config))
   check_target_workdir(workdir, overwrite)
   source_config, source_params = export.load_hf(hf_dir)
   return sparsify_params(source_config, source_params, config, workdir, mesh_lib.make_mesh(config.mesh), overwrite)

@@ -4,6 +4,7 @@ import ml_collections
 import pytest
 
 from sparsetx import config as config_lib
+from sparsetx.data import check_files
 
 
 def _config(**data):
@@ -19,7 +20,7 @@ def _text_source(path, **extra):
 
 def _error(config) -> str:
   with pytest.raises(config_lib.ConfigError) as info:
-    config_lib.validate(config)
+    check_files(config_lib.validate(config))
   return str(info.value)
 
 

@@ -14,7 +14,7 @@ import seqio
 import tensorflow as tf
 
 from sparsetx import config as config_lib
-from sparsetx.data import corpus, pipeline, tasks, vocab
+from sparsetx.data import check_files, corpus, pipeline, tasks, vocab
 
 SEQ_LEN = 64
 BYTES = seqio.ByteVocabulary()
@@ -52,7 +52,7 @@ def make_config(files, mixture, **data) -> ml_collections.ConfigDict:
   config.data.update(dict(mixture=mixture, seq_len=SEQ_LEN, global_batch_size=8, eval_batch_size=8,
                           shuffle_buffer=64))
   config.data.update(data)
-  return config_lib.validate(config)
+  return check_files(config_lib.validate(config))
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +280,7 @@ def test_tfrecord_source_unpacked_rows_hold_one_piece_each(files, tmp_path):
   config.data.mixture = (("records", 1.0),)
   config.data.sources.records = ml_collections.ConfigDict(
       dict(kind="tfrecord", train=str(path), validation=str(path), text_field="body"))
-  config_lib.validate(config)
+  check_files(config_lib.validate(config))
   tasks.register_mixture(config.data, vocab.make_vocabulary(config.data))
   batches = pipeline.local_eval_batches(config, "records", "validation", seqio.ShardInfo(0, 1), 8)
   assert collections.Counter(s for b in batches for s in segments(b)) == collections.Counter(

@@ -9,7 +9,7 @@ import seqio
 import tensorflow_datasets as tfds
 
 from sparsetx import config as config_lib
-from sparsetx.data import pipeline, sources, tasks
+from sparsetx.data import check_files, pipeline, sources, tasks
 
 NAME = "sparsetx_tiny_texts"
 TEXTS = {
@@ -57,7 +57,7 @@ def make_config(data_dir: str, **source) -> ml_collections.ConfigDict:
   config.data.sources.tiny.update(source)
   config.data.update(dict(mixture=(("tiny", 1.0),), seq_len=SEQ_LEN, global_batch_size=8, eval_batch_size=8,
                           shuffle_buffer=16))
-  return config_lib.validate(config)
+  return check_files(config_lib.validate(config))
 
 
 def documents(batches) -> list[str]:

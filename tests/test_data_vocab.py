@@ -13,7 +13,7 @@ import tensorflow as tf
 import tokenizers
 
 from sparsetx import config as config_lib
-from sparsetx.data import corpus, pipeline, vocab
+from sparsetx.data import check_files, corpus, pipeline, vocab
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TEXTS = (
@@ -169,7 +169,7 @@ def test_gpt2_missing_file_is_one_clear_error(gpt2_dir, tmp_path, present, missi
   (tmp_path / present).write_text((gpt2_dir / present).read_text())
   config = config_lib.default_config()
   config.data.vocab = dict(kind="gpt2", path=str(tmp_path))
-  for check in (lambda: config_lib.validate(config), lambda: vocab.make_vocabulary(config.data)):
+  for check in (lambda: check_files(config_lib.validate(config)), lambda: vocab.make_vocabulary(config.data)):
     with pytest.raises(config_lib.ConfigError) as error:
       check()
     message = str(error.value)
@@ -189,6 +189,6 @@ def test_config_refuses_a_model_vocab_smaller_than_the_gpt2_bpe(gpt2_dir):
   config.data.vocab = dict(kind="gpt2", path=str(gpt2_dir))
   config.model.vocab_size = 384
   with pytest.raises(config_lib.ConfigError, match=r"config\.model\.vocab_size=384 is smaller .*GPT-2 BPE.*400 ids"):
-    config_lib.validate(config)
+    check_files(config_lib.validate(config))
   config.model.vocab_size = 400
-  config_lib.validate(config)
+  check_files(config_lib.validate(config))

@@ -51,6 +51,7 @@ from absl import flags  # noqa: E402
 
 from sparsetx import cli  # noqa: E402
 from sparsetx import config as config_lib  # noqa: E402
+from sparsetx.data import check_files  # noqa: E402
 from sparsetx.parallel import aot  # noqa: E402
 from sparsetx.parallel import expert_parallel  # noqa: E402
 from sparsetx.parallel import hardware  # noqa: E402
@@ -119,7 +120,7 @@ def main(argv):
   del argv
   config = with_d_model_split(_CONFIG.value) if _SPLIT.value else _CONFIG.value
   try:
-    config_lib.validate(config)
+    check_files(config_lib.validate(config))
     devices = jax.devices()[: _DEVICES.value]
     mesh = mesh_lib.make_mesh(config.mesh, devices)
     check_batch_divides(config, mesh)

@@ -8,6 +8,7 @@ Files, one concern each:
   preprocessors.py  text extraction, blank-document filter, splitting documents into seq_len pieces
   tasks.py          registers tasks `sparsetx.<name>` and the mixture `sparsetx.mixture` with seqio
   pipeline.py       `make_train_iterator`, `make_eval_iterator` / `EvalData`: global jax.Array batches
+  file_checks.py    `check_files(config)`: the files config.data names exist (sources, TFDS data_dir, tokenizer)
 
 Defaults need nothing outside the package: `config.data.mixture = (('stories', 0.7), ('facts', 0.3))`,
 byte vocabulary, seq_len 256, global batch 16, packing on.
@@ -40,7 +41,9 @@ or your own: `python tools/build_vocab.py --kind=gpt2 --output=/data/bpe --vocab
 Resume: `iterator.save(dir)` / `iterator.restore(dir)` on every process (see pipeline.py). The state
 is a tf.train.Checkpoint of the tf.data iterator (file offsets, sampler RNG, shuffle and packing
 buffers) plus data_state.json; restoring never re-reads consumed data. Its size is about
-shuffle_buffer pieces per task per process (~2 MB at the defaults).
+shuffle_buffer pieces per task per process.
 
 Importing this package is cheap; TensorFlow and seqio load with the modules that need them.
 """
+
+from sparsetx.data.file_checks import check_files  # noqa: F401  (light: no TensorFlow)

@@ -46,7 +46,7 @@ import tensorflow as tf
 from etils import epath
 
 from sparsetx import config as config_lib, paths
-from sparsetx.data import tasks, vocab
+from sparsetx.data import file_checks, tasks, vocab
 
 try:  # TensorFlow must not take the accelerators JAX uses.
   tf.config.set_visible_devices([], "GPU")
@@ -112,7 +112,7 @@ def _with_options(dataset: tf.data.Dataset) -> tf.data.Dataset:
 
 def local_train_dataset(config: ml_collections.ConfigDict, shard_info: seqio.ShardInfo, local_rows: int) -> tf.data.Dataset:
   """This process's endless stream of packed batches [local_rows, seq_len] (a tf.data.Dataset)."""
-  config_lib.validate(config)
+  file_checks.check_files(config_lib.validate(config))
   data = config.data
   vocabulary = vocab.make_vocabulary(data, config.model.vocab_size)
   mixture = tasks.register_mixture(data, vocabulary)
@@ -306,7 +306,7 @@ class EvalData:
 
   def __init__(self, config: ml_collections.ConfigDict, batch_sharding: jax.sharding.Sharding,
                split: str = "validation", shard_info: seqio.ShardInfo | None = None):
-    config_lib.validate(config)
+    file_checks.check_files(config_lib.validate(config))
     data = config.data
     self._sharding = batch_sharding
     self._global_rows = data.eval_batch_size

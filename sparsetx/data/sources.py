@@ -23,10 +23,6 @@ from sparsetx.data import corpus, preprocessors
 Preprocessor = Callable[[tf.data.Dataset], tf.data.Dataset]
 
 
-def _patterns(value) -> tuple[str, ...]:
-  return (value,) if isinstance(value, str) else tuple(value or ())
-
-
 def _files(field: str, patterns: tuple[str, ...]) -> list[str]:
   """Lists files (local or remote) with a clear error for a pattern that matches nothing."""
   files = []
@@ -99,8 +95,8 @@ def make_source(name: str, source: ml_collections.ConfigDict | None) -> tuple[se
     )
     _check_prepared_tfds(prefix, source, data_source, splits)
     return data_source, preprocessors.field_to_targets(field)
-  split_files = {"train": _files(f"{prefix}.train", _patterns(source.train))}
-  validation = _patterns(source.get("validation"))
+  split_files = {"train": _files(f"{prefix}.train", config_lib.source_patterns(source.train))}
+  validation = config_lib.source_patterns(source.get("validation"))
   if validation:
     split_files["validation"] = _files(f"{prefix}.validation", validation)
   if kind == "text":

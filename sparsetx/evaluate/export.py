@@ -23,6 +23,7 @@ import safetensors.flax
 import safetensors.numpy
 
 from sparsetx import config as config_lib, paths
+from sparsetx.data import check_files
 from sparsetx.evaluate import hf_neox, tokenizer_files
 from sparsetx.train import checkpointing, state as state_lib
 
@@ -270,7 +271,7 @@ def load_hf(hf_dir: str) -> tuple[ml_collections.ConfigDict, dict]:
   vocab = tokenizer_files.vocab_of(hf_dir)
   if vocab is not None:
     config.data.vocab = vocab
-  config_lib.validate(config)
+  check_files(config_lib.validate(config))
   return config, _in_param_dtype(config.model, params)
 
 
@@ -301,7 +302,7 @@ def import_hf(hf_dir: str, workdir: str, overwrite: bool = False,
     compute = {k: config.model[k] for k in ("dtype", "remat")}
     config.model = imported.model
     config.model.update(compute)
-    config_lib.validate(config)
+    check_files(config_lib.validate(config))
   mesh = mesh_lib.make_mesh(config.mesh)
   _, shardings, model, tx = state_lib.state_shardings(config, mesh)
   with _StagedDirectory(workdir) as staged:

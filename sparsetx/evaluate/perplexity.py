@@ -13,7 +13,7 @@ import jax
 import ml_collections
 
 from sparsetx import config as config_lib
-from sparsetx.data import pipeline, sources
+from sparsetx.data import check_files, pipeline, sources
 from sparsetx.parallel import expert_parallel, mesh as mesh_lib
 from sparsetx.train import checkpointing, loop, state as state_lib, step as step_lib
 
@@ -53,7 +53,7 @@ def restore(workdir: str, step: int | None = None, mesh: str = "one", tasks: lis
       for name in tasks:  # an unknown task is named now, before anything is compiled
         sources.make_source(name, (config.data.sources or {}).get(name))
     config.mesh = mesh_config(config, mesh)
-    config_lib.validate(config)
+    check_files(config_lib.validate(config))
     device_mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:1] if mesh == "one" else None)
     loop.check_batch_divides(config, device_mesh)
     expert_parallel.check_units_divide(config, device_mesh)

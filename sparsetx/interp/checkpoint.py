@@ -12,7 +12,7 @@ import ml_collections
 import numpy as np
 
 from sparsetx import config as config_lib
-from sparsetx.data import pipeline, vocab
+from sparsetx.data import check_files, pipeline, vocab
 from sparsetx.interp.trace import StandardizedTransformer
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import checkpointing, state as state_lib
@@ -34,7 +34,7 @@ def load(workdir: str, step: int | None = None):
     step = manager.checked_step(step)
     config = manager.saved_config(step)
     config.model.dtype = "float32"  # analysis compares values exactly; compute-only, the params are float32
-    config_lib.validate(config)
+    check_files(config_lib.validate(config))
     abstract, _, _, _ = state_lib.state_shardings(config, single_device_mesh(config))
     params = manager.restore_params(step, abstract.params)
   finally:

@@ -29,10 +29,11 @@ _HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout", 100, "Multi-host: seconds
 def main(argv):
   del argv
   from sparsetx import config as config_lib
+  from sparsetx.data import check_files
   from sparsetx.parallel import distributed
 
   try:
-    config_lib.validate(_CONFIG.value)  # before joining peers: a bad value is reported by every process alike
+    check_files(config_lib.validate(_CONFIG.value))  # before joining peers: a bad value is reported by every process alike
     spec = distributed.detect(
         os.environ, coordinator_address=_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
         process_id=_PROCESS_ID.value, local_device_ids=[int(i) for i in _LOCAL_DEVICES.value or []],

@@ -29,7 +29,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from sparsetx import config as config_lib, paths
-from sparsetx.data import pipeline
+from sparsetx.data import check_files, pipeline
 from sparsetx.models import ladder
 from sparsetx.parallel import expert_parallel, mesh as mesh_lib
 from sparsetx.train import checkpointing, metrics as metrics_lib, state as state_lib, step as step_lib
@@ -192,7 +192,7 @@ def evaluate(config, params, eval_fn, eval_data: pipeline.EvalData) -> dict:
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains to config.train.steps (or until SIGTERM); returns the last step's metrics."""
-  config_lib.validate(config)
+  check_files(config_lib.validate(config))
   check_workdir(workdir)
   mesh = mesh_lib.make_mesh(config.mesh)
   check_batch_divides(config, mesh)

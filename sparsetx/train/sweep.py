@@ -33,6 +33,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from sparsetx import cli, config as config_lib
+from sparsetx.data import check_files
 from sparsetx.models import ladder
 
 LADDER_CONFIG = "configs/ladder.py"
@@ -196,7 +197,7 @@ def parse_train_args(args: tuple[str, ...]) -> ml_collections.ConfigDict:
     cli.config_args(argv, flag_values)
   except config_lib.ConfigError as error:
     raise config_lib.ConfigError(f"the run `{shlex.join(TRAIN_COMMAND + tuple(args))}` does not parse: {error}") from None
-  return config_lib.validate(holder.value)
+  return check_files(config_lib.validate(holder.value))
 
 
 def plan(spec: SweepSpec) -> tuple[list[Run], list[Skipped]]:
