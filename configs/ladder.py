@@ -12,8 +12,8 @@ def get_config(arg: str = "sgatlin,2"):
   parts = arg.split(",")
   if len(parts) != 2 or not parts[1].strip().isdigit():
     raise config_lib.ConfigError(
-        f"configs/ladder.py:{arg} must be 'FFN,SCALE', e.g. configs/ladder.py:sgatlin,4 "
-        f"(FFN one of {', '.join(config_lib.FFN_TYPES)}; SCALE 2..8 in the paper)."
+      f"configs/ladder.py:{arg} must be 'FFN,SCALE', e.g. configs/ladder.py:sgatlin,4 "
+      f"(FFN one of {', '.join(config_lib.FFN_TYPES)}; SCALE 2..8 in the paper)."
     )
   config = config_lib.default_config()
   config.model = ladder.ladder_model_config(int(parts[1]), parts[0].strip())

@@ -21,8 +21,8 @@ from sparsetx import config as config_lib
 from sparsetx.models import ladder
 
 TARGETS = {
-    "h100": dict(ici=dict(data=-1, fsdp=1, tensor=1, expert=8), dcn=dict(data=-1, fsdp=1, tensor=1, expert=1)),
-    "v5p": dict(ici=dict(data=-1, fsdp=1, tensor=1, expert=16), dcn=dict(data=1, fsdp=1, tensor=1, expert=1)),
+  "h100": dict(ici=dict(data=-1, fsdp=1, tensor=1, expert=8), dcn=dict(data=-1, fsdp=1, tensor=1, expert=1)),
+  "v5p": dict(ici=dict(data=-1, fsdp=1, tensor=1, expert=16), dcn=dict(data=1, fsdp=1, tensor=1, expert=1)),
 }
 
 
@@ -40,15 +40,15 @@ def get_config(arg: str = "sgatlin8,h100"):
   parts = [p.strip() for p in arg.split(",")]
   if len(parts) != 2 or parts[0] not in MODELS or parts[1] not in TARGETS:
     raise config_lib.ConfigError(
-        f"configs/large.py:{arg} must be 'MODEL,TARGET' with MODEL one of {', '.join(MODELS)} and TARGET one of "
-        f"{', '.join(TARGETS)}, e.g. configs/large.py:sgatlin8,h100."
+      f"configs/large.py:{arg} must be 'MODEL,TARGET' with MODEL one of {', '.join(MODELS)} and TARGET one of "
+      f"{', '.join(TARGETS)}, e.g. configs/large.py:sgatlin8,h100."
     )
   config = config_lib.default_config()
   config.model = MODELS[parts[0]]()
   config.model.ffn.kernel.implementation = "auto"
   config.mesh.update(TARGETS[parts[1]])
   config.mesh.rules = tuple(
-      ("vocab", ("tensor", "expert")) if name == "vocab" else (name, axes) for name, axes in config_lib.DEFAULT_RULES
+    ("vocab", ("tensor", "expert")) if name == "vocab" else (name, axes) for name, axes in config_lib.DEFAULT_RULES
   )
   config.data.update(seq_len=2048, global_batch_size=256, eval_batch_size=256)
   # 4 micro-batches: one 2048-token row per device at a time, so the expert group's gathered tokens

@@ -10,18 +10,18 @@ from sparsetx import config as config_lib
 def get_config():
   config = config_lib.default_config()
   config.model.update(
-      vocab_size=50_304,
-      d_model=512,
-      n_layers=6,
-      head_dim=64,
-      max_len=2048,
-      block="parallel",
-      norm="layernorm",
-      norm_eps=1e-5,
-      use_bias=True,
-      rotary_fraction=0.25,
-      rope_base=10_000.0,
-      tie_embeddings=False,
+    vocab_size=50_304,
+    d_model=512,
+    n_layers=6,
+    head_dim=64,
+    max_len=2048,
+    block="parallel",
+    norm="layernorm",
+    norm_eps=1e-5,
+    use_bias=True,
+    rotary_fraction=0.25,
+    rope_base=10_000.0,
+    tie_embeddings=False,
   )
   config.model.ffn.update(type="mlp", d_ffw=2048)
   return config

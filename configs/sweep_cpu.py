@@ -20,8 +20,7 @@ def _tiny():
 def get_config(ffn_type: str = "sgatlin"):
   config = _tiny().get_config(ffn_type)
   config.model.update(n_layers=2, head_dim=32, max_len=32, dtype="float32")
-  config.data.update(seq_len=32, global_batch_size=8, eval_batch_size=8, shuffle_buffer=64,
-                     mixture=(("facts", 1.0),))
+  config.data.update(seq_len=32, global_batch_size=8, eval_batch_size=8, shuffle_buffer=64, mixture=(("facts", 1.0),))
   config.train.update(warmup_steps=2, log_every=1, eval_every=1000, eval_batches=1)
   config.checkpoint.update(every=1000)
   return config

@@ -17,8 +17,7 @@ import sys
 import traceback
 
 from absl import app, flags
-from ml_collections import config_dict
-from ml_collections import config_flags
+from ml_collections import config_dict, config_flags
 from ml_collections.config_flags import config_flags as config_flags_lib  # is_config_flag, the file loader
 
 from sparsetx.config import ConfigError
@@ -37,8 +36,9 @@ def run(main) -> None:
   app.run(main, flags_parser=parse_flags)
 
 
-def define_config_file(name: str, default: str | None, help_string: str, flag_values: flags.FlagValues = flags.FLAGS,
-                       **kwargs) -> flags.FlagHolder:
+def define_config_file(
+  name: str, default: str | None, help_string: str, flag_values: flags.FlagValues = flags.FLAGS, **kwargs
+) -> flags.FlagHolder:
   """`config_flags.DEFINE_config_file` whose default is loaded when the flags are parsed, not here.
 
   ml_collections loads a default config file (and applies the command line's overrides to it) while the
@@ -46,7 +46,8 @@ def define_config_file(name: str, default: str | None, help_string: str, flag_va
   as if given on the command line instead.
   """
   holder = config_flags.DEFINE_config_file(
-      name, None, help_string + (f" Default: {default}." if default else ""), flag_values=flag_values, **kwargs)
+    name, None, help_string + (f" Default: {default}." if default else ""), flag_values=flag_values, **kwargs
+  )
   flag_values[name].default_spec = default
   return holder
 
@@ -96,8 +97,9 @@ def _check_config_file(name: str, spec: str | None) -> None:
   path = spec.split(":", 1)[0]
   if not os.path.isfile(path):
     raise ConfigError(
-        f"--{name}={spec}: no such file {path!r} (relative paths start from {os.getcwd()}); "
-        "give a config file such as configs/tiny.py.")
+      f"--{name}={spec}: no such file {path!r} (relative paths start from {os.getcwd()}); "
+      "give a config file such as configs/tiny.py."
+    )
 
 
 def _chain(error: BaseException) -> list[BaseException]:
@@ -145,15 +147,22 @@ def _describe(error: Exception, argv: list[str], flag_values: flags.FlagValues, 
 def _describe_load_error(name: str, spec: str, error: BaseException) -> str:
   path = spec.split(":", 1)[0]
   if isinstance(error, SyntaxError):
-    return (f"--{name}={spec}: syntax error in {error.filename or path} line {error.lineno} ({error.msg}); "
-            "fix the config file.")
-  where = [frame for frame in traceback.extract_tb(error.__traceback__)
-           if os.path.abspath(frame.filename) == os.path.abspath(path)]
+    return (
+      f"--{name}={spec}: syntax error in {error.filename or path} line {error.lineno} ({error.msg}); "
+      "fix the config file."
+    )
+  where = [
+    frame
+    for frame in traceback.extract_tb(error.__traceback__)
+    if os.path.abspath(frame.filename) == os.path.abspath(path)
+  ]
   location = f" at {path} line {where[-1].lineno}" if where else ""
   arg = f"({spec.split(':', 1)[1]!r})" if ":" in spec else "()"
   reason = str(error).strip().splitlines()[-1] if str(error).strip() else ""
-  return (f"--{name}={spec}: get_config{arg} raised {type(error).__name__}{location}"
-          f"{': ' + reason if reason else ''}; fix the config file or its ':ARG'.")
+  return (
+    f"--{name}={spec}: get_config{arg} raised {type(error).__name__}{location}"
+    f"{': ' + reason if reason else ''}; fix the config file or its ':ARG'."
+  )
 
 
 def _unknown_override(argv: list[str], config_names: list[str], flag_values: flags.FlagValues) -> str | None:
@@ -167,8 +176,10 @@ def _unknown_override(argv: list[str], config_names: list[str], flag_values: fla
       node, walked = config, name
       for part in override.split("."):
         if not isinstance(node, (config_dict.ConfigDict, dict)):
-          return (f"--{name}.{override}: {walked} is a value ({node!r}), not a section with a field {part!r}; "
-                  f"set --{walked}=VALUE instead.")
+          return (
+            f"--{name}.{override}: {walked} is a value ({node!r}), not a section with a field {part!r}; "
+            f"set --{walked}=VALUE instead."
+          )
         if part not in node:
           fields = sorted(node.keys())
           close = difflib.get_close_matches(part, fields, n=1)

@@ -5,10 +5,10 @@ Storage through `tf.io.gfile` (TensorFlow is installed for seqio), orbax writes 
 through tensorstore, and TensorBoard's writer through TensorFlow.
 """
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Iterator
-import contextlib
 
 from etils import epath
 

@@ -17,11 +17,13 @@ import jax
 import ml_collections
 import numpy as np
 
-from sparsetx import config as config_lib, paths
+from sparsetx import config as config_lib
+from sparsetx import paths
 from sparsetx.config import ConfigError
 from sparsetx.data import check_files
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import checkpointing, optimizer, state as state_lib
+from sparsetx.train import checkpointing, optimizer
+from sparsetx.train import state as state_lib
 
 # Model fields the target may set freely: the feed-forward choice and compute-only knobs. Every other
 # field (d_model, head_dim, vocab_size, n_layers, block, norm, biases, rotary, param_dtype, ...) shapes or
@@ -51,8 +53,8 @@ def check_same_architecture(source: ml_collections.ConfigDict, target: ml_collec
       continue
     if source.get(key) != target.get(key):
       raise ConfigError(
-          f"config.model.{key}={target.get(key)!r} but the source model has {source.get(key)!r}; sparsify keeps "
-          f"everything outside the feed-forward layers, so set config.model.{key}={source.get(key)!r}."
+        f"config.model.{key}={target.get(key)!r} but the source model has {source.get(key)!r}; sparsify keeps "
+        f"everything outside the feed-forward layers, so set config.model.{key}={source.get(key)!r}."
       )
 
 
@@ -64,8 +66,8 @@ def kept_ffn_config(source: ml_collections.ConfigDict, target: ml_collections.Co
     return None
   if any(ffn != kept[0] for ffn in kept):
     raise ConfigError(
-        "the source model mixes feed-forward types over the layers config.model.ffn_layers keeps; swap those "
-        "layers too, or keep only layers that share one type."
+      "the source model mixes feed-forward types over the layers config.model.ffn_layers keeps; swap those "
+      "layers too, or keep only layers that share one type."
     )
   return ml_collections.ConfigDict(kept[0])
 
@@ -113,25 +115,29 @@ def sparsify(source_config, source_params, config: ml_collections.ConfigDict, me
       new[name] = size
       return fresh_leaf
     if name not in source_leaves:
-      raise ConfigError(f"the target model has parameter {name!r}, which the source model lacks; "
-                        "the two architectures differ outside the feed-forward layers.")
+      raise ConfigError(
+        f"the target model has parameter {name!r}, which the source model lacks; "
+        "the two architectures differ outside the feed-forward layers."
+      )
     leaf = source_leaves[name]
     if tuple(leaf.shape) != tuple(fresh_leaf.shape) or leaf.dtype != fresh_leaf.dtype:
-      raise ConfigError(f"parameter {name!r} is {leaf.dtype}{list(leaf.shape)} in the source but "
-                        f"{fresh_leaf.dtype}{list(fresh_leaf.shape)} in the target; the architectures must match "
-                        "outside the feed-forward layers.")
+      raise ConfigError(
+        f"parameter {name!r} is {leaf.dtype}{list(leaf.shape)} in the source but "
+        f"{fresh_leaf.dtype}{list(fresh_leaf.shape)} in the target; the architectures must match "
+        "outside the feed-forward layers."
+      )
     copied[name] = size
     return jax.device_put(leaf, sharding)
 
   params = jax.tree_util.tree_map_with_path(take, fresh.params, shardings.params, labels)
   dropped = {name: int(np.prod(leaf.shape)) for name, leaf in source_leaves.items() if name not in copied}
   report = dict(
-      swapped_layers=list(config_lib.ffn_layer_indices(config.model)),
-      ffn=config.model.ffn.to_dict(),
-      copied=_summary(copied),
-      new=_summary(new),
-      dropped=_summary(dropped),
-      total=sum(copied.values()) + sum(new.values()),
+    swapped_layers=list(config_lib.ffn_layer_indices(config.model)),
+    ffn=config.model.ffn.to_dict(),
+    copied=_summary(copied),
+    new=_summary(new),
+    dropped=_summary(dropped),
+    total=sum(copied.values()) + sum(new.values()),
   )
   return config, fresh.replace(params=params), report
 
@@ -148,8 +154,8 @@ def check_target_workdir(workdir: str, overwrite: bool) -> list[str]:
   existing = [name for name in TRAINER_OUTPUTS if (paths.resolve(workdir) / name).exists()]  # local or gs://
   if existing and not overwrite:
     raise ConfigError(
-        f"--workdir={workdir!r} already holds {', '.join(existing)}; choose a new directory or pass --overwrite "
-        "to replace that run."
+      f"--workdir={workdir!r} already holds {', '.join(existing)}; choose a new directory or pass --overwrite "
+      "to replace that run."
     )
   return existing
 
@@ -194,8 +200,13 @@ def format_report(report: dict) -> str:
   return "\n".join(lines)
 
 
-def sparsify_checkpoint(source_workdir: str, config: ml_collections.ConfigDict, workdir: str,
-                        overwrite: bool = False, source_step: int | None = None):
+def sparsify_checkpoint(
+  source_workdir: str,
+  config: ml_collections.ConfigDict,
+  workdir: str,
+  overwrite: bool = False,
+  source_step: int | None = None,
+):
   """tools/sparsify.py on a sparsetx source: (target config, report); writes the start into `workdir`."""
   if paths.resolve(source_workdir) == paths.resolve(workdir):
     raise ConfigError(f"--workdir={workdir!r} is the source itself; write the sparsified model to a new directory.")

@@ -3,7 +3,6 @@
 import importlib.util
 import os
 import pathlib
-
 import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")

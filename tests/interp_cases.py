@@ -32,14 +32,19 @@ def tokens(seed=1, batch=B, length=T):
   return np.asarray(jax.random.randint(jax.random.key(seed), (batch, length), 3, 259))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def validation_rows():
   """Four rows of 32 tokens as checkpoint.validation_rows gives them, the first with a padded tail."""
   inputs = tokens(seed=3, batch=4, length=32)
   weights = np.ones(inputs.shape, np.float32)
   weights[0, 20:] = 0.0  # a padded tail is not recorded
-  return dict(inputs=inputs, targets=np.roll(inputs, -1, axis=1), positions=np.broadcast_to(np.arange(32), inputs.shape),
-              segment_ids=np.ones_like(inputs), loss_weights=weights)
+  return dict(
+    inputs=inputs,
+    targets=np.roll(inputs, -1, axis=1),
+    positions=np.broadcast_to(np.arange(32), inputs.shape),
+    segment_ids=np.ones_like(inputs),
+    loss_weights=weights,
+  )
 
 
 def random_model(ffn_type: str, ffn: tuple = (), **model) -> StandardizedTransformer:
@@ -52,7 +57,7 @@ def parallel_sgatlin() -> StandardizedTransformer:
   return random_model("sgatlin", block="parallel", norm="layernorm", use_bias=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def parallel_sgatlin_trace() -> dict:
   """Every served value of `parallel_sgatlin()` on `tokens()`: one compiled trace shared by the test files."""
   model = parallel_sgatlin()

@@ -21,6 +21,7 @@ def gather_case(seed, batch, length, n_channels, top_k, n_neurons, d_model, dtyp
 
 def value_and_grads(fn, x, w_in, w_out, rows, gates, bias):
   """A scalar loss that weights every output differently, and its gradients to every float input."""
+
   def loss(x, w_in, w_out, gates, bias):
     y = fn(x, w_in, w_out, rows, gates, bias).astype(jnp.float32)
     return jnp.sum(jnp.sin(y * 3.0))

@@ -88,7 +88,8 @@ def _gelu_exact(z):
 def fff_walk(x_ND, w_in_PMD, b_in_PM, w_out_PMD, b_out_D, depth, variant="fff"):
   """(y [N, D], path [N, P, depth + 1]) in float64, one token and one tree at a time."""
   x_ND, w_in_PMD, b_in_PM, w_out_PMD, b_out_D = (
-      np.asarray(a, np.float64) for a in (x_ND, w_in_PMD, b_in_PM, w_out_PMD, b_out_D))
+    np.asarray(a, np.float64) for a in (x_ND, w_in_PMD, b_in_PM, w_out_PMD, b_out_D)
+  )
   n_tokens, n_trees = x_ND.shape[0], w_in_PMD.shape[0]
   y_ND = np.zeros(x_ND.shape)
   path = np.zeros((n_tokens, n_trees, depth + 1), np.int64)

@@ -28,8 +28,9 @@ def packed_segments(B: int, T: int):
 
 
 def qkv(B=2, T=40, H=2, K=64, dtype=jnp.float32, seed=0):
-  return tuple(jax.random.normal(k, (B, T, H, K), jnp.float32).astype(dtype)
-               for k in jax.random.split(jax.random.key(seed), 3))
+  return tuple(
+    jax.random.normal(k, (B, T, H, K), jnp.float32).astype(dtype) for k in jax.random.split(jax.random.key(seed), 3)
+  )
 
 
 def reference_attention(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT):
@@ -54,8 +55,9 @@ def test_xla_attention_is_causal_softmax_within_documents():
   q, k, v = qkv()
   segments = packed_segments(2, 40)
   # Summation-order rounding of float32 dots over K = 64 and sums over <= 40 keys: a few hundred eps of |v|.
-  np.testing.assert_allclose(xla(q, k, v, segments), reference_attention(q, k, v, segments),
-                             atol=256 * EPS32 * float(jnp.abs(v).max()), rtol=0)
+  np.testing.assert_allclose(
+    xla(q, k, v, segments), reference_attention(q, k, v, segments), atol=256 * EPS32 * float(jnp.abs(v).max()), rtol=0
+  )
 
 
 FUSED_ON_CPU = [("splash", attention_lib.splash_attention), ("pallas", attention_lib.pallas_attention)]
@@ -67,8 +69,11 @@ def test_fused_kernel_values_and_gradients_equal_xla(name, kernel):
   q, k, v = qkv()
   segments = packed_segments(2, 40)
   cotangent = jax.random.normal(jax.random.key(9), q.shape)
-  loss = lambda f: jax.jit(jax.value_and_grad(  # noqa: E731
-      lambda q, k, v: jnp.vdot(f(q, k, v, segments), cotangent), argnums=(0, 1, 2)))
+  loss = lambda f: jax.jit(
+    jax.value_and_grad(  # noqa: E731
+      lambda q, k, v: jnp.vdot(f(q, k, v, segments), cotangent), argnums=(0, 1, 2)
+    )
+  )
   fused = lambda q, k, v, s: kernel(q, k, v, s, interpret=True)  # noqa: E731
   out_fused, out_xla = jax.jit(fused)(q, k, v, segments), jax.jit(xla)(q, k, v, segments)
   (_, grads_fused), (_, grads_xla) = loss(fused)(q, k, v), loss(xla)(q, k, v)
@@ -88,14 +93,19 @@ def test_fused_kernel_in_bfloat16_is_within_bfloat16_rounding(name, kernel):
   segments = packed_segments(2, 128)
   out_fused = jax.jit(lambda *a: kernel(*a, interpret=True))(q, k, v, segments)
   assert out_fused.dtype == jnp.bfloat16
-  np.testing.assert_allclose(np.asarray(out_fused, np.float32), np.asarray(jax.jit(xla)(q, k, v, segments), np.float32),
-                             atol=4 * EPS_BF16 * float(jnp.abs(v.astype(jnp.float32)).max()), rtol=0)
+  np.testing.assert_allclose(
+    np.asarray(out_fused, np.float32),
+    np.asarray(jax.jit(xla)(q, k, v, segments), np.float32),
+    atol=4 * EPS_BF16 * float(jnp.abs(v.astype(jnp.float32)).max()),
+    rtol=0,
+  )
 
 
 @pytest.mark.parametrize("attention", ["splash", "pallas"])
 def test_fused_kernel_on_a_mesh_runs_per_shard_and_equals_xla(attention):
   """Rows over data (4), heads over tensor (2): each device runs the kernel on its own rows and heads."""
-  from sparsetx.parallel import expert_parallel, mesh as mesh_lib
+  from sparsetx.parallel import expert_parallel
+  from sparsetx.parallel import mesh as mesh_lib
 
   config = config_lib.default_config().mesh
   config.ici.update(data=4, fsdp=1, tensor=2, expert=1)
@@ -144,8 +154,11 @@ def test_model_with_fused_attention_matches_xla_and_runs_the_kernel(attention):
     np.testing.assert_allclose(g_fused, g_xla, atol=128 * EPS32 * float(jnp.abs(g_xla).max()), rtol=0)
   # The train step's loss (which records intermediates for the sparse-layer stats) runs the kernel.
   batch = dict(inputs=tokens, targets=tokens, positions=positions, segment_ids=segments)
-  losses = lambda model: str(jax.make_jaxpr(  # noqa: E731
-      lambda p: step_lib.token_losses(model, p, batch, 0.0))(variables["params"]))
+  losses = lambda model: str(
+    jax.make_jaxpr(  # noqa: E731
+      lambda p: step_lib.token_losses(model, p, batch, 0.0)
+    )(variables["params"])
+  )
   assert "pallas_call" in losses(fused) and "pallas_call" not in losses(reference)
   # The fused kernels form no pattern to tap; the interp tools' model (with_xla_attention) does.
   _, state = fused.apply(variables, tokens, positions, segments, mutable=["intermediates"])
@@ -181,11 +194,17 @@ def test_auto_picks_cudnn_on_gpu_splash_on_tpu_xla_on_cpu(monkeypatch):
   assert attention_lib.resolve("pallas", jnp.float32) == "pallas"
 
 
-@pytest.mark.parametrize("update, message", [
+@pytest.mark.parametrize(
+  "update, message",
+  [
     (dict(attention="flash"), r"config\.model\.attention='flash' is unknown; use one of 'auto', 'xla'"),
-    (dict(attention="cudnn", dtype="float32"), r"config\.model\.attention='cudnn' has no float32 kernel; set config\.model\.dtype"),
+    (
+      dict(attention="cudnn", dtype="float32"),
+      r"config\.model\.attention='cudnn' has no float32 kernel; set config\.model\.dtype",
+    ),
     (dict(attention="cudnn", head_dim=36, d_model=144), r"head_dim that is a multiple of 8"),
-])
+  ],
+)
 def test_bad_attention_config_is_one_clear_error(update, message):
   config = load_config("configs/tiny.py", "mlp")
   config.model.update(update)
@@ -214,10 +233,12 @@ def lowered_train_grads(monkeypatch, platform: str, attention: str) -> str:
   monkeypatch.setattr(jax, "default_backend", lambda: backend)
   if platform == "cuda":
     from jax._src.cudnn import fused_attention_stablehlo
+
     # Lowering needs only cuDNN's version number (no library on a CPU machine): 9.10.
     monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
   else:
     from jax._src.pallas.mosaic import tpu_info
+
     monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5p")
   model = Transformer(model_config(attention, dtype="bfloat16", max_len=256))
   tokens = jax.ShapeDtypeStruct((2, 256), jnp.int32)
@@ -246,14 +267,24 @@ def test_tpu_lowering_runs_splash_attention_forward_and_backward(monkeypatch):
   assert logits_shape() not in text
 
 
-@pytest.mark.parametrize("platform, calls", [
+@pytest.mark.parametrize(
+  "platform, calls",
+  [
     ("cuda", {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"}),
-    ("tpu", {"splash_mha_fwd_segmented_residuals", "splash_mha_dq_segmented_no_residuals",
-             "splash_mha_dkv_segmented_no_residuals"}),
-])
+    (
+      "tpu",
+      {
+        "splash_mha_fwd_segmented_residuals",
+        "splash_mha_dq_segmented_no_residuals",
+        "splash_mha_dkv_segmented_no_residuals",
+      },
+    ),
+  ],
+)
 def test_train_step_lowers_with_the_fused_attention_by_default(monkeypatch, platform, calls):
   """The whole train step (bf16, attention=auto) lowered as the trainer jits it: the fused calls, no XLA logits."""
   from jax._src.cudnn import fused_attention_stablehlo
+
   from sparsetx.parallel import aot
 
   monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)  # see lowered_train_grads
@@ -269,7 +300,8 @@ def test_train_step_lowers_with_the_fused_attention_by_default(monkeypatch, plat
 @pytest.mark.parametrize("ici", [dict(data=8), dict(data=4, tensor=2)])
 def test_splash_train_step_lowers_on_a_tpu_mesh(ici):
   """On a mesh splash runs in a shard_map over every free axis (Pallas TPU refuses a partially manual region)."""
-  from sparsetx.parallel import aot, mesh as mesh_lib
+  from sparsetx.parallel import aot
+  from sparsetx.parallel import mesh as mesh_lib
 
   config = load_config("configs/tiny.py", "mlp")
   config.model.update(max_len=256, n_layers=1)

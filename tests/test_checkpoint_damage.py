@@ -14,8 +14,8 @@ import sys
 import jax
 import numpy as np
 import pytest
-
 from conftest import REPO, load_config
+
 from sparsetx.interp import checkpoint as interp_checkpoint
 from sparsetx.train import checkpointing, loop
 
@@ -77,19 +77,31 @@ def empty_step(step_dir: str) -> None:
 STEP = "{w}/checkpoints/4"
 DATA = "{w}/data_state/4/shard_00000_of_00001"
 DAMAGES = {  # name: (damage of the newest step, what the message says is wrong)
-    "config JSON cut short": (lambda w: truncate(f"{STEP.format(w=w)}/config/metadata"), "its saved config is unreadable"),
-    "config deleted": (lambda w: delete(f"{STEP.format(w=w)}/config/metadata"), "its saved config is unreadable"),
-    "array metadata cut short": (lambda w: truncate(f"{STEP.format(w=w)}/state/_METADATA"),
-                                 "the metadata of its arrays is unreadable"),
-    "array files deleted": (lambda w: delete(f"{STEP.format(w=w)}/state/d/*"), "the metadata of its arrays is unreadable"),
-    "array chunks deleted": (lambda w: delete(f"{STEP.format(w=w)}/state/ocdbt.process_0/d/*"), "reading it failed"),
-    "state item deleted": (lambda w: shutil.rmtree(f"{STEP.format(w=w)}/state"), "its 'state' item"),
-    "empty step directory": (lambda w: empty_step(STEP.format(w=w)), "holds no checkpoint items"),
-    "data state missing": (lambda w: shutil.rmtree(f"{w}/data_state/4"), "its data state"),
-    "data state JSON garbage": (lambda w: open(f"{DATA.format(w=w)}/data_state.json", "w").write("garbage"),
-                                "data_state.json is unreadable"),
-    "data iterator garbage": (lambda w: open(f"{DATA.format(w=w)}/iterator.index", "w").write("garbage"),
-                              "its data iterator checkpoint"),
+  "config JSON cut short": (
+    lambda w: truncate(f"{STEP.format(w=w)}/config/metadata"),
+    "its saved config is unreadable",
+  ),
+  "config deleted": (lambda w: delete(f"{STEP.format(w=w)}/config/metadata"), "its saved config is unreadable"),
+  "array metadata cut short": (
+    lambda w: truncate(f"{STEP.format(w=w)}/state/_METADATA"),
+    "the metadata of its arrays is unreadable",
+  ),
+  "array files deleted": (
+    lambda w: delete(f"{STEP.format(w=w)}/state/d/*"),
+    "the metadata of its arrays is unreadable",
+  ),
+  "array chunks deleted": (lambda w: delete(f"{STEP.format(w=w)}/state/ocdbt.process_0/d/*"), "reading it failed"),
+  "state item deleted": (lambda w: shutil.rmtree(f"{STEP.format(w=w)}/state"), "its 'state' item"),
+  "empty step directory": (lambda w: empty_step(STEP.format(w=w)), "holds no checkpoint items"),
+  "data state missing": (lambda w: shutil.rmtree(f"{w}/data_state/4"), "its data state"),
+  "data state JSON garbage": (
+    lambda w: open(f"{DATA.format(w=w)}/data_state.json", "w").write("garbage"),
+    "data_state.json is unreadable",
+  ),
+  "data iterator garbage": (
+    lambda w: open(f"{DATA.format(w=w)}/iterator.index", "w").write("garbage"),
+    "its data iterator checkpoint",
+  ),
 }
 READER_SEES = ("config", "array", "state item", "empty")  # the readers need no data state
 
@@ -103,8 +115,12 @@ def test_damaged_newest_step_is_one_error_and_changes_nothing(copy, name):
     loop.train(micro_config(steps=6), copy)
   message = str(error.value)
   assert message.startswith(f"checkpoint step 4 in {copy}/checkpoints cannot be read: ") and problem in message
-  assert message.endswith("pick an older complete step with --config.checkpoint.restore_step=N (saved steps: 2); "
-                          "nothing was deleted.") and "\n" not in message
+  assert (
+    message.endswith(
+      "pick an older complete step with --config.checkpoint.restore_step=N (saved steps: 2); nothing was deleted."
+    )
+    and "\n" not in message
+  )
   if any(word in name for word in READER_SEES):
     with pytest.raises(checkpointing.CheckpointError, match=r"with --step=N \(saved steps: 2\)"):
       interp_checkpoint.load(copy)
@@ -128,8 +144,11 @@ def test_resume_from_an_older_step_reproduces_the_damaged_one(trained, copy):
 
 def test_resume_with_another_feed_forward_type_names_the_type(copy):
   before = tree(copy)
-  with pytest.raises(checkpointing.ConfigError, match=r'^config.model.ffn.type="fff" but the checkpoint .* was '
-                                                      r'trained with "mlp"'):
+  with pytest.raises(
+    checkpointing.ConfigError,
+    match=r'^config.model.ffn.type="fff" but the checkpoint .* was '
+    r'trained with "mlp"',
+  ):
     loop.train(micro_config("fff", steps=6), copy)
   assert tree(copy) == before
 
@@ -138,7 +157,9 @@ def test_restore_step_that_was_not_saved_is_refused(copy):
   config = micro_config(steps=6)
   config.checkpoint.restore_step = 3
   before = tree(copy)
-  with pytest.raises(checkpointing.CheckpointError, match=r"restore_step=3 is not a saved step .*; saved steps: 2, 4\."):
+  with pytest.raises(
+    checkpointing.CheckpointError, match=r"restore_step=3 is not a saved step .*; saved steps: 2, 4\."
+  ):
     loop.train(config, copy)
   assert tree(copy) == before
 
@@ -147,8 +168,13 @@ def test_evaluate_reports_a_damaged_step_in_one_line(copy):
   """Array chunks gone: found by the restore itself, whose reads still in flight print nothing after the line."""
   delete(f"{copy}/checkpoints/4/state/ocdbt.process_0/d/*")
   before = tree(copy)
-  result = subprocess.run([sys.executable, "-m", "sparsetx.evaluate", f"--workdir={copy}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+  result = subprocess.run(
+    [sys.executable, "-m", "sparsetx.evaluate", f"--workdir={copy}"],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert result.returncode == 2, result.stderr
   errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
   # tensorstore may still print its in-flight reads' "Event loop is closed" (from its own threads, racing the

@@ -11,17 +11,19 @@ import sys
 
 import pytest
 from absl import flags
-
 from conftest import REPO
-from sparsetx import cli, config as config_lib
+
+from sparsetx import cli
+from sparsetx import config as config_lib
 
 
 def parse(*args: str):
   """(config, workdir) as `python -m sparsetx.train ARGS` parses them (its config and workdir flags)."""
   argv = ["sparsetx.train", *args]
   values = flags.FlagValues()
-  config = cli.define_config_file("config", "configs/tiny.py", "Config file.", flag_values=values, lock_config=True,
-                                  sys_argv=argv)
+  config = cli.define_config_file(
+    "config", "configs/tiny.py", "Config file.", flag_values=values, lock_config=True, sys_argv=argv
+  )
   workdir = flags.DEFINE_string("workdir", None, "Directory for checkpoints.", flag_values=values, required=True)
   cli.parse_flags(argv, values)
   return config.value, workdir.value
@@ -49,20 +51,30 @@ def in_repo(monkeypatch):
   monkeypatch.chdir(REPO)  # config paths are relative to the repository, as in the README
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--config.train.stepz=10"], "error: --config.train.stepz: config.train has no field 'stepz'; "
-                                  "did you mean --config.train.steps?"),
+@pytest.mark.parametrize(
+  "args, message",
+  [
+    (
+      ["--config.train.stepz=10"],
+      "error: --config.train.stepz: config.train has no field 'stepz'; did you mean --config.train.steps?",
+    ),
     (["--config.trian.steps=10"], "config has no field 'trian'; did you mean --config.train?"),
     (["--config.train.steps.x=1"], "config.train.steps is a value (300), not a section"),
-    (["--config.train.steps=ten"], "error: --config.train.steps='ten' is not an integer; give one such as "
-                                   "--config.train.steps=300."),
+    (
+      ["--config.train.steps=ten"],
+      "error: --config.train.steps='ten' is not an integer; give one such as --config.train.steps=300.",
+    ),
     (["--config.train.learning_rate=abc"], "--config.train.learning_rate='abc' is not a number"),
     (["--config=configs/tiny.py:bogus"], "error: configs/tiny.py:bogus names an unknown feed-forward type; use one of"),
     (["--config=configs/nope.py"], "error: --config=configs/nope.py: no such file 'configs/nope.py'"),
     (["--workdirr=x"], "error: --workdirr is not a flag of this program; did you mean --workdir?"),
     ([], "error: --workdir is required: Directory for checkpoints."),
-    (["--config.train.steps=3", "--config=configs/tiny.py"], "--config.train.steps=3 in argv before a value for --config"),
-])
+    (
+      ["--config.train.steps=3", "--config=configs/tiny.py"],
+      "--config.train.steps=3 in argv before a value for --config",
+    ),
+  ],
+)
 def test_bad_flag_is_one_error_line(capsys, args, message):
   args = args if any(a.startswith("--workdir") for a in args) or not args else [*args, "--workdir=/nonexistent/w"]
   assert message in one_error_line(capsys, *args)
@@ -70,16 +82,22 @@ def test_bad_flag_is_one_error_line(capsys, args, message):
 
 def test_bad_config_file_is_one_error_line(capsys, bad_config_files):
   line = one_error_line(capsys, f"--config={bad_config_files}/syntax.py", "--workdir=w")
-  assert line == (f"error: --config={bad_config_files}/syntax.py: syntax error in {bad_config_files}/syntax.py line 1 "
-                  "(invalid syntax); fix the config file.")
+  assert line == (
+    f"error: --config={bad_config_files}/syntax.py: syntax error in {bad_config_files}/syntax.py line 1 "
+    "(invalid syntax); fix the config file."
+  )
   line = one_error_line(capsys, f"--config={bad_config_files}/raises.py", "--workdir=w")
-  assert line == (f"error: --config={bad_config_files}/raises.py: get_config() raised KeyError at "
-                  f"{bad_config_files}/raises.py line 2: 'model'; fix the config file or its ':ARG'.")
+  assert line == (
+    f"error: --config={bad_config_files}/raises.py: get_config() raised KeyError at "
+    f"{bad_config_files}/raises.py line 2: 'model'; fix the config file or its ':ARG'."
+  )
   line = one_error_line(capsys, f"--config={bad_config_files}/raises.py:x", "--workdir=w")
   assert "get_config('x') raised TypeError: get_config() takes 0 positional arguments" in line
 
 
-@pytest.mark.parametrize("override, message", [
+@pytest.mark.parametrize(
+  "override, message",
+  [
     ("train.learning_rate=inf", "config.train.learning_rate=inf is not a finite number"),
     ("train.learning_rate=nan", "config.train.learning_rate=nan is not a finite number"),
     ("train.weight_decay=-inf", "config.train.weight_decay=-inf is not a finite number"),
@@ -92,7 +110,8 @@ def test_bad_config_file_is_one_error_line(capsys, bad_config_files):
     ("model.ffn.type=dense", "config.model.ffn.type='dense' is unknown"),
     ("model.ffn.d_ffw=1000", "config.model.ffn.d_ffw=1000 must be a perfect square"),
     ("model.ffn.top_k=40", "config.model.ffn.top_k=40 must be smaller than sqrt(d_ffw)=32"),
-])
+  ],
+)
 def test_bad_value_is_refused_by_validation(override, message):
   config, _ = parse(f"--config.{override}", "--workdir=w")
   with pytest.raises(config_lib.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -100,8 +119,13 @@ def test_bad_value_is_refused_by_validation(override, message):
 
 
 def test_good_flags_parse():
-  config, workdir = parse("--config=configs/tiny.py:fff", "--config.train.steps=7", "--config.train.learning_rate=3e-4",
-                          "--config.checkpoint.restore_step=2", "--workdir=w")
+  config, workdir = parse(
+    "--config=configs/tiny.py:fff",
+    "--config.train.steps=7",
+    "--config.train.learning_rate=3e-4",
+    "--config.checkpoint.restore_step=2",
+    "--workdir=w",
+  )
   assert (config.model.ffn.type, config.train.steps, config.train.learning_rate) == ("fff", 7, 3e-4)
   assert config.checkpoint.restore_step == 2 and workdir == "w"
   config_lib.validate(config)
@@ -112,11 +136,17 @@ def run(*command: str) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, *command], cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("command, message", [
+@pytest.mark.parametrize(
+  "command, message",
+  [
     (["-m", "sparsetx.train", "--config.train.stepz=10"], "did you mean --config.train.steps?"),
-    (["-m", "sparsetx.train", "--config.train.learning_rate=inf"], "config.train.learning_rate=inf is not a finite number"),
+    (
+      ["-m", "sparsetx.train", "--config.train.learning_rate=inf"],
+      "config.train.learning_rate=inf is not a finite number",
+    ),
     (["tools/export.py", "--config=configs/nope.py", "--import_from=x"], "--config=configs/nope.py: no such file"),
-])
+  ],
+)
 def test_programs_report_one_line_and_exit_2(tmp_path, command, message):
   workdir = tmp_path / "never"
   result = run(*command, f"--workdir={workdir}")

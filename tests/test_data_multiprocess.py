@@ -51,9 +51,15 @@ def test_each_process_reads_its_shard_into_one_global_batch(tmp_path):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
   port = str(_free_port())
   workers = [
-      subprocess.Popen([sys.executable, "-c", WORKER, str(i), port, str(tmp_path)], env=env, cwd=REPO,
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-      for i in range(2)
+    subprocess.Popen(
+      [sys.executable, "-c", WORKER, str(i), port, str(tmp_path)],
+      env=env,
+      cwd=REPO,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
   ]
   logs = [w.communicate(timeout=240)[0] for w in workers]
   for worker, log in zip(workers, logs):
@@ -65,6 +71,6 @@ def test_each_process_reads_its_shard_into_one_global_batch(tmp_path):
   assert global_targets.shape == (8, 64)
   for r in results:  # each process's 4 rows sit where its devices hold them
     first = min(r["rows"])
-    np.testing.assert_array_equal(global_targets[first:first + 4], np.array(r["local"]))
+    np.testing.assert_array_equal(global_targets[first : first + 4], np.array(r["local"]))
   assert not {tuple(row) for row in results[0]["local"]} & {tuple(row) for row in results[1]["local"]}
   assert results[0]["eval_batches"] == results[1]["eval_batches"] > 0

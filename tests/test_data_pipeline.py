@@ -6,12 +6,13 @@ import math
 import os
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ml_collections
 import numpy as np
 import pytest
 import seqio
 import tensorflow as tf
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from sparsetx import config as config_lib
 from sparsetx.data import check_files, corpus, pipeline, tasks, vocab
@@ -45,12 +46,13 @@ def make_config(files, mixture, **data) -> ml_collections.ConfigDict:
   config = config_lib.default_config()
   root = files["root"]
   config.data.sources.alpha = ml_collections.ConfigDict(
-      dict(kind="text", train=str(root / "alpha-*.txt"), validation=str(root / "alpha-*.txt")))
+    dict(kind="text", train=str(root / "alpha-*.txt"), validation=str(root / "alpha-*.txt"))
+  )
   config.data.sources.beta = ml_collections.ConfigDict(dict(kind="text", train=str(root / "beta.txt")))
   config.data.sources.gamma = ml_collections.ConfigDict(
-      dict(kind="jsonl", train=str(root / "gamma.jsonl"), text_field="text"))
-  config.data.update(dict(mixture=mixture, seq_len=SEQ_LEN, global_batch_size=8, eval_batch_size=8,
-                          shuffle_buffer=64))
+    dict(kind="jsonl", train=str(root / "gamma.jsonl"), text_field="text")
+  )
+  config.data.update(dict(mixture=mixture, seq_len=SEQ_LEN, global_batch_size=8, eval_batch_size=8, shuffle_buffer=64))
   config.data.update(data)
   return check_files(config_lib.validate(config))
 
@@ -64,7 +66,7 @@ def sharding():
 def pieces(text: str, length: int = SEQ_LEN) -> list[tuple[int, ...]]:
   """What the pipeline must deliver for one document: its bytes + EOS, cut every `length` tokens."""
   ids = BYTES.encode(text) + [BYTES.eos_id]
-  return [tuple(ids[i:i + length]) for i in range(0, len(ids), length)]
+  return [tuple(ids[i : i + length]) for i in range(0, len(ids), length)]
 
 
 def segments(batch) -> list[tuple[int, ...]]:
@@ -92,7 +94,7 @@ def check_row_structure(batch):
     for begin, end in zip(starts, list(starts[1:]) + [n]):
       np.testing.assert_array_equal(pos[begin:end], np.arange(end - begin))
       assert inputs[begin] == 0
-      np.testing.assert_array_equal(inputs[begin + 1:end], targets[begin:end - 1])
+      np.testing.assert_array_equal(inputs[begin + 1 : end], targets[begin : end - 1])
 
 
 def test_mixture_draws_from_its_tasks_at_the_configured_rates(files):
@@ -143,8 +145,9 @@ def test_two_processes_read_disjoint_examples_whose_union_is_one_process(files, 
   seqio_task = seqio.get_mixture_or_task(tasks.task_name(task))
 
   def read(index, count):
-    dataset = seqio_task.get_dataset({"targets": 256}, split="train", shuffle=True, seed=1,
-                                     shard_info=seqio.ShardInfo(index, count), num_epochs=1)
+    dataset = seqio_task.get_dataset(
+      {"targets": 256}, split="train", shuffle=True, seed=1, shard_info=seqio.ShardInfo(index, count), num_epochs=1
+    )
     return [tuple(ex["targets"].tolist()) for ex in dataset.as_numpy_iterator()]
 
   first, second, whole = read(0, 2), read(1, 2), read(0, 1)
@@ -157,8 +160,10 @@ def test_sharded_packed_eval_batches_partition_the_split(files):
   config = make_config(files, (("alpha", 1.0),), seq_len=256)
   tasks.register_mixture(config.data, vocab.make_vocabulary(config.data, config.model.vocab_size))
   read = lambda index, count, rows: [  # noqa: E731
-      s for b in pipeline.local_eval_batches(config, "alpha", "validation", seqio.ShardInfo(index, count), rows)
-      for s in segments(b)]
+    s
+    for b in pipeline.local_eval_batches(config, "alpha", "validation", seqio.ShardInfo(index, count), rows)
+    for s in segments(b)
+  ]
   first, second = read(0, 2, 4), read(1, 2, 4)
   assert not set(first) & set(second)
   assert collections.Counter(first + second) == collections.Counter(read(0, 1, 8))
@@ -252,7 +257,8 @@ def test_eval_reads_each_validation_split_once_with_a_padded_last_batch(sharding
   assert sorted(facts) == sorted(p for text in corpus.fact_documents("validation") for p in pieces(text, 256))
   stories = [s for b in eval_data.batches["stories"] for s in segments(b)]
   assert collections.Counter(stories) == collections.Counter(
-      p for text in corpus.stories("validation") for p in pieces(text, 256))
+    p for text in corpus.stories("validation") for p in pieces(text, 256)
+  )
   last = eval_data.batches["stories"][-1]
   padded = last["targets"].max(axis=1) == 0
   assert padded.any() and (last["loss_weights"][padded] == 0).all() and (last["segment_ids"][padded] == 0).all()
@@ -279,12 +285,14 @@ def test_tfrecord_source_unpacked_rows_hold_one_piece_each(files, tmp_path):
   config = make_config(files, (("alpha", 1.0),), pack=False)
   config.data.mixture = (("records", 1.0),)
   config.data.sources.records = ml_collections.ConfigDict(
-      dict(kind="tfrecord", train=str(path), validation=str(path), text_field="body"))
+    dict(kind="tfrecord", train=str(path), validation=str(path), text_field="body")
+  )
   check_files(config_lib.validate(config))
   tasks.register_mixture(config.data, vocab.make_vocabulary(config.data))
   batches = pipeline.local_eval_batches(config, "records", "validation", seqio.ShardInfo(0, 1), 8)
   assert collections.Counter(s for b in batches for s in segments(b)) == collections.Counter(
-      p for text in texts for p in pieces(text))
+    p for text in texts for p in pieces(text)
+  )
   for batch in batches:
     check_row_structure(batch)
     assert batch["segment_ids"].max() <= 1

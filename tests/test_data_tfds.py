@@ -13,8 +13,8 @@ from sparsetx.data import check_files, pipeline, sources, tasks
 
 NAME = "sparsetx_tiny_texts"
 TEXTS = {
-    "train": [f"Story {i}: Lily saw {'ünï' if i % 3 else 'a cat'} near tree {i * 7}." for i in range(40)],
-    "validation": [f"Held out {i} — café!" for i in range(5)],
+  "train": [f"Story {i}: Lily saw {'ünï' if i % 3 else 'a cat'} near tree {i * 7}." for i in range(40)],
+  "validation": [f"Held out {i} — café!" for i in range(5)],
 }
 SEQ_LEN = 64  # every document + EOS fits one row, so each segment is one whole document
 BYTES = seqio.ByteVocabulary()
@@ -33,7 +33,8 @@ def data_dir(tmp_path_factory) -> str:
 
       def _info(self) -> tfds.core.DatasetInfo:
         return tfds.core.DatasetInfo(
-            builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text(), "index": np.int64}))
+          builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text(), "index": np.int64})
+        )
 
       def _split_generators(self, dl_manager):
         del dl_manager  # nothing to download
@@ -52,11 +53,19 @@ def data_dir(tmp_path_factory) -> str:
 def make_config(data_dir: str, **source) -> ml_collections.ConfigDict:
   config = config_lib.default_config()
   config.data.sources.tiny = ml_collections.ConfigDict(
-      dict(kind="tfds", tfds_name=f"{NAME}:1.0.0", data_dir=data_dir, train="train", validation="validation",
-           text_field="text"))
+    dict(
+      kind="tfds",
+      tfds_name=f"{NAME}:1.0.0",
+      data_dir=data_dir,
+      train="train",
+      validation="validation",
+      text_field="text",
+    )
+  )
   config.data.sources.tiny.update(source)
-  config.data.update(dict(mixture=(("tiny", 1.0),), seq_len=SEQ_LEN, global_batch_size=8, eval_batch_size=8,
-                          shuffle_buffer=16))
+  config.data.update(
+    dict(mixture=(("tiny", 1.0),), seq_len=SEQ_LEN, global_batch_size=8, eval_batch_size=8, shuffle_buffer=16)
+  )
   return check_files(config_lib.validate(config))
 
 
@@ -93,8 +102,9 @@ def test_missing_data_dir_is_one_clear_error(tmp_path):
 
 
 def test_missing_dataset_or_split_names_the_field(data_dir):
-  source = ml_collections.ConfigDict(dict(kind="tfds", tfds_name="sparsetx_absent_texts:1.0.0", data_dir=data_dir,
-                                          train="train"))
+  source = ml_collections.ConfigDict(
+    dict(kind="tfds", tfds_name="sparsetx_absent_texts:1.0.0", data_dir=data_dir, train="train")
+  )
   with pytest.raises(config_lib.ConfigError) as error:
     sources.make_source("tiny", source)
   message = str(error.value)

@@ -17,9 +17,9 @@ from sparsetx.data import check_files, corpus, pipeline, vocab
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TEXTS = (
-    "The ball was red.",
-    "Once upon a time, there was a little cat named Lily.",
-    "Tom counted 1234 stars — naïve café, 日本語!  Two  spaces, tab\there.",
+  "The ball was red.",
+  "Once upon a time, there was a little cat named Lily.",
+  "Tom counted 1234 stars — naïve café, 日本語!  Two  spaces, tab\there.",
 )
 
 
@@ -28,9 +28,18 @@ def spm_model(tmp_path_factory) -> str:
   """A 400-piece BPE trained by the tool on 3,000 documents of the embedded corpus."""
   output = tmp_path_factory.mktemp("spm") / "tiny"
   result = subprocess.run(
-      [sys.executable, str(REPO / "tools" / "build_vocab.py"), f"--output={output}", "--vocab_size=400",
-       "--max_documents=3000"],
-      capture_output=True, text=True, check=False, timeout=120)
+    [
+      sys.executable,
+      str(REPO / "tools" / "build_vocab.py"),
+      f"--output={output}",
+      "--vocab_size=400",
+      "--max_documents=3000",
+    ],
+    capture_output=True,
+    text=True,
+    check=False,
+    timeout=120,
+  )
   assert result.returncode == 0, result.stderr
   assert f"wrote {output}.model (400 pieces)" in result.stdout
   return f"{output}.model"
@@ -76,9 +85,17 @@ def test_not_a_sentencepiece_file(tmp_path):
 
 def test_build_vocab_rejects_a_missing_input(tmp_path):
   result = subprocess.run(
-      [sys.executable, str(REPO / "tools" / "build_vocab.py"), f"--output={tmp_path / 'x'}",
-       f"--input={tmp_path / 'missing.txt'}"],
-      capture_output=True, text=True, check=False, timeout=60)
+    [
+      sys.executable,
+      str(REPO / "tools" / "build_vocab.py"),
+      f"--output={tmp_path / 'x'}",
+      f"--input={tmp_path / 'missing.txt'}",
+    ],
+    capture_output=True,
+    text=True,
+    check=False,
+    timeout=60,
+  )
   assert result.returncode == 2
   assert "--input=" in result.stderr and "missing.txt" in result.stderr and "matches no file" in result.stderr
 
@@ -93,9 +110,19 @@ def gpt2_dir(tmp_path_factory) -> pathlib.Path:
   """A 400-token byte-level BPE in GPT-2's format, trained by the tool on 3,000 documents of the embedded corpus."""
   output = tmp_path_factory.mktemp("gpt2") / "bpe"
   result = subprocess.run(
-      [sys.executable, str(REPO / "tools" / "build_vocab.py"), "--kind=gpt2", f"--output={output}", "--vocab_size=400",
-       "--max_documents=3000"],
-      capture_output=True, text=True, check=False, timeout=120)
+    [
+      sys.executable,
+      str(REPO / "tools" / "build_vocab.py"),
+      "--kind=gpt2",
+      f"--output={output}",
+      "--vocab_size=400",
+      "--max_documents=3000",
+    ],
+    capture_output=True,
+    text=True,
+    check=False,
+    timeout=120,
+  )
   assert result.returncode == 0, result.stderr
   assert f"wrote {output}/vocab.json and merges.txt (400 tokens" in result.stdout
   return output
@@ -149,8 +176,9 @@ def test_gpt2_files_without_a_pad_token_move_id_0_out_of_padding(gpt2_dir, tmp_p
 
 def test_gpt2_pipeline_batch_holds_corpus_text_within_the_vocabulary(gpt2_dir):
   config = config_lib.default_config()
-  config.data.update(dict(vocab=dict(kind="gpt2", path=str(gpt2_dir)), seq_len=32, global_batch_size=8,
-                          shuffle_buffer=64))
+  config.data.update(
+    dict(vocab=dict(kind="gpt2", path=str(gpt2_dir)), seq_len=32, global_batch_size=8, shuffle_buffer=64)
+  )
   vocabulary = vocab.make_vocabulary(config.data)
   batch = next(pipeline.local_train_dataset(config, seqio.ShardInfo(0, 1), local_rows=8).as_numpy_iterator())
   assert batch["targets"].shape == (8, 32)

@@ -14,8 +14,13 @@ from sparsetx.parallel import mesh as mesh_lib
 def micro_config(ffn_type):
   config = load_config("configs/tiny.py", ffn_type)
   config.model.update(d_model=32, n_layers=2, head_dim=32, max_len=16, dtype="float32")
-  config.model.ffn.update(dict(sgatlin=dict(n_channels=8, d_ffw=64, top_k=2, d_key=8), fff=dict(n_trees=8, depth=2),
-                               moe=dict(n_experts=8, d_ffw=16))[ffn_type])
+  config.model.ffn.update(
+    dict(
+      sgatlin=dict(n_channels=8, d_ffw=64, top_k=2, d_key=8),
+      fff=dict(n_trees=8, depth=2),
+      moe=dict(n_experts=8, d_ffw=16),
+    )[ffn_type]
+  )
   config.data.update(seq_len=16, global_batch_size=8, eval_batch_size=8)
   return config
 
@@ -49,7 +54,9 @@ def test_dry_run_reports_the_compiled_step():
   assert report.optimizer_bytes >= 2 * report.param_bytes  # Adam's two moments, sharded like the params
   assert report.memory["argument"] >= report.param_bytes + report.optimizer_bytes
   assert report.memory["temp"] > 0 and report.compiled_flops > 0
-  assert report.bytes_accessed >= report.memory["argument"] and report.tokens_per_step == 8 * 16  # reads every input once
+  assert (
+    report.bytes_accessed >= report.memory["argument"] and report.tokens_per_step == 8 * 16
+  )  # reads every input once
   assert report.model_flops > report.compiled_flops  # the model's work is spread over 8 devices
   ops = {(c.op, c.group) for c in report.collectives}
   # the sgatlin layers' shard_map: tokens gathered, indices to owners, outputs reduce-scattered over expert=4
@@ -65,8 +72,11 @@ def test_channels_that_do_not_split_over_expert_are_refused():
   config = micro_config("sgatlin")
   config.model.ffn.n_channels = 4
   config.mesh.ici.update(data=1, expert=8)
-  with pytest.raises(config_lib.ConfigError, match=r"config.model.ffn.n_channels=4 is not divisible by the 8 devices"
-                     r".*split the table's d_model over those devices instead"):
+  with pytest.raises(
+    config_lib.ConfigError,
+    match=r"config.model.ffn.n_channels=4 is not divisible by the 8 devices"
+    r".*split the table's d_model over those devices instead",
+  ):
     aot.abstract_state(config, mesh_lib.make_mesh(config.mesh))
   config.model.ffn.n_channels = 6  # neither divides the other: no d_model split either
   with pytest.raises(config_lib.ConfigError, match=r"n_channels=6 is not divisible by the 8 devices.*fsdp\.$"):
@@ -113,12 +123,27 @@ def test_dry_run_tool_prints_the_projected_step_time_per_target():
 
   from conftest import REPO
 
-  micro = ["--config.model.d_model=32", "--config.model.n_layers=2", "--config.model.head_dim=32",
-           "--config.model.max_len=16", "--config.model.dtype=float32", "--config.model.ffn.n_channels=8",
-           "--config.model.ffn.d_ffw=64", "--config.model.ffn.top_k=2", "--config.model.ffn.d_key=8",
-           "--config.data.seq_len=16", "--config.data.global_batch_size=8", "--config.data.eval_batch_size=8"]
-  result = subprocess.run([sys.executable, "tools/dry_run.py", "--config=configs/tiny.py:sgatlin", "--devices=8", *micro],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+  micro = [
+    "--config.model.d_model=32",
+    "--config.model.n_layers=2",
+    "--config.model.head_dim=32",
+    "--config.model.max_len=16",
+    "--config.model.dtype=float32",
+    "--config.model.ffn.n_channels=8",
+    "--config.model.ffn.d_ffw=64",
+    "--config.model.ffn.top_k=2",
+    "--config.model.ffn.d_key=8",
+    "--config.data.seq_len=16",
+    "--config.data.global_batch_size=8",
+    "--config.data.eval_batch_size=8",
+  ]
+  result = subprocess.run(
+    [sys.executable, "tools/dry_run.py", "--config=configs/tiny.py:sgatlin", "--devices=8", *micro],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert result.returncode == 0, result.stderr
   rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("  H100", "  H200", "  TPU"))]
   assert [" ".join(r[:2]) for r in rows] == ["H100 SXM", "H200 SXM", "TPU v5p", "TPU v6e"]

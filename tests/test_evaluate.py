@@ -67,8 +67,9 @@ def test_loss_equals_trainer_eval_and_direct_computation(workdir, restored):
 
 
 def run_cli(*flags):
-  return subprocess.run([sys.executable, "-m", "sparsetx.evaluate", *flags], cwd=REPO, capture_output=True, text=True,
-                        timeout=300)
+  return subprocess.run(
+    [sys.executable, "-m", "sparsetx.evaluate", *flags], cwd=REPO, capture_output=True, text=True, timeout=300
+  )
 
 
 def greedy_reference(model, params, prompt, max_new, max_len, eos_id):
@@ -78,18 +79,23 @@ def greedy_reference(model, params, prompt, max_new, max_len, eos_id):
   tokens = list(prompt)
   for _ in range(max_new):
     padded, segments = np.zeros((1, max_len), np.int32), np.zeros((1, max_len), np.int32)
-    padded[0, :len(tokens)], segments[0, :len(tokens)] = tokens, 1
+    padded[0, : len(tokens)], segments[0, : len(tokens)] = tokens, 1
     next_id = int(np.argmax(forward(params, padded, segments)[0, len(tokens) - 1]))
     if next_id == eos_id:
       break
     tokens.append(next_id)
-  return tokens[len(prompt):]
+  return tokens[len(prompt) :]
 
 
 def test_cli_on_another_mesh_reports_trainer_eval_and_greedy_sample(workdir, restored):
   """Trained on data=8; restored onto data=2 x fsdp=2 x expert=2 (tables resharded by channel)."""
-  result = run_cli(f"--workdir={workdir}", "--mesh=data=2,fsdp=2,expert=2", "--eval_batches=1",
-                   "--prompt=The ball was", "--max_new_tokens=6")
+  result = run_cli(
+    f"--workdir={workdir}",
+    "--mesh=data=2,fsdp=2,expert=2",
+    "--eval_batches=1",
+    "--prompt=The ball was",
+    "--max_new_tokens=6",
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.splitlines()
   assert "'data': 2, 'fsdp': 2, 'tensor': 1, 'expert': 2" in lines[0]
@@ -130,7 +136,8 @@ def test_errors_are_one_line(workdir, tmp_path):
   result = run_cli(f"--workdir={tmp_path / 'missing'}")
   assert result.returncode == 2
   assert result.stderr.strip().splitlines()[-1] == (
-      f"error: --workdir={str(tmp_path / 'missing')!r} holds no checkpoints/ directory; give the workdir of a training run.")
+    f"error: --workdir={str(tmp_path / 'missing')!r} holds no checkpoints/ directory; give the workdir of a training run."
+  )
   os.makedirs(tmp_path / "empty" / "checkpoints")
   with pytest.raises(config_lib.ConfigError, match="has no complete checkpoint") as error:
     perplexity.restore(str(tmp_path / "empty"))

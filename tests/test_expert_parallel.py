@@ -8,8 +8,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 import official_refs as official
+import pytest
 from conftest import init_params, layer_model_config
 
 from sparsetx import config as config_lib
@@ -19,16 +19,16 @@ from sparsetx.parallel import mesh as mesh_lib
 
 D = 16
 LAYERS = {
-    "sgatlin": dict(n_channels=8, d_ffw=36, top_k=2, d_key=8),
-    "peer": dict(n_channels=8, d_ffw=36, top_k=2, d_key=8),
-    "fff": dict(n_trees=8, depth=2),
-    "moe": dict(n_experts=8, experts_per_token=2, d_ffw=8),
-    "sgatlin_c4": dict(n_channels=4, d_ffw=36, top_k=2, d_key=8),  # fewer channels than devices
+  "sgatlin": dict(n_channels=8, d_ffw=36, top_k=2, d_key=8),
+  "peer": dict(n_channels=8, d_ffw=36, top_k=2, d_key=8),
+  "fff": dict(n_trees=8, depth=2),
+  "moe": dict(n_experts=8, experts_per_token=2, d_ffw=8),
+  "sgatlin_c4": dict(n_channels=4, d_ffw=36, top_k=2, d_key=8),  # fewer channels than devices
 }
 MESHES = {
-    "expert8": dict(expert=8),
-    "expert4_fsdp2": dict(expert=4, fsdp=2),
-    "data2_expert4": dict(data=2, expert=4),
+  "expert8": dict(expert=8),
+  "expert4_fsdp2": dict(expert=4, fsdp=2),
+  "data2_expert4": dict(data=2, expert=4),
 }
 
 
@@ -42,9 +42,13 @@ def make_mesh(**axes):
 # sgatlin's ablation activation per (layer, mesh): each of identity, relu, gelu, swish on a channel split
 # (expert-parallel form) and on a d_model split (split_gated_gather), raw scores of both signs as gates.
 ACTIVATION = {
-    ("sgatlin", "expert8"): "gelu", ("sgatlin", "data2_expert4"): "relu", ("sgatlin", "expert4_fsdp2"): "swish",
-    ("sgatlin_c4", "expert8"): "relu", ("sgatlin_c4", "expert4_fsdp2"): "gelu",
-    ("sgatlin", "data2_tensor4"): "swish", ("sgatlin", "data2_expert2_tensor2"): "identity",
+  ("sgatlin", "expert8"): "gelu",
+  ("sgatlin", "data2_expert4"): "relu",
+  ("sgatlin", "expert4_fsdp2"): "swish",
+  ("sgatlin_c4", "expert8"): "relu",
+  ("sgatlin_c4", "expert4_fsdp2"): "gelu",
+  ("sgatlin", "data2_tensor4"): "swish",
+  ("sgatlin", "data2_expert2_tensor2"): "identity",
 }
 
 
@@ -136,9 +140,9 @@ def test_sharded_layer_equals_the_official_formula(ffn_type, mesh_name):
 TENSOR_SPLIT_RULES = (("embed", "tensor"), ("channel", None)) + config_lib.DEFAULT_RULES
 TENSOR_SPLIT_CHANNELS_OVER_EXPERT_RULES = (("embed", "tensor"),) + config_lib.DEFAULT_RULES
 TENSOR_SPLIT_CASES = {
-    ("peer", "data2_tensor4"): (dict(data=2, tensor=4), TENSOR_SPLIT_RULES),
-    ("sgatlin", "data2_tensor4"): (dict(data=2, tensor=4), TENSOR_SPLIT_RULES),
-    ("sgatlin", "data2_expert2_tensor2"): (dict(data=2, expert=2, tensor=2), TENSOR_SPLIT_CHANNELS_OVER_EXPERT_RULES),
+  ("peer", "data2_tensor4"): (dict(data=2, tensor=4), TENSOR_SPLIT_RULES),
+  ("sgatlin", "data2_tensor4"): (dict(data=2, tensor=4), TENSOR_SPLIT_RULES),
+  ("sgatlin", "data2_expert2_tensor2"): (dict(data=2, expert=2, tensor=2), TENSOR_SPLIT_CHANNELS_OVER_EXPERT_RULES),
 }
 
 

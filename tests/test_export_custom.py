@@ -12,27 +12,33 @@ import jax
 import ml_collections
 import numpy as np
 import pytest
+from test_train import micro_config
 
 from sparsetx import config as config_lib
 from sparsetx.config import ConfigError
 from sparsetx.evaluate import export, hf_custom
 from sparsetx.models.transformer import Transformer
-from test_train import micro_config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 # name -> (ffn type, model overrides, ffn overrides); shapes are micro_config's (tiny's ffn, d_model 64, 2 layers).
 CASES = {
-    "sgatlin": ("sgatlin", {}, {}),
-    "sgatlin_peer_router_gelu": ("sgatlin", dict(tie_embeddings=True), dict(router="peer", activation="gelu")),
-    "fff": ("fff", dict(block="parallel", norm="layernorm", use_bias=True, rotary_fraction=0.25), {}),
-    # mixed models (tools/sparsify.py): the layers ffn_layers leaves out keep dense_ffn (mlp, swiglu here)
-    "fff_post_after_mlp": ("fff", dict(tie_embeddings=True, ffn_layers="1", use_bias=True),
-                           dict(variant="fff_post", implementation="masked_dense")),
-    "moe_before_swiglu": ("moe", dict(block="parallel", rotary_fraction=0.5, ffn_layers="0",
-                                      dense_ffn=dict(type="swiglu", d_ffw=96)), {}),
-    "peer": ("peer", dict(norm="layernorm"), {}),
+  "sgatlin": ("sgatlin", {}, {}),
+  "sgatlin_peer_router_gelu": ("sgatlin", dict(tie_embeddings=True), dict(router="peer", activation="gelu")),
+  "fff": ("fff", dict(block="parallel", norm="layernorm", use_bias=True, rotary_fraction=0.25), {}),
+  # mixed models (tools/sparsify.py): the layers ffn_layers leaves out keep dense_ffn (mlp, swiglu here)
+  "fff_post_after_mlp": (
+    "fff",
+    dict(tie_embeddings=True, ffn_layers="1", use_bias=True),
+    dict(variant="fff_post", implementation="masked_dense"),
+  ),
+  "moe_before_swiglu": (
+    "moe",
+    dict(block="parallel", rotary_fraction=0.5, ffn_layers="0", dense_ffn=dict(type="swiglu", d_ffw=96)),
+    {},
+  ),
+  "peer": ("peer", dict(norm="layernorm"), {}),
 }
 
 
@@ -87,7 +93,7 @@ def test_transformers_logits_match_jax(case, tmp_path):
   assert export.write_hf(full_config, params, str(tmp_path / "hf")) == "hf_custom"
   assert {os.path.basename(f) for f in hf_custom.MODELING_FILES} <= set(os.listdir(tmp_path / "hf"))
   model, info = transformers.AutoModelForCausalLM.from_pretrained(
-      tmp_path / "hf", trust_remote_code=True, output_loading_info=True
+    tmp_path / "hf", trust_remote_code=True, output_loading_info=True
   )
   assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
   layer_types = [config_lib.layer_ffn_config(config, i).type for i in range(config.n_layers)]
@@ -111,7 +117,7 @@ def test_left_padding_matches_the_unpadded_row(tmp_path):
   mask = torch.cat([torch.zeros((1, 4), dtype=torch.long), torch.ones_like(row)], dim=1)
   with torch.no_grad():
     np.testing.assert_allclose(
-        model(padded, attention_mask=mask).logits[:, 4:].numpy(), model(row).logits.numpy(), rtol=0, atol=1e-5
+      model(padded, attention_mask=mask).logits[:, 4:].numpy(), model(row).logits.numpy(), rtol=0, atol=1e-5
     )
 
 

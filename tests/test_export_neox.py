@@ -18,11 +18,13 @@ import seqio
 from conftest import REPO, init_params, load_config
 
 from sparsetx import config as config_lib
+from sparsetx.data import pipeline
+from sparsetx.data import vocab as vocab_lib
 from sparsetx.evaluate import export, hf_neox, tokenizer_files
 from sparsetx.models.transformer import Transformer
-from sparsetx.data import pipeline, vocab as vocab_lib
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import checkpointing, loop, state as state_lib
+from sparsetx.train import checkpointing, loop
+from sparsetx.train import state as state_lib
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -167,8 +169,9 @@ def test_bfloat16_export_rounds_each_weight_once(exported, tmp_path):
   config, params, _ = exported
   export.write_hf(config, params, str(tmp_path / "bf16"), dtype="bfloat16")
   _, imported_params = export.load_hf(str(tmp_path / "bf16"))
-  assert_same_params(jax.tree.map(lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32), params),
-                     imported_params)
+  assert_same_params(
+    jax.tree.map(lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32), params), imported_params
+  )
 
 
 def test_import_checkpoint_export_round_trip_and_trainer_resume(exported, tmp_path):

@@ -11,7 +11,11 @@ from sparsetx.models.ffn.fff import Fff, n_nodes, next_node
 
 def fff_pair(depth, n_trees, variant, d_model=16):
   sparse = Fff(layer_model_config("fff", d_model=d_model, depth=depth, n_trees=n_trees, variant=variant))
-  dense = Fff(layer_model_config("fff", d_model=d_model, depth=depth, n_trees=n_trees, variant=variant, implementation="masked_dense"))
+  dense = Fff(
+    layer_model_config(
+      "fff", d_model=d_model, depth=depth, n_trees=n_trees, variant=variant, implementation="masked_dense"
+    )
+  )
   return sparse, dense
 
 
@@ -100,7 +104,9 @@ def test_dense_top_levels_equal_a_walk_that_gathers_every_level():
   w_in, w_out = (jax.random.normal(key, (n_trees, n_nodes(depth), d_model)) / 4 for key in k[1:3])
   b_in = jax.random.normal(k[3], (n_trees, n_nodes(depth))) * 0.1
   options = KernelOptions("xla", 4, 16)
-  runs = [sparse_forward(x, w_in, b_in, w_out, depth, jax.nn.gelu, options, dense_levels=levels) for levels in (0, 2, 5)]
+  runs = [
+    sparse_forward(x, w_in, b_in, w_out, depth, jax.nn.gelu, options, dense_levels=levels) for levels in (0, 2, 5)
+  ]
   for y, path, z in runs[1:]:
     np.testing.assert_array_equal(path, runs[0][1])
     np.testing.assert_allclose(z, runs[0][2], rtol=1e-5, atol=1e-6)

@@ -23,11 +23,11 @@ def balanced_paths(depth: int, n_trees: int):
 # One tree of depth 2, 4 tokens: all go left at the root, then 3 left, 1 right: visits [4, 4, 0, 3, 1, 0, 0].
 SKEWED_PATHS = np.array([[0, 1, 3], [0, 1, 3], [0, 1, 3], [0, 1, 4]])[:, None, :]
 SKEWED = dict(
-    gini=20 / 32,  # leaves [3, 1, 0, 0]: sum |xi - xj| over ordered pairs / (2 n^2 mean) = 20 / (2 * 16 * 1)
-    gini_level_1=8 / 16,  # [4, 0]: 8 / (2 * 4 * 2)
-    gini_level_2=20 / 32,
-    leftmost_leaf_share=3 / 4,
-    left_turns=7 / 8,  # 4 left turns at the root, 3 of 4 at node 1
+  gini=20 / 32,  # leaves [3, 1, 0, 0]: sum |xi - xj| over ordered pairs / (2 n^2 mean) = 20 / (2 * 16 * 1)
+  gini_level_1=8 / 16,  # [4, 0]: 8 / (2 * 4 * 2)
+  gini_level_2=20 / 32,
+  leftmost_leaf_share=3 / 4,
+  left_turns=7 / 8,  # 4 left turns at the root, 3 of 4 at node 1
 )
 
 
@@ -46,9 +46,14 @@ def database_stats(path_TPL, depth, n_trees):
   ids_NS = (np.asarray(path_TPL) + n_nodes * np.arange(n_trees)[:, None]).reshape(len(path_TPL), -1)
   N = len(ids_NS)
   db = circuits.CircuitDatabase(
-      tokens_N=np.zeros(N, np.int32), context_NW=np.zeros((N, 1), np.int32), top5_N5=np.zeros((N, 5), np.int32),
-      ids_LNS=ids_NS[None], weights_LNS=np.ones((1,) + ids_NS.shape, np.float32), ffn_type="fff",
-      layers_L=np.array([0]))
+    tokens_N=np.zeros(N, np.int32),
+    context_NW=np.zeros((N, 1), np.int32),
+    top5_N5=np.zeros((N, 5), np.int32),
+    ids_LNS=ids_NS[None],
+    weights_LNS=np.ones((1,) + ids_NS.shape, np.float32),
+    ffn_type="fff",
+    layers_L=np.array([0]),
+  )
   (row,) = usage.fff_balance_table(cfg, db)
   (usage_row,) = usage.usage_table(cfg, db)
   assert usage_row["gini"] == row["gini"]  # the usage table's Gini is the leaves' one for FFF

@@ -35,10 +35,14 @@ def test_recorded_path_is_the_path_the_sparse_layer_computed(model):
   for layer in range(model.cfg.n_layers):
     params = model.params[f"layers_{layer}"]["mlp"]
     x = np.asarray(out[f"layers[{layer}].mlp_input"], np.float64).reshape(-1, model.cfg.d_model)
-    path, z = walk(x, np.asarray(params["w_in"], np.float64), np.asarray(params["b_in"], np.float64), model.cfg.ffn.depth)
+    path, z = walk(
+      x, np.asarray(params["w_in"], np.float64), np.asarray(params["b_in"], np.float64), model.cfg.ffn.depth
+    )
     recorded = np.asarray(out[f"layers[{layer}].mlp.path_nodes"]).reshape(path.shape)
     np.testing.assert_array_equal(recorded, path)
-    np.testing.assert_allclose(np.asarray(out[f"layers[{layer}].mlp.node_logits"]).reshape(z.shape), z, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+      np.asarray(out[f"layers[{layer}].mlp.node_logits"]).reshape(z.shape), z, rtol=1e-4, atol=1e-5
+    )
     assert len(np.unique(path[..., -1])) > 1  # tokens reach different leaves
 
 
@@ -61,7 +65,9 @@ def test_pruning_nothing_changes_nothing_and_pruning_removes_whole_subtrees(mode
   assert results[1]["pruned_nodes"] == model.cfg.n_layers * round(0.5 * P * N) and results[1]["loss"] != unpruned
   mask = pruning.pruned_nodes(visits, 0.5)
   children = np.arange(N // 2)
-  assert (mask[:, 2 * children + 1] >= mask[:, children]).all() and (mask[:, 2 * children + 2] >= mask[:, children]).all()
+  assert (mask[:, 2 * children + 1] >= mask[:, children]).all() and (
+    mask[:, 2 * children + 2] >= mask[:, children]
+  ).all()
 
 
 def test_pruning_only_unvisited_nodes_leaves_the_loss_on_those_rows_unchanged(model, rows):

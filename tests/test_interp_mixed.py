@@ -33,8 +33,9 @@ def db(model, rows):
 @pytest.fixture(scope="module")
 def gates_NU(model, rows):
   """The sparse layer's gate vectors at the recorded tokens, traced directly: [N, C * d_ffw]."""
-  out = model.trace(rows["inputs"], ["layers[1].mlp.gate_vector"], positions_BT=rows["positions"],
-                    segment_ids_BT=rows["segment_ids"])
+  out = model.trace(
+    rows["inputs"], ["layers[1].mlp.gate_vector"], positions_BT=rows["positions"], segment_ids_BT=rows["segment_ids"]
+  )
   vector_BTCN = np.asarray(out["layers[1].mlp.gate_vector"])
   return vector_BTCN[rows["loss_weights"] > 0].reshape(int(rows["loss_weights"].sum()), -1)
 
@@ -55,7 +56,9 @@ def test_printout_shows_each_block_with_its_own_feed_forward_layer(model):
   text = str(model)
   assert text.startswith("Transformer(ffn=sgatlin in layers 1, mlp in the others, block=sequential")
   blocks = text.split("Block(")[1:]
-  assert [b.count("(mlp): Mlp(") for b in blocks] == [1, 0, 1] and "(mlp): Sgatlin(experts(2, 4, 1024, 32))" in blocks[1]
+  assert [b.count("(mlp): Mlp(") for b in blocks] == [1, 0, 1] and "(mlp): Sgatlin(experts(2, 4, 1024, 32))" in blocks[
+    1
+  ]
   assert text.count("(gate_indices) ->") == 1 and text.count("(mlp_neurons) ->") == 2
   assert "    (0): Block(" in text and "    (1): Block(" in text and "    (2): Block(" in text
 

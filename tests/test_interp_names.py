@@ -7,8 +7,10 @@ import pytest
 from interp_cases import B, T, model_config, parallel_sgatlin, parallel_sgatlin_trace, tokens
 
 from sparsetx import config as config_lib
-from sparsetx.interp import FromRun, Patch, StandardizedTransformer, layout_shape, names as names_lib
+from sparsetx.interp import FromRun, Patch, StandardizedTransformer, layout_shape
+from sparsetx.interp import names as names_lib
 from sparsetx.models.transformer import Transformer
+
 
 def assert_same(actual, desired, err_msg=""):
   """Integers (indices, paths) exactly; floats up to the reassociation XLA may choose when a program
@@ -38,10 +40,10 @@ def test_every_name_is_served_with_its_layout(ffn_type):
     model = StandardizedTransformer(cfg, abstract_params)
     shapes = model.eval_shapes(B, T)
     expected = {
-        names_lib.full_name(entry, layer)
-        for entry in names_lib.REGISTRY
-        if names_lib.served(entry, cfg)
-        for layer in ([None] if entry.scope == "model" else range(cfg.n_layers))
+      names_lib.full_name(entry, layer)
+      for entry in names_lib.REGISTRY
+      if names_lib.served(entry, cfg)
+      for layer in ([None] if entry.scope == "model" else range(cfg.n_layers))
     }
     assert set(shapes) == expected == set(model.names)
     for name, shape in shapes.items():
@@ -82,7 +84,9 @@ def test_patches_from_functions_and_other_runs(sgatlin, clean):
 
 
 def test_project_on_vocab_of_the_last_layer_is_logits_and_probs_sum_to_one(sgatlin, clean):
-  np.testing.assert_allclose(sgatlin.project_on_vocab(clean["layers[1].layer_output"]), clean["logits"], rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(
+    sgatlin.project_on_vocab(clean["layers[1].layer_output"]), clean["logits"], rtol=1e-6, atol=1e-6
+  )
   probs = np.asarray(clean["next_token_probs"], np.float64)
   assert probs.shape == (B, 512) and (probs >= 0).all()
   np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
@@ -92,7 +96,9 @@ def test_project_on_vocab_of_the_last_layer_is_logits_and_probs_sum_to_one(sgatl
 def test_parallel_block_identity(sgatlin, clean):
   assert sgatlin.cfg.block == "parallel"
   for layer in range(sgatlin.cfg.n_layers):
-    names = [f"layers[{layer}].{n}" for n in ("layer_input", "self_attn.attention_output", "mlp.mlp_output", "layer_output")]
+    names = [
+      f"layers[{layer}].{n}" for n in ("layer_input", "self_attn.attention_output", "mlp.mlp_output", "layer_output")
+    ]
     x, attn, mlp, y = (np.asarray(clean[n]) for n in names)
     np.testing.assert_allclose(x + attn + mlp, y, rtol=1e-5, atol=1e-6)
   # a parallel block's MLP never sees its own attention

@@ -41,7 +41,7 @@ def test_gate_indices_in_range_and_gate_vector_holds_the_scores(model, clean):
 
 def test_layer_output_rebuilds_from_gate_vector_tables_and_input(model, clean):
   for layer in range(model.cfg.n_layers):
-    name = lambda n: f"layers[{layer}].{n}"
+    name = lambda n, layer=layer: f"layers[{layer}].{n}"
     rebuilt = rebuild_sgatlin_output(clean[name("mlp.gate_vector")], experts(model, layer), clean[name("mlp_input")])
     np.testing.assert_allclose(rebuilt, clean[name("mlp.mlp_output")], **TOL)
     block = clean[name("layer_input")] + clean[name("self_attn.attention_output")] + rebuilt
@@ -60,7 +60,9 @@ def test_counterfactual_gates_change_the_layer_output_as_the_formula_predicts(mo
   np.testing.assert_allclose(patched[f"layers[{layer}].mlp_input"], clean[f"layers[{layer}].mlp_input"], **TOL)
   predicted = rebuild_sgatlin_output(mixed, experts(model, layer), clean[f"layers[{layer}].mlp_input"])
   np.testing.assert_allclose(patched[f"layers[{layer}].mlp.mlp_output"], predicted, **TOL)
-  changed = np.abs(np.asarray(patched[f"layers[{layer}].mlp.mlp_output"]) - clean[f"layers[{layer}].mlp.mlp_output"]).max(-1)
+  changed = np.abs(
+    np.asarray(patched[f"layers[{layer}].mlp.mlp_output"]) - clean[f"layers[{layer}].mlp.mlp_output"]
+  ).max(-1)
   assert (changed[:, positions] > 1e-3).all() and (changed[:, [0, 5, 11]] < 1e-5).all()
 
 

@@ -13,7 +13,8 @@ from test_train import micro_config
 from sparsetx import sparsify
 from sparsetx.interp.circuits import CircuitDatabase
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import loop, state as state_lib
+from sparsetx.train import loop
+from sparsetx.train import state as state_lib
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -42,8 +43,17 @@ def workdir(tmp_path_factory):
 
 def test_circuits_tool_writes_tables_database_and_pngs(workdir, tmp_path):
   out = tmp_path / "circuits"
-  code = load_tool().main([f"--workdir={workdir}", f"--output={out}", "--rows=24", "--neighbours=3",
-                           "--embed_tokens=6", "--per_token=10", "--min_effect=0"])
+  code = load_tool().main(
+    [
+      f"--workdir={workdir}",
+      f"--output={out}",
+      "--rows=24",
+      "--neighbours=3",
+      "--embed_tokens=6",
+      "--per_token=10",
+      "--min_effect=0",
+    ]
+  )
   assert code == 0
   summary = json.loads((out / "summary.json").read_text())
   assert summary["step"] == 20 and summary["ffn_type"] == "sgatlin"
@@ -88,18 +98,29 @@ def mixed_workdir(tmp_path_factory):
   return path
 
 
-def test_circuits_tool_on_a_mixed_model_refuses_a_dense_layer_and_analyses_the_sparse_one(mixed_workdir, tmp_path,
-                                                                                          capsys):
+def test_circuits_tool_on_a_mixed_model_refuses_a_dense_layer_and_analyses_the_sparse_one(
+  mixed_workdir, tmp_path, capsys
+):
   refused = tmp_path / "refused"
   assert load_tool().main([f"--workdir={mixed_workdir}", f"--output={refused}", "--layer=0"]) == 2
   assert capsys.readouterr().err.strip() == (
-      "error: --layer=0 is a dense layer ('mlp', config.model.dense_ffn) of this mixed model and has no sparse "
-      "circuit; use one of its sgatlin layers: 1.")
+    "error: --layer=0 is a dense layer ('mlp', config.model.dense_ffn) of this mixed model and has no sparse "
+    "circuit; use one of its sgatlin layers: 1."
+  )
   assert not refused.exists()  # refused before anything is written
 
   out = tmp_path / "circuits"
-  code = load_tool().main([f"--workdir={mixed_workdir}", f"--output={out}", "--rows=8", "--neighbours=3",
-                           "--embed_tokens=4", "--per_token=5", "--min_effect=0"])
+  code = load_tool().main(
+    [
+      f"--workdir={mixed_workdir}",
+      f"--output={out}",
+      "--rows=8",
+      "--neighbours=3",
+      "--embed_tokens=4",
+      "--per_token=5",
+      "--min_effect=0",
+    ]
+  )
   assert code == 0
   summary = json.loads((out / "summary.json").read_text())
   assert summary["step"] == 0 and summary["sparse_layers"] == [1]

@@ -24,8 +24,9 @@ from sparsetx.models.ffn.common import ACTIVATIONS
 
 EPS = float(np.finfo(np.float32).eps)
 # every sign and scale: a dense sweep of [-10, 10] (erf saturates in float32 beyond |x| = 3.9), tiny values, zero
-X = np.concatenate([np.linspace(-10, 10, 200_001), np.geomspace(1e-30, 1e-2, 500), -np.geomspace(1e-30, 1e-2, 500),
-                    [0.0]]).astype(np.float32)
+X = np.concatenate(
+  [np.linspace(-10, 10, 200_001), np.geomspace(1e-30, 1e-2, 500), -np.geomspace(1e-30, 1e-2, 500), [0.0]]
+).astype(np.float32)
 X64 = X.astype(np.float64)
 
 
@@ -50,7 +51,7 @@ def test_exact_gelu_from_the_kernel_erf_keeps_float32_accuracy():
   exact = exact_gelu(X64)
   assert np.all(np.abs(got - exact) <= EPS * (4 * np.abs(X64) + 2 * np.abs(exact)))
   slope = np.asarray(kernel_math.lowerable(lambda h: derivative(ACTIVATIONS["gelu"], h))(jnp.asarray(X)), np.float64)
-  exact_slope = 0.5 * scipy.special.erfc(-X64 / np.sqrt(2)) + X64 * np.exp(-X64**2 / 2) / np.sqrt(2 * np.pi)
+  exact_slope = 0.5 * scipy.special.erfc(-X64 / np.sqrt(2)) + X64 * np.exp(-(X64**2) / 2) / np.sqrt(2 * np.pi)
   np.testing.assert_allclose(slope, exact_slope, rtol=0, atol=4 * EPS)
 
 

@@ -23,23 +23,23 @@ def assert_same_loss_and_grads(result, expected, rtol):
 
 
 @pytest.mark.parametrize(
-    "shape, dtype, activation, with_bias, block_tokens, rtol",
-    [
-        ((1, 11, 3, 2, 5, 16), jnp.float32, "gelu", True, 4, 2e-5),  # 6 slots padded to 8, ragged token block
-        ((2, 8, 2, 3, 4, 8), jnp.bfloat16, "identity", False, 8, 2e-2),
-    ],
+  "shape, dtype, activation, with_bias, block_tokens, rtol",
+  [
+    ((1, 11, 3, 2, 5, 16), jnp.float32, "gelu", True, 4, 2e-5),  # 6 slots padded to 8, ragged token block
+    ((2, 8, 2, 3, 4, 8), jnp.bfloat16, "identity", False, 8, 2e-2),
+  ],
 )
 def test_pallas_gpu_kernels_equal_xla_path(shape, dtype, activation, with_bias, block_tokens, rtol):
   x, w_in, w_out, rows, gates, bias = gather_case(4, *shape, dtype=dtype)
   bias = bias if with_bias else None
   act = ACTIVATIONS[activation]
   run = lambda options: value_and_grads(
-      lambda *a: gated_gather(*a[:5], act, a[5], options), x, w_in, w_out, rows, gates, bias
+    lambda *a: gated_gather(*a[:5], act, a[5], options), x, w_in, w_out, rows, gates, bias
   )
   assert_same_loss_and_grads(
-      run(KernelOptions("pallas", block_tokens=block_tokens, interpret=True)),
-      run(KernelOptions("xla", token_chunk=4, pair_chunk=16)),
-      rtol,
+    run(KernelOptions("pallas", block_tokens=block_tokens, interpret=True)),
+    run(KernelOptions("xla", token_chunk=4, pair_chunk=16)),
+    rtol,
   )
 
 
@@ -56,20 +56,20 @@ def test_pallas_tpu_kernels_equal_xla_path_in_interpret_mode():
   np.testing.assert_allclose(h_t, h_x, rtol=1e-5, atol=1e-5)
   dy = jnp.cos(x)
   for name, a, b in zip(
-      ("dx", "dgates", "coef_in", "coef_out"),
-      pallas_tpu.backward_rows(dy, h_x, w_in, w_out, rows, gates, act, options),
-      xla_gather.backward_rows(dy, h_x, w_in, w_out, rows, gates, act, options),
+    ("dx", "dgates", "coef_in", "coef_out"),
+    pallas_tpu.backward_rows(dy, h_x, w_in, w_out, rows, gates, act, options),
+    xla_gather.backward_rows(dy, h_x, w_in, w_out, rows, gates, act, options),
   ):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 @pytest.mark.parametrize(
-    "shape, dtype, activation, with_bias, block_d, stages, rtol",
-    [
-        # two d_model chunks, ragged token block; swish(g * h): the gate inside a nonlinear activation, as sgatlin
-        ((1, 11, 2, 1, 5, 64), jnp.float32, "swish", True, 32, 2, 2e-5),
-        ((2, 8, 2, 1, 4, 64), jnp.bfloat16, "identity", False, 64, 3, 2e-2),  # more stages than steps per chunk
-    ],
+  "shape, dtype, activation, with_bias, block_d, stages, rtol",
+  [
+    # two d_model chunks, ragged token block; swish(g * h): the gate inside a nonlinear activation, as sgatlin
+    ((1, 11, 2, 1, 5, 64), jnp.float32, "swish", True, 32, 2, 2e-5),
+    ((2, 8, 2, 1, 4, 64), jnp.bfloat16, "identity", False, 64, 3, 2e-2),  # more stages than steps per chunk
+  ],
 )
 def test_mosaic_gpu_kernels_equal_xla_path(shape, dtype, activation, with_bias, block_d, stages, rtol):
   from sparsetx.kernels import mosaic_gpu
@@ -78,7 +78,7 @@ def test_mosaic_gpu_kernels_equal_xla_path(shape, dtype, activation, with_bias, 
   bias = bias if with_bias else None
   act = ACTIVATIONS[activation]
   run = lambda options: value_and_grads(
-      lambda *a: gated_gather(*a[:5], act, a[5], options), x, w_in, w_out, rows, gates, bias
+    lambda *a: gated_gather(*a[:5], act, a[5], options), x, w_in, w_out, rows, gates, bias
   )
   mosaic = KernelOptions("pallas", gpu_kernel="mosaic", block_d=block_d, stages=stages, interpret=True)
   mosaic_result = run(mosaic)
@@ -106,17 +106,18 @@ def test_mosaic_gpu_forward_from_given_pre_activations_equals_xla_path():
   act = ACTIVATIONS["gelu"]
   h = jnp.einsum("btd,btsd->bts", x, w_in[rows]) + bias[rows]
   y = {
-      name: gated_gather(x, w_in, w_out, rows, gates, act, bias, options, pre_activation=h)
-      for name, options in [
-          ("mosaic", KernelOptions("pallas", gpu_kernel="mosaic", block_d=32, interpret=True)),
-          ("xla", KernelOptions("xla")),
-      ]
+    name: gated_gather(x, w_in, w_out, rows, gates, act, bias, options, pre_activation=h)
+    for name, options in [
+      ("mosaic", KernelOptions("pallas", gpu_kernel="mosaic", block_d=32, interpret=True)),
+      ("xla", KernelOptions("xla")),
+    ]
   }
   np.testing.assert_allclose(y["mosaic"], y["xla"], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
-    "n_slots, block_d, stages", [(128, 128, 3), (300, 64, 2)]  # sgatlin's C*K (defaults); more than one 256-slot box
+  "n_slots, block_d, stages",
+  [(128, 128, 3), (300, 64, 2)],  # sgatlin's C*K (defaults); more than one 256-slot box
 )
 def test_mosaic_gpu_kernels_lower_for_cuda(monkeypatch, n_slots, block_d, stages):
   """Lowering for CUDA on CPU runs Mosaic GPU's own checks (register layouts, transfer plans, TMA boxes)."""

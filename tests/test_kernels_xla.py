@@ -25,12 +25,12 @@ def assert_match(ours, ref, rtol, atol):
 
 
 @pytest.mark.parametrize(
-    "shape, activation, with_bias, token_chunk, pair_chunk",
-    [
-        # (no bias, ragged token and pair chunks: test_official_refs.py, against the authors' formulas)
-        ((1, 16, 4, 3, 8, 8), "gelu", True, 2, 7),  # pairs not a multiple of the pair chunk
-        ((1, 7, 1, 3, 4, 8), "relu", True, 1, 3),
-    ],
+  "shape, activation, with_bias, token_chunk, pair_chunk",
+  [
+    # (no bias, ragged token and pair chunks: test_official_refs.py, against the authors' formulas)
+    ((1, 16, 4, 3, 8, 8), "gelu", True, 2, 7),  # pairs not a multiple of the pair chunk
+    ((1, 7, 1, 3, 4, 8), "relu", True, 1, 3),
+  ],
 )
 @pytest.mark.parametrize("row_sorted", [False, True])  # token-order walk, or the row-order one (CPU training)
 def test_xla_path_equals_reference_float32(shape, activation, with_bias, token_chunk, pair_chunk, row_sorted):
@@ -64,7 +64,9 @@ def test_xla_path_equals_reference_bfloat16(activation):
   y_ref = gated_gather_reference(x, w_in, w_out, rows, gates, act)
   assert y.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_ref, np.float32), rtol=2e-2, atol=2e-2)
-  ours = value_and_grads(lambda *a: gated_gather(*a[:5], act, None, KernelOptions("xla", 4, 32)), x, w_in, w_out, rows, gates, None)
+  ours = value_and_grads(
+    lambda *a: gated_gather(*a[:5], act, None, KernelOptions("xla", 4, 32)), x, w_in, w_out, rows, gates, None
+  )
   ref = value_and_grads(lambda *a: gated_gather_reference(*a[:5], act), x, w_in, w_out, rows, gates, None)
   assert ours[1][0].dtype == jnp.bfloat16 and ours[1][1].dtype == jnp.float32  # dx in x's dtype, tables in theirs
   assert_match(ours, ref, rtol=3e-2, atol=2e-2)
@@ -72,7 +74,9 @@ def test_xla_path_equals_reference_bfloat16(activation):
 
 def test_table_gradients_are_deterministic_and_zero_off_the_picked_rows():
   x, w_in, w_out, rows, gates, bias = gather_case(2, 2, 16, 2, 3, 40, 8)
-  run = lambda: value_and_grads(lambda *a: gated_gather(*a[:5], bias_R=a[5], options=KernelOptions("xla", 4, 8)), x, w_in, w_out, rows, gates, bias)
+  run = lambda: value_and_grads(
+    lambda *a: gated_gather(*a[:5], bias_R=a[5], options=KernelOptions("xla", 4, 8)), x, w_in, w_out, rows, gates, bias
+  )
   first, second = run(), run()
   for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
     np.testing.assert_array_equal(a, b)
@@ -86,9 +90,11 @@ def test_no_gathered_rows_tensor_in_the_compiled_step():
   """The fast path never holds a [tokens, S, D] buffer; the papers' formulation does."""
   B, T, C, K, N, D = 1, 64, 4, 4, 32, 16
   x, w_in, w_out, rows, gates, _ = gather_case(3, B, T, C, K, N, D)
+
   def compiled_text(fn):
     step = jax.jit(jax.grad(lambda x, wi, wo, g: fn(x, wi, wo, rows, g).sum(), argnums=(0, 1, 2, 3)))
     return step.lower(x, w_in, w_out, gates).compile().as_text()
+
   full = f"f32[{B},{T},{C * K},{D}]"
   ours = compiled_text(functools.partial(gated_gather, options=KernelOptions("xla", 4, 64)))
   assert full not in ours and f"f32[{B * T},{C * K},{D}]" not in ours

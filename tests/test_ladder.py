@@ -68,15 +68,15 @@ def hand_config(ffn_type, **ffn):
 
 # Per layer attention: 2 * (4 * 64 * 64 + 2 * 16 * 64) = 36_864; head: 2 * 64 * 100 = 12_800.
 HAND_COUNTS = [
-    ("mlp", dict(d_ffw=128), 2 * 2 * 64 * 128),  # 32_768
-    ("swiglu", dict(d_ffw=128), 2 * 3 * 64 * 128),  # 49_152
-    ("moe", dict(d_ffw=32, n_experts=4, experts_per_token=2), 2 * (64 * 4 + 2 * 3 * 64 * 32)),  # 25_088
-    # peer: per channel a query 64 -> 8 and two half-queries of 4 against 16 sub-keys each, then k=4 neurons.
-    ("peer", dict(d_ffw=256, n_channels=2, top_k=4, d_key=8), 2 * (2 * (64 * 8 + 2 * 16 * 4) + 2 * 4 * 2 * 64)),
-    # sgatlin: one query 64 -> 8, per channel 2 * 16 key scores of 8, then k=4 neurons of in and out.
-    ("sgatlin", dict(d_ffw=256, n_channels=2, top_k=4, d_key=8), 2 * (64 * 8 + 2 * 2 * 16 * 8 + 2 * 4 * 2 * 64)),
-    # fff: 3 trees, depth 2 -> 3 nodes on a path, each one dot and one axpy of 64.
-    ("fff", dict(n_trees=3, depth=2), 2 * 3 * 3 * 2 * 64),
+  ("mlp", dict(d_ffw=128), 2 * 2 * 64 * 128),  # 32_768
+  ("swiglu", dict(d_ffw=128), 2 * 3 * 64 * 128),  # 49_152
+  ("moe", dict(d_ffw=32, n_experts=4, experts_per_token=2), 2 * (64 * 4 + 2 * 3 * 64 * 32)),  # 25_088
+  # peer: per channel a query 64 -> 8 and two half-queries of 4 against 16 sub-keys each, then k=4 neurons.
+  ("peer", dict(d_ffw=256, n_channels=2, top_k=4, d_key=8), 2 * (2 * (64 * 8 + 2 * 16 * 4) + 2 * 4 * 2 * 64)),
+  # sgatlin: one query 64 -> 8, per channel 2 * 16 key scores of 8, then k=4 neurons of in and out.
+  ("sgatlin", dict(d_ffw=256, n_channels=2, top_k=4, d_key=8), 2 * (64 * 8 + 2 * 2 * 16 * 8 + 2 * 4 * 2 * 64)),
+  # fff: 3 trees, depth 2 -> 3 nodes on a path, each one dot and one axpy of 64.
+  ("fff", dict(n_trees=3, depth=2), 2 * 3 * 3 * 2 * 64),
 ]
 
 

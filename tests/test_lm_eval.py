@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import REPO
-from lm_eval import evaluator, utils as lm_eval_utils
+from lm_eval import evaluator
+from lm_eval import utils as lm_eval_utils
 from lm_eval.api import registry
 from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
@@ -49,7 +50,7 @@ class Direct:
 
   def score(self, tokens, n_continuation):
     """(log-prob of the last n tokens given the rest, whether each is the argmax), the oldest tokens cut to fit."""
-    tokens = tokens[-(self.lm.max_len + 1):]
+    tokens = tokens[-(self.lm.max_len + 1) :]
     logits_TV = np.asarray(self.forward(self.lm.scorer.params, jnp.asarray([tokens[:-1]])))[0]
     logprobs_TV = np.asarray(jax.nn.log_softmax(logits_TV, axis=-1))
     targets = np.asarray(tokens[1:])
@@ -67,11 +68,11 @@ def test_loglikelihood_equals_direct_sum_of_token_log_probs(lm):
   greedy = vocabulary.decode(lm.sampler.generate([[0] + encode("The ball was")], 6)[0])
   long_context = "Lily the cat lived in a little house by the park. One day she"
   cases = [
-      ("The ball was", " full.", [0] + encode("The ball was"), encode(" full.")),
-      ("The kite was ", "white.", [0] + encode("The kite was"), encode(" white.")),  # the space moves over
-      ("", "The pie was sweet.", [0], encode("The pie was sweet.")),
-      (long_context, " went out.", [0] + encode(long_context), encode(" went out.")),  # longer than max_len
-      ("The ball was", greedy, [0] + encode("The ball was"), encode(greedy)),  # greedy by construction
+    ("The ball was", " full.", [0] + encode("The ball was"), encode(" full.")),
+    ("The kite was ", "white.", [0] + encode("The kite was"), encode(" white.")),  # the space moves over
+    ("", "The pie was sweet.", [0], encode("The pie was sweet.")),
+    (long_context, " went out.", [0] + encode(long_context), encode(" went out.")),  # longer than max_len
+    ("The ball was", greedy, [0] + encode("The ball was"), encode(greedy)),  # greedy by construction
   ]
   assert len(cases[3][2]) + len(cases[3][3]) > lm.max_len + 1
   got = lm.loglikelihood(requests("loglikelihood", *[(c, x) for c, x, _, _ in cases]))
@@ -87,6 +88,7 @@ def test_loglikelihood_rolling_uses_lm_evals_windows(lm):
   text = "Once upon a time, there was a little cat named Lily. Lily lived in a little house by the park."
   tokens = lm.encode(text)
   assert len(tokens) > 2 * lm.max_len
+
   def lm_eval_windows(tokens):
     windows = lm_eval_utils.get_rolling_token_windows(tokens, 0, lm.max_len, 1)
     return [tuple(map(list, lm_eval_utils.make_disjoint_window(window))) for window in windows]
@@ -104,10 +106,15 @@ def test_generate_until_honours_until_and_max_gen_toks(lm):
   full = lm.vocabulary.decode(lm.sampler.generate([[0] + lm.encode(prompt)], 8)[0])
   stop = full[3:5]
   assert stop and stop in full
-  got = lm.generate_until(requests(
-      "generate_until", (prompt, dict(until=[stop], max_gen_toks=8)), (prompt, dict(until=["\n\n"], max_gen_toks=5)),
-      (prompt, dict(until="never there", max_gen_toks=8, do_sample=False))))
-  assert got == [full[:full.index(stop)], full[:5], full]
+  got = lm.generate_until(
+    requests(
+      "generate_until",
+      (prompt, dict(until=[stop], max_gen_toks=8)),
+      (prompt, dict(until=["\n\n"], max_gen_toks=5)),
+      (prompt, dict(until="never there", max_gen_toks=8, do_sample=False)),
+    )
+  )
+  assert got == [full[: full.index(stop)], full[:5], full]
 
 
 def test_local_tasks_end_to_end_offline(workdir, lm, monkeypatch):
@@ -115,12 +122,17 @@ def test_local_tasks_end_to_end_offline(workdir, lm, monkeypatch):
   monkeypatch.chdir(REPO)  # the task files name facts.jsonl from the repository root
   names = ["sparsetx_facts_cloze", "sparsetx_facts_choice"]
   results = evaluator.simple_evaluate(
-      model=lm, tasks=names, limit=3,  # the registered class, built in the fixture (model="sparsetx" builds the same)
-      task_manager=TaskManager(include_path=TASKS_DIR, include_defaults=False))["results"]
+    model=lm,
+    tasks=names,
+    limit=3,  # the registered class, built in the fixture (model="sparsetx" builds the same)
+    task_manager=TaskManager(include_path=TASKS_DIR, include_defaults=False),
+  )["results"]
   docs = make_tasks.documents()[:3]
   adjectives = [f"{adjective}." for _, adjective in corpus.facts()]
-  for name, choices_of, label_of in (("sparsetx_facts_cloze", lambda d: adjectives, lambda d: d["label"]),
-                                     ("sparsetx_facts_choice", lambda d: d["choices"], lambda d: d["choice_label"])):
+  for name, choices_of, label_of in (
+    ("sparsetx_facts_cloze", lambda d: adjectives, lambda d: d["label"]),
+    ("sparsetx_facts_choice", lambda d: d["choices"], lambda d: d["choice_label"]),
+  ):
     correct = []
     for doc in docs:
       context = f"The {doc['noun']} was"

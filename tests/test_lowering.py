@@ -28,10 +28,10 @@ FFN_TYPES = ("mlp", "swiglu", "moe", "peer", "sgatlin", "fff")
 GATHER_TYPES = ("peer", "sgatlin", "fff")
 N_LAYERS = 2
 TARGETS = {  # name: (lowering platform, TPU chip, kernel.gpu_kernel)
-    "cuda-triton": ("cuda", None, "triton"),
-    "cuda-mosaic": ("cuda", None, "mosaic"),
-    "tpu-v5p": ("tpu", "v5p", "auto"),
-    "tpu-v6e": ("tpu", "v6e", "auto"),
+  "cuda-triton": ("cuda", None, "triton"),
+  "cuda-mosaic": ("cuda", None, "mosaic"),
+  "tpu-v5p": ("tpu", "v5p", "auto"),
+  "tpu-v6e": ("tpu", "v6e", "auto"),
 }
 TRITON, TPU = "__gpu$xla.gpu.triton", "tpu_custom_call"
 
@@ -109,8 +109,12 @@ def test_kernels_lower_with_every_activation(target, activation, gate_inside):
   rows, gates, bias = spec((64, 16), jnp.int32), spec((64, 16), jnp.float32), spec((256,), jnp.float32)
 
   def loss(x, w_in, w_out, gates, bias, rows):
-    return jnp.sum(gated_gather(x, w_in, w_out, rows, gates, act, bias, options,
-                                   gate_inside_activation=gate_inside).astype(jnp.float32) ** 2)
+    return jnp.sum(
+      gated_gather(x, w_in, w_out, rows, gates, act, bias, options, gate_inside_activation=gate_inside).astype(
+        jnp.float32
+      )
+      ** 2
+    )
 
   with aot.target_platform(platform, chip):
     traced = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))).trace(x, table, table, gates, bias, rows)
@@ -118,7 +122,9 @@ def test_kernels_lower_with_every_activation(target, activation, gate_inside):
   assert gather_kernels(text, target) == {"gated_gather_forward": 1, "gated_gather_backward": 1}
 
 
-@pytest.mark.parametrize("chip, version", [("v5p", tpu_info.ChipVersion.TPU_V5P), ("v6e", tpu_info.ChipVersion.TPU_V6E)])
+@pytest.mark.parametrize(
+  "chip, version", [("v5p", tpu_info.ChipVersion.TPU_V5P), ("v6e", tpu_info.ChipVersion.TPU_V6E)]
+)
 def test_target_platform_reports_the_target_and_restores_this_machine(chip, version):
   with aot.target_platform("tpu", chip):
     assert jax.default_backend() == "tpu"
@@ -148,14 +154,35 @@ def test_dry_run_tool_lowers_for_a_platform_and_lists_the_kernels():
 
   from conftest import REPO
 
-  small = ["--config.model.n_layers=2", "--config.model.ffn.kernel.implementation=pallas", "--config.data.seq_len=64",
-           "--config.model.max_len=64", "--config.data.global_batch_size=2"]
-  result = subprocess.run([sys.executable, "tools/dry_run.py", "--config=configs/tiny.py:fff", "--devices=1",
-                           "--platform=tpu", "--chip=v6e", *small], cwd=REPO, capture_output=True, text=True, timeout=300)
+  small = [
+    "--config.model.n_layers=2",
+    "--config.model.ffn.kernel.implementation=pallas",
+    "--config.data.seq_len=64",
+    "--config.model.max_len=64",
+    "--config.data.global_batch_size=2",
+  ]
+  result = subprocess.run(
+    [
+      sys.executable,
+      "tools/dry_run.py",
+      "--config=configs/tiny.py:fff",
+      "--devices=1",
+      "--platform=tpu",
+      "--chip=v6e",
+      *small,
+    ],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert result.returncode == 0, result.stderr
   assert "train step lowered for tpu (TPU v6e)" in result.stdout
-  rows = {tuple(line.split()[:2]): int(line.split()[-1]) for line in result.stdout.splitlines()
-          if line.startswith("  tpu_custom_call")}
+  rows = {
+    tuple(line.split()[:2]): int(line.split()[-1])
+    for line in result.stdout.splitlines()
+    if line.startswith("  tpu_custom_call")
+  }
   assert rows[("tpu_custom_call", "gated_gather_forward")] == rows[("tpu_custom_call", "gated_gather_backward")] == 2
   assert "compiler memory analysis" not in result.stdout  # lowered only
 
@@ -163,7 +190,10 @@ def test_dry_run_tool_lowers_for_a_platform_and_lists_the_kernels():
 def test_custom_calls_table():
   calls = collections.Counter({("tpu_custom_call", "gated_gather_forward"): 2, ("mosaic_gpu_v2", ""): 4})
   lines = aot.format_custom_calls(calls).splitlines()
-  assert [line.split() for line in lines[1:]] == [["mosaic_gpu_v2", "-", "4"], ["tpu_custom_call", "gated_gather_forward", "2"]]
+  assert [line.split() for line in lines[1:]] == [
+    ["mosaic_gpu_v2", "-", "4"],
+    ["tpu_custom_call", "gated_gather_forward", "2"],
+  ]
   assert "(none" in aot.format_custom_calls(collections.Counter())
 
 
@@ -180,5 +210,7 @@ def test_train_step_lowers_on_a_mesh_with_each_device_on_its_tokens(ffn_type, ta
   text = aot.lower_train_step(config, platform, chip, mesh_lib.make_mesh(config.mesh, jax.devices()[:8]))
   assert gather_kernels(text, target) == expected_kernels(ffn_type, target, "train")
   tokens_per_device = 8 * 64 // ici["data"]
-  operands = [line.split("->")[-1] for line in text.splitlines() if "gated_gather_forward" in line and "custom_call" in line]
+  operands = [
+    line.split("->")[-1] for line in text.splitlines() if "gated_gather_forward" in line and "custom_call" in line
+  ]
   assert operands and all(line.lstrip(" (").startswith(f"tensor<{tokens_per_device}x128xbf16>") for line in operands)

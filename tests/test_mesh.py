@@ -14,7 +14,9 @@ def test_one_axis_is_inferred_and_sizes_must_divide():
   config.mesh.ici.update(data=-1, fsdp=2, expert=2)
   assert dict(mesh_lib.make_mesh(config.mesh).shape) == dict(data=2, fsdp=2, tensor=1, expert=2)
   config.mesh.ici.update(data=4, fsdp=4, expert=1)
-  with pytest.raises(config_lib.ConfigError, match=r"config.mesh.ici \(data=4, fsdp=4, tensor=1, expert=1\) does not divide 8"):
+  with pytest.raises(
+    config_lib.ConfigError, match=r"config.mesh.ici \(data=4, fsdp=4, tensor=1, expert=1\) does not divide 8"
+  ):
     mesh_lib.make_mesh(config.mesh)
   config.mesh.ici.update(data=-1, fsdp=-1)
   with pytest.raises(config_lib.ConfigError, match="more than one -1"):
@@ -39,7 +41,9 @@ def test_a_large_replicated_parameter_is_refused_by_name():
   config.mesh.rules = tuple((name, None if name in ("channel", "embed") else axes) for name, axes in config.mesh.rules)
   config.mesh.max_replicated_mib = 1.0
   mesh = mesh_lib.make_mesh(config.mesh)
-  with pytest.raises(config_lib.ConfigError, match=r"parameter .*'experts'.* \(4 MiB\) would be fully replicated on all 8"):
+  with pytest.raises(
+    config_lib.ConfigError, match=r"parameter .*'experts'.* \(4 MiB\) would be fully replicated on all 8"
+  ):
     state_lib.state_shardings(config, mesh)
   single = mesh_lib.make_mesh(config.mesh, jax.devices()[:1])
   state_lib.state_shardings(config, single)  # one device: nothing to refuse

@@ -52,8 +52,8 @@ def test_each_expert_sees_only_its_tokens():
   x = jax.random.normal(jax.random.key(0), (1, 3, 16))  # 3 tokens: at most 3 of 16 experts used
   params = init_params(layer, x)
   (_, state), grads = jax.value_and_grad(
-      lambda p: (lambda out: (jnp.sum(out[0]), out[1]))(layer.apply({"params": p}, x, mutable=["intermediates"])),
-      has_aux=True,
+    lambda p: (lambda out: (jnp.sum(out[0]), out[1]))(layer.apply({"params": p}, x, mutable=["intermediates"])),
+    has_aux=True,
   )(params)
   used = np.unique(np.asarray(state["intermediates"]["expert_ids"][0]))
   touched = np.flatnonzero(np.abs(np.asarray(grads["wi_up"])).sum(axis=(1, 2)) > 0)
@@ -86,8 +86,11 @@ def test_balancing_losses_equal_a_hand_computation():
   _, ids_BTK = jax.lax.top_k(logits_BTE, 2)
   weights_BT = jnp.ones((2, 5)).at[1, 3:].set(0.0)
   got = balance_losses(6, logits_BTE, ids_BTK, weights_BT)
-  aux, z = switch_losses_by_hand(np.asarray(logits_BTE, np.float64).reshape(10, 6), np.asarray(ids_BTK).reshape(10, 2),
-                                 np.asarray(weights_BT).reshape(10))
+  aux, z = switch_losses_by_hand(
+    np.asarray(logits_BTE, np.float64).reshape(10, 6),
+    np.asarray(ids_BTK).reshape(10, 2),
+    np.asarray(weights_BT).reshape(10),
+  )
   np.testing.assert_allclose(float(got["aux_loss"]), aux, rtol=1e-6)
   np.testing.assert_allclose(float(got["router_z_loss"]), z, rtol=1e-6)
 
@@ -95,16 +98,22 @@ def test_balancing_losses_equal_a_hand_computation():
 def moe_model_config(aux_loss, router_z_loss=0.0):
   config = config_lib.default_config()
   config.model.update(d_model=16, head_dim=16, n_layers=1, vocab_size=32, dtype="float32")
-  config.model.ffn.update(type="moe", d_ffw=8, n_experts=4, experts_per_token=1, aux_loss=aux_loss,
-                          router_z_loss=router_z_loss)
+  config.model.ffn.update(
+    type="moe", d_ffw=8, n_experts=4, experts_per_token=1, aux_loss=aux_loss, router_z_loss=router_z_loss
+  )
   config_lib.validate_model(config.model)
   return config
 
 
 def moe_batch(seed=0, B=4, T=16):
   tokens = jax.random.randint(jax.random.key(seed), (B, T + 1), 0, 32)
-  return dict(inputs=tokens[:, :-1], targets=tokens[:, 1:], positions=jnp.tile(jnp.arange(T)[None, :], (B, 1)),
-              segment_ids=jnp.ones((B, T), jnp.int32), loss_weights=jnp.ones((B, T)).at[0, 10:].set(0.0))
+  return dict(
+    inputs=tokens[:, :-1],
+    targets=tokens[:, 1:],
+    positions=jnp.tile(jnp.arange(T)[None, :], (B, 1)),
+    segment_ids=jnp.ones((B, T), jnp.int32),
+    loss_weights=jnp.ones((B, T)).at[0, 10:].set(0.0),
+  )
 
 
 def skewed_params(model, batch):
@@ -122,9 +131,13 @@ def test_balancing_losses_enter_the_training_loss_with_their_weights():
   plain, weighted = moe_model_config(0.0), moe_model_config(0.5, 0.01)
   model = Transformer(ml_collections.FrozenConfigDict(plain.model))
   params = skewed_params(model, batch)
-  run = lambda config: jax.jit(functools.partial(  # noqa: E731
-      step_lib.loss_and_grads, model=Transformer(ml_collections.FrozenConfigDict(config.model)), train=config.train,
-  ))(params, batch)
+  run = lambda config: jax.jit(
+    functools.partial(  # noqa: E731
+      step_lib.loss_and_grads,
+      model=Transformer(ml_collections.FrozenConfigDict(config.model)),
+      train=config.train,
+    )
+  )(params, batch)
   loss0, *_ = run(plain)
   loss1, _, _, stats = run(weighted)
   aux, z = stats["sparse/layers_0/aux_loss"], stats["sparse/layers_0/router_z_loss"]

@@ -49,19 +49,29 @@ def test_jobset_loads_and_sets_the_environment_detection_reads():
 # MaxText's H100 flags (end_to_end/gpu/a3/test_llama2_7b.sh; its --xla_gpu_graph_level=0 is spelled
 # --xla_gpu_enable_command_buffer= since XLA dropped the former) and its TPU LIBTPU_INIT_ARGS.
 MAXTEXT_GPU_FLAGS = [
-    "--xla_gpu_enable_latency_hiding_scheduler=true", "--xla_gpu_enable_triton_gemm=false",
-    "--xla_gpu_enable_command_buffer=", "--xla_gpu_enable_highest_priority_async_stream=true",
-    "--xla_gpu_all_reduce_combine_threshold_bytes=134217728", "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
-    "--xla_gpu_reduce_scatter_combine_threshold_bytes=67108864", "--xla_gpu_enable_pipelined_all_gather=true",
-    "--xla_gpu_enable_pipelined_reduce_scatter=true", "--xla_gpu_enable_pipelined_all_reduce=true",
-    "--xla_gpu_enable_while_loop_double_buffering=true", "--xla_gpu_enable_all_gather_combine_by_dim=false",
-    "--xla_gpu_enable_reduce_scatter_combine_by_dim=false", "--xla_disable_hlo_passes=rematerialization",
+  "--xla_gpu_enable_latency_hiding_scheduler=true",
+  "--xla_gpu_enable_triton_gemm=false",
+  "--xla_gpu_enable_command_buffer=",
+  "--xla_gpu_enable_highest_priority_async_stream=true",
+  "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
+  "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
+  "--xla_gpu_reduce_scatter_combine_threshold_bytes=67108864",
+  "--xla_gpu_enable_pipelined_all_gather=true",
+  "--xla_gpu_enable_pipelined_reduce_scatter=true",
+  "--xla_gpu_enable_pipelined_all_reduce=true",
+  "--xla_gpu_enable_while_loop_double_buffering=true",
+  "--xla_gpu_enable_all_gather_combine_by_dim=false",
+  "--xla_gpu_enable_reduce_scatter_combine_by_dim=false",
+  "--xla_disable_hlo_passes=rematerialization",
 ]
 MAXTEXT_TPU_FLAGS = [
-    "--xla_tpu_enable_data_parallel_all_reduce_opt=true", "--xla_tpu_data_parallel_opt_different_sized_ops=true",
-    "--xla_tpu_enable_async_collective_fusion=true", "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
-    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true", "--xla_tpu_overlap_compute_collective_tc=true",
-    "--xla_enable_async_all_gather=true",
+  "--xla_tpu_enable_data_parallel_all_reduce_opt=true",
+  "--xla_tpu_data_parallel_opt_different_sized_ops=true",
+  "--xla_tpu_enable_async_collective_fusion=true",
+  "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
+  "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
+  "--xla_tpu_overlap_compute_collective_tc=true",
+  "--xla_enable_async_all_gather=true",
 ]
 
 
@@ -73,8 +83,10 @@ def test_recipes_set_the_maxtext_xla_flags_and_the_pinned_jaxlib_accepts_them():
   sbatch = re.search(r'^export XLA_FLAGS="(.*?)"$', (REPO / "deploy/slurm/train.sbatch").read_text(), re.M | re.S)
   assert sbatch and _flags(sbatch[1]) == MAXTEXT_GPU_FLAGS
   (jobset,) = yaml.safe_load_all((REPO / "deploy/k8s/jobset.yaml").read_text())
-  env = {e["name"]: e.get("value") for e in jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
-         ["containers"][0]["env"]}
+  env = {
+    e["name"]: e.get("value")
+    for e in jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["env"]
+  }
   assert env["XLA_FLAGS"].split() == MAXTEXT_GPU_FLAGS
   pod = (REPO / "deploy/tpu/run_pod.sh").read_text()
   tpu = re.search(r'^LIBTPU_INIT_ARGS=\$\{LIBTPU_INIT_ARGS:-"(.*?)"\}$', pod, re.M | re.S)
@@ -82,6 +94,11 @@ def test_recipes_set_the_maxtext_xla_flags_and_the_pinned_jaxlib_accepts_them():
   # XLA aborts on a flag it does not know: the GPU flags parse in this jaxlib, a made-up one does not.
   probe = [sys.executable, "-c", "import jax; jax.devices()"]
   for flags, ok in ((MAXTEXT_GPU_FLAGS, True), (["--xla_gpu_no_such_flag=true"], False)):
-    result = subprocess.run(probe, env={**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"},
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+      probe,
+      env={**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"},
+      capture_output=True,
+      text=True,
+      timeout=120,
+    )
     assert (result.returncode == 0) == ok, result.stderr[-500:]

@@ -33,8 +33,17 @@ time.sleep(60)
 def launch(tmp_path, mode, *options):
   (tmp_path / "fake_trainer.py").write_text(FAKE)
   env = dict(os.environ, PYTHONPATH=str(tmp_path))
-  command = [sys.executable, LAUNCHER, "--num_processes=2", "--devices_per_process=3", "--module=fake_trainer",
-             *options, "--", f"--out={tmp_path}", f"--mode={mode}"]
+  command = [
+    sys.executable,
+    LAUNCHER,
+    "--num_processes=2",
+    "--devices_per_process=3",
+    "--module=fake_trainer",
+    *options,
+    "--",
+    f"--out={tmp_path}",
+    f"--mode={mode}",
+  ]
   return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -85,9 +94,20 @@ def test_a_peer_that_never_connects_ends_the_trainer_with_the_coordinator_named(
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
-  command = [sys.executable, "-m", "sparsetx.train", f"--workdir={tmp_path}", f"--coordinator_address=localhost:{port}",
-             "--num_processes=2", "--process_id=0", "--distributed_timeout=2"]
+  command = [
+    sys.executable,
+    "-m",
+    "sparsetx.train",
+    f"--workdir={tmp_path}",
+    f"--coordinator_address=localhost:{port}",
+    "--num_processes=2",
+    "--process_id=0",
+    "--distributed_timeout=2",
+  ]
   result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
   assert result.returncode == 4, result.stderr[-3000:]
-  assert result.stderr.strip().splitlines()[-1].startswith(
-      f"error: process 0 of 2 could not join the run at coordinator localhost:{port} within 2s")
+  assert (
+    result.stderr.strip()
+    .splitlines()[-1]
+    .startswith(f"error: process 0 of 2 could not join the run at coordinator localhost:{port} within 2s")
+  )

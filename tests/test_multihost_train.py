@@ -26,12 +26,22 @@ from conftest import REPO
 # default mixture's time; the dense MLP, whose step compiles in half of sgatlin's time (this tests
 # the multi-host machinery; the layers' sharded equivalence is tests/test_train.py's).
 MICRO = [
-    "--config=configs/tiny.py:mlp", "--config.data.mixture=(('facts', 1.0),)",
-    "--config.model.d_model=64", "--config.model.n_layers=2",
-    "--config.model.max_len=32", "--config.model.dtype=float32", "--config.data.seq_len=32",
-    "--config.data.global_batch_size=8", "--config.data.eval_batch_size=8", "--config.data.shuffle_buffer=64",
-    "--config.train.warmup_steps=5", "--config.train.decay_fraction=0", "--config.train.log_every=1",
-    "--config.train.eval_every=1000", "--config.train.eval_batches=1", "--config.checkpoint.every=10",
+  "--config=configs/tiny.py:mlp",
+  "--config.data.mixture=(('facts', 1.0),)",
+  "--config.model.d_model=64",
+  "--config.model.n_layers=2",
+  "--config.model.max_len=32",
+  "--config.model.dtype=float32",
+  "--config.data.seq_len=32",
+  "--config.data.global_batch_size=8",
+  "--config.data.eval_batch_size=8",
+  "--config.data.shuffle_buffer=64",
+  "--config.train.warmup_steps=5",
+  "--config.train.decay_fraction=0",
+  "--config.train.log_every=1",
+  "--config.train.eval_every=1000",
+  "--config.train.eval_batches=1",
+  "--config.checkpoint.every=10",
 ]
 
 # One process x 4 devices. The loop's data iterator is replaced by one that reads data shards 0 and 1
@@ -105,15 +115,34 @@ def test_two_processes_train_like_one_resume_in_one_and_stop_when_a_peer_dies(tm
   env = dict(os.environ)  # the session's JAX compilation cache (tests/conftest.py) is shared
   launcher_log = open(tmp_path / "launcher.log", "w+")
   launcher = subprocess.Popen(
-      [sys.executable, "tools/launch_local.py", "--num_processes=2", "--devices_per_process=2", "--grace_period=100",
-       f"--log_dir={logs}", "--", *MICRO, f"--workdir={multi}", "--config.train.steps=1000",
-       "--config.mesh.dcn.data=-1", "--heartbeat_timeout=10"],
-      cwd=REPO, env=env, stdout=launcher_log, stderr=subprocess.STDOUT)
+    [
+      sys.executable,
+      "tools/launch_local.py",
+      "--num_processes=2",
+      "--devices_per_process=2",
+      "--grace_period=100",
+      f"--log_dir={logs}",
+      "--",
+      *MICRO,
+      f"--workdir={multi}",
+      "--config.train.steps=1000",
+      "--config.mesh.dcn.data=-1",
+      "--heartbeat_timeout=10",
+    ],
+    cwd=REPO,
+    env=env,
+    stdout=launcher_log,
+    stderr=subprocess.STDOUT,
+  )
   driver_env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
   driver_log = open(tmp_path / "driver.log", "w+")
   driver = subprocess.Popen(
-      [sys.executable, "-c", DRIVER, str(tmp_path), str(multi), json.dumps(MICRO + ["--config.train.steps=12"])],
-      cwd=REPO, env=driver_env, stdout=driver_log, stderr=subprocess.STDOUT)
+    [sys.executable, "-c", DRIVER, str(tmp_path), str(multi), json.dumps(MICRO + ["--config.train.steps=12"])],
+    cwd=REPO,
+    env=driver_env,
+    stdout=driver_log,
+    stderr=subprocess.STDOUT,
+  )
   try:
     # Checkpoint 10 is complete once orbax has renamed its directory into place.
     wait_until(lambda: (multi / "checkpoints" / "10").is_dir(), [launcher], 240, "two-process checkpoint 10")

@@ -20,8 +20,10 @@ def test_an_empty_position_set_is_na_with_the_positions_that_exist():
   others = [c for c in range(len(result.col_labels)) if c != was]
   assert np.isfinite(result.nie_RC[:, others]).all()
   kept = int(result.kept_B.sum())
-  assert result.reasons == [f"n/a in column was: the prompts of the {kept} kept pairs have no was position (this "
-                            "vocabulary's prompts hold noun_first, noun_last, last, all)"]
+  assert result.reasons == [
+    f"n/a in column was: the prompts of the {kept} kept pairs have no was position (this "
+    "vocabulary's prompts hold noun_first, noun_last, last, all)"
+  ]
   table = nie.format_table(result)
   assert "nan" not in table.lower()
   for line in table.splitlines()[2:4]:  # the layer row and "all": n/a in the was column only
@@ -35,10 +37,22 @@ def test_no_pair_above_the_threshold_is_na_everywhere_with_the_count():
   masks = {name: np.ones((B, 4), bool) for name in nie.POSITION_SETS}
   pairs = nie.PromptPairs(*(np.zeros((B, 4), np.int32),) * 4, np.zeros(B), np.ones(B), masks, [])
   reasons = nie.na_reasons(pairs, np.zeros(B, bool), 0.5)
-  assert reasons == ["n/a everywhere: 0 of 5 pairs have a total effect |m(x_patch) - m(x_clean)| of at least 0.5 "
-                     "logits (min_effect); the model does not yet tell the facts apart, or lower min_effect."]
-  result = nie.NieResult(["0", "all"], list(nie.POSITION_SETS), np.full((2, 5), np.nan), np.full((2, 5, B), np.nan),
-                         np.zeros(B), np.full(B, 0.1), np.zeros(B, bool), {}, reasons=reasons, min_effect=0.5)
+  assert reasons == [
+    "n/a everywhere: 0 of 5 pairs have a total effect |m(x_patch) - m(x_clean)| of at least 0.5 "
+    "logits (min_effect); the model does not yet tell the facts apart, or lower min_effect."
+  ]
+  result = nie.NieResult(
+    ["0", "all"],
+    list(nie.POSITION_SETS),
+    np.full((2, 5), np.nan),
+    np.full((2, 5, B), np.nan),
+    np.zeros(B),
+    np.full(B, 0.1),
+    np.zeros(B, bool),
+    {},
+    reasons=reasons,
+    min_effect=0.5,
+  )
   table = nie.format_table(result)
   assert table.splitlines()[2] == "| 0 | n/a | n/a | n/a | n/a | n/a |" and "nan" not in table.lower()
   assert "0 of 5 pairs have a total effect |m(x_patch) - m(x_clean)| of at least 0.5 logits" in table

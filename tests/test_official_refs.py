@@ -23,10 +23,10 @@ from sparsetx.models.ffn.fff import Fff
 
 ACTS = {"identity": lambda h: h, "relu": jax.nn.relu, "gelu": gelu_tanh, "swish": jax.nn.silu}
 BACKENDS = {
-    "xla": KernelOptions("xla", token_chunk=4, pair_chunk=8, row_sorted=False),
-    "xla_row_sorted": KernelOptions("xla", token_chunk=4, pair_chunk=8, row_sorted=True),
-    "triton_interpret": KernelOptions("pallas", block_tokens=4, gpu_kernel="triton", interpret=True),
-    "tpu_interpret": KernelOptions("pallas", block_tokens=4, interpret=True),
+  "xla": KernelOptions("xla", token_chunk=4, pair_chunk=8, row_sorted=False),
+  "xla_row_sorted": KernelOptions("xla", token_chunk=4, pair_chunk=8, row_sorted=True),
+  "triton_interpret": KernelOptions("pallas", block_tokens=4, gpu_kernel="triton", interpret=True),
+  "tpu_interpret": KernelOptions("pallas", block_tokens=4, interpret=True),
 }
 # Mosaic GPU's interpret mode simulates TMA and barriers (~17 s a case here): its per-slot arithmetic between
 # the row kernels is the XLA path's (reference.Gating), and test_kernels_pallas.py checks it against the XLA
@@ -75,14 +75,25 @@ def sgatlin_official(activation):
   """Loss and gradients of Listing 1 on the sgatlin case (shared by the backends)."""
   _, x, experts, indices, scores = sgatlin_op(None, None)
   return loss_and_grads(
-      lambda x, e, s: official.sgatlin_from_routing(x, e, s, indices, official.ACTIVATIONS[activation]), x, experts, scores)
+    lambda x, e, s: official.sgatlin_from_routing(x, e, s, indices, official.ACTIVATIONS[activation]),
+    x,
+    experts,
+    scores,
+  )
 
 
 def sgatlin_op(act, options):
   def fn(x_BTD, experts_2CND, scores_BTCK):
     rows_BTS = (indices + N * jnp.arange(C)[None, None, :, None]).reshape(B, T, C * K)
-    return gated_gather(x_BTD, experts_2CND[0].reshape(C * N, D), experts_2CND[1].reshape(C * N, D), rows_BTS,
-                        scores_BTCK.reshape(B, T, C * K), act, options=options)
+    return gated_gather(
+      x_BTD,
+      experts_2CND[0].reshape(C * N, D),
+      experts_2CND[1].reshape(C * N, D),
+      rows_BTS,
+      scores_BTCK.reshape(B, T, C * K),
+      act,
+      options=options,
+    )
 
   x, experts, indices, scores = routing_case(0, C, shared_table=False)
   return fn, x, experts, indices, scores
@@ -108,8 +119,16 @@ def test_peer_gate_outside_activation_equals_peer_code(backend):
 
   def fn(x_BTD, experts_2ND, scores_BTHK):
     gates = jax.nn.softmax(scores_BTHK, axis=-1).reshape(B, T, H * K)
-    return gated_gather(x_BTD, experts_2ND[0], experts_2ND[1], indices.reshape(B, T, H * K), gates, gelu_tanh,
-                        options=backend, gate_inside_activation=False)
+    return gated_gather(
+      x_BTD,
+      experts_2ND[0],
+      experts_2ND[1],
+      indices.reshape(B, T, H * K),
+      gates,
+      gelu_tanh,
+      options=backend,
+      gate_inside_activation=False,
+    )
 
   want = loss_and_grads(lambda x, e, s: official.peer_from_routing(x, e, s, indices), x, experts, scores)
   assert_close(loss_and_grads(fn, x, experts, scores), want)
@@ -120,20 +139,31 @@ def test_identity_is_the_paper_layer_bit_for_bit_in_either_gate_position():
   fn_inside, x, experts, indices, scores = sgatlin_op(ACTS["identity"], BACKENDS["xla"])
   rows = (indices + N * jnp.arange(C)[None, None, :, None]).reshape(B, T, C * K)
   fn_outside = lambda x, e, s: gated_gather(  # noqa: E731
-      x, e[0].reshape(C * N, D), e[1].reshape(C * N, D), rows, s.reshape(B, T, C * K), options=BACKENDS["xla"],
-      gate_inside_activation=False)
-  for a, b in zip(jax.tree.leaves(loss_and_grads(fn_inside, x, experts, scores)),
-                  jax.tree.leaves(loss_and_grads(fn_outside, x, experts, scores))):
+    x,
+    e[0].reshape(C * N, D),
+    e[1].reshape(C * N, D),
+    rows,
+    s.reshape(B, T, C * K),
+    options=BACKENDS["xla"],
+    gate_inside_activation=False,
+  )
+  for a, b in zip(
+    jax.tree.leaves(loss_and_grads(fn_inside, x, experts, scores)),
+    jax.tree.leaves(loss_and_grads(fn_outside, x, experts, scores)),
+  ):
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("variant, implementation", [("fff", "sparse"), ("fff_post", "sparse"), ("fff", "masked_dense")])
+@pytest.mark.parametrize(
+  "variant, implementation", [("fff", "sparse"), ("fff_post", "sparse"), ("fff", "masked_dense")]
+)
 def test_fff_equals_a_per_token_tree_walk(variant, implementation):
   """Values of the layer against a float64 NumPy walk, token by token; one token's root logit is exactly 0
   (it must go left) and exact erf GELU (FFF paper, UltraFastBERT) is the default form."""
   depth, n_trees, d_model = 4, 3, 8
-  cfg = layer_model_config("fff", d_model=d_model, depth=depth, n_trees=n_trees, variant=variant,
-                           implementation=implementation)
+  cfg = layer_model_config(
+    "fff", d_model=d_model, depth=depth, n_trees=n_trees, variant=variant, implementation=implementation
+  )
   layer = Fff(cfg)
   x = jax.random.normal(jax.random.key(5), (2, 6, d_model))
   params = init_params(layer, x)
@@ -141,8 +171,9 @@ def test_fff_equals_a_per_token_tree_walk(variant, implementation):
   params["b_in"] = params["b_in"].at[0, 0].set(0.0)
   x = x.at[0, 0].set(0.0)  # token 0: every logit is its bias, and tree 0's root logit is exactly 0
   y = layer.apply({"params": params}, x)
-  want, path = official.fff_walk(np.asarray(x).reshape(-1, d_model), params["w_in"], params["b_in"], params["w_out"],
-                                 params["b_out"], depth, variant)
+  want, path = official.fff_walk(
+    np.asarray(x).reshape(-1, d_model), params["w_in"], params["b_in"], params["w_out"], params["b_out"], depth, variant
+  )
   assert path[0, 0, 1] == 1  # the tie went left
   np.testing.assert_allclose(np.asarray(y).reshape(-1, d_model), want, rtol=1e-5, atol=1e-6)
 

@@ -10,20 +10,28 @@ MB = 1e6
 def synthetic_report(collectives, compiled_flops=9.89e12, bytes_accessed=6.7e10) -> aot.Report:
   """8 devices, 1M tokens per step, the model's FLOPs half of what 8 devices compile."""
   return aot.Report(
-      mesh_shape=dict(data=2, fsdp=1, tensor=1, expert=4), n_params=0, param_bytes=0, optimizer_bytes=0,
-      table_bytes=0, memory={}, model_flops=8 * 9.89e12 / 2, compiled_flops=compiled_flops,
-      collectives=[aot.Collective(op, nbytes, group, "", "") for op, nbytes, group in collectives],
-      bytes_accessed=bytes_accessed, tokens_per_step=1_000_000)
+    mesh_shape=dict(data=2, fsdp=1, tensor=1, expert=4),
+    n_params=0,
+    param_bytes=0,
+    optimizer_bytes=0,
+    table_bytes=0,
+    memory={},
+    model_flops=8 * 9.89e12 / 2,
+    compiled_flops=compiled_flops,
+    collectives=[aot.Collective(op, nbytes, group, "", "") for op, nbytes, group in collectives],
+    bytes_accessed=bytes_accessed,
+    tokens_per_step=1_000_000,
+  )
 
 
 COLLECTIVES = [
-    ("all-gather", 450 * MB, 4),  # 450 MB x 3/4
-    ("reduce-scatter", 100 * MB, 4),  # the 400 MB input x 3/4
-    ("all-reduce", 90 * MB, 2),  # 2 x 90 MB x 1/2
-    ("all-to-all", 60 * MB, 4),  # 60 MB x 3/4
-    ("collective-permute", 45 * MB, 2),  # 45 MB
-    ("all-gather", 50 * MB, 16),  # 50 MB x 15/16: over the DCN on an 8-GPU node, over ICI on a TPU slice
-    ("all-reduce", 500 * MB, 1),  # a group of one moves nothing
+  ("all-gather", 450 * MB, 4),  # 450 MB x 3/4
+  ("reduce-scatter", 100 * MB, 4),  # the 400 MB input x 3/4
+  ("all-reduce", 90 * MB, 2),  # 2 x 90 MB x 1/2
+  ("all-to-all", 60 * MB, 4),  # 60 MB x 3/4
+  ("collective-permute", 45 * MB, 2),  # 45 MB
+  ("all-gather", 50 * MB, 16),  # 50 MB x 15/16: over the DCN on an 8-GPU node, over ICI on a TPU slice
+  ("all-reduce", 500 * MB, 1),  # a group of one moves nothing
 ]
 
 
@@ -61,7 +69,9 @@ def test_communication_bound_step_is_the_collectives_time():
 
 
 def test_table_has_a_row_per_chip():
-  text = roofline.format_projections([roofline.project(synthetic_report(COLLECTIVES), c) for c in hardware.chips("all")])
+  text = roofline.format_projections(
+    [roofline.project(synthetic_report(COLLECTIVES), c) for c in hardware.chips("all")]
+  )
   rows = [line.split() for line in text.splitlines() if line.lstrip().startswith(("H100", "H200", "TPU"))]
   assert [" ".join(r[:2]) for r in rows] == ["H100 SXM", "H200 SXM", "TPU v5p", "TPU v6e"]
   assert rows[0][2:] == ["10", "20", "2.75", "20", "50,000,000", "25.0%", "22.8", "43,947,995", "22.0%"]

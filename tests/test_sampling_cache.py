@@ -33,12 +33,16 @@ def params_and_full_logits(model, tokens_BT):
 
 
 def decode_step(model):
-  return jax.jit(lambda params, cache, tokens_BT, positions_BT: model.apply(
-      {"params": params, "cache": cache}, tokens_BT, positions_BT, decode=True, mutable=["cache"]))
+  return jax.jit(
+    lambda params, cache, tokens_BT, positions_BT: model.apply(
+      {"params": params, "cache": cache}, tokens_BT, positions_BT, decode=True, mutable=["cache"]
+    )
+  )
 
 
-@pytest.mark.parametrize("ffn_type,block", [(f, b) for f in ("sgatlin", "fff") for b in ("sequential", "parallel")]
-                         + [("moe", "sequential")])
+@pytest.mark.parametrize(
+  "ffn_type,block", [(f, b) for f in ("sgatlin", "fff") for b in ("sequential", "parallel")] + [("moe", "sequential")]
+)
 def test_prefill_and_steps_give_the_full_forward_logits(ffn_type, block):
   """Rows of different prompt lengths, as the sampler runs them: a padded prefill, then each row's next
   token at its own position; the logits of every real token equal the full forward's. Layer 0 is an MLP."""
@@ -53,8 +57,9 @@ def test_prefill_and_steps_give_the_full_forward_logits(ffn_type, block):
   got = [[logits_BPV[b, t] for t in range(lengths_B[b])] for b in range(2)]
   while (lengths_B < TOTAL_LEN).any():
     positions_B1 = np.minimum(lengths_B, TOTAL_LEN - 1)[:, None]  # a finished row repeats its last token
-    logits_B1V, variables = step(params, variables["cache"], np.take_along_axis(tokens_BT, positions_B1, 1),
-                                 positions_B1)
+    logits_B1V, variables = step(
+      params, variables["cache"], np.take_along_axis(tokens_BT, positions_B1, 1), positions_B1
+    )
     for b in np.flatnonzero(lengths_B < TOTAL_LEN):
       got[b].append(logits_B1V[b, 0])
     lengths_B = np.minimum(lengths_B + 1, TOTAL_LEN)
@@ -67,12 +72,13 @@ def test_positions_default_to_the_cache_index():
   model = micro_model("mlp")
   tokens_BT = jax.random.randint(jax.random.key(2), (2, 9), 2, 259)
   params, full_BTV = params_and_full_logits(model, tokens_BT)
-  apply = jax.jit(lambda cache, tokens: model.apply({"params": params, "cache": cache}, tokens, decode=True,
-                                                    mutable=["cache"]))
+  apply = jax.jit(
+    lambda cache, tokens: model.apply({"params": params, "cache": cache}, tokens, decode=True, mutable=["cache"])
+  )
   logits, variables = apply(init_cache(model, 2), tokens_BT[:, :6])
   pieces = [logits]
   for t in range(6, 9):
-    logits, variables = apply(variables["cache"], tokens_BT[:, t:t + 1])
+    logits, variables = apply(variables["cache"], tokens_BT[:, t : t + 1])
     pieces.append(logits)
   np.testing.assert_allclose(np.concatenate(pieces, 1), full_BTV, rtol=1e-5, atol=1e-5)
 
@@ -97,14 +103,26 @@ def test_calls_that_do_not_fit_the_cache_are_refused():
   model = micro_model("mlp")
   params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]  # shapes suffice
   cache = init_cache(model, 1)
-  with pytest.raises(config_lib.ConfigError, match=r"decode call of 33 tokens does not fit the cache of "
-                     r"config.model.max_len=32 positions; shorten the prompt"):
+  with pytest.raises(
+    config_lib.ConfigError,
+    match=r"decode call of 33 tokens does not fit the cache of "
+    r"config.model.max_len=32 positions; shorten the prompt",
+  ):
     model.apply({"params": params, "cache": cache}, jnp.zeros((1, 33), jnp.int32), decode=True, mutable=["cache"])
   with pytest.raises(config_lib.ConfigError, match="decode=True takes one sequence per row; drop segment_ids"):
-    model.apply({"params": params, "cache": cache}, jnp.zeros((1, 4), jnp.int32), None,
-                jnp.ones((1, 4), jnp.int32), decode=True, mutable=["cache"])
-  with pytest.raises(config_lib.ConfigError, match=r"sampler's max_len=64 exceeds the model's decode cache of "
-                     r"config.model.max_len=32 positions; pass max_len=32"):
+    model.apply(
+      {"params": params, "cache": cache},
+      jnp.zeros((1, 4), jnp.int32),
+      None,
+      jnp.ones((1, 4), jnp.int32),
+      decode=True,
+      mutable=["cache"],
+    )
+  with pytest.raises(
+    config_lib.ConfigError,
+    match=r"sampler's max_len=64 exceeds the model's decode cache of "
+    r"config.model.max_len=32 positions; pass max_len=32",
+  ):
     sampling.Sampler(model, params, 64)
 
 

@@ -29,14 +29,19 @@ def assert_layer_matches(layer, reference, x_BTD, params):
 
 
 @pytest.mark.parametrize(
-    "d_ffw, n_channels, top_k, d_key, activation",
-    [(64, 1, 1, 8, "identity"), (256, 4, 8, 16, "identity"), (144, 3, 5, 8, "relu"), (64, 2, 4, 8, "swish"),
-     (64, 2, 3, 8, "gelu")],
+  "d_ffw, n_channels, top_k, d_key, activation",
+  [
+    (64, 1, 1, 8, "identity"),
+    (256, 4, 8, 16, "identity"),
+    (144, 3, 5, 8, "relu"),
+    (64, 2, 4, 8, "swish"),
+    (64, 2, 3, 8, "gelu"),
+  ],
 )
 def test_sgatlin_equals_listing_1(d_ffw, n_channels, top_k, d_key, activation):
   """The paper's layer (identity) and its Table 1 ablations, act(g * <w_in, x>) with tanh GELU."""
   cfg = layer_model_config(
-      "sgatlin", d_model=24, d_ffw=d_ffw, n_channels=n_channels, top_k=top_k, d_key=d_key, activation=activation
+    "sgatlin", d_model=24, d_ffw=d_ffw, n_channels=n_channels, top_k=top_k, d_key=d_key, activation=activation
   )
   x = jax.random.normal(jax.random.key(1), (2, 5, cfg.d_model))
   layer = Sgatlin(cfg)
@@ -48,7 +53,9 @@ def test_sgatlin_equals_listing_1(d_ffw, n_channels, top_k, d_key, activation):
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 def test_sgatlin_with_peer_router_equals_listing_1(activation):
-  cfg = layer_model_config("sgatlin", d_model=16, d_ffw=64, n_channels=2, top_k=3, d_key=8, router="peer", activation=activation)
+  cfg = layer_model_config(
+    "sgatlin", d_model=16, d_ffw=64, n_channels=2, top_k=3, d_key=8, router="peer", activation=activation
+  )
   x = jax.random.normal(jax.random.key(2), (2, 4, cfg.d_model))
   layer = Sgatlin(cfg)
   params = init_params(layer, x)
@@ -59,8 +66,9 @@ def test_sgatlin_with_peer_router_equals_listing_1(activation):
 @pytest.mark.parametrize("d_ffw, n_channels, top_k, gelu_approximate", [(64, 2, 4, None), (256, 4, 8, False)])
 def test_peer_equals_its_code(d_ffw, n_channels, top_k, gelu_approximate):
   """softmax(scores) * gelu(<w_in, x>): tanh GELU by default (PEER's code), exact erf when asked."""
-  cfg = layer_model_config("peer", d_model=16, d_ffw=d_ffw, n_channels=n_channels, top_k=top_k, d_key=8,
-                           gelu_approximate=gelu_approximate)
+  cfg = layer_model_config(
+    "peer", d_model=16, d_ffw=d_ffw, n_channels=n_channels, top_k=top_k, d_key=8, gelu_approximate=gelu_approximate
+  )
   x = jax.random.normal(jax.random.key(3), (2, 4, cfg.d_model))
   layer = Peer(cfg)
   params = init_params(layer, x)

@@ -11,10 +11,12 @@ import pytest
 from conftest import REPO
 from test_train import finish, losses, micro_config, one_step, run_cli
 
-from sparsetx import config as config_lib, sparsify
+from sparsetx import config as config_lib
+from sparsetx import sparsify
 from sparsetx.models import ladder
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import checkpointing, loop, state as state_lib
+from sparsetx.train import checkpointing, loop
+from sparsetx.train import state as state_lib
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +61,9 @@ def test_fff_swap_copies_bit_identical_and_starts_fresh(dense_workdir, mesh, tmp
   fresh = flat(state_lib.create_state(config, shardings, model, tx).params)
   for i in range(config.model.n_layers):
     prefix = f"layers_{i}/mlp/"
-    assert {n[len(prefix):]: written[n].shape for n in written if n.startswith(prefix)} == dict(
-        w_in=(P, N, D), b_in=(P, N), w_out=(P, N, D), b_out=(D,))
+    assert {n[len(prefix) :]: written[n].shape for n in written if n.startswith(prefix)} == dict(
+      w_in=(P, N, D), b_in=(P, N), w_out=(P, N, D), b_out=(D,)
+    )
     assert np.abs(written[prefix + "w_in"]).max() <= D**-0.5 and np.abs(written[prefix + "b_in"]).max() <= D**-0.5
     assert np.abs(written[prefix + "w_out"]).max() <= ((config.model.ffn.depth + 1) * P) ** -0.5
     for name in ("w_in", "b_in", "w_out", "b_out"):
@@ -108,8 +111,9 @@ def test_hf_source_copies_bit_identical(dense_workdir, mesh, tmp_path):
     np.testing.assert_array_equal(written[name], source[name], err_msg=name)
 
 
-@pytest.mark.parametrize("field,value", [("d_model", 128), ("vocab_size", 1024), ("n_layers", 3), ("head_dim", 32),
-                                         ("block", "parallel")])
+@pytest.mark.parametrize(
+  "field,value", [("d_model", 128), ("vocab_size", 1024), ("n_layers", 3), ("head_dim", 32), ("block", "parallel")]
+)
 def test_other_shapes_refused(dense_workdir, tmp_path, field, value):
   wanted = micro_config("fff")
   wanted.model[field] = value
@@ -143,10 +147,26 @@ def test_tool_then_trainer_resumes_at_step_0_and_freezes(dense_workdir, mesh, tm
   """tools/sparsify.py writes the start, `python -m sparsetx.train` trains it on; copied params are frozen
   for freeze_steps=10, then move; the loss falls."""
   target = str(tmp_path / "ft")
-  overrides = ["--config.model.d_model=64", "--config.model.n_layers=2", "--config.model.max_len=32",
-               "--config.model.dtype=float32", "--config.data.seq_len=32"]
-  tool = subprocess.run([sys.executable, "tools/sparsify.py", f"--source={dense_workdir}", f"--workdir={target}",
-                         "--config=configs/tiny.py:fff", *overrides], cwd=REPO, capture_output=True, text=True)
+  overrides = [
+    "--config.model.d_model=64",
+    "--config.model.n_layers=2",
+    "--config.model.max_len=32",
+    "--config.model.dtype=float32",
+    "--config.data.seq_len=32",
+  ]
+  tool = subprocess.run(
+    [
+      sys.executable,
+      "tools/sparsify.py",
+      f"--source={dense_workdir}",
+      f"--workdir={target}",
+      "--config=configs/tiny.py:fff",
+      *overrides,
+    ],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+  )
   assert tool.returncode == 0, tool.stderr[-3000:]
   assert "copied" in tool.stdout and "new" in tool.stdout
   process = run_cli(target, "--config.train.freeze_steps=10", ffn_type="fff")
@@ -175,7 +195,16 @@ def test_partly_sparsified_model_trains_with_per_layer_stats(mesh):
   config.model.dense_ffn.update(type="mlp", d_ffw=128)
   params, metrics, _ = one_step(config, mesh)
   assert np.isfinite(metrics["loss"])
-  fff_stats = ("used", "gini", "gini_level_1", "gini_level_2", "gini_level_3", "gini_level_4", "leftmost_leaf_share",
-               "left_turns", "path_entropy")  # depth 4
+  fff_stats = (
+    "used",
+    "gini",
+    "gini_level_1",
+    "gini_level_2",
+    "gini_level_3",
+    "gini_level_4",
+    "leftmost_leaf_share",
+    "left_turns",
+    "path_entropy",
+  )  # depth 4
   assert {k for k in metrics if k.startswith("sparse/")} == {f"sparse/layers_1/{name}" for name in fff_stats}
   assert sum(np.size(v) for v in jax.tree.leaves(params)) == ladder.param_counts(config.model)["total"]

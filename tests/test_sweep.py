@@ -27,7 +27,9 @@ WIDTHS = {("mlp", 32): 64, ("mlp", 64): 128, ("sgatlin", 32): 19**2, ("sgatlin",
 def readme_sweep_command() -> list[str]:
   """The CPU sweep command README.md shows, as argv (its continuation lines joined, its comment dropped)."""
   text = (REPO / "README.md").read_text().replace("\\\n", " ")
-  (line,) = [line for line in text.splitlines() if line.startswith(".venv/bin/python tools/sweep.py") and "--d_models" in line]
+  (line,) = [
+    line for line in text.splitlines() if line.startswith(".venv/bin/python tools/sweep.py") and "--d_models" in line
+  ]
   return shlex.split(line, comments=True)
 
 
@@ -40,19 +42,31 @@ def load_tool():
 
 def tiny_spec(workdir, **changes) -> sweep.SweepSpec:
   """README's sweep (readme_sweep_command) as a SweepSpec."""
-  fields = dict(budgets=(BUDGET,), ffn_types=("mlp", "sgatlin"), workdir=str(workdir),
-                base_config="configs/sweep_cpu.py", d_models=(32, 64))
+  fields = dict(
+    budgets=(BUDGET,),
+    ffn_types=("mlp", "sgatlin"),
+    workdir=str(workdir),
+    base_config="configs/sweep_cpu.py",
+    d_models=(32, 64),
+  )
   return sweep.SweepSpec(**{**fields, **changes})
 
 
 def cli_flags(spec: sweep.SweepSpec) -> list[str]:
-  return ([f"--budgets={','.join(map(str, spec.budgets))}", f"--ffn_types={','.join(spec.ffn_types)}",
-           f"--base_config={spec.base_config}", f"--d_models={','.join(map(str, spec.d_models))}",
-           f"--workdir={spec.workdir}", f"--min_steps={spec.min_steps}"] + [f"--overrides={o}" for o in spec.overrides])
+  return [
+    f"--budgets={','.join(map(str, spec.budgets))}",
+    f"--ffn_types={','.join(spec.ffn_types)}",
+    f"--base_config={spec.base_config}",
+    f"--d_models={','.join(map(str, spec.d_models))}",
+    f"--workdir={spec.workdir}",
+    f"--min_steps={spec.min_steps}",
+  ] + [f"--overrides={o}" for o in spec.overrides]
 
 
 def run_cli(*args):
-  return subprocess.run([sys.executable, "tools/sweep.py", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+  return subprocess.run(
+    [sys.executable, "tools/sweep.py", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+  )
 
 
 def trainer_config(command: str):
@@ -88,8 +102,12 @@ def finished_sweep(tmp_path_factory):
   table = result.stdout.splitlines()
   assert "FLOPs/token" in table[0] and len(table) == 1 + len(rows)
   for line, row in zip(table[1:], rows):  # each result printed next to the FLOPs per token it paid
-    assert line.split()[1:5] == [row["name"], f"{row['total_params']:,}", f"{row['active_params']:,}",
-                                 f"{row['forward_flops_per_token']:,}"]
+    assert line.split()[1:5] == [
+      row["name"],
+      f"{row['total_params']:,}",
+      f"{row['active_params']:,}",
+      f"{row['forward_flops_per_token']:,}",
+    ]
   return root, rows
 
 
@@ -112,7 +130,9 @@ def test_sweep_trains_the_budgets_steps_and_collects_each_final_eval(finished_sw
     assert sorted(r["step"] for r in history if "loss" in r) == list(range(1, row["steps"] + 1))  # trained exactly
     last_eval = [r for r in history if "eval/facts/loss" in r][-1]
     assert last_eval["step"] == row["steps"] == row["step"]
-    assert row["tasks"] == {"facts": dict(loss=last_eval["eval/facts/loss"], perplexity=last_eval["eval/facts/perplexity"])}
+    assert row["tasks"] == {
+      "facts": dict(loss=last_eval["eval/facts/loss"], perplexity=last_eval["eval/facts/perplexity"])
+    }
     assert row["perplexity"] == pytest.approx(math.exp(last_eval["eval/facts/loss"]), rel=1e-12)
     assert 1.0 < row["perplexity"] < config.model.vocab_size  # finite, better than a uniform guess over the vocabulary
   assert rows[2]["active_params"] < rows[2]["total_params"]  # sgatlin: sparse
@@ -151,16 +171,22 @@ def test_print_mode_prints_one_parsable_command_per_run(finished_sweep):
   assert commands == [r["command"] for r in rows]
   for command, row in zip(commands, rows):
     config, workdir = trainer_config(command)
-    assert (config.model.ffn.type, config.model.d_model, config.train.steps) == (row["ffn_type"], row["d_model"], row["steps"])
+    assert (config.model.ffn.type, config.model.d_model, config.train.steps) == (
+      row["ffn_type"],
+      row["d_model"],
+      row["steps"],
+    )
     assert config.data.mixture == (("facts", 1.0),) and workdir == row["workdir"]
 
 
 @pytest.mark.parametrize(
-    "flag, message",
-    [("--ffn_types=mlp,dense", "--ffn_types holds 'dense', an unknown feed-forward type"),
-     ("--budgets=0", "--budgets holds 0.0; every FLOP budget must be a positive number"),
-     ("--budgets=-1e9", "--budgets holds -1000000000.0; every FLOP budget must be a positive number"),
-     ("--overrides=config.train.steps=5", "sets config.train.steps, which the sweep derives from the FLOP budget")],
+  "flag, message",
+  [
+    ("--ffn_types=mlp,dense", "--ffn_types holds 'dense', an unknown feed-forward type"),
+    ("--budgets=0", "--budgets holds 0.0; every FLOP budget must be a positive number"),
+    ("--budgets=-1e9", "--budgets holds -1000000000.0; every FLOP budget must be a positive number"),
+    ("--overrides=config.train.steps=5", "sets config.train.steps, which the sweep derives from the FLOP budget"),
+  ],
 )
 def test_bad_input_is_one_clear_error(tmp_path, flag, message):
   result = run_cli(*cli_flags(tiny_spec(tmp_path / "never")), "--mode=print", flag)
@@ -195,17 +221,33 @@ def test_a_run_dir_evaluated_at_another_step_count_is_refused_and_a_partial_one_
 def test_d_model_sizes_every_type_by_the_ladders_rules(tmp_path, monkeypatch):
   """Widths by hand from Listing 2 at scale d/128; at d=256 (scale 2) they equal the ladder rung's."""
   monkeypatch.chdir(REPO)
-  spec = tiny_spec(tmp_path, budgets=(1e12,), ffn_types=("mlp", "swiglu", "sgatlin", "peer", "moe", "fff"),
-                   d_models=(32, 256), min_steps=1)
+  spec = tiny_spec(
+    tmp_path,
+    budgets=(1e12,),
+    ffn_types=("mlp", "swiglu", "sgatlin", "peer", "moe", "fff"),
+    d_models=(32, 256),
+    min_steps=1,
+  )
   sized = {(run.ffn_type, run.size): run.config.model.ffn for run in sweep.plan(spec)[0]}
   expected = {
-      ("mlp", 32): dict(d_ffw=64), ("mlp", 256): dict(d_ffw=512), ("swiglu", 32): dict(d_ffw=64),
-      ("swiglu", 256): dict(d_ffw=512), ("sgatlin", 32): dict(d_ffw=19**2), ("sgatlin", 256): dict(d_ffw=40**2),
-      ("peer", 32): dict(d_ffw=38**2), ("peer", 256): dict(d_ffw=80**2), ("moe", 32): dict(d_ffw=32),
-      ("moe", 256): dict(d_ffw=256), ("fff", 32): dict(depth=6, n_trees=1), ("fff", 256): dict(depth=6, n_trees=4),
+    ("mlp", 32): dict(d_ffw=64),
+    ("mlp", 256): dict(d_ffw=512),
+    ("swiglu", 32): dict(d_ffw=64),
+    ("swiglu", 256): dict(d_ffw=512),
+    ("sgatlin", 32): dict(d_ffw=19**2),
+    ("sgatlin", 256): dict(d_ffw=40**2),
+    ("peer", 32): dict(d_ffw=38**2),
+    ("peer", 256): dict(d_ffw=80**2),
+    ("moe", 32): dict(d_ffw=32),
+    ("moe", 256): dict(d_ffw=256),
+    ("fff", 32): dict(depth=6, n_trees=1),
+    ("fff", 256): dict(depth=6, n_trees=4),
   }
   assert set(sized) == set(expected)
   for key, fields in expected.items():
     assert {name: sized[key][name] for name in fields} == fields, key
   rung = ladder.ladder_model_config(2, "sgatlin").ffn
-  assert sized["sgatlin", 256].d_ffw == rung.d_ffw and sized["fff", 256].n_trees == ladder.ladder_model_config(2, "fff").ffn.n_trees
+  assert (
+    sized["sgatlin", 256].d_ffw == rung.d_ffw
+    and sized["fff", 256].n_trees == ladder.ladder_model_config(2, "fff").ffn.n_trees
+  )

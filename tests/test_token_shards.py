@@ -20,8 +20,9 @@ def test_pallas_gated_gather_on_a_mesh_equals_one_device(ici):
   options = KernelOptions("pallas", block_tokens=4, interpret=True)
   fn = lambda *a: gated_gather(*a[:5], ACTIVATIONS["gelu"], a[5], options)  # noqa: E731
   expected = value_and_grads(fn, x, w_in, w_out, rows, gates, bias)
-  mesh_config = ml_collections.ConfigDict(dict(ici={**dict(data=1, fsdp=1, tensor=1, expert=1), **ici},
-                                               dcn=dict(data=1, fsdp=1, tensor=1, expert=1)))
+  mesh_config = ml_collections.ConfigDict(
+    dict(ici={**dict(data=1, fsdp=1, tensor=1, expert=1), **ici}, dcn=dict(data=1, fsdp=1, tensor=1, expert=1))
+  )
   mesh = mesh_lib.make_mesh(mesh_config, jax.devices()[:8])
   with expert_parallel.activate(mesh, DEFAULT_RULES):
     jaxpr = str(jax.make_jaxpr(fn)(x, w_in, w_out, rows, gates, bias))
@@ -31,4 +32,3 @@ def test_pallas_gated_gather_on_a_mesh_equals_one_device(ici):
   np.testing.assert_allclose(got[0], expected[0], rtol=0, atol=x.size * np.finfo(np.float32).eps)
   for name, a, b in zip(("x", "w_in", "w_out", "gates", "bias"), got[1], expected[1]):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)  # float32 sums in another order
-

@@ -14,8 +14,11 @@ from conftest import REPO, load_config
 
 from sparsetx import config as config_lib
 from sparsetx.data import pipeline
-from sparsetx.parallel import expert_parallel, mesh as mesh_lib
-from sparsetx.train import checkpointing, loop, state as state_lib, step as step_lib
+from sparsetx.parallel import expert_parallel
+from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.train import checkpointing, loop
+from sparsetx.train import state as state_lib
+from sparsetx.train import step as step_lib
 from sparsetx.train.optimizer import learning_rate_schedule
 
 
@@ -50,11 +53,11 @@ def synthetic_batch(config, seed=0):
   weights = np.ones((B, T), np.float32)
   weights[0, T // 2 :] = 0.0
   return dict(
-      inputs=tokens[:, :-1],
-      targets=tokens[:, 1:],
-      segment_ids=np.ones((B, T), np.int32),
-      positions=np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
-      loss_weights=weights,
+    inputs=tokens[:, :-1],
+    targets=tokens[:, 1:],
+    segment_ids=np.ones((B, T), np.int32),
+    positions=np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
+    loss_weights=weights,
   )
 
 
@@ -65,13 +68,15 @@ def one_step(config, mesh):
   sharding = mesh_lib.batch_sharding(mesh, config.mesh.rules)
   batch = jax.device_put(synthetic_batch(config), sharding)
   step = jax.jit(
-      lambda s, b: step_lib.train_step(s, b, model=model, train=config.train, schedule=learning_rate_schedule(config.train)),
-      in_shardings=(shardings, sharding),
-      out_shardings=(shardings, None),
+    lambda s, b: step_lib.train_step(
+      s, b, model=model, train=config.train, schedule=learning_rate_schedule(config.train)
+    ),
+    in_shardings=(shardings, sharding),
+    out_shardings=(shardings, None),
   )
   grads = jax.jit(
-      lambda p, b: step_lib.loss_and_grads(p, b, model=model, train=config.train)[:2],
-      in_shardings=(shardings.params, sharding),
+    lambda p, b: step_lib.loss_and_grads(p, b, model=model, train=config.train)[:2],
+    in_shardings=(shardings.params, sharding),
   )
   with expert_parallel.activate(mesh, config.mesh.rules):  # as the trainer runs it
     loss_and_grads = jax.device_get(grads(state.params, batch))
@@ -123,15 +128,26 @@ def test_microbatches_equal_one_batch():
 def run_cli(workdir, *flags, ffn_type="sgatlin"):
   """Starts `python -m sparsetx.train` on the micro config."""
   overrides = [
-      "--config.model.d_model=64", "--config.model.n_layers=2", "--config.model.max_len=32",
-      "--config.model.dtype=float32", "--config.data.seq_len=32", "--config.data.global_batch_size=8",
-      "--config.data.eval_batch_size=8", "--config.data.shuffle_buffer=64", "--config.train.steps=20",
-      "--config.train.warmup_steps=5", "--config.train.log_every=1", "--config.train.eval_every=1000",
-      "--config.train.eval_batches=1", "--config.checkpoint.every=5",
+    "--config.model.d_model=64",
+    "--config.model.n_layers=2",
+    "--config.model.max_len=32",
+    "--config.model.dtype=float32",
+    "--config.data.seq_len=32",
+    "--config.data.global_batch_size=8",
+    "--config.data.eval_batch_size=8",
+    "--config.data.shuffle_buffer=64",
+    "--config.train.steps=20",
+    "--config.train.warmup_steps=5",
+    "--config.train.log_every=1",
+    "--config.train.eval_every=1000",
+    "--config.train.eval_batches=1",
+    "--config.checkpoint.every=5",
   ]
   command = [sys.executable, "-m", "sparsetx.train", f"--config=configs/tiny.py:{ffn_type}", f"--workdir={workdir}"]
   log = open(f"{workdir}.log", "w+")  # a file, not a pipe: a full pipe would block the logging process
-  process = subprocess.Popen(command + overrides + list(flags), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
+  process = subprocess.Popen(
+    command + overrides + list(flags), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True
+  )
   process.log = log
   return process
 
@@ -181,7 +197,10 @@ def test_sigterm_saves_and_resume_is_bit_identical(tmp_path):
   for step in range(1, 21):
     assert got[step] == want[step], step
   mesh = mesh_lib.make_mesh(config.mesh)
-  (step_u, state_u), (step_i, state_i) = restore_params(config, uninterrupted, mesh), restore_params(config, interrupted, mesh)
+  (step_u, state_u), (step_i, state_i) = (
+    restore_params(config, uninterrupted, mesh),
+    restore_params(config, interrupted, mesh),
+  )
   assert step_u == step_i == 20
   for a, b in zip(jax.tree.leaves(state_i.params), jax.tree.leaves(state_u.params)):
     np.testing.assert_array_equal(a, b)
@@ -243,8 +262,10 @@ def test_every_feed_forward_type_trains(ffn_type, pipeline_batches):
   _, shardings, model, tx = state_lib.state_shardings(config, mesh)
   state = state_lib.create_state(config, shardings, model, tx)
   step = jax.jit(
-      lambda s, b: step_lib.train_step(s, b, model=model, train=config.train, schedule=learning_rate_schedule(config.train)),
-      donate_argnums=0,
+    lambda s, b: step_lib.train_step(
+      s, b, model=model, train=config.train, schedule=learning_rate_schedule(config.train)
+    ),
+    donate_argnums=0,
   )
   losses = []
   for batch in pipeline_batches:
@@ -273,7 +294,9 @@ def test_bad_inputs_fail_cleanly(tmp_path):
   loop.train(micro_config(steps=2), workdir)
   other = micro_config(steps=4)
   other.model.ffn.d_ffw = 16**2
-  with pytest.raises(config_lib.ConfigError, match=r"config.model.ffn.d_ffw=256 but the checkpoint .* was trained with 1024"):
+  with pytest.raises(
+    config_lib.ConfigError, match=r"config.model.ffn.d_ffw=256 but the checkpoint .* was trained with 1024"
+  ):
     loop.train(other, workdir)
   assert max(losses(workdir)) == 2
   manager = checkpointing.Checkpointer(workdir, other.checkpoint)

@@ -7,12 +7,15 @@ import json
 import jax
 import numpy as np
 import pytest
+from test_train import micro_config
 
-from sparsetx import config as config_lib, paths
+from sparsetx import config as config_lib
+from sparsetx import paths
 from sparsetx.data import pipeline
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import checkpointing, loop, metrics as metrics_lib, state as state_lib
-from test_train import micro_config
+from sparsetx.train import checkpointing, loop
+from sparsetx.train import metrics as metrics_lib
+from sparsetx.train import state as state_lib
 
 
 class _Recorded:
@@ -38,13 +41,17 @@ class _Recorded:
 def _record(monkeypatch, nan_at=None):
   events = []
   make_iterator, make_writer = pipeline.make_train_iterator, metrics_lib.make_writer
-  monkeypatch.setattr(pipeline, "make_train_iterator", lambda *a, **k: _Recorded(make_iterator(*a, **k), events, nan_at))
+  monkeypatch.setattr(
+    pipeline, "make_train_iterator", lambda *a, **k: _Recorded(make_iterator(*a, **k), events, nan_at)
+  )
 
   def writer(*args, **kwargs):
     real = make_writer(*args, **kwargs)
     write = real.write_scalars
-    real.write_scalars = lambda step, scalars: (events.append(("log", step)) if "loss" in scalars else None,
-                                                write(step, scalars))[1]
+    real.write_scalars = lambda step, scalars: (
+      events.append(("log", step)) if "loss" in scalars else None,
+      write(step, scalars),
+    )[1]
     return real
 
   monkeypatch.setattr(metrics_lib, "make_writer", writer)
@@ -55,7 +62,9 @@ def test_divergence_is_read_one_step_late_names_its_step_and_saves_nothing_non_f
   events = _record(monkeypatch, nan_at=6)
   config = micro_config("mlp", steps=10, warmup_steps=0, profile_steps="2,2")
   config.checkpoint.every = 4
-  with pytest.raises(loop.NonFiniteLossError, match=r"training diverged at step 6 \(.*loss=nan.*\); nothing after step 4 was saved"):
+  with pytest.raises(
+    loop.NonFiniteLossError, match=r"training diverged at step 6 \(.*loss=nan.*\); nothing after step 4 was saved"
+  ):
     loop.train(config, str(tmp_path))
   # The host read step N's metrics only after it had read batch N + 1 (and dispatched step N + 1), except
   # at the checkpoint of step 4, read before the batch of step 5 so that the saved data position is exact.
@@ -88,8 +97,9 @@ def test_profile_steps_are_validated():
 
 
 @pytest.mark.parametrize("process, all_processes, traced", [(0, False, True), (1, False, False), (1, True, True)])
-def test_profile_is_written_by_process_0_or_every_process_with_the_flag(process, all_processes, traced, monkeypatch,
-                                                                        tmp_path):
+def test_profile_is_written_by_process_0_or_every_process_with_the_flag(
+  process, all_processes, traced, monkeypatch, tmp_path
+):
   calls = []
   monkeypatch.setattr(jax, "process_index", lambda: process)
   monkeypatch.setattr(jax.profiler, "start_trace", lambda logdir: calls.append(("start", logdir)))

@@ -64,12 +64,17 @@ def test_parallel_block_adds_attention_and_mlp_to_its_input():
   for i in range(2):
     values = {k: v[0] for k, v in state["intermediates"][f"layers_{i}"].items() if isinstance(v, tuple)}
     np.testing.assert_allclose(
-        values["layer_input"] + values["attention_output"] + values["mlp_output"], values["layer_output"], rtol=1e-6, atol=1e-6
+      values["layer_input"] + values["attention_output"] + values["mlp_output"],
+      values["layer_output"],
+      rtol=1e-6,
+      atol=1e-6,
     )
     # Both branches read the block input: the MLP's input is the LayerNorm of layer_input.
     ln = variables["params"][f"layers_{i}"]["mlp_norm"]
     x = values["layer_input"]
-    normed = (x - x.mean(-1, keepdims=True)) / jnp.sqrt(x.var(-1, keepdims=True) + 1e-5) * ln["scale"][None, None] + ln["bias"][None, None]
+    normed = (x - x.mean(-1, keepdims=True)) / jnp.sqrt(x.var(-1, keepdims=True) + 1e-5) * ln["scale"][None, None] + ln[
+      "bias"
+    ][None, None]
     np.testing.assert_allclose(values["mlp_input"], normed, rtol=1e-4, atol=1e-4)
 
 
@@ -112,7 +117,9 @@ def test_remat_policies_are_jax_checkpoint_policies(policy):
 def test_unknown_remat_policy_is_refused_with_the_valid_names():
   config = load_config("configs/tiny.py", "mlp")
   config.model.remat = "dots"
-  with pytest.raises(config_lib.ConfigError, match=r"config\.model\.remat='dots' is unknown; use one of 'none', 'full'"):
+  with pytest.raises(
+    config_lib.ConfigError, match=r"config\.model\.remat='dots' is unknown; use one of 'none', 'full'"
+  ):
     config_lib.validate(config)
 
 
@@ -124,7 +131,7 @@ def test_tied_embeddings_share_the_table():
   _, state = model.apply(variables, tokens, mutable=["intermediates"])
   final = state["intermediates"]["final_norm_output"][0]
   np.testing.assert_allclose(
-      model.apply(variables, tokens), final @ variables["params"]["embed"]["embedding"].T, rtol=1e-5, atol=1e-5
+    model.apply(variables, tokens), final @ variables["params"]["embed"]["embedding"].T, rtol=1e-5, atol=1e-5
   )
 
 
@@ -137,7 +144,9 @@ def test_rotary_rotates_only_its_fraction_and_preserves_norm(fraction, rotated):
   np.testing.assert_allclose(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1), rtol=1e-5)
   # Relative: <rot(q, m), rot(k, n)> depends only on m - n.
   q, k = x[:, :1], x[:, 1:2]
-  dot = lambda m, n: jnp.sum(apply_rotary(q, jnp.array([[m]]), rotated, 1e4) * apply_rotary(k, jnp.array([[n]]), rotated, 1e4))  # noqa: E731
+  dot = lambda m, n: jnp.sum(
+    apply_rotary(q, jnp.array([[m]]), rotated, 1e4) * apply_rotary(k, jnp.array([[n]]), rotated, 1e4)
+  )  # noqa: E731
   np.testing.assert_allclose(dot(7, 3), dot(14, 10), rtol=1e-5)
 
 

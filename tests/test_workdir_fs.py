@@ -15,15 +15,18 @@ import os
 import jax
 import numpy as np
 import pytest
-from etils.epath import backend as backend_lib, gpath
+from etils.epath import backend as backend_lib
+from etils.epath import gpath
 from orbax.checkpoint._src.path import gcs_utils
 from tensorboard.backend.event_processing import plugin_event_accumulator
+from test_train import micro_config
 
 from sparsetx import paths
 from sparsetx.evaluate import export, perplexity
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import checkpointing, loop, metrics as metrics_lib, state as state_lib
-from test_train import micro_config
+from sparsetx.train import checkpointing, loop
+from sparsetx.train import metrics as metrics_lib
+from sparsetx.train import state as state_lib
 
 
 class _FakeGcsBackend(backend_lib._OsPathBackend):  # noqa: SLF001  (epath's local backend, on mapped paths)
@@ -34,7 +37,7 @@ class _FakeGcsBackend(backend_lib._OsPathBackend):  # noqa: SLF001  (epath's loc
 
   def local(self, path) -> str:
     path = os.fspath(path)
-    return os.path.join(self.root, path[len("gs://"):]) if path.startswith("gs://") else path
+    return os.path.join(self.root, path[len("gs://") :]) if path.startswith("gs://") else path
 
   def url(self, path) -> str:
     path = os.fspath(path)
@@ -93,14 +96,20 @@ def fake_gcs(tmp_path, monkeypatch):
   monkeypatch.chdir(cwd)
   fake = _FakeGcsBackend(str(root))
   real_backend = gpath._GPath._backend  # noqa: SLF001
-  monkeypatch.setattr(gpath._GPath, "_backend", property(  # noqa: SLF001
-      lambda self: fake if self._uri_scheme == "gs" else real_backend.fget(self)))  # noqa: SLF001
+  monkeypatch.setattr(
+    gpath._GPath,
+    "_backend",
+    property(  # noqa: SLF001
+      lambda self: fake if self._uri_scheme == "gs" else real_backend.fget(self)
+    ),
+  )  # noqa: SLF001
   monkeypatch.setattr(gpath, "_GCS_BACKENDS", frozenset({fake}))  # a copy between local and gs:// takes the fake
   monkeypatch.setattr(gcs_utils, "get_kvstore_for_gcs", lambda path: {"driver": "file", "path": fake.local(path)})
   monkeypatch.setattr(gcs_utils, "is_hierarchical_namespace_enabled", lambda path: False)
   tensorboard_writer = metrics_lib.tensorboard_writer
-  monkeypatch.setattr(metrics_lib, "tensorboard_writer",
-                      lambda logdir, step: tensorboard_writer(fake.local(logdir), step))
+  monkeypatch.setattr(
+    metrics_lib, "tensorboard_writer", lambda logdir, step: tensorboard_writer(fake.local(logdir), step)
+  )
   yield root
   assert os.listdir(cwd) == [], "a gs:// path was written outside etils.epath"
 
@@ -158,6 +167,8 @@ def test_unwritable_gs_workdir_is_one_line(fake_gcs):
 def test_export_and_import_refuse_a_url_target_in_one_line(fake_gcs, tmp_path):
   with pytest.raises(loop.config_lib.ConfigError, match=r"^--out='gs://bucket/hf' is a URL, but this writes a local"):
     export.export(str(tmp_path / "run"), "gs://bucket/hf")
-  with pytest.raises(loop.config_lib.ConfigError, match=r"^--workdir='gs://bucket/run' is a URL, but this writes a local"):
+  with pytest.raises(
+    loop.config_lib.ConfigError, match=r"^--workdir='gs://bucket/run' is a URL, but this writes a local"
+  ):
     export.import_hf(str(tmp_path / "hf"), "gs://bucket/run")
   assert os.listdir(fake_gcs) == []

@@ -19,10 +19,11 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 from sparsetx import config as config_lib  # noqa: E402
 from sparsetx.data import pipeline  # noqa: E402
@@ -102,12 +103,17 @@ def main() -> None:
   global_s, _ = time_pipeline(iterator, args.steps, global_arrays=True)
   step_s = time_train_step(config, next(iterator), args.train_steps)
 
-  print(f"config {args.config}  mixture {dict(data.mixture)}  batch {data.global_batch_size} x {data.seq_len}"
-        f"  ffn {config.model.ffn.type}  devices {jax.device_count()} x {jax.devices()[0].platform}")
+  print(
+    f"config {args.config}  mixture {dict(data.mixture)}  batch {data.global_batch_size} x {data.seq_len}"
+    f"  ffn {config.model.ffn.type}  devices {jax.device_count()} x {jax.devices()[0].platform}"
+  )
   print(f"pipeline built in {build_s:.1f} s; real (non-padding) tokens: {real_fraction:.1%}")
   print(f"{'stage':<36}{'ms/batch':>10}{'tokens/s':>14}{'x train step':>14}")
-  rows = (("pipeline, host batches", host_s), ("pipeline, global jax.Arrays", global_s),
-          ("train step (fwd+bwd+AdamW)", step_s))
+  rows = (
+    ("pipeline, host batches", host_s),
+    ("pipeline, global jax.Arrays", global_s),
+    ("train step (fwd+bwd+AdamW)", step_s),
+  )
   for name, seconds in rows:
     print(f"{name:<36}{seconds * 1e3:>10.2f}{tokens / seconds:>14,.0f}{step_s / seconds:>14.1f}")
 

@@ -76,21 +76,25 @@ def main():
   else:  # (tokens, C, k, d_ffw, d_model): ladder scales 2, 4, 8
     shapes = [(16384, 16, 8, 40**2, 256), (16384, 16, 8, 64**2, 512), (16384, 16, 8, 112**2, 1024)]
   implementations = (
-      [("xla", KernelOptions("xla"))]
-      + [
-          (f"mosaic d={bd} st={st}", KernelOptions("pallas", gpu_kernel="mosaic", block_d=bd, stages=st))
-          for bd in args.block_d
-          for st in args.stages
-      ]
-      + [(f"triton bt={bt}", KernelOptions("pallas", gpu_kernel="triton", block_tokens=bt)) for bt in args.block_tokens]
+    [("xla", KernelOptions("xla"))]
+    + [
+      (f"mosaic d={bd} st={st}", KernelOptions("pallas", gpu_kernel="mosaic", block_d=bd, stages=st))
+      for bd in args.block_d
+      for st in args.stages
+    ]
+    + [(f"triton bt={bt}", KernelOptions("pallas", gpu_kernel="triton", block_tokens=bt)) for bt in args.block_tokens]
   )
-  print(f"{'shape (N,C,k,d_ffw,D)':32s}{'impl':20s}{'fwd ms':>9s}{'GB/s':>9s}{'% HBM':>7s}{'TFLOP/s':>9s}{'f+b ms':>9s}{'x ref f+b':>10s}")
+  print(
+    f"{'shape (N,C,k,d_ffw,D)':32s}{'impl':20s}{'fwd ms':>9s}{'GB/s':>9s}{'% HBM':>7s}{'TFLOP/s':>9s}{'f+b ms':>9s}{'x ref f+b':>10s}"
+  )
   for shape in shapes:
     tokens, C, K, d_ffw, D = shape
     x, w_in, w_out, rows, gates = case(*shape, dtype)
     gathered = 2 * tokens * C * K * D * dtype.itemsize + 2 * tokens * D * dtype.itemsize
     flops = 4 * tokens * C * K * D
-    loss = lambda op: jax.jit(jax.grad(lambda x, wi, wo, g: op(x, wi, wo, rows, g).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3)))
+    loss = lambda op: jax.jit(
+      jax.grad(lambda x, wi, wo, g: op(x, wi, wo, rows, g).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))
+    )
     ref_fb = timed(loss(gated_gather_reference), (x, w_in, w_out, gates), args.repeats)
     for name, options in implementations:
       try:
@@ -103,7 +107,9 @@ def main():
       fb = timed(loss(op), (x, w_in, w_out, gates), args.repeats)
       gbs = gathered / fwd / 1e9
       pct = f"{100 * gbs / peak:6.1f}%" if peak else "    -"
-      print(f"{str(shape):32s}{name:20s}{1e3 * fwd:9.2f}{gbs:9.1f}{pct:>7s}{flops / fwd / 1e12:9.2f}{1e3 * fb:9.2f}{ref_fb / fb:10.2f}")
+      print(
+        f"{str(shape):32s}{name:20s}{1e3 * fwd:9.2f}{gbs:9.1f}{pct:>7s}{flops / fwd / 1e12:9.2f}{1e3 * fb:9.2f}{ref_fb / fb:10.2f}"
+      )
 
 
 if __name__ == "__main__":

@@ -79,7 +79,11 @@ def run_rounds(variants, rounds, kinds=("fwd", "fwd+bwd")):
 
 def print_table(title, variants, baseline, kinds=("fwd", "fwd+bwd")):
   print(f"\n{title}")
-  header = f"{'layer':32s}" + "".join(f"{k + ' ms':>12s}{'x ' + baseline.name[:10]:>16s}" for k in kinds) + f"{'temp MiB':>10s}"
+  header = (
+    f"{'layer':32s}"
+    + "".join(f"{k + ' ms':>12s}{'x ' + baseline.name[:10]:>16s}" for k in kinds)
+    + f"{'temp MiB':>10s}"
+  )
   print(header)
   for v in variants:
     row = f"{v.name:32s}"
@@ -93,15 +97,21 @@ def rung(scale, tokens, dtype, rounds):
   mlp_cfg = layer_config(d, dtype, type="mlp", d_ffw=int(8 / 3 * d / 256) * 256)
   sg_cfg = layer_config(d, dtype, type="sgatlin", d_ffw=(16 + 12 * scale) ** 2, n_channels=16, top_k=8, d_key=128)
   variants = [
-      Variant("mlp", Mlp(mlp_cfg), d, tokens, dtype),
-      Variant("swiglu", SwiGlu(mlp_cfg), d, tokens, dtype),
-      Variant("sgatlin (gated gather op)", Sgatlin(sg_cfg), d, tokens, dtype),
-      Variant("sgatlin (Listing 1)", Sgatlin(sg_cfg), d, tokens, dtype, papers=True),
+    Variant("mlp", Mlp(mlp_cfg), d, tokens, dtype),
+    Variant("swiglu", SwiGlu(mlp_cfg), d, tokens, dtype),
+    Variant("sgatlin (gated gather op)", Sgatlin(sg_cfg), d, tokens, dtype),
+    Variant("sgatlin (Listing 1)", Sgatlin(sg_cfg), d, tokens, dtype, papers=True),
   ]
   run_rounds(variants, rounds)
-  print_table(f"ladder scale {scale}: d_model={d}, {tokens} tokens, {dtype}; sgatlin d_ffw={(16 + 12 * scale) ** 2}", variants, variants[0])
+  print_table(
+    f"ladder scale {scale}: d_model={d}, {tokens} tokens, {dtype}; sgatlin d_ffw={(16 + 12 * scale) ** 2}",
+    variants,
+    variants[0],
+  )
   ours, papers = variants[2], variants[3]
-  print(f"  sgatlin speed-up over Listing 1: fwd {papers.ms('fwd') / ours.ms('fwd'):.2f}x, fwd+bwd {papers.ms('fwd+bwd') / ours.ms('fwd+bwd'):.2f}x")
+  print(
+    f"  sgatlin speed-up over Listing 1: fwd {papers.ms('fwd') / ours.ms('fwd'):.2f}x, fwd+bwd {papers.ms('fwd+bwd') / ours.ms('fwd+bwd'):.2f}x"
+  )
   return variants
 
 
@@ -109,22 +119,36 @@ def fff_table(depths, tokens, dtype, rounds, d_model=768, n_trees=16):
   rows = []
   for depth in depths:
     cfg = lambda impl: layer_config(d_model, dtype, type="fff", depth=depth, n_trees=n_trees, implementation=impl)
-    pair = [Variant(f"fff depth {depth} sparse", Fff(cfg("sparse")), d_model, tokens, dtype),
-            Variant(f"fff depth {depth} masked-dense", Fff(cfg("masked_dense")), d_model, tokens, dtype)]
+    pair = [
+      Variant(f"fff depth {depth} sparse", Fff(cfg("sparse")), d_model, tokens, dtype),
+      Variant(f"fff depth {depth} masked-dense", Fff(cfg("masked_dense")), d_model, tokens, dtype),
+    ]
     run_rounds(pair, rounds)
     rows.append(pair)
   print(f"\nFFF: d_model={d_model}, {n_trees} trees, {tokens} tokens, {dtype} (ratio = masked-dense / sparse)")
-  print(f"{'depth':>6s}{'sparse fwd':>12s}{'dense fwd':>12s}{'speed-up':>10s}{'sparse f+b':>12s}{'dense f+b':>12s}{'speed-up':>10s}")
+  print(
+    f"{'depth':>6s}{'sparse fwd':>12s}{'dense fwd':>12s}{'speed-up':>10s}{'sparse f+b':>12s}{'dense f+b':>12s}{'speed-up':>10s}"
+  )
   for depth, (sparse, dense) in zip(depths, rows):
-    print(f"{depth:6d}{sparse.ms('fwd'):12.1f}{dense.ms('fwd'):12.1f}{dense.ms('fwd') / sparse.ms('fwd'):10.2f}"
-          f"{sparse.ms('fwd+bwd'):12.1f}{dense.ms('fwd+bwd'):12.1f}{dense.ms('fwd+bwd') / sparse.ms('fwd+bwd'):10.2f}")
+    print(
+      f"{depth:6d}{sparse.ms('fwd'):12.1f}{dense.ms('fwd'):12.1f}{dense.ms('fwd') / sparse.ms('fwd'):10.2f}"
+      f"{sparse.ms('fwd+bwd'):12.1f}{dense.ms('fwd+bwd'):12.1f}{dense.ms('fwd+bwd') / sparse.ms('fwd+bwd'):10.2f}"
+    )
   return rows
 
 
 def sweep(n_keys_list, scale, tokens, dtype, rounds):
   d = 128 * scale
-  variants = [Variant(f"d_ffw={n}^2", Sgatlin(layer_config(d, dtype, type="sgatlin", d_ffw=n * n, n_channels=16, top_k=8, d_key=128)), d, tokens, dtype)
-              for n in n_keys_list]
+  variants = [
+    Variant(
+      f"d_ffw={n}^2",
+      Sgatlin(layer_config(d, dtype, type="sgatlin", d_ffw=n * n, n_channels=16, top_k=8, d_key=128)),
+      d,
+      tokens,
+      dtype,
+    )
+    for n in n_keys_list
+  ]
   for v in variants:
     v.steps.pop("fwd+bwd")
   run_rounds(variants, rounds, kinds=("fwd",))
@@ -142,9 +166,14 @@ def plot(path, rungs, fff_rows, sweep_variants, n_keys_list):
   import matplotlib.pyplot as plt
 
   fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-  for i, (scale, variants) in enumerate(rungs):
+  for i, (_scale, variants) in enumerate(rungs):
     for j, v in enumerate(variants):
-      axes[0].bar(i * (len(variants) + 1) + j, v.ms("fwd+bwd") / variants[0].ms("fwd+bwd"), color=f"C{j}", label=v.name if i == 0 else None)
+      axes[0].bar(
+        i * (len(variants) + 1) + j,
+        v.ms("fwd+bwd") / variants[0].ms("fwd+bwd"),
+        color=f"C{j}",
+        label=v.name if i == 0 else None,
+      )
   axes[0].set_xticks([i * 5 + 1.5 for i in range(len(rungs))], [f"scale {s}" for s, _ in rungs])
   axes[0].set_ylabel("fwd+bwd time / dense MLP")
   axes[0].set_yscale("log")

@@ -59,17 +59,19 @@ def main():
   for ffn in args.ffn:
     config = load_config(args.config, ffn, args.dtype)
     if args.prompt + args.new > config.model.max_len:
-      raise SystemExit(f"error: --prompt + --new = {args.prompt + args.new} exceeds config.model.max_len={config.model.max_len}.")
+      raise SystemExit(
+        f"error: --prompt + --new = {args.prompt + args.new} exceeds config.model.max_len={config.model.max_len}."
+      )
     model = Transformer(ml_collections.FrozenConfigDict(config.model))
     params = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))["params"]
     prompts = np.random.default_rng(0).integers(2, 259, (args.batch, args.prompt)).tolist()
     timed = {
-        kv_cache: seconds_per_call(
-            sampling.Sampler(model, params, config.model.max_len, batch_size=args.batch, eos_id=-1, kv_cache=kv_cache),
-            prompts,
-            args.new,
-        )
-        for kv_cache in (False, True)
+      kv_cache: seconds_per_call(
+        sampling.Sampler(model, params, config.model.max_len, batch_size=args.batch, eos_id=-1, kv_cache=kv_cache),
+        prompts,
+        args.new,
+      )
+      for kv_cache in (False, True)
     }
     (recompute, tokens_r), (cached, tokens_c) = timed[False], timed[True]
     print(f"{ffn:<10}{recompute:>12.3f}{cached:>12.3f}{recompute / cached:>9.1f}x{str(tokens_r == tokens_c):>13}")

@@ -96,13 +96,13 @@ def equal_trees(a, b):
 def stage_one_table(s_2RN, rounds):
   rows = s_2RN.shape[1]
   variants = {
-      "lax.top_k": jax.lax.top_k,
-      "approx_max_k recall 1.0": lambda s, k: jax.lax.approx_max_k(s, k, recall_target=1.0),
-      "lax.sort (key, iota)": halves_sort,
-      "passes, all rows": halves_passes(rows),
-      "passes, 1024 rows": halves_passes(1024),
-      "passes, 256 rows": halves_passes(256),
-      "passes, 64 rows": halves_passes(64),
+    "lax.top_k": jax.lax.top_k,
+    "approx_max_k recall 1.0": lambda s, k: jax.lax.approx_max_k(s, k, recall_target=1.0),
+    "lax.sort (key, iota)": halves_sort,
+    "passes, all rows": halves_passes(rows),
+    "passes, 1024 rows": halves_passes(1024),
+    "passes, 256 rows": halves_passes(256),
+    "passes, 64 rows": halves_passes(64),
   }
   compiled = {name: jax.jit(lambda s, fn=fn: fn(s, TOP_K)) for name, fn in variants.items()}
   want = compiled["lax.top_k"](s_2RN)
@@ -126,8 +126,8 @@ def full_table(s1, s2, rounds):
   for name in variants:
     exact = equal_trees((compiled_fwd[name](*args), compiled_fb[name](*args)), want)
     print(
-        f"  {name:28s}{fwd[name] * 1e3:10.2f}{fb[name] * 1e3:10.2f}"
-        f"{fwd[name0] / fwd[name]:9.2f}x{fb[name0] / fb[name]:9.2f}x  {exact}"
+      f"  {name:28s}{fwd[name] * 1e3:10.2f}{fb[name] * 1e3:10.2f}"
+      f"{fwd[name0] / fwd[name]:9.2f}x{fb[name0] / fb[name]:9.2f}x  {exact}"
     )
 
 
@@ -139,7 +139,9 @@ def main():
   args = parser.parse_args()
   if args.tokens % 2048:
     parser.error(f"--tokens={args.tokens} must be a multiple of 2048 (the largest row chunk over 16 channels).")
-  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.tokens} tokens x {N_CHANNELS} channels, k={TOP_K}")
+  print(
+    f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.tokens} tokens x {N_CHANNELS} channels, k={TOP_K}"
+  )
   print(f"  {'variant':28s}{'fwd ms':>10s}{'f+b ms':>10s}{'fwd x':>10s}{'f+b x':>10s}  exact")
   for scale in args.scales:
     n_keys = n_keys_for(scaling_ladder(scale, "sgatlin")[2])

@@ -23,7 +23,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from sparsetx import config as config_lib  # noqa: E402
@@ -60,14 +59,22 @@ class TypeStep:
     batch_sharding = mesh_lib.batch_sharding(mesh, config.mesh.rules)
     B, T = args.batch, args.seq_len
     tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (B, T + 1), dtype=np.int32)
-    batch = dict(inputs=tokens[:, :-1], targets=tokens[:, 1:], segment_ids=np.ones((B, T), np.int32),
-                 positions=np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)), loss_weights=np.ones((B, T), np.float32))
+    batch = dict(
+      inputs=tokens[:, :-1],
+      targets=tokens[:, 1:],
+      segment_ids=np.ones((B, T), np.int32),
+      positions=np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)),
+      loss_weights=np.ones((B, T), np.float32),
+    )
     self.batch = jax.device_put(batch, batch_sharding)
-    step = functools.partial(step_lib.train_step, model=model, train=config.train,
-                             schedule=learning_rate_schedule(config.train))
+    step = functools.partial(
+      step_lib.train_step, model=model, train=config.train, schedule=learning_rate_schedule(config.train)
+    )
     with expert_parallel.activate(mesh, config.mesh.rules):
       self.state = state_lib.create_state(config, shardings, model, tx)
-      jitted = jax.jit(step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0)
+      jitted = jax.jit(
+        step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0
+      )
       start = time.perf_counter()
       self.step = jitted.lower(self.state, self.batch).compile()
       self.compile_s = time.perf_counter() - start
@@ -108,8 +115,10 @@ def main():
   devices = jax.devices()
   chip = hardware.chip_of(devices[0].device_kind)
   peak = args.peak_tflops * 1e12 if args.peak_tflops else chip.peak_flops if chip else None
-  print(f"jax {jax.__version__} on {len(devices)} x {devices[0].device_kind}"
-        + (f" (peak {peak / 1e12:.0f} TFLOP/s per device)" if peak else " (no peak known: MFU n/a)"))
+  print(
+    f"jax {jax.__version__} on {len(devices)} x {devices[0].device_kind}"
+    + (f" (peak {peak / 1e12:.0f} TFLOP/s per device)" if peak else " (no peak known: MFU n/a)")
+  )
   try:
     steps = [TypeStep(t, args, devices) for t in args.types]
   except config_lib.ConfigError as error:
@@ -119,17 +128,23 @@ def main():
     for s in steps:
       s.time_once()
   small = ", --small: 2 layers, vocab 512" if args.small else ""
-  print(f"\ntrain step, ladder scale {args.scale} (d_model {128 * args.scale}{small}), {args.batch} x {args.seq_len} tokens, "
-        f"{args.dtype}; median of {args.rounds} interleaved rounds; ratios to {steps[0].name}")
-  print(f"{'type':<9}{'total params':>14}{'active':>12}{'compile s':>11}{'step ms':>10}{'tokens/s':>12}"
-        f"{'x ' + steps[0].name:>10}{'model TFLOP/s':>15}{'MFU':>8}")
+  print(
+    f"\ntrain step, ladder scale {args.scale} (d_model {128 * args.scale}{small}), {args.batch} x {args.seq_len} tokens, "
+    f"{args.dtype}; median of {args.rounds} interleaved rounds; ratios to {steps[0].name}"
+  )
+  print(
+    f"{'type':<9}{'total params':>14}{'active':>12}{'compile s':>11}{'step ms':>10}{'tokens/s':>12}"
+    f"{'x ' + steps[0].name:>10}{'model TFLOP/s':>15}{'MFU':>8}"
+  )
   base = steps[0].tokens / steps[0].seconds
   for s in steps:
     rate = s.tokens / s.seconds
     tflops = s.model_flops / s.seconds / 1e12
     mfu = f"{s.model_flops / (s.seconds * len(devices) * peak):.1%}" if peak else "n/a"
-    print(f"{s.name:<9}{s.params['total']:>14,}{s.params['active']:>12,}{s.compile_s:>11.1f}{1e3 * s.seconds:>10.1f}"
-          f"{rate:>12,.0f}{rate / base:>10.2f}{tflops:>15.3f}{mfu:>8}")
+    print(
+      f"{s.name:<9}{s.params['total']:>14,}{s.params['active']:>12,}{s.compile_s:>11.1f}{1e3 * s.seconds:>10.1f}"
+      f"{rate:>12,.0f}{rate / base:>10.2f}{tflops:>15.3f}{mfu:>8}"
+    )
 
 
 if __name__ == "__main__":

@@ -22,13 +22,12 @@ then the merges; --max_documents takes the first documents (BPE training is dete
 
 import argparse
 import glob
+import itertools
 import json
 import os
 import sys
-from typing import Iterator
-
-import itertools
 import tempfile
+from collections.abc import Iterator
 
 import sentencepiece as spm
 
@@ -51,8 +50,8 @@ def documents(inputs: list[str], text_field: str) -> Iterator[str]:
             line = json.loads(line)[text_field]
           except (json.JSONDecodeError, KeyError, TypeError) as error:
             raise ValueError(
-                f"{path}:{number} is not a JSON object with a string field {text_field!r} ({error!r}); "
-                "fix the line or pass --text_field."
+              f"{path}:{number} is not a JSON object with a string field {text_field!r} ({error!r}); "
+              "fix the line or pass --text_field."
             ) from error
         line = line.rstrip("\n")
         if line.strip():
@@ -73,32 +72,39 @@ def expand_inputs(patterns: list[str]) -> list[str]:
   return files
 
 
-def build_vocab(output: str, vocab_size: int, inputs: list[str] = (), model_type: str = "bpe",
-                text_field: str = "text", max_documents: int = 1_000_000, seed: int = 0) -> str:
+def build_vocab(
+  output: str,
+  vocab_size: int,
+  inputs: list[str] = (),
+  model_type: str = "bpe",
+  text_field: str = "text",
+  max_documents: int = 1_000_000,
+  seed: int = 0,
+) -> str:
   """Trains the model and returns the path of the written `<output>.model`."""
   files = expand_inputs(list(inputs))
   directory = os.path.dirname(os.path.abspath(output))
   os.makedirs(directory, exist_ok=True)
   spm.set_random_generator_seed(seed)  # the document sample and BPE ties are then reproducible
   spm.SentencePieceTrainer.train(
-      sentence_iterator=documents(files, text_field),
-      model_prefix=output,
-      vocab_size=vocab_size,
-      model_type=model_type,
-      pad_id=0,
-      eos_id=1,
-      unk_id=2,
-      bos_id=-1,
-      byte_fallback=True,
-      character_coverage=1.0,
-      normalization_rule_name="identity",
-      remove_extra_whitespaces=False,
-      split_digits=True,
-      input_sentence_size=max_documents,
-      shuffle_input_sentence=True,
-      max_sentence_length=1 << 16,
-      num_threads=os.cpu_count() or 1,
-      minloglevel=2,
+    sentence_iterator=documents(files, text_field),
+    model_prefix=output,
+    vocab_size=vocab_size,
+    model_type=model_type,
+    pad_id=0,
+    eos_id=1,
+    unk_id=2,
+    bos_id=-1,
+    byte_fallback=True,
+    character_coverage=1.0,
+    normalization_rule_name="identity",
+    remove_extra_whitespaces=False,
+    split_digits=True,
+    input_sentence_size=max_documents,
+    shuffle_input_sentence=True,
+    max_sentence_length=1 << 16,
+    num_threads=os.cpu_count() or 1,
+    minloglevel=2,
   )
   return output + ".model"
 
@@ -107,8 +113,9 @@ GPT2_SPECIAL_TOKENS = ("<pad>", "<|endoftext|>")  # ids 0 and 1: padding (seqio'
 GPT2_MIN_VOCAB_SIZE = 256 + len(GPT2_SPECIAL_TOKENS) + 1  # the bytes, the specials and at least one merge
 
 
-def build_gpt2_bpe(output: str, vocab_size: int, inputs: list[str] = (), text_field: str = "text",
-                   max_documents: int = 1_000_000) -> str:
+def build_gpt2_bpe(
+  output: str, vocab_size: int, inputs: list[str] = (), text_field: str = "text", max_documents: int = 1_000_000
+) -> str:
   """Trains a byte-level BPE and writes `<output>/vocab.json` and `merges.txt` (GPT-2's format); returns `output`.
 
   The files are written beside the targets and renamed over them, so a failed run damages no earlier vocabulary.
@@ -120,10 +127,10 @@ def build_gpt2_bpe(output: str, vocab_size: int, inputs: list[str] = (), text_fi
   files = expand_inputs(list(inputs))
   tokenizer = bpe_vocab.gpt2_byte_level(models.BPE())  # the splitting the reader uses
   trainer = trainers.BpeTrainer(
-      vocab_size=vocab_size,
-      special_tokens=list(GPT2_SPECIAL_TOKENS),
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, seen in the text or not
-      show_progress=False,
+    vocab_size=vocab_size,
+    special_tokens=list(GPT2_SPECIAL_TOKENS),
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, seen in the text or not
+    show_progress=False,
   )
   tokenizer.train_from_iterator(itertools.islice(documents(files, text_field), max_documents), trainer)
   os.makedirs(output, exist_ok=True)
@@ -135,10 +142,17 @@ def build_gpt2_bpe(output: str, vocab_size: int, inputs: list[str] = (), text_fi
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--kind", choices=("sentencepiece", "gpt2"), default="sentencepiece",
-                      help="sentencepiece: <output>.model; gpt2: <output>/vocab.json + merges.txt (GPT-2 format)")
-  parser.add_argument("--output", required=True,
-                      help="sentencepiece: path prefix, writes <output>.model and <output>.vocab; gpt2: a directory")
+  parser.add_argument(
+    "--kind",
+    choices=("sentencepiece", "gpt2"),
+    default="sentencepiece",
+    help="sentencepiece: <output>.model; gpt2: <output>/vocab.json + merges.txt (GPT-2 format)",
+  )
+  parser.add_argument(
+    "--output",
+    required=True,
+    help="sentencepiece: path prefix, writes <output>.model and <output>.vocab; gpt2: a directory",
+  )
   parser.add_argument("--vocab_size", type=int, default=8192)
   parser.add_argument("--input", action="append", default=[], help="text or .jsonl file or glob; repeatable")
   parser.add_argument("--model_type", choices=("bpe", "unigram"), default="bpe", help="sentencepiece only")
@@ -149,29 +163,40 @@ def main(argv: list[str] | None = None) -> int:
   if args.kind == "gpt2":
     return main_gpt2(args)
   if args.vocab_size <= 259:
-    print(f"error: --vocab_size={args.vocab_size} leaves no room beyond the 256 byte-fallback pieces and "
-          "3 special ids; use at least 260 (8192 is typical).", file=sys.stderr)
+    print(
+      f"error: --vocab_size={args.vocab_size} leaves no room beyond the 256 byte-fallback pieces and "
+      "3 special ids; use at least 260 (8192 is typical).",
+      file=sys.stderr,
+    )
     return 2
   try:
-    path = build_vocab(args.output, args.vocab_size, args.input, args.model_type, args.text_field,
-                       args.max_documents, args.seed)
+    path = build_vocab(
+      args.output, args.vocab_size, args.input, args.model_type, args.text_field, args.max_documents, args.seed
+    )
   except (ValueError, RuntimeError, OSError) as error:
     print(f"error: {error}", file=sys.stderr)
     return 2
   size = spm.SentencePieceProcessor(model_file=path).get_piece_size()
-  print(f"wrote {path} ({size} pieces); use --config.data.vocab.kind=sentencepiece "
-        f"--config.data.vocab.path={path} and config.model.vocab_size >= {size}")
+  print(
+    f"wrote {path} ({size} pieces); use --config.data.vocab.kind=sentencepiece "
+    f"--config.data.vocab.path={path} and config.model.vocab_size >= {size}"
+  )
   return 0
 
 
 def main_gpt2(args: argparse.Namespace) -> int:
   if args.vocab_size < GPT2_MIN_VOCAB_SIZE:
-    print(f"error: --vocab_size={args.vocab_size} leaves no room for merges beyond the 256 byte tokens and "
-          f"{', '.join(GPT2_SPECIAL_TOKENS)}; use at least {GPT2_MIN_VOCAB_SIZE} (8192 is typical).", file=sys.stderr)
+    print(
+      f"error: --vocab_size={args.vocab_size} leaves no room for merges beyond the 256 byte tokens and "
+      f"{', '.join(GPT2_SPECIAL_TOKENS)}; use at least {GPT2_MIN_VOCAB_SIZE} (8192 is typical).",
+      file=sys.stderr,
+    )
     return 2
   if os.path.isfile(args.output):
-    print(f"error: --output={args.output!r} is a file; --kind=gpt2 writes a directory (vocab.json + merges.txt).",
-          file=sys.stderr)
+    print(
+      f"error: --output={args.output!r} is a file; --kind=gpt2 writes a directory (vocab.json + merges.txt).",
+      file=sys.stderr,
+    )
     return 2
   try:
     output = build_gpt2_bpe(args.output, args.vocab_size, args.input, args.text_field, args.max_documents)
@@ -180,8 +205,10 @@ def main_gpt2(args: argparse.Namespace) -> int:
     return 2
   with open(os.path.join(output, "vocab.json"), encoding="utf-8") as f:
     size = len(json.load(f))
-  print(f"wrote {output}/vocab.json and merges.txt ({size} tokens, <pad>=0, <|endoftext|>=1); use "
-        f"--config.data.vocab.kind=gpt2 --config.data.vocab.path={output} and config.model.vocab_size >= {size}")
+  print(
+    f"wrote {output}/vocab.json and merges.txt ({size} tokens, <pad>=0, <|endoftext|>=1); use "
+    f"--config.data.vocab.kind=gpt2 --config.data.vocab.path={output} and config.model.vocab_size >= {size}"
+  )
   return 0
 
 

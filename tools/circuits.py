@@ -32,8 +32,10 @@ from sparsetx.interp import checkpoint, circuits, embedding, neighbours, nie, pr
 def _markdown(rows: list[dict]) -> str:
   keys = list(rows[0])
   fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)
-  return "\n".join(["| " + " | ".join(keys) + " |", "|---" * len(keys) + "|"] +
-                   ["| " + " | ".join(fmt(row[k]) for k in keys) + " |" for row in rows])
+  return "\n".join(
+    ["| " + " | ".join(keys) + " |", "|---" * len(keys) + "|"]
+    + ["| " + " | ".join(fmt(row[k]) for k in keys) + " |" for row in rows]
+  )
 
 
 def _plot_visits(visits_by_layer: dict, path: str) -> None:
@@ -72,8 +74,9 @@ def analyse(args) -> dict:
   cfg = model.cfg
   layers = circuits.sparse_layers(cfg)  # refuses a model without sparse circuits
   # default: the penultimate layer, or the nearest sparse layer below it (the first sparse layer if none is)
-  neighbour_layer = args.layer if args.layer is not None else max([i for i in layers if i <= cfg.n_layers - 2],
-                                                                  default=layers[0])
+  neighbour_layer = (
+    args.layer if args.layer is not None else max([i for i in layers if i <= cfg.n_layers - 2], default=layers[0])
+  )
   circuits.check_layer(cfg, neighbour_layer, "--layer")  # before anything is computed or written
   out = paths.resolve(args.output) if args.output else paths.resolve(args.workdir) / "circuits"  # local or gs://
   out.mkdir(parents=True, exist_ok=True)
@@ -103,8 +106,12 @@ def analyse(args) -> dict:
     text += ["", "## FFF paths (leaves) per tree", "", _markdown(fff_paths)]
     summary["fff_paths"] = fff_paths
     balance = usage.fff_balance_table(cfg, db)
-    text += ["", "## FFF routing balance (balanced: every Gini 0, left turns 0.5, leftmost leaf 2**-depth)", "",
-             _markdown(balance)]
+    text += [
+      "",
+      "## FFF routing balance (balanced: every Gini 0, left turns 0.5, leftmost leaf 2**-depth)",
+      "",
+      _markdown(balance),
+    ]
     summary["fff_balance"] = balance
   write("usage.md", "\n".join(text))
   summary["usage"] = table
@@ -112,12 +119,23 @@ def analyse(args) -> dict:
 
   prompt = checkpoint.encode_prompt(vocabulary, args.sentence)
   found = neighbours.nearest(model, db, prompt, neighbour_layer, args.neighbours)
-  write("neighbours.md", "\n".join([
-      f"# Nearest circuits at layer {neighbour_layer} for: {args.sentence!r}", "",
-      "Each column is a token of the sentence; row r holds the input token of its r-th nearest circuit and "
-      "the cosine distance.", "", neighbours.format_table(vocabulary, db, found), "", "## Contexts and predictions of the nearest circuits", "",
-      neighbours.format_extended(vocabulary, db, found),
-  ]))
+  write(
+    "neighbours.md",
+    "\n".join(
+      [
+        f"# Nearest circuits at layer {neighbour_layer} for: {args.sentence!r}",
+        "",
+        "Each column is a token of the sentence; row r holds the input token of its r-th nearest circuit and "
+        "the cosine distance.",
+        "",
+        neighbours.format_table(vocabulary, db, found),
+        "",
+        "## Contexts and predictions of the nearest circuits",
+        "",
+        neighbours.format_extended(vocabulary, db, found),
+      ]
+    ),
+  )
   print(f"nearest circuits at layer {neighbour_layer}:\n" + neighbours.format_table(vocabulary, db, found))
 
   for layer_i in layers:
@@ -128,13 +146,21 @@ def analyse(args) -> dict:
 
   if cfg.ffn.type in ("sgatlin", "peer", "moe"):
     result = nie.run(model, nie.fact_pairs(vocabulary), min_effect=args.min_effect)
-    write("nie.md", "# Normalized indirect effect of patching the gates (rows: layers, columns: positions)\n\n"
-          + nie.format_table(result))
+    write(
+      "nie.md",
+      "# Normalized indirect effect of patching the gates (rows: layers, columns: positions)\n\n"
+      + nie.format_table(result),
+    )
     nie.plot(result, out / "nie.png", title=f"NIE of patching {cfg.ffn.type} gates (step {step})")
     summary["files"].append("nie.png")
-    summary["nie"] = dict(rows=result.row_labels, columns=result.col_labels,
-                          values=np.where(np.isfinite(result.nie_RC), result.nie_RC, None).tolist(),
-                          kept_pairs=int(result.kept_B.sum()), pairs=len(result.kept_B), not_available=result.reasons)
+    summary["nie"] = dict(
+      rows=result.row_labels,
+      columns=result.col_labels,
+      values=np.where(np.isfinite(result.nie_RC), result.nie_RC, None).tolist(),
+      kept_pairs=int(result.kept_B.sum()),
+      pairs=len(result.kept_B),
+      not_available=result.reasons,
+    )
     print(nie.format_table(result))
 
   if cfg.ffn.type == "fff":
@@ -143,7 +169,9 @@ def analyse(args) -> dict:
     summary["files"].append("fff_visits.png")
     fractions = [float(f) for f in args.prune_fractions.split(",")]
     results = pruning.sweep(model, db, rows, fractions)
-    write("pruning.md", "# Validation loss against the fraction of least-visited FFF nodes pruned\n\n" + _markdown(results))
+    write(
+      "pruning.md", "# Validation loss against the fraction of least-visited FFF nodes pruned\n\n" + _markdown(results)
+    )
     _plot_pruning(results, out / "pruning.png")
     summary["files"].append("pruning.png")
     summary["pruning"] = results
@@ -162,10 +190,17 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--output", default=None, help="directory for the tables and PNGs (default <workdir>/circuits)")
   parser.add_argument("--rows", type=int, default=128, help="validation rows recorded into the circuit database")
   parser.add_argument("--context", type=int, default=12, help="preceding tokens stored with each circuit")
-  parser.add_argument("--sentence", default="A big dog named Rex had a red collar. He wore it every day.",
-                      help="sentence whose circuits get neighbours (best not verbatim in the validation split)")
-  parser.add_argument("--layer", type=int, default=None,
-                      help="sparse layer of the neighbour table (default: penultimate, or the sparse layer below)")
+  parser.add_argument(
+    "--sentence",
+    default="A big dog named Rex had a red collar. He wore it every day.",
+    help="sentence whose circuits get neighbours (best not verbatim in the validation split)",
+  )
+  parser.add_argument(
+    "--layer",
+    type=int,
+    default=None,
+    help="sparse layer of the neighbour table (default: penultimate, or the sparse layer below)",
+  )
   parser.add_argument("--neighbours", type=int, default=10)
   parser.add_argument("--embed_tokens", type=int, default=20, help="most frequent tokens in the 2-D map")
   parser.add_argument("--per_token", type=int, default=40, help="circuits per token in the 2-D map")

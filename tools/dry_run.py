@@ -39,7 +39,7 @@ def _devices_from_argv(argv) -> int:
 
 # The simulated device count must be fixed before jax is imported.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_devices_from_argv(sys.argv)}"
+  os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_devices_from_argv(sys.argv)}"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -52,29 +52,30 @@ from absl import flags  # noqa: E402
 from sparsetx import cli  # noqa: E402
 from sparsetx import config as config_lib  # noqa: E402
 from sparsetx.data import check_files  # noqa: E402
-from sparsetx.parallel import aot  # noqa: E402
-from sparsetx.parallel import expert_parallel  # noqa: E402
-from sparsetx.parallel import hardware  # noqa: E402
+from sparsetx.parallel import aot, expert_parallel, hardware, roofline  # noqa: E402
 from sparsetx.parallel import mesh as mesh_lib  # noqa: E402
-from sparsetx.parallel import roofline  # noqa: E402
 from sparsetx.train.loop import check_batch_divides  # noqa: E402
 
 _CONFIG = cli.define_config_file("config", "configs/tiny.py", "Config file, optionally with ':ARG'.")
 _DEVICES = flags.DEFINE_integer("devices", 8, "Simulated CPU devices (the mesh's size).")
 _SWEEP = flags.DEFINE_list("expert_sweep", [], "Expert-axis sizes for a per-device sparse-table bytes table.")
 _TARGET = flags.DEFINE_enum(
-    "target", "all", [*hardware.CHIPS, "all"], "Chip of the projected step time (roofline), or all of them."
+  "target", "all", [*hardware.CHIPS, "all"], "Chip of the projected step time (roofline), or all of them."
 )
 _REMAT_SWEEP = flags.DEFINE_bool(
-    "remat_sweep", False, "Also compile the step with every config.model.remat policy and print its temp memory."
+  "remat_sweep", False, "Also compile the step with every config.model.remat policy and print its temp memory."
 )
 _PLATFORM = flags.DEFINE_enum(
-    "platform", "cpu", ["cpu", *aot.LOWERING_PLATFORMS],
-    "cpu: compile on the simulated devices and report; cuda | tpu: lower the train step for that target and list its custom calls.",
+  "platform",
+  "cpu",
+  ["cpu", *aot.LOWERING_PLATFORMS],
+  "cpu: compile on the simulated devices and report; cuda | tpu: lower the train step for that target and list its custom calls.",
 )
-_CHIP = flags.DEFINE_string("chip", None, "With --platform=tpu: the chip to lower for (v4, v5e, v5p, v6e; default v5p).")
+_CHIP = flags.DEFINE_string(
+  "chip", None, "With --platform=tpu: the chip to lower for (v4, v5e, v5p, v6e; default v5p)."
+)
 _SPLIT = flags.DEFINE_bool(
-    "split_d_model", False, "Split neuron tables by d_model over the expert axis (D_MODEL_SPLIT_RULES first)."
+  "split_d_model", False, "Split neuron tables by d_model over the expert axis (D_MODEL_SPLIT_RULES first)."
 )
 
 
@@ -105,7 +106,9 @@ def print_remat_rows(rows) -> None:
   print("train step per remat policy (config.model.remat; compiler memory analysis, one device):")
   print(f"  {'policy':<34}{'temp MiB':>10}{'x none':>8}{'FLOPs':>12}{'x none':>8}")
   for policy, temp, flops in rows:
-    print(f"  {policy:<34}{temp / 2**20:>10.1f}{temp / max(base[0], 1):>8.2f}{flops:>12.3e}{flops / max(base[1], 1):>8.2f}")
+    print(
+      f"  {policy:<34}{temp / 2**20:>10.1f}{temp / max(base[0], 1):>8.2f}{flops:>12.3e}{flops / max(base[1], 1):>8.2f}"
+    )
 
 
 def print_lowering(config, mesh, platform: str, chip) -> None:

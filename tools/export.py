@@ -45,13 +45,23 @@ def main(argv):
       if _OUT.value:
         raise ConfigError("--out and --import_from exclude each other: export writes --out, import writes --workdir.")
       config = export.import_hf(_IMPORT_FROM.value, _WORKDIR.value, overwrite=_OVERWRITE.value, config=_CONFIG.value)
-      print(json.dumps(dict(imported=os.path.abspath(_IMPORT_FROM.value), workdir=os.path.abspath(_WORKDIR.value),
-                            step=0, model=config.model.to_dict()), indent=1))
+      print(
+        json.dumps(
+          dict(
+            imported=os.path.abspath(_IMPORT_FROM.value),
+            workdir=os.path.abspath(_WORKDIR.value),
+            step=0,
+            model=config.model.to_dict(),
+          ),
+          indent=1,
+        )
+      )
     else:
       if not _OUT.value:
         raise ConfigError("--out is required to export: the directory to write the Hugging Face files to.")
-      summary = export.export(_WORKDIR.value, _OUT.value, step=_STEP.value, overwrite=_OVERWRITE.value,
-                              kind=_KIND.value, dtype=_DTYPE.value)
+      summary = export.export(
+        _WORKDIR.value, _OUT.value, step=_STEP.value, overwrite=_OVERWRITE.value, kind=_KIND.value, dtype=_DTYPE.value
+      )
       print(json.dumps(summary, indent=1))
   except ConfigError as error:
     cli.fail(error)

@@ -57,13 +57,17 @@ def parse_args(argv):
   parser.add_argument("--num_processes", type=int, default=2, help="processes to start (N)")
   parser.add_argument("--devices_per_process", type=int, default=2, help="simulated CPU devices per process (M)")
   parser.add_argument("--port", type=int, default=0, help="coordinator port on localhost (0: a free one)")
-  parser.add_argument("--grace_period", type=float, default=30.0,
-                      help="seconds the others get to stop on their own after one process fails")
+  parser.add_argument(
+    "--grace_period",
+    type=float,
+    default=30.0,
+    help="seconds the others get to stop on their own after one process fails",
+  )
   parser.add_argument("--log_dir", default=None, help="write process_<i>.log here instead of sharing this terminal")
   parser.add_argument("--module", default="sparsetx.train", help="the Python module each process runs")
   if "--" in argv:
     split = argv.index("--")
-    args, forwarded = parser.parse_args(argv[:split]), argv[split + 1:]
+    args, forwarded = parser.parse_args(argv[:split]), argv[split + 1 :]
   else:
     args, forwarded = parser.parse_args(argv), []
   if args.num_processes < 1 or args.devices_per_process < 1:
@@ -76,8 +80,15 @@ def start(args, forwarded) -> list[subprocess.Popen]:
   env = child_env(args.devices_per_process)
   processes = []
   for i in range(args.num_processes):
-    command = [sys.executable, "-m", args.module, *forwarded, f"--coordinator_address=localhost:{port}",
-               f"--num_processes={args.num_processes}", f"--process_id={i}"]
+    command = [
+      sys.executable,
+      "-m",
+      args.module,
+      *forwarded,
+      f"--coordinator_address=localhost:{port}",
+      f"--num_processes={args.num_processes}",
+      f"--process_id={i}",
+    ]
     output = None
     if args.log_dir:
       os.makedirs(args.log_dir, exist_ok=True)

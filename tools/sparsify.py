@@ -19,8 +19,9 @@ from absl import flags
 from sparsetx import cli
 from sparsetx.config import ConfigError
 
-_CONFIG = cli.define_config_file("config", "configs/tiny.py:fff", "Target config file, optionally ':ARG'.",
-                                          lock_config=True)
+_CONFIG = cli.define_config_file(
+  "config", "configs/tiny.py:fff", "Target config file, optionally ':ARG'.", lock_config=True
+)
 _SOURCE = flags.DEFINE_string("source", None, "A sparsetx workdir holding the dense checkpoint to start from.")
 _FROM_HF = flags.DEFINE_string("from_hf", None, "Instead of --source: an HF GPT-NeoX (or sparsetx export) directory.")
 _SOURCE_STEP = flags.DEFINE_integer("source_step", None, "The source checkpoint's step (default: its latest).")
@@ -30,13 +31,17 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a run already in --w
 
 def _dense_ffn_flags(wanted, given) -> list[str]:
   """The --config.model.dense_ffn.* flags the trainer needs: the kept layers' fields that differ from --config."""
-  return [f"--config.model.dense_ffn.{key}={value}" for key, value in sorted(wanted.items())
-          if not isinstance(value, dict) and given.get(key) != value]
+  return [
+    f"--config.model.dense_ffn.{key}={value}"
+    for key, value in sorted(wanted.items())
+    if not isinstance(value, dict) and given.get(key) != value
+  ]
 
 
 def main(argv):
   del argv
-  from sparsetx import config as config_lib, sparsify
+  from sparsetx import config as config_lib
+  from sparsetx import sparsify
 
   try:
     if bool(_SOURCE.value) == bool(_FROM_HF.value):
@@ -45,8 +50,9 @@ def main(argv):
     if _FROM_HF.value:
       config, report = sparsify.sparsify_hf(_FROM_HF.value, given, _WORKDIR.value, _OVERWRITE.value)
     else:
-      config, report = sparsify.sparsify_checkpoint(_SOURCE.value, given, _WORKDIR.value, _OVERWRITE.value,
-                                                    _SOURCE_STEP.value)
+      config, report = sparsify.sparsify_checkpoint(
+        _SOURCE.value, given, _WORKDIR.value, _OVERWRITE.value, _SOURCE_STEP.value
+      )
   except ConfigError as error:
     cli.fail(error)
   print(sparsify.format_report(report))
@@ -54,8 +60,11 @@ def main(argv):
   extra = []
   if config_lib.is_mixed(config.model):
     extra = _dense_ffn_flags(config.model.dense_ffn.to_dict(), given.model.dense_ffn.to_dict())
-  print("Train on with the same --config and overrides" + (", plus " + " ".join(extra) if extra else "") +
-        f": python -m sparsetx.train --workdir={_WORKDIR.value} --config=... [--config.train.freeze_steps=N]")
+  print(
+    "Train on with the same --config and overrides"
+    + (", plus " + " ".join(extra) if extra else "")
+    + f": python -m sparsetx.train --workdir={_WORKDIR.value} --config=... [--config.train.freeze_steps=N]"
+  )
 
 
 if __name__ == "__main__":

@@ -34,18 +34,21 @@ from sparsetx.train import sweep
 def define_flags() -> dict:
   """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
   return dict(
-      budgets=flags.DEFINE_list("budgets", None, "Training FLOP budgets, e.g. 1e17,6e17."),
-      ffn_types=flags.DEFINE_list("ffn_types", ["mlp", "sgatlin"], "Feed-forward types to compare."),
-      scales=flags.DEFINE_list("scales", None, "Ladder rungs (configs/ladder.py:FFN,SCALE), e.g. 2,3,4."),
-      d_models=flags.DEFINE_list("d_models", None, "Instead of --scales: d_model values on --base_config (CPU-sized)."),
-      n_layers=flags.DEFINE_list("n_layers", None, "With --d_models: one layer count per d_model (default: the config's)."),
-      base_config=flags.DEFINE_string("base_config", sweep.LADDER_CONFIG,
-                                      "Config file; takes 'FFN,SCALE' with --scales, 'FFN' with --d_models."),
-      overrides=flags.DEFINE_multi_string("overrides", [], "config.FIELD=VALUE for every run (repeat the flag)."),
-      workdir=flags.DEFINE_string("workdir", None, "Sweep root: <workdir>/<budget>/<run>/, sweep.json, PNGs."),
-      mode=flags.DEFINE_enum("mode", "run", ["run", "print", "collect"], "Train, print commands, or collect only."),
-      subprocess=flags.DEFINE_bool("subprocess", False, "Run each training as its printed command in a new process."),
-      min_steps=flags.DEFINE_integer("min_steps", 10, "Skip (with a note) runs whose budget buys fewer steps."),
+    budgets=flags.DEFINE_list("budgets", None, "Training FLOP budgets, e.g. 1e17,6e17."),
+    ffn_types=flags.DEFINE_list("ffn_types", ["mlp", "sgatlin"], "Feed-forward types to compare."),
+    scales=flags.DEFINE_list("scales", None, "Ladder rungs (configs/ladder.py:FFN,SCALE), e.g. 2,3,4."),
+    d_models=flags.DEFINE_list("d_models", None, "Instead of --scales: d_model values on --base_config (CPU-sized)."),
+    n_layers=flags.DEFINE_list(
+      "n_layers", None, "With --d_models: one layer count per d_model (default: the config's)."
+    ),
+    base_config=flags.DEFINE_string(
+      "base_config", sweep.LADDER_CONFIG, "Config file; takes 'FFN,SCALE' with --scales, 'FFN' with --d_models."
+    ),
+    overrides=flags.DEFINE_multi_string("overrides", [], "config.FIELD=VALUE for every run (repeat the flag)."),
+    workdir=flags.DEFINE_string("workdir", None, "Sweep root: <workdir>/<budget>/<run>/, sweep.json, PNGs."),
+    mode=flags.DEFINE_enum("mode", "run", ["run", "print", "collect"], "Train, print commands, or collect only."),
+    subprocess=flags.DEFINE_bool("subprocess", False, "Run each training as its printed command in a new process."),
+    min_steps=flags.DEFINE_integer("min_steps", 10, "Skip (with a note) runs whose budget buys fewer steps."),
   )
 
 
@@ -66,10 +69,16 @@ def spec_from_flags(values: dict) -> sweep.SweepSpec:
   except ValueError:
     raise ConfigError(f"--budgets={','.join(values['budgets'])} must be FLOP counts such as 1e17,6e17.") from None
   return sweep.SweepSpec(
-      budgets=budgets, ffn_types=tuple(t.strip() for t in values["ffn_types"] or ()), workdir=values["workdir"],
-      base_config=values["base_config"], scales=_ints("--scales", values["scales"]),
-      d_models=_ints("--d_models", values["d_models"]), n_layers=_ints("--n_layers", values["n_layers"]),
-      overrides=tuple(values["overrides"]), min_steps=values["min_steps"])
+    budgets=budgets,
+    ffn_types=tuple(t.strip() for t in values["ffn_types"] or ()),
+    workdir=values["workdir"],
+    base_config=values["base_config"],
+    scales=_ints("--scales", values["scales"]),
+    d_models=_ints("--d_models", values["d_models"]),
+    n_layers=_ints("--n_layers", values["n_layers"]),
+    overrides=tuple(values["overrides"]),
+    min_steps=values["min_steps"],
+  )
 
 
 def train(run: sweep.Run, in_subprocess: bool) -> str:
@@ -132,8 +141,9 @@ def plot_perplexity_vs_size(rows: list[dict], path: str) -> None:
   types = list(dict.fromkeys(r["ffn_type"] for r in rows))
   fig, axes = plt.subplots(2, len(budgets), figsize=(4.2 * len(budgets), 7), squeeze=False, sharey="col")
   for column, budget in enumerate(budgets):
-    for row_index, (key, label) in enumerate((("total_params", "total parameters"),
-                                               ("active_params", "active parameters per token"))):
+    for row_index, (key, label) in enumerate(
+      (("total_params", "total parameters"), ("active_params", "active parameters per token"))
+    ):
       ax = axes[row_index, column]
       for color, ffn_type in enumerate(types):
         points = sorted((r[key], r["perplexity"]) for r in rows if r["budget"] == budget and r["ffn_type"] == ffn_type)
@@ -164,8 +174,14 @@ def plot_best_vs_compute(rows: list[dict], path: str) -> None:
     budgets = sorted(best)
     ax.plot(budgets, [best[b]["perplexity"] for b in budgets], "o-", color=f"C{color}", label=ffn_type)
     for b in budgets:
-      ax.annotate(f"{best[b]['total_params'] / 1e6:.3g}M", (b, best[b]["perplexity"]), fontsize=7,
-                  textcoords="offset points", xytext=(4, 4), color=f"C{color}")
+      ax.annotate(
+        f"{best[b]['total_params'] / 1e6:.3g}M",
+        (b, best[b]["perplexity"]),
+        fontsize=7,
+        textcoords="offset points",
+        xytext=(4, 4),
+        color=f"C{color}",
+      )
   ax.set_xscale("log")
   ax.set_xlabel("training FLOP budget")
   ax.set_ylabel("best validation perplexity (label: total parameters)")
@@ -180,9 +196,11 @@ def write_results(workdir: str, rows: list[dict], skipped: list[sweep.Skipped]) 
   root = paths.resolve(workdir)  # local or gs://
   root.mkdir(parents=True, exist_ok=True)
   summary = dict(
-      perplexity="exp(mean over validation tasks of the final-step loss)",
-      flops="3 x forward FLOPs per token (sparsetx/models/ladder.py) x trained tokens",
-      runs=rows, skipped=[dataclasses.asdict(s) for s in skipped])
+    perplexity="exp(mean over validation tasks of the final-step loss)",
+    flops="3 x forward FLOPs per token (sparsetx/models/ladder.py) x trained tokens",
+    runs=rows,
+    skipped=[dataclasses.asdict(s) for s in skipped],
+  )
   path = root / "sweep.json"
   paths.write_text_atomically(path, json.dumps(summary, indent=1))  # a reader never sees half a file
   plotted = [r for r in rows if r["perplexity"] is not None]
@@ -194,11 +212,15 @@ def write_results(workdir: str, rows: list[dict], skipped: list[sweep.Skipped]) 
 
 def print_table(rows: list[dict]) -> None:
   """One line per run: its size, the forward FLOPs per token it pays, the tokens they buy, the result."""
-  print(f"{'budget':>9} {'run':<16}{'total':>10}{'active':>10}{'FLOPs/token':>13}{'steps':>7}{'tokens':>11}  perplexity")
+  print(
+    f"{'budget':>9} {'run':<16}{'total':>10}{'active':>10}{'FLOPs/token':>13}{'steps':>7}{'tokens':>11}  perplexity"
+  )
   for r in rows:
     ppl = f"{r['perplexity']:.3f}" if r["perplexity"] is not None else r["status"]
-    print(f"{r['budget']:>9.3g} {r['name']:<16}{r['total_params']:>10,}{r['active_params']:>10,}"
-          f"{r['forward_flops_per_token']:>13,}{r['steps']:>7}{r['trained_tokens']:>11,}  {ppl}")
+    print(
+      f"{r['budget']:>9.3g} {r['name']:<16}{r['total_params']:>10,}{r['active_params']:>10,}"
+      f"{r['forward_flops_per_token']:>13,}{r['steps']:>7}{r['trained_tokens']:>11,}  {ppl}"
+    )
 
 
 def run_sweep(spec: sweep.SweepSpec, mode: str = "run", in_subprocess: bool = False) -> list[dict]:

@@ -9,24 +9,26 @@ import math
 
 import ml_collections
 
-from sparsetx.config.errors import one_of as _one_of, positive_int as _positive_int, require as _require
+from sparsetx.config.errors import one_of as _one_of
+from sparsetx.config.errors import positive_int as _positive_int
+from sparsetx.config.errors import require as _require
 from sparsetx.config.ffn_checks import validate_ffn
 from sparsetx.config.schema import (
-    ATTENTION_IMPLEMENTATIONS,
-    BLOCK_KINDS,
-    BYTE_VOCAB_SIZE,
-    DATA_EMBEDDED_TASKS,
-    DATA_SOURCE_KINDS,
-    DATA_VOCAB_KINDS,
-    DTYPES,
-    MESH_AXES,
-    NORM_KINDS,
-    SCHEDULES,
-    is_mixed,
-    listed_ffn_layers,
-    profile_steps,
-    remat_policy,
-    source_patterns,
+  ATTENTION_IMPLEMENTATIONS,
+  BLOCK_KINDS,
+  BYTE_VOCAB_SIZE,
+  DATA_EMBEDDED_TASKS,
+  DATA_SOURCE_KINDS,
+  DATA_VOCAB_KINDS,
+  DTYPES,
+  MESH_AXES,
+  NORM_KINDS,
+  SCHEDULES,
+  is_mixed,
+  listed_ffn_layers,
+  profile_steps,
+  remat_policy,
+  source_patterns,
 )
 
 
@@ -35,14 +37,14 @@ def validate_attention(model, prefix: str = "config.model") -> None:
   _one_of(f"{prefix}.attention", attention, ATTENTION_IMPLEMENTATIONS)
   if attention == "cudnn":
     _require(
-        model.dtype in ("bfloat16", "float16"),
-        f"{prefix}.attention='cudnn' has no {model.dtype} kernel; set {prefix}.dtype to 'bfloat16' or 'float16', "
-        "or use attention='auto' (xla in float32).",
+      model.dtype in ("bfloat16", "float16"),
+      f"{prefix}.attention='cudnn' has no {model.dtype} kernel; set {prefix}.dtype to 'bfloat16' or 'float16', "
+      "or use attention='auto' (xla in float32).",
     )
     _require(
-        model.head_dim % 8 == 0 and model.head_dim <= 256,
-        f"{prefix}.attention='cudnn' needs a head_dim that is a multiple of 8 and at most 256 (128 before Hopper), "
-        f"not {model.head_dim}; change {prefix}.head_dim or use attention='xla'.",
+      model.head_dim % 8 == 0 and model.head_dim <= 256,
+      f"{prefix}.attention='cudnn' needs a head_dim that is a multiple of 8 and at most 256 (128 before Hopper), "
+      f"not {model.head_dim}; change {prefix}.head_dim or use attention='xla'.",
     )
 
 
@@ -50,9 +52,9 @@ def validate_model(model: ml_collections.ConfigDict, prefix: str = "config.model
   for field in ("vocab_size", "d_model", "n_layers", "head_dim", "max_len"):
     _positive_int(f"{prefix}.{field}", model[field])
   _require(
-      model.d_model % model.head_dim == 0,
-      f"{prefix}.d_model={model.d_model} is not divisible by {prefix}.head_dim={model.head_dim}; "
-      "choose d_model as a multiple of head_dim.",
+    model.d_model % model.head_dim == 0,
+    f"{prefix}.d_model={model.d_model} is not divisible by {prefix}.head_dim={model.head_dim}; "
+    "choose d_model as a multiple of head_dim.",
   )
   _one_of(f"{prefix}.block", model.block, BLOCK_KINDS)
   _one_of(f"{prefix}.norm", model.norm, NORM_KINDS)
@@ -61,25 +63,25 @@ def validate_model(model: ml_collections.ConfigDict, prefix: str = "config.model
   _one_of(f"{prefix}.dtype", model.dtype, DTYPES)
   _one_of(f"{prefix}.param_dtype", model.param_dtype, DTYPES)
   _require(
-      0.0 <= model.rotary_fraction <= 1.0,
-      f"{prefix}.rotary_fraction={model.rotary_fraction} must lie in [0, 1].",
+    0.0 <= model.rotary_fraction <= 1.0,
+    f"{prefix}.rotary_fraction={model.rotary_fraction} must lie in [0, 1].",
   )
   rotary_dims = int(model.head_dim * model.rotary_fraction)
   _require(
-      rotary_dims % 2 == 0,
-      f"{prefix}.rotary_fraction={model.rotary_fraction} gives {rotary_dims} rotary dims of "
-      f"head_dim={model.head_dim}; rotary dims must be even.",
+    rotary_dims % 2 == 0,
+    f"{prefix}.rotary_fraction={model.rotary_fraction} gives {rotary_dims} rotary dims of "
+    f"head_dim={model.head_dim}; rotary dims must be even.",
   )
   validate_ffn(model.ffn, model.d_model, f"{prefix}.ffn")
   layers = listed_ffn_layers(model, prefix)
   for i in layers:
     _require(
-        0 <= i < model.n_layers,
-        f"{prefix}.ffn_layers={model.ffn_layers!r} holds layer {i}, outside the {model.n_layers} layers "
-        f"(0..{model.n_layers - 1}); remove it.",
+      0 <= i < model.n_layers,
+      f"{prefix}.ffn_layers={model.ffn_layers!r} holds layer {i}, outside the {model.n_layers} layers "
+      f"(0..{model.n_layers - 1}); remove it.",
     )
   _require(
-      len(set(layers)) == len(layers), f"{prefix}.ffn_layers={model.ffn_layers!r} lists a layer twice; list each once."
+    len(set(layers)) == len(layers), f"{prefix}.ffn_layers={model.ffn_layers!r} lists a layer twice; list each once."
   )
   if is_mixed(model):
     validate_ffn(model.dense_ffn, model.d_model, f"{prefix}.dense_ffn")
@@ -89,16 +91,15 @@ def validate_source(name: str, source: ml_collections.ConfigDict, prefix: str) -
   kind = source.get("kind")
   _one_of(f"{prefix}.kind", kind, DATA_SOURCE_KINDS)
   _require(
-      name not in DATA_EMBEDDED_TASKS,
-      f"{prefix}: {name!r} is a built-in task of the embedded corpus; give your source another name.",
+    name not in DATA_EMBEDDED_TASKS,
+    f"{prefix}: {name!r} is a built-in task of the embedded corpus; give your source another name.",
   )
   if kind == "tfds":
     _require(bool(source.get("tfds_name")), f"{prefix}.tfds_name is empty; give the TFDS name, e.g. 'my_corpus:1.0.0'.")
     data_dir = source.get("data_dir")
     _require(
-        bool(data_dir),
-        f"{prefix}.data_dir={data_dir!r} is not a directory; point it at the prepared TFDS data "
-        "(nothing is downloaded).",
+      bool(data_dir),
+      f"{prefix}.data_dir={data_dir!r} is not a directory; point it at the prepared TFDS data (nothing is downloaded).",
     )
     _require(bool(source.get("train")), f"{prefix}.train is empty; give the TFDS split name, e.g. 'train'.")
   else:
@@ -109,8 +110,9 @@ def validate_source(name: str, source: ml_collections.ConfigDict, prefix: str) -
     _require(isinstance(field, str) and bool(field), f"{prefix}.text_field={field!r} must name the text field.")
 
 
-def validate_data(data: ml_collections.ConfigDict, model: ml_collections.ConfigDict | None = None,
-                  prefix: str = "config.data") -> None:
+def validate_data(
+  data: ml_collections.ConfigDict, model: ml_collections.ConfigDict | None = None, prefix: str = "config.data"
+) -> None:
   """Checks config.data (and, given `model`, that data fits the model); one error per mistake.
 
   The files it names (sources, vocabulary) are checked by sparsetx.data.check_files, where they are opened.
@@ -128,49 +130,53 @@ def validate_data(data: ml_collections.ConfigDict, model: ml_collections.ConfigD
   seen = set()
   for entry in mixture:
     _require(
-        isinstance(entry, (tuple, list)) and len(entry) == 2,
-        f"{prefix}.mixture entry {entry!r} must be a (task, rate) pair.",
+      isinstance(entry, (tuple, list)) and len(entry) == 2,
+      f"{prefix}.mixture entry {entry!r} must be a (task, rate) pair.",
     )
     name, rate = entry
     _require(
-        name in known,
-        f"{prefix}.mixture names unknown task {name!r}; use one of {', '.join(map(repr, known))} "
-        f"or define it under {prefix}.sources.{name}.",
+      name in known,
+      f"{prefix}.mixture names unknown task {name!r}; use one of {', '.join(map(repr, known))} "
+      f"or define it under {prefix}.sources.{name}.",
     )
     _require(name not in seen, f"{prefix}.mixture lists task {name!r} twice; give each task one rate.")
     seen.add(name)
     _require(
-        isinstance(rate, (int, float)) and not isinstance(rate, bool) and math.isfinite(rate) and rate > 0,
-        f"{prefix}.mixture rate for {name!r} is {rate!r}; use a positive number (rates are relative weights).",
+      isinstance(rate, (int, float)) and not isinstance(rate, bool) and math.isfinite(rate) and rate > 0,
+      f"{prefix}.mixture rate for {name!r} is {rate!r}; use a positive number (rates are relative weights).",
     )
   _one_of(f"{prefix}.vocab.kind", data.vocab.kind, DATA_VOCAB_KINDS)
   if data.vocab.kind == "sentencepiece":
     _require(
-        bool(data.vocab.path),
-        f"{prefix}.vocab.path={data.vocab.path!r} is not a file; build one with tools/build_vocab.py.",
+      bool(data.vocab.path),
+      f"{prefix}.vocab.path={data.vocab.path!r} is not a file; build one with tools/build_vocab.py.",
     )
   if model is not None:
     _require(
-        data.seq_len <= model.max_len,
-        f"{prefix}.seq_len={data.seq_len} exceeds config.model.max_len={model.max_len}; "
-        "lower seq_len or raise max_len.",
+      data.seq_len <= model.max_len,
+      f"{prefix}.seq_len={data.seq_len} exceeds config.model.max_len={model.max_len}; lower seq_len or raise max_len.",
     )
     if data.vocab.kind == "byte":
       _require(
-          BYTE_VOCAB_SIZE <= model.vocab_size,
-          f"config.model.vocab_size={model.vocab_size} is smaller than the byte vocabulary of "
-          f"{prefix}.vocab.kind='byte' ({BYTE_VOCAB_SIZE} ids); raise config.model.vocab_size.",
+        BYTE_VOCAB_SIZE <= model.vocab_size,
+        f"config.model.vocab_size={model.vocab_size} is smaller than the byte vocabulary of "
+        f"{prefix}.vocab.kind='byte' ({BYTE_VOCAB_SIZE} ids); raise config.model.vocab_size.",
       )
 
 
-def validate_train(train: ml_collections.ConfigDict, checkpoint: ml_collections.ConfigDict, global_batch_size: int) -> None:
+def validate_train(
+  train: ml_collections.ConfigDict, checkpoint: ml_collections.ConfigDict, global_batch_size: int
+) -> None:
   for field in ("steps", "microbatches", "log_every", "eval_every"):
     _positive_int(f"config.train.{field}", train[field])
   for field in ("warmup_steps", "eval_batches", "seed"):
-    _require(isinstance(train[field], int) and train[field] >= 0, f"config.train.{field}={train[field]!r} must be an integer >= 0.")
+    _require(
+      isinstance(train[field], int) and train[field] >= 0,
+      f"config.train.{field}={train[field]!r} must be an integer >= 0.",
+    )
   _require(
-      isinstance(train.freeze_steps, int) and train.freeze_steps >= 0,
-      f"config.train.freeze_steps={train.freeze_steps!r} must be an integer >= 0 (0 trains every parameter from step 0).",
+    isinstance(train.freeze_steps, int) and train.freeze_steps >= 0,
+    f"config.train.freeze_steps={train.freeze_steps!r} must be an integer >= 0 (0 trains every parameter from step 0).",
   )
   _one_of("config.train.schedule", train.schedule, SCHEDULES)
   _require(train.learning_rate > 0, f"config.train.learning_rate={train.learning_rate!r} must be positive.")
@@ -179,25 +185,25 @@ def validate_train(train: ml_collections.ConfigDict, checkpoint: ml_collections.
   _require(train.clip_norm > 0, f"config.train.clip_norm={train.clip_norm!r} must be positive.")
   _require(train.z_loss >= 0, f"config.train.z_loss={train.z_loss!r} must be >= 0.")
   _require(
-      global_batch_size % train.microbatches == 0,
-      f"config.train.microbatches={train.microbatches} does not divide config.data.global_batch_size="
-      f"{global_batch_size}; pick a divisor.",
+    global_batch_size % train.microbatches == 0,
+    f"config.train.microbatches={train.microbatches} does not divide config.data.global_batch_size="
+    f"{global_batch_size}; pick a divisor.",
   )
   profile_steps(train)
   _require(
-      isinstance(train.get("profile_all_processes", False), bool),
-      f"config.train.profile_all_processes={train.get('profile_all_processes')!r} must be True or False.",
+    isinstance(train.get("profile_all_processes", False), bool),
+    f"config.train.profile_all_processes={train.get('profile_all_processes')!r} must be True or False.",
   )
   _positive_int("config.checkpoint.every", checkpoint.every)
   _positive_int("config.checkpoint.keep", checkpoint.keep)
   _require(
-      isinstance(checkpoint.keep_period, int) and checkpoint.keep_period >= 0,
-      f"config.checkpoint.keep_period={checkpoint.keep_period!r} must be an integer >= 0 (0 keeps none permanently).",
+    isinstance(checkpoint.keep_period, int) and checkpoint.keep_period >= 0,
+    f"config.checkpoint.keep_period={checkpoint.keep_period!r} must be an integer >= 0 (0 keeps none permanently).",
   )
   restore_step = checkpoint.get("restore_step")
   _require(
-      restore_step is None or (isinstance(restore_step, int) and restore_step >= 0),
-      f"config.checkpoint.restore_step={restore_step!r} must be a saved step (an integer >= 0), or None for the newest.",
+    restore_step is None or (isinstance(restore_step, int) and restore_step >= 0),
+    f"config.checkpoint.restore_step={restore_step!r} must be a saved step (an integer >= 0), or None for the newest.",
   )
 
 
@@ -205,17 +211,17 @@ def validate_mesh(mesh: ml_collections.ConfigDict) -> None:
   for group in ("ici", "dcn"):
     sizes = mesh[group]
     _require(
-        set(sizes.keys()) == set(MESH_AXES),
-        f"config.mesh.{group} has axes {sorted(sizes.keys())}; give exactly {', '.join(MESH_AXES)}.",
+      set(sizes.keys()) == set(MESH_AXES),
+      f"config.mesh.{group} has axes {sorted(sizes.keys())}; give exactly {', '.join(MESH_AXES)}.",
     )
     for axis in MESH_AXES:
       _require(
-          isinstance(sizes[axis], int) and (sizes[axis] > 0 or sizes[axis] == -1),
-          f"config.mesh.{group}.{axis}={sizes[axis]!r} must be a positive integer or -1 (inferred).",
+        isinstance(sizes[axis], int) and (sizes[axis] > 0 or sizes[axis] == -1),
+        f"config.mesh.{group}.{axis}={sizes[axis]!r} must be a positive integer or -1 (inferred).",
       )
     _require(
-        sum(sizes[axis] == -1 for axis in MESH_AXES) <= 1,
-        f"config.mesh.{group} has more than one -1; at most one axis per group can be inferred.",
+      sum(sizes[axis] == -1 for axis in MESH_AXES) <= 1,
+      f"config.mesh.{group} has more than one -1; at most one axis per group can be inferred.",
     )
 
 

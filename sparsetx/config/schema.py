@@ -8,7 +8,8 @@ meaning and default.
 
 import ml_collections
 
-from sparsetx.config.errors import ConfigError, require as _require
+from sparsetx.config.errors import ConfigError
+from sparsetx.config.errors import require as _require
 
 BLOCK_KINDS = ("sequential", "parallel")
 NORM_KINDS = ("rmsnorm", "layernorm")
@@ -21,74 +22,74 @@ REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_save
 def ffn_defaults() -> ml_collections.ConfigDict:
   """Feed-forward knobs; each layer type reads the ones it needs (paper defaults)."""
   return ml_collections.ConfigDict(
-      dict(
-          type="sgatlin",
-          d_ffw=28**2,  # neurons (sgatlin, peer: a square), hidden width (mlp, swiglu, moe expert)
-          # sgatlin / peer
-          n_channels=16,
-          top_k=8,
-          d_key=128,
-          activation="identity",  # sgatlin ablation: relu | gelu | swish on the gated pre-activation g * <w_in, z>
-          # GELU form (peer, fff, sgatlin's gelu ablation): None = each layer's official code (peer, sgatlin:
-          # tanh approximation, jax.nn.gelu's default; fff: exact erf); True = tanh; False = exact erf.
-          # A config saved before this field reads None. models/ffn/common.py: OFFICIAL_GELU_APPROXIMATE.
-          gelu_approximate=ml_collections.config_dict.placeholder(bool),
-          router="product",  # sgatlin: product (shared query) | peer (per-channel query, softmax)
-          # moe (GPT-OSS style)
-          n_experts=16,
-          experts_per_token=2,
-          aux_loss=0.0,  # Switch load-balancing loss weight (N * sum_i f_i P_i); 0 = off (the paper's baseline)
-          router_z_loss=0.0,  # ST-MoE router z-loss weight (mean logsumexp(router logits)**2); 0 = off
-          # fff
-          depth=6,
-          n_trees=4,
-          variant="fff",
-          implementation="sparse",
-          # gated gather (sgatlin, peer, fff sparse): backend and block sizes
-          kernel=ml_collections.ConfigDict(
-              dict(
-                  implementation="auto",  # xla | pallas | auto (pallas on GPU/TPU, xla on CPU)
-                  token_chunk=4,  # xla: tokens whose gathered rows exist at once (2-8 fastest on CPU)
-                  pair_chunk=2048,  # table gradients: sorted (token, slot) pairs added per step
-                  block_tokens=8,  # pallas (triton): tokens per program
-                  block_d=128,  # pallas (mosaic gpu): d_model chunk per gathered row copy (largest fitting divisor)
-                  stages=3,  # pallas (mosaic gpu): gathered [64, block_d] tiles in flight
-                  gpu_kernel="auto",  # pallas on GPU: mosaic | triton | auto (mosaic on sm_90+, triton before)
-                  row_sorted=True,  # xla on CPU: training walks (token, slot) pairs in table-row order (kernels/xla_gather.py)
-              )
-          ),
-      )
+    dict(
+      type="sgatlin",
+      d_ffw=28**2,  # neurons (sgatlin, peer: a square), hidden width (mlp, swiglu, moe expert)
+      # sgatlin / peer
+      n_channels=16,
+      top_k=8,
+      d_key=128,
+      activation="identity",  # sgatlin ablation: relu | gelu | swish on the gated pre-activation g * <w_in, z>
+      # GELU form (peer, fff, sgatlin's gelu ablation): None = each layer's official code (peer, sgatlin:
+      # tanh approximation, jax.nn.gelu's default; fff: exact erf); True = tanh; False = exact erf.
+      # A config saved before this field reads None. models/ffn/common.py: OFFICIAL_GELU_APPROXIMATE.
+      gelu_approximate=ml_collections.config_dict.placeholder(bool),
+      router="product",  # sgatlin: product (shared query) | peer (per-channel query, softmax)
+      # moe (GPT-OSS style)
+      n_experts=16,
+      experts_per_token=2,
+      aux_loss=0.0,  # Switch load-balancing loss weight (N * sum_i f_i P_i); 0 = off (the paper's baseline)
+      router_z_loss=0.0,  # ST-MoE router z-loss weight (mean logsumexp(router logits)**2); 0 = off
+      # fff
+      depth=6,
+      n_trees=4,
+      variant="fff",
+      implementation="sparse",
+      # gated gather (sgatlin, peer, fff sparse): backend and block sizes
+      kernel=ml_collections.ConfigDict(
+        dict(
+          implementation="auto",  # xla | pallas | auto (pallas on GPU/TPU, xla on CPU)
+          token_chunk=4,  # xla: tokens whose gathered rows exist at once (2-8 fastest on CPU)
+          pair_chunk=2048,  # table gradients: sorted (token, slot) pairs added per step
+          block_tokens=8,  # pallas (triton): tokens per program
+          block_d=128,  # pallas (mosaic gpu): d_model chunk per gathered row copy (largest fitting divisor)
+          stages=3,  # pallas (mosaic gpu): gathered [64, block_d] tiles in flight
+          gpu_kernel="auto",  # pallas on GPU: mosaic | triton | auto (mosaic on sm_90+, triton before)
+          row_sorted=True,  # xla on CPU: training walks (token, slot) pairs in table-row order (kernels/xla_gather.py)
+        )
+      ),
+    )
   )
 
 
 def model_defaults() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(
-      dict(
-          vocab_size=512,
-          d_model=256,
-          n_layers=4,
-          head_dim=64,
-          max_len=256,  # context window; also the T of the ladder's attention FLOPs
-          block="sequential",  # sequential pre-norm | parallel (GPT-NeoX / Pythia)
-          norm="rmsnorm",
-          norm_eps=1e-6,
-          use_bias=False,  # biases on attention and dense feed-forward projections (Pythia: True)
-          rotary_fraction=1.0,
-          rope_base=10_000.0,
-          tie_embeddings=False,
-          init_std=0.02,  # embeddings and dense projections
-          dtype="bfloat16",  # compute; softmax and logits are always float32
-          param_dtype="float32",
-          # auto: cudnn on GPU (xla in float32), splash on TPU, xla on CPU | xla | cudnn | splash | pallas
-          attention="auto",
-          remat="none",  # none | full | dots_saveable | dots_with_no_batch_dims_saveable (saved True/False: full/none)
-          ffn=ffn_defaults(),
-          # Mixed layers (sparse fine-tuning of some layers, tools/sparsify.py): the listed layer indices ("1,3")
-          # use `ffn`, the others `dense_ffn`; "" = every layer uses `ffn` (and `dense_ffn` is unused). A string,
-          # so the config saved as JSON compares equal on resume.
-          ffn_layers="",
-          dense_ffn=dense_ffn_defaults(),
-      )
+    dict(
+      vocab_size=512,
+      d_model=256,
+      n_layers=4,
+      head_dim=64,
+      max_len=256,  # context window; also the T of the ladder's attention FLOPs
+      block="sequential",  # sequential pre-norm | parallel (GPT-NeoX / Pythia)
+      norm="rmsnorm",
+      norm_eps=1e-6,
+      use_bias=False,  # biases on attention and dense feed-forward projections (Pythia: True)
+      rotary_fraction=1.0,
+      rope_base=10_000.0,
+      tie_embeddings=False,
+      init_std=0.02,  # embeddings and dense projections
+      dtype="bfloat16",  # compute; softmax and logits are always float32
+      param_dtype="float32",
+      # auto: cudnn on GPU (xla in float32), splash on TPU, xla on CPU | xla | cudnn | splash | pallas
+      attention="auto",
+      remat="none",  # none | full | dots_saveable | dots_with_no_batch_dims_saveable (saved True/False: full/none)
+      ffn=ffn_defaults(),
+      # Mixed layers (sparse fine-tuning of some layers, tools/sparsify.py): the listed layer indices ("1,3")
+      # use `ffn`, the others `dense_ffn`; "" = every layer uses `ffn` (and `dense_ffn` is unused). A string,
+      # so the config saved as JSON compares equal on resume.
+      ffn_layers="",
+      dense_ffn=dense_ffn_defaults(),
+    )
   )
 
 
@@ -107,8 +108,8 @@ def listed_ffn_layers(model, prefix: str = "config.model") -> tuple[int, ...]:
     return tuple(int(part) for part in text.replace(" ", "").split(",") if part)
   except ValueError:
     raise ConfigError(
-        f"{prefix}.ffn_layers={text!r} is not a comma-separated list of layer indices; write e.g. '1,3' "
-        "(empty = every layer)."
+      f"{prefix}.ffn_layers={text!r} is not a comma-separated list of layer indices; write e.g. '1,3' "
+      "(empty = every layer)."
     ) from None
 
 
@@ -149,19 +150,19 @@ def data_defaults() -> ml_collections.ConfigDict:
   split names in train/validation; nothing is downloaded). `stories` and `facts` are built in.
   """
   return ml_collections.ConfigDict(
-      dict(
-          mixture=(("stories", 0.7), ("facts", 0.3)),  # (task, rate): rates are relative weights
-          sources=ml_collections.ConfigDict(),
-          # byte | sentencepiece (path: a .model file) | gpt2 (path: a directory with vocab.json + merges.txt,
-          # or a tokenizer.json; GPT-2 byte-level BPE read locally, see sparsetx/data/bpe_vocab.py)
-          vocab=dict(kind="byte", path=""),
-          seq_len=256,  # tokens per packed row; at most config.model.max_len
-          global_batch_size=16,  # rows per step over all processes
-          eval_batch_size=16,  # rows per eval step over all processes
-          seed=0,  # shuffling and mixture sampling; the same seed gives the same stream
-          shuffle_buffer=1024,  # examples per task held for shuffling (also sets resume-state size)
-          pack=True,  # pack documents into rows with segment ids and positions
-      )
+    dict(
+      mixture=(("stories", 0.7), ("facts", 0.3)),  # (task, rate): rates are relative weights
+      sources=ml_collections.ConfigDict(),
+      # byte | sentencepiece (path: a .model file) | gpt2 (path: a directory with vocab.json + merges.txt,
+      # or a tokenizer.json; GPT-2 byte-level BPE read locally, see sparsetx/data/bpe_vocab.py)
+      vocab=dict(kind="byte", path=""),
+      seq_len=256,  # tokens per packed row; at most config.model.max_len
+      global_batch_size=16,  # rows per step over all processes
+      eval_batch_size=16,  # rows per eval step over all processes
+      seed=0,  # shuffling and mixture sampling; the same seed gives the same stream
+      shuffle_buffer=1024,  # examples per task held for shuffling (also sets resume-state size)
+      pack=True,  # pack documents into rows with segment ids and positions
+    )
   )
 
 
@@ -172,78 +173,78 @@ SCHEDULES = ("wsd", "cosine")
 # most once per array, so `embed` is fsdp-sharded on weights but not on activations whose batch
 # already took fsdp. Expert parallelism: sgatlin/PEER channels, FFF trees and MoE experts.
 DEFAULT_RULES = (
-    ("batch", ("data", "fsdp", "expert")),
-    ("length", None),
-    ("embed", "fsdp"),
-    ("vocab", "tensor"),
-    ("heads", "tensor"),
-    ("kv", None),
-    ("mlp", "tensor"),
-    ("channel", "expert"),
-    ("neuron", None),
-    ("key", None),
-    ("tree", "expert"),
-    ("node", None),
-    ("expert", "expert"),
+  ("batch", ("data", "fsdp", "expert")),
+  ("length", None),
+  ("embed", "fsdp"),
+  ("vocab", "tensor"),
+  ("heads", "tensor"),
+  ("kv", None),
+  ("mlp", "tensor"),
+  ("channel", "expert"),
+  ("neuron", None),
+  ("key", None),
+  ("tree", "expert"),
+  ("node", None),
+  ("expert", "expert"),
 )
 
 
 def train_defaults() -> ml_collections.ConfigDict:
   """Optimizer and loop knobs; defaults are the sgatlin paper's (AdamW, WSD, clip 1.0, wd 0.1)."""
   return ml_collections.ConfigDict(
-      dict(
-          steps=1000,
-          learning_rate=1e-3,
-          schedule="wsd",  # wsd: linear warmup, constant, 1 - sqrt decay over decay_fraction | cosine
-          warmup_steps=100,
-          decay_fraction=0.2,
-          weight_decay=0.1,  # never on scalars
-          decay_norms_and_biases=False,
-          b1=0.9,
-          b2=0.95,
-          eps=1e-8,
-          clip_norm=1.0,
-          microbatches=1,  # gradient accumulation: the global batch is split into this many
-          z_loss=0.0,  # coefficient of log(Z)**2, 0 disables
-          seed=0,
-          log_every=10,
-          eval_every=100,
-          eval_batches=0,  # per validation task; 0 = the whole split
-          # Sparse fine-tuning: for the first N steps only the feed-forward layers of config.model.ffn_layers
-          # (every layer's when empty) train; everything else (copied by tools/sparsify.py) has learning rate 0.
-          freeze_steps=0,
-          # "START,COUNT": a jax.profiler trace of COUNT steps from step START, under <workdir>/tensorboard
-          # (TensorBoard's profile tab); "" = none. Process 0 only unless profile_all_processes.
-          profile_steps="",
-          profile_all_processes=False,
-      )
+    dict(
+      steps=1000,
+      learning_rate=1e-3,
+      schedule="wsd",  # wsd: linear warmup, constant, 1 - sqrt decay over decay_fraction | cosine
+      warmup_steps=100,
+      decay_fraction=0.2,
+      weight_decay=0.1,  # never on scalars
+      decay_norms_and_biases=False,
+      b1=0.9,
+      b2=0.95,
+      eps=1e-8,
+      clip_norm=1.0,
+      microbatches=1,  # gradient accumulation: the global batch is split into this many
+      z_loss=0.0,  # coefficient of log(Z)**2, 0 disables
+      seed=0,
+      log_every=10,
+      eval_every=100,
+      eval_batches=0,  # per validation task; 0 = the whole split
+      # Sparse fine-tuning: for the first N steps only the feed-forward layers of config.model.ffn_layers
+      # (every layer's when empty) train; everything else (copied by tools/sparsify.py) has learning rate 0.
+      freeze_steps=0,
+      # "START,COUNT": a jax.profiler trace of COUNT steps from step START, under <workdir>/tensorboard
+      # (TensorBoard's profile tab); "" = none. Process 0 only unless profile_all_processes.
+      profile_steps="",
+      profile_all_processes=False,
+    )
   )
 
 
 def checkpoint_defaults() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(
-      dict(
-          every=100,  # steps between checkpoints; one is always written at the end
-          keep=3,  # the newest K are kept
-          keep_period=0,  # also keep every step divisible by this permanently; 0 = none
-          async_save=True,
-          # Resume from this saved step instead of the newest (e.g. when the newest is damaged); the steps after
-          # it are moved to <workdir>/superseded/ (nothing is deleted). None: the newest.
-          restore_step=ml_collections.config_dict.placeholder(int),
-      )
+    dict(
+      every=100,  # steps between checkpoints; one is always written at the end
+      keep=3,  # the newest K are kept
+      keep_period=0,  # also keep every step divisible by this permanently; 0 = none
+      async_save=True,
+      # Resume from this saved step instead of the newest (e.g. when the newest is damaged); the steps after
+      # it are moved to <workdir>/superseded/ (nothing is deleted). None: the newest.
+      restore_step=ml_collections.config_dict.placeholder(int),
+    )
   )
 
 
 def mesh_defaults() -> ml_collections.ConfigDict:
   """Mesh axis sizes within a slice (ici) and across slices (dcn); one -1 per group is inferred."""
   return ml_collections.ConfigDict(
-      dict(
-          ici=dict(data=-1, fsdp=1, tensor=1, expert=1),
-          dcn=dict(data=-1, fsdp=1, tensor=1, expert=1),  # -1: one data replica per slice / host
-          rules=DEFAULT_RULES,
-          # Refuse a parameter larger than this that ends up fully replicated on a multi-device mesh.
-          max_replicated_mib=64.0,
-      )
+    dict(
+      ici=dict(data=-1, fsdp=1, tensor=1, expert=1),
+      dcn=dict(data=-1, fsdp=1, tensor=1, expert=1),  # -1: one data replica per slice / host
+      rules=DEFAULT_RULES,
+      # Refuse a parameter larger than this that ends up fully replicated on a multi-device mesh.
+      max_replicated_mib=64.0,
+    )
   )
 
 
@@ -263,8 +264,8 @@ def remat_policy(model, prefix: str = "config.model") -> str:
   if isinstance(remat, bool):
     return "full" if remat else "none"
   _require(
-      remat in REMAT_POLICIES,
-      f"{prefix}.remat={remat!r} is unknown; use one of {', '.join(map(repr, REMAT_POLICIES))}.",
+    remat in REMAT_POLICIES,
+    f"{prefix}.remat={remat!r} is unknown; use one of {', '.join(map(repr, REMAT_POLICIES))}.",
   )
   return remat
 
@@ -278,10 +279,8 @@ def profile_steps(train: ml_collections.ConfigDict) -> tuple[int, int] | None:
   parts = text.replace(" ", "").split(",")
   ok = len(parts) == 2 and all(p.isdigit() for p in parts) and int(parts[0]) >= 1 and int(parts[1]) >= 1
   _require(
-      ok,
-      f"config.train.profile_steps={value!r} must be 'START,COUNT' with START >= 1 and COUNT >= 1 (e.g. '10,5' "
-      "traces steps 10 to 14), or '' for no profile.",
+    ok,
+    f"config.train.profile_steps={value!r} must be 'START,COUNT' with START >= 1 and COUNT >= 1 (e.g. '10,5' "
+    "traces steps 10 to 14), or '' for no profile.",
   )
   return int(parts[0]), int(parts[1])
-
-

@@ -36,13 +36,16 @@ VOCAB_FILE, MERGES_FILE, TOKENIZER_FILE = "vocab.json", "merges.txt", "tokenizer
 
 def vocab_files(path: str, field: str = "config.data.vocab.path") -> tuple[str, ...]:
   """(vocab.json, merges.txt) or (tokenizer.json,) for `path`; a clear error naming what is missing."""
-  fix = (f"point {field} at a directory holding {VOCAB_FILE} + {MERGES_FILE} or at a {TOKENIZER_FILE} "
-         "(tools/build_vocab.py --kind=gpt2 writes the first)")
+  fix = (
+    f"point {field} at a directory holding {VOCAB_FILE} + {MERGES_FILE} or at a {TOKENIZER_FILE} "
+    "(tools/build_vocab.py --kind=gpt2 writes the first)"
+  )
   if not path:
     raise config_lib.ConfigError(f"{field} is empty; {fix}.")
   if "://" in path:
     raise config_lib.ConfigError(
-        f"{field}={path!r} is remote; GPT-2 BPE files are read locally, so copy them and {fix}.")
+      f"{field}={path!r} is remote; GPT-2 BPE files are read locally, so copy them and {fix}."
+    )
   path = os.path.expanduser(path)
   if os.path.isfile(path):
     return (path,)
@@ -124,20 +127,20 @@ def _load(files: tuple[str, ...], mtimes: tuple[float, ...], field: str) -> Gpt2
       tokenizer = Tokenizer.from_file(files[0])
   except Exception as error:  # tokenizers raises plain Exception on malformed files
     raise config_lib.ConfigError(
-        f"{field}: {names} is not a GPT-2 BPE ({str(error)[:200]}); use GPT-2's vocab.json + merges.txt or a "
-        "tokenizer.json, or rebuild them with tools/build_vocab.py --kind=gpt2."
+      f"{field}: {names} is not a GPT-2 BPE ({str(error)[:200]}); use GPT-2's vocab.json + merges.txt or a "
+      "tokenizer.json, or rebuild them with tools/build_vocab.py --kind=gpt2."
     ) from error
   if not isinstance(tokenizer.model, models.BPE):
     raise config_lib.ConfigError(
-        f"{field}: {names} holds a {type(tokenizer.model).__name__} model, not a BPE; use a GPT-2 style tokenizer.json."
+      f"{field}: {names} holds a {type(tokenizer.model).__name__} model, not a BPE; use a GPT-2 style tokenizer.json."
     )
   tokenizer.no_padding()
   tokenizer.no_truncation()
   eos_id = tokenizer.token_to_id(EOS_TOKEN)
   if eos_id is None:
     raise config_lib.ConfigError(
-        f"{field}: {names} has no {EOS_TOKEN} token, which marks the end of each document (EOS); add it "
-        "to the vocabulary or rebuild the files with tools/build_vocab.py --kind=gpt2."
+      f"{field}: {names} has no {EOS_TOKEN} token, which marks the end of each document (EOS); add it "
+      "to the vocabulary or rebuild the files with tools/build_vocab.py --kind=gpt2."
     )
   file_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
   zero_is_padding = tokenizer.id_to_token(0) in PAD_TOKENS

@@ -26,56 +26,200 @@ FACT_TABLE_SEED = 20_240_601
 _SPLIT_SEEDS = {"train": 1, "validation": 2}
 
 NOUNS = (
-    "ball", "kite", "cup", "hat", "boat", "lamp", "drum", "bell", "box", "coat",
-    "sock", "shoe", "book", "key", "rope", "spoon", "chair", "bed", "door", "clock",
-    "cake", "pie", "apple", "pear", "plum", "egg", "bread", "soup", "honey", "jam",
-    "flower", "leaf", "stone", "shell", "feather", "stick", "river", "pond", "hill", "cloud",
-    "moon", "star", "sun", "tree", "bush", "nest", "fence", "gate", "bridge", "road",
-    "wagon", "train", "truck", "bike", "sled", "swing", "slide", "tent", "blanket", "pillow",
-    "candle", "basket", "bucket", "brush", "comb", "mirror", "window", "roof", "wall", "floor",
-    "scarf", "glove", "button", "ribbon", "marble", "puzzle", "crayon", "paper", "letter", "map",
+  "ball",
+  "kite",
+  "cup",
+  "hat",
+  "boat",
+  "lamp",
+  "drum",
+  "bell",
+  "box",
+  "coat",
+  "sock",
+  "shoe",
+  "book",
+  "key",
+  "rope",
+  "spoon",
+  "chair",
+  "bed",
+  "door",
+  "clock",
+  "cake",
+  "pie",
+  "apple",
+  "pear",
+  "plum",
+  "egg",
+  "bread",
+  "soup",
+  "honey",
+  "jam",
+  "flower",
+  "leaf",
+  "stone",
+  "shell",
+  "feather",
+  "stick",
+  "river",
+  "pond",
+  "hill",
+  "cloud",
+  "moon",
+  "star",
+  "sun",
+  "tree",
+  "bush",
+  "nest",
+  "fence",
+  "gate",
+  "bridge",
+  "road",
+  "wagon",
+  "train",
+  "truck",
+  "bike",
+  "sled",
+  "swing",
+  "slide",
+  "tent",
+  "blanket",
+  "pillow",
+  "candle",
+  "basket",
+  "bucket",
+  "brush",
+  "comb",
+  "mirror",
+  "window",
+  "roof",
+  "wall",
+  "floor",
+  "scarf",
+  "glove",
+  "button",
+  "ribbon",
+  "marble",
+  "puzzle",
+  "crayon",
+  "paper",
+  "letter",
+  "map",
 )
 ADJECTIVES = (
-    "red", "blue", "green", "yellow", "purple", "orange", "pink", "brown", "gray", "golden",
-    "silver", "white", "black", "striped", "spotted", "shiny", "dull", "soft", "hard", "smooth",
-    "rough", "fuzzy", "sticky", "wet", "dry", "warm", "cold", "hot", "heavy", "light",
-    "long", "short", "round", "square", "flat", "bumpy", "crooked", "straight", "thin", "thick",
-    "old", "new", "clean", "dirty", "broken", "empty", "full", "sweet", "sour", "salty",
-    "bitter", "loud", "quiet", "bright", "dark", "strong", "weak", "wooden", "plastic", "glass",
-    "velvet", "woolen", "rusty", "dusty", "muddy", "sandy", "frozen", "melted", "painted", "plain",
-    "fancy", "simple", "noisy", "squeaky", "slippery", "prickly", "bouncy", "floppy", "wobbly", "tiny",
+  "red",
+  "blue",
+  "green",
+  "yellow",
+  "purple",
+  "orange",
+  "pink",
+  "brown",
+  "gray",
+  "golden",
+  "silver",
+  "white",
+  "black",
+  "striped",
+  "spotted",
+  "shiny",
+  "dull",
+  "soft",
+  "hard",
+  "smooth",
+  "rough",
+  "fuzzy",
+  "sticky",
+  "wet",
+  "dry",
+  "warm",
+  "cold",
+  "hot",
+  "heavy",
+  "light",
+  "long",
+  "short",
+  "round",
+  "square",
+  "flat",
+  "bumpy",
+  "crooked",
+  "straight",
+  "thin",
+  "thick",
+  "old",
+  "new",
+  "clean",
+  "dirty",
+  "broken",
+  "empty",
+  "full",
+  "sweet",
+  "sour",
+  "salty",
+  "bitter",
+  "loud",
+  "quiet",
+  "bright",
+  "dark",
+  "strong",
+  "weak",
+  "wooden",
+  "plastic",
+  "glass",
+  "velvet",
+  "woolen",
+  "rusty",
+  "dusty",
+  "muddy",
+  "sandy",
+  "frozen",
+  "melted",
+  "painted",
+  "plain",
+  "fancy",
+  "simple",
+  "noisy",
+  "squeaky",
+  "slippery",
+  "prickly",
+  "bouncy",
+  "floppy",
+  "wobbly",
+  "tiny",
 )
 
 # name, animal, pronoun (subject), possessive, home: the recurring cast.
 _CAST = (
-    ("Lily", "cat", "she", "her", "in a little house by the park"),
-    ("Tom", "dog", "he", "his", "in a small house near the farm"),
-    ("Mia", "rabbit", "she", "her", "under a big oak"),
-    ("Ben", "bear", "he", "his", "in a cave on the hill"),
-    ("Sue", "duck", "she", "her", "by the pond"),
-    ("Max", "fox", "he", "his", "at the edge of the forest"),
-    ("Rosa", "mouse", "she", "her", "in a hole in the kitchen wall"),
-    ("Sam", "frog", "he", "his", "on a lily pad in the marsh"),
-    ("Anna", "owl", "she", "her", "high up in the woods"),
-    ("Leo", "lion", "he", "his", "on the big rocks by the water"),
-    ("Kim", "turtle", "she", "her", "in the garden behind the school"),
-    ("Finn", "pig", "he", "his", "in a pen on the farm"),
+  ("Lily", "cat", "she", "her", "in a little house by the park"),
+  ("Tom", "dog", "he", "his", "in a small house near the farm"),
+  ("Mia", "rabbit", "she", "her", "under a big oak"),
+  ("Ben", "bear", "he", "his", "in a cave on the hill"),
+  ("Sue", "duck", "she", "her", "by the pond"),
+  ("Max", "fox", "he", "his", "at the edge of the forest"),
+  ("Rosa", "mouse", "she", "her", "in a hole in the kitchen wall"),
+  ("Sam", "frog", "he", "his", "on a lily pad in the marsh"),
+  ("Anna", "owl", "she", "her", "high up in the woods"),
+  ("Leo", "lion", "he", "his", "on the big rocks by the water"),
+  ("Kim", "turtle", "she", "her", "in the garden behind the school"),
+  ("Finn", "pig", "he", "his", "in a pen on the farm"),
 )
 _EMOTIONS = ("happy", "sad", "scared", "excited", "proud", "angry", "surprised", "sleepy", "curious", "calm")
 _PLACES = ("the park", "the garden", "the beach", "the forest", "the farm", "the market", "the school", "the meadow")
 _TIMES = ("One day", "One morning", "One sunny afternoon", "One rainy day", "One evening", "Last summer")
 _GAMES = ("hide and seek", "tag", "catch", "a game of pretend", "a race")
 _LESSONS = (
-    "It is good to share.",
-    "Friends help each other.",
-    "It is okay to ask for help.",
-    "Being kind makes everyone happy.",
-    "Saying sorry can fix a lot.",
-    "Trying again is brave.",
+  "It is good to share.",
+  "Friends help each other.",
+  "It is okay to ask for help.",
+  "Being kind makes everyone happy.",
+  "Saying sorry can fix a lot.",
+  "Trying again is brave.",
 )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def facts() -> tuple[tuple[str, str], ...]:
   """The fact table: (noun, adjective) pairs, one adjective per noun, no adjective shared."""
   adjectives = list(ADJECTIVES)
@@ -108,42 +252,48 @@ def _story(rng: random.Random) -> str:
   place = rng.choice(_PLACES)
   feeling, later_feeling = rng.sample(_EMOTIONS, 2)
   subject = pronoun.capitalize()
-  opening = rng.choice((
+  opening = rng.choice(
+    (
       f"Once upon a time, there was a little {animal} named {name}. {name} lived {home}.",
       f"{name} was a little {animal} who lived {home}.",
       f"There once was {_article(animal)} {animal} called {name}. {subject} lived {home}.",
-  ))
-  middle = rng.choice((
+    )
+  )
+  middle = rng.choice(
+    (
       (
-          f"{rng.choice(_TIMES)}, {name} went to {place} and found {_article(adjective)} {adjective} {noun}. "
-          f"{fact_sentence(noun, adjective)} {name} felt {feeling}. "
-          f"{subject} showed the {noun} to {friend_name} the {friend_animal}. "
-          f"{friend_name} said, \"What a {adjective} {noun}!\""
+        f"{rng.choice(_TIMES)}, {name} went to {place} and found {_article(adjective)} {adjective} {noun}. "
+        f"{fact_sentence(noun, adjective)} {name} felt {feeling}. "
+        f"{subject} showed the {noun} to {friend_name} the {friend_animal}. "
+        f"{friend_name} said, \"What a {adjective} {noun}!\""
       ),
       (
-          f"{rng.choice(_TIMES)}, {name} lost {possessive} {noun}. {subject} looked under the bed and behind the door. "
-          f"{name} felt {feeling}. {friend_name} the {friend_animal} came to help. "
-          f"Together they looked all over {place}, and {friend_name} found the {noun}. {fact_sentence(noun, adjective)}"
+        f"{rng.choice(_TIMES)}, {name} lost {possessive} {noun}. {subject} looked under the bed and behind the door. "
+        f"{name} felt {feeling}. {friend_name} the {friend_animal} came to help. "
+        f"Together they looked all over {place}, and {friend_name} found the {noun}. {fact_sentence(noun, adjective)}"
       ),
       (
-          f"{rng.choice(_TIMES)}, {friend_name} the {friend_animal} came to play. "
-          f"They played {rng.choice(_GAMES)} in {place}. {friend_name} brought {_article(other_adjective)} "
-          f"{other_adjective} {other_noun}, and {name} brought {_article(adjective)} {adjective} {noun}. "
-          f"{fact_sentence(other_noun, other_adjective)} {fact_sentence(noun, adjective)} "
-          f"{name} felt {feeling}."
+        f"{rng.choice(_TIMES)}, {friend_name} the {friend_animal} came to play. "
+        f"They played {rng.choice(_GAMES)} in {place}. {friend_name} brought {_article(other_adjective)} "
+        f"{other_adjective} {other_noun}, and {name} brought {_article(adjective)} {adjective} {noun}. "
+        f"{fact_sentence(other_noun, other_adjective)} {fact_sentence(noun, adjective)} "
+        f"{name} felt {feeling}."
       ),
       (
-          f"{rng.choice(_TIMES)}, {name} wanted the {other_noun} that {friend_name} the {friend_animal} had. "
-          f"{fact_sentence(other_noun, other_adjective)} {name} took it without asking, and {friend_name} felt sad. "
-          f"{name} felt {feeling}. {subject} gave the {other_noun} back and said sorry."
+        f"{rng.choice(_TIMES)}, {name} wanted the {other_noun} that {friend_name} the {friend_animal} had. "
+        f"{fact_sentence(other_noun, other_adjective)} {name} took it without asking, and {friend_name} felt sad. "
+        f"{name} felt {feeling}. {subject} gave the {other_noun} back and said sorry."
       ),
-  ))
-  ending = rng.choice((
+    )
+  )
+  ending = rng.choice(
+    (
       f"At the end of the day, {name} felt {later_feeling}. {rng.choice(_LESSONS)}",
       f"{name} and {friend_name} became best friends. {friend_pronoun.capitalize()} smiled. The end.",
       f"That night, {name} went to sleep {home}, feeling {later_feeling}. The end.",
       f"{name} learned something that day. {rng.choice(_LESSONS)} The end.",
-  ))
+    )
+  )
   return f"{opening} {middle} {ending}"
 
 
@@ -152,7 +302,7 @@ def _check_split(split: str) -> None:
     raise ValueError(f"split={split!r} is not a split of the embedded corpus; use one of {SPLITS}.")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def stories(split: str) -> tuple[str, ...]:
   """The stories of a split, one document each; train and validation use different seeds."""
   _check_split(split)
@@ -160,7 +310,7 @@ def stories(split: str) -> tuple[str, ...]:
   return tuple(_story(rng) for _ in range(NUM_STORIES[split]))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fact_documents(split: str) -> tuple[str, ...]:
   """Documents of 1-4 fact sentences (train), or every fact once in table order (validation)."""
   _check_split(split)

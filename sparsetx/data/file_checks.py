@@ -17,7 +17,7 @@ def check_patterns(field: str, patterns: tuple) -> None:
   """Each local pattern must match at least one file and no matched file may be empty."""
   for pattern in patterns:
     config_lib.require(
-        isinstance(pattern, str) and pattern, f"{field}={patterns!r} holds an empty path; give a file path or glob."
+      isinstance(pattern, str) and pattern, f"{field}={patterns!r} holds an empty path; give a file path or glob."
     )
     if "://" in pattern:
       continue  # remote (gs://, s3://): checked by the pipeline when it lists the files
@@ -25,8 +25,8 @@ def check_patterns(field: str, patterns: tuple) -> None:
     config_lib.require(bool(files), f"{field}: no file matches {pattern!r}; check the path or create the file.")
     for path in files:
       config_lib.require(
-          os.path.getsize(path) > 0,
-          f"{field}: file {path!r} is empty; fill it or remove it from the pattern.",
+        os.path.getsize(path) > 0,
+        f"{field}: file {path!r} is empty; fill it or remove it from the pattern.",
       )
 
 
@@ -35,23 +35,23 @@ def check_source_files(source: ml_collections.ConfigDict, prefix: str) -> None:
   if source.get("kind") == "tfds":
     data_dir = source.get("data_dir")
     config_lib.require(
-        bool(data_dir) and ("://" in data_dir or os.path.isdir(data_dir)),
-        f"{prefix}.data_dir={data_dir!r} is not a directory; point it at the prepared TFDS data "
-        "(nothing is downloaded).",
+      bool(data_dir) and ("://" in data_dir or os.path.isdir(data_dir)),
+      f"{prefix}.data_dir={data_dir!r} is not a directory; point it at the prepared TFDS data (nothing is downloaded).",
     )
   else:
     check_patterns(f"{prefix}.train", config_lib.source_patterns(source.get("train")))
     check_patterns(f"{prefix}.validation", config_lib.source_patterns(source.get("validation")))
 
 
-def check_vocab_files(data: ml_collections.ConfigDict, model: ml_collections.ConfigDict | None = None,
-                      prefix: str = "config.data") -> None:
+def check_vocab_files(
+  data: ml_collections.ConfigDict, model: ml_collections.ConfigDict | None = None, prefix: str = "config.data"
+) -> None:
   """The tokenizer files of `config.data.vocab`; given `model`, a GPT-2 BPE must fit config.model.vocab_size."""
   if data.vocab.kind == "sentencepiece":
     path = data.vocab.path
     config_lib.require(
-        bool(path) and ("://" in path or os.path.isfile(path)),
-        f"{prefix}.vocab.path={path!r} is not a file; build one with tools/build_vocab.py.",
+      bool(path) and ("://" in path or os.path.isfile(path)),
+      f"{prefix}.vocab.path={path!r} is not a file; build one with tools/build_vocab.py.",
     )
   if data.vocab.kind == "gpt2":
     from sparsetx.data import bpe_vocab  # tokenizers only, no TensorFlow; imported here so this module stays light
@@ -59,10 +59,10 @@ def check_vocab_files(data: ml_collections.ConfigDict, model: ml_collections.Con
     gpt2 = bpe_vocab.load(data.vocab.path, f"{prefix}.vocab.path")  # missing or bad files: one clear error
     if model is not None:
       config_lib.require(
-          gpt2.vocab_size <= model.vocab_size,
-          f"config.model.vocab_size={model.vocab_size} is smaller than the GPT-2 BPE of {prefix}.vocab.path="
-          f"{data.vocab.path!r} ({gpt2.vocab_size} ids); raise config.model.vocab_size (a multiple of 64 is "
-          "fastest, e.g. 50304 for GPT-2's files).",
+        gpt2.vocab_size <= model.vocab_size,
+        f"config.model.vocab_size={model.vocab_size} is smaller than the GPT-2 BPE of {prefix}.vocab.path="
+        f"{data.vocab.path!r} ({gpt2.vocab_size} ids); raise config.model.vocab_size (a multiple of 64 is "
+        "fastest, e.g. 50304 for GPT-2's files).",
       )
 
 

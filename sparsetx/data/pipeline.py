@@ -35,17 +35,18 @@ padded with all-padding batches, agreed through one `process_allgather`.
 
 import gc
 import json
-from typing import Iterator
+from collections.abc import Iterator
 
 import jax
-from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
 import seqio
 import tensorflow as tf
 from etils import epath
+from jax.experimental import multihost_utils
 
-from sparsetx import config as config_lib, paths
+from sparsetx import config as config_lib
+from sparsetx import paths
 from sparsetx.data import file_checks, tasks, vocab
 
 try:  # TensorFlow must not take the accelerators JAX uses.
@@ -56,11 +57,11 @@ except (RuntimeError, ValueError):  # already initialized or no such device type
 
 FEATURES = ("inputs", "targets", "segment_ids", "positions", "loss_weights")
 _CONVERTER_NAMES = {
-    "decoder_input_tokens": "inputs",
-    "decoder_target_tokens": "targets",
-    "decoder_segment_ids": "segment_ids",
-    "decoder_positions": "positions",
-    "decoder_loss_weights": "loss_weights",
+  "decoder_input_tokens": "inputs",
+  "decoder_target_tokens": "targets",
+  "decoder_segment_ids": "segment_ids",
+  "decoder_positions": "positions",
+  "decoder_loss_weights": "loss_weights",
 }
 STATE_FORMAT = 1
 _STATE_JSON = "data_state.json"
@@ -79,8 +80,8 @@ def data_shard(batch_sharding: jax.sharding.Sharding, global_batch_size: int) ->
   first = min(rows)
   if rows != set(range(first, first + local_rows)) or global_batch_size % local_rows or first % local_rows:
     raise ValueError(
-        f"batch_sharding gives this process rows {sorted(rows)[:8]}... of config.data.global_batch_size="
-        f"{global_batch_size}, not one contiguous block of equal size; shard the batch axis over whole processes."
+      f"batch_sharding gives this process rows {sorted(rows)[:8]}... of config.data.global_batch_size="
+      f"{global_batch_size}, not one contiguous block of equal size; shard the batch axis over whole processes."
     )
   return seqio.ShardInfo(index=first // local_rows, num_shards=global_batch_size // local_rows), local_rows
 
@@ -110,7 +111,9 @@ def _with_options(dataset: tf.data.Dataset) -> tf.data.Dataset:
   return dataset.with_options(options)
 
 
-def local_train_dataset(config: ml_collections.ConfigDict, shard_info: seqio.ShardInfo, local_rows: int) -> tf.data.Dataset:
+def local_train_dataset(
+  config: ml_collections.ConfigDict, shard_info: seqio.ShardInfo, local_rows: int
+) -> tf.data.Dataset:
   """This process's endless stream of packed batches [local_rows, seq_len] (a tf.data.Dataset)."""
   file_checks.check_files(config_lib.validate(config))
   data = config.data
@@ -118,13 +121,13 @@ def local_train_dataset(config: ml_collections.ConfigDict, shard_info: seqio.Sha
   mixture = tasks.register_mixture(data, vocabulary)
   lengths = {"targets": data.seq_len}
   dataset = mixture.get_dataset(
-      lengths,
-      split="train",
-      shuffle=True,
-      seed=data.seed,
-      shard_info=shard_info,
-      num_epochs=None,
-      try_in_mem_cache=False,
+    lengths,
+    split="train",
+    shuffle=True,
+    seed=data.seed,
+    shard_info=shard_info,
+    num_epochs=None,
+    try_in_mem_cache=False,
   )
   dataset = _feature_converter(data.pack)(dataset, task_feature_lengths=lengths)
   dataset = dataset.map(_to_model_features, num_parallel_calls=tf.data.AUTOTUNE)
@@ -132,23 +135,30 @@ def local_train_dataset(config: ml_collections.ConfigDict, shard_info: seqio.Sha
   return _with_options(dataset)
 
 
-def _global_batch(local: dict[str, np.ndarray], sharding: jax.sharding.Sharding, global_rows: int) -> dict[str, jax.Array]:
+def _global_batch(
+  local: dict[str, np.ndarray], sharding: jax.sharding.Sharding, global_rows: int
+) -> dict[str, jax.Array]:
   return {
-      k: jax.make_array_from_process_local_data(sharding, local[k], (global_rows,) + local[k].shape[1:])
-      for k in FEATURES
+    k: jax.make_array_from_process_local_data(sharding, local[k], (global_rows,) + local[k].shape[1:]) for k in FEATURES
   }
 
 
 def _stream_config(data: ml_collections.ConfigDict) -> dict:
   """The JSON view of the fields that determine the stream (tuples become lists)."""
-  return json.loads(json.dumps({k: data[k].to_dict() if hasattr(data[k], "to_dict") else data[k] for k in _STREAM_FIELDS}))
+  return json.loads(
+    json.dumps({k: data[k].to_dict() if hasattr(data[k], "to_dict") else data[k] for k in _STREAM_FIELDS})
+  )
 
 
 class TrainIterator:
   """Yields global train batches; `save(path)` / `restore(path)` checkpoint its position."""
 
-  def __init__(self, config: ml_collections.ConfigDict, batch_sharding: jax.sharding.Sharding,
-               shard_info: seqio.ShardInfo | None = None):
+  def __init__(
+    self,
+    config: ml_collections.ConfigDict,
+    batch_sharding: jax.sharding.Sharding,
+    shard_info: seqio.ShardInfo | None = None,
+  ):
     self._sharding = batch_sharding
     self._global_rows = config.data.global_batch_size
     derived, local_rows = data_shard(batch_sharding, self._global_rows)
@@ -199,8 +209,13 @@ class TrainIterator:
     with paths.local_staging() as local:  # TensorFlow writes its checkpoint; epath copies it to the workdir
       self._checkpoint.write(str(local / _STATE_PREFIX))
       paths.copy_tree(local, shard_dir)
-    state = dict(format=STATE_FORMAT, steps=self.steps, shard_index=self.shard_info.index,
-                 num_shards=self.shard_info.num_shards, data=self._stream)
+    state = dict(
+      format=STATE_FORMAT,
+      steps=self.steps,
+      shard_index=self.shard_info.index,
+      num_shards=self.shard_info.num_shards,
+      data=self._stream,
+    )
     # Written last: its presence marks a complete state.
     (shard_dir / _STATE_JSON).write_text(json.dumps(state, indent=1, sort_keys=True))
     return shard_dir
@@ -211,18 +226,20 @@ class TrainIterator:
     state_file = shard_dir / _STATE_JSON
     if not state_file.exists():
       raise ValueError(
-          f"no data state for shard {self.shard_info.index} of {self.shard_info.num_shards} at {str(shard_dir)!r}; "
-          "it was not saved (or saved with another number of data shards, which cannot be resharded): "
-          "restore from a complete checkpoint written with the same batch sharding."
+        f"no data state for shard {self.shard_info.index} of {self.shard_info.num_shards} at {str(shard_dir)!r}; "
+        "it was not saved (or saved with another number of data shards, which cannot be resharded): "
+        "restore from a complete checkpoint written with the same batch sharding."
       )
     state = json.loads(state_file.read_text())
     if state.get("format") != STATE_FORMAT:
-      raise ValueError(f"{str(state_file)!r} has data state format {state.get('format')!r}; this code reads {STATE_FORMAT}.")
+      raise ValueError(
+        f"{str(state_file)!r} has data state format {state.get('format')!r}; this code reads {STATE_FORMAT}."
+      )
     for field in _STREAM_FIELDS:
       if state["data"].get(field) != self._stream[field]:
         raise config_lib.ConfigError(
-            f"the data state at {str(shard_dir)!r} was saved with config.data.{field}={state['data'].get(field)!r}, "
-            f"but the config now has {self._stream[field]!r}; restore with the same value or start the data stream fresh."
+          f"the data state at {str(shard_dir)!r} was saved with config.data.{field}={state['data'].get(field)!r}, "
+          f"but the config now has {self._stream[field]!r}; restore with the same value or start the data stream fresh."
         )
     if self._read:
       self._build()
@@ -278,20 +295,23 @@ def check_saved_state(path: epath.PathLike) -> None:
         raise ValueError(f"its data state lacks shard {index} of {count} ({shard_dir} is missing)")
 
 
-def make_train_iterator(config: ml_collections.ConfigDict, batch_sharding: jax.sharding.Sharding,
-                        shard_info: seqio.ShardInfo | None = None) -> TrainIterator:
+def make_train_iterator(
+  config: ml_collections.ConfigDict, batch_sharding: jax.sharding.Sharding, shard_info: seqio.ShardInfo | None = None
+) -> TrainIterator:
   """The training batches of `config.data`; `shard_info` overrides the derived data shard (tests)."""
   return TrainIterator(config, batch_sharding, shard_info)
 
 
-def local_eval_batches(config: ml_collections.ConfigDict, name: str, split: str, shard_info: seqio.ShardInfo,
-                       local_rows: int) -> list[dict[str, np.ndarray]]:
+def local_eval_batches(
+  config: ml_collections.ConfigDict, name: str, split: str, shard_info: seqio.ShardInfo, local_rows: int
+) -> list[dict[str, np.ndarray]]:
   """One deterministic pass over task `name`'s split for this shard, the last batch zero-padded."""
   data = config.data
   lengths = {"targets": data.seq_len}
   task = seqio.get_mixture_or_task(tasks.task_name(name))  # registered by EvalData (or the caller)
-  dataset = task.get_dataset(lengths, split=split, shuffle=False, shard_info=shard_info, num_epochs=1,
-                             try_in_mem_cache=False)
+  dataset = task.get_dataset(
+    lengths, split=split, shuffle=False, shard_info=shard_info, num_epochs=1, try_in_mem_cache=False
+  )
   dataset = _feature_converter(data.pack)(dataset, task_feature_lengths=lengths)
   dataset = _with_options(dataset.map(_to_model_features).batch(local_rows))
   batches = []
@@ -304,8 +324,13 @@ def local_eval_batches(config: ml_collections.ConfigDict, name: str, split: str,
 class EvalData:
   """The validation batches of every mixture task, computed once; iterate it as often as needed."""
 
-  def __init__(self, config: ml_collections.ConfigDict, batch_sharding: jax.sharding.Sharding,
-               split: str = "validation", shard_info: seqio.ShardInfo | None = None):
+  def __init__(
+    self,
+    config: ml_collections.ConfigDict,
+    batch_sharding: jax.sharding.Sharding,
+    split: str = "validation",
+    shard_info: seqio.ShardInfo | None = None,
+  ):
     file_checks.check_files(config_lib.validate(config))
     data = config.data
     self._sharding = batch_sharding
@@ -316,8 +341,8 @@ class EvalData:
     names = [name for name, _ in data.mixture if split in seqio.get_mixture_or_task(tasks.task_name(name)).splits]
     if not names:
       raise config_lib.ConfigError(
-          f"no task of config.data.mixture has a {split!r} split; give one, e.g. "
-          f"config.data.sources.<name>.{split}, or evaluate another split."
+        f"no task of config.data.mixture has a {split!r} split; give one, e.g. "
+        f"config.data.sources.<name>.{split}, or evaluate another split."
       )
     self.batches = {name: local_eval_batches(config, name, split, shard_info, local_rows) for name in names}
     counts = np.array([len(self.batches[name]) for name in names], np.int32)
@@ -340,7 +365,8 @@ class EvalData:
       yield from self.task_iterator(name)
 
 
-def make_eval_iterator(config: ml_collections.ConfigDict, batch_sharding: jax.sharding.Sharding,
-                       split: str = "validation") -> Iterator[dict[str, jax.Array]]:
+def make_eval_iterator(
+  config: ml_collections.ConfigDict, batch_sharding: jax.sharding.Sharding, split: str = "validation"
+) -> Iterator[dict[str, jax.Array]]:
   """One pass over `split` of every mixture task that has it, task after task (see EvalData)."""
   return iter(EvalData(config, batch_sharding, split))

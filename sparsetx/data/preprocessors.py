@@ -22,8 +22,8 @@ def field_to_targets(field: str):
   def preprocess(dataset: tf.data.Dataset) -> tf.data.Dataset:
     if field not in dataset.element_spec:
       raise ValueError(
-          f"text_field={field!r} is not a feature of this dataset; use one of "
-          f"{sorted(dataset.element_spec)} (config.data.sources.<name>.text_field)."
+        f"text_field={field!r} is not a feature of this dataset; use one of "
+        f"{sorted(dataset.element_spec)} (config.data.sources.<name>.text_field)."
       )
     return dataset.map(lambda example: {"targets": example[field]}, num_parallel_calls=tf.data.AUTOTUNE)
 
@@ -47,7 +47,7 @@ def jsonl_to_targets(field: str):
     value = record.get(field) if isinstance(record, dict) else None
     if not isinstance(value, str):
       raise ValueError(
-          f"a JSONL line has no string field {field!r} (set config.data.sources.<name>.text_field): {text[:200]!r}"
+        f"a JSONL line has no string field {field!r} (set config.data.sources.<name>.text_field): {text[:200]!r}"
       )
     return value.encode("utf-8")
 

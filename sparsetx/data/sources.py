@@ -10,7 +10,7 @@ processes, and otherwise every process reads the files and keeps every n-th exam
 corpus, write at least as many files as processes (a multiple of it, for balance).
 """
 
-from typing import Callable
+from collections.abc import Callable
 
 import ml_collections
 import seqio
@@ -34,8 +34,9 @@ def _files(field: str, patterns: tuple[str, ...]) -> list[str]:
   return files
 
 
-def _check_prepared_tfds(prefix: str, source: ml_collections.ConfigDict, data_source: seqio.TfdsDataSource,
-                         splits: dict[str, str]) -> None:
+def _check_prepared_tfds(
+  prefix: str, source: ml_collections.ConfigDict, data_source: seqio.TfdsDataSource, splits: dict[str, str]
+) -> None:
   """Opens the prepared TFDS dataset now, so a missing dataset or split is one clear error here, not deep in tf.data.
 
   `tfds.builder` reads a dataset's files from `data_dir` when its builder class is not imported, so a
@@ -50,17 +51,17 @@ def _check_prepared_tfds(prefix: str, source: ml_collections.ConfigDict, data_so
   if not prepared:
     present = sorted(d for d in tf.io.gfile.listdir(data_dir) if tf.io.gfile.isdir(f"{data_dir}/{d}"))
     raise config_lib.ConfigError(
-        f"{prefix}.tfds_name={name!r} is not a prepared TFDS dataset in {prefix}.data_dir={data_dir!r} (it holds "
-        f"{', '.join(present) or 'no dataset'}); prepare it there first (e.g. `tfds build --data_dir=...`) or fix "
-        "the name: nothing is downloaded."
+      f"{prefix}.tfds_name={name!r} is not a prepared TFDS dataset in {prefix}.data_dir={data_dir!r} (it holds "
+      f"{', '.join(present) or 'no dataset'}); prepare it there first (e.g. `tfds build --data_dir=...`) or fix "
+      "the name: nothing is downloaded."
     )
   for key, split in splits.items():
     try:
       builder.info.splits[split]
     except (KeyError, ValueError, AssertionError) as error:
       raise config_lib.ConfigError(
-          f"{prefix}.{key}={split!r} is not a split of TFDS dataset {name!r} (it has "
-          f"{', '.join(builder.info.splits)}); use one of them, optionally sliced like 'train[:5%]'."
+        f"{prefix}.{key}={split!r} is not a split of TFDS dataset {name!r} (it has "
+        f"{', '.join(builder.info.splits)}); use one of them, optionally sliced like 'train[:5%]'."
       ) from error
 
 
@@ -79,8 +80,8 @@ def make_source(name: str, source: ml_collections.ConfigDict | None) -> tuple[se
   if source is None:
     if name not in corpus.DOCUMENTS:
       raise config_lib.ConfigError(
-          f"task {name!r} is neither built in ({', '.join(corpus.DOCUMENTS)}) nor defined under "
-          f"config.data.sources.{name}; define it there."
+        f"task {name!r} is neither built in ({', '.join(corpus.DOCUMENTS)}) nor defined under "
+        f"config.data.sources.{name}; define it there."
       )
     return _embedded_source(name), preprocessors.text_line_to_targets
   prefix = f"config.data.sources.{name}"
@@ -91,7 +92,7 @@ def make_source(name: str, source: ml_collections.ConfigDict | None) -> tuple[se
     if source.get("validation"):
       splits["validation"] = source.validation
     data_source = seqio.TfdsDataSource(
-        tfds_name=source.tfds_name, tfds_data_dir=source.data_dir, splits=splits, read_only=True
+      tfds_name=source.tfds_name, tfds_data_dir=source.data_dir, splits=splits, read_only=True
     )
     _check_prepared_tfds(prefix, source, data_source, splits)
     return data_source, preprocessors.field_to_targets(field)
@@ -107,5 +108,5 @@ def make_source(name: str, source: ml_collections.ConfigDict | None) -> tuple[se
     features = {field: tf.io.FixedLenFeature([], tf.string)}
     return seqio.TFExampleDataSource(split_files, feature_description=features), preprocessors.field_to_targets(field)
   raise config_lib.ConfigError(
-      f"{prefix}.kind={kind!r} is unknown; use one of {', '.join(map(repr, config_lib.DATA_SOURCE_KINDS))}."
+    f"{prefix}.kind={kind!r} is unknown; use one of {', '.join(map(repr, config_lib.DATA_SOURCE_KINDS))}."
   )

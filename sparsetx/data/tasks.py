@@ -25,17 +25,17 @@ def register_task(name: str, data: ml_collections.ConfigDict, vocabulary: seqio.
   full_name = task_name(name)
   seqio.TaskRegistry.remove(full_name)
   return seqio.TaskRegistry.add(
-      full_name,
-      source=data_source,
-      preprocessors=[
-          to_targets,
-          preprocessors.drop_blank,
-          seqio.preprocessors.tokenize,
-          seqio.preprocessors.append_eos,
-          preprocessors.split_to_length,
-      ],
-      output_features={"targets": seqio.Feature(vocabulary, add_eos=True)},
-      shuffle_buffer_size=data.shuffle_buffer,
+    full_name,
+    source=data_source,
+    preprocessors=[
+      to_targets,
+      preprocessors.drop_blank,
+      seqio.preprocessors.tokenize,
+      seqio.preprocessors.append_eos,
+      preprocessors.split_to_length,
+    ],
+    output_features={"targets": seqio.Feature(vocabulary, add_eos=True)},
+    shuffle_buffer_size=data.shuffle_buffer,
   )
 
 

@@ -111,26 +111,25 @@ def make_vocabulary(data: ml_collections.ConfigDict, model_vocab_size: int | Non
   elif kind == "sentencepiece":
     if not path or not tf.io.gfile.exists(path):
       raise config_lib.ConfigError(
-          f"config.data.vocab.path={path!r} is not a file; build one with tools/build_vocab.py."
+        f"config.data.vocab.path={path!r} is not a file; build one with tools/build_vocab.py."
       )
     vocabulary = seqio.SentencePieceVocabulary(path)
     try:
-      vocabulary.vocab_size  # loads the model now, so a corrupt file fails here with its name
+      _ = vocabulary.vocab_size  # loads the model now, so a corrupt file fails here with its name
     except Exception as error:  # sentencepiece raises plain RuntimeError/OSError on a bad proto
       raise config_lib.ConfigError(
-          f"config.data.vocab.path={path!r} is not a SentencePiece model ({error}); "
-          "rebuild it with tools/build_vocab.py."
+        f"config.data.vocab.path={path!r} is not a SentencePiece model ({error}); rebuild it with tools/build_vocab.py."
       ) from error
   elif kind == "gpt2":
     vocabulary = Gpt2BpeVocabulary(path)
   else:
     raise config_lib.ConfigError(
-        f"config.data.vocab.kind={kind!r} is unknown; use one of {', '.join(map(repr, config_lib.DATA_VOCAB_KINDS))}."
+      f"config.data.vocab.kind={kind!r} is unknown; use one of {', '.join(map(repr, config_lib.DATA_VOCAB_KINDS))}."
     )
   if model_vocab_size is not None and vocabulary.vocab_size > model_vocab_size:
     raise config_lib.ConfigError(
-        f"config.data.vocab ({kind}, {vocabulary.vocab_size} ids) is larger than "
-        f"config.model.vocab_size={model_vocab_size}; raise config.model.vocab_size to at least "
-        f"{vocabulary.vocab_size} or use a smaller vocabulary."
+      f"config.data.vocab ({kind}, {vocabulary.vocab_size} ids) is larger than "
+      f"config.model.vocab_size={model_vocab_size}; raise config.model.vocab_size to at least "
+      f"{vocabulary.vocab_size} or use a smaller vocabulary."
     )
   return vocabulary

@@ -8,7 +8,6 @@ or damaged checkpoint (the line names the step and the other saved steps, for `-
 unknown task ends the run with one `error:` line and exit code 2 (sparsetx/cli.py).
 """
 
-
 from absl import flags
 
 from sparsetx import cli, paths
@@ -39,7 +38,7 @@ def run() -> str:
     lines.append(f"{'task':<20} {'loss (nats/token)':>18} {'perplexity':>12}")
     for key in results:
       if key.endswith("/loss"):
-        name = key[len("eval/"):-len("/loss")]
+        name = key[len("eval/") : -len("/loss")]
         lines.append(f"{name:<20} {results[key]:>18.6f} {results[f'eval/{name}/perplexity']:>12.4f}")
   if _PROMPT.value is not None:
     vocabulary = checkpoint_lib.vocabulary(config)
@@ -57,7 +56,9 @@ def main(argv):
   del argv
   try:
     if not (paths.resolve(_WORKDIR.value) / "checkpoints").is_dir():  # before the slow imports (local or gs://)
-      raise ConfigError(f"--workdir={_WORKDIR.value!r} holds no checkpoints/ directory; give the workdir of a training run.")
+      raise ConfigError(
+        f"--workdir={_WORKDIR.value!r} holds no checkpoints/ directory; give the workdir of a training run."
+      )
     run()
   except ConfigError as error:
     cli.fail(error)

@@ -22,10 +22,12 @@ import numpy as np
 import safetensors.flax
 import safetensors.numpy
 
-from sparsetx import config as config_lib, paths
+from sparsetx import config as config_lib
+from sparsetx import paths
 from sparsetx.data import check_files
 from sparsetx.evaluate import hf_neox, tokenizer_files
-from sparsetx.train import checkpointing, state as state_lib
+from sparsetx.train import checkpointing
+from sparsetx.train import state as state_lib
 
 KINDS = ("auto", "neox", "custom")
 DTYPES = ("float32", "bfloat16")
@@ -55,8 +57,9 @@ def _custom_module():
     if error.name != "sparsetx.evaluate.hf_custom":
       raise
     raise ConfigError(
-        "this model needs the custom export (sparsetx/evaluate/hf_custom.py), which this installation lacks; "
-        "only dense GPT-NeoX-block models (ffn.type='mlp', norm='layernorm', use_bias=True) export here.") from None
+      "this model needs the custom export (sparsetx/evaluate/hf_custom.py), which this installation lacks; "
+      "only dense GPT-NeoX-block models (ffn.type='mlp', norm='layernorm', use_bias=True) export here."
+    ) from None
 
 
 def mapping_for(model: ml_collections.ConfigDict, kind: str = "auto"):
@@ -81,8 +84,10 @@ def mapping_for(model: ml_collections.ConfigDict, kind: str = "auto"):
 def _check_target(out_dir: str, overwrite: bool, what: str, marker: str) -> None:
   """Refuses a target that holds files unless `overwrite`, and then only one holding `marker`."""
   if paths.is_remote(out_dir):  # _StagedDirectory's commit is a local rename
-    raise ConfigError(f"{what}={out_dir!r} is a URL, but this writes a local directory (staged, then renamed into "
-                      "place); write it to a local path, then copy it (e.g. gsutil -m cp -r).")
+    raise ConfigError(
+      f"{what}={out_dir!r} is a URL, but this writes a local directory (staged, then renamed into "
+      "place); write it to a local path, then copy it (e.g. gsutil -m cp -r)."
+    )
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise ConfigError(f"{what}={out_dir!r} is a file; give a directory path.")
   if not os.path.isdir(out_dir) or not os.listdir(out_dir):
@@ -91,8 +96,9 @@ def _check_target(out_dir: str, overwrite: bool, what: str, marker: str) -> None
     raise ConfigError(f"{what}={out_dir!r} already holds files; choose a new directory or pass --overwrite.")
   if not os.path.exists(os.path.join(out_dir, marker)):
     raise ConfigError(
-        f"{what}={out_dir!r} holds files but no {marker}, so it is not an earlier output of this tool; "
-        "--overwrite only replaces those. Choose a new directory.")
+      f"{what}={out_dir!r} holds files but no {marker}, so it is not an earlier output of this tool; "
+      "--overwrite only replaces those. Choose a new directory."
+    )
 
 
 class _StagedDirectory:
@@ -160,8 +166,14 @@ def _write_json(path: str, value: dict) -> None:
     f.write("\n")
 
 
-def write_hf(config: ml_collections.ConfigDict, params, out_dir: str, overwrite: bool = False, kind: str = "auto",
-             dtype: str = "float32") -> str:
+def write_hf(
+  config: ml_collections.ConfigDict,
+  params,
+  out_dir: str,
+  overwrite: bool = False,
+  kind: str = "auto",
+  dtype: str = "float32",
+) -> str:
   """Writes `params` of `config`'s model as an HF directory at `out_dir`; returns the mapping used."""
   if dtype not in DTYPES:
     raise ConfigError(f"--dtype={dtype!r} is unknown; use one of {', '.join(DTYPES)}.")
@@ -172,20 +184,29 @@ def write_hf(config: ml_collections.ConfigDict, params, out_dir: str, overwrite:
   with _StagedDirectory(out_dir) as staged:
     _save_weights(tensors, os.path.join(staged.path, WEIGHTS), dtype)
     _write_json(os.path.join(staged.path, "config.json"), config_json)
-    _write_json(os.path.join(staged.path, "generation_config.json"), dict(
+    _write_json(
+      os.path.join(staged.path, "generation_config.json"),
+      dict(
         bos_token_id=config_json["bos_token_id"],
         eos_token_id=config_json["eos_token_id"],
         pad_token_id=config_json["pad_token_id"],
         max_length=config.model.max_len,
-    ))
+      ),
+    )
     for path in getattr(mapping, "MODELING_FILES", ()):
       shutil.copyfile(path, os.path.join(staged.path, os.path.basename(path)))
     tokenizer_files.write(config.data, config.model.max_len, staged.path)
   return mapping.__name__.rsplit(".", 1)[-1]
 
 
-def export(workdir: str, out_dir: str, step: int | None = None, overwrite: bool = False, kind: str = "auto",
-           dtype: str = "float32") -> dict:
+def export(
+  workdir: str,
+  out_dir: str,
+  step: int | None = None,
+  overwrite: bool = False,
+  kind: str = "auto",
+  dtype: str = "float32",
+) -> dict:
   """Exports the checkpoint at `step` (default: latest) of `workdir` to `out_dir`; returns a summary."""
   if kind not in KINDS:
     raise ConfigError(f"--kind={kind!r} is unknown; use one of {', '.join(KINDS)}.")
@@ -209,10 +230,15 @@ def read_tensors(hf_dir: str) -> dict[str, np.ndarray]:
   elif os.path.isfile(os.path.join(hf_dir, WEIGHTS)):
     files = [WEIGHTS]
   else:
-    pickled = [n for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")
-               if os.path.exists(os.path.join(hf_dir, n))]
-    hint = (f"it holds {pickled[0]} (pickle, which sparsetx never loads); re-save it with "
-            "save_pretrained(dir, safe_serialization=True)" if pickled else "export the model again")
+    pickled = [
+      n for n in ("pytorch_model.bin", "pytorch_model.bin.index.json") if os.path.exists(os.path.join(hf_dir, n))
+    ]
+    hint = (
+      f"it holds {pickled[0]} (pickle, which sparsetx never loads); re-save it with "
+      "save_pretrained(dir, safe_serialization=True)"
+      if pickled
+      else "export the model again"
+    )
     raise ConfigError(f"{hf_dir!r} has no {WEIGHTS} or {WEIGHTS_INDEX}; {hint}.")
   tensors = {}
   with jax.default_device(jax.devices("cpu")[0]):  # the flax reader knows bfloat16; keep it off accelerators
@@ -220,7 +246,8 @@ def read_tensors(hf_dir: str) -> dict[str, np.ndarray]:
       path = os.path.join(hf_dir, name)
       if not os.path.isfile(path):
         raise ConfigError(
-            f"{WEIGHTS_INDEX} in {hf_dir!r} names {name!r}, which is missing; the directory is incomplete.")
+          f"{WEIGHTS_INDEX} in {hf_dir!r} names {name!r}, which is missing; the directory is incomplete."
+        )
       try:
         loaded = safetensors.flax.load_file(path)
       except Exception as error:  # safetensors raises its own error types for a corrupt header
@@ -262,8 +289,9 @@ def load_hf(hf_dir: str) -> tuple[ml_collections.ConfigDict, dict]:
     mapping = _custom_module()
   else:
     raise ConfigError(
-        f"{config_path!r} describes model_type={config_json.get('model_type')!r}; sparsetx imports GPT-NeoX "
-        "('gpt_neox') directories and its own custom exports (with auto_map).")
+      f"{config_path!r} describes model_type={config_json.get('model_type')!r}; sparsetx imports GPT-NeoX "
+      "('gpt_neox') directories and its own custom exports (with auto_map)."
+    )
   model, params = mapping.from_hf(config_json, read_tensors(hf_dir))
   config = config_lib.default_config()
   config.model = model
@@ -278,8 +306,9 @@ def load_hf(hf_dir: str) -> tuple[ml_collections.ConfigDict, dict]:
 # ---------------------------------------------------------------------------------------------- writing checkpoints
 
 
-def import_hf(hf_dir: str, workdir: str, overwrite: bool = False,
-              config: ml_collections.ConfigDict | None = None) -> ml_collections.ConfigDict:
+def import_hf(
+  hf_dir: str, workdir: str, overwrite: bool = False, config: ml_collections.ConfigDict | None = None
+) -> ml_collections.ConfigDict:
   """Writes the model of `hf_dir` as the step-0 checkpoint of a new `workdir`; returns the config saved.
 
   `config` (optional) is the training config to continue with: its data, train, checkpoint and mesh
@@ -307,7 +336,7 @@ def import_hf(hf_dir: str, workdir: str, overwrite: bool = False,
   _, shardings, model, tx = state_lib.state_shardings(config, mesh)
   with _StagedDirectory(workdir) as staged:
     state = jax.jit(
-        lambda p: state_lib.TrainState.create(apply_fn=model.apply, params=p, tx=tx), out_shardings=shardings
+      lambda p: state_lib.TrainState.create(apply_fn=model.apply, params=p, tx=tx), out_shardings=shardings
     )(jax.device_put(params, shardings.params))
     data_iterator = pipeline.make_train_iterator(config, mesh_lib.batch_sharding(mesh, config.mesh.rules))
     checkpointer = checkpointing.Checkpointer(staged.path, config.checkpoint)

@@ -22,15 +22,16 @@ import numpy as np
 
 from sparsetx import config as config_lib
 from sparsetx.config import ConfigError
-from sparsetx.evaluate.hf_neox import EOS_ID, PAD_ID, SPARSETX_KEY, START_ID as BOS_ID
+from sparsetx.evaluate.hf_neox import EOS_ID, PAD_ID, SPARSETX_KEY
+from sparsetx.evaluate.hf_neox import START_ID as BOS_ID
 from sparsetx.train import checkpointing
 
 MODEL_TYPE = "sparsetx"
 _MODELING_DIR = pathlib.Path(__file__).resolve().parent / "hf_modeling"
 MODELING_FILES = [str(_MODELING_DIR / "configuration_sparsetx.py"), str(_MODELING_DIR / "modeling_sparsetx.py")]
 AUTO_MAP = {
-    "AutoConfig": "configuration_sparsetx.SparsetxConfig",
-    "AutoModelForCausalLM": "modeling_sparsetx.SparsetxForCausalLM",
+  "AutoConfig": "configuration_sparsetx.SparsetxConfig",
+  "AutoModelForCausalLM": "modeling_sparsetx.SparsetxForCausalLM",
 }
 
 
@@ -77,21 +78,21 @@ def to_hf(model_config, params) -> tuple[dict, dict]:
   _check_tensors(model_config, tensors, "the parameters")
   m = model_config
   config_json = dict(
-      model_type=MODEL_TYPE,
-      architectures=["SparsetxForCausalLM"],
-      auto_map=dict(AUTO_MAP),
-      **{SPARSETX_KEY: ml_collections.ConfigDict(m).to_dict()},
-      vocab_size=m.vocab_size,
-      hidden_size=m.d_model,
-      num_hidden_layers=m.n_layers,
-      num_attention_heads=m.d_model // m.head_dim,
-      head_dim=m.head_dim,
-      max_position_embeddings=m.max_len,
-      tie_word_embeddings=bool(m.tie_embeddings),
-      bos_token_id=BOS_ID,
-      eos_token_id=EOS_ID,
-      pad_token_id=PAD_ID,
-      dtype="float32",
+    model_type=MODEL_TYPE,
+    architectures=["SparsetxForCausalLM"],
+    auto_map=dict(AUTO_MAP),
+    **{SPARSETX_KEY: ml_collections.ConfigDict(m).to_dict()},
+    vocab_size=m.vocab_size,
+    hidden_size=m.d_model,
+    num_hidden_layers=m.n_layers,
+    num_attention_heads=m.d_model // m.head_dim,
+    head_dim=m.head_dim,
+    max_position_embeddings=m.max_len,
+    tie_word_embeddings=bool(m.tie_embeddings),
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    pad_token_id=PAD_ID,
+    dtype="float32",
   )
   return config_json, tensors
 
@@ -100,8 +101,8 @@ def from_hf(config_json: dict, tensors: dict) -> tuple[ml_collections.ConfigDict
   """(model config, flax param tree of numpy arrays in config.param_dtype) from an exported directory's contents."""
   if config_json.get("model_type") != MODEL_TYPE or not isinstance(config_json.get(SPARSETX_KEY), dict):
     raise ConfigError(
-        f"config.json has model_type={config_json.get('model_type')!r} without a {SPARSETX_KEY!r} model config; "
-        "import a directory written by sparsetx's export (kind 'custom')."
+      f"config.json has model_type={config_json.get('model_type')!r} without a {SPARSETX_KEY!r} model config; "
+      "import a directory written by sparsetx's export (kind 'custom')."
     )
   # As a checkpoint's saved config: tuples restored, fields newer than the export at their defaults.
   model_config = checkpointing.config_from_saved({"model": config_json[SPARSETX_KEY]}).model
@@ -128,12 +129,12 @@ def _check_tensors(model_config, tensors: dict, source: str) -> None:
   unexpected = sorted(set(tensors) - set(expected))
   if missing or unexpected:
     raise ConfigError(
-        f"the tensors of {source} do not match the model config: missing {missing[:3]}, unexpected {unexpected[:3]}"
-        f"{' (and more)' if len(missing) > 3 or len(unexpected) > 3 else ''}; export and import the same model."
+      f"the tensors of {source} do not match the model config: missing {missing[:3]}, unexpected {unexpected[:3]}"
+      f"{' (and more)' if len(missing) > 3 or len(unexpected) > 3 else ''}; export and import the same model."
     )
   for name, shape in expected.items():
     if tuple(np.shape(tensors[name])) != shape:
       raise ConfigError(
-          f"{source}: tensor {name!r} has shape {tuple(np.shape(tensors[name]))} but the model config builds {shape}; "
-          "export and import the same model."
+        f"{source}: tensor {name!r} has shape {tuple(np.shape(tensors[name]))} but the model config builds {shape}; "
+        "export and import the same model."
       )

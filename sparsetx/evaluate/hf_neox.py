@@ -55,30 +55,31 @@ def to_hf(model: ml_collections.ConfigDict, params) -> tuple[dict, dict[str, np.
   D, K = model.d_model, model.head_dim
   H = D // K
   config_json = dict(
-      architectures=[ARCHITECTURE],
-      model_type=MODEL_TYPE,
-      vocab_size=model.vocab_size,
-      hidden_size=D,
-      num_hidden_layers=model.n_layers,
-      num_attention_heads=H,
-      intermediate_size=model.ffn.d_ffw,
-      hidden_act=HF_ACTIVATION,
-      max_position_embeddings=model.max_len,
-      layer_norm_eps=model.norm_eps,
-      use_parallel_residual=model.block == "parallel",
-      attention_bias=True,
-      tie_word_embeddings=bool(model.tie_embeddings),
-      rope_parameters=dict(rope_type="default", rope_theta=float(model.rope_base),
-                           partial_rotary_factor=float(model.rotary_fraction)),
-      rotary_pct=float(model.rotary_fraction),  # the names transformers 4.x reads
-      rotary_emb_base=float(model.rope_base),
-      initializer_range=model.init_std,
-      attention_dropout=0.0,
-      hidden_dropout=0.0,
-      use_cache=True,
-      bos_token_id=START_ID,
-      eos_token_id=EOS_ID,
-      pad_token_id=PAD_ID,
+    architectures=[ARCHITECTURE],
+    model_type=MODEL_TYPE,
+    vocab_size=model.vocab_size,
+    hidden_size=D,
+    num_hidden_layers=model.n_layers,
+    num_attention_heads=H,
+    intermediate_size=model.ffn.d_ffw,
+    hidden_act=HF_ACTIVATION,
+    max_position_embeddings=model.max_len,
+    layer_norm_eps=model.norm_eps,
+    use_parallel_residual=model.block == "parallel",
+    attention_bias=True,
+    tie_word_embeddings=bool(model.tie_embeddings),
+    rope_parameters=dict(
+      rope_type="default", rope_theta=float(model.rope_base), partial_rotary_factor=float(model.rotary_fraction)
+    ),
+    rotary_pct=float(model.rotary_fraction),  # the names transformers 4.x reads
+    rotary_emb_base=float(model.rope_base),
+    initializer_range=model.init_std,
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
+    use_cache=True,
+    bos_token_id=START_ID,
+    eos_token_id=EOS_ID,
+    pad_token_id=PAD_ID,
   )
   config_json[SPARSETX_KEY] = model.to_dict()
 
@@ -114,7 +115,8 @@ def _rope(config_json: dict) -> tuple[float, float]:
   kind = rope.get("rope_type", rope.get("type", "default"))
   if kind != "default":
     raise config_lib.ConfigError(
-        f"config.json has rope_type={kind!r}; sparsetx implements the default rotary embedding only.")
+      f"config.json has rope_type={kind!r}; sparsetx implements the default rotary embedding only."
+    )
   base = rope.get("rope_theta", config_json.get("rotary_emb_base", config_json.get("rope_theta", 10_000.0)))
   fraction = rope.get("partial_rotary_factor", config_json.get("rotary_pct", 0.25))
   return float(base), float(fraction)
@@ -124,15 +126,18 @@ def model_config(config_json: dict) -> ml_collections.ConfigDict:
   """The sparsetx model config of a GPT-NeoX config.json (refusing what sparsetx cannot compute)."""
   if config_json.get("model_type") != MODEL_TYPE:
     raise config_lib.ConfigError(
-        f"config.json has model_type={config_json.get('model_type')!r}, not {MODEL_TYPE!r}; "
-        "this reader converts GPT-NeoX directories only.")
+      f"config.json has model_type={config_json.get('model_type')!r}, not {MODEL_TYPE!r}; "
+      "this reader converts GPT-NeoX directories only."
+    )
   act = config_json.get("hidden_act", HF_ACTIVATION)
   if act != HF_ACTIVATION:
     raise config_lib.ConfigError(
-        f"config.json has hidden_act={act!r}; sparsetx's MLP computes the exact GELU ({HF_ACTIVATION!r}) only.")
+      f"config.json has hidden_act={act!r}; sparsetx's MLP computes the exact GELU ({HF_ACTIVATION!r}) only."
+    )
   if not config_json.get("attention_bias", True):
     raise config_lib.ConfigError(
-        "config.json has attention_bias=false; sparsetx's dense model has biases on attention and MLP together.")
+      "config.json has attention_bias=false; sparsetx's dense model has biases on attention and MLP together."
+    )
   model = config_lib.model_defaults()
   saved = config_json.get(SPARSETX_KEY)
   if isinstance(saved, dict):  # written by to_hf: restores the fields HF does not name (dtype, init, kernels)
@@ -140,24 +145,25 @@ def model_config(config_json: dict) -> ml_collections.ConfigDict:
   hidden, heads = config_json["hidden_size"], config_json["num_attention_heads"]
   rope_base, rotary_fraction = _rope(config_json)
   model.update(
-      vocab_size=config_json["vocab_size"],
-      d_model=hidden,
-      n_layers=config_json["num_hidden_layers"],
-      head_dim=hidden // heads,
-      max_len=config_json.get("max_position_embeddings", model.max_len),
-      block="parallel" if config_json.get("use_parallel_residual", True) else "sequential",
-      norm="layernorm",
-      norm_eps=float(config_json.get("layer_norm_eps", 1e-5)),
-      use_bias=True,
-      rotary_fraction=rotary_fraction,
-      rope_base=rope_base,
-      tie_embeddings=bool(config_json.get("tie_word_embeddings", False)),
-      init_std=float(config_json.get("initializer_range", model.init_std)),
+    vocab_size=config_json["vocab_size"],
+    d_model=hidden,
+    n_layers=config_json["num_hidden_layers"],
+    head_dim=hidden // heads,
+    max_len=config_json.get("max_position_embeddings", model.max_len),
+    block="parallel" if config_json.get("use_parallel_residual", True) else "sequential",
+    norm="layernorm",
+    norm_eps=float(config_json.get("layer_norm_eps", 1e-5)),
+    use_bias=True,
+    rotary_fraction=rotary_fraction,
+    rope_base=rope_base,
+    tie_embeddings=bool(config_json.get("tie_word_embeddings", False)),
+    init_std=float(config_json.get("initializer_range", model.init_std)),
   )
   model.ffn.update(type="mlp", d_ffw=config_json["intermediate_size"])
   if hidden % heads:
     raise config_lib.ConfigError(
-        f"config.json has hidden_size={hidden} not divisible by num_attention_heads={heads}; the file is inconsistent.")
+      f"config.json has hidden_size={hidden} not divisible by num_attention_heads={heads}; the file is inconsistent."
+    )
   config_lib.validate_model(model)
   return model
 
@@ -172,12 +178,14 @@ class _Tensors:
   def take(self, name: str, shape: tuple) -> np.ndarray:
     if name not in self._tensors:
       raise config_lib.ConfigError(
-          f"the weights have no tensor {name!r}, which config.json's GPT-NeoX model needs; the directory is incomplete.")
+        f"the weights have no tensor {name!r}, which config.json's GPT-NeoX model needs; the directory is incomplete."
+      )
     value = np.asarray(self._tensors[name], dtype=np.float32)
     if value.shape != tuple(shape):
       raise config_lib.ConfigError(
-          f"tensor {name!r} has shape {value.shape} but config.json implies {tuple(shape)}; "
-          "the weights do not belong to this config.json.")
+        f"tensor {name!r} has shape {value.shape} but config.json implies {tuple(shape)}; "
+        "the weights do not belong to this config.json."
+      )
     self._taken.add(name)
     return value
 
@@ -185,8 +193,9 @@ class _Tensors:
     left = sorted(set(self._tensors) - self._taken - set(allowed))
     if left:
       raise config_lib.ConfigError(
-          f"the weights hold {len(left)} tensor(s) a GPT-NeoX model of this config.json does not have "
-          f"(first: {left[0]!r}); the weights do not belong to this config.json.")
+        f"the weights hold {len(left)} tensor(s) a GPT-NeoX model of this config.json does not have "
+        f"(first: {left[0]!r}); the weights do not belong to this config.json."
+      )
 
 
 def from_hf(config_json: dict, tensors: dict[str, np.ndarray]) -> tuple[ml_collections.ConfigDict, dict]:
@@ -199,28 +208,39 @@ def from_hf(config_json: dict, tensors: dict[str, np.ndarray]) -> tuple[ml_colle
   for i in range(model.n_layers):
     prefix, layer = f"gpt_neox.layers.{i}.", {}
     for ours, theirs in (("attention_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm")):
-      layer[ours] = {"scale": source.take(prefix + theirs + ".weight", (D,)),
-                     "bias": source.take(prefix + theirs + ".bias", (D,))}
+      layer[ours] = {
+        "scale": source.take(prefix + theirs + ".weight", (D,)),
+        "bias": source.take(prefix + theirs + ".bias", (D,)),
+      }
     qkv_H3KD = source.take(prefix + "attention.query_key_value.weight", (3 * D, D)).reshape(H, 3, K, D)
     qkv_H3K = source.take(prefix + "attention.query_key_value.bias", (3 * D,)).reshape(H, 3, K)
     attention = {
-        name: {"kernel": np.ascontiguousarray(np.transpose(qkv_H3KD[:, j], (2, 0, 1))),
-               "bias": np.ascontiguousarray(qkv_H3K[:, j])}
-        for j, name in enumerate(("query", "key", "value"))
+      name: {
+        "kernel": np.ascontiguousarray(np.transpose(qkv_H3KD[:, j], (2, 0, 1))),
+        "bias": np.ascontiguousarray(qkv_H3K[:, j]),
+      }
+      for j, name in enumerate(("query", "key", "value"))
     }
-    attention["out"] = {"kernel": np.ascontiguousarray(source.take(prefix + "attention.dense.weight", (D, D)).T)
-                        .reshape(H, K, D),
-                        "bias": source.take(prefix + "attention.dense.bias", (D,))}
+    attention["out"] = {
+      "kernel": np.ascontiguousarray(source.take(prefix + "attention.dense.weight", (D, D)).T).reshape(H, K, D),
+      "bias": source.take(prefix + "attention.dense.bias", (D,)),
+    }
     layer["attention"] = attention
     layer["mlp"] = {
-        "wi": {"kernel": np.ascontiguousarray(source.take(prefix + "mlp.dense_h_to_4h.weight", (F, D)).T),
-               "bias": source.take(prefix + "mlp.dense_h_to_4h.bias", (F,))},
-        "wo": {"kernel": np.ascontiguousarray(source.take(prefix + "mlp.dense_4h_to_h.weight", (D, F)).T),
-               "bias": source.take(prefix + "mlp.dense_4h_to_h.bias", (D,))},
+      "wi": {
+        "kernel": np.ascontiguousarray(source.take(prefix + "mlp.dense_h_to_4h.weight", (F, D)).T),
+        "bias": source.take(prefix + "mlp.dense_h_to_4h.bias", (F,)),
+      },
+      "wo": {
+        "kernel": np.ascontiguousarray(source.take(prefix + "mlp.dense_4h_to_h.weight", (D, F)).T),
+        "bias": source.take(prefix + "mlp.dense_4h_to_h.bias", (D,)),
+      },
     }
     params[f"layers_{i}"] = layer
-  params["final_norm"] = {"scale": source.take("gpt_neox.final_layer_norm.weight", (D,)),
-                          "bias": source.take("gpt_neox.final_layer_norm.bias", (D,))}
+  params["final_norm"] = {
+    "scale": source.take("gpt_neox.final_layer_norm.weight", (D,)),
+    "bias": source.take("gpt_neox.final_layer_norm.bias", (D,)),
+  }
   if model.tie_embeddings:
     source.check_all_taken(allowed=("embed_out.weight",))  # some writers store the tied copy too
   else:

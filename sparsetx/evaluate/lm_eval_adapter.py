@@ -31,8 +31,14 @@ DEFAULT_BATCH_SIZE = 8
 class SparsetxLM(LM):
   """A sparsetx checkpoint: `workdir` (training workdir), `step` (default latest), `batch_size` rows per call."""
 
-  def __init__(self, workdir: str, step: int | None = None, batch_size: int | str | None = DEFAULT_BATCH_SIZE,
-               max_batch_size=None, device=None):
+  def __init__(
+    self,
+    workdir: str,
+    step: int | None = None,
+    batch_size: int | str | None = DEFAULT_BATCH_SIZE,
+    max_batch_size=None,
+    device=None,
+  ):
     super().__init__()
     del max_batch_size, device  # lm-eval passes them to every model; one JAX device is used
     self.config, model, self.step = checkpoint_lib.load(workdir, None if step is None else int(step))
@@ -52,9 +58,9 @@ class SparsetxLM(LM):
       context, continuation = context[:-spaces], context[-spaces:] + continuation
     context_ids = self.encode(context)
     whole_ids = self.encode(context + continuation)
-    if whole_ids[:len(context_ids)] != context_ids:  # a merge across the boundary (subword vocabularies)
+    if whole_ids[: len(context_ids)] != context_ids:  # a merge across the boundary (subword vocabularies)
       return [checkpoint_lib.START_ID] + context_ids, self.encode(continuation)
-    return [checkpoint_lib.START_ID] + context_ids, whole_ids[len(context_ids):]
+    return [checkpoint_lib.START_ID] + context_ids, whole_ids[len(context_ids) :]
 
   def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
     return self.scorer.loglikelihood([self.encode_pair(*request.args) for request in requests])
@@ -74,8 +80,12 @@ class SparsetxLM(LM):
       until = [until] if isinstance(until, str) else list(until)
       max_new = int(kwargs.pop("max_gen_toks", self.max_len // 2))
       if max_new >= self.max_len:
-        logging.warning("max_gen_toks=%d does not fit the model's window of %d tokens; generating %d.", max_new,
-                        self.max_len, self.max_len - 1)
+        logging.warning(
+          "max_gen_toks=%d does not fit the model's window of %d tokens; generating %d.",
+          max_new,
+          self.max_len,
+          self.max_len - 1,
+        )
         max_new = self.max_len - 1
       sample = kwargs.pop("do_sample", None)
       temperature = float(kwargs.pop("temperature", 0.0)) if sample is not False else 0.0
@@ -87,7 +97,7 @@ class SparsetxLM(LM):
         text = self.vocabulary.decode(ids)
         for stop in until:
           if stop and stop in text:
-            text = text[:text.index(stop)]
+            text = text[: text.index(stop)]
         out[i] = text
     return out
 

@@ -14,8 +14,11 @@ import ml_collections
 
 from sparsetx import config as config_lib
 from sparsetx.data import check_files, pipeline, sources
-from sparsetx.parallel import expert_parallel, mesh as mesh_lib
-from sparsetx.train import checkpointing, loop, state as state_lib, step as step_lib
+from sparsetx.parallel import expert_parallel
+from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.train import checkpointing, loop
+from sparsetx.train import state as state_lib
+from sparsetx.train import step as step_lib
 
 
 def mesh_config(config: ml_collections.ConfigDict, spec: str) -> ml_collections.ConfigDict:
@@ -29,7 +32,8 @@ def mesh_config(config: ml_collections.ConfigDict, spec: str) -> ml_collections.
       axis, _, size = item.partition("=")
       if axis.strip() not in sizes or not size.strip().lstrip("-").isdigit():
         raise config_lib.ConfigError(
-            f"--mesh={spec!r} is not 'one', 'saved' or a list like 'data=2,fsdp=2' over axes {', '.join(sizes)}.")
+          f"--mesh={spec!r} is not 'one', 'saved' or a list like 'data=2,fsdp=2' over axes {', '.join(sizes)}."
+        )
       sizes[axis.strip()] = int(size)
   mesh.ici.update(sizes)
   if spec == "one":
@@ -64,8 +68,9 @@ def restore(workdir: str, step: int | None = None, mesh: str = "one", tasks: lis
       raise
     except (ValueError, KeyError, TypeError) as error:
       raise config_lib.ConfigError(
-          f"the checkpoint at step {step} in {manager.directory} does not match the model of its own config ({error}); "
-          "it was written by another version of the model code.") from error
+        f"the checkpoint at step {step} in {manager.directory} does not match the model of its own config ({error}); "
+        "it was written by another version of the model code."
+      ) from error
   finally:
     manager.close()
   return config, device_mesh, model, params, step

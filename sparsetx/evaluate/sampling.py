@@ -20,7 +20,7 @@ per (batch_size, max_len, top_k, prefill length); temperature, max_new_tokens an
 """
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -68,19 +68,23 @@ def _generate_recompute(model, top_k, params, tokens_BT, lengths_B, done_B, max_
     tokens_BT, lengths_B, done_B = _append(tokens_BT, lengths_B, done_B, next_B, eos_id)
     return step + 1, tokens_BT, lengths_B, done_B
 
-  _, tokens_BT, lengths_B, _ = jax.lax.while_loop(_keep_going(max_new_tokens), one_token, (0, tokens_BT, lengths_B, done_B))
+  _, tokens_BT, lengths_B, _ = jax.lax.while_loop(
+    _keep_going(max_new_tokens), one_token, (0, tokens_BT, lengths_B, done_B)
+  )
   return tokens_BT, lengths_B
 
 
-def _generate_cached(model, top_k, prefill_len, params, tokens_BT, lengths_B, done_B, max_new_tokens, temperature,
-                     eos_id, key):
+def _generate_cached(
+  model, top_k, prefill_len, params, tokens_BT, lengths_B, done_B, max_new_tokens, temperature, eos_id, key
+):
   """_generate_recompute's tokens from a prefill of tokens_BT[:, :prefill_len] and one decode step per new token."""
   B = tokens_BT.shape[0]
   rows_B = jnp.arange(B)
 
   def decode(cache, tokens_BS, positions_BS=None):
     logits_BSV, variables = model.apply(
-        {"params": params, "cache": cache}, tokens_BS, positions_BS, decode=True, mutable=["cache"])
+      {"params": params, "cache": cache}, tokens_BS, positions_BS, decode=True, mutable=["cache"]
+    )
     return logits_BSV, variables["cache"]
 
   logits_BPV, cache = decode(init_cache(model, B), tokens_BT[:, :prefill_len])
@@ -114,8 +118,9 @@ class Sampler:
   def __init__(self, model, params, max_len: int, batch_size: int = 8, eos_id: int = 1, kv_cache: bool = True):
     if kv_cache and max_len > model.cfg.max_len:
       raise config_lib.ConfigError(
-          f"the sampler's max_len={max_len} exceeds the model's decode cache of config.model.max_len="
-          f"{model.cfg.max_len} positions; pass max_len={model.cfg.max_len}.")
+        f"the sampler's max_len={max_len} exceeds the model's decode cache of config.model.max_len="
+        f"{model.cfg.max_len} positions; pass max_len={model.cfg.max_len}."
+      )
     self.params, self.max_len, self.batch_size, self.eos_id = params, max_len, batch_size, eos_id
     self.kv_cache = kv_cache
     if kv_cache:
@@ -123,13 +128,15 @@ class Sampler:
     else:
       self._generate = jax.jit(functools.partial(_generate_recompute, model), static_argnums=0)
 
-  def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
-               top_k: int = 0, seed: int = 0) -> list[list[int]]:
+  def generate(
+    self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, seed: int = 0
+  ) -> list[list[int]]:
     """The new tokens of each prompt, up to `max_new_tokens`, ending before the first eos_id."""
     if not 0 < max_new_tokens < self.max_len:
       raise config_lib.ConfigError(
-          f"max_new_tokens={max_new_tokens} must be between 1 and {self.max_len - 1} (the model's window of "
-          f"{self.max_len} tokens holds the prompt and the new tokens); lower it.")
+        f"max_new_tokens={max_new_tokens} must be between 1 and {self.max_len - 1} (the model's window of "
+        f"{self.max_len} tokens holds the prompt and the new tokens); lower it."
+      )
     if temperature < 0 or top_k < 0:
       raise config_lib.ConfigError(f"temperature={temperature} and top_k={top_k} must be >= 0 (0: greedy / no top-k).")
     if any(len(prompt) == 0 for prompt in prompts):
@@ -140,15 +147,25 @@ class Sampler:
     key = jax.random.key(seed)
     out = []
     for start in range(0, len(prompts), B):
-      chunk = prompts[start:start + B]
+      chunk = prompts[start : start + B]
       tokens_BT, lengths_B, done_B = np.zeros((B, T), np.int32), np.ones(B, np.int32), np.ones(B, bool)
       for b, prompt in enumerate(chunk):
-        tokens_BT[b, :len(prompt)], lengths_B[b], done_B[b] = prompt, len(prompt), False
+        tokens_BT[b, : len(prompt)], lengths_B[b], done_B[b] = prompt, len(prompt), False
       static = (int(top_k), prefill_length(max(map(len, chunk)), T)) if self.kv_cache else (int(top_k),)
-      tokens_BT, new_lengths_B = jax.device_get(self._generate(
-          *static, self.params, tokens_BT, lengths_B, done_B, np.int32(max_new_tokens), np.float32(temperature),
-          np.int32(self.eos_id), jax.random.fold_in(key, start)))
+      tokens_BT, new_lengths_B = jax.device_get(
+        self._generate(
+          *static,
+          self.params,
+          tokens_BT,
+          lengths_B,
+          done_B,
+          np.int32(max_new_tokens),
+          np.float32(temperature),
+          np.int32(self.eos_id),
+          jax.random.fold_in(key, start),
+        )
+      )
       for b, prompt in enumerate(chunk):
-        new = tokens_BT[b, len(prompt):new_lengths_B[b]].tolist()
-        out.append(new[:new.index(self.eos_id)] if self.eos_id in new else new)
+        new = tokens_BT[b, len(prompt) : new_lengths_B[b]].tolist()
+        out.append(new[: new.index(self.eos_id)] if self.eos_id in new else new)
     return out

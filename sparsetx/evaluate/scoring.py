@@ -16,7 +16,7 @@ much context as fits (lm_eval.utils.get_rolling_token_windows with context_len=1
 """
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,12 +45,15 @@ class Scorer:
   def _row(self, context: Sequence[int], continuation: Sequence[int]):
     """(inputs, targets, number of continuation targets at the end); an empty continuation scores 0."""
     if not context:
-      raise config_lib.ConfigError("a log-likelihood request has no context token; start it with id 0 (the start token).")
+      raise config_lib.ConfigError(
+        "a log-likelihood request has no context token; start it with id 0 (the start token)."
+      )
     if len(continuation) > self.max_len:
       raise config_lib.ConfigError(
-          f"a continuation of {len(continuation)} tokens does not fit the model's window of {self.max_len}; "
-          "score it with loglikelihood_rolling or split it.")
-    row = (list(context) + list(continuation))[-(self.max_len + 1):]
+        f"a continuation of {len(continuation)} tokens does not fit the model's window of {self.max_len}; "
+        "score it with loglikelihood_rolling or split it."
+      )
+    row = (list(context) + list(continuation))[-(self.max_len + 1) :]
     return row[:-1], row[1:], len(continuation)
 
   def loglikelihood(self, requests: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[tuple[float, bool]]:
@@ -59,13 +62,13 @@ class Scorer:
     results = []
     B, T = self.batch_size, self.max_len
     for start in range(0, len(rows), B):
-      chunk = rows[start:start + B]
+      chunk = rows[start : start + B]
       inputs, targets, segments = (np.zeros((B, T), np.int32) for _ in range(3))
       weights = np.zeros((B, T), np.float32)
       for b, (row_inputs, row_targets, n) in enumerate(chunk):
         L = len(row_inputs)
         inputs[b, :L], targets[b, :L], segments[b, :L] = row_inputs, row_targets, 1
-        weights[b, L - n:L] = 1.0
+        weights[b, L - n : L] = 1.0
       sums, greedy = jax.device_get(self._scores(self.params, inputs, targets, segments, weights))
       results += [(float(sums[b]), bool(greedy[b])) for b in range(len(chunk))]
     return results
@@ -95,6 +98,6 @@ def rolling_windows(tokens: list[int], prefix_id: int, max_len: int) -> list[tup
   while done < len(tokens):
     end = min(done + max_len, len(tokens))
     first_input = max(0, end - max_len)
-    windows.append((padded[first_input:done + 1], tokens[done:end]))
+    windows.append((padded[first_input : done + 1], tokens[done:end]))
     done = end
   return windows

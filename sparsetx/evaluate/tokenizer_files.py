@@ -35,7 +35,9 @@ def byte_stand_ins() -> list[str]:
   the code points from 256 upwards, in byte order. This is the byte-level convention of
   `tokenizers.pre_tokenizers.ByteLevel`, which `byte_level_tokenizer` checks against its alphabet.
   """
-  printable = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), ord("ÿ") + 1))
+  printable = (
+    set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), ord("ÿ") + 1))
+  )
   stand_ins, extra = [], 0
   for b in range(256):
     if b in printable:
@@ -115,8 +117,15 @@ def sentencepiece_tokenizer(path: str) -> tuple[tokenizers.Tokenizer, tuple[str,
 
 
 def _tokenizer_config(max_len: int, bos: str, eos: str, unk: str, pad: str, **extra) -> dict:
-  return dict(bos_token=bos, eos_token=eos, unk_token=unk, pad_token=pad, model_max_length=max_len,
-              clean_up_tokenization_spaces=False, **extra)
+  return dict(
+    bos_token=bos,
+    eos_token=eos,
+    unk_token=unk,
+    pad_token=pad,
+    model_max_length=max_len,
+    clean_up_tokenization_spaces=False,
+    **extra,
+  )
 
 
 def write(data: ml_collections.ConfigDict, max_len: int, out_dir: str) -> list[str]:
@@ -124,28 +133,35 @@ def write(data: ml_collections.ConfigDict, max_len: int, out_dir: str) -> list[s
   kind = data.vocab.kind
   if kind == "byte":
     byte_level_tokenizer().save(os.path.join(out_dir, "tokenizer.json"))
-    config = _tokenizer_config(max_len, PAD, EOS, UNK, PAD, tokenizer_class="PreTrainedTokenizerFast",
-                               split_special_tokens=True)  # "<pad>" typed in text is 5 bytes, as in seqio
+    config = _tokenizer_config(
+      max_len, PAD, EOS, UNK, PAD, tokenizer_class="PreTrainedTokenizerFast", split_special_tokens=True
+    )  # "<pad>" typed in text is 5 bytes, as in seqio
     names = ["tokenizer.json", "tokenizer_config.json"]
   elif kind == "gpt2":
     tokenizer, pad, eos = gpt2_tokenizer(data.vocab.path)
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
     # Padding is not named a special token: transformers would then match a literal "<pad>" in text,
     # which sparsetx encodes as ordinary BPE. The post-processor still puts id 0 first.
-    config = dict(eos_token=eos, model_max_length=max_len, clean_up_tokenization_spaces=False,
-                  tokenizer_class="PreTrainedTokenizerFast")
+    config = dict(
+      eos_token=eos,
+      model_max_length=max_len,
+      clean_up_tokenization_spaces=False,
+      tokenizer_class="PreTrainedTokenizerFast",
+    )
     names = ["tokenizer.json", "tokenizer_config.json"]
   elif kind == "sentencepiece":
     path = data.vocab.path
     if not path or not os.path.isfile(path):
       raise config_lib.ConfigError(
-          f"the checkpoint's config.data.vocab.path={path!r} is not a file; the SentencePiece model must be "
-          "reachable to export its tokenizer (restore the file at that path).")
+        f"the checkpoint's config.data.vocab.path={path!r} is not a file; the SentencePiece model must be "
+        "reachable to export its tokenizer (restore the file at that path)."
+      )
     tokenizer, (pad, eos, unk) = sentencepiece_tokenizer(path)
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
     shutil.copyfile(path, os.path.join(out_dir, "tokenizer.model"))  # what sparsetx's own import reads
-    config = _tokenizer_config(max_len, pad, eos, unk, pad, tokenizer_class="PreTrainedTokenizerFast",
-                               split_special_tokens=True)  # SentencePiece never reads control pieces from text
+    config = _tokenizer_config(
+      max_len, pad, eos, unk, pad, tokenizer_class="PreTrainedTokenizerFast", split_special_tokens=True
+    )  # SentencePiece never reads control pieces from text
     names = ["tokenizer.json", "tokenizer.model", "tokenizer_config.json"]
   else:
     raise config_lib.ConfigError(f"config.data.vocab.kind={kind!r} has no Hugging Face tokenizer export.")

@@ -8,3 +8,14 @@ patching), usage.py (neuron usage, coactivation, FFF visits), pruning.py (FFF no
 
 from sparsetx.interp.names import REGISTRY, layout_shape, resolve, served_names
 from sparsetx.interp.trace import FromRun, Patch, StandardizedTransformer, gate_vector
+
+__all__ = [
+  "REGISTRY",
+  "layout_shape",
+  "resolve",
+  "served_names",
+  "FromRun",
+  "Patch",
+  "StandardizedTransformer",
+  "gate_vector",
+]

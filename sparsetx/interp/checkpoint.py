@@ -6,7 +6,6 @@ decoder's shifted-in start token), then the text's ids. With the default byte vo
 several tokens (one per byte + 3).
 """
 
-
 import jax
 import ml_collections
 import numpy as np
@@ -15,7 +14,8 @@ from sparsetx import config as config_lib
 from sparsetx.data import check_files, pipeline, vocab
 from sparsetx.interp.trace import StandardizedTransformer
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import checkpointing, state as state_lib
+from sparsetx.train import checkpointing
+from sparsetx.train import state as state_lib
 
 START_ID = 0
 

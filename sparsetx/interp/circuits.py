@@ -32,7 +32,7 @@ SPARSE_TYPES = ("sgatlin", "peer", "fff", "moe")
 def check_sparse(cfg) -> None:
   if cfg.ffn.type not in SPARSE_TYPES:
     raise ValueError(
-        f"config.model.ffn.type={cfg.ffn.type!r} has no sparse circuit; circuits exist for {', '.join(SPARSE_TYPES)}."
+      f"config.model.ffn.type={cfg.ffn.type!r} has no sparse circuit; circuits exist for {', '.join(SPARSE_TYPES)}."
     )
 
 
@@ -50,11 +50,11 @@ def check_layer(cfg, layer: int, label: str = "layer") -> None:
   listed = ", ".join(map(str, layers))
   if 0 <= layer < cfg.n_layers:
     raise config_lib.ConfigError(
-        f"{label}={layer} is a dense layer ({config_lib.layer_ffn_config(cfg, layer).type!r}, config.model.dense_ffn) "
-        f"of this mixed model and has no sparse circuit; use one of its {cfg.ffn.type} layers: {listed}."
+      f"{label}={layer} is a dense layer ({config_lib.layer_ffn_config(cfg, layer).type!r}, config.model.dense_ffn) "
+      f"of this mixed model and has no sparse circuit; use one of its {cfg.ffn.type} layers: {listed}."
     )
   raise config_lib.ConfigError(
-      f"{label}={layer} is not a layer of this model; use one of its {cfg.ffn.type} layers: {listed}."
+    f"{label}={layer} is not a layer of this model; use one of its {cfg.ffn.type} layers: {listed}."
   )
 
 
@@ -63,7 +63,7 @@ def circuit_names(cfg, layer: int) -> tuple[str, str]:
   check_layer(cfg, layer)
   kind = cfg.ffn.type
   units, weights = {"fff": ("path_nodes", "node_logits"), "moe": ("expert_ids", "expert_weights")}.get(
-      kind, ("gate_indices", "gate_scores")
+    kind, ("gate_indices", "gate_scores")
   )
   return f"layers[{layer}].mlp.{units}", f"layers[{layer}].mlp.{weights}"
 
@@ -72,10 +72,10 @@ def n_units(cfg) -> int:
   """Size of the flat unit space a circuit indexes."""
   ffn = cfg.ffn
   return {
-      "sgatlin": ffn.n_channels * ffn.d_ffw,
-      "peer": ffn.n_channels * ffn.d_ffw,
-      "fff": ffn.n_trees * fff.n_nodes(ffn.depth),
-      "moe": ffn.n_experts,
+    "sgatlin": ffn.n_channels * ffn.d_ffw,
+    "peer": ffn.n_channels * ffn.d_ffw,
+    "fff": ffn.n_trees * fff.n_nodes(ffn.depth),
+    "moe": ffn.n_experts,
   }[ffn.type]
 
 
@@ -156,7 +156,7 @@ class CircuitDatabase:
     rows = np.flatnonzero(self.layers_L == layer)
     if not len(rows):
       raise config_lib.ConfigError(
-          f"layer {layer} has no circuits in this database; it holds layers {', '.join(map(str, self.layers_L))}."
+        f"layer {layer} has no circuits in this database; it holds layers {', '.join(map(str, self.layers_L))}."
       )
     return int(rows[0])
 
@@ -200,18 +200,20 @@ def record(model, rows: dict, context: int = 8, batch_rows: int = 16) -> Circuit
     tokens.append(inputs_BT[b_idx, t_idx])
     logits_NV = np.asarray(out["logits"])[b_idx, t_idx]
     top5.append(np.argsort(-logits_NV, axis=-1)[:, :5])
-    layer_ids, layer_w = zip(*(
+    layer_ids, layer_w = zip(
+      *(
         sparse_circuit(cfg, np.asarray(out[units])[b_idx, t_idx], np.asarray(out[w])[b_idx, t_idx])
         for units, w in names_L
-    ))
+      )
+    )
     ids.append(np.stack(layer_ids))
     weights.append(np.stack(layer_w))
   return CircuitDatabase(
-      tokens_N=np.concatenate(tokens).astype(np.int32),
-      context_NW=np.concatenate(contexts).astype(np.int32),
-      top5_N5=np.concatenate(top5).astype(np.int32),
-      ids_LNS=np.concatenate(ids, axis=1),
-      weights_LNS=np.concatenate(weights, axis=1),
-      ffn_type=cfg.ffn.type,
-      layers_L=np.asarray(layers, np.int32),
+    tokens_N=np.concatenate(tokens).astype(np.int32),
+    context_NW=np.concatenate(contexts).astype(np.int32),
+    top5_N5=np.concatenate(top5).astype(np.int32),
+    ids_LNS=np.concatenate(ids, axis=1),
+    weights_LNS=np.concatenate(weights, axis=1),
+    ffn_type=cfg.ffn.type,
+    layers_L=np.asarray(layers, np.int32),
   )

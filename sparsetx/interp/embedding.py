@@ -40,8 +40,15 @@ def pca_2d(x_NU: np.ndarray) -> np.ndarray:
   return centred @ vt[:2].T
 
 
-def embed(cfg, db: circuits_lib.CircuitDatabase, layer: int, n_tokens: int = 20, per_token: int = 40,
-          method: str = "auto", seed: int = 0) -> Embedding:
+def embed(
+  cfg,
+  db: circuits_lib.CircuitDatabase,
+  layer: int,
+  n_tokens: int = 20,
+  per_token: int = 40,
+  method: str = "auto",
+  seed: int = 0,
+) -> Embedding:
   rows = frequent_token_rows(db, n_tokens, per_token, seed)
   dense = circuits_lib.densify(cfg, db.ids(layer)[rows], db.weights(layer)[rows])
   dense /= np.maximum(np.linalg.norm(dense, axis=1, keepdims=True), 1e-12)

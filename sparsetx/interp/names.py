@@ -44,60 +44,147 @@ RESIDUAL = "Residual [batch seq d_model]"
 GATES = ("sgatlin", "peer")
 
 REGISTRY = (
-    StandardName("token_embeddings", "model", RESIDUAL,
-                 "The embedding's output; layers[0].layer_input is what enters the first block",
-                 tap=((), "token_embeddings")),
-    StandardName("layer_input", "layer", RESIDUAL, "The residual stream entering the block", tap=((), "layer_input")),
-    StandardName("attention_norm_output", "layer", RESIDUAL, "The normed stream entering the attention",
-                 tap=((), "attention_norm_output")),
-    StandardName("attention_probabilities", "self_attn", "Pattern [batch heads query key]",
-                 "The attention pattern the values are mixed with (softmax of the masked, scaled scores)",
-                 tap=(("attention",), "attention_probabilities"), seq_axis=2),
-    StandardName("attention_output", "self_attn", RESIDUAL,
-                 "What the attention adds to the residual stream (output projection included)",
-                 tap=((), "attention_output")),
-    StandardName("mlp_input", "layer", RESIDUAL,
-                 "What the feed-forward layer is called with: the norm of the stream (sequential: after the "
-                 "attention add; parallel: of the block input)", tap=((), "mlp_input")),
-    StandardName("mlp_neurons", "mlp", "Neurons [batch seq d_ffw]",
-                 "What the down projection receives: GELU(W_in x) (mlp), swish(gate)*up (swiglu)",
-                 ffn_types=("mlp", "swiglu"), tap=(("mlp",), "mlp_neurons")),
-    StandardName("gate_indices", "mlp", "GateIndices [batch seq channels top_k]",
-                 "Per channel, the k neurons the product-key router picked (index into the channel's d_ffw)",
-                 ffn_types=GATES, tap=(("mlp",), "gate_indices")),
-    StandardName("gate_scores", "mlp", "GateScores [batch seq channels top_k]",
-                 "The gates of those neurons: raw summed product-key scores (sgatlin), softmax over k (PEER)",
-                 ffn_types=GATES, tap=(("mlp",), "gate_scores")),
-    StandardName("gate_vector", "mlp", "GateVector [batch seq channels d_ffw]",
-                 "The token's circuit: gate_scores scattered at gate_indices, zero elsewhere (k nonzeros per "
-                 "channel); derived, read-only (patch gate_indices and gate_scores)",
-                 ffn_types=GATES, patchable=False),
-    StandardName("path_nodes", "mlp", "TreePath [batch seq trees path_length]",
-                 "The FFF circuit: per tree, the heap index of the node visited at each of the depth+1 levels; "
-                 "read-only (routing is the forward pass)",
-                 ffn_types=("fff",), tap=(("mlp",), "path_nodes"), patchable=False),
-    StandardName("node_logits", "mlp", "NodeLogits [batch seq trees path_length]",
-                 "z = <x, w_in> + b_in of each visited node (its sign chose the next child); read-only",
-                 ffn_types=("fff",), tap=(("mlp",), "node_logits"), patchable=False),
-    StandardName("expert_ids", "mlp", "ExpertIds [batch seq experts_per_token]",
-                 "The experts the MoE router picked, best first", ffn_types=("moe",), tap=(("mlp",), "expert_ids")),
-    StandardName("expert_weights", "mlp", "ExpertWeights [batch seq experts_per_token]",
-                 "Softmax over the picked experts' router logits: their mixing weights",
-                 ffn_types=("moe",), tap=(("mlp",), "expert_weights")),
-    StandardName("mlp_output", "mlp", RESIDUAL, "What the feed-forward layer adds to the residual stream",
-                 tap=((), "mlp_output")),
-    StandardName("layer_output", "layer", RESIDUAL,
-                 "The residual stream leaving the block: layer_input + attention_output + mlp_output",
-                 tap=((), "layer_output")),
-    StandardName("final_norm_output", "model", RESIDUAL, "The stream after the final norm, what the head reads",
-                 tap=((), "final_norm_output")),
-    StandardName("lm_head_output", "model", "Logits [batch seq vocab_size]",
-                 "The head's logits; sparsetx applies nothing past the head, so this equals logits; derived, "
-                 "read-only", patchable=False),
-    StandardName("logits", "model", "Logits [batch seq vocab_size]", "The logits the model returns (float32)",
-                 tap=((), "logits")),
-    StandardName("next_token_probs", "model", "NextTokenProbs [batch vocab_size]",
-                 "softmax(logits) at the last position; derived, read-only", patchable=False, seq_axis=None),
+  StandardName(
+    "token_embeddings",
+    "model",
+    RESIDUAL,
+    "The embedding's output; layers[0].layer_input is what enters the first block",
+    tap=((), "token_embeddings"),
+  ),
+  StandardName("layer_input", "layer", RESIDUAL, "The residual stream entering the block", tap=((), "layer_input")),
+  StandardName(
+    "attention_norm_output",
+    "layer",
+    RESIDUAL,
+    "The normed stream entering the attention",
+    tap=((), "attention_norm_output"),
+  ),
+  StandardName(
+    "attention_probabilities",
+    "self_attn",
+    "Pattern [batch heads query key]",
+    "The attention pattern the values are mixed with (softmax of the masked, scaled scores)",
+    tap=(("attention",), "attention_probabilities"),
+    seq_axis=2,
+  ),
+  StandardName(
+    "attention_output",
+    "self_attn",
+    RESIDUAL,
+    "What the attention adds to the residual stream (output projection included)",
+    tap=((), "attention_output"),
+  ),
+  StandardName(
+    "mlp_input",
+    "layer",
+    RESIDUAL,
+    "What the feed-forward layer is called with: the norm of the stream (sequential: after the "
+    "attention add; parallel: of the block input)",
+    tap=((), "mlp_input"),
+  ),
+  StandardName(
+    "mlp_neurons",
+    "mlp",
+    "Neurons [batch seq d_ffw]",
+    "What the down projection receives: GELU(W_in x) (mlp), swish(gate)*up (swiglu)",
+    ffn_types=("mlp", "swiglu"),
+    tap=(("mlp",), "mlp_neurons"),
+  ),
+  StandardName(
+    "gate_indices",
+    "mlp",
+    "GateIndices [batch seq channels top_k]",
+    "Per channel, the k neurons the product-key router picked (index into the channel's d_ffw)",
+    ffn_types=GATES,
+    tap=(("mlp",), "gate_indices"),
+  ),
+  StandardName(
+    "gate_scores",
+    "mlp",
+    "GateScores [batch seq channels top_k]",
+    "The gates of those neurons: raw summed product-key scores (sgatlin), softmax over k (PEER)",
+    ffn_types=GATES,
+    tap=(("mlp",), "gate_scores"),
+  ),
+  StandardName(
+    "gate_vector",
+    "mlp",
+    "GateVector [batch seq channels d_ffw]",
+    "The token's circuit: gate_scores scattered at gate_indices, zero elsewhere (k nonzeros per "
+    "channel); derived, read-only (patch gate_indices and gate_scores)",
+    ffn_types=GATES,
+    patchable=False,
+  ),
+  StandardName(
+    "path_nodes",
+    "mlp",
+    "TreePath [batch seq trees path_length]",
+    "The FFF circuit: per tree, the heap index of the node visited at each of the depth+1 levels; "
+    "read-only (routing is the forward pass)",
+    ffn_types=("fff",),
+    tap=(("mlp",), "path_nodes"),
+    patchable=False,
+  ),
+  StandardName(
+    "node_logits",
+    "mlp",
+    "NodeLogits [batch seq trees path_length]",
+    "z = <x, w_in> + b_in of each visited node (its sign chose the next child); read-only",
+    ffn_types=("fff",),
+    tap=(("mlp",), "node_logits"),
+    patchable=False,
+  ),
+  StandardName(
+    "expert_ids",
+    "mlp",
+    "ExpertIds [batch seq experts_per_token]",
+    "The experts the MoE router picked, best first",
+    ffn_types=("moe",),
+    tap=(("mlp",), "expert_ids"),
+  ),
+  StandardName(
+    "expert_weights",
+    "mlp",
+    "ExpertWeights [batch seq experts_per_token]",
+    "Softmax over the picked experts' router logits: their mixing weights",
+    ffn_types=("moe",),
+    tap=(("mlp",), "expert_weights"),
+  ),
+  StandardName(
+    "mlp_output", "mlp", RESIDUAL, "What the feed-forward layer adds to the residual stream", tap=((), "mlp_output")
+  ),
+  StandardName(
+    "layer_output",
+    "layer",
+    RESIDUAL,
+    "The residual stream leaving the block: layer_input + attention_output + mlp_output",
+    tap=((), "layer_output"),
+  ),
+  StandardName(
+    "final_norm_output",
+    "model",
+    RESIDUAL,
+    "The stream after the final norm, what the head reads",
+    tap=((), "final_norm_output"),
+  ),
+  StandardName(
+    "lm_head_output",
+    "model",
+    "Logits [batch seq vocab_size]",
+    "The head's logits; sparsetx applies nothing past the head, so this equals logits; derived, read-only",
+    patchable=False,
+  ),
+  StandardName(
+    "logits", "model", "Logits [batch seq vocab_size]", "The logits the model returns (float32)", tap=((), "logits")
+  ),
+  StandardName(
+    "next_token_probs",
+    "model",
+    "NextTokenProbs [batch vocab_size]",
+    "softmax(logits) at the last position; derived, read-only",
+    patchable=False,
+    seq_axis=None,
+  ),
 )
 BY_NAME = {entry.name: entry for entry in REGISTRY}
 _FULL = re.compile(r"^(?:layers\[(\d+)\]\.(?:(self_attn|mlp)\.)?)?(\w+)$")
@@ -166,7 +253,9 @@ def resolve(name: str, cfg) -> Resolved:
   match = _FULL.match(name)
   entry = BY_NAME.get(match.group(3)) if match else None
   if entry is None:
-    raise KeyError(f"{name!r} is not a standard name; see sparsetx.interp.names.REGISTRY (e.g. layers[0].layer_output).")
+    raise KeyError(
+      f"{name!r} is not a standard name; see sparsetx.interp.names.REGISTRY (e.g. layers[0].layer_output)."
+    )
   layer = None if match.group(1) is None else int(match.group(1))
   scope = "model" if layer is None else (match.group(2) or "layer")
   if scope != entry.scope:
@@ -191,9 +280,19 @@ def axis_sizes(cfg, batch: int, seq: int, layer: int | None = None) -> dict:
   axes are those of block `layer` (default: config.model.ffn)."""
   ffn = cfg.ffn if layer is None else config_lib.layer_ffn_config(cfg, layer)
   return dict(
-      batch=batch, seq=seq, query=seq, key=seq, d_model=cfg.d_model, vocab_size=cfg.vocab_size,
-      heads=cfg.d_model // cfg.head_dim, d_ffw=ffn.d_ffw, channels=ffn.n_channels, top_k=ffn.top_k,
-      trees=ffn.n_trees, path_length=ffn.depth + 1, experts_per_token=ffn.experts_per_token,
+    batch=batch,
+    seq=seq,
+    query=seq,
+    key=seq,
+    d_model=cfg.d_model,
+    vocab_size=cfg.vocab_size,
+    heads=cfg.d_model // cfg.head_dim,
+    d_ffw=ffn.d_ffw,
+    channels=ffn.n_channels,
+    top_k=ffn.top_k,
+    trees=ffn.n_trees,
+    path_length=ffn.depth + 1,
+    experts_per_token=ffn.experts_per_token,
   )
 
 

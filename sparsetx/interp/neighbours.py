@@ -44,8 +44,8 @@ def format_table(vocabulary, db: circuits_lib.CircuitDatabase, neighbours: Neigh
   lines = ["| rank | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
   for r in range(neighbours.index_QK.shape[1]):
     cells = [
-        f"{token_text(vocabulary, db.tokens_N[j])} {d:.2f}"
-        for j, d in zip(neighbours.index_QK[:, r], neighbours.distance_QK[:, r])
+      f"{token_text(vocabulary, db.tokens_N[j])} {d:.2f}"
+      for j, d in zip(neighbours.index_QK[:, r], neighbours.distance_QK[:, r])
     ]
     lines.append(f"| {r + 1} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
@@ -61,7 +61,7 @@ def format_extended(vocabulary, db: circuits_lib.CircuitDatabase, neighbours: Ne
       j = neighbours.index_QK[q, r]
       preds = " ".join(token_text(vocabulary, i) for i in db.top5_N5[j])
       lines.append(
-          f"| {token_text(vocabulary, token)} | {r + 1} | {neighbours.distance_QK[q, r]:.3f} | "
-          f"{text(db.context_NW[j])}[{token_text(vocabulary, db.tokens_N[j])}] | {preds} |"
+        f"| {token_text(vocabulary, token)} | {r + 1} | {neighbours.distance_QK[q, r]:.3f} | "
+        f"{text(db.context_NW[j])}[{token_text(vocabulary, db.tokens_N[j])}] | {preds} |"
       )
   return "\n".join(lines)

@@ -91,9 +91,14 @@ def fact_pairs(vocabulary, facts=None) -> PromptPairs:
     masks["last"][b, T - 1] = True
     masks["all"][b, pad:] = True
   return PromptPairs(
-      clean, patch, positions, segments,
-      np.array([prompts[i][1] for i, _ in chosen]), np.array([prompts[j][1] for _, j in chosen]),
-      masks, [(facts[i][0], facts[j][0]) for i, j in chosen],
+    clean,
+    patch,
+    positions,
+    segments,
+    np.array([prompts[i][1] for i, _ in chosen]),
+    np.array([prompts[j][1] for _, j in chosen]),
+    masks,
+    [(facts[i][0], facts[j][0]) for i, j in chosen],
   )
 
 
@@ -103,8 +108,8 @@ def gate_names(cfg, layer: int) -> tuple[str, str]:
   if kind in ("sgatlin", "peer", "moe"):
     return circuits_lib.circuit_names(cfg, layer)  # refuses a mixed model's dense layer
   raise ValueError(
-      f"config.model.ffn.type={kind!r} has no gates to patch (FFF routing is the forward pass; dense layers have none); "
-      "NIE patching needs sgatlin, peer or moe."
+    f"config.model.ffn.type={kind!r} has no gates to patch (FFF routing is the forward pass; dense layers have none); "
+    "NIE patching needs sgatlin, peer or moe."
   )
 
 
@@ -146,9 +151,9 @@ def run(model, pairs: PromptPairs, min_effect: float = 0.5, source_gates: dict |
 
   def forward(tokens_BT, values, patched_layers, mask_BT):
     patches = {
-        name: Patch(values[name], mask_BT if layer in patched_layers else off)
-        for layer in layers
-        for name in gate_names(cfg, layer)
+      name: Patch(values[name], mask_BT if layer in patched_layers else off)
+      for layer in layers
+      for name in gate_names(cfg, layer)
     }
     out = model.patch(tokens_BT, patches, names + ["logits"], **kw)
     return out, logit_difference(out["logits"], pairs.y_clean_B, pairs.y_patch_B)
@@ -169,19 +174,35 @@ def run(model, pairs: PromptPairs, min_effect: float = 0.5, source_gates: dict |
   nie = np.where(finite > 0, np.nansum(per_pair, -1) / np.maximum(finite, 1), np.nan)
   rows = [str(layer) for layer in layers] + ["all"]
   clean_gates = {name: clean[name] for name in names}
-  return NieResult(rows, list(POSITION_SETS), nie, per_pair, m_clean, m_patch, kept, clean_gates,
-                   reasons=na_reasons(pairs, kept, min_effect), min_effect=min_effect)
+  return NieResult(
+    rows,
+    list(POSITION_SETS),
+    nie,
+    per_pair,
+    m_clean,
+    m_patch,
+    kept,
+    clean_gates,
+    reasons=na_reasons(pairs, kept, min_effect),
+    min_effect=min_effect,
+  )
 
 
 def na_reasons(pairs: PromptPairs, kept_B: np.ndarray, min_effect: float) -> list:
   """Why a column (or the whole table) has no NIE: no pair passed the total-effect threshold, or the
   prompts of the passing pairs hold no token of that position set."""
   if not kept_B.any():
-    return [f"n/a everywhere: 0 of {len(kept_B)} pairs have a total effect |m(x_patch) - m(x_clean)| of at least "
-            f"{min_effect:g} logits (min_effect); the model does not yet tell the facts apart, or lower min_effect."]
+    return [
+      f"n/a everywhere: 0 of {len(kept_B)} pairs have a total effect |m(x_patch) - m(x_clean)| of at least "
+      f"{min_effect:g} logits (min_effect); the model does not yet tell the facts apart, or lower min_effect."
+    ]
   present = [name for name in POSITION_SETS if pairs.masks[name][kept_B].any()]
-  return [f"n/a in column {name}: the prompts of the {int(kept_B.sum())} kept pairs have no {name} position (this "
-          f"vocabulary's prompts hold {', '.join(present)})" for name in POSITION_SETS if name not in present]
+  return [
+    f"n/a in column {name}: the prompts of the {int(kept_B.sum())} kept pairs have no {name} position (this "
+    f"vocabulary's prompts hold {', '.join(present)})"
+    for name in POSITION_SETS
+    if name not in present
+  ]
 
 
 def format_table(result: NieResult) -> str:
@@ -189,8 +210,10 @@ def format_table(result: NieResult) -> str:
   for label, values in zip(result.row_labels, result.nie_RC):
     lines.append(f"| {label} | " + " | ".join(_cell(v) for v in values) + " |")
   kept, total = int(result.kept_B.sum()), len(result.kept_B)
-  lines.append(f"\n{kept} of {total} pairs have a total effect |m(x_patch) - m(x_clean)| of at least "
-               f"{result.min_effect:g} logits; mean total effect {np.mean(result.m_patch_B - result.m_clean_B):+.3f} logits.")
+  lines.append(
+    f"\n{kept} of {total} pairs have a total effect |m(x_patch) - m(x_clean)| of at least "
+    f"{result.min_effect:g} logits; mean total effect {np.mean(result.m_patch_B - result.m_clean_B):+.3f} logits."
+  )
   lines += result.reasons
   return "\n".join(lines)
 
@@ -209,7 +232,9 @@ def plot(result: NieResult, path: str, title: str = "NIE of patching the gates")
   limit = max(float(np.nanmax(np.abs(result.nie_RC))) if np.isfinite(result.nie_RC).any() else 1.0, 1e-3)
   image = ax.imshow(np.nan_to_num(result.nie_RC), cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto")
   ax.set_xticks(range(len(result.col_labels)), result.col_labels)
-  ax.set_yticks(range(len(result.row_labels)), [f"layer {r}" if r != "all" else "all layers" for r in result.row_labels])
+  ax.set_yticks(
+    range(len(result.row_labels)), [f"layer {r}" if r != "all" else "all layers" for r in result.row_labels]
+  )
   for (r, c), value in np.ndenumerate(result.nie_RC):
     ax.text(c, r, f"{value:.2f}" if np.isfinite(value) else "n/a", ha="center", va="center", fontsize=8)
   ax.set_title(title)

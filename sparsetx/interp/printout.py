@@ -7,6 +7,7 @@ prints each run of blocks with the same feed-forward type on its own.
 """
 
 import itertools
+
 import numpy as np
 
 from sparsetx import config as config_lib
@@ -19,9 +20,25 @@ _NATIVE = {"attention": "self_attn/attention", "mlp": "mlp"}
 def _classes(cfg, layer: int) -> dict:
   norm = "RMSNorm" if cfg.norm == "rmsnorm" else "LayerNorm"
   mlp = FFN_LAYERS[names_lib.layer_ffn_type(cfg, layer)].__name__
-  return dict(embed="Embed", attention="Attention", attention_norm=norm, mlp_norm=norm, final_norm=norm,
-              lm_head="Dense", mlp=mlp, router="Router", query="Dense", keys="Dense",
-              key="Dense", value="Dense", out="Dense", wi="Dense", wo="Dense", wi_gate="Dense", wi_up="Dense")
+  return dict(
+    embed="Embed",
+    attention="Attention",
+    attention_norm=norm,
+    mlp_norm=norm,
+    final_norm=norm,
+    lm_head="Dense",
+    mlp=mlp,
+    router="Router",
+    query="Dense",
+    keys="Dense",
+    key="Dense",
+    value="Dense",
+    out="Dense",
+    wi="Dense",
+    wo="Dense",
+    wi_gate="Dense",
+    wi_up="Dense",
+  )
 
 
 def _module_lines(tree: dict, indent: str, classes: dict) -> list[str]:
@@ -37,9 +54,9 @@ def _module_lines(tree: dict, indent: str, classes: dict) -> list[str]:
 
 def _name_lines(cfg, scope: str, indent: str, layer: int | None = None) -> list[str]:
   return [
-      f"{indent}({entry.name}) -> {entry.layout}: {entry.meaning}"
-      for entry in names_lib.REGISTRY
-      if entry.scope == scope and names_lib.served(entry, cfg, layer)
+    f"{indent}({entry.name}) -> {entry.layout}: {entry.meaning}"
+    for entry in names_lib.REGISTRY
+    if entry.scope == scope and names_lib.served(entry, cfg, layer)
   ]
 
 
@@ -56,8 +73,8 @@ def describe(cfg, params) -> str:
   if config_lib.is_mixed(cfg):
     ffn += f" in layers {cfg.ffn_layers}, {cfg.dense_ffn.type} in the others"
   lines = [
-      f"Transformer(ffn={ffn}, block={cfg.block}, norm={cfg.norm}, n_layers={cfg.n_layers}, "
-      f"d_model={cfg.d_model}, heads={cfg.d_model // cfg.head_dim}, vocab_size={cfg.vocab_size}, head={head}) ("
+    f"Transformer(ffn={ffn}, block={cfg.block}, norm={cfg.norm}, n_layers={cfg.n_layers}, "
+    f"d_model={cfg.d_model}, heads={cfg.d_model // cfg.head_dim}, vocab_size={cfg.vocab_size}, head={head}) ("
   ]
   classes = _classes(cfg, 0)
   top = {k: v for k, v in params.items() if not k.startswith("layers_")}

@@ -80,10 +80,14 @@ def sweep(model, db: circuits_lib.CircuitDatabase, rows: dict, fractions=(0.0, 0
   for fraction in fractions:
     masks = {layer: pruned_nodes(v, fraction) for layer, v in visits.items()}
     params = prune_params(model.params, masks)
-    results.append(dict(
+    results.append(
+      dict(
         fraction=float(fraction),
         pruned_nodes=int(sum(m.sum() for m in masks.values())),
-        visits_removed=float(np.mean([v[m].sum() / max(v.sum(), 1e-12) for v, m in zip(visits.values(), masks.values())])),
+        visits_removed=float(
+          np.mean([v[m].sum() / max(v.sum(), 1e-12) for v, m in zip(visits.values(), masks.values())])
+        ),
         loss=validation_loss(model, params, rows),
-    ))
+      )
+    )
   return results

@@ -13,7 +13,8 @@ order), or `FromRun(tokens)`: the same name's value on another input.
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -119,7 +120,9 @@ class StandardizedTransformer:
         raise AssertionError(f"no rule derives {entry.name!r}")
     return out
 
-  def run(self, tokens_BT, names=("logits",), patches: dict | None = None, positions_BT=None, segment_ids_BT=None) -> dict:
+  def run(
+    self, tokens_BT, names=("logits",), patches: dict | None = None, positions_BT=None, segment_ids_BT=None
+  ) -> dict:
     """The requested named values of one forward pass with `patches` applied ({name: spec})."""
     tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
     B, T = tokens_BT.shape
@@ -130,7 +133,9 @@ class StandardizedTransformer:
     reads = tuple(dict.fromkeys(names))
     for name in reads:
       self.resolve(name)
-    call = functools.partial(self._forward, self.params, tokens_BT, jnp.asarray(positions_BT), jnp.asarray(segment_ids_BT))
+    call = functools.partial(
+      self._forward, self.params, tokens_BT, jnp.asarray(positions_BT), jnp.asarray(segment_ids_BT)
+    )
     tree, masks = self._patch_trees(call, patches or {}, B, T)
     return call(tree, masks, reads=reads)
 
@@ -140,7 +145,7 @@ class StandardizedTransformer:
     reads = tuple(self.names if names is None else names)
     tokens_BT = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     return jax.eval_shape(
-        functools.partial(self._forward_impl, reads=reads), self.params, tokens_BT, tokens_BT, tokens_BT, {}, {}
+      functools.partial(self._forward_impl, reads=reads), self.params, tokens_BT, tokens_BT, tokens_BT, {}, {}
     )
 
   def trace(self, tokens_BT, names, **kwargs) -> dict:
@@ -159,8 +164,8 @@ class StandardizedTransformer:
     for resolved, _ in specs:
       if not resolved.entry.patchable:
         raise ValueError(
-            f"{resolved.full_name} is read-only ({resolved.entry.meaning}); patch a value it is derived from "
-            "(gate_vector: gate_indices and gate_scores)."
+          f"{resolved.full_name} is read-only ({resolved.entry.meaning}); patch a value it is derived from "
+          "(gate_vector: gate_indices and gate_scores)."
         )
     other_runs = {}
     for resolved, spec in specs:  # values taken from other inputs: one run per distinct input

@@ -47,8 +47,15 @@ def usage_table(cfg, db: circuits_lib.CircuitDatabase) -> list[dict]:
   for layer in db.layers_L.tolist():
     counts = unit_counts(cfg, db, layer)
     spread = fff_balance(cfg, db, layer)["gini"] if cfg.ffn.type == "fff" else gini(counts)
-    rows.append(dict(layer=layer, units=len(counts), used=float((counts > 0).mean()), gini=spread,
-                     top_unit_share=float(counts.max() / max(len(db), 1))))
+    rows.append(
+      dict(
+        layer=layer,
+        units=len(counts),
+        used=float((counts > 0).mean()),
+        gini=spread,
+        top_unit_share=float(counts.max() / max(len(db), 1)),
+      )
+    )
   return rows
 
 
@@ -85,8 +92,10 @@ def top_pairs(cfg, db: circuits_lib.CircuitDatabase, layer: int, top: int = 64, 
   i, j = np.triu_indices(len(units), k=1)
   keep = together[i, j] >= min_count
   order = np.argsort(-lift[i, j][keep], kind="stable")[:n_pairs]
-  return [dict(unit_a=int(units[a]), unit_b=int(units[b]), together=int(together[a, b]), lift=float(lift[a, b]))
-          for a, b in zip(i[keep][order], j[keep][order])]
+  return [
+    dict(unit_a=int(units[a]), unit_b=int(units[b]), together=int(together[a, b]), lift=float(lift[a, b]))
+    for a, b in zip(i[keep][order], j[keep][order])
+  ]
 
 
 def fff_path_table(cfg, db: circuits_lib.CircuitDatabase, top: int = 3) -> list[dict]:
@@ -98,9 +107,16 @@ def fff_path_table(cfg, db: circuits_lib.CircuitDatabase, top: int = 3) -> list[
     for tree, share in enumerate(leaves_PL):
       p = share[share > 0]
       best = np.argsort(-share, kind="stable")[:top]
-      rows.append(dict(layer=layer, tree=tree, paths_used=int((share > 0).sum()), paths=len(share),
-                       entropy_bits=float(-(p * np.log2(p)).sum()),
-                       top_paths=", ".join(f"leaf {i}: {share[i]:.2f}" for i in best)))
+      rows.append(
+        dict(
+          layer=layer,
+          tree=tree,
+          paths_used=int((share > 0).sum()),
+          paths=len(share),
+          entropy_bits=float(-(p * np.log2(p)).sum()),
+          top_paths=", ".join(f"leaf {i}: {share[i]:.2f}" for i in best),
+        )
+      )
   return rows
 
 

@@ -22,6 +22,7 @@ for every gradient (xla_gather.py). The papers' formulation stays in reference.p
 """
 
 import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -70,12 +71,12 @@ def _gpu_kernel(options, platform):
 def _row_sorted(options, x_ND, w_in_RD, h_given_NS):
   """Whether this call takes the row-sorted XLA path (not for given pre-activations: FFF has its own walk)."""
   return (
-      options.row_sorted
-      and h_given_NS is None
-      and _backend(options) is xla_gather
-      and jax.default_backend() == "cpu"  # its scatter-adds into x-sized sums are ordered (deterministic) on CPU
-      and x_ND.dtype == jnp.float32  # bf16 would round a row picked twice by a token once, not per slot
-      and xla_gather.row_sorted_fits(x_ND.shape[0], w_in_RD.shape[0])
+    options.row_sorted
+    and h_given_NS is None
+    and _backend(options) is xla_gather
+    and jax.default_backend() == "cpu"  # its scatter-adds into x-sized sums are ordered (deterministic) on CPU
+    and x_ND.dtype == jnp.float32  # bf16 would round a row picked twice by a token once, not per slot
+    and xla_gather.row_sorted_fits(x_ND.shape[0], w_in_RD.shape[0])
   )
 
 
@@ -86,11 +87,32 @@ def _forward_impl(gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, b
     y_ND, h_P = xla_gather.row_sorted_forward(x_ND, w_in_RD, w_out_RD, order, bias_R, gating, options)
     return y_ND, (order, h_P)
   if h_given_NS is not None and hasattr(backend, "forward_from_pre_activation"):
-    y_ND = _per_token(backend, backend.forward_from_pre_activation, gating, options, (True, False, True, True, True),
-                      x_ND, w_out_RD, rows_NS, gates_NS, h_given_NS)
+    y_ND = _per_token(
+      backend,
+      backend.forward_from_pre_activation,
+      gating,
+      options,
+      (True, False, True, True, True),
+      x_ND,
+      w_out_RD,
+      rows_NS,
+      gates_NS,
+      h_given_NS,
+    )
     return y_ND, h_given_NS
-  return _per_token(backend, backend.forward, gating, options, (True, False, False, True, True, False),
-                    x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R)
+  return _per_token(
+    backend,
+    backend.forward,
+    gating,
+    options,
+    (True, False, False, True, True, False),
+    x_ND,
+    w_in_RD,
+    w_out_RD,
+    rows_NS,
+    gates_NS,
+    bias_R,
+  )
 
 
 def _per_token(backend, fn, gating, options, per_token, *args):
@@ -117,25 +139,36 @@ def _bwd(gating, options, residuals, dy_ND):
   if _row_sorted(options, x_ND, w_in_RD, h_given_NS):
     order, h_P = h_NS  # the row-sorted forward keeps its sort and the sorted pre-activations
     dx_ND, dgates_NS, dw_in, dw_out, dbias = xla_gather.row_sorted_backward(
-        dy_ND, x_ND, h_P, w_in_RD, w_out_RD, order, bias_R is not None, gating, options
+      dy_ND, x_ND, h_P, w_in_RD, w_out_RD, order, bias_R is not None, gating, options
     )
   else:
     dx_ND, dgates_NS, coef_in_NS, coef_out_NS = _per_token(
-        backend, backend.backward_rows, gating, options, (True, True, False, False, True, True),
-        dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS,
+      backend,
+      backend.backward_rows,
+      gating,
+      options,
+      (True, True, False, False, True, True),
+      dy_ND,
+      h_NS,
+      w_in_RD,
+      w_out_RD,
+      rows_NS,
+      gates_NS,
     )
     dw_in, dw_out, dbias = segment_grads.table_grads(
-        x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS, w_in_RD.shape[0], options.pair_chunk, bias_R is not None
+      x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS, w_in_RD.shape[0], options.pair_chunk, bias_R is not None
     )
   rows_cotangent = jax.numpy.zeros(rows_NS.shape, jax.dtypes.float0)
   return (
-      dx_ND.astype(x_ND.dtype),
-      dw_in.astype(w_in_RD.dtype),
-      dw_out.astype(w_out_RD.dtype),
-      rows_cotangent,
-      dgates_NS.astype(gates_NS.dtype),
-      None if bias_R is None else dbias.astype(bias_R.dtype),
-      None if h_given_NS is None else jnp.zeros_like(h_given_NS),  # the given pre-activations carry no gradient of their own
+    dx_ND.astype(x_ND.dtype),
+    dw_in.astype(w_in_RD.dtype),
+    dw_out.astype(w_out_RD.dtype),
+    rows_cotangent,
+    dgates_NS.astype(gates_NS.dtype),
+    None if bias_R is None else dbias.astype(bias_R.dtype),
+    None
+    if h_given_NS is None
+    else jnp.zeros_like(h_given_NS),  # the given pre-activations carry no gradient of their own
   )
 
 
@@ -143,8 +176,16 @@ _gated_gather_ND.defvjp(_fwd, _bwd)
 
 
 def gated_gather(
-    x_BTD, w_in_RD, w_out_RD, rows_BTS, gates_BTS, activation=identity, bias_R=None, options=None, pre_activation=None,
-    gate_inside_activation=True,
+  x_BTD,
+  w_in_RD,
+  w_out_RD,
+  rows_BTS,
+  gates_BTS,
+  activation=identity,
+  bias_R=None,
+  options=None,
+  pre_activation=None,
+  gate_inside_activation=True,
 ):
   """y [B, T, D] in x's dtype; `options` is a KernelOptions (defaults: implementation 'auto').
 
@@ -159,17 +200,24 @@ def gated_gather(
   *lead, D = x_BTD.shape
   S = rows_BTS.shape[-1]
   y_ND = _gated_gather_ND(
-      Gating(activation, bool(gate_inside_activation)),
-      options,
-      x_BTD.reshape(-1, D),
-      w_in_RD,
-      w_out_RD,
-      rows_BTS.reshape(-1, S).astype(jnp.int32),
-      gates_BTS.reshape(-1, S),
-      bias_R,
-      None if pre_activation is None else pre_activation.reshape(-1, S).astype(jnp.float32),
+    Gating(activation, bool(gate_inside_activation)),
+    options,
+    x_BTD.reshape(-1, D),
+    w_in_RD,
+    w_out_RD,
+    rows_BTS.reshape(-1, S).astype(jnp.int32),
+    gates_BTS.reshape(-1, S),
+    bias_R,
+    None if pre_activation is None else pre_activation.reshape(-1, S).astype(jnp.float32),
   )
   return y_ND.reshape(*lead, D)
 
 
-__all__ = ["gated_gather", "gated_gather_reference", "Gating", "KernelOptions", "options_from_config", "IMPLEMENTATIONS"]
+__all__ = [
+  "gated_gather",
+  "gated_gather_reference",
+  "Gating",
+  "KernelOptions",
+  "options_from_config",
+  "IMPLEMENTATIONS",
+]

@@ -20,10 +20,22 @@ from jax.extend import core as jax_core
 
 # erf(x) ~ x * P(x^2) / Q(x^2) for |x| <= 4, coefficients highest degree first (XLA's ErfImpl32 / Eigen's
 # generic_fast_erf_float).
-_ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
-          -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)
-_ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
-          -1.42647390514189e-02)
+_ERF_P = (
+  -2.72614225801306e-10,
+  2.77068142495902e-08,
+  -2.10102402082508e-06,
+  -5.69250639462346e-05,
+  -7.34990630326855e-04,
+  -2.95459980854025e-03,
+  -1.60960333262415e-02,
+)
+_ERF_Q = (
+  -1.45660718464996e-05,
+  -2.13374055278905e-04,
+  -1.68282697438203e-03,
+  -7.37332916720468e-03,
+  -1.42647390514189e-02,
+)
 
 
 def _horner(coefficients, z):
@@ -45,13 +57,17 @@ def erfc(x):
 
 
 # copy (jax.nn.gelu's closing jnp.array) is the identity on a value; Pallas TPU has no rule for it either.
-_REPLACEMENTS = {jax_core.primitives.erf_p: erf, jax_core.primitives.erfc_p: erfc, jax_core.primitives.copy_p: lambda x: x}
+_REPLACEMENTS = {
+  jax_core.primitives.erf_p: erf,
+  jax_core.primitives.erfc_p: erfc,
+  jax_core.primitives.copy_p: lambda x: x,
+}
 # Calls whose body is evaluated in place, so an erf inside them (jax.nn.gelu is jitted) is found too. A
 # custom_jvp call loses its rule here, so derivatives are taken before `lowerable` (see the module docstring).
 _INLINED = {
-    jax_core.primitives.jit_p: "jaxpr",
-    jax_core.primitives.closed_call_p: "call_jaxpr",
-    jax_core.primitives.custom_jvp_call_p: "call_jaxpr",
+  jax_core.primitives.jit_p: "jaxpr",
+  jax_core.primitives.closed_call_p: "call_jaxpr",
+  jax_core.primitives.custom_jvp_call_p: "call_jaxpr",
 }
 
 

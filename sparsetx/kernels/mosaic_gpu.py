@@ -25,12 +25,12 @@ Mosaic's own layout and transfer checks.
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 # Mosaic GPU's interpret mode is not exported publicly in the pinned JAX (0.10.x).
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sparsetx.kernels import xla_gather
 
@@ -53,7 +53,6 @@ class _Lanes:
     return array if self.interpret else plgpu.layout_cast(array, layout)
 
 
-
 def races_found() -> bool:
   """Whether the last kernel run in interpret mode raced on shared memory (tests assert not)."""
   return get_races().races_found
@@ -65,8 +64,8 @@ def _block_d(d_model, itemsize, options):
   fits = [b for b in range(step, min(options.block_d, d_model) + 1, step) if d_model % b == 0]
   if not fits:
     raise ValueError(
-        f"d_model={d_model} has no chunk <= kernel.block_d={options.block_d} that is a multiple of {step} values "
-        "(TMA copies move multiples of 128 bytes); raise block_d or use kernel.gpu_kernel='triton'."
+      f"d_model={d_model} has no chunk <= kernel.block_d={options.block_d} that is a multiple of {step} values "
+      "(TMA copies move multiples of 128 bytes); raise block_d or use kernel.gpu_kernel='triton'."
     )
   return fits[-1]
 
@@ -79,8 +78,8 @@ def _check_tokens(n_tokens):
 def _check_smem(nbytes, options):
   if nbytes > SMEM_BYTES:
     raise ValueError(
-        f"the kernel needs {nbytes} bytes of shared memory (> {SMEM_BYTES}); lower kernel.stages={options.stages} "
-        f"or kernel.block_d={options.block_d}."
+      f"the kernel needs {nbytes} bytes of shared memory (> {SMEM_BYTES}); lower kernel.stages={options.stages} "
+      f"or kernel.block_d={options.block_d}."
     )
 
 
@@ -146,22 +145,22 @@ class _Ring:
 
 def _ring_barriers(stages):
   return [
-      plgpu.Barrier(num_arrivals=BLOCK_TOKENS, num_barriers=stages),  # loaded: one arrival per row copy
-      plgpu.Barrier(num_barriers=stages),  # consumed: the compute warpgroup's arrival
+    plgpu.Barrier(num_arrivals=BLOCK_TOKENS, num_barriers=stages),  # loaded: one arrival per row copy
+    plgpu.Barrier(num_barriers=stages),  # consumed: the compute warpgroup's arrival
   ]
 
 
 def _specialized_kernel(body, out_type, n_tokens, scratch_types, interpret):
   """Two warpgroups per 64-token block: 0 computes, 1 issues the copies (body(wg, *refs) branches on wg)."""
   return plgpu.kernel(
-      lambda *refs: body(lax.axis_index("wg"), *refs),
-      out_type=out_type,
-      grid=(n_tokens // BLOCK_TOKENS,),
-      grid_names=("tokens",),
-      num_threads=2,
-      thread_name="wg",
-      scratch_types=scratch_types,
-      interpret=interpret,
+    lambda *refs: body(lax.axis_index("wg"), *refs),
+    out_type=out_type,
+    grid=(n_tokens // BLOCK_TOKENS,),
+    grid_names=("tokens",),
+    num_threads=2,
+    thread_name="wg",
+    scratch_types=scratch_types,
+    interpret=interpret,
   )
 
 
@@ -222,18 +221,18 @@ def row_dots(lhs_ND, table_RD, rows_SN, options):
       plgpu.wait_smem_to_gmem(0)
 
   kernel = _specialized_kernel(
-      body,
-      jax.ShapeDtypeStruct((n_slots, n_tokens), jnp.float32),
-      n_tokens,
-      [
-          plgpu.SMEM((stages, BLOCK_TOKENS, block_d), dtype),
-          plgpu.SMEM((stages, BLOCK_TOKENS, block_d), table_RD.dtype),
-          plgpu.SMEM((n_slots, BLOCK_TOKENS), jnp.int32),
-          plgpu.SMEM((n_slots, BLOCK_TOKENS), jnp.float32),
-          *_ring_barriers(stages),
-          plgpu.Barrier(num_arrivals=len(_slot_slabs(n_slots))),
-      ],
-      interpret,
+    body,
+    jax.ShapeDtypeStruct((n_slots, n_tokens), jnp.float32),
+    n_tokens,
+    [
+      plgpu.SMEM((stages, BLOCK_TOKENS, block_d), dtype),
+      plgpu.SMEM((stages, BLOCK_TOKENS, block_d), table_RD.dtype),
+      plgpu.SMEM((n_slots, BLOCK_TOKENS), jnp.int32),
+      plgpu.SMEM((n_slots, BLOCK_TOKENS), jnp.float32),
+      *_ring_barriers(stages),
+      plgpu.Barrier(num_arrivals=len(_slot_slabs(n_slots))),
+    ],
+    interpret,
   )
   return kernel(lhs_ND, table_RD, rows_SN)
 
@@ -247,7 +246,9 @@ def row_accumulate(coef_SN, table_RD, rows_SN, out_dtype, options):
   block_d = _block_d(d_model, min(out_dtype.itemsize, table_RD.dtype.itemsize), options)
   stages = options.stages
   per_slot_bytes = 2 * 4 * n_slots * BLOCK_TOKENS  # the block's rows and coefficients
-  _check_smem(BLOCK_TOKENS * block_d * (stages * table_RD.dtype.itemsize + out_dtype.itemsize) + per_slot_bytes, options)
+  _check_smem(
+    BLOCK_TOKENS * block_d * (stages * table_RD.dtype.itemsize + out_dtype.itemsize) + per_slot_bytes, options
+  )
   interpret = _interpret_params(options)
   lanes = _Lanes(interpret is not None)
   n_chunks = d_model // block_d
@@ -289,18 +290,18 @@ def row_accumulate(coef_SN, table_RD, rows_SN, out_dtype, options):
       plgpu.wait_smem_to_gmem(0)
 
   kernel = _specialized_kernel(
-      body,
-      jax.ShapeDtypeStruct((n_tokens, d_model), out_dtype),
-      n_tokens,
-      [
-          plgpu.SMEM((stages, BLOCK_TOKENS, block_d), table_RD.dtype),
-          plgpu.SMEM((n_slots, BLOCK_TOKENS), jnp.int32),
-          plgpu.SMEM((n_slots, BLOCK_TOKENS), jnp.float32),
-          plgpu.SMEM((BLOCK_TOKENS, block_d), out_dtype),
-          *_ring_barriers(stages),
-          plgpu.Barrier(num_arrivals=2 * len(_slot_slabs(n_slots))),
-      ],
-      interpret,
+    body,
+    jax.ShapeDtypeStruct((n_tokens, d_model), out_dtype),
+    n_tokens,
+    [
+      plgpu.SMEM((stages, BLOCK_TOKENS, block_d), table_RD.dtype),
+      plgpu.SMEM((n_slots, BLOCK_TOKENS), jnp.int32),
+      plgpu.SMEM((n_slots, BLOCK_TOKENS), jnp.float32),
+      plgpu.SMEM((BLOCK_TOKENS, block_d), out_dtype),
+      *_ring_barriers(stages),
+      plgpu.Barrier(num_arrivals=2 * len(_slot_slabs(n_slots))),
+    ],
+    interpret,
   )
   return kernel(coef_SN, table_RD, rows_SN)
 
@@ -335,6 +336,6 @@ def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, opt
   dyw_NS = row_dots(dy_pD, w_out_RD, rows_pS.T, options).T[:n_tokens]
   a_NS, da_dh_NS, da_dg_NS = gating.value_and_slopes(h_NS, gates_NS.astype(jnp.float32))
   coef_in_NS = da_dh_NS * dyw_NS
-  dx_coef_pS, = _pad_tokens(n_tokens, coef_in_NS.astype(dy_ND.dtype).astype(jnp.float32))
+  (dx_coef_pS,) = _pad_tokens(n_tokens, coef_in_NS.astype(dy_ND.dtype).astype(jnp.float32))
   dx_ND = row_accumulate(dx_coef_pS.T, w_in_RD, rows_pS.T, dy_ND.dtype, options)[:n_tokens]
   return dx_ND, da_dg_NS * dyw_NS, coef_in_NS, a_NS

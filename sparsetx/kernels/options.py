@@ -29,12 +29,12 @@ def options_from_config(kernel_cfg) -> KernelOptions:
   if kernel_cfg is None:
     return KernelOptions()
   return KernelOptions(
-      implementation=kernel_cfg.implementation,
-      token_chunk=kernel_cfg.token_chunk,
-      pair_chunk=kernel_cfg.pair_chunk,
-      block_tokens=kernel_cfg.block_tokens,
-      row_sorted=bool(kernel_cfg.get("row_sorted", True)),
-      block_d=kernel_cfg.get("block_d", KernelOptions._field_defaults["block_d"]),  # configs saved before the field
-      stages=kernel_cfg.get("stages", KernelOptions._field_defaults["stages"]),
-      gpu_kernel=kernel_cfg.get("gpu_kernel", KernelOptions._field_defaults["gpu_kernel"]),
+    implementation=kernel_cfg.implementation,
+    token_chunk=kernel_cfg.token_chunk,
+    pair_chunk=kernel_cfg.pair_chunk,
+    block_tokens=kernel_cfg.block_tokens,
+    row_sorted=bool(kernel_cfg.get("row_sorted", True)),
+    block_d=kernel_cfg.get("block_d", KernelOptions._field_defaults["block_d"]),  # configs saved before the field
+    stages=kernel_cfg.get("stages", KernelOptions._field_defaults["stages"]),
+    gpu_kernel=kernel_cfg.get("gpu_kernel", KernelOptions._field_defaults["gpu_kernel"]),
   )

@@ -74,14 +74,14 @@ def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options)
   slot_block = pl.BlockSpec((s_padded, bt), lambda i: (0, i))
   whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)
   y_ND, h_SN = pl.pallas_call(
-      kernel,
-      grid=(n_padded // bt,),
-      in_specs=[token_block, slot_block, slot_block, whole(w_in_RD), whole(w_out_RD), whole(bias_R1)],
-      out_specs=[token_block, slot_block],
-      out_shape=[jax.ShapeDtypeStruct((n_padded, D), dtype), jax.ShapeDtypeStruct((s_padded, n_padded), jnp.float32)],
-      interpret=_interpret() or options.interpret,
-      compiler_params=pltriton.CompilerParams(),
-      name="gated_gather_forward",
+    kernel,
+    grid=(n_padded // bt,),
+    in_specs=[token_block, slot_block, slot_block, whole(w_in_RD), whole(w_out_RD), whole(bias_R1)],
+    out_specs=[token_block, slot_block],
+    out_shape=[jax.ShapeDtypeStruct((n_padded, D), dtype), jax.ShapeDtypeStruct((s_padded, n_padded), jnp.float32)],
+    interpret=_interpret() or options.interpret,
+    compiler_params=pltriton.CompilerParams(),
+    name="gated_gather_forward",
   )(x_ND, rows_SN, gates_SN, w_in_RD, w_out_RD, bias_R1)
   return y_ND[:n_tokens], h_SN.T[:n_tokens, :S]
 
@@ -119,14 +119,14 @@ def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, opt
   whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)
   slot_out = jax.ShapeDtypeStruct((s_padded, n_padded), jnp.float32)
   dx_ND, dgates_SN, cin_SN, cout_SN = pl.pallas_call(
-      kernel,
-      grid=(n_padded // bt,),
-      in_specs=[token_block, slot_block, slot_block, slot_block, whole(w_in_RD), whole(w_out_RD)],
-      out_specs=[token_block, slot_block, slot_block, slot_block],
-      out_shape=[jax.ShapeDtypeStruct((n_padded, D), dtype), slot_out, slot_out, slot_out],
-      interpret=_interpret() or options.interpret,
-      compiler_params=pltriton.CompilerParams(),
-      name="gated_gather_backward",
+    kernel,
+    grid=(n_padded // bt,),
+    in_specs=[token_block, slot_block, slot_block, slot_block, whole(w_in_RD), whole(w_out_RD)],
+    out_specs=[token_block, slot_block, slot_block, slot_block],
+    out_shape=[jax.ShapeDtypeStruct((n_padded, D), dtype), slot_out, slot_out, slot_out],
+    interpret=_interpret() or options.interpret,
+    compiler_params=pltriton.CompilerParams(),
+    name="gated_gather_backward",
   )(dy_ND, rows_SN, gates_SN, h_SN, w_in_RD, w_out_RD)
   crop = lambda a_SN: a_SN.T[:n_tokens, :S]
   return dx_ND[:n_tokens], crop(dgates_SN), crop(cin_SN), crop(cout_SN)

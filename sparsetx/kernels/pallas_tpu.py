@@ -22,12 +22,13 @@ def _interpret(options):
 
 def _gather_rows(rows_smem, tables_hbm, scratch, sem, bt, S):
   """DMA rows[t, s] of each table into scratch[k][t, s] for the block; returns when all landed."""
+
   def copies(j):
     t, s = j // S, j % S
     r = rows_smem[t, s]
     return [
-        pltpu.make_async_copy(table.at[pl.ds(r, 1)], buf.at[t, pl.ds(s, 1)], sem.at[k])
-        for k, (table, buf) in enumerate(zip(tables_hbm, scratch))
+      pltpu.make_async_copy(table.at[pl.ds(r, 1)], buf.at[t, pl.ds(s, 1)], sem.at[k])
+      for k, (table, buf) in enumerate(zip(tables_hbm, scratch))
     ]
 
   def start(j, carry):
@@ -80,18 +81,18 @@ def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options)
 
   token, slot, in_specs = _specs(bt, S, D, 2)
   y_ND, h_NS = pl.pallas_call(
-      kernel,
-      grid=(n_padded // bt,),
-      in_specs=in_specs,
-      out_specs=[token, slot],
-      out_shape=[jax.ShapeDtypeStruct((n_padded, D), dtype), jax.ShapeDtypeStruct((n_padded, S), jnp.float32)],
-      scratch_shapes=[
-          pltpu.VMEM((bt, S, D), w_in_RD.dtype),
-          pltpu.VMEM((bt, S, D), w_out_RD.dtype),
-          pltpu.SemaphoreType.DMA((2,)),
-      ],
-      interpret=_interpret(options),
-      name="gated_gather_forward",
+    kernel,
+    grid=(n_padded // bt,),
+    in_specs=in_specs,
+    out_specs=[token, slot],
+    out_shape=[jax.ShapeDtypeStruct((n_padded, D), dtype), jax.ShapeDtypeStruct((n_padded, S), jnp.float32)],
+    scratch_shapes=[
+      pltpu.VMEM((bt, S, D), w_in_RD.dtype),
+      pltpu.VMEM((bt, S, D), w_out_RD.dtype),
+      pltpu.SemaphoreType.DMA((2,)),
+    ],
+    interpret=_interpret(options),
+    name="gated_gather_forward",
   )(rows_NS, x_ND, gates_NS, bias_NS, w_in_RD, w_out_RD)
   return y_ND[:n_tokens], h_NS[:n_tokens]
 
@@ -106,7 +107,21 @@ def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, opt
   n_padded = dy_ND.shape[0]
   gating = gating.lowered()
 
-  def kernel(rows_smem, dy_ref, gates_ref, h_ref, w_in_hbm, w_out_hbm, dx_ref, dgates_ref, cin_ref, cout_ref, w_in_v, w_out_v, sem):
+  def kernel(
+    rows_smem,
+    dy_ref,
+    gates_ref,
+    h_ref,
+    w_in_hbm,
+    w_out_hbm,
+    dx_ref,
+    dgates_ref,
+    cin_ref,
+    cout_ref,
+    w_in_v,
+    w_out_v,
+    sem,
+  ):
     _gather_rows(rows_smem, (w_in_hbm, w_out_hbm), (w_in_v, w_out_v), sem, bt, S)
     dy_bD = dy_ref[...].astype(jnp.float32)
     dyw_bS = jnp.sum(dy_bD[:, None, :] * w_out_v[...].astype(dtype).astype(jnp.float32), axis=-1)
@@ -123,17 +138,17 @@ def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, opt
   token, slot, in_specs = _specs(bt, S, D, 2)
   slot_out = jax.ShapeDtypeStruct((n_padded, S), jnp.float32)
   dx_ND, dgates, cin, cout = pl.pallas_call(
-      kernel,
-      grid=(n_padded // bt,),
-      in_specs=in_specs,
-      out_specs=[token, slot, slot, slot],
-      out_shape=[jax.ShapeDtypeStruct((n_padded, D), dtype), slot_out, slot_out, slot_out],
-      scratch_shapes=[
-          pltpu.VMEM((bt, S, D), w_in_RD.dtype),
-          pltpu.VMEM((bt, S, D), w_out_RD.dtype),
-          pltpu.SemaphoreType.DMA((2,)),
-      ],
-      interpret=_interpret(options),
-      name="gated_gather_backward",
+    kernel,
+    grid=(n_padded // bt,),
+    in_specs=in_specs,
+    out_specs=[token, slot, slot, slot],
+    out_shape=[jax.ShapeDtypeStruct((n_padded, D), dtype), slot_out, slot_out, slot_out],
+    scratch_shapes=[
+      pltpu.VMEM((bt, S, D), w_in_RD.dtype),
+      pltpu.VMEM((bt, S, D), w_out_RD.dtype),
+      pltpu.SemaphoreType.DMA((2,)),
+    ],
+    interpret=_interpret(options),
+    name="gated_gather_backward",
   )(rows_NS, dy_ND, gates_NS, h_NS, w_in_RD, w_out_RD)
   return dx_ND[:n_tokens], dgates[:n_tokens], cin[:n_tokens], cout[:n_tokens]

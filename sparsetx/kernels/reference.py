@@ -10,7 +10,8 @@ the gated sum accumulate in float32; the output has x's dtype.
 """
 
 import functools
-from typing import Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,7 @@ class Gating(NamedTuple):
 
   activation: Callable = identity
   gate_inside: bool = True
-  act_derivative: Optional[Callable] = None
+  act_derivative: Callable | None = None
 
   @property
   def linear_in_gate(self) -> bool:
@@ -64,16 +65,18 @@ class Gating(NamedTuple):
     """The same gating with act and act' through kernel_math.lowerable (what Pallas kernels can lower)."""
     from sparsetx.kernels.kernel_math import lowerable
 
-    return Gating(lowerable(self.activation), self.gate_inside,
-                  lowerable(functools.partial(derivative, self.activation)))
+    return Gating(
+      lowerable(self.activation), self.gate_inside, lowerable(functools.partial(derivative, self.activation))
+    )
 
 
 def as_gating(activation_or_gating, gate_inside=True) -> Gating:
   return activation_or_gating if isinstance(activation_or_gating, Gating) else Gating(activation_or_gating, gate_inside)
 
 
-def gated_gather_reference(x_BTD, w_in_RD, w_out_RD, rows_BTS, gates_BTS, activation=identity, bias_R=None,
-                           gate_inside_activation=True):
+def gated_gather_reference(
+  x_BTD, w_in_RD, w_out_RD, rows_BTS, gates_BTS, activation=identity, bias_R=None, gate_inside_activation=True
+):
   compute_dtype = x_BTD.dtype
   w_in_BTSD = w_in_RD[rows_BTS].astype(compute_dtype)
   w_out_BTSD = w_out_RD[rows_BTS].astype(compute_dtype)

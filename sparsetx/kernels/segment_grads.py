@@ -40,8 +40,8 @@ def table_grads(x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS, n_rows, pair_chun
   pad = n_padded - n_pairs
   # Padding pairs point one past the last row (dropped) with zero coefficients; order stays sorted.
   chunks = [
-      jnp.pad(a, (0, pad), constant_values=fill).reshape(-1, pair_chunk)
-      for a, fill in ((sorted_rows_P, n_rows), (token_P, 0), (coef_in_P, 0.0), (coef_out_P, 0.0))
+    jnp.pad(a, (0, pad), constant_values=fill).reshape(-1, pair_chunk)
+    for a, fill in ((sorted_rows_P, n_rows), (token_P, 0), (coef_in_P, 0.0), (coef_out_P, 0.0))
   ]
   x_ND = x_ND.astype(jnp.float32)
   dy_ND = dy_ND.astype(jnp.float32)

@@ -33,6 +33,4 @@ def on_token_shards(fn, per_token, *args):
   n_tokens = next(a.shape[0] for a, split in zip(args, per_token) if split)
   tokens = P(batch) if batch and n_tokens % math.prod(mesh.shape[a] for a in batch) == 0 else P()
   in_specs = tuple(tokens if split else P() for split in per_token)
-  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=tokens, axis_names=set(free), check_vma=False)(
-      *args
-  )
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=tokens, axis_names=set(free), check_vma=False)(*args)

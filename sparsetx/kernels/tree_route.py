@@ -76,7 +76,7 @@ def tree_paths(x_ND, w_in_PMD, b_in_PM, depth, dense_levels=DENSE_LEVELS, rows_p
   nodes, logits, z_top_NPM = [], [], None
   if top:
     z_top_NPM = jnp.einsum(
-        "nd,pmd->npm", x_ND, w_in_PMD[:, :n_top].astype(x_ND.dtype), preferred_element_type=jnp.float32
+      "nd,pmd->npm", x_ND, w_in_PMD[:, :n_top].astype(x_ND.dtype), preferred_element_type=jnp.float32
     )
     z_top_NPM = z_top_NPM + b_in_PM[None, :, :n_top].astype(jnp.float32)
     frozen_NPM = jax.lax.stop_gradient(z_top_NPM)
@@ -112,8 +112,15 @@ def sparse_forward(x_ND, w_in_PMD, b_in_PM, w_out_PMD, depth, activation, option
     rows_NS = (deep_NPL + M * jnp.arange(P, dtype=jnp.int32)[None, :, None]).reshape(x_ND.shape[0], -1)
     flat = lambda table: table.reshape(P * M, D)  # noqa: E731
     y_ND = y_ND + gated_gather(
-        x_ND, flat(w_in_PMD), flat(w_out_PMD), rows_NS, jnp.ones(rows_NS.shape, jnp.float32), activation,
-        bias_R=b_in_PM.reshape(P * M), options=options, pre_activation=z_NPL[..., top:].reshape(rows_NS.shape),
-        gate_inside_activation=False,  # gates 1: act(z) * w_out, the FFF formula as written
+      x_ND,
+      flat(w_in_PMD),
+      flat(w_out_PMD),
+      rows_NS,
+      jnp.ones(rows_NS.shape, jnp.float32),
+      activation,
+      bias_R=b_in_PM.reshape(P * M),
+      options=options,
+      pre_activation=z_NPL[..., top:].reshape(rows_NS.shape),
+      gate_inside_activation=False,  # gates 1: act(z) * w_out, the FFF formula as written
     ).astype(jnp.float32)
   return y_ND, path_NPL, z_NPL

@@ -161,10 +161,10 @@ def row_order(rows_NS, gates_NS, n_rows, pair_chunk, merge_duplicates=True):
   n_pairs = n_tokens * n_slots
   pad = -(-n_pairs // pair_chunk) * pair_chunk - n_pairs
   return RowOrder(
-      rows_P=jnp.pad(sorted_key_P // n_tokens, (0, pad), constant_values=n_rows),
-      tokens_P=jnp.pad(sorted_key_P % n_tokens, (0, pad)),
-      gates_P=jnp.pad(gates_P, (0, pad)),
-      position_NS=position_NS,
+    rows_P=jnp.pad(sorted_key_P // n_tokens, (0, pad), constant_values=n_rows),
+    tokens_P=jnp.pad(sorted_key_P % n_tokens, (0, pad)),
+    gates_P=jnp.pad(gates_P, (0, pad)),
+    position_NS=position_NS,
   )
 
 

@@ -94,8 +94,14 @@ def splash_attention(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT, interpret: bool = F
   segments_BT = _pad_length(segment_ids_BT, T_pad)
   mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((T_pad, T_pad))] * H)
   sizes = splash_kernel.BlockSizes(
-      block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
-      block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
+    block_q=block,
+    block_kv=block,
+    block_kv_compute=block,
+    block_q_dkv=block,
+    block_kv_dkv=block,
+    block_kv_dkv_compute=block,
+    block_q_dq=block,
+    block_kv_dq=block,
   )
   kernel = splash_kernel.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
   q_BHTK = (q_BHTK * (1.0 / math.sqrt(K))).astype(q_BTHK.dtype)
@@ -110,7 +116,7 @@ def pallas_attention(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT, interpret: bool = F
   T_pad = -(-T // 128) * 128 if T > 128 else max(16, 1 << (T - 1).bit_length())
   q_BTHK, k_BTHK, v_BTHK, segments_BT = (_pad_length(a, T_pad) for a in (q_BTHK, k_BTHK, v_BTHK, segment_ids_BT))
   out_BTHK = gpu_attention.mha(
-      q_BTHK, k_BTHK, v_BTHK, segments_BT, sm_scale=1.0 / math.sqrt(K), causal=True, interpret=interpret
+    q_BTHK, k_BTHK, v_BTHK, segments_BT, sm_scale=1.0 / math.sqrt(K), causal=True, interpret=interpret
   )
   return out_BTHK[:, :T]
 
@@ -127,17 +133,20 @@ def _check_backend(implementation: str, dtype) -> None:
   if implementation == "cudnn":
     if backend != "gpu":
       raise config_lib.ConfigError(
-          f"config.model.attention='cudnn' runs on NVIDIA GPUs only, and this process runs on {backend}; "
-          "use 'auto' (or 'xla') here.")
+        f"config.model.attention='cudnn' runs on NVIDIA GPUs only, and this process runs on {backend}; "
+        "use 'auto' (or 'xla') here."
+      )
     if jnp.dtype(dtype) not in map(jnp.dtype, CUDNN_DTYPES):
       raise config_lib.ConfigError(
-          f"config.model.attention='cudnn' has no {jnp.dtype(dtype).name} kernel; set config.model.dtype to "
-          "'bfloat16' or 'float16', or use attention='xla'.")
+        f"config.model.attention='cudnn' has no {jnp.dtype(dtype).name} kernel; set config.model.dtype to "
+        "'bfloat16' or 'float16', or use attention='xla'."
+      )
   elif backend in ("gpu", "tpu") and backend != _TARGET[implementation]:
     use = "splash" if backend == "tpu" else "cudnn' or 'pallas"
     raise config_lib.ConfigError(
-        f"config.model.attention={implementation!r} is a {_TARGET[implementation].upper()} kernel and this process "
-        f"runs on {backend}; use 'auto' or '{use}'.")
+      f"config.model.attention={implementation!r} is a {_TARGET[implementation].upper()} kernel and this process "
+      f"runs on {backend}; use 'auto' or '{use}'."
+    )
 
 
 def _per_shard(fn, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT):
@@ -160,7 +169,11 @@ def _per_shard(fn, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT):
     return fn(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)
   spec_BTHK, spec_BT = P(batch or None, None, heads or None, None), P(batch or None, None)
   return jax.shard_map(
-      fn, mesh=mesh, in_specs=(spec_BTHK,) * 3 + (spec_BT,), out_specs=spec_BTHK,
-      # Every free axis manual (the others replicate): Pallas TPU refuses a partially manual region.
-      axis_names=set(mesh.axis_names) - set(mesh.manual_axes), check_vma=False,
+    fn,
+    mesh=mesh,
+    in_specs=(spec_BTHK,) * 3 + (spec_BT,),
+    out_specs=spec_BTHK,
+    # Every free axis manual (the others replicate): Pallas TPU refuses a partially manual region.
+    axis_names=set(mesh.axis_names) - set(mesh.manual_axes),
+    check_vma=False,
   )(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)

@@ -184,32 +184,32 @@ def ladder_table(flop_budget: float, seq_len: int = LADDER_SEQ_LEN) -> list[dict
       params = param_counts(model)
       flops = forward_flops_per_token(model, seq_len)
       rows.append(
-          dict(
-              ffn=ffn_type,
-              scale=scale,
-              d_model=d_model,
-              n_layers=n_layers,
-              d_ffw=d_ffw,
-              total_params=params["total"],
-              active_params=params["active"],
-              fwd_flops=flops["total"],
-              tokens=training_tokens(model, flop_budget, seq_len),
-          )
+        dict(
+          ffn=ffn_type,
+          scale=scale,
+          d_model=d_model,
+          n_layers=n_layers,
+          d_ffw=d_ffw,
+          total_params=params["total"],
+          active_params=params["active"],
+          fwd_flops=flops["total"],
+          tokens=training_tokens(model, flop_budget, seq_len),
+        )
       )
   return rows
 
 
 def format_table(rows: list[dict], flop_budget: float) -> str:
   header = (
-      f"{'ffn':<8}{'scale':>6}{'d_model':>9}{'layers':>7}{'d_ffw':>9}{'total':>10}{'active':>10}"
-      f"{'GFLOP/tok':>11}{f'tokens @ {flop_budget:.0e}':>18}"
+    f"{'ffn':<8}{'scale':>6}{'d_model':>9}{'layers':>7}{'d_ffw':>9}{'total':>10}{'active':>10}"
+    f"{'GFLOP/tok':>11}{f'tokens @ {flop_budget:.0e}':>18}"
   )
   lines = [header, "-" * len(header)]
   for r in rows:
     lines.append(
-        f"{r['ffn']:<8}{r['scale']:>6}{r['d_model']:>9}{r['n_layers']:>7}{r['d_ffw']:>9}"
-        f"{r['total_params'] / 1e6:>9.1f}M{r['active_params'] / 1e6:>9.1f}M{r['fwd_flops'] / 1e9:>11.3f}"
-        f"{r['tokens'] / 1e9:>17.2f}B"
+      f"{r['ffn']:<8}{r['scale']:>6}{r['d_model']:>9}{r['n_layers']:>7}{r['d_ffw']:>9}"
+      f"{r['total_params'] / 1e6:>9.1f}M{r['active_params'] / 1e6:>9.1f}M{r['fwd_flops'] / 1e9:>11.3f}"
+      f"{r['tokens'] / 1e9:>17.2f}B"
     )
   return "\n".join(lines)
 

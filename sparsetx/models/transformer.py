@@ -27,8 +27,8 @@ import ml_collections
 from sparsetx import config as config_lib
 from sparsetx.models import attention as attention_lib
 from sparsetx.models.ffn.common import dense_init
-from sparsetx.models.taps import tap
 from sparsetx.models.ffn.registry import make_ffn
+from sparsetx.models.taps import tap
 
 
 def make_norm(cfg, name: str) -> nn.Module:
@@ -37,7 +37,7 @@ def make_norm(cfg, name: str) -> nn.Module:
   if cfg.norm == "rmsnorm":
     return nn.RMSNorm(scale_init=scale_init, **common)
   return nn.LayerNorm(
-      scale_init=scale_init, bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)), **common
+    scale_init=scale_init, bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)), **common
   )
 
 
@@ -85,27 +85,28 @@ class Attention(nn.Module):
 
     def project(name, features, axis, kernel_names, bias_names):
       return nn.DenseGeneral(
-          features,
-          axis=axis,
-          use_bias=cfg.use_bias,
-          dtype=dtype,
-          param_dtype=jnp.dtype(cfg.param_dtype),
-          kernel_init=dense_init(cfg.init_std, kernel_names),
-          bias_init=nn.with_logical_partitioning(nn.initializers.zeros, bias_names),
-          name=name,
+        features,
+        axis=axis,
+        use_bias=cfg.use_bias,
+        dtype=dtype,
+        param_dtype=jnp.dtype(cfg.param_dtype),
+        kernel_init=dense_init(cfg.init_std, kernel_names),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, bias_names),
+        name=name,
       )
 
     q_BTHK, k_BTHK, v_BTHK = (
-        project(name, (H, K), -1, ("embed", "heads", "kv"), ("heads", "kv"))(x_BTD)
-        for name in ("query", "key", "value")
+      project(name, (H, K), -1, ("embed", "heads", "kv"), ("heads", "kv"))(x_BTD) for name in ("query", "key", "value")
     )
     rotary_dims = int(K * cfg.rotary_fraction)
     q_BTHK = apply_rotary(q_BTHK, positions_BT, rotary_dims, cfg.rope_base)
     k_BTHK = apply_rotary(k_BTHK, positions_BT, rotary_dims, cfg.rope_base)
     k_BSHK, v_BSHK = k_BTHK, v_BTHK  # S = T, or the cache length when decoding (the mask covers S)
     if self.decode:
-      k_BSHK, v_BSHK = (self._cached(name, new_BTHK, positions_BT)
-                        for name, new_BTHK in (("cached_key", k_BTHK), ("cached_value", v_BTHK)))
+      k_BSHK, v_BSHK = (
+        self._cached(name, new_BTHK, positions_BT)
+        for name, new_BTHK in (("cached_key", k_BTHK), ("cached_value", v_BTHK))
+      )
     implementation = attention_implementation(cfg, self.decode)
     if self.has_variable("patches", "attention_probabilities"):
       implementation = "xla"
@@ -113,7 +114,8 @@ class Attention(nn.Module):
       if mask_B1TS is None:
         mask_B1TS = attention_lib.causal_segment_mask(segment_ids_BT)
       out_BTHK = attention_lib.xla_attention(
-          q_BTHK, k_BSHK, v_BSHK, mask_B1TS, lambda probs_BHTS: tap(self, "attention_probabilities", probs_BHTS))
+        q_BTHK, k_BSHK, v_BSHK, mask_B1TS, lambda probs_BHTS: tap(self, "attention_probabilities", probs_BHTS)
+      )
     else:
       out_BTHK = attention_lib.fused_attention(implementation, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)
     return project("out", cfg.d_model, (-2, -1), ("heads", "kv", "embed"), ("embed",))(out_BTHK)
@@ -196,12 +198,12 @@ class Transformer(nn.Module):
       mask_B1TS = attention_mask(segment_ids_BT) if attention_implementation(cfg) == "xla" else None
 
     embed = nn.Embed(
-        cfg.vocab_size,
-        cfg.d_model,
-        dtype=jnp.dtype(cfg.dtype),
-        param_dtype=jnp.dtype(cfg.param_dtype),
-        embedding_init=dense_init(cfg.init_std, ("vocab", "embed")),
-        name="embed",
+      cfg.vocab_size,
+      cfg.d_model,
+      dtype=jnp.dtype(cfg.dtype),
+      param_dtype=jnp.dtype(cfg.param_dtype),
+      embedding_init=dense_init(cfg.init_std, ("vocab", "embed")),
+      name="embed",
     )
     x_BTD = embed(tokens_BT)
     x_BTD = tap(self, "token_embeddings", x_BTD)
@@ -215,12 +217,12 @@ class Transformer(nn.Module):
       logits_BTV = jnp.einsum("btd,vd->btv", x_BTD.astype(jnp.float32), embed.embedding.astype(jnp.float32))
     else:
       logits_BTV = nn.Dense(
-          cfg.vocab_size,
-          use_bias=False,
-          dtype=jnp.float32,
-          param_dtype=jnp.dtype(cfg.param_dtype),
-          kernel_init=dense_init(cfg.init_std, ("embed", "vocab")),
-          name="lm_head",
+        cfg.vocab_size,
+        use_bias=False,
+        dtype=jnp.float32,
+        param_dtype=jnp.dtype(cfg.param_dtype),
+        kernel_init=dense_init(cfg.init_std, ("embed", "vocab")),
+        name="lm_head",
       )(x_BTD.astype(jnp.float32))
     logits_BTV = tap(self, "logits", logits_BTV.astype(jnp.float32))
     return nn.with_logical_constraint(logits_BTV, ("batch", "length", "vocab"))
@@ -230,11 +232,13 @@ class Transformer(nn.Module):
     B, T = tokens_BT.shape
     if segment_ids_BT is not None:
       raise config_lib.ConfigError(
-          "decode=True takes one sequence per row; drop segment_ids (they are for packed rows).")
+        "decode=True takes one sequence per row; drop segment_ids (they are for packed rows)."
+      )
     if T > self.cfg.max_len:
       raise config_lib.ConfigError(
-          f"a decode call of {T} tokens does not fit the cache of config.model.max_len={self.cfg.max_len} positions; "
-          "shorten the prompt (keep its newest tokens) or use a model with a longer window.")
+        f"a decode call of {T} tokens does not fit the cache of config.model.max_len={self.cfg.max_len} positions; "
+        "shorten the prompt (keep its newest tokens) or use a model with a longer window."
+      )
     index = self.variable("cache", "cache_index", jnp.zeros, (B,), jnp.int32)
     if positions_BT is None:
       positions_BT = index.value[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]

@@ -37,8 +37,21 @@ from sparsetx.train import step as step_lib
 from sparsetx.train.optimizer import learning_rate_schedule
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
-                "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_DTYPE_BYTES = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "bf16": 2,
+  "f16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+}
 _COLLECTIVE_RE = re.compile(r"=\s*(?P<shape>.*?)\s+(?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 _ARRAY_RE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
 
@@ -56,8 +69,9 @@ def sparse_table_bytes(abstract_params) -> int:
   """Per-device bytes of the sparse layers' tables (sgatlin/PEER experts, FFF nodes, MoE experts)."""
   names = {"experts", "w_in", "w_out", "wi_gate", "wi_up", "wo"}
   leaves = [
-      leaf for path, leaf in jax.tree.leaves_with_path(abstract_params)
-      if getattr(path[-1], "key", None) in names and any(getattr(p, "key", "") == "mlp" for p in path)
+    leaf
+    for path, leaf in jax.tree.leaves_with_path(abstract_params)
+    if getattr(path[-1], "key", None) in names and any(getattr(p, "key", "") == "mlp" for p in path)
   ]
   return device_bytes(leaves)
 
@@ -65,8 +79,13 @@ def sparse_table_bytes(abstract_params) -> int:
 def abstract_batch(config, sharding) -> dict:
   B, T = config.data.global_batch_size, config.data.seq_len
   spec = lambda dtype: jax.ShapeDtypeStruct((B, T), dtype, sharding=sharding)  # noqa: E731
-  return dict(inputs=spec(jnp.int32), targets=spec(jnp.int32), segment_ids=spec(jnp.int32),
-              positions=spec(jnp.int32), loss_weights=spec(jnp.float32))
+  return dict(
+    inputs=spec(jnp.int32),
+    targets=spec(jnp.int32),
+    segment_ids=spec(jnp.int32),
+    positions=spec(jnp.int32),
+    loss_weights=spec(jnp.float32),
+  )
 
 
 class Collective(NamedTuple):
@@ -85,11 +104,13 @@ def collectives(hlo_text: str) -> list:
     if not match:
       continue
     nbytes = sum(
-        _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-        for dtype, dims in _ARRAY_RE.findall(match["shape"])
+      _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+      for dtype, dims in _ARRAY_RE.findall(match["shape"])
     )
     source = re.search(r'op_name="([^"]*)"', line)
-    found.append(Collective(match["op"], nbytes, _group_size(line), match["shape"].split("{")[0], source[1] if source else ""))
+    found.append(
+      Collective(match["op"], nbytes, _group_size(line), match["shape"].split("{")[0], source[1] if source else "")
+    )
   return found
 
 
@@ -135,7 +156,7 @@ def _trace_train_step(config: ml_collections.ConfigDict, mesh):
   abstract, shardings, model, tx = abstract_state(config, mesh)
   batch_sharding = mesh_lib.batch_sharding(mesh, config.mesh.rules)
   step = functools.partial(
-      step_lib.train_step, model=model, train=config.train, schedule=learning_rate_schedule(config.train)
+    step_lib.train_step, model=model, train=config.train, schedule=learning_rate_schedule(config.train)
   )
   jitted = jax.jit(step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0)
   return jitted.trace(abstract, abstract_batch(config, batch_sharding)), abstract
@@ -184,8 +205,8 @@ def target_platform(platform: str, chip: str | None = None):
     kind = tpu_device_kind(chip or "v5p")
     cores = tpu_info.chip_version_from_device_kind(kind).num_physical_tensor_cores_per_chip
     patches += [
-        mock.patch.object(tpu_info, "get_device_kind", lambda: kind),
-        mock.patch.object(tpu_info, "get_num_device_cores", lambda: cores),
+      mock.patch.object(tpu_info, "get_device_kind", lambda: kind),
+      mock.patch.object(tpu_info, "get_num_device_cores", lambda: cores),
     ]
   elif chip is not None:
     raise config_lib.ConfigError(f"chip={chip!r} is for platform tpu; cuda takes its kernel from kernel.gpu_kernel.")
@@ -218,24 +239,40 @@ def lower_eval_step(config: ml_collections.ConfigDict, platform: str, chip: str 
   with target_platform(platform, chip), expert_parallel.activate(mesh, config.mesh.rules):
     abstract, shardings, model, _ = abstract_state(config, mesh)
     batch_sharding = mesh_lib.batch_sharding(mesh, config.mesh.rules)
-    jitted = jax.jit(functools.partial(step_lib.eval_step, model=model), in_shardings=(shardings.params, batch_sharding))
+    jitted = jax.jit(
+      functools.partial(step_lib.eval_step, model=model), in_shardings=(shardings.params, batch_sharding)
+    )
     traced = jitted.trace(abstract.params, abstract_batch(config, batch_sharding))
     return traced.lower(lowering_platforms=(platform,)).as_text()
 
 
-def lower_generate(config: ml_collections.ConfigDict, platform: str, chip: str | None = None, batch_size: int = 8,
-                   prefill_len: int | None = None) -> str:
+def lower_generate(
+  config: ml_collections.ConfigDict,
+  platform: str,
+  chip: str | None = None,
+  batch_size: int = 8,
+  prefill_len: int | None = None,
+) -> str:
   """StableHLO text of the sampler's cached generation (a prefill of `prefill_len` tokens, then one decode step
   per new token reading the KV cache) for `batch_size` rows of config.model.max_len, lowered like lower_train_step."""
   model = state_lib.build_model(config)
   B, T = batch_size, config.model.max_len
   prefill_len = prefill_len or sampling.prefill_length(T // 2, T)
   with target_platform(platform, chip):
-    params = jax.eval_shape(lambda rng: nn.unbox(model.init(rng, jnp.zeros((1, T), jnp.int32)))["params"],
-                            jax.random.key(0))
+    params = jax.eval_shape(
+      lambda rng: nn.unbox(model.init(rng, jnp.zeros((1, T), jnp.int32)))["params"], jax.random.key(0)
+    )
     spec = jax.ShapeDtypeStruct
-    args = (params, spec((B, T), jnp.int32), spec((B,), jnp.int32), spec((B,), jnp.bool_), spec((), jnp.int32),
-            spec((), jnp.float32), spec((), jnp.int32), jax.eval_shape(jax.random.key, 0))
+    args = (
+      params,
+      spec((B, T), jnp.int32),
+      spec((B,), jnp.int32),
+      spec((B,), jnp.bool_),
+      spec((), jnp.int32),
+      spec((), jnp.float32),
+      spec((), jnp.int32),
+      jax.eval_shape(jax.random.key, 0),
+    )
     jitted = jax.jit(functools.partial(sampling._generate_cached, model), static_argnums=(0, 1))
     return jitted.trace(0, prefill_len, *args).lower(lowering_platforms=(platform,)).as_text()
 
@@ -265,24 +302,24 @@ def dry_run(config: ml_collections.ConfigDict, mesh) -> Report:
   compiled, abstract = compile_train_step(config, mesh)
   memory = compiled.memory_analysis()
   memory = {
-      name: int(getattr(memory, f"{name}_size_in_bytes", 0) or 0)
-      for name in ("argument", "output", "temp", "alias", "generated_code")
+    name: int(getattr(memory, f"{name}_size_in_bytes", 0) or 0)
+    for name in ("argument", "output", "temp", "alias", "generated_code")
   }
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   tokens = config.data.global_batch_size * config.data.seq_len
   return Report(
-      mesh_shape=dict(mesh.shape),
-      n_params=sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract.params)),
-      param_bytes=device_bytes(abstract.params),
-      optimizer_bytes=device_bytes(abstract.opt_state),
-      table_bytes=sparse_table_bytes(abstract.params),
-      memory=memory,
-      model_flops=3.0 * ladder.forward_flops_per_token(config.model, config.data.seq_len)["total"] * tokens,
-      compiled_flops=float((cost or {}).get("flops", 0.0)),
-      collectives=collectives(compiled.as_text()),
-      bytes_accessed=float((cost or {}).get("bytes accessed", 0.0)),
-      tokens_per_step=tokens,
+    mesh_shape=dict(mesh.shape),
+    n_params=sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract.params)),
+    param_bytes=device_bytes(abstract.params),
+    optimizer_bytes=device_bytes(abstract.opt_state),
+    table_bytes=sparse_table_bytes(abstract.params),
+    memory=memory,
+    model_flops=3.0 * ladder.forward_flops_per_token(config.model, config.data.seq_len)["total"] * tokens,
+    compiled_flops=float((cost or {}).get("flops", 0.0)),
+    collectives=collectives(compiled.as_text()),
+    bytes_accessed=float((cost or {}).get("bytes accessed", 0.0)),
+    tokens_per_step=tokens,
   )
 
 
@@ -310,20 +347,20 @@ def _size(nbytes: float) -> str:
 def format_report(report: Report) -> str:
   mesh = " x ".join(f"{axis}={size}" for axis, size in report.mesh_shape.items())
   lines = [
-      f"mesh                      {mesh} ({math.prod(report.mesh_shape.values())} devices)",
-      f"parameters                {report.n_params:,} ({report.n_params / 1e9:.2f} B)",
-      "per device:",
-      f"  parameters              {_size(report.param_bytes)}",
-      f"  optimizer state         {_size(report.optimizer_bytes)}",
-      f"  sparse tables           {_size(report.table_bytes)}",
-      "compiler memory analysis (per device):",
+    f"mesh                      {mesh} ({math.prod(report.mesh_shape.values())} devices)",
+    f"parameters                {report.n_params:,} ({report.n_params / 1e9:.2f} B)",
+    "per device:",
+    f"  parameters              {_size(report.param_bytes)}",
+    f"  optimizer state         {_size(report.optimizer_bytes)}",
+    f"  sparse tables           {_size(report.table_bytes)}",
+    "compiler memory analysis (per device):",
   ]
   lines += [f"  {name:<22}  {_size(value)}" for name, value in report.memory.items()]
   lines += [
-      f"model FLOPs per step      {report.model_flops:.3e} (ladder accounting, forward + backward)",
-      f"compiled FLOPs per device {report.compiled_flops:.3e} (XLA cost analysis, one device; a loop body such as micro-batches counts once)",
-      "collectives (static instructions in the compiled program; loop bodies listed once):",
-      f"  {'op':<20}{'count':>7}{'total bytes':>14}{'largest':>12}  group sizes",
+    f"model FLOPs per step      {report.model_flops:.3e} (ladder accounting, forward + backward)",
+    f"compiled FLOPs per device {report.compiled_flops:.3e} (XLA cost analysis, one device; a loop body such as micro-batches counts once)",
+    "collectives (static instructions in the compiled program; loop bodies listed once):",
+    f"  {'op':<20}{'count':>7}{'total bytes':>14}{'largest':>12}  group sizes",
   ]
   by_op = collections.defaultdict(list)
   for op, nbytes, group, _, _ in report.collectives:
@@ -359,13 +396,23 @@ def table_bytes_by_expert(config: ml_collections.ConfigDict, devices, expert_siz
     expert_parallel.check_units_divide(config, mesh)
     shardings = mesh_lib.logical_sharding(specs, mesh, config.mesh.rules)
     abstract = jax.tree.map(
-        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), nn.unbox(boxed), shardings
+      lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), nn.unbox(boxed), shardings
     )
     rows.append((expert, sparse_table_bytes(abstract)))
   return rows
 
 
 __all__ = [
-    "Report", "dry_run", "format_report", "device_bytes", "collectives", "table_bytes_by_expert", "target_platform",
-    "lower_train_step", "lower_eval_step", "lower_generate", "custom_calls", "format_custom_calls",
+  "Report",
+  "dry_run",
+  "format_report",
+  "device_bytes",
+  "collectives",
+  "table_bytes_by_expert",
+  "target_platform",
+  "lower_train_step",
+  "lower_eval_step",
+  "lower_generate",
+  "custom_calls",
+  "format_custom_calls",
 ]

@@ -26,7 +26,7 @@ import os
 import re
 import sys
 import threading
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from sparsetx.config import ConfigError
 
@@ -95,15 +95,25 @@ def tpu_vm_present() -> bool:
   return bool(chips) and importlib.util.find_spec("libtpu") is not None
 
 
-def detect(env: Mapping[str, str], *, coordinator_address: str | None = None, num_processes: int | None = None,
-           process_id: int | None = None, local_device_ids: Sequence[int] | None = None,
-           tpu_present: bool = False) -> Spec:
+def detect(
+  env: Mapping[str, str],
+  *,
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+  local_device_ids: Sequence[int] | None = None,
+  tpu_present: bool = False,
+) -> Spec:
   """The multi-host spec for this environment; any flag given overrides the detected value.
 
   Raises ConfigError when the result is incomplete or inconsistent (a usage error, exit code 2).
   """
-  flags = dict(coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id,
-               local_device_ids=tuple(local_device_ids) if local_device_ids else None)
+  flags = dict(
+    coordinator_address=coordinator_address,
+    num_processes=num_processes,
+    process_id=process_id,
+    local_device_ids=tuple(local_device_ids) if local_device_ids else None,
+  )
   if "SLURM_JOB_ID" in env and "SLURM_PROCID" in env and ("SLURM_STEP_NODELIST" in env or "SLURM_JOB_NODELIST" in env):
     detected = _slurm(env)
   elif "JOBSET_NAME" in env and "REPLICATED_JOB_NAME" in env:
@@ -118,7 +128,9 @@ def detect(env: Mapping[str, str], *, coordinator_address: str | None = None, nu
   spec = dataclasses.replace(detected, **overrides)
   if detected.source != FLAGS and overrides:
     joining = ("coordinator_address", "num_processes", "process_id")
-    spec = dataclasses.replace(spec, source=FLAGS if all(k in overrides for k in joining) else f"{detected.source} + flags")
+    spec = dataclasses.replace(
+      spec, source=FLAGS if all(k in overrides for k in joining) else f"{detected.source} + flags"
+    )
   _check(spec)
   return spec
 
@@ -126,22 +138,23 @@ def detect(env: Mapping[str, str], *, coordinator_address: str | None = None, nu
 def _check(spec: Spec) -> None:
   if spec.source == TPU:
     return
-  missing = [f"--{name}" for name in ("coordinator_address", "num_processes", "process_id")
-             if getattr(spec, name) is None]
+  missing = [
+    f"--{name}" for name in ("coordinator_address", "num_processes", "process_id") if getattr(spec, name) is None
+  ]
   if missing:
     raise ConfigError(
-        f"multi-host start-up ({spec.source}) is missing {', '.join(missing)}; give all of --coordinator_address, "
-        "--num_processes and --process_id (or run under SLURM, a JobSet or a TPU VM pod, which set them)."
+      f"multi-host start-up ({spec.source}) is missing {', '.join(missing)}; give all of --coordinator_address, "
+      "--num_processes and --process_id (or run under SLURM, a JobSet or a TPU VM pod, which set them)."
     )
   if spec.num_processes < 1 or not 0 <= spec.process_id < spec.num_processes:
     raise ConfigError(
-        f"--process_id={spec.process_id} must be in [0, --num_processes={spec.num_processes}); "
-        "number the processes 0, 1, ..., num_processes - 1."
+      f"--process_id={spec.process_id} must be in [0, --num_processes={spec.num_processes}); "
+      "number the processes 0, 1, ..., num_processes - 1."
     )
   if ":" not in spec.coordinator_address:
     raise ConfigError(
-        f"--coordinator_address={spec.coordinator_address} has no port; give HOST:PORT, e.g. "
-        f"{spec.coordinator_address}:{K8S_COORDINATOR_PORT}."
+      f"--coordinator_address={spec.coordinator_address} has no port; give HOST:PORT, e.g. "
+      f"{spec.coordinator_address}:{K8S_COORDINATOR_PORT}."
     )
 
 
@@ -161,12 +174,18 @@ def initialize(spec: Spec, *, timeout_s: int = 300, heartbeat_timeout_s: int = 1
   jax.config.update("jax_cpu_collectives_implementation", "gloo")  # cross-process collectives on CPU
   where = spec.coordinator_address or "the TPU coordinator"
   who = f"process {spec.process_id} of {spec.num_processes}" if spec.num_processes else "this TPU worker"
-  advice = (f"Check that all processes started with the same --num_processes, that {where} is reachable from this "
-            "host, and that process 0 runs there.")
+  advice = (
+    f"Check that all processes started with the same --num_processes, that {where} is reachable from this "
+    "host, and that process 0 runs there."
+  )
 
   def give_up():
-    print(f"error: {who} could not join the run at coordinator {where} within {timeout_s}s ({spec.source}): "
-          f"not every process connected. {advice}", file=sys.stderr, flush=True)
+    print(
+      f"error: {who} could not join the run at coordinator {where} within {timeout_s}s ({spec.source}): "
+      f"not every process connected. {advice}",
+      file=sys.stderr,
+      flush=True,
+    )
     os._exit(4)
 
   watchdog = threading.Timer(timeout_s, give_up)
@@ -174,18 +193,18 @@ def initialize(spec: Spec, *, timeout_s: int = 300, heartbeat_timeout_s: int = 1
   watchdog.start()
   try:
     jax.distributed.initialize(
-        coordinator_address=spec.coordinator_address,
-        num_processes=spec.num_processes,
-        process_id=spec.process_id,
-        local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None,
-        initialization_timeout=timeout_s + 60,  # the watchdog's message comes first
-        heartbeat_timeout_seconds=heartbeat_timeout_s,
+      coordinator_address=spec.coordinator_address,
+      num_processes=spec.num_processes,
+      process_id=spec.process_id,
+      local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None,
+      initialization_timeout=timeout_s + 60,  # the watchdog's message comes first
+      heartbeat_timeout_seconds=heartbeat_timeout_s,
     )
     jax.devices()  # the backend exchanges device topologies with every peer: surface failures here
   except Exception as error:  # XlaRuntimeError, RuntimeError, ValueError: all mean "could not join"
     reason = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
     raise DistributedError(
-        f"{who} could not join the run at coordinator {where} ({spec.source}): {reason}. {advice}"
+      f"{who} could not join the run at coordinator {where} ({spec.source}): {reason}. {advice}"
     ) from None
   finally:
     watchdog.cancel()

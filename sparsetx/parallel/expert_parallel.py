@@ -48,7 +48,6 @@ from sparsetx.config import DEFAULT_RULES, ConfigError
 from sparsetx.kernels import segment_grads
 from sparsetx.kernels.reference import Gating
 
-
 # Put first in config.mesh.rules, these split every `embed` axis over fsdp x expert and keep channels whole:
 # neuron tables (PEER's shared one; sgatlin's when the expert axis is larger than its channel count)
 # are then split by d_model over the expert axis, and the layers run `split_gated_gather`.
@@ -142,8 +141,8 @@ def _checked(group: ExpertGroup, n_units: int, n_tokens: int, field: str):
   if n_units % group.n_unit_shards:
     shape = " x ".join(f"{a}={group.mesh.shape[a]}" for a in group.units)
     raise ConfigError(
-        f"{field}={n_units} is not divisible by the {group.n_unit_shards} devices of the mesh axes it is split over "
-        f"({shape}); make {field} a multiple of {group.n_unit_shards} or shrink those mesh axes."
+      f"{field}={n_units} is not divisible by the {group.n_unit_shards} devices of the mesh axes it is split over "
+      f"({shape}); make {field} a multiple of {group.n_unit_shards} or shrink those mesh axes."
     )
   if n_tokens % group.n_token_shards:
     return None
@@ -179,8 +178,9 @@ def _table_spec(table_names, rules) -> tuple:
   return spec + (None,) * (len(table_names) - len(spec))
 
 
-def split_gated_gather(group: ExpertGroup, x_ND, experts_2UND, idx_NUK, gates_NUK, activation, options,
-                       gate_inside_activation=True):
+def split_gated_gather(
+  group: ExpertGroup, x_ND, experts_2UND, idx_NUK, gates_NUK, activation, options, gate_inside_activation=True
+):
   """A neuron table's gated gather with its units and its d_model split over the group, in one shard_map.
 
   y[t] = sum_u sum_k a(<w_in[u, i], x[t]>, gates[t, u, k]) * w_out[u, i], i = idx[t, u, k], with the slot
@@ -210,18 +210,24 @@ def split_gated_gather(group: ExpertGroup, x_ND, experts_2UND, idx_NUK, gates_NU
     idx_huK, gates_huK = _gather_over_slices(idx_guK, group), _gather_over_slices(gates_guK, group)
     rows_hS = (idx_huK + n_neurons * jnp.arange(u, dtype=idx_huK.dtype)[None, :, None]).reshape(-1, u * K)
     y_hd = _sliced_gated_gather(
-        gating, options, group.split, x_hd, experts_2uNd[0].reshape(u * n_neurons, d),
-        experts_2uNd[1].reshape(u * n_neurons, d), rows_hS, gates_huK.reshape(rows_hS.shape),
+      gating,
+      options,
+      group.split,
+      x_hd,
+      experts_2uNd[0].reshape(u * n_neurons, d),
+      experts_2uNd[1].reshape(u * n_neurons, d),
+      rows_hS,
+      gates_huK.reshape(rows_hS.shape),
     )
     y_gD = from_owners(y_hd.astype(jnp.float32 if group.units else dtype), group, unit_dim=1, axes=group.split)
     return scatter_back(y_gD, group) if group.units else y_gD
 
   tokens = group.token_spec
   y_ND = shard_map(
-      local,
-      group,
-      in_specs=(tokens, P(None, group.unit_spec, None, group.split_spec), tokens, tokens),
-      out_specs=tokens,
+    local,
+    group,
+    in_specs=(tokens, P(None, group.unit_spec, None, group.split_spec), tokens, tokens),
+    out_specs=tokens,
   )(x_ND, experts_2UND, idx_NUK.reshape(N, U, K), gates_NUK.reshape(N, U, K))
   return y_ND.astype(dtype)
 
@@ -233,15 +239,23 @@ def _gather_over_slices(a_g, group: ExpertGroup):
 
 def _rows_dot(options, a_hd, table_Rd, rows_hS):
   """[h, S]: <a[t], table[rows[t, s]]> in float32, `token_chunk` tokens' rows gathered at a time."""
-  dot = lambda a_d, rows_S: jnp.einsum("d,sd->s", a_d, table_Rd[rows_S].astype(a_d.dtype),  # noqa: E731
-                                       preferred_element_type=jnp.float32)
+  dot = lambda a_d, rows_S: jnp.einsum(
+    "d,sd->s",
+    a_d,
+    table_Rd[rows_S].astype(a_d.dtype),  # noqa: E731
+    preferred_element_type=jnp.float32,
+  )
   return jax.lax.map(lambda pair: dot(*pair), (a_hd, rows_hS), batch_size=options.token_chunk)
 
 
 def _rows_sum(options, coef_hS, table_Rd, rows_hS, dtype):
   """[h, d]: sum_s coef[t, s] * table[rows[t, s]] in float32, chunked like `_rows_dot`."""
-  weighted = lambda c_S, rows_S: jnp.einsum("s,sd->d", c_S.astype(dtype), table_Rd[rows_S].astype(dtype),  # noqa: E731
-                                            preferred_element_type=jnp.float32)
+  weighted = lambda c_S, rows_S: jnp.einsum(
+    "s,sd->d",
+    c_S.astype(dtype),
+    table_Rd[rows_S].astype(dtype),  # noqa: E731
+    preferred_element_type=jnp.float32,
+  )
   return jax.lax.map(lambda pair: weighted(*pair), (coef_hS, rows_hS), batch_size=options.token_chunk)
 
 
@@ -275,14 +289,14 @@ def _sliced_backward(gating, options, axes, residuals, dy_hd):
   coef_in_hS = da_dh_hS * dyw_hS
   dx_hd = _rows_sum(options, coef_in_hS, w_in_Rd, rows_hS, x_hd.dtype)
   dw_in, dw_out, _ = segment_grads.table_grads(
-      x_hd, dy_hd, rows_hS, coef_in_hS, a_hS, w_in_Rd.shape[0], options.pair_chunk, False
+    x_hd, dy_hd, rows_hS, coef_in_hS, a_hS, w_in_Rd.shape[0], options.pair_chunk, False
   )
   return (
-      dx_hd.astype(x_hd.dtype),
-      dw_in.astype(w_in_Rd.dtype),
-      dw_out.astype(w_out_Rd.dtype),
-      np.zeros(rows_hS.shape, jax.dtypes.float0),
-      (da_dg_hS * dyw_partial_hS).astype(gates_hS.dtype),
+    dx_hd.astype(x_hd.dtype),
+    dw_in.astype(w_in_Rd.dtype),
+    dw_out.astype(w_out_Rd.dtype),
+    np.zeros(rows_hS.shape, jax.dtypes.float0),
+    (da_dg_hS * dyw_partial_hS).astype(gates_hS.dtype),
   )
 
 
@@ -291,9 +305,9 @@ _sliced_gated_gather.defvjp(_sliced_forward, _sliced_backward)
 
 # Per sparse layer type: the logical name of its units, their config field, and its table's logical axes.
 UNITS = {
-    "sgatlin": ("channel", "n_channels", (None, "channel", "neuron", "embed")),
-    "fff": ("tree", "n_trees", ("tree", "node", "embed")),
-    "moe": ("expert", "n_experts", ("expert", "embed", "mlp")),
+  "sgatlin": ("channel", "n_channels", (None, "channel", "neuron", "embed")),
+  "fff": ("tree", "n_trees", ("tree", "node", "embed")),
+  "moe": ("expert", "n_experts", ("expert", "embed", "mlp")),
 }
 # Neuron tables whose d_model may be split (`split_gated_gather`), by their logical axes.
 NEURON_TABLES = {"sgatlin": UNITS["sgatlin"][2], "peer": (None, "neuron", "embed")}
@@ -318,9 +332,9 @@ def _check_layer_units(config, mesh, ffn, prefix: str) -> None:
     slices = math.prod(mesh.shape[a] for a in axes)
     if config.model.d_model % slices:
       raise ConfigError(
-          f"config.model.d_model={config.model.d_model} is not divisible by the {slices} devices the "
-          f"{ffn.type} table's d_model is split over ({' x '.join(f'{a}={mesh.shape[a]}' for a in axes)}); "
-          "change those mesh axes or the rules that give them to `embed`."
+        f"config.model.d_model={config.model.d_model} is not divisible by the {slices} devices the "
+        f"{ffn.type} table's d_model is split over ({' x '.join(f'{a}={mesh.shape[a]}' for a in axes)}); "
+        "change those mesh axes or the rules that give them to `embed`."
       )
   if ffn.type not in UNITS:
     return
@@ -332,12 +346,12 @@ def _check_layer_units(config, mesh, ffn, prefix: str) -> None:
     hint = ""
     if ffn.type == "sgatlin" and shards % ffn[field] == 0:
       hint = (
-          "; or split the table's d_model over those devices instead: put "
-          f"{', '.join(map(str, D_MODEL_SPLIT_RULES))} first in config.mesh.rules"
+        "; or split the table's d_model over those devices instead: put "
+        f"{', '.join(map(str, D_MODEL_SPLIT_RULES))} first in config.mesh.rules"
       )
     raise ConfigError(
-        f"{prefix}.{field}={ffn[field]} is not divisible by the {shards} devices of the mesh axes it is "
-        f"split over ({shape}); make it a multiple of {shards}, or move devices from those axes to data or fsdp{hint}."
+      f"{prefix}.{field}={ffn[field]} is not divisible by the {shards} devices of the mesh axes it is "
+      f"split over ({shape}); make it a multiple of {shards}, or move devices from those axes to data or fsdp{hint}."
     )
 
 
@@ -370,8 +384,12 @@ def where_tokens_are(fn, *arrays_BT):
   flat = [a.reshape((B * T,) + a.shape[2:]) for a in arrays_BT]
   spec = P(batch)
   outs = jax.shard_map(
-      fn, mesh=mesh, in_specs=(spec,) * len(flat), out_specs=spec,
-      axis_names=set(batch), check_vma=False,
+    fn,
+    mesh=mesh,
+    in_specs=(spec,) * len(flat),
+    out_specs=spec,
+    axis_names=set(batch),
+    check_vma=False,
   )(*flat)
   return jax.tree.map(lambda o: o.reshape((B, T) + o.shape[1:]), outs)
 
@@ -472,7 +490,10 @@ def shard_map(fn, group: ExpertGroup, in_specs, out_specs):
   d_model split axis (tensor) does not split the batch.
   """
   return jax.shard_map(
-      fn, mesh=group.mesh, in_specs=in_specs, out_specs=out_specs,
-      axis_names=set(group.batch + group.units + group.split),
-      check_vma=False,
+    fn,
+    mesh=group.mesh,
+    in_specs=in_specs,
+    out_specs=out_specs,
+    axis_names=set(group.batch + group.units + group.split),
+    check_vma=False,
   )

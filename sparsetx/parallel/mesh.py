@@ -24,8 +24,8 @@ def axis_sizes(sizes: dict, total: int, group: str) -> list[int]:
   if total % known or (not inferred and known != total):
     shape = ", ".join(f"{a}={sizes[a]}" for a in MESH_AXES)
     raise ConfigError(
-        f"config.mesh.{group} ({shape}) does not divide {total} devices; make the product of its axes {total} "
-        "(or set one axis to -1)."
+      f"config.mesh.{group} ({shape}) does not divide {total} devices; make the product of its axes {total} "
+      "(or set one axis to -1)."
     )
   return [total // known if sizes[a] == -1 else sizes[a] for a in MESH_AXES]
 
@@ -68,9 +68,9 @@ def check_not_replicated(shardings, abstract, mesh: Mesh, max_mib: float) -> Non
     mib = np.prod(leaf.shape) * leaf.dtype.itemsize / 2**20
     if sharding.is_fully_replicated and mib > max_mib:
       raise ConfigError(
-          f"parameter {jax.tree_util.keystr(path)} ({mib:.0f} MiB) would be fully replicated on all {mesh.size} "
-          "devices; map one of its logical axes to a mesh axis of size > 1 in config.mesh.rules (e.g. fsdp or "
-          "expert), or raise config.mesh.max_replicated_mib."
+        f"parameter {jax.tree_util.keystr(path)} ({mib:.0f} MiB) would be fully replicated on all {mesh.size} "
+        "devices; map one of its logical axes to a mesh axis of size > 1 in config.mesh.rules (e.g. fsdp or "
+        "expert), or raise config.mesh.max_replicated_mib."
       )
 
 

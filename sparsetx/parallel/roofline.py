@@ -88,15 +88,16 @@ def _ms(seconds: float) -> str:
 def format_projections(projections: list[Projection]) -> str:
   """The table tools/dry_run.py prints: one row per chip, times in ms, with and without overlap."""
   lines = [
-      "projected step time (roofline per device at peak rates from the compiled program's counts;"
-      " sparsetx/parallel/roofline.py)",
-      "  overlapped: step = max(compute, memory, comm); serial: step = max(compute, memory) + comm",
-      f"  {'target':<10}{'compute ms':>11}{'memory ms':>11}{'comm ms':>10}"
-      f"{'overlap ms':>12}{'tokens/s':>12}{'MFU':>7}{'serial ms':>11}{'tokens/s':>12}{'MFU':>7}",
+    "projected step time (roofline per device at peak rates from the compiled program's counts;"
+    " sparsetx/parallel/roofline.py)",
+    "  overlapped: step = max(compute, memory, comm); serial: step = max(compute, memory) + comm",
+    f"  {'target':<10}{'compute ms':>11}{'memory ms':>11}{'comm ms':>10}"
+    f"{'overlap ms':>12}{'tokens/s':>12}{'MFU':>7}{'serial ms':>11}{'tokens/s':>12}{'MFU':>7}",
   ]
   for p in projections:
     lines.append(
-        f"  {p.chip.name:<10}{_ms(p.compute_s):>11}{_ms(p.memory_s):>11}{_ms(p.comm_s):>10}"
-        f"{_ms(p.step_overlap_s):>12}{p.tokens_per_s_overlap:>12,.0f}{p.mfu_overlap:>7.1%}"
-        f"{_ms(p.step_serial_s):>11}{p.tokens_per_s_serial:>12,.0f}{p.mfu_serial:>7.1%}")
+      f"  {p.chip.name:<10}{_ms(p.compute_s):>11}{_ms(p.memory_s):>11}{_ms(p.comm_s):>10}"
+      f"{_ms(p.step_overlap_s):>12}{p.tokens_per_s_overlap:>12,.0f}{p.mfu_overlap:>7.1%}"
+      f"{_ms(p.step_serial_s):>11}{p.tokens_per_s_serial:>12,.0f}{p.mfu_serial:>7.1%}"
+    )
   return "\n".join(lines)

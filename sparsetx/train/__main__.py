@@ -17,13 +17,27 @@ from sparsetx import cli
 from sparsetx.config import ConfigError
 
 _CONFIG = cli.define_config_file("config", "configs/tiny.py", "Config file, optionally with ':ARG'.", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and TensorBoard logs.", required=True)
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "Multi-host: HOST:PORT of process 0 (overrides the environment).")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes (overrides the environment).")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-host: this process's index, 0-based (overrides the environment).")
-_LOCAL_DEVICES = flags.DEFINE_list("local_device_ids", None, "Multi-host: the local GPU ids this process uses, e.g. 0,1.")
-_INIT_TIMEOUT = flags.DEFINE_integer("distributed_timeout", 300, "Multi-host: seconds to wait for all processes to connect.")
-_HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout", 100, "Multi-host: seconds without a heartbeat before a peer counts as dead.")
+_WORKDIR = flags.DEFINE_string(
+  "workdir", None, "Directory for checkpoints, metrics and TensorBoard logs.", required=True
+)
+_COORDINATOR = flags.DEFINE_string(
+  "coordinator_address", None, "Multi-host: HOST:PORT of process 0 (overrides the environment)."
+)
+_NUM_PROCESSES = flags.DEFINE_integer(
+  "num_processes", None, "Multi-host: number of processes (overrides the environment)."
+)
+_PROCESS_ID = flags.DEFINE_integer(
+  "process_id", None, "Multi-host: this process's index, 0-based (overrides the environment)."
+)
+_LOCAL_DEVICES = flags.DEFINE_list(
+  "local_device_ids", None, "Multi-host: the local GPU ids this process uses, e.g. 0,1."
+)
+_INIT_TIMEOUT = flags.DEFINE_integer(
+  "distributed_timeout", 300, "Multi-host: seconds to wait for all processes to connect."
+)
+_HEARTBEAT = flags.DEFINE_integer(
+  "heartbeat_timeout", 100, "Multi-host: seconds without a heartbeat before a peer counts as dead."
+)
 
 
 def main(argv):
@@ -33,11 +47,17 @@ def main(argv):
   from sparsetx.parallel import distributed
 
   try:
-    check_files(config_lib.validate(_CONFIG.value))  # before joining peers: a bad value is reported by every process alike
+    check_files(
+      config_lib.validate(_CONFIG.value)
+    )  # before joining peers: a bad value is reported by every process alike
     spec = distributed.detect(
-        os.environ, coordinator_address=_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
-        process_id=_PROCESS_ID.value, local_device_ids=[int(i) for i in _LOCAL_DEVICES.value or []],
-        tpu_present=distributed.tpu_vm_present())
+      os.environ,
+      coordinator_address=_COORDINATOR.value,
+      num_processes=_NUM_PROCESSES.value,
+      process_id=_PROCESS_ID.value,
+      local_device_ids=[int(i) for i in _LOCAL_DEVICES.value or []],
+      tpu_present=distributed.tpu_vm_present(),
+    )
     distributed.initialize(spec, timeout_s=_INIT_TIMEOUT.value, heartbeat_timeout_s=_HEARTBEAT.value)
   except ConfigError as error:
     cli.fail(error, 2)

@@ -24,11 +24,20 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
-from sparsetx import config as config_lib, paths
+from sparsetx import config as config_lib
+from sparsetx import paths
 from sparsetx.config import ConfigError
 
-COMPUTE_ONLY = ("dtype", "remat", "attention", "max_len", "kernel", "implementation",
-                "aux_loss", "router_z_loss")  # may change on resume (MoE balancing weights: the loss, not the parameters)
+COMPUTE_ONLY = (
+  "dtype",
+  "remat",
+  "attention",
+  "max_len",
+  "kernel",
+  "implementation",
+  "aux_loss",
+  "router_z_loss",
+)  # may change on resume (MoE balancing weights: the loss, not the parameters)
 ITEMS = ("state", "config")
 SUPERSEDED = "superseded"  # <workdir>/superseded/<time>/: the steps after a restore_step, set aside
 # Status codes of tensorstore / TensorFlow read failures (a damaged file), as opposed to a structure mismatch.
@@ -69,9 +78,12 @@ def _read_failure(error: BaseException) -> str | None:
   while error is not None and error not in seen:
     seen.append(error)
     text = str(error)
-    if (isinstance(error, (OSError, json.JSONDecodeError)) or _READ_FAILURE.search(text)
-        or type(error).__module__.startswith("tensorflow")  # tf.errors.OpError: a data state that does not read
-        or "Encountered error while reading" in text):
+    if (
+      isinstance(error, (OSError, json.JSONDecodeError))
+      or _READ_FAILURE.search(text)
+      or type(error).__module__.startswith("tensorflow")  # tf.errors.OpError: a data state that does not read
+      or "Encountered error while reading" in text
+    ):
       return _reason(error)
     error = error.__cause__ or error.__context__
   return None
@@ -88,9 +100,11 @@ def _tuples(value):
 
 def _merged(defaults: dict, saved: dict) -> dict:
   return {
-      **defaults,
-      **{k: _merged(defaults[k], v) if isinstance(defaults.get(k), dict) and isinstance(v, dict) else v
-         for k, v in saved.items()},
+    **defaults,
+    **{
+      k: _merged(defaults[k], v) if isinstance(defaults.get(k), dict) and isinstance(v, dict) else v
+      for k, v in saved.items()
+    },
   }
 
 
@@ -131,16 +145,17 @@ def _first_index(key: str, *orders: dict) -> int:
 class Checkpointer:
   """`step_flag` is the flag that picks another saved step, named when a step cannot be read."""
 
-  def __init__(self, workdir: str, checkpoint: ml_collections.ConfigDict,
-               step_flag: str = "--config.checkpoint.restore_step"):
+  def __init__(
+    self, workdir: str, checkpoint: ml_collections.ConfigDict, step_flag: str = "--config.checkpoint.restore_step"
+  ):
     self.step_flag = step_flag
     self.directory = paths.resolve(workdir) / "checkpoints"  # local, or a URL such as gs://bucket/run
     self.data_directory = paths.resolve(workdir) / "data_state"
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=checkpoint.keep,
-        keep_period=checkpoint.keep_period or None,
-        enable_async_checkpointing=checkpoint.async_save,
-        create=True,
+      max_to_keep=checkpoint.keep,
+      keep_period=checkpoint.keep_period or None,
+      enable_async_checkpointing=checkpoint.async_save,
+      create=True,
     )
     self.manager = ocp.CheckpointManager(self.directory, options=options)
 
@@ -151,10 +166,13 @@ class Checkpointer:
     """`step` (default: the latest), refused in one sentence when it is not a complete, readable checkpoint."""
     steps = self.manager.all_steps()
     if not steps:
-      raise ConfigError(f"{workdir_flag}={str(self.directory.parent)!r} has no complete checkpoint; "
-                        "train a model there first.")
+      raise ConfigError(
+        f"{workdir_flag}={str(self.directory.parent)!r} has no complete checkpoint; train a model there first."
+      )
     if step is not None and step not in steps:
-      raise ConfigError(f"{self.step_flag}={step} is not a checkpoint in {self.directory}; saved steps: {sorted(steps)}.")
+      raise ConfigError(
+        f"{self.step_flag}={step} is not a checkpoint in {self.directory}; saved steps: {sorted(steps)}."
+      )
     step = max(steps) if step is None else step
     self.verify(step)
     return step
@@ -165,8 +183,9 @@ class Checkpointer:
     steps = self.manager.all_steps()
     if restore_step is not None and restore_step not in steps:
       raise CheckpointError(
-          f"{self.step_flag}={restore_step} is not a saved step in {self.directory}; saved steps: "
-          f"{', '.join(map(str, sorted(steps))) or 'none'}.")
+        f"{self.step_flag}={restore_step} is not a saved step in {self.directory}; saved steps: "
+        f"{', '.join(map(str, sorted(steps))) or 'none'}."
+      )
     step = restore_step if restore_step is not None else max(steps, default=None)
     if step is not None:
       self.verify(step, data_state=step > 0)  # a step-0 start (sparsify, import) has no data state
@@ -207,8 +226,10 @@ class Checkpointer:
     """The one-line error for an unreadable `step`: what is wrong, the other saved steps, the flag to pick one."""
     others = sorted(s for s in self.manager.all_steps() if s != step)
     if others:
-      way = (f"pick an older complete step with {self.step_flag}=N (saved steps: {', '.join(map(str, others))}); "
-             "nothing was deleted.")
+      way = (
+        f"pick an older complete step with {self.step_flag}=N (saved steps: {', '.join(map(str, others))}); "
+        "nothing was deleted."
+      )
     else:
       way = "no other step is saved, so start over in a new --workdir; nothing was deleted."
     return CheckpointError(f"checkpoint step {step} in {self.directory} cannot be read: {problem}; {way}")
@@ -246,16 +267,18 @@ class Checkpointer:
   def save(self, step: int, state, config: ml_collections.ConfigDict, data_iterator) -> None:
     data_iterator.save(self.data_directory / str(step))
     self.manager.save(
-        step,
-        args=ocp.args.Composite(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict())),
-        force=True,
+      step,
+      args=ocp.args.Composite(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict())),
+      force=True,
     )
     self._remove_orphan_data_states()
 
   def restore_state(self, step: int, abstract_state):
     """The state at `step`, laid out as `abstract_state`'s shardings: restoring onto any mesh reshards."""
     with self._reading(step):
-      return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
+      return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))[
+        "state"
+      ]
 
   @contextlib.contextmanager
   def _reading(self, step: int):
@@ -301,8 +324,8 @@ class Checkpointer:
     for key in sorted(set(saved) | set(wanted), key=lambda k: (_basic_rank(k), _first_index(k, wanted, saved))):
       if saved.get(key) != wanted.get(key):
         raise ConfigError(
-            f"config.model.{key}={json.dumps(wanted.get(key))} but the checkpoint in {self.directory} was trained with "
-            f"{json.dumps(saved.get(key))}; use a new --workdir, or set the field back to resume."
+          f"config.model.{key}={json.dumps(wanted.get(key))} but the checkpoint in {self.directory} was trained with "
+          f"{json.dumps(saved.get(key))}; use a new --workdir, or set the field back to resume."
         )
 
   def wait(self) -> None:
@@ -324,5 +347,7 @@ def open_read_only(workdir: str, workdir_flag: str = "--workdir", step_flag: str
   """A Checkpointer for reading a trained run (evaluation, export, analysis): it never deletes a step.
   `step_flag` picks the step (named when one cannot be read)."""
   if not (paths.resolve(workdir) / "checkpoints").is_dir():
-    raise ConfigError(f"{workdir_flag}={workdir!r} holds no checkpoints/ directory; give the workdir of a training run.")
+    raise ConfigError(
+      f"{workdir_flag}={workdir!r} holds no checkpoints/ directory; give the workdir of a training run."
+    )
   return Checkpointer(workdir, ml_collections.ConfigDict(dict(keep=None, keep_period=0, async_save=False)), step_flag)

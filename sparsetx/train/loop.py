@@ -28,11 +28,16 @@ from clu import periodic_actions
 from etils import epath
 from jax.experimental import multihost_utils
 
-from sparsetx import config as config_lib, paths
+from sparsetx import config as config_lib
+from sparsetx import paths
 from sparsetx.data import check_files, pipeline
 from sparsetx.models import ladder
-from sparsetx.parallel import expert_parallel, mesh as mesh_lib
-from sparsetx.train import checkpointing, metrics as metrics_lib, state as state_lib, step as step_lib
+from sparsetx.parallel import expert_parallel
+from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.train import checkpointing
+from sparsetx.train import metrics as metrics_lib
+from sparsetx.train import state as state_lib
+from sparsetx.train import step as step_lib
 from sparsetx.train.optimizer import learning_rate_schedule
 
 
@@ -77,7 +82,7 @@ def check_workdir(workdir: str) -> None:
     probe.unlink()
   except (OSError, tf.errors.OpError) as error:  # tf.io.gfile's errors for a remote URL are no OSError
     raise config_lib.ConfigError(
-        f"--workdir={workdir} is not writable ({paths.reason(error)}); choose a directory you can write to."
+      f"--workdir={workdir} is not writable ({paths.reason(error)}); choose a directory you can write to."
     ) from None
 
 
@@ -88,7 +93,9 @@ class _StepReader:
   def __init__(self, config: ml_collections.ConfigDict, writer, progress, saved_step: int):
     self._train, self._writer, self._progress = config.train, writer, progress
     self._tokens_per_step = config.data.global_batch_size * config.data.seq_len
-    self._flops_per_step = 3 * ladder.forward_flops_per_token(config.model, config.data.seq_len)["total"] * self._tokens_per_step
+    self._flops_per_step = (
+      3 * ladder.forward_flops_per_token(config.model, config.data.seq_len)["total"] * self._tokens_per_step
+    )
     self._peak = metrics_lib.peak_flops_per_device()
     self._pending = None
     self._window_start, self._window_steps = time.time(), 0
@@ -109,9 +116,9 @@ class _StepReader:
     health = jax.device_get({k: metrics[k] for k in ("loss", "grad_norm", "param_norm")})
     if not all(np.isfinite(v) for v in health.values()):
       raise NonFiniteLossError(
-          f"training diverged at step {step} ({', '.join(f'{k}={float(v)}' for k, v in health.items())}); "
-          f"nothing after step {self.saved_step} was saved. Lower config.train.learning_rate or raise "
-          "config.train.warmup_steps, then resume."
+        f"training diverged at step {step} ({', '.join(f'{k}={float(v)}' for k, v in health.items())}); "
+        f"nothing after step {self.saved_step} was saved. Lower config.train.learning_rate or raise "
+        "config.train.warmup_steps, then resume."
       )
     self._progress(step)
     if step % self._train.log_every == 0 or step == self._train.steps:
@@ -163,14 +170,14 @@ def check_batch_divides(config: ml_collections.ConfigDict, mesh) -> None:
     size = config.data[field]
     if size % shards:
       raise config_lib.ConfigError(
-          f"config.data.{field}={size} is not divisible by the {shards} batch shards of the mesh "
-          f"({' x '.join(f'{a}={mesh.shape[a]}' for a in axes)}); use a multiple of {shards}."
+        f"config.data.{field}={size} is not divisible by the {shards} batch shards of the mesh "
+        f"({' x '.join(f'{a}={mesh.shape[a]}' for a in axes)}); use a multiple of {shards}."
       )
   micro = config.data.global_batch_size // config.train.microbatches
   if micro % shards:
     raise config_lib.ConfigError(
-        f"config.train.microbatches={config.train.microbatches} leaves {micro} rows per micro-batch, not divisible "
-        f"by the {shards} batch shards; use fewer micro-batches or a larger config.data.global_batch_size."
+      f"config.train.microbatches={config.train.microbatches} leaves {micro} rows per micro-batch, not divisible "
+      f"by the {shards} batch shards; use fewer micro-batches or a larger config.data.global_batch_size."
     )
 
 
@@ -224,18 +231,22 @@ def _run(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
 
   schedule = learning_rate_schedule(config.train)
   step_fn = jax.jit(
-      functools.partial(step_lib.train_step, model=model, train=config.train, schedule=schedule),
-      in_shardings=(shardings, batch_sharding),
-      out_shardings=(shardings, None),
-      donate_argnums=0,
+    functools.partial(step_lib.train_step, model=model, train=config.train, schedule=schedule),
+    in_shardings=(shardings, batch_sharding),
+    out_shardings=(shardings, None),
+    donate_argnums=0,
   )
   eval_fn = jax.jit(functools.partial(step_lib.eval_step, model=model), in_shardings=(shardings.params, batch_sharding))
   eval_data = pipeline.EvalData(config, batch_sharding, split="validation")
 
   writer = metrics_lib.make_writer(workdir, start)
   if start == 0 and jax.process_index() == 0:
-    writer.write_hparams({k: v for k, v in _flatten(config.to_dict()).items() if isinstance(v, (int, float, str, bool))})
-  progress = periodic_actions.ReportProgress(num_train_steps=config.train.steps, writer=writer, every_steps=config.train.log_every)
+    writer.write_hparams(
+      {k: v for k, v in _flatten(config.to_dict()).items() if isinstance(v, (int, float, str, bool))}
+    )
+  progress = periodic_actions.ReportProgress(
+    num_train_steps=config.train.steps, writer=writer, every_steps=config.train.log_every
+  )
 
   sigterm = _SigtermFlag()
   profiler = _Profiler(config.train, metrics_lib.tensorboard_dir(workdir))
@@ -283,9 +294,13 @@ def restore(checkpointer: checkpointing.Checkpointer, step: int, abstract_state,
   shards = data_iterator.shard_info.num_shards
   if saved_shards and shards not in saved_shards:
     logging.warning(
-        "The data state of step %d was saved by %s data shard(s) (processes); this run reads %d, so the data "
-        "stream starts over from its beginning. The model and optimizer state resume at step %d.",
-        step, "/".join(map(str, sorted(saved_shards))), shards, step)
+      "The data state of step %d was saved by %s data shard(s) (processes); this run reads %d, so the data "
+      "stream starts over from its beginning. The model and optimizer state resume at step %d.",
+      step,
+      "/".join(map(str, sorted(saved_shards))),
+      shards,
+      step,
+    )
     return checkpointer.restore_state(step, abstract_state)
   return checkpointer.restore(step, abstract_state, data_iterator)
 

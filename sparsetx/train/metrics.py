@@ -12,8 +12,8 @@ of steps S + 1 and later (its purge of orphaned data, as PyTorch's `purge_step` 
 import json
 
 import jax
-from absl import logging
 import tensorflow as tf
+from absl import logging
 from clu import metric_writers
 from clu.metric_writers import interface
 from etils import epath
@@ -24,18 +24,18 @@ from sparsetx import paths
 
 # Dense bf16 peak FLOP/s per device, by jax's device_kind.
 PEAK_FLOPS = {
-    "NVIDIA H100 80GB HBM3": 989e12,
-    "NVIDIA H100": 989e12,
-    "NVIDIA H200": 989e12,
-    "NVIDIA A100-SXM4-80GB": 312e12,
-    "NVIDIA A100-SXM4-40GB": 312e12,
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5": 459e12,
-    "TPU v5p": 459e12,
-    "TPU v6 lite": 918e12,
-    "TPU v6e": 918e12,
+  "NVIDIA H100 80GB HBM3": 989e12,
+  "NVIDIA H100": 989e12,
+  "NVIDIA H200": 989e12,
+  "NVIDIA A100-SXM4-80GB": 312e12,
+  "NVIDIA A100-SXM4-40GB": 312e12,
+  "TPU v4": 275e12,
+  "TPU v5 lite": 197e12,
+  "TPU v5e": 197e12,
+  "TPU v5": 459e12,
+  "TPU v5p": 459e12,
+  "TPU v6 lite": 918e12,
+  "TPU v6e": 918e12,
 }
 
 
@@ -119,9 +119,13 @@ def make_writer(workdir: str, start_step: int = 0) -> metric_writers.MetricWrite
     return metric_writers.create_default_writer(None, just_logging=True)
   jsonl = paths.resolve(workdir) / "metrics.jsonl"
   if dropped := drop_rows_after(jsonl, start_step):
-    logging.info("Starting at step %d: dropped %d rows of %s logged after it by an earlier run.", start_step, dropped, jsonl)
-  return metric_writers.MultiWriter([
+    logging.info(
+      "Starting at step %d: dropped %d rows of %s logged after it by an earlier run.", start_step, dropped, jsonl
+    )
+  return metric_writers.MultiWriter(
+    [
       metric_writers.LoggingWriter(),
       tensorboard_writer(tensorboard_dir(workdir), start_step),
       JsonlWriter(jsonl),
-  ])
+    ]
+  )

@@ -44,12 +44,12 @@ def decay_mask(params, decay_norms_and_biases: bool):
 
 def _adamw(train: ml_collections.ConfigDict, schedule: optax.Schedule) -> optax.GradientTransformation:
   return optax.adamw(
-      schedule,
-      b1=train.b1,
-      b2=train.b2,
-      eps=train.eps,
-      weight_decay=train.weight_decay,
-      mask=lambda params: decay_mask(params, train.decay_norms_and_biases),
+    schedule,
+    b1=train.b1,
+    b2=train.b2,
+    eps=train.eps,
+    weight_decay=train.weight_decay,
+    mask=lambda params: decay_mask(params, train.decay_norms_and_biases),
   )
 
 
@@ -80,9 +80,9 @@ def make_optimizer(train: ml_collections.ConfigDict, model: ml_collections.Confi
   if not freeze_steps:
     return optax.chain(optax.clip_by_global_norm(train.clip_norm), _adamw(train, schedule))
   return optax.chain(
-      optax.clip_by_global_norm(train.clip_norm),
-      optax.multi_transform(
-          {"new": _adamw(train, schedule), "copied": _adamw(train, frozen_schedule(schedule, freeze_steps))},
-          lambda params: freeze_labels(params, model),
-      ),
+    optax.clip_by_global_norm(train.clip_norm),
+    optax.multi_transform(
+      {"new": _adamw(train, schedule), "copied": _adamw(train, frozen_schedule(schedule, freeze_steps))},
+      lambda params: freeze_labels(params, model),
+    ),
   )

@@ -39,7 +39,7 @@ def state_shardings(config: ml_collections.ConfigDict, mesh):
   boxed = jax.eval_shape(init, jax.random.key(0))
   shardings = mesh_lib.logical_sharding(nn.get_partition_spec(boxed), mesh, config.mesh.rules)
   abstract = jax.tree.map(
-      lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), nn.unbox(boxed), shardings
+    lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), nn.unbox(boxed), shardings
   )
   mesh_lib.check_not_replicated(shardings.params, abstract.params, mesh, config.mesh.max_replicated_mib)
   return abstract, shardings, model, tx

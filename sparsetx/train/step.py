@@ -14,11 +14,11 @@ from sparsetx.train.sparse_stats import sparse_stats
 def token_losses(model, params, batch, z_loss: float):
   """Per-token loss [B,T] (cross-entropy + z_loss * logZ**2) and the model's intermediates."""
   logits_BTV, state = model.apply(
-      {"params": params},
-      batch["inputs"],
-      batch["positions"],
-      batch["segment_ids"],
-      mutable=["intermediates"],
+    {"params": params},
+    batch["inputs"],
+    batch["positions"],
+    batch["segment_ids"],
+    mutable=["intermediates"],
   )
   ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
   if z_loss:
@@ -70,13 +70,13 @@ def train_step(state, batch, *, model, train: ml_collections.ConfigDict, schedul
   loss, grads, weight_sum, stats = loss_and_grads(state.params, batch, model=model, train=train)
   new_state = state.apply_gradients(grads=grads)
   metrics = dict(
-      loss=loss,
-      perplexity=jnp.exp(loss),
-      learning_rate=schedule(state.step),
-      grad_norm=optax.tree.norm(grads),
-      param_norm=optax.tree.norm(new_state.params),
-      tokens=weight_sum,
-      **stats,
+    loss=loss,
+    perplexity=jnp.exp(loss),
+    learning_rate=schedule(state.step),
+    grad_norm=optax.tree.norm(grads),
+    param_norm=optax.tree.norm(new_state.params),
+    tokens=weight_sum,
+    **stats,
   )
   return new_state, metrics
 

@@ -28,11 +28,12 @@ import re
 import shlex
 
 import ml_collections
-from etils import epath
 from absl import flags
+from etils import epath
 from ml_collections import config_flags
 
-from sparsetx import cli, config as config_lib
+from sparsetx import cli
+from sparsetx import config as config_lib
 from sparsetx.data import check_files
 from sparsetx.models import ladder
 
@@ -98,42 +99,51 @@ def check_spec(spec: SweepSpec) -> None:
     raise config_lib.ConfigError("--budgets is empty; give one or more FLOP budgets, e.g. --budgets=1e17,6e17.")
   for budget in spec.budgets:
     if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
-      raise config_lib.ConfigError(f"--budgets holds {budget!r}; every FLOP budget must be a positive number, e.g. 1e17.")
+      raise config_lib.ConfigError(
+        f"--budgets holds {budget!r}; every FLOP budget must be a positive number, e.g. 1e17."
+      )
   if not spec.ffn_types:
     raise config_lib.ConfigError(f"--ffn_types is empty; give one or more of {', '.join(config_lib.FFN_TYPES)}.")
   for ffn_type in spec.ffn_types:
     if ffn_type not in config_lib.FFN_TYPES:
       raise config_lib.ConfigError(
-          f"--ffn_types holds {ffn_type!r}, an unknown feed-forward type; use some of {', '.join(config_lib.FFN_TYPES)}.")
+        f"--ffn_types holds {ffn_type!r}, an unknown feed-forward type; use some of {', '.join(config_lib.FFN_TYPES)}."
+      )
   if bool(spec.scales) == bool(spec.d_models):
     raise config_lib.ConfigError(
-        "give exactly one of --scales (ladder rungs, e.g. --scales=2,3,4) and --d_models (sizes on --base_config, "
-        "e.g. --base_config=configs/tiny.py --d_models=32,64).")
+      "give exactly one of --scales (ladder rungs, e.g. --scales=2,3,4) and --d_models (sizes on --base_config, "
+      "e.g. --base_config=configs/tiny.py --d_models=32,64)."
+    )
   for name, values in (("--scales", spec.scales), ("--d_models", spec.d_models), ("--n_layers", spec.n_layers)):
     for value in values:
       if not isinstance(value, int) or value < 1:
         raise config_lib.ConfigError(f"{name} holds {value!r}; sizes must be positive integers.")
   if spec.n_layers and len(spec.n_layers) != len(spec.d_models):
     raise config_lib.ConfigError(
-        f"--n_layers has {len(spec.n_layers)} values for {len(spec.d_models)} --d_models; give one per d_model or none.")
+      f"--n_layers has {len(spec.n_layers)} values for {len(spec.d_models)} --d_models; give one per d_model or none."
+    )
   if not os.path.isfile(spec.base_config):
     raise config_lib.ConfigError(
-        f"--base_config={spec.base_config} is not a file; give a config path relative to the directory you run from "
-        "(the repository root) or an absolute one.")
+      f"--base_config={spec.base_config} is not a file; give a config path relative to the directory you run from "
+      "(the repository root) or an absolute one."
+    )
   if not isinstance(spec.min_steps, int) or spec.min_steps < 1:
     raise config_lib.ConfigError(f"--min_steps={spec.min_steps!r} must be a positive integer.")
   for override in spec.overrides:
     match = _OVERRIDE.match(override)
     if not match:
       raise config_lib.ConfigError(
-          f"--overrides={override!r} is not 'config.FIELD=VALUE'; write e.g. --overrides=config.train.warmup_steps=10.")
+        f"--overrides={override!r} is not 'config.FIELD=VALUE'; write e.g. --overrides=config.train.warmup_steps=10."
+      )
     if match.group(1) in _SWEEP_SETS:
       raise config_lib.ConfigError(
-          f"--overrides={override!r} sets {match.group(1)}, which the sweep derives from the FLOP budget; remove it.")
+        f"--overrides={override!r} sets {match.group(1)}, which the sweep derives from the FLOP budget; remove it."
+      )
     swept = ("config.model.d_model",) * bool(spec.d_models) + ("config.model.n_layers",) * bool(spec.n_layers)
     if match.group(1) in swept:
       raise config_lib.ConfigError(
-          f"--overrides={override!r} sets {match.group(1)}, which the sweep varies (--d_models, --n_layers); remove it.")
+        f"--overrides={override!r} sets {match.group(1)}, which the sweep varies (--d_models, --n_layers); remove it."
+      )
 
 
 def budget_tag(budget: float) -> str:
@@ -148,8 +158,11 @@ def _sizes(spec: SweepSpec, ffn_type: str) -> list[tuple[int, str, tuple[str, ..
     return [(s, f"{ffn_type}_s{s}", (f"--config={spec.base_config}:{ffn_type},{s}",)) for s in spec.scales]
   sizes = []
   for i, d_model in enumerate(spec.d_models):
-    args = [f"--config={spec.base_config}:{ffn_type}", f"--config.model.d_model={d_model}",
-            *ffn_size_args(ffn_type, d_model)]
+    args = [
+      f"--config={spec.base_config}:{ffn_type}",
+      f"--config.model.d_model={d_model}",
+      *ffn_size_args(ffn_type, d_model),
+    ]
     name = f"{ffn_type}_d{d_model}"
     if spec.n_layers:
       args.append(f"--config.model.n_layers={spec.n_layers[i]}")
@@ -190,13 +203,16 @@ def parse_train_args(args: tuple[str, ...]) -> ml_collections.ConfigDict:
   """The validated config `python -m sparsetx.train ARGS` would train (same flag definitions and errors)."""
   argv = ["sparsetx.train", *args]
   flag_values = flags.FlagValues()
-  holder = config_flags.DEFINE_config_file("config", None, "Config file.", flag_values=flag_values, lock_config=True,
-                                           sys_argv=argv)
+  holder = config_flags.DEFINE_config_file(
+    "config", None, "Config file.", flag_values=flag_values, lock_config=True, sys_argv=argv
+  )
   flags.DEFINE_string("workdir", None, "Run directory.", flag_values=flag_values)
   try:
     cli.config_args(argv, flag_values)
   except config_lib.ConfigError as error:
-    raise config_lib.ConfigError(f"the run `{shlex.join(TRAIN_COMMAND + tuple(args))}` does not parse: {error}") from None
+    raise config_lib.ConfigError(
+      f"the run `{shlex.join(TRAIN_COMMAND + tuple(args))}` does not parse: {error}"
+    ) from None
   return check_files(config_lib.validate(holder.value))
 
 
@@ -208,8 +224,13 @@ def plan(spec: SweepSpec) -> tuple[list[Run], list[Skipped]]:
   """
   check_spec(spec)
   overrides = tuple("--" + override.removeprefix("--") for override in spec.overrides)
-  sizes = {ffn_type: [(size, name, size_args, parse_train_args(size_args + overrides))
-                      for size, name, size_args in _sizes(spec, ffn_type)] for ffn_type in spec.ffn_types}
+  sizes = {
+    ffn_type: [
+      (size, name, size_args, parse_train_args(size_args + overrides))
+      for size, name, size_args in _sizes(spec, ffn_type)
+    ]
+    for ffn_type in spec.ffn_types
+  }
   runs, skipped = [], []
   for budget in spec.budgets:
     for ffn_type in spec.ffn_types:
@@ -220,15 +241,32 @@ def plan(spec: SweepSpec) -> tuple[list[Run], list[Skipped]]:
         steps = math.ceil(tokens / tokens_per_step)
         least = max(spec.min_steps, config.train.warmup_steps + 1)
         if steps < least:
-          reason = (f"{budget:.3g} FLOPs buy {tokens:,} tokens = {steps} steps of {tokens_per_step:,} tokens, fewer than "
-                    f"{least} (--min_steps={spec.min_steps}, warmup {config.train.warmup_steps} steps)")
+          reason = (
+            f"{budget:.3g} FLOPs buy {tokens:,} tokens = {steps} steps of {tokens_per_step:,} tokens, fewer than "
+            f"{least} (--min_steps={spec.min_steps}, warmup {config.train.warmup_steps} steps)"
+          )
           skipped.append(Skipped(budget, ffn_type, size, name, reason))
           continue
         workdir = str(epath.Path(spec.workdir) / budget_tag(budget) / name)  # local or gs://
         args = size_args + overrides + (f"--config.train.steps={steps}", f"--workdir={workdir}")
         params = ladder.param_counts(config.model)
-        runs.append(Run(budget, ffn_type, size, name, workdir, args, _with_steps(config, steps), tokens,
-                        tokens_per_step, steps, forward, params["total"], params["active"]))
+        runs.append(
+          Run(
+            budget,
+            ffn_type,
+            size,
+            name,
+            workdir,
+            args,
+            _with_steps(config, steps),
+            tokens,
+            tokens_per_step,
+            steps,
+            forward,
+            params["total"],
+            params["active"],
+          )
+        )
   return runs, skipped
 
 
@@ -251,7 +289,9 @@ def final_eval(run: Run) -> dict | None:
         row = json.loads(line)
       except json.JSONDecodeError:
         if line.endswith("\n"):
-          raise config_lib.ConfigError(f"{path} line {number} is not JSON; move the run directory away to re-run it.")
+          raise config_lib.ConfigError(
+            f"{path} line {number} is not JSON; move the run directory away to re-run it."
+          ) from None
         continue  # a line cut short by a killed run
       if any(key.startswith("eval/") for key in row):
         last = row
@@ -259,8 +299,9 @@ def final_eval(run: Run) -> dict | None:
     return None
   if last["step"] > run.steps:
     raise config_lib.ConfigError(
-        f"{run.workdir} holds a run evaluated at step {last['step']}, but this sweep plans {run.steps} steps for "
-        f"{run.name}; use another --workdir or move that run away.")
+      f"{run.workdir} holds a run evaluated at step {last['step']}, but this sweep plans {run.steps} steps for "
+      f"{run.name}; use another --workdir or move that run away."
+    )
   return last
 
 
@@ -268,15 +309,35 @@ def result_row(run: Run, evaluation: dict | None, status: str) -> dict:
   """One row of sweep.json: the run's plan, accounting and final validation numbers."""
   model = run.config.model
   row = dict(
-      budget=run.budget, ffn_type=run.ffn_type, size=run.size, name=run.name, status=status,
-      d_model=model.d_model, n_layers=model.n_layers, total_params=run.total_params, active_params=run.active_params,
-      forward_flops_per_token=run.forward_flops_per_token, tokens=run.tokens, tokens_per_step=run.tokens_per_step,
-      steps=run.steps, trained_tokens=run.steps * run.tokens_per_step, flops=run.flops, workdir=run.workdir,
-      command=run.command, step=None, loss=None, perplexity=None, tasks={},
+    budget=run.budget,
+    ffn_type=run.ffn_type,
+    size=run.size,
+    name=run.name,
+    status=status,
+    d_model=model.d_model,
+    n_layers=model.n_layers,
+    total_params=run.total_params,
+    active_params=run.active_params,
+    forward_flops_per_token=run.forward_flops_per_token,
+    tokens=run.tokens,
+    tokens_per_step=run.tokens_per_step,
+    steps=run.steps,
+    trained_tokens=run.steps * run.tokens_per_step,
+    flops=run.flops,
+    workdir=run.workdir,
+    command=run.command,
+    step=None,
+    loss=None,
+    perplexity=None,
+    tasks={},
   )
   if evaluation is not None:
-    losses = {key.split("/")[1]: value for key, value in evaluation.items() if key.startswith("eval/") and key.endswith("/loss")}
-    row["tasks"] = {task: dict(loss=loss, perplexity=evaluation[f"eval/{task}/perplexity"]) for task, loss in losses.items()}
+    losses = {
+      key.split("/")[1]: value for key, value in evaluation.items() if key.startswith("eval/") and key.endswith("/loss")
+    }
+    row["tasks"] = {
+      task: dict(loss=loss, perplexity=evaluation[f"eval/{task}/perplexity"]) for task, loss in losses.items()
+    }
     row["step"] = evaluation["step"]
     row["loss"] = sum(losses.values()) / len(losses)
     row["perplexity"] = math.exp(min(row["loss"], 50.0))

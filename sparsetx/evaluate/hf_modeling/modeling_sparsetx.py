@@ -30,10 +30,10 @@ from transformers.modeling_outputs import CausalLMOutput
 from .configuration_sparsetx import SparsetxConfig
 
 ACTIVATIONS = {
-    "identity": lambda h: h,
-    "relu": F.relu,
-    "gelu": F.gelu,  # exact (erf)
-    "swish": F.silu,
+  "identity": lambda h: h,
+  "relu": F.relu,
+  "gelu": F.gelu,  # exact (erf)
+  "swish": F.silu,
 }
 # config.model.ffn.gelu_approximate None: each layer's official form (sparsetx/models/ffn/common.py)
 OFFICIAL_GELU_APPROXIMATE = {"sgatlin": True, "peer": True, "fff": False}
@@ -136,8 +136,9 @@ class Attention(nn.Module):
     return self.out(torch.einsum("bhts,bshk->bthk", probs_BHTS.to(v_BTHK.dtype), v_BTHK))
 
 
-def gated_gather(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, activation, bias_R=None, token_chunk=1024,
-                 gate_inside_activation=True):
+def gated_gather(
+  x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, activation, bias_R=None, token_chunk=1024, gate_inside_activation=True
+):
   """y[n] = sum_s a(h[n,s], gates[n,s]) * w_out[rows[n,s]], h[n,s] = <w_in[rows[n,s]], x[n]> + bias[rows[n,s]],
   a = act(g * h) with the gate inside the activation (sgatlin, its official code) else g * act(h) (PEER).
 
@@ -226,8 +227,9 @@ class Sgatlin(nn.Module):
     channel_offsets = self.N * torch.arange(self.C, device=idx_BTCK.device)[:, None]
     rows_NS = (idx_BTCK + channel_offsets).reshape(B * T, -1)
     table_in, table_out = self.experts[0].reshape(-1, D), self.experts[1].reshape(-1, D)
-    y_ND = gated_gather(x_BTD.reshape(B * T, D), table_in, table_out, rows_NS, gates_BTCK.reshape(B * T, -1),
-                        self.activation)
+    y_ND = gated_gather(
+      x_BTD.reshape(B * T, D), table_in, table_out, rows_NS, gates_BTCK.reshape(B * T, -1), self.activation
+    )
     return y_ND.reshape(B, T, D)
 
 
@@ -244,8 +246,15 @@ class Peer(nn.Module):
     B, T, D = x_BTD.shape
     scores_BTCK, idx_BTCK = self.router(x_BTD)
     gates_BTCK = torch.softmax(scores_BTCK, dim=-1)
-    y_ND = gated_gather(x_BTD.reshape(B * T, D), self.experts[0], self.experts[1], idx_BTCK.reshape(B * T, -1),
-                        gates_BTCK.reshape(B * T, -1), self.gelu, gate_inside_activation=False)
+    y_ND = gated_gather(
+      x_BTD.reshape(B * T, D),
+      self.experts[0],
+      self.experts[1],
+      idx_BTCK.reshape(B * T, -1),
+      gates_BTCK.reshape(B * T, -1),
+      self.gelu,
+      gate_inside_activation=False,
+    )
     return y_ND.reshape(B, T, D)
 
 
@@ -429,8 +438,9 @@ class SparsetxForCausalLM(SparsetxPreTrainedModel, GenerationMixin):
       logits_BTV = self.lm_head(hidden_BTD)
     loss = None
     if labels is not None:  # next-token loss; -100 marks ignored targets
-      loss = F.cross_entropy(logits_BTV[:, :-1].reshape(-1, logits_BTV.shape[-1]), labels[:, 1:].reshape(-1),
-                             ignore_index=-100)
+      loss = F.cross_entropy(
+        logits_BTV[:, :-1].reshape(-1, logits_BTV.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+      )
     return CausalLMOutput(loss=loss, logits=logits_BTV)
 
 

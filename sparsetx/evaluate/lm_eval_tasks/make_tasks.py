@@ -53,22 +53,33 @@ def documents() -> list[dict]:
   rng = random.Random(SEED)
   docs = []
   for i, (noun, adjective) in enumerate(table):
-    choices = [adjective] + rng.sample(adjectives[:i] + adjectives[i + 1:], CHOICES - 1)
+    choices = [adjective] + rng.sample(adjectives[:i] + adjectives[i + 1 :], CHOICES - 1)
     rng.shuffle(choices)
-    docs.append(dict(noun=noun, adjective=adjective, label=i, choices=[f"{c}." for c in choices],
-                     choice_label=choices.index(adjective)))
+    docs.append(
+      dict(
+        noun=noun,
+        adjective=adjective,
+        label=i,
+        choices=[f"{c}." for c in choices],
+        choice_label=choices.index(adjective),
+      )
+    )
   return docs
 
 
 def cloze_yaml() -> str:
   adjectives = json.dumps([f"{adjective}." for _, adjective in corpus.facts()])
-  return (f"task: sparsetx_facts_cloze\n{_COMMON.format(data_file=DATA_FILE)}"
-          f"doc_to_choice: {adjectives}\ndoc_to_target: label\n")
+  return (
+    f"task: sparsetx_facts_cloze\n{_COMMON.format(data_file=DATA_FILE)}"
+    f"doc_to_choice: {adjectives}\ndoc_to_target: label\n"
+  )
 
 
 def choice_yaml() -> str:
-  return (f"task: sparsetx_facts_choice\n{_COMMON.format(data_file=DATA_FILE)}"
-          "doc_to_choice: choices\ndoc_to_target: choice_label\n")
+  return (
+    f"task: sparsetx_facts_choice\n{_COMMON.format(data_file=DATA_FILE)}"
+    "doc_to_choice: choices\ndoc_to_target: choice_label\n"
+  )
 
 
 def main():

@@ -37,10 +37,10 @@ def gelu_tanh(x):
 
 
 ACTIVATIONS = {
-    "identity": identity,  # the kernels' own identity: the gated gather knows it is linear in the gate
-    "relu": jax.nn.relu,
-    "gelu": gelu,
-    "swish": jax.nn.silu,
+  "identity": identity,  # the kernels' own identity: the gated gather knows it is linear in the gate
+  "relu": jax.nn.relu,
+  "gelu": gelu,
+  "swish": jax.nn.silu,
 }
 
 # `config.model.ffn.gelu_approximate` = None (the default, and what a config saved before the field reads

@@ -10,13 +10,13 @@ from sparsetx.models.taps import tap
 
 def _projection(cfg, features: int, names: tuple, name: str) -> nn.Dense:
   return nn.Dense(
-      features,
-      use_bias=cfg.use_bias,
-      dtype=jnp.dtype(cfg.dtype),
-      param_dtype=jnp.dtype(cfg.param_dtype),
-      kernel_init=dense_init(cfg.init_std, names),
-      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[-1:]),
-      name=name,
+    features,
+    use_bias=cfg.use_bias,
+    dtype=jnp.dtype(cfg.dtype),
+    param_dtype=jnp.dtype(cfg.param_dtype),
+    kernel_init=dense_init(cfg.init_std, names),
+    bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[-1:]),
+    name=name,
   )
 
 

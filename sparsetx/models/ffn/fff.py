@@ -71,7 +71,9 @@ class Fff(nn.Module):
     w_in = self.param("w_in", nn.with_logical_partitioning(in_init, ("tree", "node", "embed")), (P, N, D), param_dtype)
     b_in = self.param("b_in", nn.with_logical_partitioning(in_init, ("tree", "node")), (P, N), param_dtype)
     out_init = symmetric_uniform(1.0 / (L * P) ** 0.5)
-    w_out = self.param("w_out", nn.with_logical_partitioning(out_init, ("tree", "node", "embed")), (P, N, D), param_dtype)
+    w_out = self.param(
+      "w_out", nn.with_logical_partitioning(out_init, ("tree", "node", "embed")), (P, N, D), param_dtype
+    )
     b_out = self.param("b_out", nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)), (D,), param_dtype)
 
     gelu = gelu_for(ffn)
@@ -84,7 +86,7 @@ class Fff(nn.Module):
     elif ffn.implementation == "sparse":
       B, T = x_BTD.shape[:2]
       y_ND, path_NPL, z_NPL = sparse_forward(
-          x_BTD.reshape(B * T, D), w_in, b_in, w_out, ffn.depth, act, options_from_config(ffn.get("kernel"))
+        x_BTD.reshape(B * T, D), w_in, b_in, w_out, ffn.depth, act, options_from_config(ffn.get("kernel"))
       )
       y_BTD, path_BTPL, z_BTPL = y_ND.reshape(B, T, D), path_NPL.reshape(B, T, P, L), z_NPL.reshape(B, T, P, L)
     else:
@@ -114,6 +116,6 @@ def _expert_parallel(group, x_BTD, w_in_PND, b_in_PN, w_out_PND, act, ffn):
 
   tokens, trees = group.token_spec, PartitionSpec(group.unit_spec)
   y_ND, path_NPL, z_NPL = ep.shard_map(
-      local, group, in_specs=(tokens, trees, trees, trees), out_specs=(tokens, tokens, tokens)
+    local, group, in_specs=(tokens, trees, trees, trees), out_specs=(tokens, tokens, tokens)
   )(x_BTD.reshape(B * T, D), w_in_PND, b_in_PN, w_out_PND)
   return y_ND.reshape(B, T, D), path_NPL.reshape(B, T, P, L), z_NPL.reshape(B, T, P, L)

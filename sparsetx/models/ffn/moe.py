@@ -98,21 +98,23 @@ class Moe(nn.Module):
     E, K, F, D = ffn.n_experts, ffn.experts_per_token, ffn.d_ffw, self.cfg.d_model
     param_dtype = jnp.dtype(self.cfg.param_dtype)
     logits_BTE = nn.Dense(
-        E,
-        dtype=jnp.float32,
-        param_dtype=param_dtype,
-        kernel_init=dense_init(self.cfg.init_std, ("embed", None)),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
-        name="router",
+      E,
+      dtype=jnp.float32,
+      param_dtype=param_dtype,
+      kernel_init=dense_init(self.cfg.init_std, ("embed", None)),
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
+      name="router",
     )(x_BTD.astype(jnp.float32))
     self.sow("intermediates", "router_logits", logits_BTE)  # the balancing losses' input (unused ones are pruned)
-    top_logits_BTK, expert_ids_BTK = ep.where_tokens_are(lambda l: jax.lax.top_k(l, K), logits_BTE)
+    top_logits_BTK, expert_ids_BTK = ep.where_tokens_are(lambda logits: jax.lax.top_k(logits, K), logits_BTE)
     weights_BTK = jax.nn.softmax(top_logits_BTK, axis=-1)
     expert_ids_BTK = tap(self, "expert_ids", expert_ids_BTK)
     weights_BTK = tap(self, "expert_weights", weights_BTK)
 
     def table(name, shape, names):
-      return self.param(name, nn.with_logical_partitioning(nn.initializers.normal(self.cfg.init_std), names), shape, param_dtype)
+      return self.param(
+        name, nn.with_logical_partitioning(nn.initializers.normal(self.cfg.init_std), names), shape, param_dtype
+      )
 
     wi_gate = table("wi_gate", (E, D, F), ("expert", "embed", "mlp"))
     wi_up = table("wi_up", (E, D, F), ("expert", "embed", "mlp"))
@@ -122,7 +124,7 @@ class Moe(nn.Module):
     if group is not None:
       return _expert_parallel(group, x_BTD, expert_ids_BTK, weights_BTK, wi_gate, wi_up, wo)
     y_ND = dispatch_experts(
-        x_BTD.reshape(B * T, D), expert_ids_BTK.reshape(B * T, K), weights_BTK.reshape(B * T, K), wi_gate, wi_up, wo
+      x_BTD.reshape(B * T, D), expert_ids_BTK.reshape(B * T, K), weights_BTK.reshape(B * T, K), wi_gate, wi_up, wo
     )
     return y_ND.reshape(B, T, D)
 
@@ -140,8 +142,12 @@ def _expert_parallel(group, x_BTD, expert_ids_BTK, weights_BTK, wi_gate_EDF, wi_
     return ep.scatter_back(y_gD, group)
 
   tokens, experts = group.token_spec, P(group.unit_spec)
-  y_ND = ep.shard_map(
-      local, group, in_specs=(tokens, tokens, tokens, experts, experts, experts), out_specs=tokens
-  )(x_BTD.reshape(B * T, D), expert_ids_BTK.reshape(B * T, K), weights_BTK.reshape(B * T, K),
-    wi_gate_EDF, wi_up_EDF, wo_EFD)
+  y_ND = ep.shard_map(local, group, in_specs=(tokens, tokens, tokens, experts, experts, experts), out_specs=tokens)(
+    x_BTD.reshape(B * T, D),
+    expert_ids_BTK.reshape(B * T, K),
+    weights_BTK.reshape(B * T, K),
+    wi_gate_EDF,
+    wi_up_EDF,
+    wo_EFD,
+  )
   return y_ND.reshape(B, T, D).astype(x_BTD.dtype)

@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from sparsetx.kernels.gated_gather import gated_gather, options_from_config
-from sparsetx.models.taps import tap
 from sparsetx.models.ffn.common import gelu_for
 from sparsetx.models.ffn.product_keys import make_router
+from sparsetx.models.taps import tap
 from sparsetx.parallel import expert_parallel as ep
 
 TABLE_AXES = ep.NEURON_TABLES["peer"]
@@ -50,29 +50,34 @@ class Peer(nn.Module):
     gates_BTCK = tap(self, "gate_scores", gates_BTCK)
 
     experts = self.param(
-        "experts",
-        nn.with_logical_partitioning(
-            nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)),
-            TABLE_AXES,
-        ),
-        (2, N, D),
-        jnp.dtype(self.cfg.param_dtype),
+      "experts",
+      nn.with_logical_partitioning(
+        nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)),
+        TABLE_AXES,
+      ),
+      (2, N, D),
+      jnp.dtype(self.cfg.param_dtype),
     )
     B, T = idx_BTCK.shape[:2]
     if group is not None:
       y_ND = ep.split_gated_gather(
-          group, x_BTD.reshape(B * T, D), experts[:, None], idx_BTCK.reshape(B * T, 1, -1),
-          gates_BTCK.reshape(B * T, 1, -1), gelu_for(ffn), options_from_config(ffn.get("kernel")),
-          gate_inside_activation=False,
+        group,
+        x_BTD.reshape(B * T, D),
+        experts[:, None],
+        idx_BTCK.reshape(B * T, 1, -1),
+        gates_BTCK.reshape(B * T, 1, -1),
+        gelu_for(ffn),
+        options_from_config(ffn.get("kernel")),
+        gate_inside_activation=False,
       )
       return y_ND.reshape(B, T, D)
     return gated_gather(
-        x_BTD,
-        experts[0],
-        experts[1],
-        idx_BTCK.reshape(B, T, -1),
-        gates_BTCK.reshape(B, T, -1),
-        gelu_for(ffn),
-        options=options_from_config(ffn.get("kernel")),
-        gate_inside_activation=False,  # softmax scores times GELU'd neurons, as PEER's code
+      x_BTD,
+      experts[0],
+      experts[1],
+      idx_BTCK.reshape(B, T, -1),
+      gates_BTCK.reshape(B, T, -1),
+      gelu_for(ffn),
+      options=options_from_config(ffn.get("kernel")),
+      gate_inside_activation=False,  # softmax scores times GELU'd neurons, as PEER's code
     )

@@ -13,7 +13,6 @@ from sparsetx.config import ConfigError, n_keys_for
 from sparsetx.models.ffn.common import router_init
 from sparsetx.parallel.expert_parallel import where_tokens_are
 
-
 _INT32_MIN = jnp.iinfo(jnp.int32).min
 _INT32_MAX = jnp.iinfo(jnp.int32).max
 _CPU_ROWS_PER_CHUNK = 256  # two halves x n_keys x 256 rows of int32 stay in L2 during the k passes
@@ -133,20 +132,20 @@ class ProductKeyRouter(nn.Module):
   def __call__(self, x_BTD):
     n_keys = n_keys_for(self.d_ffw)
     query = nn.DenseGeneral(
-        self.d_key,
-        use_bias=False,
-        dtype=jnp.float32,
-        param_dtype=self.param_dtype,
-        kernel_init=router_init(("embed", "key")),
-        name="query",
+      self.d_key,
+      use_bias=False,
+      dtype=jnp.float32,
+      param_dtype=self.param_dtype,
+      kernel_init=router_init(("embed", "key")),
+      name="query",
     )(x_BTD.astype(jnp.float32))
     scores_BT2CN = nn.DenseGeneral(
-        (2, self.n_channels, n_keys),
-        use_bias=False,
-        dtype=jnp.float32,
-        param_dtype=self.param_dtype,
-        kernel_init=router_init(("key", None, "channel", None)),
-        name="keys",
+      (2, self.n_channels, n_keys),
+      use_bias=False,
+      dtype=jnp.float32,
+      param_dtype=self.param_dtype,
+      kernel_init=router_init(("key", None, "channel", None)),
+      name="keys",
     )(query)
     top_k = lambda s1, s2: product_key_top_k(s1, s2, self.top_k)  # noqa: E731
     return where_tokens_are(top_k, scores_BT2CN[:, :, 0], scores_BT2CN[:, :, 1])
@@ -166,25 +165,23 @@ class PeerRouter(nn.Module):
     n_keys = n_keys_for(self.d_ffw)
     half = self.d_key // 2
     query_BTC2H = nn.DenseGeneral(
-        (self.n_channels, 2, half),
-        use_bias=False,
-        dtype=jnp.float32,
-        param_dtype=self.param_dtype,
-        kernel_init=router_init(("embed", "channel", None, "key")),
-        name="query",
+      (self.n_channels, 2, half),
+      use_bias=False,
+      dtype=jnp.float32,
+      param_dtype=self.param_dtype,
+      kernel_init=router_init(("embed", "channel", None, "key")),
+      name="query",
     )(x_BTD.astype(jnp.float32))
     sub_keys_C2NH = self.param(
-        "sub_keys",
-        nn.with_logical_partitioning(
-            nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-1, out_axis=-2, batch_axis=(0, 1)),
-            ("channel", None, None, "key"),
-        ),
-        (self.n_channels, 2, n_keys, half),
-        self.param_dtype,
+      "sub_keys",
+      nn.with_logical_partitioning(
+        nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-1, out_axis=-2, batch_axis=(0, 1)),
+        ("channel", None, None, "key"),
+      ),
+      (self.n_channels, 2, n_keys, half),
+      self.param_dtype,
     )
-    scores_BTC2N = jnp.einsum(
-        "btcsh,csnh->btcsn", query_BTC2H, sub_keys_C2NH.astype(jnp.float32), precision="highest"
-    )
+    scores_BTC2N = jnp.einsum("btcsh,csnh->btcsn", query_BTC2H, sub_keys_C2NH.astype(jnp.float32), precision="highest")
     top_k = lambda s1, s2: product_key_top_k(s1, s2, self.top_k)  # noqa: E731
     return where_tokens_are(top_k, scores_BTC2N[..., 0, :], scores_BTC2N[..., 1, :])
 
@@ -192,10 +189,10 @@ class PeerRouter(nn.Module):
 def make_router(kind: str, cfg, param_dtype) -> nn.Module:
   router = {"product": ProductKeyRouter, "peer": PeerRouter}[kind]
   return router(
-      d_ffw=cfg.d_ffw,
-      n_channels=cfg.n_channels,
-      top_k=cfg.top_k,
-      d_key=cfg.d_key,
-      param_dtype=param_dtype,
-      name="router",
+    d_ffw=cfg.d_ffw,
+    n_channels=cfg.n_channels,
+    top_k=cfg.top_k,
+    d_key=cfg.d_key,
+    param_dtype=param_dtype,
+    name="router",
   )

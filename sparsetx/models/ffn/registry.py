@@ -7,12 +7,12 @@ from sparsetx.models.ffn.peer import Peer
 from sparsetx.models.ffn.sgatlin import Sgatlin
 
 FFN_LAYERS = {
-    "mlp": Mlp,
-    "swiglu": SwiGlu,
-    "moe": Moe,
-    "peer": Peer,
-    "sgatlin": Sgatlin,
-    "fff": Fff,
+  "mlp": Mlp,
+  "swiglu": SwiGlu,
+  "moe": Moe,
+  "peer": Peer,
+  "sgatlin": Sgatlin,
+  "fff": Fff,
 }
 
 

@@ -39,16 +39,16 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from sparsetx.kernels.gated_gather import gated_gather, options_from_config
-from sparsetx.models.taps import tap
 from sparsetx.models.ffn.common import activation_for
 from sparsetx.models.ffn.product_keys import make_router
+from sparsetx.models.taps import tap
 from sparsetx.parallel import expert_parallel as ep
 
 
 def table_init(d_ffw: int):
   """Truncated normal with std 1/sqrt(d_ffw) over each (d_ffw, d_model) table, as the authors run it."""
   return nn.initializers.variance_scaling(
-      1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=tuple(range(-4, -2))
+    1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=tuple(range(-4, -2))
   )
 
 
@@ -73,29 +73,34 @@ class Sgatlin(nn.Module):
     gates_BTCK = tap(self, "gate_scores", gates_BTCK)
 
     experts = self.param(
-        "experts",
-        nn.with_logical_partitioning(table_init(N), TABLE_AXES),
-        (2, C, N, D),
-        jnp.dtype(self.cfg.param_dtype),
+      "experts",
+      nn.with_logical_partitioning(table_init(N), TABLE_AXES),
+      (2, C, N, D),
+      jnp.dtype(self.cfg.param_dtype),
     )
     B, T = idx_BTCK.shape[:2]
     if group is not None and group.split:
       y_ND = ep.split_gated_gather(
-          group, x_BTD.reshape(B * T, D), experts, idx_BTCK.reshape(B * T, C, -1), gates_BTCK.reshape(B * T, C, -1),
-          activation_for(ffn), options_from_config(ffn.get("kernel")),
+        group,
+        x_BTD.reshape(B * T, D),
+        experts,
+        idx_BTCK.reshape(B * T, C, -1),
+        gates_BTCK.reshape(B * T, C, -1),
+        activation_for(ffn),
+        options_from_config(ffn.get("kernel")),
       )
       return y_ND.reshape(B, T, D)
     if group is not None:
       return _expert_parallel(group, x_BTD, experts, idx_BTCK, gates_BTCK, ffn)
     rows_BTS = (idx_BTCK + N * jnp.arange(C, dtype=idx_BTCK.dtype)[None, None, :, None]).reshape(B, T, C * ffn.top_k)
     return gated_gather(
-        x_BTD,
-        experts[0].reshape(C * N, D),
-        experts[1].reshape(C * N, D),
-        rows_BTS,
-        gates_BTCK.reshape(B, T, -1),
-        activation_for(ffn),
-        options=options_from_config(ffn.get("kernel")),
+      x_BTD,
+      experts[0].reshape(C * N, D),
+      experts[1].reshape(C * N, D),
+      rows_BTS,
+      gates_BTCK.reshape(B, T, -1),
+      activation_for(ffn),
+      options=options_from_config(ffn.get("kernel")),
     )
 
 
@@ -112,21 +117,21 @@ def _expert_parallel(group, x_BTD, experts_2CND, idx_BTCK, gates_BTCK, ffn):
     gates_gcK = ep.to_owners(gates_nCK, group, unit_dim=1)
     rows_gS = (idx_gcK + N * jnp.arange(c, dtype=idx_gcK.dtype)[None, :, None]).reshape(-1, c * K)
     y_gD = gated_gather(
-        x_gD,
-        experts_2cND[0].reshape(c * N, D),
-        experts_2cND[1].reshape(c * N, D),
-        rows_gS,
-        gates_gcK.reshape(rows_gS.shape),
-        activation_for(ffn),
-        options=options,
+      x_gD,
+      experts_2cND[0].reshape(c * N, D),
+      experts_2cND[1].reshape(c * N, D),
+      rows_gS,
+      gates_gcK.reshape(rows_gS.shape),
+      activation_for(ffn),
+      options=options,
     )
     return ep.scatter_back(y_gD, group)
 
   tokens = group.token_spec
   y_ND = ep.shard_map(
-      local,
-      group,
-      in_specs=(tokens, P(None, group.unit_spec), tokens, tokens),
-      out_specs=tokens,
+    local,
+    group,
+    in_specs=(tokens, P(None, group.unit_spec), tokens, tokens),
+    out_specs=tokens,
   )(x_BTD.reshape(B * T, D), experts_2CND, idx_BTCK.reshape(B * T, C, K), gates_BTCK.reshape(B * T, C, K))
   return y_ND.reshape(B, T, D).astype(x_BTD.dtype)
