@@ -308,7 +308,7 @@ def row_accumulate(coef_SN, table_RD, rows_SN, out_dtype, options):
 
 def _pad_tokens(n_tokens, *arrays_N):
   n_padded = -(-n_tokens // BLOCK_TOKENS) * BLOCK_TOKENS
-  return [xla_gather._pad_rows(a, n_padded) for a in arrays_N]
+  return [xla_gather.pad_rows(a, n_padded) for a in arrays_N]
 
 
 def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options):

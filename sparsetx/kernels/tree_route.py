@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsetx.kernels.gated_gather import gated_gather
-from sparsetx.kernels.xla_gather import _chunked, _unchunk
+from sparsetx.kernels.xla_gather import chunked, unchunk
 
 DENSE_LEVELS = 3  # levels computed by one matmul (7 nodes per tree) before the walk starts gathering
 WALK_ROWS_PER_CHUNK = 512  # gathered w_in rows per scan step of the walk (about 1.5 MiB at d_model 768)
@@ -45,7 +45,7 @@ def _walk_gathered(x_ND, w_in_PMD, b_in_PM, node_NP, n_levels, rows_per_chunk):
   n_tokens = x_ND.shape[0]
   P = w_in_PMD.shape[0]
   tree_P = jnp.arange(P)
-  x_KcD, node_KcP = _chunked([x_ND, node_NP], max(1, rows_per_chunk // P))
+  x_KcD, node_KcP = chunked([x_ND, node_NP], max(1, rows_per_chunk // P))
 
   def walk(_, xs):
     x_cD, node_cP = xs
@@ -60,7 +60,7 @@ def _walk_gathered(x_ND, w_in_PMD, b_in_PM, node_NP, n_levels, rows_per_chunk):
     return None, (jnp.stack(nodes, -1), jnp.stack(logits, -1))
 
   _, (path, z) = jax.lax.scan(walk, None, (x_KcD, node_KcP))
-  return _unchunk(path, n_tokens), _unchunk(z, n_tokens)
+  return unchunk(path, n_tokens), unchunk(z, n_tokens)
 
 
 def tree_paths(x_ND, w_in_PMD, b_in_PM, depth, dense_levels=DENSE_LEVELS, rows_per_chunk=WALK_ROWS_PER_CHUNK):

@@ -30,32 +30,40 @@ import jax
 import jax.numpy as jnp
 
 
-def _pad_rows(a, n_padded):
+def pad_rows(a, n_padded):
+  """a with its leading axis zero-padded to n_padded."""
   pad = n_padded - a.shape[0]
   return a if pad == 0 else jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
 
 
-def _chunked(arrays, chunk):
+def chunked(arrays, chunk):
   """Pads the leading (token) axis to a multiple of chunk and splits it into [n_chunks, chunk, ...].
 
-  Shared with tree_route's walk, which scans token chunks the same way.
+  Shared with tree_route's walk and sliced_gather.py, which scan token chunks the same way.
   """
   n = arrays[0].shape[0]
   n_padded = -(-n // chunk) * chunk
-  return [_pad_rows(a, n_padded).reshape((n_padded // chunk, chunk) + a.shape[1:]) for a in arrays]
+  return [pad_rows(a, n_padded).reshape((n_padded // chunk, chunk) + a.shape[1:]) for a in arrays]
 
 
-def _unchunk(a, n):
-  """The inverse of `_chunked` for one array: [n_chunks, chunk, ...] -> the first n of [n_chunks * chunk, ...]."""
+def unchunk(a, n):
+  """The inverse of `chunked` for one array: [n_chunks, chunk, ...] -> the first n of [n_chunks * chunk, ...]."""
   return a.reshape((-1,) + a.shape[2:])[:n]
 
 
-def _pre_activation(x_cD, w_in_RD, rows_cS, bias_R):
+def pre_activation(x_cD, w_in_RD, rows_cS, bias_R):
+  """h [c, S] float32: <w_in[rows[t, s]], x[t]> (+ bias[rows[t, s]]), and the gathered rows in x's dtype."""
   w_in_cSD = w_in_RD[rows_cS].astype(x_cD.dtype)
   h_cS = jnp.einsum("cd,csd->cs", x_cD, w_in_cSD, preferred_element_type=jnp.float32)
   if bias_R is not None:
     h_cS = h_cS + bias_R[rows_cS].astype(jnp.float32)
   return h_cS, w_in_cSD
+
+
+def weighted_rows(coef_cS, table_RD, rows_cS, dtype):
+  """[c, D] float32: sum_s coef[t, s] * table[rows[t, s]], both factors in `dtype`."""
+  table_cSD = table_RD[rows_cS].astype(dtype)
+  return jnp.einsum("cs,csd->cd", coef_cS.astype(dtype), table_cSD, preferred_element_type=jnp.float32)
 
 
 def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options):
@@ -67,14 +75,13 @@ def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options)
 
   def step(_, chunk):
     x_cD, rows_cS, gates_cS = chunk
-    h_cS, _ = _pre_activation(x_cD, w_in_RD, rows_cS, bias_R)
+    h_cS, _ = pre_activation(x_cD, w_in_RD, rows_cS, bias_R)
     a_cS = gating.value(h_cS, gates_cS.astype(jnp.float32)).astype(dtype)
-    w_out_cSD = w_out_RD[rows_cS].astype(dtype)
-    y_cD = jnp.einsum("cs,csd->cd", a_cS, w_out_cSD, preferred_element_type=jnp.float32)
+    y_cD = weighted_rows(a_cS, w_out_RD, rows_cS, dtype)
     return None, (y_cD.astype(dtype), h_cS)
 
-  _, (y, h) = jax.lax.scan(step, None, _chunked([x_ND, rows_NS, gates_NS], options.token_chunk))
-  return _unchunk(y, n_tokens), _unchunk(h, n_tokens)
+  _, (y, h) = jax.lax.scan(step, None, chunked([x_ND, rows_NS, gates_NS], options.token_chunk))
+  return unchunk(y, n_tokens), unchunk(h, n_tokens)
 
 
 def forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating, options):
@@ -85,12 +92,11 @@ def forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating,
   def step(_, chunk):
     rows_cS, gates_cS, h_cS = chunk
     a_cS = gating.value(h_cS, gates_cS.astype(jnp.float32)).astype(dtype)
-    w_out_cSD = w_out_RD[rows_cS].astype(dtype)
-    y_cD = jnp.einsum("cs,csd->cd", a_cS, w_out_cSD, preferred_element_type=jnp.float32)
+    y_cD = weighted_rows(a_cS, w_out_RD, rows_cS, dtype)
     return None, y_cD.astype(dtype)
 
-  _, y = jax.lax.scan(step, None, _chunked([rows_NS, gates_NS, h_NS], options.token_chunk))
-  return _unchunk(y, n_tokens)
+  _, y = jax.lax.scan(step, None, chunked([rows_NS, gates_NS, h_NS], options.token_chunk))
+  return unchunk(y, n_tokens)
 
 
 def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options):
@@ -105,17 +111,15 @@ def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, opt
 
   def step(_, chunk):
     dy_cD, h_cS, rows_cS, gates_cS = chunk
-    w_out_cSD = w_out_RD[rows_cS].astype(dtype)
-    dyw_cS = jnp.einsum("cd,csd->cs", dy_cD, w_out_cSD, preferred_element_type=jnp.float32)
+    dyw_cS, _ = pre_activation(dy_cD, w_out_RD, rows_cS, None)
     a_cS, da_dh_cS, da_dg_cS = gating.value_and_slopes(h_cS, gates_cS.astype(jnp.float32))
     coef_in_cS = da_dh_cS * dyw_cS
-    w_in_cSD = w_in_RD[rows_cS].astype(dtype)
-    dx_cD = jnp.einsum("cs,csd->cd", coef_in_cS.astype(dtype), w_in_cSD, preferred_element_type=jnp.float32)
+    dx_cD = weighted_rows(coef_in_cS, w_in_RD, rows_cS, dtype)
     return None, (dx_cD.astype(dtype), da_dg_cS * dyw_cS, coef_in_cS, a_cS)
 
-  chunks = _chunked([dy_ND, h_NS, rows_NS, gates_NS], options.token_chunk)
+  chunks = chunked([dy_ND, h_NS, rows_NS, gates_NS], options.token_chunk)
   _, outs = jax.lax.scan(step, None, chunks)
-  return tuple(_unchunk(a, n_tokens) for a in outs)
+  return tuple(unchunk(a, n_tokens) for a in outs)
 
 
 # Row-sorted path (KernelOptions.row_sorted): pairs are walked in table-row order, so each picked row is read
