@@ -14,6 +14,7 @@ from conftest import init_params, layer_model_config
 
 from sparsetx import config as config_lib
 from sparsetx.models.ffn.registry import FFN_LAYERS
+from sparsetx.parallel import dispatch
 from sparsetx.parallel import expert_parallel as ep
 from sparsetx.parallel import mesh as mesh_lib
 
@@ -157,9 +158,9 @@ def test_d_split_over_a_non_batch_axis_equals_the_official_formula(ffn_type, mes
   assert "tensor" not in jax.tree.leaves(tuple(batch.spec))
   x_sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*batch.spec, None)))
   groups = []  # the groups the layer ran `split_gated_gather` with
-  split_gated_gather = ep.split_gated_gather
+  split_gated_gather = dispatch.split_gated_gather
   spy = lambda group, *args, **kwargs: groups.append(group) or split_gated_gather(group, *args, **kwargs)  # noqa: E731
-  monkeypatch.setattr(ep, "split_gated_gather", spy)
+  monkeypatch.setattr(dispatch, "split_gated_gather", spy)
   with ep.activate(mesh, rules):
     step = jax.jit(functools.partial(forward_and_grads, layer_apply(layer), probe))
     y, grads = step(jax.device_put(params, param_shardings), x_sharded)

@@ -4,19 +4,44 @@ A Pallas kernel is a custom call that XLA cannot partition: Pallas TPU lowers on
 is manual ("Mosaic kernels cannot be automatically partitioned"), and XLA would run a GPU kernel whole on
 every device, for every token. The gated gather's kernels work per token and read the tables whole, so
 `on_token_shards` runs them in a `jax.shard_map` over every mesh axis not manual yet (inside an
-expert-parallel shard_map, expert_parallel.py, the group's axes already are): per-token operands and all
+expert-parallel shard_map, sparsetx/parallel/dispatch.py, the group's axes already are): per-token operands and all
 results are split over the batch's axes (config.mesh.rules' `batch`) among those, and the tables enter whole
 on every device (under fsdp, the all-gather XLA adds is the one the layer's dense weights get too). Other
 axes (tensor) hold the same tokens and compute the same values. Tokens that do not split evenly stay whole.
 Without a mesh of more than one device the call is unchanged.
+
+Which mesh axes split the tokens is the parallel layer's knowledge (its logical rules); it tells this module
+with `token_axes`, which `sparsetx.parallel.expert_parallel.activate` enters with the rules' `batch` axes.
+Outside it the default rules' `batch` axes apply.
 """
 
+import contextlib
+import contextvars
 import math
 
 import jax
 from jax.sharding import PartitionSpec as P
 
-from sparsetx.parallel import expert_parallel
+from sparsetx.config import DEFAULT_RULES
+
+
+def _rule_axes(rules, logical_name: str) -> tuple:
+  """The mesh axes the first rule naming `logical_name` gives it."""
+  axes = next((axes for name, axes in rules if name == logical_name), None)
+  return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+_TOKEN_AXES = contextvars.ContextVar("sparsetx_token_axes", default=None)  # None: the default rules' `batch`
+
+
+@contextlib.contextmanager
+def token_axes(axes):
+  """In this context the kernels' per-token operands are split over these mesh axes (those present, size > 1)."""
+  token = _TOKEN_AXES.set(tuple(axes))
+  try:
+    yield
+  finally:
+    _TOKEN_AXES.reset(token)
 
 
 def on_token_shards(fn, per_token, *args):
@@ -28,8 +53,9 @@ def on_token_shards(fn, per_token, *args):
   free = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
   if not free:
     return fn(*args)
-  batch = expert_parallel.active_mesh_axes(mesh, "batch")
-  batch = tuple(a for a in batch if a in free)
+  axes = _TOKEN_AXES.get()
+  axes = _rule_axes(DEFAULT_RULES, "batch") if axes is None else axes
+  batch = tuple(a for a in axes if a in free and mesh.shape[a] > 1)
   n_tokens = next(a.shape[0] for a, split in zip(args, per_token) if split)
   tokens = P(batch) if batch and n_tokens % math.prod(mesh.shape[a] for a in batch) == 0 else P()
   in_specs = tuple(tokens if split else P() for split in per_token)

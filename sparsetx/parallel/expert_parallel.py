@@ -1,34 +1,18 @@
 """Expert parallelism: which devices share a sparse layer's units, and how tokens move between them.
 
-A sparse layer's units (sgatlin channels, FFF trees, MoE experts) are split over the mesh axes
-that `config.mesh.rules` gives their logical name (`channel`, `tree`, `expert` -> `expert`).
-Moving tables is what makes a sharded sparse layer slow, so the layers move activations instead,
-inside one explicit `jax.shard_map` each:
-
-  1. `gather_tokens`: every device of an expert group receives the tokens of the whole group
-     (all-gather over the unit axes that also split the batch);
-  2. `to_owners` / `from_owners`: per-unit routing data (indices, gates) goes only to the
-     device owning the unit (all-to-all: split units, concatenate tokens), and back;
-  3. each device runs the unsharded computation for its units and the group's tokens;
-  4. `scatter_back`: the partial outputs are summed over the group and each device keeps its
-     own tokens (reduce-scatter), the transpose of step 1.
-
-A unit axis that does not split the batch holds the same tokens on every device: step 1 is
-nothing, step 2 a local slice and step 4 an all-reduce. Mesh axes of size 1 are skipped.
-
-A neuron table (sgatlin, PEER) whose d_model is split too (`table_group`: the rules give its `embed`
-axis mesh axes; PEER's shared table has no other way to split, sgatlin needs it when the expert
-axis is larger than C) runs `split_gated_gather`: between steps 2 and 3, x goes to the S devices
-of a d-group by d-slice (all-to-all) and the indices and gates are all-gathered over it; step 3
-computes partial dots on the slice, sums them over the d-group (an all-reduce of [tokens, picks]
-float32 scalars, before the activation and gate), and the output's d-slices come back by the
-inverse all-to-all before step 4. The table never moves.
+A sparse layer's units (sgatlin channels, FFF trees, MoE experts) are split over the mesh axes that
+`config.mesh.rules` gives their logical name (`channel`, `tree`, `expert` -> `expert`); a neuron table
+(sgatlin, PEER) may have its d_model split too (`table_group`). Moving tables is what makes a sharded
+sparse layer slow, so tokens move instead: `gather_tokens` (all-gather over the unit axes that split the
+batch), `to_owners` / `from_owners` (per-unit routing data to the unit's owner and back, all-to-all or a
+local slice), `scatter_back` (partial outputs summed, each device keeps its own tokens: reduce-scatter).
+The shard_maps that use them are in dispatch.py; docs/expert_parallel.md has the steps and their bytes.
 
 The layers find the mesh and the rules in the context: `activate(mesh, rules)` sets the mesh
-(`jax.set_mesh`) and the logical rules (a context variable here; flax's own `nn.logical_axis_rules`
-would also turn on flax's parameter sharding constraints, which the DenseGeneral routers reject). With no
-mesh, or a unit axis of size 1, the layers run their plain single-device computation, so nothing changes for
-one device.
+(`jax.set_mesh`), the logical rules (a context variable here; flax's own `nn.logical_axis_rules` would
+also turn on flax's parameter sharding constraints, which the DenseGeneral routers reject) and the kernels'
+token axes (kernels/token_shards.py). With no mesh, or a unit axis of size 1, the layers run their plain
+single-device computation, so nothing changes for one device.
 """
 
 import contextlib
@@ -40,17 +24,15 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sparsetx import config as config_lib
 from sparsetx.config import DEFAULT_RULES, ConfigError
-from sparsetx.kernels import segment_grads
-from sparsetx.kernels.reference import Gating
+from sparsetx.kernels import token_shards
 
 # Put first in config.mesh.rules, these split every `embed` axis over fsdp x expert and keep channels whole:
 # neuron tables (PEER's shared one; sgatlin's when the expert axis is larger than its channel count)
-# are then split by d_model over the expert axis, and the layers run `split_gated_gather`.
+# are then split by d_model over the expert axis, and the layers run the d-split gather (dispatch.py).
 D_MODEL_SPLIT_RULES = (("embed", ("fsdp", "expert")), ("channel", None))
 
 _RULES = contextvars.ContextVar("sparsetx_logical_rules", default=DEFAULT_RULES)
@@ -61,7 +43,7 @@ def activate(mesh, rules=DEFAULT_RULES):
   """Mesh and logical rules in the context, so sparse layers trace their expert-parallel form."""
   token = _RULES.set(tuple(tuple(rule) for rule in rules))
   try:
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), token_shards.token_axes(_mesh_axes(_RULES.get(), "batch")):
       yield
   finally:
     _RULES.reset(token)
@@ -84,7 +66,7 @@ class ExpertGroup:
   mesh: object  # jax.sharding.AbstractMesh
   batch: tuple
   units: tuple
-  split: tuple = ()  # mesh axes splitting a neuron table's d_model (`split_gated_gather`)
+  split: tuple = ()  # mesh axes splitting a neuron table's d_model (the d-split gather, dispatch.py)
 
   @property
   def n_unit_shards(self) -> int:
@@ -178,131 +160,6 @@ def _table_spec(table_names, rules) -> tuple:
   return spec + (None,) * (len(table_names) - len(spec))
 
 
-def split_gated_gather(
-  group: ExpertGroup, x_ND, experts_2UND, idx_NUK, gates_NUK, activation, options, gate_inside_activation=True
-):
-  """A neuron table's gated gather with its units and its d_model split over the group, in one shard_map.
-
-  y[t] = sum_u sum_k a(<w_in[u, i], x[t]>, gates[t, u, k]) * w_out[u, i], i = idx[t, u, k], with the slot
-  coefficient a = act(g * h) (`gate_inside_activation`, sgatlin) or g * act(h) (PEER), as the gated gather.
-  Each device holds experts[:, u-block, :, d-slice] (`table_group`) and never sends it. Steps:
-  tokens gathered and indices sent to the units' owners as in the channel form (`gather_tokens`,
-  `to_owners`); then over the split axes x goes out by d-slice (all-to-all: each device keeps its
-  slice of the d-group's tokens) and indices and gates are all-gathered; each device dots its
-  slice of the picked w_in rows (partial dots), the partial dots are summed over the d-group
-  (all-reduce of [tokens, units * k] float32 scalars: this sum is why the split is exact, the
-  activation and gate act on whole dots), and gated slices of the picked w_out rows give the
-  output's d-slice, which goes back by all-to-all (the inverse of the x all-to-all) and then
-  through `scatter_back` over the unit axes. The partial dots and sums use float32. `options`
-  (a KernelOptions) gives the token chunk of the gathers and the pair chunk of the table gradients.
-  """
-  N, D = x_ND.shape
-  U, K = idx_NUK.shape[1:]
-  n_neurons = experts_2UND.shape[2]
-  dtype = x_ND.dtype
-  gating = Gating(activation, bool(gate_inside_activation))
-
-  def local(x_nD, experts_2uNd, idx_nUK, gates_nUK):
-    u, d = experts_2uNd.shape[1], experts_2uNd.shape[-1]
-    x_gD = gather_tokens(x_nD, group)
-    idx_guK, gates_guK = to_owners(idx_nUK, group, unit_dim=1), to_owners(gates_nUK, group, unit_dim=1)
-    x_hd = to_owners(x_gD, group, unit_dim=1, axes=group.split)  # d-slices: their owners are the split axes
-    idx_huK, gates_huK = _gather_over_slices(idx_guK, group), _gather_over_slices(gates_guK, group)
-    rows_hS = (idx_huK + n_neurons * jnp.arange(u, dtype=idx_huK.dtype)[None, :, None]).reshape(-1, u * K)
-    y_hd = _sliced_gated_gather(
-      gating,
-      options,
-      group.split,
-      x_hd,
-      experts_2uNd[0].reshape(u * n_neurons, d),
-      experts_2uNd[1].reshape(u * n_neurons, d),
-      rows_hS,
-      gates_huK.reshape(rows_hS.shape),
-    )
-    y_gD = from_owners(y_hd.astype(jnp.float32 if group.units else dtype), group, unit_dim=1, axes=group.split)
-    return scatter_back(y_gD, group) if group.units else y_gD
-
-  tokens = group.token_spec
-  y_ND = shard_map(
-    local,
-    group,
-    in_specs=(tokens, P(None, group.unit_spec, None, group.split_spec), tokens, tokens),
-    out_specs=tokens,
-  )(x_ND, experts_2UND, idx_NUK.reshape(N, U, K), gates_NUK.reshape(N, U, K))
-  return y_ND.astype(dtype)
-
-
-def _gather_over_slices(a_g, group: ExpertGroup):
-  """Per-token routing data of the whole d-group: all-gather over the split axes that split the batch."""
-  return _all_gather(a_g, tuple(a for a in group.split if a in group.batch))
-
-
-def _rows_dot(options, a_hd, table_Rd, rows_hS):
-  """[h, S]: <a[t], table[rows[t, s]]> in float32, `token_chunk` tokens' rows gathered at a time."""
-  dot = lambda a_d, rows_S: jnp.einsum(
-    "d,sd->s",
-    a_d,
-    table_Rd[rows_S].astype(a_d.dtype),  # noqa: E731
-    preferred_element_type=jnp.float32,
-  )
-  return jax.lax.map(lambda pair: dot(*pair), (a_hd, rows_hS), batch_size=options.token_chunk)
-
-
-def _rows_sum(options, coef_hS, table_Rd, rows_hS, dtype):
-  """[h, d]: sum_s coef[t, s] * table[rows[t, s]] in float32, chunked like `_rows_dot`."""
-  weighted = lambda c_S, rows_S: jnp.einsum(
-    "s,sd->d",
-    c_S.astype(dtype),
-    table_Rd[rows_S].astype(dtype),  # noqa: E731
-    preferred_element_type=jnp.float32,
-  )
-  return jax.lax.map(lambda pair: weighted(*pair), (coef_hS, rows_hS), batch_size=options.token_chunk)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _sliced_gated_gather(gating, options, axes, x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS):
-  """One device's d-slice of the gated gather; partial dots summed over `axes`. Returns y [h, d] float32."""
-  return _sliced_forward(gating, options, axes, x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS)[0]
-
-
-def _sliced_forward(gating, options, axes, x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS):
-  partial_hS = _rows_dot(options, x_hd, w_in_Rd, rows_hS)
-  h_hS = jax.lax.psum(partial_hS, axes) if axes else partial_hS
-  a_hS = gating.value(h_hS, gates_hS.astype(jnp.float32))
-  y_hd = _rows_sum(options, a_hS, w_out_Rd, rows_hS, x_hd.dtype)
-  return y_hd, (x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS, h_hS)
-
-
-def _sliced_backward(gating, options, axes, residuals, dy_hd):
-  """Gradients as the gated gather's (sorted-segment table sums), with the d-group's sums made explicit.
-
-  <dy, w_out[row]> is partial on a d-slice: summed over the d-group it drives dL/dh (the same on
-  every device of the group, as h is); left partial it gives this slice's share of the gate
-  gradient (da/dgate * partial dyw: linear in dyw), which the transpose of the gates' all-gather sums
-  over the group.
-  """
-  x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS, h_hS = residuals
-  dy_hd = dy_hd.astype(x_hd.dtype)
-  dyw_partial_hS = _rows_dot(options, dy_hd, w_out_Rd, rows_hS)
-  dyw_hS = jax.lax.psum(dyw_partial_hS, axes) if axes else dyw_partial_hS
-  a_hS, da_dh_hS, da_dg_hS = gating.value_and_slopes(h_hS, gates_hS.astype(jnp.float32))
-  coef_in_hS = da_dh_hS * dyw_hS
-  dx_hd = _rows_sum(options, coef_in_hS, w_in_Rd, rows_hS, x_hd.dtype)
-  dw_in, dw_out, _ = segment_grads.table_grads(
-    x_hd, dy_hd, rows_hS, coef_in_hS, a_hS, w_in_Rd.shape[0], options.pair_chunk, False
-  )
-  return (
-    dx_hd.astype(x_hd.dtype),
-    dw_in.astype(w_in_Rd.dtype),
-    dw_out.astype(w_out_Rd.dtype),
-    np.zeros(rows_hS.shape, jax.dtypes.float0),
-    (da_dg_hS * dyw_partial_hS).astype(gates_hS.dtype),
-  )
-
-
-_sliced_gated_gather.defvjp(_sliced_forward, _sliced_backward)
-
-
 # Per sparse layer type: the logical name of its units, their config field, and its table's logical axes.
 UNITS = {
   "sgatlin": ("channel", "n_channels", (None, "channel", "neuron", "embed")),
@@ -367,33 +224,6 @@ def on_token_shards(a_BT, group: ExpertGroup):
   return a_N.reshape(a_BT.shape)
 
 
-def where_tokens_are(fn, *arrays_BT):
-  """fn on each device's own tokens: a shard_map over the batch axes when a mesh is in the context.
-
-  For per-token work the compiler does not partition by itself: XLA's TopK (the routers' top-k)
-  gathers its whole operand onto every device otherwise. Arrays share leading [B, T] dimensions;
-  fn maps them to arrays with the same leading dimensions.
-  """
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh is None or mesh.empty:
-    return fn(*arrays_BT)
-  batch = active_mesh_axes(mesh, "batch")
-  B, T = arrays_BT[0].shape[:2]
-  if not batch or (B * T) % math.prod(mesh.shape[a] for a in batch):
-    return fn(*arrays_BT)
-  flat = [a.reshape((B * T,) + a.shape[2:]) for a in arrays_BT]
-  spec = P(batch)
-  outs = jax.shard_map(
-    fn,
-    mesh=mesh,
-    in_specs=(spec,) * len(flat),
-    out_specs=spec,
-    axis_names=set(batch),
-    check_vma=False,
-  )(*flat)
-  return jax.tree.map(lambda o: o.reshape((B, T) + o.shape[1:]), outs)
-
-
 def gather_tokens(x_n, group: ExpertGroup):
   """[local tokens, ...] -> [group tokens, ...]: all-gather over the unit axes that split the batch.
 
@@ -401,11 +231,12 @@ def gather_tokens(x_n, group: ExpertGroup):
   """
   axes = tuple(a for a in group.units if a in group.batch)
   if not axes or not jnp.issubdtype(x_n.dtype, jnp.floating):
-    return _all_gather(x_n, axes)
+    return all_gather(x_n, axes)
   return _gather_f32_grad(x_n, axes)
 
 
-def _all_gather(x_n, axes):
+def all_gather(x_n, axes):
+  """[tokens, ...] -> [tokens of every device along `axes`, ...] (tiled all-gathers, major axis first)."""
   for axis in axes:
     x_n = jax.lax.all_gather(x_n, axis, axis=0, tiled=True)
   return x_n
@@ -419,11 +250,11 @@ def _reduce_scatter(y_g, axes):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _gather_f32_grad(x_n, axes):
-  return _all_gather(x_n, axes)
+  return all_gather(x_n, axes)
 
 
 def _gather_fwd(x_n, axes):
-  return _all_gather(x_n, axes), jnp.zeros((), x_n.dtype)
+  return all_gather(x_n, axes), jnp.zeros((), x_n.dtype)
 
 
 def _gather_bwd(axes, dtype_probe, dy_g):
@@ -436,7 +267,7 @@ _gather_f32_grad.defvjp(_gather_fwd, _gather_bwd)
 def to_owners(a_nU, group: ExpertGroup, unit_dim: int, axes: tuple | None = None):
   """[local tokens, all units, ...] -> [group tokens, local units, ...] (all-to-all or local slice).
 
-  Over `axes` (default: the group's unit axes); `split_gated_gather` passes the split axes to send
+  Over `axes` (default: the group's unit axes); the d-split gather (dispatch.py) passes the split axes to send
   x's d-slices ([tokens, D] -> [d-group tokens, D / S]) the same way.
   """
   for axis in group.units if axes is None else axes:

@@ -14,28 +14,24 @@ Two implementations that agree in values and gradients:
                 gated gather (rows tree * n_nodes + node, gates 1, bias b_in) fed the walk's logits;
   masked_dense  evaluates every node and masks with the path (the paper's analysis form; a reference).
 
-Expert parallelism (sparse implementation, a mesh in the context whose `tree` axes have size
-E > 1, see sparsetx/parallel/expert_parallel.py): trees are split over the expert group, P/E per
-device, and one shard_map moves tokens, not nodes. Each device all-gathers the tokens of its group,
-walks its own trees for them (routing never leaves a tree), computes their path nodes with the
-gated gather, and reduce-scatters the [tokens, D] partial sums; the path nodes and logits return
-to the tokens' owners by all-to-all. b_out and the fff_post GELU are applied after the sum. Bytes
-a device sends per own token and layer, b bytes per activation, E the expert-axis size when it also
-splits the batch: forward (E-1)*D*b (x) + (E-1)*D*4 (y, summed in float32) + (E-1)/E*P*(D+1)*8
-(path ids and logits); backward (E-1)*D*4 (dy) + (E-1)*D*4 (dx, float32). The tables' d_model axis
-(fsdp) is all-gathered for the layer like any FSDP weight.
+Over several devices (sparse implementation) the trees are split over the expert axis and tokens move instead of
+nodes: routing never leaves a tree, so each device walks its own trees for the tokens gathered from the
+devices along the expert axis.
+b_out and the fff_post GELU apply after the sum over trees. sparsetx/parallel/dispatch.py decides the
+form; docs/expert_parallel.md has the collectives and their bytes.
 """
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 
 from sparsetx.kernels.gated_gather import options_from_config
 from sparsetx.kernels.reference import identity
-from sparsetx.kernels.tree_route import next_node, sparse_forward
+from sparsetx.kernels.tree_route import next_node
 from sparsetx.models.ffn.common import gelu_for, symmetric_uniform
-from sparsetx.parallel import expert_parallel as ep
+from sparsetx.parallel import dispatch
+
+TABLE_AXES = ("tree", "node", "embed")  # w_in, w_out [P, n_nodes, d_model]
 
 
 def n_nodes(depth: int) -> int:
@@ -68,27 +64,19 @@ class Fff(nn.Module):
     N = n_nodes(ffn.depth)
     dtype, param_dtype = jnp.dtype(self.cfg.dtype), jnp.dtype(self.cfg.param_dtype)
     in_init = symmetric_uniform(1.0 / D**0.5)
-    w_in = self.param("w_in", nn.with_logical_partitioning(in_init, ("tree", "node", "embed")), (P, N, D), param_dtype)
+    w_in = self.param("w_in", nn.with_logical_partitioning(in_init, TABLE_AXES), (P, N, D), param_dtype)
     b_in = self.param("b_in", nn.with_logical_partitioning(in_init, ("tree", "node")), (P, N), param_dtype)
     out_init = symmetric_uniform(1.0 / (L * P) ** 0.5)
-    w_out = self.param(
-      "w_out", nn.with_logical_partitioning(out_init, ("tree", "node", "embed")), (P, N, D), param_dtype
-    )
+    w_out = self.param("w_out", nn.with_logical_partitioning(out_init, TABLE_AXES), (P, N, D), param_dtype)
     b_out = self.param("b_out", nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)), (D,), param_dtype)
 
     gelu = gelu_for(ffn)
     act = gelu if ffn.variant == "fff" else identity
-    group = None
     if ffn.implementation == "sparse":
-      group = ep.expert_group("tree", P, x_BTD.shape[0] * x_BTD.shape[1], "config.model.ffn.n_trees")
-    if group is not None:
-      y_BTD, path_BTPL, z_BTPL = _expert_parallel(group, x_BTD, w_in, b_in, w_out, act, ffn)
-    elif ffn.implementation == "sparse":
-      B, T = x_BTD.shape[:2]
-      y_ND, path_NPL, z_NPL = sparse_forward(
-        x_BTD.reshape(B * T, D), w_in, b_in, w_out, ffn.depth, act, options_from_config(ffn.get("kernel"))
+      options = options_from_config(ffn.get("kernel"))
+      y_BTD, path_BTPL, z_BTPL = dispatch.tree_walk(
+        x_BTD, w_in, b_in, w_out, ffn.depth, act, options, table_axes=TABLE_AXES, field="config.model.ffn.n_trees"
       )
-      y_BTD, path_BTPL, z_BTPL = y_ND.reshape(B, T, D), path_NPL.reshape(B, T, P, L), z_NPL.reshape(B, T, P, L)
     else:
       z_BTPN, mask_BTPN, path_BTPL = masked_dense_forward(x_BTD, w_in, b_in, ffn.depth)
       z_BTPL = jnp.take_along_axis(z_BTPN, path_BTPL, axis=-1)
@@ -101,21 +89,3 @@ class Fff(nn.Module):
     if ffn.variant == "fff_post":
       y_BTD = gelu(y_BTD)
     return y_BTD.astype(dtype)
-
-
-def _expert_parallel(group, x_BTD, w_in_PND, b_in_PN, w_out_PND, act, ffn):
-  """Sparse FFF with trees split over the expert group: (y [B,T,D] f32, path and logits [B,T,P,L])."""
-  B, T, D = x_BTD.shape
-  P, L = w_in_PND.shape[0], ffn.depth + 1
-  options = options_from_config(ffn.get("kernel"))
-
-  def local(x_nD, w_in_pND, b_in_pN, w_out_pND):
-    x_gD = ep.gather_tokens(x_nD, group)
-    y_gD, path_gpL, z_gpL = sparse_forward(x_gD, w_in_pND, b_in_pN, w_out_pND, ffn.depth, act, options)
-    return ep.scatter_back(y_gD, group), ep.from_owners(path_gpL, group, 1), ep.from_owners(z_gpL, group, 1)
-
-  tokens, trees = group.token_spec, PartitionSpec(group.unit_spec)
-  y_ND, path_NPL, z_NPL = ep.shard_map(
-    local, group, in_specs=(tokens, trees, trees, trees), out_specs=(tokens, tokens, tokens)
-  )(x_BTD.reshape(B * T, D), w_in_PND, b_in_PN, w_out_PND)
-  return y_ND.reshape(B, T, D), path_NPL.reshape(B, T, P, L), z_NPL.reshape(B, T, P, L)

@@ -5,16 +5,9 @@ Dispatch is dropless and real: the (token, slot) pairs are sorted by expert and 
 one grouped matmul (`jax.lax.ragged_dot`) over exactly the tokens routed to it. No expert sees a
 token it was not chosen for, and no token is dropped for capacity.
 
-Expert parallelism (a mesh in the context whose `expert` axes have size E > 1, see
-sparsetx/parallel/expert_parallel.py): experts are split over the expert group, n_experts/E per
-device. The router runs where the tokens are. One shard_map all-gathers the tokens of the group
-with their expert ids and weights; each device sorts the (token, slot) pairs, runs the grouped
-matmuls for the pairs routed to its own experts only (the others sort to the end and are skipped
-by ragged_dot), and reduce-scatters the [tokens, D] partial sums back. Dropless: the buffers have
-room for every pair. Bytes a device sends per own token and layer, b bytes per activation, E the
-expert-axis size when it also splits the batch: forward (E-1)*(D*b + k*8) (x, ids, weights) +
-(E-1)*D*4 (y, summed in float32); backward (E-1)*D*4 (dy) + (E-1)*(D*4 + k*4) (dx in float32,
-weight gradients).
+Over several devices the experts are split over the expert axis and tokens move instead of experts: each device
+runs `dispatch_experts` for its own experts over the tokens gathered along that axis, still dropless.
+sparsetx/parallel/dispatch.py decides the form; docs/expert_parallel.md has the collectives and their bytes.
 
 Load balancing (optional; both 0 by default, the seed paper's baseline): `ffn.aux_loss` weights the Switch
 Transformer auxiliary loss N * sum_i f_i * P_i (f_i: the share of the routed (token, slot) pairs that go to
@@ -28,12 +21,13 @@ tokens (loss weight > 0) of a batch, summed over the MoE layers and added to the
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from sparsetx import config as config_lib
 from sparsetx.models.ffn.common import dense_init
 from sparsetx.models.taps import tap
-from sparsetx.parallel import expert_parallel as ep
+from sparsetx.parallel import dispatch
+
+TABLE_AXES = ("expert", "embed", "mlp")  # wi_gate, wi_up [E, d_model, d_ffw]; wo has ("expert", "mlp", "embed")
 
 
 def balance_losses(n_experts: int, logits_BTE, expert_ids_BTK, token_weights_BT) -> dict:
@@ -106,7 +100,7 @@ class Moe(nn.Module):
       name="router",
     )(x_BTD.astype(jnp.float32))
     self.sow("intermediates", "router_logits", logits_BTE)  # the balancing losses' input (unused ones are pruned)
-    top_logits_BTK, expert_ids_BTK = ep.where_tokens_are(lambda logits: jax.lax.top_k(logits, K), logits_BTE)
+    top_logits_BTK, expert_ids_BTK = dispatch.where_tokens_are(lambda logits: jax.lax.top_k(logits, K), logits_BTE)
     weights_BTK = jax.nn.softmax(top_logits_BTK, axis=-1)
     expert_ids_BTK = tap(self, "expert_ids", expert_ids_BTK)
     weights_BTK = tap(self, "expert_weights", weights_BTK)
@@ -116,38 +110,15 @@ class Moe(nn.Module):
         name, nn.with_logical_partitioning(nn.initializers.normal(self.cfg.init_std), names), shape, param_dtype
       )
 
-    wi_gate = table("wi_gate", (E, D, F), ("expert", "embed", "mlp"))
-    wi_up = table("wi_up", (E, D, F), ("expert", "embed", "mlp"))
+    wi_gate = table("wi_gate", (E, D, F), TABLE_AXES)
+    wi_up = table("wi_up", (E, D, F), TABLE_AXES)
     wo = table("wo", (E, F, D), ("expert", "mlp", "embed"))
-    B, T, _ = x_BTD.shape
-    group = ep.expert_group("expert", E, B * T, "config.model.ffn.n_experts")
-    if group is not None:
-      return _expert_parallel(group, x_BTD, expert_ids_BTK, weights_BTK, wi_gate, wi_up, wo)
-    y_ND = dispatch_experts(
-      x_BTD.reshape(B * T, D), expert_ids_BTK.reshape(B * T, K), weights_BTK.reshape(B * T, K), wi_gate, wi_up, wo
+    return dispatch.expert_dispatch(
+      dispatch_experts,
+      x_BTD,
+      expert_ids_BTK,
+      weights_BTK,
+      (wi_gate, wi_up, wo),
+      table_axes=TABLE_AXES,
+      field="config.model.ffn.n_experts",
     )
-    return y_ND.reshape(B, T, D)
-
-
-def _expert_parallel(group, x_BTD, expert_ids_BTK, weights_BTK, wi_gate_EDF, wi_up_EDF, wo_EFD):
-  """The layer with experts split over the expert group (the module docstring has the pattern)."""
-  B, T, D = x_BTD.shape
-  K = expert_ids_BTK.shape[-1]
-
-  def local(x_nD, ids_nK, weights_nK, wi_gate_eDF, wi_up_eDF, wo_eFD):
-    e = wi_gate_eDF.shape[0]
-    first = e * ep.unit_index(group)
-    x_gD, ids_gK, weights_gK = (ep.gather_tokens(a, group) for a in (x_nD, ids_nK, weights_nK))
-    y_gD = dispatch_experts(x_gD, ids_gK, weights_gK, wi_gate_eDF, wi_up_eDF, wo_eFD, first_expert=first)
-    return ep.scatter_back(y_gD, group)
-
-  tokens, experts = group.token_spec, P(group.unit_spec)
-  y_ND = ep.shard_map(local, group, in_specs=(tokens, tokens, tokens, experts, experts, experts), out_specs=tokens)(
-    x_BTD.reshape(B * T, D),
-    expert_ids_BTK.reshape(B * T, K),
-    weights_BTK.reshape(B * T, K),
-    wi_gate_EDF,
-    wi_up_EDF,
-    wo_EFD,
-  )
-  return y_ND.reshape(B, T, D).astype(x_BTD.dtype)

@@ -1,0 +1,275 @@
+"""The dispatcher: layers describe their sparse computation; this module decides where it runs.
+
+A feed-forward layer hands its arrays, gating, kernel options, its table's logical axes and the config
+field to name in errors to one entry per sparse op; the entry reads the mesh and rules in the context
+(expert_parallel.activate) and runs the plain single-device computation or its expert-parallel form:
+
+  neuron_table_gather    sgatlin, PEER: the gated gather over a neuron table [2, U, F, D]; plain, units
+                         (channels) split over their expert group, or d_model split too (the d-split).
+  tree_walk              FFF's sparse walk and path outputs; trees split over their expert group.
+  expert_dispatch        MoE's grouped matmuls, given as the layer's function; experts split over the group.
+  place_on_token_shards  a router's inputs and outputs kept on the tokens' (batch) layout.
+  where_tokens_are       per-token work (the routers' top-k) on each device's own tokens.
+
+Every split form is one `token_parallel` shard_map: tokens of the expert group gathered, per-unit routing
+data sent to the units' owners, the local computation over the device's own units, partial outputs
+summed back to the tokens' owners. Tables never move. docs/expert_parallel.md derives each form's
+collectives and their bytes and names the tests that check them.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from sparsetx.kernels.gated_gather import gated_gather
+from sparsetx.kernels.reference import Gating
+from sparsetx.kernels.sliced_gather import sliced_gated_gather
+from sparsetx.kernels.tree_route import sparse_forward
+from sparsetx.parallel import expert_parallel as ep
+
+
+@dataclasses.dataclass(frozen=True)
+class NeuronTable:
+  """A layer's neuron table as stored: its logical axes, which of them holds its units, their count, the field."""
+
+  axes: tuple  # logical axis names of the parameter, e.g. (None, "channel", "neuron", "embed")
+  unit_axis: str | None  # the units' logical name ("channel"); None for a table shared by every channel (PEER)
+  n_units: int
+  field: str  # the config field a ConfigError names when the units don't split over their devices
+
+  def layout(self, n_tokens: int):
+    """The expert group this table's layout gives n_tokens tokens, or None for the plain computation."""
+    return ep.table_group(self.axes, self.unit_axis, self.n_units, n_tokens, self.field)
+
+
+def place_on_token_shards(a_BT, table: NeuronTable):
+  """a [B, T, ...] kept on the tokens' layout when the table is split over devices, so its router runs where
+  the tokens are (else the compiler may follow the router's sharded keys and gather every score everywhere)."""
+  group = table.layout(a_BT.shape[0] * a_BT.shape[1])
+  return a_BT if group is None else ep.on_token_shards(a_BT, group)
+
+
+def where_tokens_are(fn, *arrays_BT):
+  """fn on each device's own tokens: a shard_map over the batch axes when a mesh is in the context.
+
+  For per-token work the compiler does not partition by itself: XLA's TopK (the routers' top-k)
+  gathers its whole operand onto every device otherwise. Arrays share leading [B, T] dimensions;
+  fn maps them to arrays with the same leading dimensions.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return fn(*arrays_BT)
+  batch = ep.active_mesh_axes(mesh, "batch")
+  B, T = arrays_BT[0].shape[:2]
+  if not batch or (B * T) % math.prod(mesh.shape[a] for a in batch):
+    return fn(*arrays_BT)
+  flat = [a.reshape((B * T,) + a.shape[2:]) for a in arrays_BT]
+  spec = PartitionSpec(batch)
+  outs = jax.shard_map(
+    fn,
+    mesh=mesh,
+    in_specs=(spec,) * len(flat),
+    out_specs=spec,
+    axis_names=set(batch),
+    check_vma=False,
+  )(*flat)
+  return jax.tree.map(lambda o: o.reshape((B, T) + o.shape[1:]), outs)
+
+
+def token_parallel(group, local, tokens=(), owned=(), tables=(), table_specs=(), n_owned_outputs=0):
+  """local over each device's own units for the tokens of its expert group, in one shard_map.
+
+  `tokens` are [N, ...] arrays every unit reads (all-gathered over the group: `ep.gather_tokens`), `owned`
+  [N, U, ...] per-unit routing data (sent to the units' owners: `ep.to_owners`, unit dimension 1), `tables`
+  enter as stored, split by `table_specs`. local(tokens_g, owned_g, tables_u) returns (y_g, *per-unit
+  outputs [g, u, ...]); y's partial sums come back summed over the group to the tokens' owners in float32
+  (`ep.scatter_back`), the `n_owned_outputs` per-unit outputs by the inverse of `to_owners`. Returns
+  (y_N, *per-unit outputs [N, U, ...]).
+  """
+  n_tokens, n_owned = len(tokens), len(owned)
+
+  def body(*args):
+    tokens_g = [ep.gather_tokens(a, group) for a in args[:n_tokens]]
+    owned_g = [ep.to_owners(a, group, unit_dim=1) for a in args[n_tokens : n_tokens + n_owned]]
+    y_g, *owned_outputs_g = local(tokens_g, owned_g, args[n_tokens + n_owned :])
+    return (ep.scatter_back(y_g, group), *(ep.from_owners(a, group, unit_dim=1) for a in owned_outputs_g))
+
+  spec = group.token_spec
+  return ep.shard_map(
+    body,
+    group,
+    in_specs=(spec,) * (n_tokens + n_owned) + tuple(table_specs),
+    out_specs=(spec,) * (1 + n_owned_outputs),
+  )(*tokens, *owned, *tables)
+
+
+def neuron_table_gather(
+  table: NeuronTable, x_BTD, experts_2UFD, idx_BTUK, gates_BTUK, activation, options, gate_inside_activation=True
+):
+  """y [B, T, D] (x's dtype): sum_u sum_k a(<w_in[u, i], x>, g) * w_out[u, i], i = idx[.., u, k], g = gates[.., u, k].
+
+  The slot coefficient a is act(g * h) (`gate_inside_activation`, sgatlin) or g * act(h) (PEER), as the gated
+  gather's. experts [2, U, F, D] holds the in and out tables of U units (U = 1 for a shared table); `options`
+  is a KernelOptions. Runs plain, with the units split over their expert group, or with d_model split too,
+  as `table`'s layout under the active rules gives.
+  """
+  B, T, D = x_BTD.shape
+  U, F = experts_2UFD.shape[1:3]
+  K = idx_BTUK.shape[-1]
+  group = table.layout(B * T)
+  if group is not None and group.split:
+    x_ND, idx_NUK, gates_NUK = x_BTD.reshape(B * T, D), idx_BTUK.reshape(B * T, U, K), gates_BTUK.reshape(B * T, U, K)
+    y_ND = split_gated_gather(
+      group, x_ND, experts_2UFD, idx_NUK, gates_NUK, activation, options, gate_inside_activation=gate_inside_activation
+    )
+    return y_ND.reshape(B, T, D)
+  if group is not None:
+    return _unit_split_gather(group, x_BTD, experts_2UFD, idx_BTUK, gates_BTUK, activation, options)
+  rows_BTS = (idx_BTUK + F * jnp.arange(U, dtype=idx_BTUK.dtype)[None, None, :, None]).reshape(B, T, U * K)
+  return gated_gather(
+    x_BTD,
+    experts_2UFD[0].reshape(U * F, D),
+    experts_2UFD[1].reshape(U * F, D),
+    rows_BTS,
+    gates_BTUK.reshape(B, T, U * K),
+    activation,
+    options=options,
+    gate_inside_activation=gate_inside_activation,
+  )
+
+
+def _unit_split_gather(group, x_BTD, experts_2UFD, idx_BTUK, gates_BTUK, activation, options):
+  """The gated gather with its units (sgatlin's channels) split over the group: each device its own units."""
+  B, T, D = x_BTD.shape
+  U, F = experts_2UFD.shape[1:3]
+  K = idx_BTUK.shape[-1]
+
+  def local(tokens_g, owned_g, tables_u):
+    (x_gD,), (idx_guK, gates_guK), (experts_2uFD,) = tokens_g, owned_g, tables_u
+    u = experts_2uFD.shape[1]
+    rows_gS = (idx_guK + F * jnp.arange(u, dtype=idx_guK.dtype)[None, :, None]).reshape(-1, u * K)
+    y_gD = gated_gather(
+      x_gD,
+      experts_2uFD[0].reshape(u * F, D),
+      experts_2uFD[1].reshape(u * F, D),
+      rows_gS,
+      gates_guK.reshape(rows_gS.shape),
+      activation,
+      options=options,
+    )
+    return (y_gD,)
+
+  (y_ND,) = token_parallel(
+    group,
+    local,
+    tokens=(x_BTD.reshape(B * T, D),),
+    owned=(idx_BTUK.reshape(B * T, U, K), gates_BTUK.reshape(B * T, U, K)),
+    tables=(experts_2UFD,),
+    table_specs=(PartitionSpec(None, group.unit_spec),),
+  )
+  return y_ND.reshape(B, T, D).astype(x_BTD.dtype)
+
+
+def split_gated_gather(group, x_ND, experts_2UFD, idx_NUK, gates_NUK, activation, options, gate_inside_activation=True):
+  """A neuron table's gated gather with its units and its d_model split over the group, in one shard_map.
+
+  Each device holds experts[:, u-block, :, d-slice] (`ep.table_group`) and never sends it. Inside
+  `token_parallel`, x goes to the devices of its d-group by d-slice and the indices and gates are
+  all-gathered over it; kernels/sliced_gather.py sums the partial dots over the d-group before the
+  activation and the gate; y's d-slices come back by the inverse of x's move. Returns y [N, D] in x's dtype.
+  """
+  N, D = x_ND.shape
+  U, K = idx_NUK.shape[1:]
+  F = experts_2UFD.shape[2]
+  dtype = x_ND.dtype
+  gating = Gating(activation, bool(gate_inside_activation))
+
+  def local(tokens_g, owned_g, tables_u):
+    (x_gD,), (idx_guK, gates_guK), (experts_2uFd,) = tokens_g, owned_g, tables_u
+    u, d = experts_2uFd.shape[1], experts_2uFd.shape[-1]
+    x_hd = ep.to_owners(x_gD, group, unit_dim=1, axes=group.split)  # d-slices: their owners are the split axes
+    idx_huK, gates_huK = _gather_over_slices(idx_guK, group), _gather_over_slices(gates_guK, group)
+    rows_hS = (idx_huK + F * jnp.arange(u, dtype=idx_huK.dtype)[None, :, None]).reshape(-1, u * K)
+    y_hd = sliced_gated_gather(
+      gating,
+      options,
+      group.split,
+      x_hd,
+      experts_2uFd[0].reshape(u * F, d),
+      experts_2uFd[1].reshape(u * F, d),
+      rows_hS,
+      gates_huK.reshape(rows_hS.shape),
+    )
+    # Summed over the units in float32 (`ep.scatter_back`); with no unit axes the sum is nothing and y moves in x's dtype.
+    return (ep.from_owners(y_hd.astype(jnp.float32 if group.units else dtype), group, unit_dim=1, axes=group.split),)
+
+  (y_ND,) = token_parallel(
+    group,
+    local,
+    tokens=(x_ND,),
+    owned=(idx_NUK.reshape(N, U, K), gates_NUK.reshape(N, U, K)),
+    tables=(experts_2UFD,),
+    table_specs=(PartitionSpec(None, group.unit_spec, None, group.split_spec),),
+  )
+  return y_ND.astype(dtype)
+
+
+def _gather_over_slices(a_g, group):
+  """Per-token routing data of the whole d-group: all-gather over the split axes that split the batch."""
+  return ep.all_gather(a_g, tuple(a for a in group.split if a in group.batch))
+
+
+def tree_walk(x_BTD, w_in_PZD, b_in_PZ, w_out_PZD, depth: int, activation, options, *, table_axes, field: str):
+  """FFF's sparse forward: (y [B, T, D], path nodes [B, T, P, L], their logits [B, T, P, L]).
+
+  The trees (the tables' first dimension, logical name table_axes[0]) split over their expert group when the
+  mesh has one: each device walks its own trees for the group's tokens (routing never leaves a tree), y is
+  summed back to the tokens' owners in float32, the paths and logits return by all-to-all.
+  """
+  B, T, D = x_BTD.shape
+  P, L = w_in_PZD.shape[0], depth + 1
+  x_ND = x_BTD.reshape(B * T, D)
+  group = ep.expert_group(table_axes[0], P, B * T, field)
+  if group is None:
+    y_ND, path_NPL, z_NPL = sparse_forward(x_ND, w_in_PZD, b_in_PZ, w_out_PZD, depth, activation, options)
+  else:
+
+    def local(tokens_g, _, tables_p):
+      return sparse_forward(tokens_g[0], *tables_p, depth, activation, options)
+
+    trees = PartitionSpec(group.unit_spec)
+    y_ND, path_NPL, z_NPL = token_parallel(
+      group,
+      local,
+      tokens=(x_ND,),
+      tables=(w_in_PZD, b_in_PZ, w_out_PZD),
+      table_specs=(trees,) * 3,
+      n_owned_outputs=2,
+    )
+  return y_ND.reshape(B, T, D), path_NPL.reshape(B, T, P, L), z_NPL.reshape(B, T, P, L)
+
+
+def expert_dispatch(experts_fn, x_BTD, ids_BTA, weights_BTA, tables, *, table_axes, field: str):
+  """y [B, T, D] (x's dtype): experts_fn over the tokens routed to each expert, the experts split over their group.
+
+  experts_fn(x_ND, ids_NA, weights_NA, *tables, first_expert=0) -> y_ND computes the given experts (ids
+  first_expert.. onwards; pairs routed elsewhere contribute nothing). `tables` have the experts first
+  (logical name table_axes[0]); on a mesh each device runs experts_fn on the group's tokens and its own experts.
+  """
+  B, T, D = x_BTD.shape
+  A = ids_BTA.shape[-1]
+  flat = (x_BTD.reshape(B * T, D), ids_BTA.reshape(B * T, A), weights_BTA.reshape(B * T, A))
+  group = ep.expert_group(table_axes[0], tables[0].shape[0], B * T, field)
+  if group is None:
+    return experts_fn(*flat, *tables).reshape(B, T, D)
+
+  def local(tokens_g, _, tables_e):
+    first = tables_e[0].shape[0] * ep.unit_index(group)
+    return (experts_fn(*tokens_g, *tables_e, first_expert=first),)
+
+  experts = PartitionSpec(group.unit_spec)
+  (y_ND,) = token_parallel(group, local, tokens=flat, tables=tuple(tables), table_specs=(experts,) * len(tables))
+  return y_ND.reshape(B, T, D).astype(x_BTD.dtype)
