@@ -7,11 +7,11 @@ logit. Two facts make it fast on a CPU (and they hold on accelerators too):
   one matmul against all of them runs at matmul speed. The first `DENSE_LEVELS` levels (3: 7 nodes per
   tree) come from one matmul, the walk picks each level's logit out of it, and their outputs are one
   more matmul with the activations of the visited nodes (every other node masked to 0, as masked-dense
-  does for all nodes). Measured on a 2-core CPU (d_model 768, 16 trees, 2,048 tokens), a dense level
-  of 16 nodes costs ~4x a gathered level, so the crossover sits at about 3 levels.
+  does for all nodes). A dense level costs more than a gathered one as the levels widen, so the
+  crossover sits at a few levels (docs/kernels.md).
 - Deeper levels gather one `w_in` row per (token, tree) per level inside a `lax.scan` over token
-  chunks of about `WALK_ROWS_PER_CHUNK` rows, which stay in cache (~25x faster per level than one
-  gather fused into a multiply-reduce over all tokens, ~15x faster than materializing [tokens, P, D]).
+  chunks of about `WALK_ROWS_PER_CHUNK` rows, which stay in cache (neither one gather over all tokens
+  nor a materialized [tokens, P, D] does).
   Their logits are handed to the gated gather as its pre-activations, so the output pass gathers only
   `w_out` rows; the gated gather's backward gives every gradient of those nodes (x, w_in, b_in, w_out).
 
@@ -37,9 +37,7 @@ def next_node(node, z):
 def _walk_gathered(x_ND, w_in_PMD, b_in_PM, node_NP, n_levels, rows_per_chunk):
   """Walks n_levels levels down from node_NP, gathering one w_in row per (token, tree) per level.
 
-  A `lax.scan` over chunks of tokens keeps a chunk's gathered rows (about rows_per_chunk of them) in
-  cache; measured on a 2-core CPU this is ~25x faster per level than one gather fused into a
-  multiply-reduce over all tokens, and ~15x faster than materializing [tokens, P, D].
+  A `lax.scan` over chunks of tokens keeps a chunk's gathered rows (about rows_per_chunk of them) in cache.
   Returns the nodes and logits [N, P, n_levels].
   """
   n_tokens = x_ND.shape[0]

@@ -4,24 +4,16 @@ No [tokens, S, D] tensor of gathered rows ever exists in full: a `lax.scan` walk
 `token_chunk` tokens, gathers only that chunk's rows (small enough to stay in cache), dots, gates
 and accumulates in float32. The backward pass re-gathers the rows chunk by chunk to produce dx,
 the gate gradients and the per-pair coefficients the table gradients need (segment_grads.py).
-Measured on a 2-core CPU, chunks of 4-16 tokens are fastest; larger chunks spill the cache.
+Small chunks are the point: their rows stay in cache.
 
-Where the time goes (2-core EPYC VM, 16 MiB L3, 2,048 tokens, float32, ladder scale 2: C*K = 128 rows
-of 256 values per token and table): the forward gathers 2 * 2048 * 128 rows = 537 MB in ~105 ms,
-which is the rate this machine gathers random 1 KiB rows from a table that does not fit in L3
-(4.9 GB/s measured with a bare gather-sum, against 12 GB/s streaming and ~10 GB/s from an L3-resident
-table). Chunk size, fused multiply-reduce instead of einsum, and in-bounds gather modes all land
-within 10% of that. Going below it needs row reuse (process pairs sorted by row so each table row is
-read once per batch, with x and y in cache), not a different token-order gather.
-
-That is the row-sorted path below (KernelOptions.row_sorted, on by default; CPU, float32, with gradients):
-the forward sorts the pairs by (row, token) with one single-key int32 sort (17 ms for 262k pairs, where a
-key-value sort takes 72 ms), walks them in row order with y accumulated by scatter-add, and keeps the sort
-for the backward, which is then one row-order pass for dx, the gate gradients and both tables (no second
-gather pass, no second sort). Measured side by side (2,048 tokens, shared 2-core CPU, pair_chunk 2048):
-fwd+bwd 0.75-0.87x of the token-order path at scale 2, 0.88-0.91x at scale 4 (pair_chunk 1024: 0.71-0.82x
-and 0.70-0.76x). The forward alone does not gain (sort + walk ~= the token-order gather), so calls without
-a backward keep the token-order forward.
+The token-order gather is bound by the rate random table rows can be read; going below it needs row
+reuse, which is the row-sorted path below (KernelOptions.row_sorted, on by default; CPU, with
+gradients): the forward sorts the pairs by (row, token) with one single-key int32 sort, walks them in
+row order with y accumulated by scatter-add, and keeps the sort for the backward, which is then one
+row-order pass for dx, the gate gradients and both tables (no second gather pass, no second sort). The
+forward alone does not gain (sort + walk cost about the token-order gather), so calls without a
+backward keep the token-order forward. docs/kernels.md has the measurements behind these choices and
+the benchmark programs that repeat them.
 """
 
 from typing import NamedTuple
@@ -150,7 +142,7 @@ class RowOrder(NamedTuple):
 
 
 def row_order(rows_NS, gates_NS, n_rows, pair_chunk, merge_duplicates=True):
-  """Sorts the pairs by row with one single-key int32 sort (4x faster on CPU than a key-value sort)."""
+  """Sorts the pairs by row with one single-key int32 sort (cheaper than a key-value sort)."""
   n_tokens, n_slots = rows_NS.shape
   key_NS = rows_NS.astype(jnp.int32) * n_tokens + jax.lax.iota(jnp.int32, n_tokens)[:, None]
   sorted_key_P = jax.lax.sort(key_NS.reshape(-1), is_stable=False)
