@@ -101,7 +101,7 @@ def product_key_top_k(scores1_N: jax.Array, scores2_N: jax.Array, k: int):
   Returns (values [..., k] descending, indices [..., k] into the n_keys**2 product set); values are those of
   the brute-force top-k over all sums, and so are the indices unless two sums tie only after rounding. Equal
   sums go to the lower neuron index. On CPU both stages run as k passes of max over cache-sized chunks of
-  rows (1.5-2x faster than XLA's CPU TopK at scale 2, 1.2x at scale 4: tools/bench_top_k.py); elsewhere
+  rows (1.5-2x faster than XLA's CPU TopK at scale 2, 1.2x at scale 4: sparsetx/tools/bench_top_k.py); elsewhere
   stage one stays lax.top_k.
   """
   n_keys = scores1_N.shape[-1]
