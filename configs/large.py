@@ -14,7 +14,7 @@ fsdp stays 1: channel splitting moves the fewest bytes. (An fsdp axis would also
 d_model; the layer then sends tokens to the d-slices, all-to-all, and sums partial dots, which costs
 more collectives per token.) The embeddings and LM head are split over the vocabulary on the expert
 axis instead, so no large parameter is replicated. Try one on simulated devices first:
-  .venv/bin/python tools/dry_run.py --config=configs/large.py:sgatlin8,h100 --devices=64
+  .venv/bin/python -m sparsetx.tools.dry_run --config=configs/large.py:sgatlin8,h100 --devices=64
 """
 
 from sparsetx import config as config_lib
@@ -52,6 +52,6 @@ def get_config(arg: str = "sgatlin8,h100"):
   )
   config.data.update(seq_len=2048, global_batch_size=256, eval_batch_size=256)
   # 4 micro-batches: one 2048-token row per device at a time, so the expert group's gathered tokens
-  # (E rows per device) stay small next to the tables (tools/dry_run.py shows temporaries).
+  # (E rows per device) stay small next to the tables (sparsetx/tools/dry_run.py shows temporaries).
   config.train.update(steps=100_000, warmup_steps=2_000, microbatches=4)
   return config

@@ -1,4 +1,4 @@
-"""CPU isoflop sweeps (`tools/sweep.py --base_config=configs/sweep_cpu.py --d_models=32,64`): the tiny
+"""CPU isoflop sweeps (`python -m sparsetx.tools.sweep --base_config=configs/sweep_cpu.py --d_models=32,64`): the tiny
 model family (configs/tiny.py:FFN) cut to a size whose runs train in seconds on a laptop CPU.
 
 2 layers of 32-wide heads (so d_model 32 fits), context 32, batches of 8 x 32 tokens, float32, a 2-step

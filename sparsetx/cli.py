@@ -52,6 +52,29 @@ def define_config_file(
   return holder
 
 
+class _IntegerListParser(flags.ListParser):
+  """Comma-separated integers (`--scales=2,4`)."""
+
+  def parse(self, argument):
+    values = super().parse(argument)
+    try:
+      return [int(value) for value in values]
+    except (TypeError, ValueError):
+      raise ValueError(f"{argument!r} is not a comma-separated list of integers") from None
+
+  def flag_type(self) -> str:
+    return "integer list"
+
+
+def define_integer_list(
+  name: str, default: list[int] | None, help_string: str, flag_values: flags.FlagValues = flags.FLAGS
+) -> flags.FlagHolder:
+  """A flag holding a comma-separated list of integers (absl has it for strings only: `DEFINE_list`)."""
+  return flags.DEFINE(
+    _IntegerListParser(), name, default, help_string, flag_values, serializer=flags.CsvListSerializer(",")
+  )
+
+
 def parse_flags(argv: list[str], flag_values: flags.FlagValues = flags.FLAGS) -> list[str]:
   """Parses `argv` into `flag_values` (an `app.run` flags parser); a problem ends the program via `fail`."""
   try:
@@ -200,10 +223,17 @@ def _describe_bad_value(message: str, flag_values: flags.FlagValues) -> str:
   if value == "None" and "must have a value other than None" in reason:  # a required flag not given
     return f"--{flag_name} is required: {flag.help if flag is not None else 'give it a value'}"
   kind = _KINDS.get(flag.flag_type() if flag is not None else None)
-  example = f" such as --{flag_name}={flag.default}" if flag is not None and flag.default is not None else ""
+  default = flag.default if flag is None or not isinstance(flag.default, list) else ",".join(map(str, flag.default))
+  example = f" such as --{flag_name}={default}" if flag is not None and flag.default is not None else ""
   if kind is None:
     return f"--{flag_name}={value!r} is not a valid value ({reason}); give one{example}."
   return f"--{flag_name}={value!r} is not {kind}; give one{example}."
 
 
-_KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "string": "a string"}
+_KINDS = {
+  "int": "an integer",
+  "float": "a number",
+  "bool": "true or false",
+  "string": "a string",
+  "integer list": "a comma-separated list of integers",
+}

@@ -207,7 +207,7 @@ def sparsify_checkpoint(
   overwrite: bool = False,
   source_step: int | None = None,
 ):
-  """tools/sparsify.py on a sparsetx source: (target config, report); writes the start into `workdir`."""
+  """sparsetx/tools/sparsify.py on a sparsetx source: (target config, report); writes the start into `workdir`."""
   if paths.resolve(source_workdir) == paths.resolve(workdir):
     raise ConfigError(f"--workdir={workdir!r} is the source itself; write the sparsified model to a new directory.")
   check_files(config_lib.validate(config))
@@ -218,7 +218,7 @@ def sparsify_checkpoint(
 
 
 def sparsify_hf(hf_dir: str, config: ml_collections.ConfigDict, workdir: str, overwrite: bool = False):
-  """tools/sparsify.py --from_hf: the source is a Hugging Face directory (GPT-NeoX or a sparsetx export)."""
+  """sparsetx/tools/sparsify.py --from_hf: the source is a Hugging Face directory (GPT-NeoX or a sparsetx export)."""
   from sparsetx.evaluate import export  # the HF stack (safetensors, tokenizers) only when asked for
 
   check_files(config_lib.validate(config))

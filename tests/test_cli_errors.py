@@ -144,7 +144,10 @@ def run(*command: str) -> subprocess.CompletedProcess:
       ["-m", "sparsetx.train", "--config.train.learning_rate=inf"],
       "config.train.learning_rate=inf is not a finite number",
     ),
-    (["tools/export.py", "--config=configs/nope.py", "--import_from=x"], "--config=configs/nope.py: no such file"),
+    (
+      ["-m", "sparsetx.tools.export", "--config=configs/nope.py", "--import_from=x"],
+      "--config=configs/nope.py: no such file",
+    ),
   ],
 )
 def test_programs_report_one_line_and_exit_2(tmp_path, command, message):

@@ -92,5 +92,5 @@ def test_source_and_vocab_mistakes(tmp_path):
   config.data.sources.stories = _text_source(tmp_path)
   assert "config.data.sources.stories" in _error(config) and "built-in" in _error(config)
   message = _error(_config(vocab=dict(kind="sentencepiece", path=str(tmp_path / "spm.model"))))
-  assert "config.data.vocab.path=" in message and "tools/build_vocab.py" in message
+  assert "config.data.vocab.path=" in message and "python -m sparsetx.tools.build_vocab" in message
   assert "config.data.mixture lists task 'facts' twice" in _error(_config(mixture=(("facts", 1.0), ("facts", 2.0))))

@@ -1,4 +1,4 @@
-"""Vocabularies: byte-level by default; SentencePiece and GPT-2 BPE files from tools/build_vocab.py round-trip text."""
+"""Vocabularies: byte-level by default; SentencePiece and GPT-2 BPE files from sparsetx.tools.build_vocab round-trip text."""
 
 import json
 import pathlib
@@ -30,7 +30,8 @@ def spm_model(tmp_path_factory) -> str:
   result = subprocess.run(
     [
       sys.executable,
-      str(REPO / "tools" / "build_vocab.py"),
+      "-m",
+      "sparsetx.tools.build_vocab",
       f"--output={output}",
       "--vocab_size=400",
       "--max_documents=3000",
@@ -38,6 +39,7 @@ def spm_model(tmp_path_factory) -> str:
     capture_output=True,
     text=True,
     check=False,
+    cwd=REPO,
     timeout=120,
   )
   assert result.returncode == 0, result.stderr
@@ -87,20 +89,22 @@ def test_build_vocab_rejects_a_missing_input(tmp_path):
   result = subprocess.run(
     [
       sys.executable,
-      str(REPO / "tools" / "build_vocab.py"),
+      "-m",
+      "sparsetx.tools.build_vocab",
       f"--output={tmp_path / 'x'}",
       f"--input={tmp_path / 'missing.txt'}",
     ],
     capture_output=True,
     text=True,
     check=False,
+    cwd=REPO,
     timeout=60,
   )
   assert result.returncode == 2
   assert "--input=" in result.stderr and "missing.txt" in result.stderr and "matches no file" in result.stderr
 
 
-# GPT-2 byte-level BPE (config.data.vocab.kind='gpt2') from files that tools/build_vocab.py writes.
+# GPT-2 byte-level BPE (config.data.vocab.kind='gpt2') from files that sparsetx.tools.build_vocab writes.
 
 GPT2_TEXTS = TEXTS + (" leading space", "  two leading, trailing  ", "Lily's dog said: \"Hi!\" 'twas 3.5°C ☃ 🐈")
 
@@ -112,7 +116,8 @@ def gpt2_dir(tmp_path_factory) -> pathlib.Path:
   result = subprocess.run(
     [
       sys.executable,
-      str(REPO / "tools" / "build_vocab.py"),
+      "-m",
+      "sparsetx.tools.build_vocab",
       "--kind=gpt2",
       f"--output={output}",
       "--vocab_size=400",
@@ -121,6 +126,7 @@ def gpt2_dir(tmp_path_factory) -> pathlib.Path:
     capture_output=True,
     text=True,
     check=False,
+    cwd=REPO,
     timeout=120,
   )
   assert result.returncode == 0, result.stderr
@@ -202,7 +208,7 @@ def test_gpt2_missing_file_is_one_clear_error(gpt2_dir, tmp_path, present, missi
       check()
     message = str(error.value)
     assert f"config.data.vocab.path='{tmp_path}' has no {missing}" in message
-    assert "vocab.json + merges.txt" in message and "tools/build_vocab.py --kind=gpt2" in message
+    assert "vocab.json + merges.txt" in message and "python -m sparsetx.tools.build_vocab --kind=gpt2" in message
 
 
 def test_gpt2_corrupt_vocab_json_names_the_file(tmp_path):

@@ -1,4 +1,4 @@
-"""Dry run (sparsetx/parallel/aot.py, tools/dry_run.py): per-device bytes, compiled step report, large configs."""
+"""Dry run (sparsetx/parallel/aot.py, sparsetx/tools/dry_run.py): per-device bytes, compiled step report, large configs."""
 
 import math
 
@@ -117,7 +117,7 @@ def test_large_configs_pass_the_replication_check(arg, mesh_shape):
 
 
 def test_dry_run_tool_prints_the_projected_step_time_per_target():
-  """tools/dry_run.py on the micro sgatlin model: the roofline table has a row per chip, each with a finite step."""
+  """python -m sparsetx.tools.dry_run on the micro sgatlin model: the roofline table has a row per chip, each with a finite step."""
   import subprocess
   import sys
 
@@ -138,7 +138,7 @@ def test_dry_run_tool_prints_the_projected_step_time_per_target():
     "--config.data.eval_batch_size=8",
   ]
   result = subprocess.run(
-    [sys.executable, "tools/dry_run.py", "--config=configs/tiny.py:sgatlin", "--devices=8", *micro],
+    [sys.executable, "-m", "sparsetx.tools.dry_run", "--config=configs/tiny.py:sgatlin", "--devices=8", *micro],
     cwd=REPO,
     capture_output=True,
     text=True,

@@ -27,7 +27,7 @@ CASES = {
   "sgatlin": ("sgatlin", {}, {}),
   "sgatlin_peer_router_gelu": ("sgatlin", dict(tie_embeddings=True), dict(router="peer", activation="gelu")),
   "fff": ("fff", dict(block="parallel", norm="layernorm", use_bias=True, rotary_fraction=0.25), {}),
-  # mixed models (tools/sparsify.py): the layers ffn_layers leaves out keep dense_ffn (mlp, swiglu here)
+  # mixed models (sparsetx/tools/sparsify.py): the layers ffn_layers leaves out keep dense_ffn (mlp, swiglu here)
   "fff_post_after_mlp": (
     "fff",
     dict(tie_embeddings=True, ffn_layers="1", use_bias=True),

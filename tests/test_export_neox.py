@@ -7,7 +7,6 @@ JAX model's; importing gives back the same bits; the trainer resumes from the im
 
 import json
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +14,7 @@ import ml_collections
 import numpy as np
 import pytest
 import seqio
-from conftest import REPO, init_params, load_config
+from conftest import init_params, load_config
 
 from sparsetx import config as config_lib
 from sparsetx.data import pipeline
@@ -23,6 +22,7 @@ from sparsetx.data import vocab as vocab_lib
 from sparsetx.evaluate import export, hf_neox, tokenizer_files
 from sparsetx.models.transformer import Transformer
 from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.tools import build_vocab
 from sparsetx.train import checkpointing, loop
 from sparsetx.train import state as state_lib
 
@@ -122,10 +122,7 @@ def test_tokenizer_encodes_like_seqio_byte_vocabulary(exported):
 
 @pytest.mark.parametrize("files", ["padding_at_0", "gpt2_like"])
 def test_gpt2_bpe_tokenizer_json_encodes_like_sparsetx(tmp_path, files):
-  """kind='gpt2' files, as tools/build_vocab.py writes them (<pad>=0) or GPT-2-like (id 0 is a text token)."""
-  sys.path.insert(0, str(REPO / "tools"))
-  import build_vocab
-
+  """kind='gpt2' files, as sparsetx.tools.build_vocab writes them (<pad>=0) or GPT-2-like (id 0 is a text token)."""
   build_vocab.build_gpt2_bpe(str(tmp_path / "bpe"), 300, max_documents=100)
   if files == "gpt2_like":  # drop <pad>: <|endoftext|> takes id 0 and sparsetx moves it to the end
     vocab = json.loads((tmp_path / "bpe" / "vocab.json").read_text())
@@ -146,9 +143,6 @@ def test_gpt2_bpe_tokenizer_json_encodes_like_sparsetx(tmp_path, files):
 
 
 def test_sentencepiece_tokenizer_json_encodes_like_seqio(tmp_path):
-  sys.path.insert(0, str(REPO / "tools"))
-  import build_vocab
-
   path = build_vocab.build_vocab(str(tmp_path / "spm"), 400, max_documents=200)  # BPE with byte fallback
   data = config_lib.data_defaults()
   data.vocab.update(kind="sentencepiece", path=path)

@@ -1,29 +1,30 @@
-"""tools/circuits.py end to end on a tiny trained sgatlin checkpoint and on a mixed (partly sparsified) one:
+"""sparsetx.tools.circuits end to end on a tiny trained sgatlin checkpoint and on a mixed (partly sparsified) one:
 tables, database and PNGs."""
 
-import importlib.util
 import json
 import os
 
 import numpy as np
 import pytest
-from conftest import REPO, load_config
+from absl import flags
+from conftest import load_config
 from test_train import micro_config
 
-from sparsetx import sparsify
+from sparsetx import cli, sparsify
 from sparsetx.interp.circuits import CircuitDatabase
 from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.tools import circuits as circuits_tool
 from sparsetx.train import loop
 from sparsetx.train import state as state_lib
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def load_tool():
-  spec = importlib.util.spec_from_file_location("circuits_tool", REPO / "tools" / "circuits.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+def run_tool(argv: list[str]) -> int:
+  """`python -m sparsetx.tools.circuits ARGV`'s exit code, in this process (its flags in a FlagValues of their own)."""
+  values = flags.FlagValues()
+  holders = circuits_tool.define_flags(values)
+  return circuits_tool.absl_main(cli.parse_flags(["circuits", *argv], values), holders)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def workdir(tmp_path_factory):
 
 def test_circuits_tool_writes_tables_database_and_pngs(workdir, tmp_path):
   out = tmp_path / "circuits"
-  code = load_tool().main(
+  code = run_tool(
     [
       f"--workdir={workdir}",
       f"--output={out}",
@@ -76,14 +77,14 @@ def test_circuits_tool_writes_tables_database_and_pngs(workdir, tmp_path):
 
 
 def test_circuits_tool_refuses_a_workdir_without_checkpoints(tmp_path, capsys):
-  assert load_tool().main([f"--workdir={tmp_path}"]) == 2
+  assert run_tool([f"--workdir={tmp_path}"]) == 2
   assert "holds no checkpoints/ directory" in capsys.readouterr().err
   assert not (tmp_path / "checkpoints").exists()
 
 
 @pytest.fixture(scope="module")
 def mixed_workdir(tmp_path_factory):
-  """What tools/sparsify.py writes for a micro dense MLP with ffn_layers=1: step 0, layer 0 the source's MLP,
+  """What sparsetx.tools.sparsify writes for a micro dense MLP with ffn_layers=1: step 0, layer 0 the source's MLP,
   layer 1 a fresh sgatlin (untrained: no train step to compile; tests/test_sparsify.py's configs, so the
   init programs are shared through the compilation cache)."""
   source = micro_config("mlp")
@@ -102,7 +103,7 @@ def test_circuits_tool_on_a_mixed_model_refuses_a_dense_layer_and_analyses_the_s
   mixed_workdir, tmp_path, capsys
 ):
   refused = tmp_path / "refused"
-  assert load_tool().main([f"--workdir={mixed_workdir}", f"--output={refused}", "--layer=0"]) == 2
+  assert run_tool([f"--workdir={mixed_workdir}", f"--output={refused}", "--layer=0"]) == 2
   assert capsys.readouterr().err.strip() == (
     "error: --layer=0 is a dense layer ('mlp', config.model.dense_ffn) of this mixed model and has no sparse "
     "circuit; use one of its sgatlin layers: 1."
@@ -110,7 +111,7 @@ def test_circuits_tool_on_a_mixed_model_refuses_a_dense_layer_and_analyses_the_s
   assert not refused.exists()  # refused before anything is written
 
   out = tmp_path / "circuits"
-  code = load_tool().main(
+  code = run_tool(
     [
       f"--workdir={mixed_workdir}",
       f"--output={out}",

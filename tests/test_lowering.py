@@ -148,7 +148,7 @@ def test_unknown_targets_are_refused():
 
 
 def test_dry_run_tool_lowers_for_a_platform_and_lists_the_kernels():
-  """tools/dry_run.py --platform=tpu --chip=v6e: one row per custom call, the gated gather's two kernels per layer."""
+  """python -m sparsetx.tools.dry_run --platform=tpu --chip=v6e: one row per custom call, the gated gather's two kernels per layer."""
   import subprocess
   import sys
 
@@ -164,7 +164,8 @@ def test_dry_run_tool_lowers_for_a_platform_and_lists_the_kernels():
   result = subprocess.run(
     [
       sys.executable,
-      "tools/dry_run.py",
+      "-m",
+      "sparsetx.tools.dry_run",
       "--config=configs/tiny.py:fff",
       "--devices=1",
       "--platform=tpu",

@@ -1,4 +1,4 @@
-"""tools/launch_local.py supervises its processes; a trainer whose peer never connects says so and exits."""
+"""sparsetx.tools.launch_local supervises its processes; a trainer whose peer never connects says so and exits."""
 
 import json
 import os
@@ -9,8 +9,6 @@ import sys
 import time
 
 from conftest import REPO
-
-LAUNCHER = str(REPO / "tools/launch_local.py")
 
 # Stands in for the trainer: records what it was started with, then behaves as argv[...] says.
 FAKE = r"""
@@ -32,10 +30,11 @@ time.sleep(60)
 
 def launch(tmp_path, mode, *options):
   (tmp_path / "fake_trainer.py").write_text(FAKE)
-  env = dict(os.environ, PYTHONPATH=str(tmp_path))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
   command = [
     sys.executable,
-    LAUNCHER,
+    "-m",
+    "sparsetx.tools.launch_local",
     "--num_processes=2",
     "--devices_per_process=3",
     "--module=fake_trainer",

@@ -1,4 +1,4 @@
-"""Two processes x 2 devices (tools/launch_local.py) train like one process x 4 devices (to float32
+"""Two processes x 2 devices (sparsetx/tools/launch_local.py) train like one process x 4 devices (to float32
 rounding); their checkpoint resumes in one process; a killed process stops the other instead of
 hanging it; a checkpoint of another process count resumes the model and restarts the data stream.
 
@@ -117,7 +117,8 @@ def test_two_processes_train_like_one_resume_in_one_and_stop_when_a_peer_dies(tm
   launcher = subprocess.Popen(
     [
       sys.executable,
-      "tools/launch_local.py",
+      "-m",
+      "sparsetx.tools.launch_local",
       "--num_processes=2",
       "--devices_per_process=2",
       "--grace_period=100",

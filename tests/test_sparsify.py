@@ -1,4 +1,4 @@
-"""Sparse fine-tuning from a dense checkpoint (tools/sparsify.py): copies, fresh layers, report, resume, freeze."""
+"""Sparse fine-tuning from a dense checkpoint (sparsetx/tools/sparsify.py): copies, fresh layers, report, resume, freeze."""
 
 import json
 import os
@@ -144,7 +144,7 @@ def test_ffn_layers_validated(layers, match):
 
 
 def test_tool_then_trainer_resumes_at_step_0_and_freezes(dense_workdir, mesh, tmp_path):
-  """tools/sparsify.py writes the start, `python -m sparsetx.train` trains it on; copied params are frozen
+  """python -m sparsetx.tools.sparsify writes the start, `python -m sparsetx.train` trains it on; copied params are frozen
   for freeze_steps=10, then move; the loss falls."""
   target = str(tmp_path / "ft")
   overrides = [
@@ -157,7 +157,8 @@ def test_tool_then_trainer_resumes_at_step_0_and_freezes(dense_workdir, mesh, tm
   tool = subprocess.run(
     [
       sys.executable,
-      "tools/sparsify.py",
+      "-m",
+      "sparsetx.tools.sparsify",
       f"--source={dense_workdir}",
       f"--workdir={target}",
       "--config=configs/tiny.py:fff",

@@ -1,7 +1,6 @@
-"""tools/sweep.py end to end: README's CPU isoflop sweep (mlp, sgatlin x d_model 32, 64) run as written,
+"""sparsetx.tools.sweep end to end: README's CPU isoflop sweep (mlp, sgatlin x d_model 32, 64) run as written,
 collected and plotted; every type sized from d_model as the ladder does."""
 
-import importlib.util
 import json
 import math
 import os
@@ -16,6 +15,7 @@ from conftest import REPO, load_config
 from ml_collections import config_flags
 
 from sparsetx.models import ladder
+from sparsetx.tools import sweep as sweep_tool
 from sparsetx.train import sweep
 
 BUDGET = 3e9  # 18 to 53 steps of 256 tokens per run
@@ -28,16 +28,11 @@ def readme_sweep_command() -> list[str]:
   """The CPU sweep command README.md shows, as argv (its continuation lines joined, its comment dropped)."""
   text = (REPO / "README.md").read_text().replace("\\\n", " ")
   (line,) = [
-    line for line in text.splitlines() if line.startswith(".venv/bin/python tools/sweep.py") and "--d_models" in line
+    line
+    for line in text.splitlines()
+    if line.startswith(".venv/bin/python -m sparsetx.tools.sweep") and "--d_models" in line
   ]
   return shlex.split(line, comments=True)
-
-
-def load_tool():
-  spec = importlib.util.spec_from_file_location("sweep_tool", REPO / "tools" / "sweep.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def tiny_spec(workdir, **changes) -> sweep.SweepSpec:
@@ -65,7 +60,7 @@ def cli_flags(spec: sweep.SweepSpec) -> list[str]:
 
 def run_cli(*args):
   return subprocess.run(
-    [sys.executable, "tools/sweep.py", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    [sys.executable, "-m", "sparsetx.tools.sweep", *args], cwd=REPO, capture_output=True, text=True, timeout=120
   )
 
 
@@ -91,8 +86,8 @@ def finished_sweep(tmp_path_factory):
   """README's sweep command, run as written but for its --workdir."""
   root = tmp_path_factory.mktemp("sweep")
   argv = readme_sweep_command()
-  assert argv[:2] == [".venv/bin/python", "tools/sweep.py"] and argv[-1] == "--workdir=/tmp/sweep"
-  given = dict(arg.removeprefix("--").split("=", 1) for arg in argv[2:-1])  # what tiny_spec holds
+  assert argv[:3] == [".venv/bin/python", "-m", "sparsetx.tools.sweep"] and argv[-1] == "--workdir=/tmp/sweep"
+  given = dict(arg.removeprefix("--").split("=", 1) for arg in argv[3:-1])  # what tiny_spec holds
   assert given == dict(budgets="3e9", ffn_types="mlp,sgatlin", base_config="configs/sweep_cpu.py", d_models="32,64")
   argv = [sys.executable, *argv[1:-1], f"--workdir={root}"]
   result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -147,11 +142,10 @@ def test_sweep_trains_the_budgets_steps_and_collects_each_final_eval(finished_sw
 
 def test_finished_runs_are_collected_not_rerun(finished_sweep, monkeypatch):
   root, rows = finished_sweep
-  tool = load_tool()
-  monkeypatch.setattr(tool, "train", lambda *a: pytest.fail("a finished run was trained again"))
+  monkeypatch.setattr(sweep_tool, "train", lambda *a: pytest.fail("a finished run was trained again"))
   monkeypatch.chdir(REPO)
   before = {r["name"]: os.path.getmtime(os.path.join(r["workdir"], "metrics.jsonl")) for r in rows}
-  assert tool.run_sweep(tiny_spec(root), "run") == rows
+  assert sweep_tool.run_sweep(tiny_spec(root), "run") == rows
   assert {r["name"]: os.path.getmtime(os.path.join(r["workdir"], "metrics.jsonl")) for r in rows} == before
 
   # The CLI's collect mode (as after a cluster sweep) reads the same rows and rewrites the plots.
@@ -200,7 +194,7 @@ def test_a_budget_too_small_for_every_run_is_refused(tmp_path, monkeypatch):
   runs, skipped = sweep.plan(tiny_spec(tmp_path, budgets=(1e8,)))
   assert runs == [] and len(skipped) == 4 and "fewer than" in skipped[0].reason
   with pytest.raises(sweep.config_lib.ConfigError, match="too short to train"):
-    load_tool().run_sweep(tiny_spec(tmp_path, budgets=(1e8,)), "print")
+    sweep_tool.run_sweep(tiny_spec(tmp_path, budgets=(1e8,)), "print")
 
 
 def test_a_run_dir_evaluated_at_another_step_count_is_refused_and_a_partial_one_resumes(tmp_path, monkeypatch):

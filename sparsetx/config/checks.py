@@ -149,7 +149,7 @@ def validate_data(
   if data.vocab.kind == "sentencepiece":
     _require(
       bool(data.vocab.path),
-      f"{prefix}.vocab.path={data.vocab.path!r} is not a file; build one with tools/build_vocab.py.",
+      f"{prefix}.vocab.path={data.vocab.path!r} is not a file; build one with python -m sparsetx.tools.build_vocab.",
     )
   if model is not None:
     _require(

@@ -84,7 +84,7 @@ def model_defaults() -> ml_collections.ConfigDict:
       attention="auto",
       remat="none",  # none | full | dots_saveable | dots_with_no_batch_dims_saveable (saved True/False: full/none)
       ffn=ffn_defaults(),
-      # Mixed layers (sparse fine-tuning of some layers, tools/sparsify.py): the listed layer indices ("1,3")
+      # Mixed layers (sparse fine-tuning of some layers, sparsetx/tools/sparsify.py): the listed layer indices ("1,3")
       # use `ffn`, the others `dense_ffn`; "" = every layer uses `ffn` (and `dense_ffn` is unused). A string,
       # so the config saved as JSON compares equal on resume.
       ffn_layers="",
@@ -211,7 +211,7 @@ def train_defaults() -> ml_collections.ConfigDict:
       eval_every=100,
       eval_batches=0,  # per validation task; 0 = the whole split
       # Sparse fine-tuning: for the first N steps only the feed-forward layers of config.model.ffn_layers
-      # (every layer's when empty) train; everything else (copied by tools/sparsify.py) has learning rate 0.
+      # (every layer's when empty) train; everything else (copied by sparsetx/tools/sparsify.py) has learning rate 0.
       freeze_steps=0,
       # "START,COUNT": a jax.profiler trace of COUNT steps from step START, under <workdir>/tensorboard
       # (TensorBoard's profile tab); "" = none. Process 0 only unless profile_all_processes.

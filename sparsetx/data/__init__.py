@@ -30,13 +30,13 @@ where an example is a document piece of at most seq_len tokens):
 Write at least as many files per split as there are processes (seqio then gives each process whole
 files); otherwise every process reads everything and keeps every n-th document.
 
-SentencePiece: `python tools/build_vocab.py --output=/data/spm/web --vocab_size=8192 --input=...`
+SentencePiece: `python -m sparsetx.tools.build_vocab --output=/data/spm/web --vocab_size=8192 --input=...`
 then `config.data.vocab = dict(kind="sentencepiece", path="/data/spm/web.model")` and
 `config.model.vocab_size >= 8192`.
 
 GPT-2 BPE: `config.data.vocab = dict(kind="gpt2", path=DIR)` with DIR holding vocab.json + merges.txt
 (GPT-2's own files: 50,258 ids after "!" moves off id 0, the padding id; `config.model.vocab_size=50304`),
-or your own: `python tools/build_vocab.py --kind=gpt2 --output=/data/bpe --vocab_size=8192 --input=...`.
+or your own: `python -m sparsetx.tools.build_vocab --kind=gpt2 --output=/data/bpe --vocab_size=8192 --input=...`.
 
 Resume: `iterator.save(dir)` / `iterator.restore(dir)` on every process (see pipeline.py). The state
 is a tf.train.Checkpoint of the tf.data iterator (file offsets, sampler RNG, shuffle and packing

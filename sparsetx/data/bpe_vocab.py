@@ -1,7 +1,7 @@
 """A GPT-2 byte-level BPE read from the user's local files, in sparsetx's id space (tokenizers; no TensorFlow).
 
 Files (`config.data.vocab.path`): a directory holding GPT-2's `vocab.json` + `merges.txt` (as OpenAI and
-Hugging Face publish them, or as `tools/build_vocab.py --kind=gpt2` writes them), or a `tokenizer.json`
+Hugging Face publish them, or as `python -m sparsetx.tools.build_vocab --kind=gpt2` writes them), or a `tokenizer.json`
 file (or a directory holding only that). Nothing is downloaded. Encoding is GPT-2's: text as UTF-8
 bytes mapped to printable characters, GPT-2's pre-tokenization regex, no added prefix space, no BOS;
 `<|endoftext|>` is the EOS (a literal `<|endoftext|>` in the text also becomes it, as in Hugging Face's
@@ -12,7 +12,7 @@ target 0 as padding, and packed rows shift 0 in as each document's first input).
 token and gives id 0 to the text token "!", so sharing 0 would silently drop every "!" from the loss.
 Hence:
   * files whose id 0 is a padding token (`<pad>` and the like): ids are the files' ids. This is what
-    tools/build_vocab.py writes: `<pad>`=0, `<|endoftext|>`=1, like seqio's pad=0, eos=1.
+    sparsetx/tools/build_vocab.py writes: `<pad>`=0, `<|endoftext|>`=1, like seqio's pad=0, eos=1.
   * files whose id 0 is anything else (GPT-2's own): that token moves to id n (the files' size) and every
     other id stays the files', so the vocabulary has n + 1 ids (GPT-2: 50,258, which a model padded to
     50,304 holds). A GPT-2 checkpoint's embedding maps over by moving its row 0 to row 50,257.
@@ -38,7 +38,7 @@ def vocab_files(path: str, field: str = "config.data.vocab.path") -> tuple[str, 
   """(vocab.json, merges.txt) or (tokenizer.json,) for `path`; a clear error naming what is missing."""
   fix = (
     f"point {field} at a directory holding {VOCAB_FILE} + {MERGES_FILE} or at a {TOKENIZER_FILE} "
-    "(tools/build_vocab.py --kind=gpt2 writes the first)"
+    "(python -m sparsetx.tools.build_vocab --kind=gpt2 writes the first)"
   )
   if not path:
     raise config_lib.ConfigError(f"{field} is empty; {fix}.")
@@ -62,7 +62,7 @@ def vocab_files(path: str, field: str = "config.data.vocab.path") -> tuple[str, 
 
 def gpt2_byte_level(bpe_model: models.BPE) -> Tokenizer:
   """A tokenizer that splits and joins text as GPT-2's does around `bpe_model`: UTF-8 bytes, GPT-2's regex,
-  no prefix space. tools/build_vocab.py --kind=gpt2 trains on it, so its files read back here encode the same."""
+  no prefix space. sparsetx/tools/build_vocab.py --kind=gpt2 trains on it, so its files read back here encode the same."""
   tokenizer = Tokenizer(bpe_model)
   tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
   tokenizer.decoder = decoders.ByteLevel()
@@ -128,7 +128,7 @@ def _load(files: tuple[str, ...], mtimes: tuple[float, ...], field: str) -> Gpt2
   except Exception as error:  # tokenizers raises plain Exception on malformed files
     raise config_lib.ConfigError(
       f"{field}: {names} is not a GPT-2 BPE ({str(error)[:200]}); use GPT-2's vocab.json + merges.txt or a "
-      "tokenizer.json, or rebuild them with tools/build_vocab.py --kind=gpt2."
+      "tokenizer.json, or rebuild them with python -m sparsetx.tools.build_vocab --kind=gpt2."
     ) from error
   if not isinstance(tokenizer.model, models.BPE):
     raise config_lib.ConfigError(
@@ -140,7 +140,7 @@ def _load(files: tuple[str, ...], mtimes: tuple[float, ...], field: str) -> Gpt2
   if eos_id is None:
     raise config_lib.ConfigError(
       f"{field}: {names} has no {EOS_TOKEN} token, which marks the end of each document (EOS); add it "
-      "to the vocabulary or rebuild the files with tools/build_vocab.py --kind=gpt2."
+      "to the vocabulary or rebuild the files with python -m sparsetx.tools.build_vocab --kind=gpt2."
     )
   file_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
   zero_is_padding = tokenizer.id_to_token(0) in PAD_TOKENS

@@ -12,7 +12,7 @@ generated here, deterministically (fixed seeds, no dependence on hash seeds or t
   adjectives, so probing "was <adjective>" is unambiguous.
 
 Interpretability tools read `facts()` and `characters()` to build probes. This module is
-pure Python (no TensorFlow), so tools such as `tools/build_vocab.py` import it cheaply.
+pure Python (no TensorFlow), so tools such as `sparsetx/tools/build_vocab.py` import it cheaply.
 """
 
 import functools

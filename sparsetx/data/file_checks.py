@@ -51,7 +51,7 @@ def check_vocab_files(
     path = data.vocab.path
     config_lib.require(
       bool(path) and ("://" in path or os.path.isfile(path)),
-      f"{prefix}.vocab.path={path!r} is not a file; build one with tools/build_vocab.py.",
+      f"{prefix}.vocab.path={path!r} is not a file; build one with python -m sparsetx.tools.build_vocab.",
     )
   if data.vocab.kind == "gpt2":
     from sparsetx.data import bpe_vocab  # tokenizers only, no TensorFlow; imported here so this module stays light

@@ -1,7 +1,7 @@
 """Vocabularies: byte-level by default (no files), SentencePiece from a local model file, GPT-2 BPE from local files.
 
 All keep id 0 for padding, which the packer relies on (it treats target 0 as padding). Byte and
-SentencePiece follow seqio's ids (pad=0, eos=1, unk=2); `tools/build_vocab.py` trains a SentencePiece
+SentencePiece follow seqio's ids (pad=0, eos=1, unk=2); `sparsetx/tools/build_vocab.py` trains a SentencePiece
 model with these ids, or (`--kind=gpt2`) a byte-level BPE in GPT-2's file format with <pad>=0,
 <|endoftext|>=1. GPT-2's own files give id 0 to "!"; sparsetx.data.bpe_vocab explains how that id moves.
 """
@@ -111,14 +111,14 @@ def make_vocabulary(data: ml_collections.ConfigDict, model_vocab_size: int | Non
   elif kind == "sentencepiece":
     if not path or not tf.io.gfile.exists(path):
       raise config_lib.ConfigError(
-        f"config.data.vocab.path={path!r} is not a file; build one with tools/build_vocab.py."
+        f"config.data.vocab.path={path!r} is not a file; build one with python -m sparsetx.tools.build_vocab."
       )
     vocabulary = seqio.SentencePieceVocabulary(path)
     try:
       _ = vocabulary.vocab_size  # loads the model now, so a corrupt file fails here with its name
     except Exception as error:  # sentencepiece raises plain RuntimeError/OSError on a bad proto
       raise config_lib.ConfigError(
-        f"config.data.vocab.path={path!r} is not a SentencePiece model ({error}); rebuild it with tools/build_vocab.py."
+        f"config.data.vocab.path={path!r} is not a SentencePiece model ({error}); rebuild it with python -m sparsetx.tools.build_vocab."
       ) from error
   elif kind == "gpt2":
     vocabulary = Gpt2BpeVocabulary(path)

@@ -272,7 +272,9 @@ def load_hf(hf_dir: str) -> tuple[ml_collections.ConfigDict, dict]:
   tokenizer files when they are sparsetx's (byte or SentencePiece), and seq_len fitted to the context.
   """
   if not os.path.isdir(hf_dir):
-    raise ConfigError(f"{hf_dir!r} is not a directory; give a directory written by tools/export.py or save_pretrained.")
+    raise ConfigError(
+      f"{hf_dir!r} is not a directory; give a directory written by python -m sparsetx.tools.export or save_pretrained."
+    )
   config_path = os.path.join(hf_dir, "config.json")
   if not os.path.isfile(config_path):
     raise ConfigError(f"{hf_dir!r} has no config.json; it is not a Hugging Face model directory.")

@@ -1,10 +1,10 @@
 """lm-evaluation-harness model `sparsetx`: a trained checkpoint answering lm-eval requests in JAX.
 
 Importing this module registers the model (`lm_eval.api.registry.register_model`). lm-eval's CLI
-imports only its own model modules, so run it through `tools/lm_eval.py`, which imports this
+imports only its own model modules, so run it through `python -m sparsetx.tools.lm_eval_cli`, which imports this
 module and then hands its arguments to lm-eval's CLI unchanged:
 
-  python tools/lm_eval.py --model sparsetx --model_args workdir=DIR[,step=N] --batch_size 8 \
+  python -m sparsetx.tools.lm_eval_cli --model sparsetx --model_args workdir=DIR[,step=N] --batch_size 8 \
       --tasks sparsetx_facts_cloze,sparsetx_facts_choice --include_path sparsetx/evaluate/lm_eval_tasks
 
 (`--batch_size` goes on the command line: lm-eval passes it to the constructor itself.) From

@@ -105,7 +105,7 @@ def sentencepiece_tokenizer(path: str) -> tuple[tokenizers.Tokenizer, tuple[str,
     vocab = {piece: i for i, piece in enumerate(pieces)}
   else:
     # Known difference: a unigram lattice can match the literal spelling of a control piece ("<pad>" typed
-    # in text), which SentencePiece never does. BPE models (tools/build_vocab.py's default) are exact.
+    # in text), which SentencePiece never does. BPE models (sparsetx/tools/build_vocab.py's default) are exact.
     vocab = [(piece.piece, piece.score) for piece in proto.pieces]
   tokenizer = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=True)
   if tokenizer is None:

@@ -5,7 +5,7 @@ A token's circuit at a layer is a sparse vector over the layer's units, stored a
                  (S = C * K nonzeros; this is gate_vector flattened);
   FFF            the tree path: unit p * n_nodes + path_nodes[p, l], weight 1 (S = P * (D + 1));
   MoE            the chosen experts, weight expert_weights (S = experts_per_token).
-Dense layers have no sparse circuit: in a mixed model (config.model.ffn_layers, from tools/sparsify.py)
+Dense layers have no sparse circuit: in a mixed model (config.model.ffn_layers, from sparsetx/tools/sparsify.py)
 only the layers built from config.model.ffn have one, and every tool here analyses those layers,
 numbered by their index in the model. Cosine similarity of two circuits is the sgatlin paper's
 metric (Sec. 4.2); on FFF paths it is the fraction of shared path nodes.

@@ -8,7 +8,7 @@ A full name is `NAME` (model scope), `layers[i].NAME`, `layers[i].self_attn.NAME
 `layers[i].mlp.NAME`. Each entry says where the model taps it (module path under the scope and
 the tap name, see sparsetx/models/taps.py), or that it is derived from other values (read-only).
 Layouts name their axes; `layout_shape` resolves them against a model config. A mixed model
-(config.model.ffn_layers, from tools/sparsify.py) serves at each layer the names of that block's own
+(config.model.ffn_layers, from sparsetx/tools/sparsify.py) serves at each layer the names of that block's own
 feed-forward type: gates at its sparse layers, mlp_neurons at the dense ones.
 """
 

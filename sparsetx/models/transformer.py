@@ -167,7 +167,7 @@ class Block(nn.Module):
 
 def block_config(cfg, layer: int):
   """The model config block `layer` is built from: the same, with `dense_ffn` as its `ffn` when
-  `cfg.ffn_layers` leaves this layer out (mixed models from tools/sparsify.py)."""
+  `cfg.ffn_layers` leaves this layer out (mixed models from sparsetx/tools/sparsify.py)."""
   if layer in config_lib.ffn_layer_indices(cfg):
     return cfg
   model = ml_collections.ConfigDict(cfg.to_dict())  # a copy: FrozenConfigDict.as_configdict() shares cfg's own storage

@@ -1,7 +1,7 @@
 """Ahead-of-time view of a training run: build abstractly, lower and compile the train step on a
 declared mesh, and report what each device holds, moves and computes. No array is allocated.
 
-Used by tools/dry_run.py (simulated CPU devices) to size billion-parameter models before a job
+Used by sparsetx/tools/dry_run.py (simulated CPU devices) to size billion-parameter models before a job
 starts. The numbers:
   - parameters and optimizer state per device, from the abstract state and its shardings;
   - the compiler's memory analysis of the step (arguments, outputs, temporaries; per device);
@@ -325,7 +325,7 @@ def dry_run(config: ml_collections.ConfigDict, mesh) -> Report:
 
 def remat_rows(config: ml_collections.ConfigDict, mesh, policies=config_lib.REMAT_POLICIES) -> list:
   """(policy, per-device temp bytes, compiled FLOPs per device) of the train step under each config.model.remat
-  policy: the memory a policy saves and the recomputation it costs (tools/dry_run.py --remat_sweep)."""
+  policy: the memory a policy saves and the recomputation it costs (sparsetx/tools/dry_run.py --remat_sweep)."""
   rows = []
   for policy in policies:
     variant = config.copy_and_resolve_references()

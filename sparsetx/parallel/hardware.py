@@ -1,4 +1,4 @@
-"""Published per-chip figures of the accelerators a run is sized for (tools/dry_run.py's roofline).
+"""Published per-chip figures of the accelerators a run is sized for (sparsetx/tools/dry_run.py's roofline).
 
 One table, so every estimate uses the same numbers; each figure names where it is published.
 Bandwidths are bytes per second and, as vendors publish them for NVLink and ICI, *bidirectional*

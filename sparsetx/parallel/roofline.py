@@ -86,7 +86,7 @@ def _ms(seconds: float) -> str:
 
 
 def format_projections(projections: list[Projection]) -> str:
-  """The table tools/dry_run.py prints: one row per chip, times in ms, with and without overlap."""
+  """The table sparsetx/tools/dry_run.py prints: one row per chip, times in ms, with and without overlap."""
   lines = [
     "projected step time (roofline per device at peak rates from the compiled program's counts;"
     " sparsetx/parallel/roofline.py)",

@@ -296,7 +296,7 @@ class Checkpointer:
 
   def restore_params(self, step: int, abstract_params):
     """Only the parameters at `step`, laid out as `abstract_params`: a start whose optimizer state may have
-    another structure (tools/sparsify.py with other freeze settings, an HF import). Read through a separate
+    another structure (sparsetx/tools/sparsify.py with other freeze settings, an HF import). Read through a separate
     manager that deletes nothing and keeps this one's save handlers as they are."""
     reader = ocp.CheckpointManager(self.directory)
     try:

@@ -2,7 +2,7 @@
 
 A run in a workdir that holds checkpoints resumes from the newest one (or config.checkpoint.restore_step,
 whose later steps are moved to <workdir>/superseded/), after checking that it can be read (model state,
-data position); a step-0 checkpoint (tools/sparsify.py, HF import) gives only the parameters: the
+data position); a step-0 checkpoint (sparsetx/tools/sparsify.py, HF import) gives only the parameters: the
 optimizer state and the data stream start fresh from this run's config.
 SIGTERM saves the current step and returns normally. A non-finite loss stops the run
 before anything non-finite is saved.
@@ -217,7 +217,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
   if start is not None:
     checkpointer.check_compatible(start, config)
   data_iterator = pipeline.make_train_iterator(config, batch_sharding)
-  if start == 0:  # a start written by tools/sparsify.py: its parameters, fresh optimizer state and data stream
+  if start == 0:  # a start written by sparsetx/tools/sparsify.py: its parameters, fresh optimizer state and data stream
     params = checkpointer.restore_params(0, abstract_state.params)
     state = state_lib.state_from_params(params, shardings, model, tx)
     logging.info("Starting from the step-0 parameters in %s.", checkpointer.directory)

@@ -6,7 +6,7 @@ computes: the same norms and epsilon, GPT-NeoX rotary (rotate-half on the first
 `int(head_dim * rotary_fraction)` dims of each head), sequential or parallel blocks, tied or untied
 head, and every feed-forward type sparsetx builds: mlp, swiglu, moe, peer, sgatlin (all activations,
 product or PEER router) and fff (fff, fff_post), also mixed per layer (`ffn_layers` / `dense_ffn`, from
-tools/sparsify.py). Taps are not needed here (they are identity). Precision follows sparsetx: the
+sparsetx/tools/sparsify.py). Taps are not needed here (they are identity). Precision follows sparsetx: the
 matmuls run in the dtype the weights are loaded in (float32 exports match the JAX model's float32
 logits to ~1e-6; load a bfloat16 export with `dtype=torch.float32` for the same), while norms, rotary,
 attention softmax, router scores and both top-k stages, the sparse layers' sums and the logits are float32.

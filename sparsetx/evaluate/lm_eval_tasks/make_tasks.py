@@ -11,7 +11,7 @@
 
 Both read facts.jsonl with lm-eval's standard `dataset_path: json` and `dataset_kwargs.data_files`,
 so nothing is downloaded. `datasets` resolves a relative data file against the working directory, so
-the YAML names the file from the repository root: run lm-eval from there (tools/lm_eval.py).
+the YAML names the file from the repository root: run lm-eval from there (sparsetx/tools/lm_eval_cli.py).
 """
 
 import json

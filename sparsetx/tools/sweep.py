@@ -1,12 +1,12 @@
 """Isoflop sweep: for each FLOP budget, trains every feed-forward type at every size on the tokens the budget buys.
 
   # the paper's ladder on a cluster: print one launch command per run, then collect and plot
-  python tools/sweep.py --budgets=1e17,6e17,1e18 --ffn_types=mlp,swiglu,sgatlin --scales=2,3,4,5,6 \\
+  python -m sparsetx.tools.sweep --budgets=1e17,6e17,1e18 --ffn_types=mlp,swiglu,sgatlin --scales=2,3,4,5,6 \\
       --overrides=config.data.seq_len=2048 --overrides=config.data.global_batch_size=128 \\
       --overrides=config.train.warmup_steps=1000 --workdir=sweeps/ladder --mode=print
-  python tools/sweep.py ...same flags... --mode=collect
+  python -m sparsetx.tools.sweep ...same flags... --mode=collect
   # a CPU-sized sweep, run here one run after the other (each type sized from d_model as the ladder does)
-  python tools/sweep.py --budgets=3e9,6e9 --ffn_types=mlp,sgatlin,fff --base_config=configs/sweep_cpu.py \\
+  python -m sparsetx.tools.sweep --budgets=3e9,6e9 --ffn_types=mlp,sgatlin,fff --base_config=configs/sweep_cpu.py \\
       --d_models=32,64 --workdir=sweeps/tiny
 
 Modes: run (train the unfinished runs sequentially, in this process or with --subprocess each as its printed
@@ -240,7 +240,7 @@ def run_sweep(spec: sweep.SweepSpec, mode: str = "run", in_subprocess: bool = Fa
   return rows
 
 
-def main(argv, flag_values: dict) -> None:
+def absl_main(argv, flag_values: dict) -> None:
   if len(argv) > 1:
     cli.fail(f"unexpected arguments {argv[1:]}; every input is a --flag.")
   values = {name: holder.value for name, holder in flag_values.items()}
@@ -250,6 +250,11 @@ def main(argv, flag_values: dict) -> None:
     cli.fail(error)
 
 
+def main():
+  """The `sparsetx-sweep` entry point."""
+  values = define_flags()
+  cli.run(lambda argv: absl_main(argv, values))
+
+
 if __name__ == "__main__":
-  _FLAGS = define_flags()
-  cli.run(lambda argv: main(argv, _FLAGS))
+  main()

@@ -1,6 +1,6 @@
 """Input pipeline throughput against what a train step consumes, measured side by side.
 
-  python tools/bench_data.py [--config=configs/tiny.py] [--steps=200] [--train_steps=10]
+  python -m sparsetx.tools.bench_data [--config=configs/tiny.py] [--steps=200] [--train_steps=10]
 
 Prints one table: tokens/s of the pipeline (host batches, and global jax.Arrays on the mesh),
 the fraction of real (non-padding) tokens, and tokens/s of a jitted forward+backward of the
@@ -9,12 +9,12 @@ than the step, so input never limits training. The data seq_len is set to the mo
 max_len (the tiny model's context).
 """
 
-import argparse
 import importlib.util
 import os
-import pathlib
 import time
+from types import SimpleNamespace
 
+# Eight simulated CPU devices for the mesh, fixed before jax is imported (a real accelerator ignores it).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
@@ -22,19 +22,30 @@ import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from absl import flags  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from sparsetx import cli  # noqa: E402
 from sparsetx import config as config_lib  # noqa: E402
 from sparsetx.data import pipeline  # noqa: E402
 from sparsetx.models.transformer import Transformer  # noqa: E402
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+_FLAGS = dict(
+  config=flags.DEFINE_string("config", "configs/tiny.py", "Config file, optionally with ':ARG'."),
+  steps=flags.DEFINE_integer("steps", 200, "Pipeline batches timed."),
+  train_steps=flags.DEFINE_integer("train_steps", 10, "Train steps timed."),
+)
 
 
 def load_config(spec: str) -> ml_collections.ConfigDict:
+  """get_config([ARG]) of the file 'path[:ARG]', a path relative to the working directory (the repository root)."""
   path, _, arg = spec.partition(":")
-  module_spec = importlib.util.spec_from_file_location("bench_config", REPO / path)
+  if not os.path.isfile(path):
+    cli.fail(
+      f"--config={spec}: no such file (relative paths start from {os.getcwd()}); give one such as configs/tiny.py."
+    )
+  module_spec = importlib.util.spec_from_file_location("bench_config", path)
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
   config = module.get_config(arg) if arg else module.get_config()
@@ -84,12 +95,9 @@ def time_train_step(config, batch, steps: int) -> float:
   return (time.perf_counter() - start) / steps
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--config", default="configs/tiny.py")
-  parser.add_argument("--steps", type=int, default=200, help="pipeline batches timed")
-  parser.add_argument("--train_steps", type=int, default=10, help="train steps timed")
-  args = parser.parse_args()
+def absl_main(argv) -> None:
+  del argv
+  args = SimpleNamespace(**{name: holder.value for name, holder in _FLAGS.items()})
   config = load_config(args.config)
   data = config.data
   mesh = Mesh(np.array(jax.devices()), ("data",))
@@ -116,6 +124,11 @@ def main() -> None:
   )
   for name, seconds in rows:
     print(f"{name:<36}{seconds * 1e3:>10.2f}{tokens / seconds:>14,.0f}{step_s / seconds:>14.1f}")
+
+
+def main():
+  """The `sparsetx-bench-data` entry point."""
+  cli.run(absl_main)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Dry run: compile a config's train step for a declared mesh on simulated CPU devices, allocating nothing.
 
-  .venv/bin/python tools/dry_run.py --config=configs/large.py:sgatlin8,h100 --devices=64
-  .venv/bin/python tools/dry_run.py --config=configs/ladder.py:sgatlin,8 --devices=64 \\
+  .venv/bin/python -m sparsetx.tools.dry_run --config=configs/large.py:sgatlin8,h100 --devices=64
+  .venv/bin/python -m sparsetx.tools.dry_run --config=configs/ladder.py:sgatlin,8 --devices=64 \\
       --config.mesh.ici.data=8 --config.mesh.ici.fsdp=2 --config.mesh.ici.expert=4
 
 Prints per-device parameter and optimizer bytes, the compiler's memory analysis, FLOPs per step
@@ -13,14 +13,14 @@ adds the per-device sparse-table bytes for each expert-axis size (abstract shape
 larger than sgatlin's channel count is shown with the table split by d_model over the expert axis
 (expert_parallel.D_MODEL_SPLIT_RULES). `--split_d_model` compiles with those rules, e.g. sgatlin
 scale 8 (C=16) on expert=32:
-  .venv/bin/python tools/dry_run.py --config=configs/ladder.py:sgatlin,8 --devices=64 --split_d_model \\
+  .venv/bin/python -m sparsetx.tools.dry_run --config=configs/ladder.py:sgatlin,8 --devices=64 --split_d_model \\
       --config.mesh.ici.data=2 --config.mesh.ici.expert=32
 The mesh uses config.mesh.ici over `--devices` simulated devices (dcn must be all 1).
 
 `--platform=cuda|tpu` (with `--chip=v5p|v6e|...` for TPU) instead lowers the train step for that accelerator,
 on the same mesh, without compiling it (aot.lower_train_step), and lists its custom calls: the kernels it
 would launch (gated gather, fused attention), e.g. the Triton kernels of a pre-Hopper GPU:
-  .venv/bin/python tools/dry_run.py --config=configs/ladder.py:sgatlin,2 --platform=cuda \\
+  .venv/bin/python -m sparsetx.tools.dry_run --config=configs/ladder.py:sgatlin,2 --platform=cuda \\
       --config.model.ffn.kernel.implementation=pallas --config.model.ffn.kernel.gpu_kernel=triton
 """
 
@@ -37,12 +37,13 @@ def _devices_from_argv(argv) -> int:
   return 8
 
 
-# The simulated device count must be fixed before jax is imported.
+# The simulated device count must be fixed before jax is imported, so it is read from the command line here, at
+# import, above the imports of jax and of sparsetx (`python -m sparsetx.tools.dry_run` and the `sparsetx-dry-run`
+# script both import this module with sys.argv already the program's).
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_devices_from_argv(sys.argv)}"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import time  # noqa: E402
 
@@ -119,7 +120,7 @@ def print_lowering(config, mesh, platform: str, chip) -> None:
   print(aot.format_custom_calls(aot.custom_calls(text)))
 
 
-def main(argv):
+def absl_main(argv):
   del argv
   config = with_d_model_split(_CONFIG.value) if _SPLIT.value else _CONFIG.value
   try:
@@ -151,5 +152,10 @@ def main(argv):
       print(f"  {expert:>6}  {nbytes:>14,}  {nbytes * expert:>14,}  {layout}")
 
 
+def main():
+  """The `sparsetx-dry-run` entry point."""
+  cli.run(absl_main)
+
+
 if __name__ == "__main__":
-  cli.run(main)
+  main()

@@ -8,31 +8,29 @@ first type. MFU = the ladder's model FLOPs per step (3 x forward, sparsetx/model
 time x devices x peak bf16 FLOP/s of the chip, sparsetx/parallel/hardware.py); on a chip the table
 does not hold (a CPU) MFU is n/a unless --peak_tflops gives the peak.
 
-  .venv/bin/python tools/bench_train_step.py                   # GPU / TPU: scale 2, 8 x 512 tokens, bf16
-  .venv/bin/python tools/bench_train_step.py --small           # CPU: scale 1 cut to 2 layers, 8 x 64, float32
-  .venv/bin/python tools/bench_train_step.py --types mlp sgatlin fff --scale 4 --batch 32 --seq_len 2048
+  .venv/bin/python -m sparsetx.tools.bench_train_step                   # GPU / TPU: scale 2, 8 x 512 tokens, bf16
+  .venv/bin/python -m sparsetx.tools.bench_train_step --small           # CPU: scale 1 cut to 2 layers, 8 x 64, float32
+  .venv/bin/python -m sparsetx.tools.bench_train_step --types mlp sgatlin fff --scale 4 --batch 32 --seq_len 2048
 """
 
-import argparse
 import functools
-import os
 import statistics
-import sys
 import time
+from types import SimpleNamespace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import numpy as np
+from absl import flags
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from sparsetx import config as config_lib  # noqa: E402
-from sparsetx.models import ladder  # noqa: E402
-from sparsetx.parallel import expert_parallel, hardware  # noqa: E402
-from sparsetx.parallel import mesh as mesh_lib  # noqa: E402
-from sparsetx.train import state as state_lib  # noqa: E402
-from sparsetx.train import step as step_lib  # noqa: E402
-from sparsetx.train.loop import check_batch_divides  # noqa: E402
-from sparsetx.train.optimizer import learning_rate_schedule  # noqa: E402
+from sparsetx import cli
+from sparsetx import config as config_lib
+from sparsetx.models import ladder
+from sparsetx.parallel import expert_parallel, hardware
+from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.train import state as state_lib
+from sparsetx.train import step as step_lib
+from sparsetx.train.loop import check_batch_divides
+from sparsetx.train.optimizer import learning_rate_schedule
 
 
 def rung_config(ffn_type: str, args) -> config_lib.ml_collections.ConfigDict:
@@ -98,17 +96,21 @@ class TypeStep:
     return statistics.median(self.times)
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--types", nargs="+", default=list(config_lib.FFN_TYPES), help="first one is the baseline")
-  parser.add_argument("--scale", type=int, default=None, help="ladder rung (default 2; 1 with --small)")
-  parser.add_argument("--batch", type=int, default=8)
-  parser.add_argument("--seq_len", type=int, default=None, help="default 512; 64 with --small")
-  parser.add_argument("--dtype", default=None, help="default bfloat16; float32 with --small (what a CPU runs fast)")
-  parser.add_argument("--rounds", type=int, default=5)
-  parser.add_argument("--small", action="store_true", help="a CPU-sized shape: scale 1, 2 layers, vocab 512, 8 x 64")
-  parser.add_argument("--peak_tflops", type=float, default=None, help="peak bf16 TFLOP/s per device for MFU")
-  args = parser.parse_args()
+_FLAGS = dict(
+  types=flags.DEFINE_list("types", list(config_lib.FFN_TYPES), "Feed-forward types; the first one is the baseline."),
+  scale=flags.DEFINE_integer("scale", None, "Ladder rung (default 2; 1 with --small)."),
+  batch=flags.DEFINE_integer("batch", 8, "Sequences per step."),
+  seq_len=flags.DEFINE_integer("seq_len", None, "Default 512; 64 with --small."),
+  dtype=flags.DEFINE_string("dtype", None, "Default bfloat16; float32 with --small (what a CPU runs fast)."),
+  rounds=flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds (median)."),
+  small=flags.DEFINE_bool("small", False, "A CPU-sized shape: scale 1, 2 layers, vocab 512, 8 x 64."),
+  peak_tflops=flags.DEFINE_float("peak_tflops", None, "Peak bf16 TFLOP/s per device for MFU."),
+)
+
+
+def absl_main(argv):
+  del argv
+  args = SimpleNamespace(**{name: holder.value for name, holder in _FLAGS.items()})
   args.scale = args.scale or (1 if args.small else 2)
   args.seq_len = args.seq_len or (64 if args.small else 512)
   args.dtype = args.dtype or ("float32" if args.small else "bfloat16")
@@ -122,8 +124,7 @@ def main():
   try:
     steps = [TypeStep(t, args, devices) for t in args.types]
   except config_lib.ConfigError as error:
-    print(f"error: {error}", file=sys.stderr)
-    sys.exit(2)
+    cli.fail(error)
   for _ in range(args.rounds):
     for s in steps:
       s.time_once()
@@ -145,6 +146,11 @@ def main():
       f"{s.name:<9}{s.params['total']:>14,}{s.params['active']:>12,}{s.compile_s:>11.1f}{1e3 * s.seconds:>10.1f}"
       f"{rate:>12,.0f}{rate / base:>10.2f}{tflops:>15.3f}{mfu:>8}"
     )
+
+
+def main():
+  """The `sparsetx-bench-train-step` entry point."""
+  cli.run(absl_main)
 
 
 if __name__ == "__main__":

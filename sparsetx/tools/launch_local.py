@@ -1,6 +1,6 @@
 """Runs a multi-host job on this machine: N processes, each with M simulated CPU devices.
 
-  python tools/launch_local.py --num_processes=2 --devices_per_process=2 -- \\
+  python -m sparsetx.tools.launch_local --num_processes=2 --devices_per_process=2 -- \\
       --config=configs/tiny.py --workdir=/tmp/mh --config.mesh.dcn.data=-1
 
 Everything after `--` goes to every `python -m sparsetx.train` process, which also gets
@@ -15,7 +15,6 @@ line per process (`launch_local: process i pid P` at start, how it ended at the 
 with the first failure's code (128 + signal for a signal), or 0.
 """
 
-import argparse
 import os
 import re
 import signal
@@ -24,7 +23,23 @@ import subprocess
 import sys
 import time
 
+from absl import flags, logging  # noqa: F401  (logging defines --log_dir)
+
+from sparsetx import cli
+from sparsetx.config import ConfigError
+
 PREFIX = "launch_local:"
+
+
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes to start (N).")
+_DEVICES_PER_PROCESS = flags.DEFINE_integer("devices_per_process", 2, "Simulated CPU devices per process (M).")
+_PORT = flags.DEFINE_integer("port", 0, "Coordinator port on localhost (0: a free one).")
+_GRACE_PERIOD = flags.DEFINE_float(
+  "grace_period", 30.0, "Seconds the others get to stop on their own after one process fails."
+)
+# --log_dir (write process_<i>.log there instead of sharing this terminal) is absl.logging's own flag, read here:
+# the launcher itself logs nothing to files.
+_MODULE = flags.DEFINE_string("module", "sparsetx.train", "The Python module each process runs.")
 
 
 def free_port() -> int:
@@ -52,47 +67,24 @@ def describe(returncode: int) -> str:
   return f"exited with code {returncode}"
 
 
-def parse_args(argv):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], usage="%(prog)s [options] -- TRAIN_FLAGS...")
-  parser.add_argument("--num_processes", type=int, default=2, help="processes to start (N)")
-  parser.add_argument("--devices_per_process", type=int, default=2, help="simulated CPU devices per process (M)")
-  parser.add_argument("--port", type=int, default=0, help="coordinator port on localhost (0: a free one)")
-  parser.add_argument(
-    "--grace_period",
-    type=float,
-    default=30.0,
-    help="seconds the others get to stop on their own after one process fails",
-  )
-  parser.add_argument("--log_dir", default=None, help="write process_<i>.log here instead of sharing this terminal")
-  parser.add_argument("--module", default="sparsetx.train", help="the Python module each process runs")
-  if "--" in argv:
-    split = argv.index("--")
-    args, forwarded = parser.parse_args(argv[:split]), argv[split + 1 :]
-  else:
-    args, forwarded = parser.parse_args(argv), []
-  if args.num_processes < 1 or args.devices_per_process < 1:
-    parser.error("--num_processes and --devices_per_process must be at least 1")
-  return args, forwarded
-
-
-def start(args, forwarded) -> list[subprocess.Popen]:
-  port = args.port or free_port()
-  env = child_env(args.devices_per_process)
+def start(forwarded) -> list[subprocess.Popen]:
+  port = _PORT.value or free_port()
+  env = child_env(_DEVICES_PER_PROCESS.value)
   processes = []
-  for i in range(args.num_processes):
+  for i in range(_NUM_PROCESSES.value):
     command = [
       sys.executable,
       "-m",
-      args.module,
+      _MODULE.value,
       *forwarded,
       f"--coordinator_address=localhost:{port}",
-      f"--num_processes={args.num_processes}",
+      f"--num_processes={_NUM_PROCESSES.value}",
       f"--process_id={i}",
     ]
     output = None
-    if args.log_dir:
-      os.makedirs(args.log_dir, exist_ok=True)
-      output = open(os.path.join(args.log_dir, f"process_{i}.log"), "w")
+    if flags.FLAGS.log_dir:
+      os.makedirs(flags.FLAGS.log_dir, exist_ok=True)
+      output = open(os.path.join(flags.FLAGS.log_dir, f"process_{i}.log"), "w")
     processes.append(subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT if output else None))
     print(f"{PREFIX} process {i} pid {processes[-1].pid}", flush=True)
   return processes
@@ -131,10 +123,17 @@ def supervise(processes: list[subprocess.Popen], grace_period: float) -> int:
   return 0 if first_failure is None else exit_code(processes[first_failure].returncode)
 
 
-def main(argv) -> int:
-  args, forwarded = parse_args(argv)
-  return supervise(start(args, forwarded), args.grace_period)
+def absl_main(argv) -> int:
+  """argv: the program name, then what followed `--` (absl stops parsing its own flags there)."""
+  if _NUM_PROCESSES.value < 1 or _DEVICES_PER_PROCESS.value < 1:
+    cli.fail(ConfigError("--num_processes and --devices_per_process must be at least 1."))
+  return supervise(start(argv[1:]), _GRACE_PERIOD.value)
+
+
+def main():
+  """The `sparsetx-launch-local` entry point."""
+  cli.run(absl_main)
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  main()

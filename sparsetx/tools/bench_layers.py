@@ -7,19 +7,21 @@ a table are timed in interleaved rounds in one process (median per variant) and 
 peak memory is XLA's temp allocation of the compiled step. A second table sweeps d_ffw to show
 sgatlin forward time against the number of neurons. Writes a PNG with --png.
 
-  .venv/bin/python tools/bench_layers.py --png=bench_layers.png
+  .venv/bin/python -m sparsetx.tools.bench_layers --png=bench_layers.png
 """
 
-import argparse
 import contextlib
 import statistics
 import time
+from types import SimpleNamespace
 from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+from absl import flags
 
+from sparsetx import cli
 from sparsetx.config import default_config, validate
 from sparsetx.kernels import gated_gather as gg
 from sparsetx.models.ffn import sgatlin as sgatlin_module
@@ -194,23 +196,32 @@ def plot(path, rungs, fff_rows, sweep_variants, n_keys_list):
   print(f"\nwrote {path}")
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--tokens", type=int, default=2048, help="tokens per step (a multiple of 256)")
-  parser.add_argument("--dtype", default="float32", help="compute dtype (float32 is what a CPU runs fast)")
-  parser.add_argument("--scales", type=int, nargs="+", default=[2, 4])
-  parser.add_argument("--fff-depths", type=int, nargs="+", default=[4, 6, 8])
-  parser.add_argument("--sweep-n-keys", type=int, nargs="+", default=[32, 64, 128, 256, 512])
-  parser.add_argument("--sweep-scale", type=int, default=1)
-  parser.add_argument("--rounds", type=int, default=5)
-  parser.add_argument("--png", default=None)
-  args = parser.parse_args()
+_FLAGS = dict(
+  tokens=flags.DEFINE_integer("tokens", 2048, "Tokens per step (a multiple of 256)."),
+  dtype=flags.DEFINE_string("dtype", "float32", "Compute dtype (float32 is what a CPU runs fast)."),
+  scales=cli.define_integer_list("scales", [2, 4], "Ladder rungs (d_model = 128 * scale)."),
+  fff_depths=cli.define_integer_list("fff_depths", [4, 6, 8], "FFF tree depths."),
+  sweep_n_keys=cli.define_integer_list("sweep_n_keys", [32, 64, 128, 256, 512], "sgatlin n_keys of the d_ffw sweep."),
+  sweep_scale=flags.DEFINE_integer("sweep_scale", 1, "Ladder rung of the d_ffw sweep."),
+  rounds=flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds (median)."),
+  png=flags.DEFINE_string("png", None, "Write the plot to this PNG file."),
+)
+
+
+def absl_main(argv):
+  del argv
+  args = SimpleNamespace(**{name: holder.value for name, holder in _FLAGS.items()})
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {jax.device_count()} device(s)")
   rungs = [(s, rung(s, args.tokens, args.dtype, args.rounds)) for s in args.scales]
   fff_rows = fff_table(args.fff_depths, args.tokens, args.dtype, args.rounds)
   sweep_variants = sweep(args.sweep_n_keys, args.sweep_scale, args.tokens, args.dtype, args.rounds)
   if args.png:
     plot(args.png, rungs, fff_rows, sweep_variants, args.sweep_n_keys)
+
+
+def main():
+  """The `sparsetx-bench-layers` entry point."""
+  cli.run(absl_main)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Sparse fine-tuning from a dense checkpoint: swap its feed-forward layers for FFF or sgatlin.
 
-  python tools/sparsify.py --source=workdir/dense --workdir=workdir/fff_ft --config=configs/tiny.py:fff \
+  python -m sparsetx.tools.sparsify --source=workdir/dense --workdir=workdir/fff_ft --config=configs/tiny.py:fff \
       [--config.model.ffn.depth=6] [--config.model.ffn_layers=1,3] [--overwrite]
-  python tools/sparsify.py --from_hf=path/to/gpt_neox_dir --workdir=... --config=configs/pythia.py:... [overrides]
+  python -m sparsetx.tools.sparsify --from_hf=path/to/gpt_neox_dir --workdir=... --config=configs/pythia.py:... [overrides]
   python -m sparsetx.train --workdir=workdir/fff_ft --config=configs/tiny.py:fff [the same overrides] \
       [--config.train.freeze_steps=100]
 
@@ -38,7 +38,7 @@ def _dense_ffn_flags(wanted, given) -> list[str]:
   ]
 
 
-def main(argv):
+def absl_main(argv):
   del argv
   from sparsetx import config as config_lib
   from sparsetx import sparsify
@@ -67,5 +67,10 @@ def main(argv):
   )
 
 
+def main():
+  """The `sparsetx-sparsify` entry point."""
+  cli.run(absl_main)
+
+
 if __name__ == "__main__":
-  cli.run(main)
+  main()

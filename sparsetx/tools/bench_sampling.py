@@ -1,33 +1,47 @@
 """Generation speed with the KV cache against recomputing the window, side by side in one process.
 
-  python tools/bench_sampling.py [--config=configs/tiny.py] [--ffn mlp sgatlin fff] [--dtype=float32]
-                                 [--batch=8] [--prompt=64] [--new=64]
+  python -m sparsetx.tools.bench_sampling [--config=configs/tiny.py] [--ffn=mlp,sgatlin,fff] [--dtype=float32]
+                                         [--batch=8] [--prompt=64] [--new=64]
 
 For each feed-forward type: a random-init model of the config, `--batch` random byte prompts of
 `--prompt` tokens, `--new` greedy tokens (EOS ignored), seconds per `Sampler.generate` call (best of 3
 after compiling) with `kv_cache=False` and `kv_cache=True`, their ratio, and whether the tokens agree.
 """
 
-import argparse
 import importlib.util
-import pathlib
+import os
 import time
+from types import SimpleNamespace
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from absl import flags
 
+from sparsetx import cli
 from sparsetx import config as config_lib
 from sparsetx.evaluate import sampling
 from sparsetx.models.transformer import Transformer
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+_FLAGS = dict(
+  config=flags.DEFINE_string("config", "configs/tiny.py", "A config file taking the ffn type as its argument."),
+  ffn=flags.DEFINE_list("ffn", ["mlp", "sgatlin", "fff"], "Feed-forward types."),
+  dtype=flags.DEFINE_string("dtype", "float32", "config.model.dtype."),
+  batch=flags.DEFINE_integer("batch", 8, "Prompts per call."),
+  prompt=flags.DEFINE_integer("prompt", 64, "Tokens per prompt."),
+  new=flags.DEFINE_integer("new", 64, "Greedy tokens generated per prompt."),
+)
 
 
 def load_config(path: str, ffn: str, dtype: str) -> ml_collections.ConfigDict:
-  module_spec = importlib.util.spec_from_file_location("bench_config", REPO / path)
+  """The config file's get_config(ffn), a path relative to the working directory (the repository root)."""
+  if not os.path.isfile(path):
+    cli.fail(
+      f"--config={path}: no such file (relative paths start from {os.getcwd()}); give one such as configs/tiny.py."
+    )
+  module_spec = importlib.util.spec_from_file_location("bench_config", path)
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
   config = module.get_config(ffn)
@@ -45,23 +59,15 @@ def seconds_per_call(sampler, prompts, new_tokens):
   return min(times), tokens
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--config", default="configs/tiny.py", help="a config file taking the ffn type as argument")
-  parser.add_argument("--ffn", nargs="+", default=["mlp", "sgatlin", "fff"])
-  parser.add_argument("--dtype", default="float32")
-  parser.add_argument("--batch", type=int, default=8)
-  parser.add_argument("--prompt", type=int, default=64)
-  parser.add_argument("--new", type=int, default=64)
-  args = parser.parse_args()
+def absl_main(argv):
+  del argv
+  args = SimpleNamespace(**{name: holder.value for name, holder in _FLAGS.items()})
   print(f"{args.config}, {args.dtype}, batch {args.batch}, prompt {args.prompt}, {args.new} new tokens (greedy)")
   print(f"{'ffn':<10}{'recompute s':>12}{'kv cache s':>12}{'speed-up':>10}{'same tokens':>13}")
   for ffn in args.ffn:
     config = load_config(args.config, ffn, args.dtype)
     if args.prompt + args.new > config.model.max_len:
-      raise SystemExit(
-        f"error: --prompt + --new = {args.prompt + args.new} exceeds config.model.max_len={config.model.max_len}."
-      )
+      cli.fail(f"--prompt + --new = {args.prompt + args.new} exceeds config.model.max_len={config.model.max_len}.")
     model = Transformer(ml_collections.FrozenConfigDict(config.model))
     params = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))["params"]
     prompts = np.random.default_rng(0).integers(2, 259, (args.batch, args.prompt)).tolist()
@@ -75,6 +81,11 @@ def main():
     }
     (recompute, tokens_r), (cached, tokens_c) = timed[False], timed[True]
     print(f"{ffn:<10}{recompute:>12.3f}{cached:>12.3f}{recompute / cached:>9.1f}x{str(tokens_r == tokens_c):>13}")
+
+
+def main():
+  """The `sparsetx-bench-sampling` entry point."""
+  cli.run(absl_main)
 
 
 if __name__ == "__main__":

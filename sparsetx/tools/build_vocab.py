@@ -1,10 +1,10 @@
 """Trains a vocabulary on local text: SentencePiece (default) or a GPT-2-format byte-level BPE (--kind=gpt2).
 
-  python tools/build_vocab.py --output=/data/spm/tinystories --vocab_size=8192 \
+  python -m sparsetx.tools.build_vocab --output=/data/spm/tinystories --vocab_size=8192 \
       --input=/data/train.txt --input=/data/more.jsonl
   # then: --config.data.vocab.kind=sentencepiece --config.data.vocab.path=/data/spm/tinystories.model
 
-  python tools/build_vocab.py --kind=gpt2 --output=/data/bpe/tinystories --vocab_size=8192 --input=...
+  python -m sparsetx.tools.build_vocab --kind=gpt2 --output=/data/bpe/tinystories --vocab_size=8192 --input=...
   # writes /data/bpe/tinystories/{vocab.json,merges.txt}; then --config.data.vocab.kind=gpt2
   # --config.data.vocab.path=/data/bpe/tinystories
 
@@ -20,7 +20,6 @@ merges.txt) into the --output directory. Ids: <pad>=0, <|endoftext|>=1 (the EOS)
 then the merges; --max_documents takes the first documents (BPE training is deterministic).
 """
 
-import argparse
 import glob
 import itertools
 import json
@@ -28,9 +27,12 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import sentencepiece as spm
+from absl import flags
 
+from sparsetx import cli
 from sparsetx.data import corpus
 
 
@@ -140,26 +142,34 @@ def build_gpt2_bpe(
   return output
 
 
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument(
-    "--kind",
-    choices=("sentencepiece", "gpt2"),
-    default="sentencepiece",
-    help="sentencepiece: <output>.model; gpt2: <output>/vocab.json + merges.txt (GPT-2 format)",
+def define_flags() -> dict:
+  """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
+  return dict(
+    kind=flags.DEFINE_enum(
+      "kind",
+      "sentencepiece",
+      ["sentencepiece", "gpt2"],
+      "sentencepiece: <output>.model; gpt2: <output>/vocab.json + merges.txt (GPT-2 format).",
+    ),
+    output=flags.DEFINE_string(
+      "output",
+      None,
+      "sentencepiece: path prefix, writes <output>.model and <output>.vocab; gpt2: a directory.",
+      required=True,
+    ),
+    vocab_size=flags.DEFINE_integer("vocab_size", 8192, "Vocabulary size."),
+    input=flags.DEFINE_multi_string("input", [], "Text or .jsonl file or glob; repeatable."),
+    model_type=flags.DEFINE_enum("model_type", "bpe", ["bpe", "unigram"], "sentencepiece only."),
+    text_field=flags.DEFINE_string("text_field", "text", "Field of .jsonl inputs."),
+    max_documents=flags.DEFINE_integer("max_documents", 1_000_000, "Documents sampled for training."),
+    seed=flags.DEFINE_integer("seed", 0, "sentencepiece only (its document sample)."),
   )
-  parser.add_argument(
-    "--output",
-    required=True,
-    help="sentencepiece: path prefix, writes <output>.model and <output>.vocab; gpt2: a directory",
-  )
-  parser.add_argument("--vocab_size", type=int, default=8192)
-  parser.add_argument("--input", action="append", default=[], help="text or .jsonl file or glob; repeatable")
-  parser.add_argument("--model_type", choices=("bpe", "unigram"), default="bpe", help="sentencepiece only")
-  parser.add_argument("--text_field", default="text", help="field of .jsonl inputs")
-  parser.add_argument("--max_documents", type=int, default=1_000_000, help="documents sampled for training")
-  parser.add_argument("--seed", type=int, default=0, help="sentencepiece only (its document sample)")
-  args = parser.parse_args(argv)
+
+
+def absl_main(argv: list[str], flag_values: dict) -> int:
+  if len(argv) > 1:
+    cli.fail(f"unexpected arguments {argv[1:]}; every input is a --flag.")
+  args = SimpleNamespace(**{name: holder.value for name, holder in flag_values.items()})
   if args.kind == "gpt2":
     return main_gpt2(args)
   if args.vocab_size <= 259:
@@ -184,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
   return 0
 
 
-def main_gpt2(args: argparse.Namespace) -> int:
+def main_gpt2(args: SimpleNamespace) -> int:
   if args.vocab_size < GPT2_MIN_VOCAB_SIZE:
     print(
       f"error: --vocab_size={args.vocab_size} leaves no room for merges beyond the 256 byte tokens and "
@@ -212,5 +222,11 @@ def main_gpt2(args: argparse.Namespace) -> int:
   return 0
 
 
+def main():
+  """The `sparsetx-build-vocab` entry point."""
+  values = define_flags()
+  cli.run(lambda argv: absl_main(argv, values))
+
+
 if __name__ == "__main__":
-  sys.exit(main())
+  main()

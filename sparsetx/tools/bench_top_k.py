@@ -10,19 +10,21 @@ Two tables per ladder scale, scores [tokens, 16 channels, n_keys] f32 for each h
 All variants of a table run in interleaved rounds in one process; the table prints medians and the
 ratio to the first row.
 
-  .venv/bin/python tools/bench_top_k.py                  # scales 2 and 4, 2048 tokens
-  .venv/bin/python tools/bench_top_k.py --scales 2 --rounds 5
+  .venv/bin/python -m sparsetx.tools.bench_top_k                  # scales 2 and 4, 2048 tokens
+  .venv/bin/python -m sparsetx.tools.bench_top_k --scales 2 --rounds 5
 """
 
-import argparse
 import statistics
 import time
+from types import SimpleNamespace
 from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
+from sparsetx import cli
 from sparsetx.config import n_keys_for
 from sparsetx.models.ffn import product_keys
 from sparsetx.models.ladder import scaling_ladder
@@ -131,14 +133,18 @@ def full_table(s1, s2, rounds):
     )
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--tokens", type=int, default=2048, help="tokens per step (a multiple of 2048)")
-  parser.add_argument("--scales", type=int, nargs="+", default=[2, 4], help="ladder scales (n_keys 40, 64)")
-  parser.add_argument("--rounds", type=int, default=15)
-  args = parser.parse_args()
+_FLAGS = dict(
+  tokens=flags.DEFINE_integer("tokens", 2048, "Tokens per step (a multiple of 2048)."),
+  scales=cli.define_integer_list("scales", [2, 4], "Ladder scales (n_keys 40, 64)."),
+  rounds=flags.DEFINE_integer("rounds", 15, "Interleaved timing rounds (median)."),
+)
+
+
+def absl_main(argv):
+  del argv
+  args = SimpleNamespace(**{name: holder.value for name, holder in _FLAGS.items()})
   if args.tokens % 2048:
-    parser.error(f"--tokens={args.tokens} must be a multiple of 2048 (the largest row chunk over 16 channels).")
+    cli.fail(f"--tokens={args.tokens} must be a multiple of 2048 (the largest row chunk over 16 channels).")
   print(
     f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.tokens} tokens x {N_CHANNELS} channels, k={TOP_K}"
   )
@@ -151,6 +157,11 @@ def main():
     stage_one_table(jnp.stack([s1, s2]).reshape(2, -1, n_keys), args.rounds)
     print(f"scale {scale}, n_keys {n_keys}: product_key_top_k")
     full_table(s1, s2, args.rounds)
+
+
+def main():
+  """The `sparsetx-bench-top-k` entry point."""
+  cli.run(absl_main)
 
 
 if __name__ == "__main__":

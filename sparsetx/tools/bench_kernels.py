@@ -3,24 +3,35 @@
 Times the op's forward (and forward+backward) per implementation at sgatlin-like shapes and
 prints bandwidth counting the bytes actually gathered (2 * tokens * S rows of D table values,
 plus x and y), the fraction of the device's HBM peak, and TFLOP/s (4 * tokens * S * D forward).
-Pallas rows: the Mosaic GPU kernels (Hopper and newer) for each --block-d x --stages, and the Triton
-lowering for each --block-tokens. Finishes in well under 5 minutes on an H100/H200. On CPU `--small` runs
+Pallas rows: the Mosaic GPU kernels (Hopper and newer) for each --block_d x --stages, and the Triton
+lowering for each --block_tokens. Finishes in well under 5 minutes on an H100/H200. On CPU `--small` runs
 a smoke check (Pallas in interpret mode), useful only to see the program work.
 
-  .venv/bin/python tools/bench_kernels.py            # on a GPU
-  .venv/bin/python tools/bench_kernels.py --small    # anywhere
+  .venv/bin/python -m sparsetx.tools.bench_kernels            # on a GPU
+  .venv/bin/python -m sparsetx.tools.bench_kernels --small    # anywhere
 """
 
-import argparse
 import statistics
 import time
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
+from absl import flags
 
+from sparsetx import cli
 from sparsetx.kernels.gated_gather import KernelOptions, gated_gather, gated_gather_reference
 
 HBM_PEAK_GBS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0, "TPU v5": 2765.0, "TPU v4": 1200.0}
+
+_FLAGS = dict(
+  small=flags.DEFINE_bool("small", False, "Tiny shapes (CPU smoke check)."),
+  dtype=flags.DEFINE_string("dtype", "bfloat16", "Table and activation dtype."),
+  repeats=flags.DEFINE_integer("repeats", 20, "Timed calls per variant (median)."),
+  block_tokens=cli.define_integer_list("block_tokens", [8, 16], "triton: tokens per program."),
+  block_d=cli.define_integer_list("block_d", [128, 256], "mosaic: d_model chunk per row copy."),
+  stages=cli.define_integer_list("stages", [2, 3], "mosaic: gathered tiles in flight."),
+)
 
 
 def hbm_peak(kind):
@@ -57,15 +68,9 @@ def timed(fn, args, repeats):
   return statistics.median(times)
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke check)")
-  parser.add_argument("--dtype", default="bfloat16")
-  parser.add_argument("--repeats", type=int, default=20)
-  parser.add_argument("--block-tokens", type=int, nargs="+", default=[8, 16], help="triton: tokens per program")
-  parser.add_argument("--block-d", type=int, nargs="+", default=[128, 256], help="mosaic: d_model chunk per row copy")
-  parser.add_argument("--stages", type=int, nargs="+", default=[2, 3], help="mosaic: gathered tiles in flight")
-  args = parser.parse_args()
+def absl_main(argv):
+  del argv
+  args = SimpleNamespace(**{name: holder.value for name, holder in _FLAGS.items()})
   dtype = jnp.dtype(args.dtype)
   kind = jax.devices()[0].device_kind
   peak = hbm_peak(kind)
@@ -110,6 +115,11 @@ def main():
       print(
         f"{str(shape):32s}{name:20s}{1e3 * fwd:9.2f}{gbs:9.1f}{pct:>7s}{flops / fwd / 1e12:9.2f}{1e3 * fb:9.2f}{ref_fb / fb:10.2f}"
       )
+
+
+def main():
+  """The `sparsetx-bench-kernels` entry point."""
+  cli.run(absl_main)
 
 
 if __name__ == "__main__":

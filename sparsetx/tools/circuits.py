@@ -1,6 +1,6 @@
 """Sparse-circuit analysis of a trained checkpoint, end to end (sgatlin paper Sec. 4; FFF paper Sec. 5).
 
-  python tools/circuits.py --workdir=workdir/tiny [--output=workdir/tiny/circuits] [--rows=128]
+  python -m sparsetx.tools.circuits --workdir=workdir/tiny [--output=workdir/tiny/circuits] [--rows=128]
 
 Writes to --output (default <workdir>/circuits):
   model.txt          the model by its standard names and layouts
@@ -14,17 +14,18 @@ Writes to --output (default <workdir>/circuits):
                      fraction of least-visited nodes pruned
   summary.json       the numbers above, machine-readable
 
-A partly sparsified model (config.model.ffn_layers, from tools/sparsify.py) is analysed at its sparse
+A partly sparsified model (config.model.ffn_layers, from sparsetx.tools.sparsify) is analysed at its sparse
 layers only, each under its own index in the model; --layer must name one of them.
 """
 
-import argparse
 import json
 import sys
+from types import SimpleNamespace
 
 import numpy as np
+from absl import flags
 
-from sparsetx import paths
+from sparsetx import cli, paths
 from sparsetx.config import ConfigError
 from sparsetx.interp import checkpoint, circuits, embedding, neighbours, nie, pruning, usage
 
@@ -183,30 +184,38 @@ def analyse(args) -> dict:
   return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--workdir", required=True, help="a training workdir (holds checkpoints/)")
-  parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-  parser.add_argument("--output", default=None, help="directory for the tables and PNGs (default <workdir>/circuits)")
-  parser.add_argument("--rows", type=int, default=128, help="validation rows recorded into the circuit database")
-  parser.add_argument("--context", type=int, default=12, help="preceding tokens stored with each circuit")
-  parser.add_argument(
-    "--sentence",
-    default="A big dog named Rex had a red collar. He wore it every day.",
-    help="sentence whose circuits get neighbours (best not verbatim in the validation split)",
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> dict:
+  """The program's absl flags; defined only when run as a program (or into a test's own FlagValues)."""
+  fv = dict(flag_values=flag_values)
+  return dict(
+    workdir=flags.DEFINE_string("workdir", None, "A training workdir (holds checkpoints/).", required=True, **fv),
+    step=flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).", **fv),
+    output=flags.DEFINE_string("output", None, "Directory for the tables and PNGs (default <workdir>/circuits).", **fv),
+    rows=flags.DEFINE_integer("rows", 128, "Validation rows recorded into the circuit database.", **fv),
+    context=flags.DEFINE_integer("context", 12, "Preceding tokens stored with each circuit.", **fv),
+    sentence=flags.DEFINE_string(
+      "sentence",
+      "A big dog named Rex had a red collar. He wore it every day.",
+      "Sentence whose circuits get neighbours (best not verbatim in the validation split).",
+      **fv,
+    ),
+    layer=flags.DEFINE_integer(
+      "layer", None, "Sparse layer of the neighbour table (default: penultimate, or the sparse layer below).", **fv
+    ),
+    neighbours=flags.DEFINE_integer("neighbours", 10, "Nearest circuits listed per token.", **fv),
+    embed_tokens=flags.DEFINE_integer("embed_tokens", 20, "Most frequent tokens in the 2-D map.", **fv),
+    per_token=flags.DEFINE_integer("per_token", 40, "Circuits per token in the 2-D map.", **fv),
+    min_effect=flags.DEFINE_float("min_effect", 0.5, "NIE: least total effect (logits) of a kept pair.", **fv),
+    prune_fractions=flags.DEFINE_string(
+      "prune_fractions", "0,0.1,0.25,0.5,0.75", "FFF: comma-separated fractions.", **fv
+    ),
   )
-  parser.add_argument(
-    "--layer",
-    type=int,
-    default=None,
-    help="sparse layer of the neighbour table (default: penultimate, or the sparse layer below)",
-  )
-  parser.add_argument("--neighbours", type=int, default=10)
-  parser.add_argument("--embed_tokens", type=int, default=20, help="most frequent tokens in the 2-D map")
-  parser.add_argument("--per_token", type=int, default=40, help="circuits per token in the 2-D map")
-  parser.add_argument("--min_effect", type=float, default=0.5, help="NIE: least total effect (logits) of a kept pair")
-  parser.add_argument("--prune_fractions", default="0,0.1,0.25,0.5,0.75", help="FFF: comma-separated fractions")
-  args = parser.parse_args(argv)
+
+
+def absl_main(argv: list[str], flag_values: dict) -> int:
+  if len(argv) > 1:
+    cli.fail(f"unexpected arguments {argv[1:]}; every input is a --flag.")
+  args = SimpleNamespace(**{name: holder.value for name, holder in flag_values.items()})
   try:
     analyse(args)
   except (ConfigError, ValueError) as error:
@@ -215,5 +224,11 @@ def main(argv: list[str] | None = None) -> int:
   return 0
 
 
+def main():
+  """The `sparsetx-circuits` entry point."""
+  values = define_flags()
+  cli.run(lambda argv: absl_main(argv, values))
+
+
 if __name__ == "__main__":
-  sys.exit(main())
+  main()

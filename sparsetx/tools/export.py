@@ -1,7 +1,7 @@
 """Export a checkpoint to the Hugging Face layout, or import an HF directory as a checkpoint.
 
-  .venv/bin/python tools/export.py --workdir=workdir/pythia --out=exports/pythia [--step=N] [--dtype=bfloat16]
-  .venv/bin/python tools/export.py --import_from=exports/pythia --workdir=workdir/pythia-ft [--config=configs/pythia.py]
+  .venv/bin/python -m sparsetx.tools.export --workdir=workdir/pythia --out=exports/pythia [--step=N] [--dtype=bfloat16]
+  .venv/bin/python -m sparsetx.tools.export --import_from=exports/pythia --workdir=workdir/pythia-ft [--config=configs/pythia.py]
 
 Export writes model.safetensors, config.json, generation_config.json and the tokenizer files
 (plus the bundled modeling files for sparse models). `--kind=auto` exports dense GPT-NeoX-block
@@ -15,14 +15,11 @@ damaged checkpoint) print one `error:` line; exit code 2.
 
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags
 
-from absl import flags  # noqa: E402
-
-from sparsetx import cli  # noqa: E402
-from sparsetx.config import ConfigError  # noqa: E402
+from sparsetx import cli
+from sparsetx.config import ConfigError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Export: the training run to read. Import: the new run directory.")
 _OUT = flags.DEFINE_string("out", None, "Export: the directory to write (must be new or empty, or --overwrite).")
@@ -34,7 +31,7 @@ _IMPORT_FROM = flags.DEFINE_string("import_from", None, "Import: an HF directory
 _CONFIG = cli.define_config_file("config", None, "Import: the training config (data, train) to continue with.")
 
 
-def main(argv):
+def absl_main(argv):
   del argv
   from sparsetx.evaluate import export
 
@@ -67,5 +64,10 @@ def main(argv):
     cli.fail(error)
 
 
+def main():
+  """The `sparsetx-export` entry point."""
+  cli.run(absl_main)
+
+
 if __name__ == "__main__":
-  cli.run(main)
+  main()

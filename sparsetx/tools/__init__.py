@@ -1,0 +1,9 @@
+"""The command-line programs, the top layer: each module is one program with a `main()` entry point.
+
+pyproject.toml's [project.scripts] names them (`sparsetx-dry-run` is `sparsetx.tools.dry_run:main`), and each
+runs as `python -m sparsetx.tools.NAME` too. Programs take absl flags and end a bad input with one `error:` line
+and exit code 2 (sparsetx/cli.py); lm_eval_cli is lm-eval's own command line. The benchmarks are the
+bench_*.py programs: they print a table of ratios measured side by side and some write a PNG.
+
+This package imports nothing: dry_run and bench_data set XLA_FLAGS before their first import of jax.
+"""
