@@ -8,7 +8,7 @@ new model of the target config (seed config.train.seed). The result is written a
 checkpoint, which `python -m sparsetx.train` starts from with fresh optimizer state and data stream.
 
 The source is any (config, params) pair: a sparsetx workdir (`load_checkpoint`) or, through the
-importer of sparsetx/evaluate/export.py, a Hugging Face GPT-NeoX directory.
+importer of sparsetx/hf/export.py, a Hugging Face GPT-NeoX directory.
 """
 
 import json
@@ -219,7 +219,7 @@ def sparsify_checkpoint(
 
 def sparsify_hf(hf_dir: str, config: ml_collections.ConfigDict, workdir: str, overwrite: bool = False):
   """tools/sparsify.py --from_hf: the source is a Hugging Face directory (GPT-NeoX or a sparsetx export)."""
-  from sparsetx.evaluate import export  # the HF stack (safetensors, tokenizers) only when asked for
+  from sparsetx.hf import export  # the HF stack (safetensors, tokenizers) only when asked for
 
   check_files(config_lib.validate(config))
   check_target_workdir(workdir, overwrite)
