@@ -35,14 +35,7 @@ TRAINER_OUTPUTS = ("checkpoints", "data_state", "tensorboard", "metrics.jsonl", 
 
 def load_checkpoint(workdir: str, mesh, step: int | None = None):
   """(config, params) of a sparsetx workdir's checkpoint at `step` (default: the latest)."""
-  checkpointer = checkpointing.open_read_only(workdir, "--source", "--source_step")
-  try:
-    step = checkpointer.checked_step(step, "--source")
-    config = check_files(config_lib.validate(checkpointer.saved_config(step)))
-    abstract, _, _, _ = state_lib.state_shardings(config, mesh)
-    params = checkpointer.restore_params(step, abstract.params)
-  finally:
-    checkpointer.close()
+  config, params, _ = checkpointing.load(workdir, step, mesh, workdir_flag="--source", step_flag="--source_step")
   return config, params
 
 

@@ -41,9 +41,7 @@ ConfigError = config_lib.ConfigError
 
 def load_checkpoint(workdir: str, step: int | None = None) -> tuple[ml_collections.ConfigDict, dict, int]:
   """(config, params as numpy, step) of the checkpoint at `step` (default: the latest), on one device."""
-  from sparsetx.evaluate import perplexity  # deferred, as import_hf's pipeline: it pulls in the data stack
-
-  config, _, _, params, step = perplexity.restore(workdir, step, mesh="one")
+  config, params, step = checkpointing.load(workdir, step, full_state=True)
   return config, jax.tree.map(np.asarray, jax.device_get(params)), step
 
 
