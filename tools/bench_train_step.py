@@ -31,8 +31,8 @@ from sparsetx.parallel import expert_parallel, hardware  # noqa: E402
 from sparsetx.parallel import mesh as mesh_lib  # noqa: E402
 from sparsetx.train import state as state_lib  # noqa: E402
 from sparsetx.train import step as step_lib  # noqa: E402
-from sparsetx.train.loop import check_batch_divides  # noqa: E402
 from sparsetx.train.optimizer import learning_rate_schedule  # noqa: E402
+from sparsetx.train.state import check_batch_divides  # noqa: E402
 
 
 def rung_config(ffn_type: str, args) -> config_lib.ml_collections.ConfigDict:
