@@ -95,7 +95,7 @@ def test_layer_list_swaps_only_those(dense_workdir, mesh, tmp_path):
 
 
 def test_hf_source_copies_bit_identical(dense_workdir, mesh, tmp_path):
-  """The dense model exported to the HF layout (evaluate/export) and sparsified from there: the same copies."""
+  """The dense model exported to the HF layout (hf/export) and sparsified from there: the same copies."""
   from sparsetx.hf import export
 
   source_config, source_params = sparsify.load_checkpoint(dense_workdir, mesh)
