@@ -385,7 +385,7 @@ def load(
     check_files(config_lib.validate(config))
     if mesh is None:
       mesh = state_lib.single_device_mesh(config)
-    elif callable(mesh):
+    elif not isinstance(mesh, jax.sharding.Mesh | jax.sharding.AbstractMesh):  # (a Mesh is callable itself)
       mesh = mesh(config)
     abstract, _, _, _ = state_lib.state_shardings(config, mesh)
     try:
