@@ -8,7 +8,7 @@ new model of the target config (seed config.train.seed). The result is written a
 checkpoint, which `python -m sparsetx.train` starts from with fresh optimizer state and data stream.
 
 The source is any (config, params) pair: a sparsetx workdir (`load_checkpoint`) or, through the
-importer of sparsetx/evaluate/export.py, a Hugging Face GPT-NeoX directory.
+importer of sparsetx/hf/export.py, a Hugging Face GPT-NeoX directory.
 """
 
 import json
@@ -35,14 +35,7 @@ TRAINER_OUTPUTS = ("checkpoints", "data_state", "tensorboard", "metrics.jsonl", 
 
 def load_checkpoint(workdir: str, mesh, step: int | None = None):
   """(config, params) of a sparsetx workdir's checkpoint at `step` (default: the latest)."""
-  checkpointer = checkpointing.open_read_only(workdir, "--source", "--source_step")
-  try:
-    step = checkpointer.checked_step(step, "--source")
-    config = check_files(config_lib.validate(checkpointer.saved_config(step)))
-    abstract, _, _, _ = state_lib.state_shardings(config, mesh)
-    params = checkpointer.restore_params(step, abstract.params)
-  finally:
-    checkpointer.close()
+  config, params, _ = checkpointing.load(workdir, step, mesh, workdir_flag="--source", step_flag="--source_step")
   return config, params
 
 
@@ -219,7 +212,7 @@ def sparsify_checkpoint(
 
 def sparsify_hf(hf_dir: str, config: ml_collections.ConfigDict, workdir: str, overwrite: bool = False):
   """sparsetx/tools/sparsify.py --from_hf: the source is a Hugging Face directory (GPT-NeoX or a sparsetx export)."""
-  from sparsetx.evaluate import export  # the HF stack (safetensors, tokenizers) only when asked for
+  from sparsetx.hf import export  # the HF stack (safetensors, tokenizers) only when asked for
 
   check_files(config_lib.validate(config))
   check_target_workdir(workdir, overwrite)

@@ -285,7 +285,7 @@ def test_train_step_lowers_with_the_fused_attention_by_default(monkeypatch, plat
   """The whole train step (bf16, attention=auto) lowered as the trainer jits it: the fused calls, no XLA logits."""
   from jax._src.cudnn import fused_attention_stablehlo
 
-  from sparsetx.parallel import aot
+  from sparsetx.train import aot
 
   monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)  # see lowered_train_grads
   config = load_config("configs/tiny.py", "mlp")
@@ -300,8 +300,8 @@ def test_train_step_lowers_with_the_fused_attention_by_default(monkeypatch, plat
 @pytest.mark.parametrize("ici", [dict(data=8), dict(data=4, tensor=2)])
 def test_splash_train_step_lowers_on_a_tpu_mesh(ici):
   """On a mesh splash runs in a shard_map over every free axis (Pallas TPU refuses a partially manual region)."""
-  from sparsetx.parallel import aot
   from sparsetx.parallel import mesh as mesh_lib
+  from sparsetx.train import aot
 
   config = load_config("configs/tiny.py", "mlp")
   config.model.update(max_len=256, n_layers=1)

@@ -1,4 +1,4 @@
-"""Dry run (sparsetx/parallel/aot.py, sparsetx/tools/dry_run.py): per-device bytes, compiled step report, large configs."""
+"""Dry run (sparsetx/train/aot.py, sparsetx/tools/dry_run.py): per-device bytes, compiled step report, large configs."""
 
 import math
 
@@ -7,8 +7,9 @@ import pytest
 from conftest import load_config
 
 from sparsetx import config as config_lib
-from sparsetx.parallel import aot, expert_parallel
+from sparsetx.parallel import expert_parallel
 from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.train import aot
 
 
 def micro_config(ffn_type):

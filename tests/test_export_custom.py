@@ -16,7 +16,7 @@ from test_train import micro_config
 
 from sparsetx import config as config_lib
 from sparsetx.config import ConfigError
-from sparsetx.evaluate import export, hf_custom
+from sparsetx.hf import custom, export
 from sparsetx.models.transformer import Transformer
 
 torch = pytest.importorskip("torch")
@@ -55,7 +55,7 @@ def random_params(model_config, seed: int = 0) -> dict:
   """A full flax param tree of random values (scales near 1, small biases, weights ~ 1/sqrt(d_model))."""
   rng = np.random.default_rng(seed)
   tensors = {}
-  for name, shape in hf_custom.expected_shapes(model_config).items():
+  for name, shape in custom.expected_shapes(model_config).items():
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "scale":
       value = 1.0 + 0.1 * rng.standard_normal(shape)
@@ -66,7 +66,7 @@ def random_params(model_config, seed: int = 0) -> dict:
     tensors[name] = value.astype(np.float32)
   params = {}
   for name, value in tensors.items():
-    *parents, leaf = hf_custom.flax_path(name)
+    *parents, leaf = custom.flax_path(name)
     node = params
     for part in parents:
       node = node.setdefault(part, {})
@@ -91,7 +91,7 @@ def test_transformers_logits_match_jax(case, tmp_path):
   expected_BTV = np.asarray(apply({"params": params}, tokens_BT))
 
   assert export.write_hf(full_config, params, str(tmp_path / "hf")) == "hf_custom"
-  assert {os.path.basename(f) for f in hf_custom.MODELING_FILES} <= set(os.listdir(tmp_path / "hf"))
+  assert {os.path.basename(f) for f in custom.MODELING_FILES} <= set(os.listdir(tmp_path / "hf"))
   model, info = transformers.AutoModelForCausalLM.from_pretrained(
     tmp_path / "hf", trust_remote_code=True, output_loading_info=True
   )
@@ -124,39 +124,39 @@ def test_left_padding_matches_the_unpadded_row(tmp_path):
 def test_bfloat16_params_round_trip_bit_identical():
   config = case_config("fff", param_dtype="bfloat16").model
   params = random_params(config, seed=3)
-  config_json, tensors = hf_custom.to_hf(config, params)
+  config_json, tensors = custom.to_hf(config, params)
   assert all(t.dtype == np.float32 for t in tensors.values())
   assert config_json["auto_map"]["AutoModelForCausalLM"] == "modeling_sparsetx.SparsetxForCausalLM"
   assert (config_json["bos_token_id"], config_json["eos_token_id"], config_json["pad_token_id"]) == (0, 1, 0)
-  model_config, imported = hf_custom.from_hf(json.loads(json.dumps(config_json)), tensors)
+  model_config, imported = custom.from_hf(json.loads(json.dumps(config_json)), tensors)
   assert model_config.param_dtype == "bfloat16"
   assert_same_tree(params, imported)
 
 
 def test_every_buildable_architecture_is_supported():
   for name in CASES:
-    assert hf_custom.unsupported_reason(case_config(name).model) is None
+    assert custom.unsupported_reason(case_config(name).model) is None
   broken = case_config("sgatlin").model
   broken.ffn.d_ffw = 1000
-  assert "perfect square" in hf_custom.unsupported_reason(broken)
+  assert "perfect square" in custom.unsupported_reason(broken)
 
 
 def test_import_refuses_tensors_of_another_model():
   config = case_config("fff").model
-  config_json, tensors = hf_custom.to_hf(config, random_params(config))
+  config_json, tensors = custom.to_hf(config, random_params(config))
   wrong_shape = dict(tensors, **{"model.layers.0.mlp.w_in": tensors["model.layers.0.mlp.w_in"][:, :-1]})
   with pytest.raises(ConfigError, match=r"model\.layers\.0\.mlp\.w_in.*has shape"):
-    hf_custom.from_hf(config_json, wrong_shape)
+    custom.from_hf(config_json, wrong_shape)
   missing = {k: v for k, v in tensors.items() if k != "model.final_norm.scale"}
   with pytest.raises(ConfigError, match=r"missing \['model\.final_norm\.scale'\]"):
-    hf_custom.from_hf(config_json, missing)
+    custom.from_hf(config_json, missing)
   with pytest.raises(ConfigError, match="model_type='gpt_neox'"):
-    hf_custom.from_hf(dict(config_json, model_type="gpt_neox"), tensors)
+    custom.from_hf(dict(config_json, model_type="gpt_neox"), tensors)
 
 
 def test_exported_router_breaks_exact_ties_like_the_jax_router():
   """The bundled PyTorch product-key top-k picks the same neurons as JAX's when sums tie exactly."""
-  from sparsetx.evaluate.hf_modeling import modeling_sparsetx
+  from sparsetx.hf.modeling import modeling_sparsetx
   from sparsetx.models.ffn.product_keys import product_key_top_k
 
   rng = np.random.default_rng(0)

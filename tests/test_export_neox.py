@@ -1,4 +1,4 @@
-"""Export to the Hugging Face GPT-NeoX layout and import back (sparsetx/evaluate/export.py, hf_neox.py).
+"""Export to the Hugging Face GPT-NeoX layout and import back (sparsetx/hf/export.py, neox.py).
 
 A random tiny dense GPT-NeoX-block model (every bias and norm scale perturbed away from its init, so
 each tensor's mapping is exercised) is exported; plain `transformers` loads it and its logits match the
@@ -19,7 +19,7 @@ from conftest import init_params, load_config
 from sparsetx import config as config_lib
 from sparsetx.data import pipeline
 from sparsetx.data import vocab as vocab_lib
-from sparsetx.evaluate import export, hf_neox, tokenizer_files
+from sparsetx.hf import export, neox, tokenizer_files
 from sparsetx.models.transformer import Transformer
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.tools import build_vocab
@@ -222,7 +222,7 @@ def test_errors_are_one_clear_sentence_and_nothing_is_overwritten(exported, tmp_
   with pytest.raises(config_lib.ConfigError, match=r"--kind=neox: .*ffn.type='sgatlin'"):
     export.write_hf(sgatlin, {}, str(tmp_path / "sparse"), kind="neox")
   rms = neox_config(norm="rmsnorm")
-  assert "norm='rmsnorm'" in hf_neox.unsupported_reason(rms.model)
+  assert "norm='rmsnorm'" in neox.unsupported_reason(rms.model)
   assert not (tmp_path / "sparse").exists()
 
   foreign = tmp_path / "foreign"
@@ -233,4 +233,4 @@ def test_errors_are_one_clear_sentence_and_nothing_is_overwritten(exported, tmp_
   mismatched = json.loads((out / "config.json").read_text())
   mismatched["intermediate_size"] = 256
   with pytest.raises(config_lib.ConfigError, match="shape .* config.json implies"):
-    hf_neox.from_hf(mismatched, export.read_tensors(str(out)))
+    neox.from_hf(mismatched, export.read_tensors(str(out)))

@@ -19,10 +19,11 @@ from conftest import load_config
 from jax._src.pallas.mosaic import tpu_info
 
 from sparsetx import config as config_lib
+from sparsetx.evaluate import aot as decoding_aot
 from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
 from sparsetx.models.ffn.common import ACTIVATIONS
-from sparsetx.parallel import aot
 from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.train import aot
 
 FFN_TYPES = ("mlp", "swiglu", "moe", "peer", "sgatlin", "fff")
 GATHER_TYPES = ("peer", "sgatlin", "fff")
@@ -91,7 +92,7 @@ def test_train_step_lowers_with_the_gated_gather_kernels(ffn_type, target, block
 @pytest.mark.parametrize("ffn_type, target", cases(["cuda-triton", "cuda-mosaic", "tpu-v5p"]))
 def test_eval_and_decoding_lower_with_the_gated_gather_kernels(ffn_type, target, program):
   platform, chip, gpu_kernel = TARGETS[target]
-  lower = aot.lower_eval_step if program == "eval" else aot.lower_generate
+  lower = aot.lower_eval_step if program == "eval" else decoding_aot.lower_generate
   text = lower(lowering_config(ffn_type, gpu_kernel), platform, chip)
   assert gather_kernels(text, target) == expected_kernels(ffn_type, target, program)
 

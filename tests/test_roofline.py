@@ -2,7 +2,8 @@
 
 import pytest
 
-from sparsetx.parallel import aot, hardware, roofline
+from sparsetx.parallel import hardware, roofline
+from sparsetx.train import aot
 
 MB = 1e6
 

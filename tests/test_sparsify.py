@@ -95,8 +95,8 @@ def test_layer_list_swaps_only_those(dense_workdir, mesh, tmp_path):
 
 
 def test_hf_source_copies_bit_identical(dense_workdir, mesh, tmp_path):
-  """The dense model exported to the HF layout (evaluate/export) and sparsified from there: the same copies."""
-  from sparsetx.evaluate import export
+  """The dense model exported to the HF layout (hf/export) and sparsified from there: the same copies."""
+  from sparsetx.hf import export
 
   source_config, source_params = sparsify.load_checkpoint(dense_workdir, mesh)
   export.write_hf(source_config, jax.device_get(source_params), str(tmp_path / "hf"))

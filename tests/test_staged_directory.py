@@ -1,11 +1,11 @@
-"""Export's staged directory (sparsetx/evaluate/export.py): a failed write never damages the previous output."""
+"""Export's staged directory (sparsetx/hf/export.py): a failed write never damages the previous output."""
 
 import os
 import pathlib
 
 import pytest
 
-from sparsetx.evaluate import export
+from sparsetx.hf import export
 
 
 def test_a_failed_write_keeps_the_previous_directory_and_leaves_no_staging(tmp_path, monkeypatch):

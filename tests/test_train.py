@@ -19,7 +19,6 @@ from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import checkpointing, loop
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
-from sparsetx.train.optimizer import learning_rate_schedule
 
 
 def micro_config(ffn_type="sgatlin", **train):
@@ -63,17 +62,11 @@ def synthetic_batch(config, seed=0):
 
 def one_step(config, mesh):
   """(updated params, metrics, loss and gradients before the optimizer) of one step on `mesh`, as the trainer runs it."""
-  abstract, shardings, model, tx = state_lib.state_shardings(config, mesh)
-  state = state_lib.create_state(config, shardings, model, tx)
-  sharding = mesh_lib.batch_sharding(mesh, config.mesh.rules)
+  built = state_lib.setup(config, mesh=mesh)
+  shardings, model, sharding = built.shardings, built.model, built.batch_sharding
+  state = state_lib.create_state(config, shardings, model, built.tx)
   batch = jax.device_put(synthetic_batch(config), sharding)
-  step = jax.jit(
-    lambda s, b: step_lib.train_step(
-      s, b, model=model, train=config.train, schedule=learning_rate_schedule(config.train)
-    ),
-    in_shardings=(shardings, sharding),
-    out_shardings=(shardings, None),
-  )
+  step = step_lib.make_train_step(config, built)
   grads = jax.jit(
     lambda p, b: step_lib.loss_and_grads(p, b, model=model, train=config.train)[:2],
     in_shardings=(shardings.params, sharding),
@@ -258,15 +251,9 @@ def pipeline_batches():
 def test_every_feed_forward_type_trains(ffn_type, pipeline_batches):
   config = micro_config(ffn_type, learning_rate=3e-3)
   config.mesh.ici.update(data=1)
-  mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:1])
-  _, shardings, model, tx = state_lib.state_shardings(config, mesh)
-  state = state_lib.create_state(config, shardings, model, tx)
-  step = jax.jit(
-    lambda s, b: step_lib.train_step(
-      s, b, model=model, train=config.train, schedule=learning_rate_schedule(config.train)
-    ),
-    donate_argnums=0,
-  )
+  built = state_lib.setup(config, jax.devices()[:1])
+  state = state_lib.create_state(config, built.shardings, built.model, built.tx)
+  step = step_lib.make_train_step(config, built)
   losses = []
   for batch in pipeline_batches:
     state, metrics = step(state, batch)

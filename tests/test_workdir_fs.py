@@ -22,7 +22,8 @@ from tensorboard.backend.event_processing import plugin_event_accumulator
 from test_train import micro_config
 
 from sparsetx import paths
-from sparsetx.evaluate import export, perplexity
+from sparsetx.evaluate import perplexity
+from sparsetx.hf import export
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import checkpointing, loop
 from sparsetx.train import metrics as metrics_lib

@@ -1,1 +1,1 @@
-"""Evaluation and export of trained models: perplexity, generation, the Hugging Face layout, lm-eval."""
+"""Evaluation of trained models: perplexity, generation, scoring, the lm-eval adapter."""

@@ -7,13 +7,11 @@ saved arrays onto the shardings the mesh gives the parameters. Loss is nats per 
 (EOS included, padding excluded); perplexity is exp(loss).
 """
 
-import functools
-
 import jax
 import ml_collections
 
 from sparsetx import config as config_lib
-from sparsetx.data import check_files, pipeline, sources
+from sparsetx.data import pipeline, sources
 from sparsetx.parallel import expert_parallel
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import checkpointing, loop
@@ -45,35 +43,24 @@ def restore(workdir: str, step: int | None = None, mesh: str = "one", tasks: lis
   """(config, mesh, model, params, step) of the checkpoint at `step` (default the latest) on `mesh`.
 
   `tasks` replaces the saved mixture (each task once); the saved config is used as trained
-  (its dtype included), so the numbers are those the trainer reports. `export.load_checkpoint`
-  reads through this too (mesh 'one').
+  (its dtype included), so the numbers are those the trainer reports.
   """
-  manager = checkpointing.open_read_only(workdir)
-  try:
-    step = manager.checked_step(step)
-    config = manager.saved_config(step)
+
+  def adjust(config):
     if tasks:
       config.data.mixture = tuple((name, 1.0) for name in tasks)
       for name in tasks:  # an unknown task is named now, before anything is compiled
         sources.make_source(name, (config.data.sources or {}).get(name))
     config.mesh = mesh_config(config, mesh)
-    check_files(config_lib.validate(config))
-    device_mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:1] if mesh == "one" else None)
-    loop.check_batch_divides(config, device_mesh)
-    expert_parallel.check_units_divide(config, device_mesh)
-    abstract, _, model, _ = state_lib.state_shardings(config, device_mesh)
-    try:
-      params = manager.restore_state(step, abstract).params
-    except config_lib.ConfigError:  # a damaged step (checkpointing.CheckpointError): reported as it is
-      raise
-    except (ValueError, KeyError, TypeError) as error:
-      raise config_lib.ConfigError(
-        f"the checkpoint at step {step} in {manager.directory} does not match the model of its own config ({error}); "
-        "it was written by another version of the model code."
-      ) from error
-  finally:
-    manager.close()
-  return config, device_mesh, model, params, step
+
+  built = {}
+
+  def device_mesh(config):
+    built["mesh"] = state_lib.checked_mesh(config, jax.devices()[:1] if mesh == "one" else None)
+    return built["mesh"]
+
+  config, params, step = checkpointing.load(workdir, step, device_mesh, adjust=adjust, full_state=True)
+  return config, built["mesh"], state_lib.build_model(config), params, step
 
 
 def evaluate(config: ml_collections.ConfigDict, device_mesh, model, params, eval_batches: int | None = None) -> dict:
@@ -85,8 +72,7 @@ def evaluate(config: ml_collections.ConfigDict, device_mesh, model, params, eval
   if eval_batches is not None:
     config.train.eval_batches = eval_batches
   batch_sharding = mesh_lib.batch_sharding(device_mesh, config.mesh.rules)
-  param_shardings = jax.tree.map(lambda x: x.sharding, params)
-  eval_fn = jax.jit(functools.partial(step_lib.eval_step, model=model), in_shardings=(param_shardings, batch_sharding))
+  eval_fn = step_lib.make_eval_step(model, jax.tree.map(lambda x: x.sharding, params), batch_sharding)
   eval_data = pipeline.EvalData(config, batch_sharding, split="validation")
   with expert_parallel.activate(device_mesh, config.mesh.rules):  # as the trainer traces its eval
     return loop.evaluate(config, params, eval_fn, eval_data)

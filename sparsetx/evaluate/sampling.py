@@ -74,7 +74,7 @@ def _generate_recompute(model, top_k, params, tokens_BT, lengths_B, done_B, max_
   return tokens_BT, lengths_B
 
 
-def _generate_cached(
+def generate_cached(
   model, top_k, prefill_len, params, tokens_BT, lengths_B, done_B, max_new_tokens, temperature, eos_id, key
 ):
   """_generate_recompute's tokens from a prefill of tokens_BT[:, :prefill_len] and one decode step per new token."""
@@ -124,7 +124,7 @@ class Sampler:
     self.params, self.max_len, self.batch_size, self.eos_id = params, max_len, batch_size, eos_id
     self.kv_cache = kv_cache
     if kv_cache:
-      self._generate = jax.jit(functools.partial(_generate_cached, model), static_argnums=(0, 1))
+      self._generate = jax.jit(functools.partial(generate_cached, model), static_argnums=(0, 1))
     else:
       self._generate = jax.jit(functools.partial(_generate_recompute, model), static_argnums=0)
 

@@ -6,12 +6,10 @@ decoder's shifted-in start token), then the text's ids. With the default byte vo
 several tokens (one per byte + 3).
 """
 
-import jax
 import ml_collections
 import numpy as np
 
-from sparsetx import config as config_lib
-from sparsetx.data import check_files, pipeline, vocab
+from sparsetx.data import pipeline, vocab
 from sparsetx.interp.trace import StandardizedTransformer
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import checkpointing
@@ -20,25 +18,13 @@ from sparsetx.train import state as state_lib
 START_ID = 0
 
 
-def single_device_mesh(config: ml_collections.ConfigDict):
-  mesh_config = config.mesh.copy_and_resolve_references()
-  mesh_config.ici.update(data=1, fsdp=1, tensor=1, expert=1)
-  mesh_config.dcn.update(data=1, fsdp=1, tensor=1, expert=1)
-  return mesh_lib.make_mesh(mesh_config, jax.devices()[:1])
-
-
 def load(workdir: str, step: int | None = None):
-  """(config, StandardizedTransformer, step) of the checkpoint at `step` (default: the latest)."""
-  manager = checkpointing.open_read_only(workdir)
-  try:
-    step = manager.checked_step(step)
-    config = manager.saved_config(step)
+  """(config, StandardizedTransformer, step) of the checkpoint at `step` (default: the latest), on one device."""
+
+  def float32(config):
     config.model.dtype = "float32"  # analysis compares values exactly; compute-only, the params are float32
-    check_files(config_lib.validate(config))
-    abstract, _, _, _ = state_lib.state_shardings(config, single_device_mesh(config))
-    params = manager.restore_params(step, abstract.params)
-  finally:
-    manager.close()
+
+  config, params, step = checkpointing.load(workdir, step, adjust=float32)
   return config, StandardizedTransformer(config.model, params), step
 
 
@@ -61,7 +47,7 @@ def token_text(vocabulary, token_id: int) -> str:
 def validation_rows(config: ml_collections.ConfigDict, max_rows: int, task: str | None = None) -> dict:
   """Up to `max_rows` packed validation rows (numpy: inputs, targets, positions, segment_ids,
   loss_weights) from the mixture's tasks in order, or from `task` only; padding rows dropped."""
-  mesh = single_device_mesh(config)
+  mesh = state_lib.single_device_mesh(config)
   data = pipeline.EvalData(config, mesh_lib.batch_sharding(mesh, config.mesh.rules), split="validation")
   rows = {}
   for name in [task] if task else data.task_names:

@@ -1,6 +1,6 @@
 """Projected step time of a compiled train step on a target chip, so a run is sized before it is rented.
 
-A roofline from sparsetx/parallel/aot.py's Report (one device's compiled program) and
+A roofline from sparsetx/train/aot.py's Report (one device's compiled program) and
 sparsetx/parallel/hardware.py's published figures, per device:
   compute  = compiled FLOPs / peak bf16 FLOP/s
   memory   = compiled "bytes accessed" / HBM bandwidth

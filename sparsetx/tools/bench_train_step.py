@@ -29,8 +29,8 @@ from sparsetx.parallel import expert_parallel, hardware
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
-from sparsetx.train.loop import check_batch_divides
 from sparsetx.train.optimizer import learning_rate_schedule
+from sparsetx.train.state import check_batch_divides
 
 
 def rung_config(ffn_type: str, args) -> config_lib.ml_collections.ConfigDict:

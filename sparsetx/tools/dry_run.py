@@ -5,7 +5,7 @@
       --config.mesh.ici.data=8 --config.mesh.ici.fsdp=2 --config.mesh.ici.expert=4
 
 Prints per-device parameter and optimizer bytes, the compiler's memory analysis, FLOPs per step
-and the collectives of the compiled program (sparsetx/parallel/aot.py), then the projected step time,
+and the collectives of the compiled program (sparsetx/train/aot.py), then the projected step time,
 tokens/s and MFU on `--target=h100|h200|v5p|v6e|all` (sparsetx/parallel/roofline.py). `--remat_sweep`
 compiles the step once per config.model.remat policy and prints each one's temp memory and FLOPs
 next to no remat's. `--expert_sweep=1,2,4,8,32`
@@ -53,9 +53,10 @@ from absl import flags  # noqa: E402
 from sparsetx import cli  # noqa: E402
 from sparsetx import config as config_lib  # noqa: E402
 from sparsetx.data import check_files  # noqa: E402
-from sparsetx.parallel import aot, expert_parallel, hardware, roofline  # noqa: E402
+from sparsetx.parallel import expert_parallel, hardware, roofline  # noqa: E402
 from sparsetx.parallel import mesh as mesh_lib  # noqa: E402
-from sparsetx.train.loop import check_batch_divides  # noqa: E402
+from sparsetx.train import aot  # noqa: E402
+from sparsetx.train.state import check_batch_divides  # noqa: E402
 
 _CONFIG = cli.define_config_file("config", "configs/tiny.py", "Config file, optionally with ':ARG'.")
 _DEVICES = flags.DEFINE_integer("devices", 8, "Simulated CPU devices (the mesh's size).")

@@ -33,7 +33,7 @@ _CONFIG = cli.define_config_file("config", None, "Import: the training config (d
 
 def absl_main(argv):
   del argv
-  from sparsetx.evaluate import export
+  from sparsetx.hf import export
 
   try:
     if not _WORKDIR.value:

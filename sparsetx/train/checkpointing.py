@@ -27,6 +27,8 @@ from jax.experimental import multihost_utils
 from sparsetx import config as config_lib
 from sparsetx import paths
 from sparsetx.config import ConfigError
+from sparsetx.data import check_files
+from sparsetx.train import state as state_lib
 
 COMPUTE_ONLY = (
   "dtype",
@@ -351,3 +353,53 @@ def open_read_only(workdir: str, workdir_flag: str = "--workdir", step_flag: str
       f"{workdir_flag}={workdir!r} holds no checkpoints/ directory; give the workdir of a training run."
     )
   return Checkpointer(workdir, ml_collections.ConfigDict(dict(keep=None, keep_period=0, async_save=False)), step_flag)
+
+
+def load(
+  workdir: str,
+  step: int | None = None,
+  mesh=None,
+  *,
+  adjust=None,
+  full_state: bool = False,
+  workdir_flag: str = "--workdir",
+  step_flag: str = "--step",
+):
+  """(config, params, step) of the checkpoint at `step` (default: the latest) of a training workdir: the one
+  reader of trained runs (evaluation, analysis, sparsify, export).
+
+  The saved config goes through `adjust` (a function that edits it in place: a task list, a dtype, the mesh)
+  and is validated with its files checked; the parameters are read onto `mesh`: a jax Mesh, a function of the
+  config that builds one, or None for the first device alone. `full_state` reads the step's whole train state
+  as the trainer restores it (a damaged array of any part is reported as one line, nothing printed after it)
+  and keeps its params; otherwise only the params are read (an optimizer state of another structure is fine).
+  An unreadable step is refused with its `CheckpointError` (naming `step_flag`), parameters that do not fit
+  the saved config with a ConfigError.
+  """
+  checkpointer = open_read_only(workdir, workdir_flag, step_flag)
+  try:
+    step = checkpointer.checked_step(step, workdir_flag)
+    config = checkpointer.saved_config(step)
+    if adjust is not None:
+      adjust(config)
+    check_files(config_lib.validate(config))
+    if mesh is None:
+      mesh = state_lib.single_device_mesh(config)
+    elif not isinstance(mesh, jax.sharding.Mesh | jax.sharding.AbstractMesh):  # (a Mesh is callable itself)
+      mesh = mesh(config)
+    abstract, _, _, _ = state_lib.state_shardings(config, mesh)
+    try:
+      if full_state:
+        params = checkpointer.restore_state(step, abstract).params
+      else:
+        params = checkpointer.restore_params(step, abstract.params)
+    except ConfigError:  # a damaged step (CheckpointError): reported as it is
+      raise
+    except (ValueError, KeyError, TypeError) as error:
+      raise ConfigError(
+        f"the checkpoint at step {step} in {checkpointer.directory} does not match the model of its own config "
+        f"({error}); it was written by another version of the model code."
+      ) from error
+  finally:
+    checkpointer.close()
+  return config, params, step

@@ -14,7 +14,6 @@ checkpoint of step N (the state is donated to step N+1, so both happen before N+
 and at the end. The next batch is read after any save, so a saved data position is exact.
 """
 
-import functools
 import math
 import signal
 import time
@@ -33,12 +32,10 @@ from sparsetx import paths
 from sparsetx.data import check_files, pipeline
 from sparsetx.models import ladder
 from sparsetx.parallel import expert_parallel
-from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import checkpointing
 from sparsetx.train import metrics as metrics_lib
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
-from sparsetx.train.optimizer import learning_rate_schedule
 
 
 class NonFiniteLossError(RuntimeError):
@@ -162,25 +159,6 @@ class _Profiler:
       self._active = False
 
 
-def check_batch_divides(config: ml_collections.ConfigDict, mesh) -> None:
-  spec = mesh_lib.batch_sharding(mesh, config.mesh.rules).spec[0]
-  axes = spec if isinstance(spec, tuple) else (spec,) if spec else ()
-  shards = math.prod(mesh.shape[a] for a in axes)
-  for field in ("global_batch_size", "eval_batch_size"):
-    size = config.data[field]
-    if size % shards:
-      raise config_lib.ConfigError(
-        f"config.data.{field}={size} is not divisible by the {shards} batch shards of the mesh "
-        f"({' x '.join(f'{a}={mesh.shape[a]}' for a in axes)}); use a multiple of {shards}."
-      )
-  micro = config.data.global_batch_size // config.train.microbatches
-  if micro % shards:
-    raise config_lib.ConfigError(
-      f"config.train.microbatches={config.train.microbatches} leaves {micro} rows per micro-batch, not divisible "
-      f"by the {shards} batch shards; use fewer micro-batches or a larger config.data.global_batch_size."
-    )
-
-
 def evaluate(config, params, eval_fn, eval_data: pipeline.EvalData) -> dict:
   """Loss and perplexity per validation task, each split read once (or eval_batches batches)."""
   results = {}
@@ -201,16 +179,14 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains to config.train.steps (or until SIGTERM); returns the last step's metrics."""
   check_files(config_lib.validate(config))
   check_workdir(workdir)
-  mesh = mesh_lib.make_mesh(config.mesh)
-  check_batch_divides(config, mesh)
-  expert_parallel.check_units_divide(config, mesh)
-  with expert_parallel.activate(mesh, config.mesh.rules):  # sparse layers trace their expert-parallel form
-    return _run(config, workdir, mesh)
+  built = state_lib.setup(config)
+  with expert_parallel.activate(built.mesh, config.mesh.rules):  # sparse layers trace their expert-parallel form
+    return _run(config, workdir, built)
 
 
-def _run(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
-  abstract_state, shardings, model, tx = state_lib.state_shardings(config, mesh)
-  batch_sharding = mesh_lib.batch_sharding(mesh, config.mesh.rules)
+def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup) -> dict:
+  abstract_state, shardings, model, tx = built.abstract_state, built.shardings, built.model, built.tx
+  batch_sharding = built.batch_sharding
 
   checkpointer = checkpointing.Checkpointer(workdir, config.checkpoint)
   start = checkpointer.resume_step(config.checkpoint.get("restore_step"))  # verified: items, arrays' metadata, data
@@ -229,14 +205,8 @@ def _run(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
     start = 0
   checkpointer.set_aside_after(start)  # a restore_step before the newest: later steps move to superseded/
 
-  schedule = learning_rate_schedule(config.train)
-  step_fn = jax.jit(
-    functools.partial(step_lib.train_step, model=model, train=config.train, schedule=schedule),
-    in_shardings=(shardings, batch_sharding),
-    out_shardings=(shardings, None),
-    donate_argnums=0,
-  )
-  eval_fn = jax.jit(functools.partial(step_lib.eval_step, model=model), in_shardings=(shardings.params, batch_sharding))
+  step_fn = step_lib.make_train_step(config, built)
+  eval_fn = step_lib.make_eval_step(model, shardings.params, batch_sharding)
   eval_data = pipeline.EvalData(config, batch_sharding, split="validation")
 
   writer = metrics_lib.make_writer(workdir, start)

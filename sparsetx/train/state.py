@@ -2,10 +2,14 @@
 
 The model is initialized under `jax.eval_shape` to learn every leaf's shape and logical axes; the
 real initialization then runs inside `jit` with `out_shardings`, so each device materializes only
-its own shards.
+its own shards. `setup` builds what every program that runs the model builds first (the train loop,
+the ahead-of-time compile, evaluation): the checked mesh, the model, the optimizer and the abstract
+sharded state.
 """
 
 import functools
+import math
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -13,7 +17,9 @@ import jax.numpy as jnp
 import ml_collections
 from flax.training import train_state
 
+from sparsetx import config as config_lib
 from sparsetx.models.transformer import Transformer
+from sparsetx.parallel import expert_parallel
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train.optimizer import make_optimizer
 
@@ -54,3 +60,63 @@ def create_state(config: ml_collections.ConfigDict, shardings, model, tx) -> Tra
   init = functools.partial(_init, model, tx, config.data.seq_len)
   rng = jax.random.key(config.train.seed)
   return jax.jit(lambda r: nn.unbox(init(r)), out_shardings=shardings)(rng)
+
+
+class Setup(NamedTuple):
+  """What `setup` builds: the mesh, the model and optimizer, the abstract state and the shardings."""
+
+  mesh: jax.sharding.Mesh
+  model: Transformer
+  tx: object  # optax.GradientTransformation
+  abstract_state: TrainState  # ShapeDtypeStructs carrying their shardings
+  shardings: TrainState  # NamedShardings of the state
+  batch_sharding: jax.sharding.NamedSharding
+
+
+def check_batch_divides(config: ml_collections.ConfigDict, mesh) -> None:
+  spec = mesh_lib.batch_sharding(mesh, config.mesh.rules).spec[0]
+  axes = spec if isinstance(spec, tuple) else (spec,) if spec else ()
+  shards = math.prod(mesh.shape[a] for a in axes)
+  for field in ("global_batch_size", "eval_batch_size"):
+    size = config.data[field]
+    if size % shards:
+      raise config_lib.ConfigError(
+        f"config.data.{field}={size} is not divisible by the {shards} batch shards of the mesh "
+        f"({' x '.join(f'{a}={mesh.shape[a]}' for a in axes)}); use a multiple of {shards}."
+      )
+  micro = config.data.global_batch_size // config.train.microbatches
+  if micro % shards:
+    raise config_lib.ConfigError(
+      f"config.train.microbatches={config.train.microbatches} leaves {micro} rows per micro-batch, not divisible "
+      f"by the {shards} batch shards; use fewer micro-batches or a larger config.data.global_batch_size."
+    )
+
+
+def checked_mesh(config: ml_collections.ConfigDict, devices=None):
+  """config.mesh over `devices` (default: all), refused in one sentence when the batch or the sparse layers'
+  units do not divide over it."""
+  mesh = mesh_lib.make_mesh(config.mesh, devices)
+  check_batch_divides(config, mesh)
+  expert_parallel.check_units_divide(config, mesh)
+  return mesh
+
+
+def single_device_mesh(config: ml_collections.ConfigDict):
+  """config.mesh (its rules) on the first device: every axis of size 1."""
+  mesh_config = config.mesh.copy_and_resolve_references()
+  mesh_config.ici.update(data=1, fsdp=1, tensor=1, expert=1)
+  mesh_config.dcn.update(data=1, fsdp=1, tensor=1, expert=1)
+  return mesh_lib.make_mesh(mesh_config, jax.devices()[:1])
+
+
+def setup(config: ml_collections.ConfigDict, devices=None, mesh=None) -> Setup:
+  """The mesh, the model, the optimizer and the abstract state with its shardings, as the train loop builds
+  them; nothing is allocated. The mesh is config.mesh over `devices` (default: all), checked by `checked_mesh`,
+  or `mesh` as given (the ahead-of-time compile's target, possibly abstract), of which only the sparse layers'
+  units are checked: the batch sizes there are the caller's."""
+  if mesh is None:
+    mesh = checked_mesh(config, devices)
+  else:
+    expert_parallel.check_units_divide(config, mesh)
+  abstract, shardings, model, tx = state_shardings(config, mesh)
+  return Setup(mesh, model, tx, abstract, shardings, mesh_lib.batch_sharding(mesh, config.mesh.rules))

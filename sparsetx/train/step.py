@@ -1,4 +1,5 @@
-"""The jitted train and eval steps: token cross-entropy with packing weights, accumulation, metrics."""
+"""The train and eval steps: token cross-entropy with packing weights, accumulation, metrics; `make_train_step`
+and `make_eval_step` jit them as every caller runs them (the loop, the ahead-of-time compile, evaluation)."""
 
 import functools
 
@@ -8,6 +9,7 @@ import ml_collections
 import optax
 
 from sparsetx.models.ffn import moe
+from sparsetx.train.optimizer import learning_rate_schedule
 from sparsetx.train.sparse_stats import sparse_stats
 
 
@@ -86,3 +88,22 @@ def eval_step(params, batch, *, model):
   loss_BT, _ = token_losses(model, params, batch, 0.0)
   weights_BT = batch["loss_weights"]
   return dict(loss_sum=(loss_BT * weights_BT).sum(), tokens=weights_BT.sum())
+
+
+def make_train_step(config: ml_collections.ConfigDict, setup):
+  """`train_step` jitted on `setup`'s shardings (a `state.Setup`): (state, batch) -> (state, metrics), the
+  state donated. Trace it under `expert_parallel.activate(setup.mesh, ...)`, as the loop does."""
+  step = functools.partial(
+    train_step, model=setup.model, train=config.train, schedule=learning_rate_schedule(config.train)
+  )
+  return jax.jit(
+    step,
+    in_shardings=(setup.shardings, setup.batch_sharding),
+    out_shardings=(setup.shardings, None),
+    donate_argnums=0,
+  )
+
+
+def make_eval_step(model, param_shardings, batch_sharding):
+  """`eval_step` jitted: (params laid out as `param_shardings`, batch) -> dict(loss_sum, tokens)."""
+  return jax.jit(functools.partial(eval_step, model=model), in_shardings=(param_shardings, batch_sharding))

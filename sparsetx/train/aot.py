@@ -2,7 +2,7 @@
 declared mesh, and report what each device holds, moves and computes. No array is allocated.
 
 Used by sparsetx/tools/dry_run.py (simulated CPU devices) to size billion-parameter models before a job
-starts. The numbers:
+starts; the sampler's cached decoding is lowered beside the sampler (sparsetx/evaluate/aot.py). The numbers:
   - parameters and optimizer state per device, from the abstract state and its shardings;
   - the compiler's memory analysis of the step (arguments, outputs, temporaries; per device);
   - FLOPs per step: the ladder's model count (6 * params-style accounting, sparse layers by their
@@ -14,7 +14,6 @@ starts. The numbers:
 import collections
 import contextlib
 import dataclasses
-import functools
 import math
 import re
 from typing import NamedTuple
@@ -28,13 +27,11 @@ from jax._src.cudnn import fused_attention_stablehlo  # cuDNN's version check (n
 from jax._src.pallas.mosaic import tpu_info  # the chip Pallas TPU lowers for (no public API)
 
 from sparsetx import config as config_lib
-from sparsetx.evaluate import sampling
 from sparsetx.models import ladder
 from sparsetx.parallel import expert_parallel
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
-from sparsetx.train.optimizer import learning_rate_schedule
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {
@@ -147,19 +144,15 @@ class Report:
 
 def abstract_state(config, mesh):
   """(abstract state with shardings, shardings, model, tx); refuses large replicated parameters."""
-  expert_parallel.check_units_divide(config, mesh)
-  return state_lib.state_shardings(config, mesh)
+  built = state_lib.setup(config, mesh=mesh)
+  return built.abstract_state, built.shardings, built.model, built.tx
 
 
 def _trace_train_step(config: ml_collections.ConfigDict, mesh):
   """(the train step jitted as the trainer jits it, traced on abstract inputs; the abstract state)."""
-  abstract, shardings, model, tx = abstract_state(config, mesh)
-  batch_sharding = mesh_lib.batch_sharding(mesh, config.mesh.rules)
-  step = functools.partial(
-    step_lib.train_step, model=model, train=config.train, schedule=learning_rate_schedule(config.train)
-  )
-  jitted = jax.jit(step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0)
-  return jitted.trace(abstract, abstract_batch(config, batch_sharding)), abstract
+  built = state_lib.setup(config, mesh=mesh)
+  jitted = step_lib.make_train_step(config, built)
+  return jitted.trace(built.abstract_state, abstract_batch(config, built.batch_sharding)), built.abstract_state
 
 
 def compile_train_step(config: ml_collections.ConfigDict, mesh):
@@ -237,44 +230,10 @@ def lower_eval_step(config: ml_collections.ConfigDict, platform: str, chip: str 
   """StableHLO text of the evaluation step (summed loss of a batch), lowered like lower_train_step."""
   mesh = _lowering_mesh(config, mesh)
   with target_platform(platform, chip), expert_parallel.activate(mesh, config.mesh.rules):
-    abstract, shardings, model, _ = abstract_state(config, mesh)
-    batch_sharding = mesh_lib.batch_sharding(mesh, config.mesh.rules)
-    jitted = jax.jit(
-      functools.partial(step_lib.eval_step, model=model), in_shardings=(shardings.params, batch_sharding)
-    )
-    traced = jitted.trace(abstract.params, abstract_batch(config, batch_sharding))
+    built = state_lib.setup(config, mesh=mesh)
+    jitted = step_lib.make_eval_step(built.model, built.shardings.params, built.batch_sharding)
+    traced = jitted.trace(built.abstract_state.params, abstract_batch(config, built.batch_sharding))
     return traced.lower(lowering_platforms=(platform,)).as_text()
-
-
-def lower_generate(
-  config: ml_collections.ConfigDict,
-  platform: str,
-  chip: str | None = None,
-  batch_size: int = 8,
-  prefill_len: int | None = None,
-) -> str:
-  """StableHLO text of the sampler's cached generation (a prefill of `prefill_len` tokens, then one decode step
-  per new token reading the KV cache) for `batch_size` rows of config.model.max_len, lowered like lower_train_step."""
-  model = state_lib.build_model(config)
-  B, T = batch_size, config.model.max_len
-  prefill_len = prefill_len or sampling.prefill_length(T // 2, T)
-  with target_platform(platform, chip):
-    params = jax.eval_shape(
-      lambda rng: nn.unbox(model.init(rng, jnp.zeros((1, T), jnp.int32)))["params"], jax.random.key(0)
-    )
-    spec = jax.ShapeDtypeStruct
-    args = (
-      params,
-      spec((B, T), jnp.int32),
-      spec((B,), jnp.int32),
-      spec((B,), jnp.bool_),
-      spec((), jnp.int32),
-      spec((), jnp.float32),
-      spec((), jnp.int32),
-      jax.eval_shape(jax.random.key, 0),
-    )
-    jitted = jax.jit(functools.partial(sampling._generate_cached, model), static_argnums=(0, 1))
-    return jitted.trace(0, prefill_len, *args).lower(lowering_platforms=(platform,)).as_text()
 
 
 def custom_calls(lowered_text: str) -> collections.Counter:
@@ -412,7 +371,6 @@ __all__ = [
   "target_platform",
   "lower_train_step",
   "lower_eval_step",
-  "lower_generate",
   "custom_calls",
   "format_custom_calls",
 ]

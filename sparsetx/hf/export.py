@@ -1,8 +1,8 @@
 """Checkpoints <-> directories in the Hugging Face layout (safetensors + config.json + tokenizer files).
 
 `export` writes a trained model so that `transformers` loads it: dense GPT-NeoX-block models as
-plain `GPTNeoXForCausalLM` (`sparsetx.evaluate.hf_neox`), every other architecture with its own
-PyTorch modeling files bundled (`sparsetx.evaluate.hf_custom`, `trust_remote_code=True`).
+plain `GPTNeoXForCausalLM` (`sparsetx.hf.neox`), every other architecture with its own
+PyTorch modeling files bundled (`sparsetx.hf.custom`, `trust_remote_code=True`).
 `load_hf` reads either kind back into a sparsetx config and param tree; `import_hf` writes that as a
 step-0 checkpoint from which `python -m sparsetx.train` continues.
 
@@ -25,7 +25,7 @@ import safetensors.numpy
 from sparsetx import config as config_lib
 from sparsetx import paths
 from sparsetx.data import check_files
-from sparsetx.evaluate import hf_neox, tokenizer_files
+from sparsetx.hf import neox, tokenizer_files
 from sparsetx.train import checkpointing
 from sparsetx.train import state as state_lib
 
@@ -41,9 +41,7 @@ ConfigError = config_lib.ConfigError
 
 def load_checkpoint(workdir: str, step: int | None = None) -> tuple[ml_collections.ConfigDict, dict, int]:
   """(config, params as numpy, step) of the checkpoint at `step` (default: the latest), on one device."""
-  from sparsetx.evaluate import perplexity  # deferred, as import_hf's pipeline: it pulls in the data stack
-
-  config, _, _, params, step = perplexity.restore(workdir, step, mesh="one")
+  config, params, step = checkpointing.load(workdir, step, full_state=True)
   return config, jax.tree.map(np.asarray, jax.device_get(params)), step
 
 
@@ -52,25 +50,25 @@ def load_checkpoint(workdir: str, step: int | None = None) -> tuple[ml_collectio
 
 def _custom_module():
   try:
-    return importlib.import_module("sparsetx.evaluate.hf_custom")
+    return importlib.import_module("sparsetx.hf.custom")
   except ModuleNotFoundError as error:
-    if error.name != "sparsetx.evaluate.hf_custom":
+    if error.name != "sparsetx.hf.custom":
       raise
     raise ConfigError(
-      "this model needs the custom export (sparsetx/evaluate/hf_custom.py), which this installation lacks; "
+      "this model needs the custom export (sparsetx/hf/custom.py), which this installation lacks; "
       "only dense GPT-NeoX-block models (ffn.type='mlp', norm='layernorm', use_bias=True) export here."
     ) from None
 
 
 def mapping_for(model: ml_collections.ConfigDict, kind: str = "auto"):
-  """The module (hf_neox or hf_custom) that converts `model`: `kind` auto picks GPT-NeoX when exact."""
+  """The module (neox or custom) that converts `model`: `kind` auto picks GPT-NeoX when exact."""
   if kind not in KINDS:
     raise ConfigError(f"--kind={kind!r} is unknown; use one of {', '.join(KINDS)}.")
-  reason = hf_neox.unsupported_reason(model)
+  reason = neox.unsupported_reason(model)
   if kind == "neox" and reason:
     raise ConfigError(f"--kind=neox: this model is not a GPTNeoXForCausalLM: {reason}; use --kind=auto or custom.")
   if kind == "neox" or (kind == "auto" and reason is None):
-    return hf_neox
+    return neox
   custom = _custom_module()
   custom_reason = custom.unsupported_reason(model)
   if custom_reason:
@@ -196,7 +194,7 @@ def write_hf(
     for path in getattr(mapping, "MODELING_FILES", ()):
       shutil.copyfile(path, os.path.join(staged.path, os.path.basename(path)))
     tokenizer_files.write(config.data, config.model.max_len, staged.path)
-  return mapping.__name__.rsplit(".", 1)[-1]
+  return "hf_" + mapping.__name__.rsplit(".", 1)[-1]  # the export kind: hf_neox | hf_custom
 
 
 def export(
@@ -257,7 +255,7 @@ def read_tensors(hf_dir: str) -> dict[str, np.ndarray]:
 
 
 def _in_param_dtype(model: ml_collections.ConfigDict, params) -> dict:
-  """`params` as numpy in the model's param dtype (hf_neox reads float32; a saved param_dtype may be bfloat16).
+  """`params` as numpy in the model's param dtype (neox reads float32; a saved param_dtype may be bfloat16).
 
   Names and shapes are the mappings' to check: both refuse weights that do not fit config.json.
   """
@@ -285,8 +283,8 @@ def load_hf(hf_dir: str) -> tuple[ml_collections.ConfigDict, dict]:
     raise ConfigError(f"{config_path!r} is not valid JSON ({error}); export the model again.") from error
   if not isinstance(config_json, dict):
     raise ConfigError(f"{config_path!r} holds no JSON object; export the model again.")
-  if config_json.get("model_type") == hf_neox.MODEL_TYPE:
-    mapping = hf_neox
+  if config_json.get("model_type") == neox.MODEL_TYPE:
+    mapping = neox
   elif config_json.get("model_type") == "sparsetx" or "auto_map" in config_json:
     mapping = _custom_module()
   else:

@@ -1,7 +1,7 @@
 """Export kind `custom`: any sparsetx model as a Hugging Face directory with its own PyTorch modeling file.
 
 The directory holds `configuration_sparsetx.py` and `modeling_sparsetx.py` (MODELING_FILES, under
-hf_modeling/), named in config.json's `auto_map`, so `AutoModelForCausalLM.from_pretrained(dir,
+modeling/), named in config.json's `auto_map`, so `AutoModelForCausalLM.from_pretrained(dir,
 trust_remote_code=True)` runs the model in PyTorch. The modeling file reimplements the JAX forward in
 float32 for every architecture sparsetx builds (sgatlin, FFF, PEER, MoE, SwiGLU, MLP; both block kinds).
 
@@ -22,12 +22,12 @@ import numpy as np
 
 from sparsetx import config as config_lib
 from sparsetx.config import ConfigError
-from sparsetx.evaluate.hf_neox import EOS_ID, PAD_ID, SPARSETX_KEY
-from sparsetx.evaluate.hf_neox import START_ID as BOS_ID
+from sparsetx.hf.neox import EOS_ID, PAD_ID, SPARSETX_KEY
+from sparsetx.hf.neox import START_ID as BOS_ID
 from sparsetx.train import checkpointing
 
 MODEL_TYPE = "sparsetx"
-_MODELING_DIR = pathlib.Path(__file__).resolve().parent / "hf_modeling"
+_MODELING_DIR = pathlib.Path(__file__).resolve().parent / "modeling"
 MODELING_FILES = [str(_MODELING_DIR / "configuration_sparsetx.py"), str(_MODELING_DIR / "modeling_sparsetx.py")]
 AUTO_MAP = {
   "AutoConfig": "configuration_sparsetx.SparsetxConfig",
