@@ -14,6 +14,7 @@ import ml_collections
 
 from sparsetx import config as config_lib
 from sparsetx.data import check_files, pipeline, sources
+from sparsetx.models.ffn import placement
 from sparsetx.parallel import expert_parallel
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import checkpointing, loop
@@ -60,7 +61,7 @@ def restore(workdir: str, step: int | None = None, mesh: str = "one", tasks: lis
     check_files(config_lib.validate(config))
     device_mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:1] if mesh == "one" else None)
     loop.check_batch_divides(config, device_mesh)
-    expert_parallel.check_units_divide(config, device_mesh)
+    placement.check_units_divide(config, device_mesh)
     abstract, _, model, _ = state_lib.state_shardings(config, device_mesh)
     try:
       params = manager.restore_state(step, abstract).params

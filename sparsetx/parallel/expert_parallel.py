@@ -43,7 +43,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from sparsetx import config as config_lib
 from sparsetx.config import DEFAULT_RULES, ConfigError
 from sparsetx.kernels import segment_grads
 from sparsetx.kernels.reference import Gating
@@ -301,58 +300,6 @@ def _sliced_backward(gating, options, axes, residuals, dy_hd):
 
 
 _sliced_gated_gather.defvjp(_sliced_forward, _sliced_backward)
-
-
-# Per sparse layer type: the logical name of its units, their config field, and its table's logical axes.
-UNITS = {
-  "sgatlin": ("channel", "n_channels", (None, "channel", "neuron", "embed")),
-  "fff": ("tree", "n_trees", ("tree", "node", "embed")),
-  "moe": ("expert", "n_experts", ("expert", "embed", "mlp")),
-}
-# Neuron tables whose d_model may be split (`split_gated_gather`), by their logical axes.
-NEURON_TABLES = {"sgatlin": UNITS["sgatlin"][2], "peer": (None, "neuron", "embed")}
-
-
-def check_units_divide(config, mesh) -> None:
-  """Refuses a sparse layer whose units don't split evenly over their mesh axes, naming the field.
-
-  The axes are those the rules give the units in the layer's table (flax's assignment, as the
-  parameter is stored), so rules that move the expert axis to the table's d_model are honoured.
-  Both feed-forward sub-configs of a partly sparsified model are checked.
-  """
-  _check_layer_units(config, mesh, config.model.ffn, "config.model.ffn")
-  if config_lib.is_mixed(config.model):
-    _check_layer_units(config, mesh, config.model.dense_ffn, "config.model.dense_ffn")
-
-
-def _check_layer_units(config, mesh, ffn, prefix: str) -> None:
-  if ffn.type in NEURON_TABLES:
-    names = NEURON_TABLES[ffn.type]
-    axes = _sized(mesh, _table_spec(names, config.mesh.rules)[-1])
-    slices = math.prod(mesh.shape[a] for a in axes)
-    if config.model.d_model % slices:
-      raise ConfigError(
-        f"config.model.d_model={config.model.d_model} is not divisible by the {slices} devices the "
-        f"{ffn.type} table's d_model is split over ({' x '.join(f'{a}={mesh.shape[a]}' for a in axes)}); "
-        "change those mesh axes or the rules that give them to `embed`."
-      )
-  if ffn.type not in UNITS:
-    return
-  name, field, table_names = UNITS[ffn.type]
-  axes = _sized(mesh, _table_spec(table_names, config.mesh.rules)[table_names.index(name)])
-  shards = math.prod(mesh.shape[a] for a in axes)
-  if ffn[field] % shards:
-    shape = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
-    hint = ""
-    if ffn.type == "sgatlin" and shards % ffn[field] == 0:
-      hint = (
-        "; or split the table's d_model over those devices instead: put "
-        f"{', '.join(map(str, D_MODEL_SPLIT_RULES))} first in config.mesh.rules"
-      )
-    raise ConfigError(
-      f"{prefix}.{field}={ffn[field]} is not divisible by the {shards} devices of the mesh axes it is "
-      f"split over ({shape}); make it a multiple of {shards}, or move devices from those axes to data or fsdp{hint}."
-    )
 
 
 def on_token_shards(a_BT, group: ExpertGroup):

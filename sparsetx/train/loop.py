@@ -32,6 +32,7 @@ from sparsetx import config as config_lib
 from sparsetx import paths
 from sparsetx.data import check_files, pipeline
 from sparsetx.models import ladder
+from sparsetx.models.ffn import placement
 from sparsetx.parallel import expert_parallel
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import checkpointing
@@ -203,7 +204,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   check_workdir(workdir)
   mesh = mesh_lib.make_mesh(config.mesh)
   check_batch_divides(config, mesh)
-  expert_parallel.check_units_divide(config, mesh)
+  placement.check_units_divide(config, mesh)
   with expert_parallel.activate(mesh, config.mesh.rules):  # sparse layers trace their expert-parallel form
     return _run(config, workdir, mesh)
 
