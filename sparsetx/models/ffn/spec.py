@@ -47,7 +47,9 @@ class Circuit:
     """[..., S] flat circuit ids from the traced unit ids (numpy or jax.numpy arrays, `xp`)."""
     if self.block is None:
       return units
-    ids = units + self.block(ffn) * xp.arange(units.shape[-2])[:, None]
+    groups = units.shape[-2]
+    offsets = self.block(ffn) * xp.arange(groups).reshape((1,) * (units.ndim - 2) + (groups, 1))  # full rank
+    ids = units + offsets.astype(units.dtype)
     return ids.reshape(units.shape[:-2] + (-1,))
 
   def usage_units(self, ffn) -> int:
