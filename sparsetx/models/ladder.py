@@ -17,7 +17,8 @@ D * V, and per feed-forward type:
   moe      D E + k 3 D F              fff     P (depth + 1) 2 D
   peer     C d_key (D + sqrt F) + C k 2 D           (per-channel query halves of d_key / 2)
   sgatlin  d_key (D + 2 C sqrt F) + C k 2 D         (PEER router: as peer)
-Norms, biases, softmax, activations and the top-k selections are not counted. Training costs
+Each type's FfnSpec (sparsetx/models/ffn/spec.py) holds its sizing rule (`ladder_size`) and these counts
+(`params`, `flops`). Norms, biases, softmax, activations and the top-k selections are not counted. Training costs
 3 x forward (forward + backward), so a budget of F FLOPs buys F / (3 * forward FLOPs) tokens.
 
 `python -m sparsetx.models.ladder [--budget 1e18] [--seq_len 2048]` prints the table for scales 2..8.
