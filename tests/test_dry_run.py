@@ -7,6 +7,7 @@ import pytest
 from conftest import load_config
 
 from sparsetx import config as config_lib
+from sparsetx.models.ffn import placement
 from sparsetx.parallel import expert_parallel
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import aot
@@ -102,7 +103,7 @@ def test_d_model_that_does_not_split_is_refused():
   config.mesh.rules = expert_parallel.D_MODEL_SPLIT_RULES + config_lib.DEFAULT_RULES
   mesh = jax.sharding.AbstractMesh((1, 1, 1, 8), config_lib.MESH_AXES)
   with pytest.raises(config_lib.ConfigError, match=r"config.model.d_model=20 is not divisible by the 8 devices"):
-    expert_parallel.check_units_divide(config, mesh)
+    placement.check_units_divide(config, mesh)
 
 
 @pytest.mark.parametrize("arg, mesh_shape", [("sgatlin8,h100", (8, 1, 1, 8)), ("sgatlin4b,v5p", (4, 1, 1, 16))])

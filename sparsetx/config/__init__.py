@@ -26,6 +26,7 @@ from sparsetx.config.errors import ConfigError, one_of, positive_int, require
 from sparsetx.config.ffn_checks import (
   FFF_IMPLEMENTATIONS,
   FFF_VARIANTS,
+  FFN_CHECKS,
   FFN_TYPES,
   GPU_KERNELS,
   KERNEL_IMPLEMENTATIONS,
@@ -76,6 +77,7 @@ __all__ = [
   "DTYPES",
   "FFF_IMPLEMENTATIONS",
   "FFF_VARIANTS",
+  "FFN_CHECKS",
   "FFN_TYPES",
   "GPU_KERNELS",
   "KERNEL_IMPLEMENTATIONS",

@@ -1,7 +1,8 @@
 """The per-type checks of a feed-forward sub-config (config.model.ffn, config.model.dense_ffn).
 
 Kept apart from the cross-field checks because they belong to the feed-forward types: each type's
-fields and allowed values are listed here, and only here, until each type carries its own spec.
+fields and allowed values are checked by its own function here (`FFN_CHECKS`), which the type's FfnSpec
+(sparsetx/models/ffn/spec.py) names; config imports nothing above it, so the functions live here.
 """
 
 import math
@@ -12,7 +13,6 @@ from sparsetx.config.errors import one_of as _one_of
 from sparsetx.config.errors import positive_int as _positive_int
 from sparsetx.config.errors import require as _require
 
-FFN_TYPES = ("mlp", "swiglu", "moe", "peer", "sgatlin", "fff")
 SGATLIN_ACTIVATIONS = ("identity", "relu", "gelu", "swish")
 SGATLIN_ROUTERS = ("product", "peer")
 FFF_VARIANTS = ("fff", "fff_post")
@@ -32,59 +32,108 @@ def n_keys_for(d_ffw: int, field: str = "config.model.ffn.d_ffw") -> int:
   return n_keys
 
 
+def _check_dense_width(ffn, prefix: str) -> None:
+  _positive_int(f"{prefix}.d_ffw", ffn.d_ffw)
+
+
+def _check_gelu_choice(ffn, prefix: str) -> None:
+  choice = ffn.get("gelu_approximate", None)
+  _require(
+    choice is None or isinstance(choice, bool),
+    f"{prefix}.gelu_approximate={choice!r} must be None (the layer's official form), True (tanh) or False (exact erf).",
+  )
+
+
+def _check_product_keys(ffn, prefix: str, peer_router: bool) -> None:
+  n_keys = n_keys_for(ffn.d_ffw, f"{prefix}.d_ffw")
+  _positive_int(f"{prefix}.n_channels", ffn.n_channels)
+  _positive_int(f"{prefix}.top_k", ffn.top_k)
+  _positive_int(f"{prefix}.d_key", ffn.d_key)
+  _require(
+    ffn.top_k < n_keys,
+    f"{prefix}.top_k={ffn.top_k} must be smaller than sqrt(d_ffw)={n_keys}; lower top_k or raise d_ffw.",
+  )
+  _require(
+    not peer_router or ffn.d_key % 2 == 0,
+    f"{prefix}.d_key={ffn.d_key} must be even for the PEER router (the query is split in two halves).",
+  )
+  _check_gelu_choice(ffn, prefix)
+
+
+def _check_kernel(ffn, prefix: str) -> None:
+  _one_of(f"{prefix}.kernel.implementation", ffn.kernel.implementation, KERNEL_IMPLEMENTATIONS)
+  for field in ("token_chunk", "pair_chunk", "block_tokens", "block_d", "stages"):
+    _positive_int(f"{prefix}.kernel.{field}", ffn.kernel[field])
+  _one_of(f"{prefix}.kernel.gpu_kernel", ffn.kernel.gpu_kernel, GPU_KERNELS)
+
+
+def check_mlp(ffn: ml_collections.ConfigDict, d_model: int, prefix: str) -> None:
+  """mlp: d_ffw neurons."""
+  _check_dense_width(ffn, prefix)
+
+
+def check_swiglu(ffn: ml_collections.ConfigDict, d_model: int, prefix: str) -> None:
+  """swiglu: d_ffw gated neurons."""
+  _check_dense_width(ffn, prefix)
+
+
+def check_moe(ffn: ml_collections.ConfigDict, d_model: int, prefix: str) -> None:
+  """moe: n_experts experts of d_ffw neurons, experts_per_token of them per token, two balancing losses."""
+  _check_dense_width(ffn, prefix)
+  _positive_int(f"{prefix}.n_experts", ffn.n_experts)
+  _positive_int(f"{prefix}.experts_per_token", ffn.experts_per_token)
+  _require(
+    ffn.experts_per_token <= ffn.n_experts,
+    f"{prefix}.experts_per_token={ffn.experts_per_token} exceeds {prefix}.n_experts={ffn.n_experts}; "
+    "route each token to at most n_experts experts.",
+  )
+  for field in ("aux_loss", "router_z_loss"):
+    value = ffn.get(field, 0.0)
+    _require(
+      isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0,
+      f"{prefix}.{field}={value!r} must be a finite number >= 0 (0 turns it off).",
+    )
+
+
+def check_peer(ffn: ml_collections.ConfigDict, d_model: int, prefix: str) -> None:
+  """peer: one shared table of d_ffw (a square) neurons, n_channels heads of top_k, the PEER router."""
+  _check_product_keys(ffn, prefix, peer_router=True)
+  _check_kernel(ffn, prefix)
+
+
+def check_sgatlin(ffn: ml_collections.ConfigDict, d_model: int, prefix: str) -> None:
+  """sgatlin: n_channels tables of d_ffw (a square) neurons, top_k per channel, its activation and router."""
+  _check_product_keys(ffn, prefix, peer_router=ffn.router == "peer")
+  _one_of(f"{prefix}.activation", ffn.activation, SGATLIN_ACTIVATIONS)
+  _one_of(f"{prefix}.router", ffn.router, SGATLIN_ROUTERS)
+  _check_kernel(ffn, prefix)
+
+
+def check_fff(ffn: ml_collections.ConfigDict, d_model: int, prefix: str) -> None:
+  """fff: n_trees binary trees of the given depth, the variant and the implementation."""
+  _check_gelu_choice(ffn, prefix)
+  _require(
+    isinstance(ffn.depth, int) and ffn.depth >= 0,
+    f"{prefix}.depth={ffn.depth!r} must be an integer >= 0 (0 is a single node per tree).",
+  )
+  _positive_int(f"{prefix}.n_trees", ffn.n_trees)
+  _one_of(f"{prefix}.variant", ffn.variant, FFF_VARIANTS)
+  _one_of(f"{prefix}.implementation", ffn.implementation, FFF_IMPLEMENTATIONS)
+  _check_kernel(ffn, prefix)
+
+
+# The check of each type's fields; each type's FfnSpec (sparsetx/models/ffn) names the same function.
+FFN_CHECKS = {
+  "mlp": check_mlp,
+  "swiglu": check_swiglu,
+  "moe": check_moe,
+  "peer": check_peer,
+  "sgatlin": check_sgatlin,
+  "fff": check_fff,
+}
+FFN_TYPES = tuple(FFN_CHECKS)
+
+
 def validate_ffn(ffn: ml_collections.ConfigDict, d_model: int, prefix: str = "config.model.ffn") -> None:
   _one_of(f"{prefix}.type", ffn.type, FFN_TYPES)
-  kind = ffn.type
-  if kind in ("mlp", "swiglu", "moe"):
-    _positive_int(f"{prefix}.d_ffw", ffn.d_ffw)
-  if kind == "moe":
-    _positive_int(f"{prefix}.n_experts", ffn.n_experts)
-    _positive_int(f"{prefix}.experts_per_token", ffn.experts_per_token)
-    _require(
-      ffn.experts_per_token <= ffn.n_experts,
-      f"{prefix}.experts_per_token={ffn.experts_per_token} exceeds {prefix}.n_experts={ffn.n_experts}; "
-      "route each token to at most n_experts experts.",
-    )
-    for field in ("aux_loss", "router_z_loss"):
-      value = ffn.get(field, 0.0)
-      _require(
-        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0,
-        f"{prefix}.{field}={value!r} must be a finite number >= 0 (0 turns it off).",
-      )
-  if kind in ("peer", "sgatlin"):
-    n_keys = n_keys_for(ffn.d_ffw, f"{prefix}.d_ffw")
-    _positive_int(f"{prefix}.n_channels", ffn.n_channels)
-    _positive_int(f"{prefix}.top_k", ffn.top_k)
-    _positive_int(f"{prefix}.d_key", ffn.d_key)
-    _require(
-      ffn.top_k < n_keys,
-      f"{prefix}.top_k={ffn.top_k} must be smaller than sqrt(d_ffw)={n_keys}; lower top_k or raise d_ffw.",
-    )
-    uses_peer_router = kind == "peer" or ffn.router == "peer"
-    _require(
-      not uses_peer_router or ffn.d_key % 2 == 0,
-      f"{prefix}.d_key={ffn.d_key} must be even for the PEER router (the query is split in two halves).",
-    )
-  if kind in ("peer", "sgatlin", "fff"):
-    choice = ffn.get("gelu_approximate", None)
-    _require(
-      choice is None or isinstance(choice, bool),
-      f"{prefix}.gelu_approximate={choice!r} must be None (the layer's official form), True (tanh) or "
-      "False (exact erf).",
-    )
-  if kind == "sgatlin":
-    _one_of(f"{prefix}.activation", ffn.activation, SGATLIN_ACTIVATIONS)
-    _one_of(f"{prefix}.router", ffn.router, SGATLIN_ROUTERS)
-  if kind == "fff":
-    _require(
-      isinstance(ffn.depth, int) and ffn.depth >= 0,
-      f"{prefix}.depth={ffn.depth!r} must be an integer >= 0 (0 is a single node per tree).",
-    )
-    _positive_int(f"{prefix}.n_trees", ffn.n_trees)
-    _one_of(f"{prefix}.variant", ffn.variant, FFF_VARIANTS)
-    _one_of(f"{prefix}.implementation", ffn.implementation, FFF_IMPLEMENTATIONS)
-  if kind in ("peer", "sgatlin", "fff"):
-    _one_of(f"{prefix}.kernel.implementation", ffn.kernel.implementation, KERNEL_IMPLEMENTATIONS)
-    for field in ("token_chunk", "pair_chunk", "block_tokens", "block_d", "stages"):
-      _positive_int(f"{prefix}.kernel.{field}", ffn.kernel[field])
-    _one_of(f"{prefix}.kernel.gpu_kernel", ffn.kernel.gpu_kernel, GPU_KERNELS)
+  FFN_CHECKS[ffn.type](ffn, d_model, prefix)

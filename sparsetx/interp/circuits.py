@@ -23,10 +23,16 @@ import numpy as np
 from etils import epath
 
 from sparsetx import config as config_lib
-from sparsetx.models.ffn import fff
 from sparsetx.models.ffn.common import ACTIVATIONS, gelu_tanh
+from sparsetx.models.ffn.registry import SPECS
 
-SPARSE_TYPES = ("sgatlin", "peer", "fff", "moe")
+SPARSE_TYPES = tuple(name for name, spec in SPECS.items() if spec.circuit is not None)
+
+
+def circuit_of(cfg):
+  """The FfnSpec.circuit of the model's sparse layers (config.model.ffn), refusing a type without one."""
+  check_sparse(cfg)
+  return SPECS[cfg.ffn.type].circuit
 
 
 def check_sparse(cfg) -> None:
@@ -61,39 +67,22 @@ def check_layer(cfg, layer: int, label: str = "layer") -> None:
 def circuit_names(cfg, layer: int) -> tuple[str, str]:
   """The two standard names a layer's circuit is read from: (units, weights)."""
   check_layer(cfg, layer)
-  kind = cfg.ffn.type
-  units, weights = {"fff": ("path_nodes", "node_logits"), "moe": ("expert_ids", "expert_weights")}.get(
-    kind, ("gate_indices", "gate_scores")
-  )
-  return f"layers[{layer}].mlp.{units}", f"layers[{layer}].mlp.{weights}"
+  circuit = circuit_of(cfg)
+  return f"layers[{layer}].mlp.{circuit.units}", f"layers[{layer}].mlp.{circuit.weights}"
 
 
 def n_units(cfg) -> int:
   """Size of the flat unit space a circuit indexes."""
-  ffn = cfg.ffn
-  return {
-    "sgatlin": ffn.n_channels * ffn.d_ffw,
-    "peer": ffn.n_channels * ffn.d_ffw,
-    "fff": ffn.n_trees * fff.n_nodes(ffn.depth),
-    "moe": ffn.n_experts,
-  }[ffn.type]
+  return circuit_of(cfg).size(cfg.ffn)
 
 
 def sparse_circuit(cfg, units, weights):
   """(ids [..., S] int32, weights [..., S] float32) from a layer's traced unit ids and weights."""
-  check_sparse(cfg)
+  circuit = circuit_of(cfg)
   units = np.asarray(units)
-  kind = cfg.ffn.type
-  if kind in ("sgatlin", "peer"):  # [..., C, K]: offset each channel into its own d_ffw block
-    ids = units + cfg.ffn.d_ffw * np.arange(units.shape[-2])[:, None]
-    w = np.asarray(weights, np.float32)
-  elif kind == "fff":  # [..., P, L]: one block of n_nodes per tree; a path is a set of nodes
-    ids = units + fff.n_nodes(cfg.ffn.depth) * np.arange(units.shape[-2])[:, None]
-    w = np.ones(units.shape, np.float32)
-  else:  # moe [..., K]
-    return units.astype(np.int32), np.asarray(weights, np.float32)
-  lead = units.shape[:-2]
-  return ids.reshape(lead + (-1,)).astype(np.int32), w.reshape(lead + (-1,))
+  ids = circuit.ids(cfg.ffn, units)  # [..., G, K] -> [..., G * K], group g offset into its own block
+  w = np.asarray(weights, np.float32) if circuit.weighted else np.ones(units.shape, np.float32)
+  return ids.astype(np.int32), w.reshape(ids.shape)
 
 
 def densify(cfg, ids_NS, weights_NS) -> np.ndarray:

@@ -16,6 +16,7 @@ import dataclasses
 import re
 
 from sparsetx import config as config_lib
+from sparsetx.models.ffn.registry import SPECS
 
 ALL_FFN = None  # an entry served by every feed-forward type
 
@@ -41,7 +42,12 @@ class StandardName:
 
 
 RESIDUAL = "Residual [batch seq d_model]"
-GATES = ("sgatlin", "peer")
+
+
+def serving(name: str) -> tuple:
+  """The feed-forward types whose FfnSpec.served_names list the layers[i].mlp name `name`."""
+  return tuple(spec.name for spec in SPECS.values() if name in spec.served_names)
+
 
 REGISTRY = (
   StandardName(
@@ -87,7 +93,7 @@ REGISTRY = (
     "mlp",
     "Neurons [batch seq d_ffw]",
     "What the down projection receives: GELU(W_in x) (mlp), swish(gate)*up (swiglu)",
-    ffn_types=("mlp", "swiglu"),
+    ffn_types=serving("mlp_neurons"),
     tap=(("mlp",), "mlp_neurons"),
   ),
   StandardName(
@@ -95,7 +101,7 @@ REGISTRY = (
     "mlp",
     "GateIndices [batch seq channels top_k]",
     "Per channel, the k neurons the product-key router picked (index into the channel's d_ffw)",
-    ffn_types=GATES,
+    ffn_types=serving("gate_indices"),
     tap=(("mlp",), "gate_indices"),
   ),
   StandardName(
@@ -103,7 +109,7 @@ REGISTRY = (
     "mlp",
     "GateScores [batch seq channels top_k]",
     "The gates of those neurons: raw summed product-key scores (sgatlin), softmax over k (PEER)",
-    ffn_types=GATES,
+    ffn_types=serving("gate_scores"),
     tap=(("mlp",), "gate_scores"),
   ),
   StandardName(
@@ -112,7 +118,7 @@ REGISTRY = (
     "GateVector [batch seq channels d_ffw]",
     "The token's circuit: gate_scores scattered at gate_indices, zero elsewhere (k nonzeros per "
     "channel); derived, read-only (patch gate_indices and gate_scores)",
-    ffn_types=GATES,
+    ffn_types=serving("gate_vector"),
     patchable=False,
   ),
   StandardName(
@@ -121,7 +127,7 @@ REGISTRY = (
     "TreePath [batch seq trees path_length]",
     "The FFF circuit: per tree, the heap index of the node visited at each of the depth+1 levels; "
     "read-only (routing is the forward pass)",
-    ffn_types=("fff",),
+    ffn_types=serving("path_nodes"),
     tap=(("mlp",), "path_nodes"),
     patchable=False,
   ),
@@ -130,7 +136,7 @@ REGISTRY = (
     "mlp",
     "NodeLogits [batch seq trees path_length]",
     "z = <x, w_in> + b_in of each visited node (its sign chose the next child); read-only",
-    ffn_types=("fff",),
+    ffn_types=serving("node_logits"),
     tap=(("mlp",), "node_logits"),
     patchable=False,
   ),
@@ -139,7 +145,7 @@ REGISTRY = (
     "mlp",
     "ExpertIds [batch seq experts_per_token]",
     "The experts the MoE router picked, best first",
-    ffn_types=("moe",),
+    ffn_types=serving("expert_ids"),
     tap=(("mlp",), "expert_ids"),
   ),
   StandardName(
@@ -147,7 +153,7 @@ REGISTRY = (
     "mlp",
     "ExpertWeights [batch seq experts_per_token]",
     "Softmax over the picked experts' router logits: their mixing weights",
-    ffn_types=("moe",),
+    ffn_types=serving("expert_weights"),
     tap=(("mlp",), "expert_weights"),
   ),
   StandardName(

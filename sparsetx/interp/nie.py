@@ -31,8 +31,11 @@ from sparsetx.data import corpus
 from sparsetx.interp import circuits as circuits_lib
 from sparsetx.interp.checkpoint import START_ID, encode_prompt
 from sparsetx.interp.trace import Patch
+from sparsetx.models.ffn.registry import SPECS
 
 POSITION_SETS = ("noun_first", "noun_last", "was", "last", "all")
+# The types whose circuit a do(g = g_patch) can clamp (FfnSpec.circuit.patchable).
+PATCHABLE_TYPES = tuple(name for name, spec in SPECS.items() if spec.circuit is not None and spec.circuit.patchable)
 
 
 @dataclasses.dataclass
@@ -105,11 +108,11 @@ def fact_pairs(vocabulary, facts=None) -> PromptPairs:
 def gate_names(cfg, layer: int) -> tuple[str, str]:
   """The circuit's gates at a layer: what a do(g = g_patch) clamps."""
   kind = cfg.ffn.type
-  if kind in ("sgatlin", "peer", "moe"):
+  if SPECS[kind].circuit is not None and SPECS[kind].circuit.patchable:
     return circuits_lib.circuit_names(cfg, layer)  # refuses a mixed model's dense layer
   raise ValueError(
     f"config.model.ffn.type={kind!r} has no gates to patch (FFF routing is the forward pass; dense layers have none); "
-    "NIE patching needs sgatlin, peer or moe."
+    f"NIE patching needs one of {', '.join(PATCHABLE_TYPES)}."
   )
 
 

@@ -20,6 +20,7 @@ import optax
 
 from sparsetx.interp import circuits as circuits_lib
 from sparsetx.interp import usage
+from sparsetx.models.ffn.registry import SPECS
 from sparsetx.models.transformer import Transformer
 
 
@@ -73,7 +74,8 @@ def sweep(model, db: circuits_lib.CircuitDatabase, rows: dict, fractions=(0.0, 0
   """Validation loss against the pruned fraction of every FFF layer's nodes (visits from `db`; a mixed model's
   dense layers are left as they are)."""
   cfg = model.cfg
-  if cfg.ffn.type != "fff":
+  circuit = SPECS[cfg.ffn.type].circuit
+  if circuit is None or not circuit.tree_paths:  # FfnSpec.circuit.tree_paths: nodes of binary trees (FFF)
     raise ValueError(f"pruning removes FFF nodes; this model's config.model.ffn.type is {cfg.ffn.type!r}.")
   visits = {layer: usage.fff_visits(cfg, db, layer)[0] for layer in db.layers_L.tolist()}
   results = []

@@ -30,9 +30,11 @@ def gini(counts: np.ndarray) -> float:
 def unit_ids(cfg, db: circuits_lib.CircuitDatabase, layer: int):
   """(ids [N, S] in usage space, number of units). The circuit's flat space, except PEER, whose
   channels share one table: there a unit is a neuron, whichever channel picked it."""
-  if cfg.ffn.type == "peer":
-    return db.ids(layer) % cfg.ffn.d_ffw, cfg.ffn.d_ffw
-  return db.ids(layer), circuits_lib.n_units(cfg)
+  circuit = circuits_lib.circuit_of(cfg)
+  size = circuit.usage_units(cfg.ffn)
+  if size != circuit.size(cfg.ffn):  # FfnSpec.circuit.usage_size: a table the groups share
+    return db.ids(layer) % size, size
+  return db.ids(layer), size
 
 
 def unit_counts(cfg, db: circuits_lib.CircuitDatabase, layer: int) -> np.ndarray:
@@ -46,7 +48,7 @@ def usage_table(cfg, db: circuits_lib.CircuitDatabase) -> list[dict]:
   rows = []
   for layer in db.layers_L.tolist():
     counts = unit_counts(cfg, db, layer)
-    spread = fff_balance(cfg, db, layer)["gini"] if cfg.ffn.type == "fff" else gini(counts)
+    spread = fff_balance(cfg, db, layer)["gini"] if circuits_lib.circuit_of(cfg).tree_paths else gini(counts)
     rows.append(
       dict(
         layer=layer,

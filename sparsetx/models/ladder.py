@@ -17,22 +17,24 @@ D * V, and per feed-forward type:
   moe      D E + k 3 D F              fff     P (depth + 1) 2 D
   peer     C d_key (D + sqrt F) + C k 2 D           (per-channel query halves of d_key / 2)
   sgatlin  d_key (D + 2 C sqrt F) + C k 2 D         (PEER router: as peer)
-Norms, biases, softmax, activations and the top-k selections are not counted. Training costs
+Each type's FfnSpec (sparsetx/models/ffn/spec.py) holds its sizing rule (`ladder_size`) and these counts
+(`params`, `flops`). Norms, biases, softmax, activations and the top-k selections are not counted. Training costs
 3 x forward (forward + backward), so a budget of F FLOPs buys F / (3 * forward FLOPs) tokens.
 
 `python -m sparsetx.models.ladder [--budget 1e18] [--seq_len 2048]` prints the table for scales 2..8.
 """
 
 import argparse
-import math
 
 import ml_collections
 
 from sparsetx import config as config_lib
+from sparsetx.models.ffn import fff
+from sparsetx.models.ffn.registry import SPECS
 
 FFN_TYPES = config_lib.FFN_TYPES
 SCALES = range(2, 9)
-FFF_DEPTH = 6
+FFF_DEPTH = fff.LADDER_DEPTH
 LADDER_VOCAB = 50_304  # GPT-2 BPE (50,257 tokens) padded to a multiple of 128
 LADDER_SEQ_LEN = 2048
 
@@ -41,52 +43,40 @@ def mlp_d_ffw(d_model: int) -> int:
   return int(8 / 3 * d_model / 256) * 256
 
 
+def _spec(ffn_type: str, label: str = "feed-forward type "):
+  if ffn_type not in SPECS:
+    raise config_lib.ConfigError(f"{label}{ffn_type!r} is unknown; use one of {', '.join(FFN_TYPES)}.")
+  return SPECS[ffn_type]
+
+
+def ladder_ffn_sizes(scale: int, ffn_type: str) -> dict:
+  """The config.model.ffn fields that size `ffn_type` at a rung (each type's FfnSpec.ladder_size)."""
+  return _spec(ffn_type).ladder_size(128 * scale)
+
+
 def scaling_ladder(scale: int, ffn_type: str) -> tuple[int, int, int]:
   """(d_model, n_layers, d_ffw) exactly as Listing 2; for fff d_ffw is the total node count."""
   d_model = 128 * scale
   n_layers = 2 * scale
-  match ffn_type:
-    case "swiglu" | "mlp":
-      d_ffw = mlp_d_ffw(d_model)
-    case "moe":
-      d_ffw = d_model
-    case "peer":
-      d_ffw = (32 + 24 * scale) ** 2
-    case "sgatlin":
-      d_ffw = (16 + 12 * scale) ** 2
-    case "fff":
-      d_ffw = fff_trees(scale) * (2 ** (FFF_DEPTH + 1) - 1)
-    case _:
-      raise config_lib.ConfigError(f"feed-forward type {ffn_type!r} is unknown; use one of {', '.join(FFN_TYPES)}.")
+  sizes = ladder_ffn_sizes(scale, ffn_type)
+  d_ffw = sizes["d_ffw"] if "d_ffw" in sizes else SPECS[ffn_type].circuit.size(ml_collections.ConfigDict(sizes))
   return d_model, n_layers, d_ffw
-
-
-def fff_trees(scale: int) -> int:
-  return max(1, mlp_d_ffw(128 * scale) // 128)
 
 
 def ladder_model_config(scale: int, ffn_type: str) -> ml_collections.ConfigDict:
   """The full model config of a rung: the papers' transformer (RMSNorm pre-norm, rotary, head dim 64)."""
   if not isinstance(scale, int) or scale < 1:
     raise config_lib.ConfigError(f"ladder scale={scale!r} must be a positive integer (the paper uses 2..8).")
-  d_model, n_layers, d_ffw = scaling_ladder(scale, ffn_type)
+  d_model, n_layers, _ = scaling_ladder(scale, ffn_type)
   model = config_lib.model_defaults()
   model.update(d_model=d_model, n_layers=n_layers, vocab_size=LADDER_VOCAB, max_len=LADDER_SEQ_LEN, remat="full")
   model.ffn.type = ffn_type
-  if ffn_type == "fff":
-    model.ffn.update(depth=FFF_DEPTH, n_trees=fff_trees(scale))
-  else:
-    model.ffn.d_ffw = d_ffw
+  model.ffn.update(ladder_ffn_sizes(scale, ffn_type))
   return model
 
 
 def _norm_params(model) -> int:
   return model.d_model * (2 if model.norm == "layernorm" else 1)
-
-
-def _peer_router(ffn) -> bool:
-  """PEER's router (a query per channel) rather than sgatlin's shared query."""
-  return ffn.type == "peer" or ffn.router == "peer"
 
 
 def _layer_ffns(model) -> list:
@@ -95,31 +85,8 @@ def _layer_ffns(model) -> list:
 
 
 def ffn_params(model, ffn) -> tuple[int, int]:
-  """(total, active per token) parameters of one feed-forward layer `ffn` of `model`."""
-  D = model.d_model
-  F, bias = ffn.d_ffw, int(model.use_bias)
-  if ffn.type == "mlp":
-    total = 2 * D * F + bias * (F + D)
-    return total, total
-  if ffn.type == "swiglu":
-    total = 3 * D * F + bias * (2 * F + D)
-    return total, total
-  if ffn.type == "moe":
-    router = D * ffn.n_experts + ffn.n_experts
-    return router + ffn.n_experts * 3 * D * F, router + ffn.experts_per_token * 3 * D * F
-  if ffn.type in ("peer", "sgatlin"):
-    C, n_keys = ffn.n_channels, math.isqrt(F)
-    if _peer_router(ffn):
-      router = C * D * ffn.d_key + C * n_keys * ffn.d_key
-    else:
-      router = D * ffn.d_key + ffn.d_key * 2 * C * n_keys
-    table_rows = F if ffn.type == "peer" else C * F
-    return router + 2 * table_rows * D, router + C * ffn.top_k * 2 * D
-  if ffn.type == "fff":
-    nodes = 2 ** (ffn.depth + 1) - 1
-    per_node = 2 * D + 1
-    return ffn.n_trees * nodes * per_node + D, ffn.n_trees * (ffn.depth + 1) * per_node + D
-  raise config_lib.ConfigError(f"config.model.ffn.type={ffn.type!r} is unknown; use one of {', '.join(FFN_TYPES)}.")
+  """(total, active per token) parameters of one feed-forward layer `ffn` of `model` (its FfnSpec.params)."""
+  return _spec(ffn.type, "config.model.ffn.type=").params(model, ffn)
 
 
 def param_counts(model) -> dict:
@@ -136,27 +103,8 @@ def param_counts(model) -> dict:
 
 
 def ffn_flops(model, ffn) -> int:
-  """Forward FLOPs per token of one feed-forward layer `ffn` of `model` (2 per multiply-accumulate)."""
-  D = model.d_model
-  F = ffn.d_ffw
-  if ffn.type == "mlp":
-    macs = 2 * D * F
-  elif ffn.type == "swiglu":
-    macs = 3 * D * F
-  elif ffn.type == "moe":
-    macs = D * ffn.n_experts + ffn.experts_per_token * 3 * D * F
-  elif ffn.type in ("peer", "sgatlin"):
-    C, n_keys = ffn.n_channels, math.isqrt(F)
-    if _peer_router(ffn):
-      router = C * ffn.d_key * (D + n_keys)
-    else:
-      router = ffn.d_key * (D + 2 * C * n_keys)
-    macs = router + C * ffn.top_k * 2 * D
-  elif ffn.type == "fff":
-    macs = ffn.n_trees * (ffn.depth + 1) * 2 * D
-  else:
-    raise config_lib.ConfigError(f"config.model.ffn.type={ffn.type!r} is unknown; use one of {', '.join(FFN_TYPES)}.")
-  return 2 * macs
+  """Forward FLOPs per token of one feed-forward layer `ffn` of `model` (2 per multiply-accumulate; FfnSpec.flops)."""
+  return _spec(ffn.type, "config.model.ffn.type=").flops(model, ffn)
 
 
 def forward_flops_per_token(model, seq_len: int | None = None) -> dict:

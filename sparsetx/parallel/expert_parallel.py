@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from sparsetx import config as config_lib
 from sparsetx.config import DEFAULT_RULES, ConfigError
 from sparsetx.kernels import token_shards
 
@@ -103,11 +102,13 @@ def expert_group(logical_name: str, n_units: int, n_tokens: int, field: str):
   if mesh is None or mesh.empty:
     return None
   rules = _RULES.get()
-  group = ExpertGroup(mesh, _sized(mesh, _mesh_axes(rules, "batch")), _sized(mesh, _mesh_axes(rules, logical_name)))
+  group = ExpertGroup(
+    mesh, sized_axes(mesh, _mesh_axes(rules, "batch")), sized_axes(mesh, _mesh_axes(rules, logical_name))
+  )
   return _checked(group, n_units, n_tokens, field) if group.units else None
 
 
-def _sized(mesh, axes) -> tuple:
+def sized_axes(mesh, axes) -> tuple:
   """The mesh axes (a name, a tuple of names or None) of size > 1."""
   axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
   return tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1)
@@ -115,7 +116,7 @@ def _sized(mesh, axes) -> tuple:
 
 def active_mesh_axes(mesh, logical_name: str) -> tuple:
   """The mesh axes of size > 1 that the active rules map `logical_name` to (e.g. 'batch', 'heads')."""
-  return _sized(mesh, _mesh_axes(_RULES.get(), logical_name))
+  return sized_axes(mesh, _mesh_axes(_RULES.get(), logical_name))
 
 
 def _checked(group: ExpertGroup, n_units: int, n_tokens: int, field: str):
@@ -146,70 +147,18 @@ def table_group(table_names, unit_name, n_units: int, n_tokens: int, field: str)
   if mesh is None or mesh.empty:
     return None
   rules = _RULES.get()
-  spec = _table_spec(table_names, rules)
-  units = _sized(mesh, spec[table_names.index(unit_name)]) if unit_name else ()
-  group = ExpertGroup(mesh, _sized(mesh, _mesh_axes(rules, "batch")), units, _sized(mesh, spec[-1]))
+  spec = table_spec(table_names, rules)
+  units = sized_axes(mesh, spec[table_names.index(unit_name)]) if unit_name else ()
+  group = ExpertGroup(mesh, sized_axes(mesh, _mesh_axes(rules, "batch")), units, sized_axes(mesh, spec[-1]))
   if not group.units and not group.split:
     return None
   return _checked(group, n_units, n_tokens, field)
 
 
-def _table_spec(table_names, rules) -> tuple:
+def table_spec(table_names, rules) -> tuple:
   """The mesh axes of each dimension of a table with these logical names (flax's assignment)."""
   spec = tuple(nn.logical_to_mesh_axes(table_names, tuple(tuple(rule) for rule in rules)))
   return spec + (None,) * (len(table_names) - len(spec))
-
-
-# Per sparse layer type: the logical name of its units, their config field, and its table's logical axes.
-UNITS = {
-  "sgatlin": ("channel", "n_channels", (None, "channel", "neuron", "embed")),
-  "fff": ("tree", "n_trees", ("tree", "node", "embed")),
-  "moe": ("expert", "n_experts", ("expert", "embed", "mlp")),
-}
-# Neuron tables whose d_model may be split (`split_gated_gather`), by their logical axes.
-NEURON_TABLES = {"sgatlin": UNITS["sgatlin"][2], "peer": (None, "neuron", "embed")}
-
-
-def check_units_divide(config, mesh) -> None:
-  """Refuses a sparse layer whose units don't split evenly over their mesh axes, naming the field.
-
-  The axes are those the rules give the units in the layer's table (flax's assignment, as the
-  parameter is stored), so rules that move the expert axis to the table's d_model are honoured.
-  Both feed-forward sub-configs of a partly sparsified model are checked.
-  """
-  _check_layer_units(config, mesh, config.model.ffn, "config.model.ffn")
-  if config_lib.is_mixed(config.model):
-    _check_layer_units(config, mesh, config.model.dense_ffn, "config.model.dense_ffn")
-
-
-def _check_layer_units(config, mesh, ffn, prefix: str) -> None:
-  if ffn.type in NEURON_TABLES:
-    names = NEURON_TABLES[ffn.type]
-    axes = _sized(mesh, _table_spec(names, config.mesh.rules)[-1])
-    slices = math.prod(mesh.shape[a] for a in axes)
-    if config.model.d_model % slices:
-      raise ConfigError(
-        f"config.model.d_model={config.model.d_model} is not divisible by the {slices} devices the "
-        f"{ffn.type} table's d_model is split over ({' x '.join(f'{a}={mesh.shape[a]}' for a in axes)}); "
-        "change those mesh axes or the rules that give them to `embed`."
-      )
-  if ffn.type not in UNITS:
-    return
-  name, field, table_names = UNITS[ffn.type]
-  axes = _sized(mesh, _table_spec(table_names, config.mesh.rules)[table_names.index(name)])
-  shards = math.prod(mesh.shape[a] for a in axes)
-  if ffn[field] % shards:
-    shape = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
-    hint = ""
-    if ffn.type == "sgatlin" and shards % ffn[field] == 0:
-      hint = (
-        "; or split the table's d_model over those devices instead: put "
-        f"{', '.join(map(str, D_MODEL_SPLIT_RULES))} first in config.mesh.rules"
-      )
-    raise ConfigError(
-      f"{prefix}.{field}={ffn[field]} is not divisible by the {shards} devices of the mesh axes it is "
-      f"split over ({shape}); make it a multiple of {shards}, or move devices from those axes to data or fsdp{hint}."
-    )
 
 
 def on_token_shards(a_BT, group: ExpertGroup):

@@ -102,7 +102,8 @@ def analyse(args) -> dict:
     pairs = usage.top_pairs(cfg, db, layer)
     if pairs:
       text += ["", f"## Layer {layer}: most co-activated units (lift over independence)", "", _markdown(pairs)]
-  if cfg.ffn.type == "fff":
+  circuit = circuits.circuit_of(cfg)  # FfnSpec.circuit: which analyses apply
+  if circuit.tree_paths:
     fff_paths = usage.fff_path_table(cfg, db)
     text += ["", "## FFF paths (leaves) per tree", "", _markdown(fff_paths)]
     summary["fff_paths"] = fff_paths
@@ -145,7 +146,7 @@ def analyse(args) -> dict:
     summary["files"].append(f"embedding_layer{layer_i}.png")
     summary["embedding_method"] = points.method
 
-  if cfg.ffn.type in ("sgatlin", "peer", "moe"):
+  if circuit.patchable:
     result = nie.run(model, nie.fact_pairs(vocabulary), min_effect=args.min_effect)
     write(
       "nie.md",
@@ -164,7 +165,7 @@ def analyse(args) -> dict:
     )
     print(nie.format_table(result))
 
-  if cfg.ffn.type == "fff":
+  if circuit.tree_paths:
     visits = {layer_i: usage.fff_visits(cfg, db, layer_i)[0] for layer_i in layers}
     _plot_visits(visits, out / "fff_visits.png")
     summary["files"].append("fff_visits.png")

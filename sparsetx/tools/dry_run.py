@@ -53,6 +53,7 @@ from absl import flags  # noqa: E402
 from sparsetx import cli  # noqa: E402
 from sparsetx import config as config_lib  # noqa: E402
 from sparsetx.data import check_files  # noqa: E402
+from sparsetx.models.ffn.registry import SPECS  # noqa: E402
 from sparsetx.parallel import expert_parallel, hardware, roofline  # noqa: E402
 from sparsetx.parallel import mesh as mesh_lib  # noqa: E402
 from sparsetx.train import aot  # noqa: E402
@@ -93,7 +94,8 @@ def sweep_table_bytes(config, devices, expert_sizes) -> list:
   rows = []
   for expert in expert_sizes:
     ffn = config.model.ffn
-    units = ffn.n_channels if ffn.type == "sgatlin" else None
+    spec = SPECS[ffn.type]  # units that a d_model split can stand in for: a neuron table split by unit
+    units = ffn[spec.units.field] if spec.units is not None and spec.neuron_table is not None else None
     if units is not None and expert > units and expert % units == 0:
       sized = aot.table_bytes_by_expert(with_d_model_split(config), devices, [expert])
       rows += [(e, nbytes, "d_model") for e, nbytes in sized]

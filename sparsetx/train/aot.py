@@ -28,6 +28,7 @@ from jax._src.pallas.mosaic import tpu_info  # the chip Pallas TPU lowers for (n
 
 from sparsetx import config as config_lib
 from sparsetx.models import ladder
+from sparsetx.models.ffn import placement
 from sparsetx.parallel import expert_parallel
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import state as state_lib
@@ -352,7 +353,7 @@ def table_bytes_by_expert(config: ml_collections.ConfigDict, devices, expert_siz
     mesh_config.ici.update(data=-1, fsdp=1, tensor=1, expert=expert)
     mesh_config.dcn.update(data=1, fsdp=1, tensor=1, expert=1)
     mesh = mesh_lib.make_mesh(mesh_config, devices)
-    expert_parallel.check_units_divide(config, mesh)
+    placement.check_units_divide(config, mesh)
     shardings = mesh_lib.logical_sharding(specs, mesh, config.mesh.rules)
     abstract = jax.tree.map(
       lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), nn.unbox(boxed), shardings

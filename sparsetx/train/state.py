@@ -18,8 +18,8 @@ import ml_collections
 from flax.training import train_state
 
 from sparsetx import config as config_lib
+from sparsetx.models.ffn import placement
 from sparsetx.models.transformer import Transformer
-from sparsetx.parallel import expert_parallel
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train.optimizer import make_optimizer
 
@@ -97,7 +97,7 @@ def checked_mesh(config: ml_collections.ConfigDict, devices=None):
   units do not divide over it."""
   mesh = mesh_lib.make_mesh(config.mesh, devices)
   check_batch_divides(config, mesh)
-  expert_parallel.check_units_divide(config, mesh)
+  placement.check_units_divide(config, mesh)
   return mesh
 
 
@@ -117,6 +117,6 @@ def setup(config: ml_collections.ConfigDict, devices=None, mesh=None) -> Setup:
   if mesh is None:
     mesh = checked_mesh(config, devices)
   else:
-    expert_parallel.check_units_divide(config, mesh)
+    placement.check_units_divide(config, mesh)
   abstract, shardings, model, tx = state_shardings(config, mesh)
   return Setup(mesh, model, tx, abstract, shardings, mesh_lib.batch_sharding(mesh, config.mesh.rules))

@@ -36,6 +36,8 @@ from sparsetx import cli
 from sparsetx import config as config_lib
 from sparsetx.data import check_files
 from sparsetx.models import ladder
+from sparsetx.models.ffn import spec as ffn_spec
+from sparsetx.models.ffn.registry import SPECS
 
 LADDER_CONFIG = "configs/ladder.py"
 TRAIN_COMMAND = ("python", "-m", "sparsetx.train")
@@ -171,31 +173,16 @@ def _sizes(spec: SweepSpec, ffn_type: str) -> list[tuple[int, str, tuple[str, ..
   return sizes
 
 
-def dense_width(d_model: int) -> int:
-  """The MLP/SwiGLU width of the ladder, 8/3 d_model rounded down to a multiple of 256; below d_model 96,
-  where that is 0, rounded down to a multiple of d_model (2 d_model)."""
-  return ladder.mlp_d_ffw(d_model) or int(8 / 3 * d_model / d_model) * d_model
+dense_width = ffn_spec.dense_width  # the MLP/SwiGLU width of the ladder at any d_model
 
 
 def ffn_size_args(ffn_type: str, d_model: int) -> tuple[str, ...]:
   """The trainer flags that size `ffn_type` from d_model by the ladder's rules (sparsetx/models/ladder.py)
   at scale = d_model / 128: mlp/swiglu dense_width; sgatlin (16 + 12 scale)**2 and PEER (32 + 24 scale)**2
   neurons, rounded to a square; MoE experts d_model wide; FFF depth 6 with dense_width // 128 trees (at
-  least one). The other knobs (channels, top-k, d_key, experts) stay the base config's."""
-  scale = d_model / 128
-  match ffn_type:
-    case "mlp" | "swiglu":
-      sized = dict(d_ffw=dense_width(d_model))
-    case "sgatlin":
-      sized = dict(d_ffw=round(16 + 12 * scale) ** 2)
-    case "peer":
-      sized = dict(d_ffw=round(32 + 24 * scale) ** 2)
-    case "moe":
-      sized = dict(d_ffw=d_model)
-    case "fff":
-      sized = dict(depth=ladder.FFF_DEPTH, n_trees=max(1, dense_width(d_model) // 128))
-    case _:
-      sized = {}
+  least one). The other knobs (channels, top-k, d_key, experts) stay the base config's. Each type's
+  FfnSpec.ladder_size holds its rule."""
+  sized = SPECS[ffn_type].ladder_size(d_model) if ffn_type in SPECS else {}
   return tuple(f"--config.model.ffn.{name}={value}" for name, value in sized.items())
 
 

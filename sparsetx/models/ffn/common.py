@@ -63,3 +63,12 @@ def gelu_for(ffn):
 def activation_for(ffn):
   """sgatlin's ablation activation (`ffn.activation`), its GELU in the form `gelu_approximate` picks."""
   return gelu_for(ffn) if ffn.activation == "gelu" else ACTIVATIONS[ffn.activation]
+
+
+def gini(counts):
+  """Gini coefficient of non-negative counts along the last axis (0 = uniform, 1 = one unit takes everything)."""
+  x = jnp.sort(counts.astype(jnp.float32), axis=-1)
+  n = x.shape[-1]
+  ranks = jnp.arange(1, n + 1, dtype=jnp.float32)
+  total = jnp.maximum(x.sum(-1), 1e-9)
+  return (2.0 * (ranks * x).sum(-1) / (n * total)) - (n + 1.0) / n

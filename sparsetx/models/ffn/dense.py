@@ -4,7 +4,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sparsetx.config import ffn_checks
 from sparsetx.models.ffn.common import dense_init, gelu
+from sparsetx.models.ffn.spec import FfnSpec, dense_width
 from sparsetx.models.taps import tap
 
 
@@ -45,3 +47,37 @@ class SwiGlu(nn.Module):
     h_BTF = nn.with_logical_constraint(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "length", "mlp"))
     h_BTF = tap(self, "mlp_neurons", h_BTF)
     return _projection(self.cfg, self.cfg.d_model, ("mlp", "embed"), "wo")(h_BTF)
+
+
+def _mlp_params(model, ffn) -> tuple[int, int]:
+  total = 2 * model.d_model * ffn.d_ffw + int(model.use_bias) * (ffn.d_ffw + model.d_model)
+  return total, total
+
+
+def _swiglu_params(model, ffn) -> tuple[int, int]:
+  total = 3 * model.d_model * ffn.d_ffw + int(model.use_bias) * (2 * ffn.d_ffw + model.d_model)
+  return total, total
+
+
+MLP_SPEC = FfnSpec(
+  name="mlp",
+  module=Mlp,
+  fields=("d_ffw",),
+  check=ffn_checks.check_mlp,
+  params=_mlp_params,
+  flops=lambda model, ffn: 2 * 2 * model.d_model * ffn.d_ffw,
+  ladder_size=lambda d_model: dict(d_ffw=dense_width(d_model)),
+  served_names=("mlp_neurons",),
+  torch_class="Mlp",
+)
+SWIGLU_SPEC = FfnSpec(
+  name="swiglu",
+  module=SwiGlu,
+  fields=("d_ffw",),
+  check=ffn_checks.check_swiglu,
+  params=_swiglu_params,
+  flops=lambda model, ffn: 2 * 3 * model.d_model * ffn.d_ffw,
+  ladder_size=lambda d_model: dict(d_ffw=dense_width(d_model)),
+  served_names=("mlp_neurons",),
+  torch_class="SwiGlu",
+)

@@ -21,14 +21,18 @@ b_out and the fff_post GELU apply after the sum over trees. sparsetx/parallel/di
 form; docs/expert_parallel.md has the collectives and their bytes.
 """
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sparsetx.config import ffn_checks
 from sparsetx.kernels.gated_gather import options_from_config
 from sparsetx.kernels.reference import identity
 from sparsetx.kernels.tree_route import next_node
-from sparsetx.models.ffn.common import gelu_for, symmetric_uniform
+from sparsetx.models.ffn.common import gelu_for, gini, symmetric_uniform
+from sparsetx.models.ffn.spec import Circuit, FfnSpec, Units, dense_width
 from sparsetx.parallel import dispatch
 
 TABLE_AXES = ("tree", "node", "embed")  # w_in, w_out [P, n_nodes, d_model]
@@ -89,3 +93,62 @@ class Fff(nn.Module):
     if ffn.variant == "fff_post":
       y_BTD = gelu(y_BTD)
     return y_BTD.astype(dtype)
+
+
+LADDER_DEPTH = 6  # the FFF paper's preferred trade-off: 7 of 127 nodes per tree active (models/ladder.py)
+
+
+def fff_balance(counts_PN) -> dict:
+  """FFF routing balance from per-node visit counts [trees, 2**(depth+1) - 1] (heap order; the left child
+  of node n is 2n + 1, so every odd node is a left turn)."""
+  counts_PN = jnp.asarray(counts_PN, jnp.float32)
+  n = counts_PN.shape[-1]
+  depth = int(math.log2(n + 1)) - 1
+  leaves_PL = counts_PN[:, n // 2 :]
+  stats = dict(gini=gini(leaves_PL.reshape(-1)))
+  for level in range(1, depth + 1):
+    stats[f"gini_level_{level}"] = gini(counts_PN[:, 2**level - 1 : 2 ** (level + 1) - 1].reshape(-1))
+  stats["leftmost_leaf_share"] = (leaves_PL[:, 0] / jnp.maximum(counts_PN[:, 0], 1e-9)).mean()  # roots see every token
+  stats["left_turns"] = counts_PN[:, 1::2].sum() / jnp.maximum(counts_PN[:, 1:].sum(), 1e-9)
+  return stats
+
+
+def _usage_stats(ffn, counts_U, taps: dict, token_weights_BT) -> dict:
+  """Balance over the leaves (its Gini replaces the one over all nodes), per level, and the path entropy."""
+  P, N = ffn.n_trees, n_nodes(ffn.depth)
+  leaves_PN = counts_U.reshape(P, N)[:, N // 2 :]
+  p = leaves_PN / jnp.maximum(leaves_PN.sum(-1, keepdims=True), 1e-9)
+  entropy = -(jnp.where(p > 0, p * jnp.log2(jnp.where(p > 0, p, 1.0)), 0.0)).sum(-1)
+  return dict(**fff_balance(counts_U.reshape(P, N)), path_entropy=entropy.mean())
+
+
+def _params(model, ffn) -> tuple[int, int]:
+  per_node = 2 * model.d_model + 1  # w_in, w_out rows and b_in
+  return ffn.n_trees * n_nodes(ffn.depth) * per_node + model.d_model, ffn.n_trees * (
+    ffn.depth + 1
+  ) * per_node + model.d_model
+
+
+SPEC = FfnSpec(
+  name="fff",
+  module=Fff,
+  fields=("depth", "n_trees", "variant", "implementation", "gelu_approximate", "kernel"),
+  check=ffn_checks.check_fff,
+  params=_params,
+  flops=lambda model, ffn: 2 * ffn.n_trees * (ffn.depth + 1) * 2 * model.d_model,
+  ladder_size=lambda d_model: dict(depth=LADDER_DEPTH, n_trees=max(1, dense_width(d_model) // 128)),
+  served_names=("path_nodes", "node_logits"),
+  torch_class="Fff",
+  units=Units("tree", "n_trees", TABLE_AXES),
+  # A path is a set of nodes: one block of n_nodes per tree, every visited node weighs 1.
+  circuit=Circuit(
+    "path_nodes",
+    "node_logits",
+    size=lambda ffn: ffn.n_trees * n_nodes(ffn.depth),
+    block=lambda ffn: n_nodes(ffn.depth),
+    weighted=False,
+    patchable=False,
+    tree_paths=True,
+  ),
+  usage_stats=_usage_stats,
+)

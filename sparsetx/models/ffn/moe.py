@@ -23,7 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from sparsetx import config as config_lib
+from sparsetx.config import ffn_checks
 from sparsetx.models.ffn.common import dense_init
+from sparsetx.models.ffn.spec import Circuit, FfnSpec, Units
 from sparsetx.models.taps import tap
 from sparsetx.parallel import dispatch
 
@@ -122,3 +124,39 @@ class Moe(nn.Module):
       table_axes=TABLE_AXES,
       field="config.model.ffn.n_experts",
     )
+
+
+def _params(model, ffn) -> tuple[int, int]:
+  D, E = model.d_model, ffn.n_experts
+  router = D * E + E
+  return router + E * 3 * D * ffn.d_ffw, router + ffn.experts_per_token * 3 * D * ffn.d_ffw
+
+
+def _flops(model, ffn) -> int:
+  D = model.d_model
+  return 2 * (D * ffn.n_experts + ffn.experts_per_token * 3 * D * ffn.d_ffw)
+
+
+def _usage_stats(ffn, counts_E, taps: dict, token_weights_BT) -> dict:
+  """The busiest expert's load (1 = balanced) and, where the router logits are tapped, the balancing losses."""
+  share_E = counts_E / jnp.maximum(counts_E.sum(), 1e-9)
+  stats = dict(max_load=share_E.max() * ffn.n_experts)
+  if "router_logits" in taps:  # the balancing losses' values (weighted into the loss by config.model.ffn)
+    stats.update(balance_losses(ffn.n_experts, taps["router_logits"][0], taps["expert_ids"][0], token_weights_BT))
+  return stats
+
+
+SPEC = FfnSpec(
+  name="moe",
+  module=Moe,
+  fields=("d_ffw", "n_experts", "experts_per_token", "aux_loss", "router_z_loss"),
+  check=ffn_checks.check_moe,
+  params=_params,
+  flops=_flops,
+  ladder_size=lambda d_model: dict(d_ffw=d_model),
+  served_names=("expert_ids", "expert_weights"),
+  torch_class="Moe",
+  units=Units("expert", "n_experts", TABLE_AXES),
+  circuit=Circuit("expert_ids", "expert_weights", size=lambda ffn: ffn.n_experts, block=None),
+  usage_stats=_usage_stats,
+)

@@ -15,9 +15,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sparsetx.config import ffn_checks
 from sparsetx.kernels.gated_gather import options_from_config
 from sparsetx.models.ffn.common import gelu_for
 from sparsetx.models.ffn.product_keys import make_router
+from sparsetx.models.ffn.spec import Circuit, FfnSpec, product_key_flops, product_key_params, product_key_width
 from sparsetx.models.taps import tap
 from sparsetx.parallel import dispatch
 
@@ -60,3 +62,25 @@ class Peer(nn.Module):
       options_from_config(ffn.get("kernel")),
       gate_inside_activation=False,  # softmax scores times GELU'd neurons, as PEER's code
     )
+
+
+SPEC = FfnSpec(
+  name="peer",
+  module=Peer,
+  fields=("d_ffw", "n_channels", "top_k", "d_key", "gelu_approximate", "kernel"),
+  check=ffn_checks.check_peer,
+  params=lambda model, ffn: product_key_params(model, ffn, peer_router=True, table_rows=ffn.d_ffw),
+  flops=lambda model, ffn: product_key_flops(model, ffn, peer_router=True),
+  ladder_size=lambda d_model: dict(d_ffw=product_key_width(32, 24, d_model)),
+  served_names=("gate_indices", "gate_scores", "gate_vector"),
+  torch_class="Peer",
+  neuron_table=TABLE_AXES,
+  # Channels index one shared table: the circuit keeps (channel, neuron) apart, usage counts neurons.
+  circuit=Circuit(
+    "gate_indices",
+    "gate_scores",
+    size=lambda ffn: ffn.n_channels * ffn.d_ffw,
+    block=lambda ffn: ffn.d_ffw,
+    usage_size=lambda ffn: ffn.d_ffw,
+  ),
+)

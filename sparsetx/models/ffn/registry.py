@@ -1,21 +1,16 @@
-"""The one registry of feed-forward layers: config.model.ffn.type -> flax module class."""
+"""The one registry of feed-forward types: config.model.ffn.type -> its FfnSpec (sparsetx/models/ffn/spec.py)."""
 
-from sparsetx.models.ffn.dense import Mlp, SwiGlu
-from sparsetx.models.ffn.fff import Fff
-from sparsetx.models.ffn.moe import Moe
-from sparsetx.models.ffn.peer import Peer
-from sparsetx.models.ffn.sgatlin import Sgatlin
+from sparsetx.models.ffn import dense, fff, moe, peer, sgatlin
 
-FFN_LAYERS = {
-  "mlp": Mlp,
-  "swiglu": SwiGlu,
-  "moe": Moe,
-  "peer": Peer,
-  "sgatlin": Sgatlin,
-  "fff": Fff,
-}
+SPECS = {spec.name: spec for spec in (dense.MLP_SPEC, dense.SWIGLU_SPEC, moe.SPEC, peer.SPEC, sgatlin.SPEC, fff.SPEC)}
+FFN_LAYERS = {name: spec.module for name, spec in SPECS.items()}  # type -> flax module class
+
+
+def spec_for(ffn):
+  """The FfnSpec of a feed-forward sub-config (config.model.ffn or .dense_ffn), or of a type name."""
+  return SPECS[ffn if isinstance(ffn, str) else ffn.type]
 
 
 def make_ffn(cfg, name: str = "mlp"):
   """The feed-forward layer the model config asks for, [B,T,D] -> [B,T,D]."""
-  return FFN_LAYERS[cfg.ffn.type](cfg, name=name)
+  return SPECS[cfg.ffn.type].module(cfg, name=name)

@@ -18,9 +18,18 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sparsetx.config import ffn_checks
 from sparsetx.kernels.gated_gather import options_from_config
 from sparsetx.models.ffn.common import activation_for
 from sparsetx.models.ffn.product_keys import make_router
+from sparsetx.models.ffn.spec import (
+  Circuit,
+  FfnSpec,
+  Units,
+  product_key_flops,
+  product_key_params,
+  product_key_width,
+)
 from sparsetx.models.taps import tap
 from sparsetx.parallel import dispatch
 
@@ -60,3 +69,24 @@ class Sgatlin(nn.Module):
     return dispatch.neuron_table_gather(
       table, x_BTD, experts, idx_BTCK, gates_BTCK, activation_for(ffn), options_from_config(ffn.get("kernel"))
     )
+
+
+SPEC = FfnSpec(
+  name="sgatlin",
+  module=Sgatlin,
+  fields=("d_ffw", "n_channels", "top_k", "d_key", "activation", "gelu_approximate", "router", "kernel"),
+  check=ffn_checks.check_sgatlin,
+  params=lambda model, ffn: product_key_params(
+    model, ffn, peer_router=ffn.router == "peer", table_rows=ffn.n_channels * ffn.d_ffw
+  ),
+  flops=lambda model, ffn: product_key_flops(model, ffn, peer_router=ffn.router == "peer"),
+  ladder_size=lambda d_model: dict(d_ffw=product_key_width(16, 12, d_model)),
+  served_names=("gate_indices", "gate_scores", "gate_vector"),
+  torch_class="Sgatlin",
+  units=Units("channel", "n_channels", TABLE_AXES),
+  neuron_table=TABLE_AXES,
+  # Each channel owns its table: a unit is a (channel, neuron) pair.
+  circuit=Circuit(
+    "gate_indices", "gate_scores", size=lambda ffn: ffn.n_channels * ffn.d_ffw, block=lambda ffn: ffn.d_ffw
+  ),
+)

@@ -1,0 +1,54 @@
+"""Whether a config's sparse layers split evenly over the mesh (each type's layout: FfnSpec.units, .neuron_table).
+
+Checked before anything is compiled (training, evaluation, the ahead-of-time compile), so a bad mesh gets one
+sentence naming the field instead of a sharding error deep inside XLA.
+"""
+
+import math
+
+from sparsetx import config as config_lib
+from sparsetx.models.ffn.registry import SPECS
+from sparsetx.parallel.expert_parallel import D_MODEL_SPLIT_RULES, sized_axes, table_spec
+
+
+def check_units_divide(config, mesh) -> None:
+  """Refuses a sparse layer whose units don't split evenly over their mesh axes, naming the field.
+
+  The axes are those the rules give the units in the layer's table (flax's assignment, as the
+  parameter is stored), so rules that move the expert axis to the table's d_model are honoured.
+  Both feed-forward sub-configs of a partly sparsified model are checked.
+  """
+  _check_layer_units(config, mesh, config.model.ffn, "config.model.ffn")
+  if config_lib.is_mixed(config.model):
+    _check_layer_units(config, mesh, config.model.dense_ffn, "config.model.dense_ffn")
+
+
+def _check_layer_units(config, mesh, ffn, prefix: str) -> None:
+  spec = SPECS[ffn.type]
+  if spec.neuron_table is not None:
+    names = spec.neuron_table
+    axes = sized_axes(mesh, table_spec(names, config.mesh.rules)[-1])
+    slices = math.prod(mesh.shape[a] for a in axes)
+    if config.model.d_model % slices:
+      raise config_lib.ConfigError(
+        f"config.model.d_model={config.model.d_model} is not divisible by the {slices} devices the "
+        f"{ffn.type} table's d_model is split over ({' x '.join(f'{a}={mesh.shape[a]}' for a in axes)}); "
+        "change those mesh axes or the rules that give them to `embed`."
+      )
+  if spec.units is None:
+    return
+  name, field, table_names = spec.units.name, spec.units.field, spec.units.table_axes
+  axes = sized_axes(mesh, table_spec(table_names, config.mesh.rules)[table_names.index(name)])
+  shards = math.prod(mesh.shape[a] for a in axes)
+  if ffn[field] % shards:
+    shape = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
+    hint = ""
+    if spec.neuron_table is not None and shards % ffn[field] == 0:  # too few units: split the table's d_model
+      hint = (
+        "; or split the table's d_model over those devices instead: put "
+        f"{', '.join(map(str, D_MODEL_SPLIT_RULES))} first in config.mesh.rules"
+      )
+    raise config_lib.ConfigError(
+      f"{prefix}.{field}={ffn[field]} is not divisible by the {shards} devices of the mesh axes it is "
+      f"split over ({shape}); make it a multiple of {shards}, or move devices from those axes to data or fsdp{hint}."
+    )
