@@ -25,7 +25,7 @@ from sparsetx.models import ladder
 from sparsetx.models.ffn.registry import SPECS, make_ffn
 from sparsetx.models.ffn.spec import FfnSpec
 
-MODELING = pathlib.Path(__file__).resolve().parent.parent / "sparsetx/evaluate/hf_modeling/modeling_sparsetx.py"
+MODELING = pathlib.Path(__file__).resolve().parent.parent / "sparsetx/hf/modeling/modeling_sparsetx.py"
 REQUIRED = ("name", "module", "fields", "check", "params", "flops", "ladder_size", "served_names", "torch_class")
 
 # A small valid layer of each type (and the variants whose accounting differs).
