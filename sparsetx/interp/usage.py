@@ -17,14 +17,13 @@ Layers are the model's own indices; a mixed model's tables cover its sparse laye
 import numpy as np
 
 from sparsetx.interp import circuits as circuits_lib
-from sparsetx.models.ffn import fff
+from sparsetx.models.ffn import common, fff
 from sparsetx.train import sparse_stats
 
 
 def gini(counts: np.ndarray) -> float:
-  x = np.sort(np.asarray(counts, np.float64))
-  n = len(x)
-  return float(2.0 * (np.arange(1, n + 1) * x).sum() / (n * max(x.sum(), 1e-12)) - (n + 1.0) / n)
+  """The trainer's Gini coefficient (models.ffn.common.gini) of a 1-D count vector, as a Python float."""
+  return float(common.gini(np.asarray(counts)))
 
 
 def unit_ids(cfg, db: circuits_lib.CircuitDatabase, layer: int):
