@@ -42,20 +42,20 @@ def n_nodes(depth: int) -> int:
   return 2 ** (depth + 1) - 1
 
 
-def masked_dense_forward(x_BTD, w_in_PND, b_in_PN, depth: int):
-  """Every node's logit Z [B,T,P,N] and the path mask M [B,T,P,N] (one node per level)."""
-  z_BTPN = jnp.einsum("btd,pnd->btpn", x_BTD, w_in_PND.astype(x_BTD.dtype), preferred_element_type=jnp.float32)
-  z_BTPN = z_BTPN + b_in_PN[None, None].astype(jnp.float32)
-  frozen_BTPN = jax.lax.stop_gradient(z_BTPN)
-  node_BTP = jnp.zeros(z_BTPN.shape[:3], jnp.int32)
+def masked_dense_forward(x_BTD, w_in_PZD, b_in_PZ, depth: int):
+  """Every node's logit [B,T,P,Z] and the path mask [B,T,P,Z] (one node per level)."""
+  z_BTPZ = jnp.einsum("btd,pzd->btpz", x_BTD, w_in_PZD.astype(x_BTD.dtype), preferred_element_type=jnp.float32)
+  z_BTPZ = z_BTPZ + b_in_PZ[None, None].astype(jnp.float32)
+  frozen_BTPZ = jax.lax.stop_gradient(z_BTPZ)
+  node_BTP = jnp.zeros(z_BTPZ.shape[:3], jnp.int32)
   nodes = []
   for _ in range(depth + 1):
     nodes.append(node_BTP)
-    z_BTP = jnp.take_along_axis(frozen_BTPN, node_BTP[..., None], axis=-1)[..., 0]
+    z_BTP = jnp.take_along_axis(frozen_BTPZ, node_BTP[..., None], axis=-1)[..., 0]
     node_BTP = next_node(node_BTP, z_BTP)
   path_BTPL = jnp.stack(nodes, axis=-1)
-  mask_BTPN = jax.nn.one_hot(path_BTPL, z_BTPN.shape[-1], dtype=jnp.float32).sum(axis=-2)
-  return z_BTPN, mask_BTPN, path_BTPL
+  mask_BTPZ = jax.nn.one_hot(path_BTPL, z_BTPZ.shape[-1], dtype=jnp.float32).sum(axis=-2)
+  return z_BTPZ, mask_BTPZ, path_BTPL
 
 
 class Fff(nn.Module):
@@ -65,13 +65,13 @@ class Fff(nn.Module):
   def __call__(self, x_BTD):
     ffn = self.cfg.ffn
     P, L, D = ffn.n_trees, ffn.depth + 1, self.cfg.d_model
-    N = n_nodes(ffn.depth)
+    Z = n_nodes(ffn.depth)
     dtype, param_dtype = jnp.dtype(self.cfg.dtype), jnp.dtype(self.cfg.param_dtype)
     in_init = symmetric_uniform(1.0 / D**0.5)
-    w_in = self.param("w_in", nn.with_logical_partitioning(in_init, TABLE_AXES), (P, N, D), param_dtype)
-    b_in = self.param("b_in", nn.with_logical_partitioning(in_init, ("tree", "node")), (P, N), param_dtype)
+    w_in = self.param("w_in", nn.with_logical_partitioning(in_init, TABLE_AXES), (P, Z, D), param_dtype)
+    b_in = self.param("b_in", nn.with_logical_partitioning(in_init, ("tree", "node")), (P, Z), param_dtype)
     out_init = symmetric_uniform(1.0 / (L * P) ** 0.5)
-    w_out = self.param("w_out", nn.with_logical_partitioning(out_init, TABLE_AXES), (P, N, D), param_dtype)
+    w_out = self.param("w_out", nn.with_logical_partitioning(out_init, TABLE_AXES), (P, Z, D), param_dtype)
     b_out = self.param("b_out", nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)), (D,), param_dtype)
 
     gelu = gelu_for(ffn)
@@ -82,10 +82,10 @@ class Fff(nn.Module):
         x_BTD, w_in, b_in, w_out, ffn.depth, act, options, table_axes=TABLE_AXES, field="config.model.ffn.n_trees"
       )
     else:
-      z_BTPN, mask_BTPN, path_BTPL = masked_dense_forward(x_BTD, w_in, b_in, ffn.depth)
-      z_BTPL = jnp.take_along_axis(z_BTPN, path_BTPL, axis=-1)
-      a_BTPN = (mask_BTPN * act(z_BTPN)).astype(dtype)
-      y_BTD = jnp.einsum("btpn,pnd->btd", a_BTPN, w_out.astype(dtype), preferred_element_type=jnp.float32)
+      z_BTPZ, mask_BTPZ, path_BTPL = masked_dense_forward(x_BTD, w_in, b_in, ffn.depth)
+      z_BTPL = jnp.take_along_axis(z_BTPZ, path_BTPL, axis=-1)
+      a_BTPZ = (mask_BTPZ * act(z_BTPZ)).astype(dtype)
+      y_BTD = jnp.einsum("btpz,pzd->btd", a_BTPZ, w_out.astype(dtype), preferred_element_type=jnp.float32)
     self.sow("intermediates", "path_nodes", path_BTPL)  # recorded, not patchable: routing is the forward pass
     self.sow("intermediates", "node_logits", z_BTPL)
 
@@ -98,28 +98,28 @@ class Fff(nn.Module):
 LADDER_DEPTH = 6  # the FFF paper's preferred trade-off: 7 of 127 nodes per tree active (models/ladder.py)
 
 
-def fff_balance(counts_PN) -> dict:
+def fff_balance(counts_PZ) -> dict:
   """FFF routing balance from per-node visit counts [trees, 2**(depth+1) - 1] (heap order; the left child
   of node n is 2n + 1, so every odd node is a left turn)."""
-  counts_PN = jnp.asarray(counts_PN, jnp.float32)
-  n = counts_PN.shape[-1]
+  counts_PZ = jnp.asarray(counts_PZ, jnp.float32)
+  n = counts_PZ.shape[-1]
   depth = int(math.log2(n + 1)) - 1
-  leaves_PL = counts_PN[:, n // 2 :]
+  leaves_PL = counts_PZ[:, n // 2 :]
   stats = dict(gini=gini(leaves_PL.reshape(-1)))
   for level in range(1, depth + 1):
-    stats[f"gini_level_{level}"] = gini(counts_PN[:, 2**level - 1 : 2 ** (level + 1) - 1].reshape(-1))
-  stats["leftmost_leaf_share"] = (leaves_PL[:, 0] / jnp.maximum(counts_PN[:, 0], 1e-9)).mean()  # roots see every token
-  stats["left_turns"] = counts_PN[:, 1::2].sum() / jnp.maximum(counts_PN[:, 1:].sum(), 1e-9)
+    stats[f"gini_level_{level}"] = gini(counts_PZ[:, 2**level - 1 : 2 ** (level + 1) - 1].reshape(-1))
+  stats["leftmost_leaf_share"] = (leaves_PL[:, 0] / jnp.maximum(counts_PZ[:, 0], 1e-9)).mean()  # roots see every token
+  stats["left_turns"] = counts_PZ[:, 1::2].sum() / jnp.maximum(counts_PZ[:, 1:].sum(), 1e-9)
   return stats
 
 
 def _usage_stats(ffn, counts_U, taps: dict, token_weights_BT) -> dict:
   """Balance over the leaves (its Gini replaces the one over all nodes), per level, and the path entropy."""
-  P, N = ffn.n_trees, n_nodes(ffn.depth)
-  leaves_PN = counts_U.reshape(P, N)[:, N // 2 :]
-  p = leaves_PN / jnp.maximum(leaves_PN.sum(-1, keepdims=True), 1e-9)
+  P, Z = ffn.n_trees, n_nodes(ffn.depth)
+  leaves_PZ = counts_U.reshape(P, Z)[:, Z // 2 :]
+  p = leaves_PZ / jnp.maximum(leaves_PZ.sum(-1, keepdims=True), 1e-9)
   entropy = -(jnp.where(p > 0, p * jnp.log2(jnp.where(p > 0, p, 1.0)), 0.0)).sum(-1)
-  return dict(**fff_balance(counts_U.reshape(P, N)), path_entropy=entropy.mean())
+  return dict(**fff_balance(counts_U.reshape(P, Z)), path_entropy=entropy.mean())
 
 
 def _params(model, ffn) -> tuple[int, int]:

@@ -32,15 +32,15 @@ from sparsetx.parallel import dispatch
 TABLE_AXES = ("expert", "embed", "mlp")  # wi_gate, wi_up [E, d_model, d_ffw]; wo has ("expert", "mlp", "embed")
 
 
-def balance_losses(n_experts: int, logits_BTE, expert_ids_BTK, token_weights_BT) -> dict:
+def balance_losses(n_experts: int, logits_BTE, expert_ids_BTA, token_weights_BT) -> dict:
   """Unweighted {'aux_loss': N * sum_i f_i * P_i, 'router_z_loss': mean logsumexp(logits)**2} over the tokens
   with weight > 0 (see the module docstring)."""
   real_BT = (token_weights_BT > 0).astype(jnp.float32)
   n_real = jnp.maximum(real_BT.sum(), 1.0)
   probs_BTE = jax.nn.softmax(logits_BTE.astype(jnp.float32), axis=-1)
   p_E = (probs_BTE * real_BT[:, :, None]).sum((0, 1)) / n_real
-  picks_BTKE = jax.nn.one_hot(expert_ids_BTK, n_experts, dtype=jnp.float32) * real_BT[:, :, None, None]
-  f_E = jax.lax.stop_gradient(picks_BTKE.sum((0, 1, 2)) / jnp.maximum(picks_BTKE.sum(), 1.0))
+  picks_BTAE = jax.nn.one_hot(expert_ids_BTA, n_experts, dtype=jnp.float32) * real_BT[:, :, None, None]
+  f_E = jax.lax.stop_gradient(picks_BTAE.sum((0, 1, 2)) / jnp.maximum(picks_BTAE.sum(), 1.0))
   z_BT = jax.nn.logsumexp(logits_BTE.astype(jnp.float32), axis=-1)
   return dict(aux_loss=n_experts * jnp.sum(f_E * p_E), router_z_loss=(z_BT**2 * real_BT).sum() / n_real)
 
@@ -60,20 +60,20 @@ def balance_loss(model_cfg, intermediates: dict, token_weights_BT):
   return total
 
 
-def dispatch_experts(x_ND, expert_ids_NK, weights_NK, wi_gate_EDF, wi_up_EDF, wo_EFD, first_expert=0):
+def dispatch_experts(x_ND, expert_ids_NA, weights_NA, wi_gate_EDF, wi_up_EDF, wo_EFD, first_expert=0):
   """sum_k weights[n, k] * SwiGLU_{expert_ids[n, k]}(x[n]), computing only the routed pairs.
 
   The E experts given are ids first_expert .. first_expert + E - 1; pairs routed elsewhere sort
   after them, are left out of the grouped matmuls and contribute nothing.
   """
-  N, K = expert_ids_NK.shape
+  N, A = expert_ids_NA.shape
   E = wi_gate_EDF.shape[0]
-  local_NK = expert_ids_NK - first_expert
-  local_NK = jnp.where((local_NK >= 0) & (local_NK < E), local_NK, E)
-  expert_of_slot = local_NK.reshape(N * K)
+  local_NA = expert_ids_NA - first_expert
+  local_NA = jnp.where((local_NA >= 0) & (local_NA < E), local_NA, E)
+  expert_of_slot = local_NA.reshape(N * A)
   order = jnp.argsort(expert_of_slot, stable=True)
   group_sizes_E = jnp.bincount(expert_of_slot, length=E).astype(jnp.int32)
-  x_SD = x_ND[order // K]
+  x_SD = x_ND[order // A]
   dtype = x_ND.dtype
 
   def grouped(lhs, rhs):
@@ -81,8 +81,8 @@ def dispatch_experts(x_ND, expert_ids_NK, weights_NK, wi_gate_EDF, wi_up_EDF, wo
 
   h_SF = (jax.nn.silu(grouped(x_SD, wi_gate_EDF)) * grouped(x_SD, wi_up_EDF)).astype(dtype)
   y_SD = grouped(h_SF, wo_EFD)
-  y_NKD = y_SD[jnp.argsort(order)].reshape(N, K, -1)
-  return jnp.einsum("nkd,nk->nd", y_NKD, weights_NK.astype(jnp.float32)).astype(dtype)
+  y_NAD = y_SD[jnp.argsort(order)].reshape(N, A, -1)
+  return jnp.einsum("nad,na->nd", y_NAD, weights_NA.astype(jnp.float32)).astype(dtype)
 
 
 class Moe(nn.Module):
@@ -91,7 +91,7 @@ class Moe(nn.Module):
   @nn.compact
   def __call__(self, x_BTD):
     ffn = self.cfg.ffn
-    E, K, F, D = ffn.n_experts, ffn.experts_per_token, ffn.d_ffw, self.cfg.d_model
+    E, A, F, D = ffn.n_experts, ffn.experts_per_token, ffn.d_ffw, self.cfg.d_model
     param_dtype = jnp.dtype(self.cfg.param_dtype)
     logits_BTE = nn.Dense(
       E,
@@ -102,10 +102,10 @@ class Moe(nn.Module):
       name="router",
     )(x_BTD.astype(jnp.float32))
     self.sow("intermediates", "router_logits", logits_BTE)  # the balancing losses' input (unused ones are pruned)
-    top_logits_BTK, expert_ids_BTK = dispatch.where_tokens_are(lambda logits: jax.lax.top_k(logits, K), logits_BTE)
-    weights_BTK = jax.nn.softmax(top_logits_BTK, axis=-1)
-    expert_ids_BTK = tap(self, "expert_ids", expert_ids_BTK)
-    weights_BTK = tap(self, "expert_weights", weights_BTK)
+    top_logits_BTA, expert_ids_BTA = dispatch.where_tokens_are(lambda logits: jax.lax.top_k(logits, A), logits_BTE)
+    weights_BTA = jax.nn.softmax(top_logits_BTA, axis=-1)
+    expert_ids_BTA = tap(self, "expert_ids", expert_ids_BTA)
+    weights_BTA = tap(self, "expert_weights", weights_BTA)
 
     def table(name, shape, names):
       return self.param(
@@ -118,8 +118,8 @@ class Moe(nn.Module):
     return dispatch.expert_dispatch(
       dispatch_experts,
       x_BTD,
-      expert_ids_BTK,
-      weights_BTK,
+      expert_ids_BTA,
+      weights_BTA,
       (wi_gate, wi_up, wo),
       table_axes=TABLE_AXES,
       field="config.model.ffn.n_experts",

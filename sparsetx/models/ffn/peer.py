@@ -32,7 +32,7 @@ class Peer(nn.Module):
   @nn.compact
   def __call__(self, x_BTD):
     ffn = self.cfg.ffn
-    N, D = ffn.d_ffw, self.cfg.d_model
+    F, D = ffn.d_ffw, self.cfg.d_model
     table = dispatch.NeuronTable(TABLE_AXES, None, 1, "config.model.ffn")
     x_BTD = dispatch.place_on_token_shards(x_BTD, table)
     scores_BTCK, idx_BTCK = make_router("peer", ffn, jnp.dtype(self.cfg.param_dtype))(x_BTD)
@@ -48,7 +48,7 @@ class Peer(nn.Module):
         nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)),
         TABLE_AXES,
       ),
-      (2, N, D),
+      (2, F, D),
       jnp.dtype(self.cfg.param_dtype),
     )
     B, T = idx_BTCK.shape[:2]

@@ -50,7 +50,7 @@ class Sgatlin(nn.Module):
   @nn.compact
   def __call__(self, x_BTD):
     ffn = self.cfg.ffn
-    C, N, D = ffn.n_channels, ffn.d_ffw, self.cfg.d_model
+    C, F, D = ffn.n_channels, ffn.d_ffw, self.cfg.d_model
     table = dispatch.NeuronTable(TABLE_AXES, "channel", C, "config.model.ffn.n_channels")
     x_BTD = dispatch.place_on_token_shards(x_BTD, table)
     scores_BTCK, idx_BTCK = make_router(ffn.router, ffn, jnp.dtype(self.cfg.param_dtype))(x_BTD)
@@ -62,8 +62,8 @@ class Sgatlin(nn.Module):
 
     experts = self.param(
       "experts",
-      nn.with_logical_partitioning(table_init(N), TABLE_AXES),
-      (2, C, N, D),
+      nn.with_logical_partitioning(table_init(F), TABLE_AXES),
+      (2, C, F, D),
       jnp.dtype(self.cfg.param_dtype),
     )
     return dispatch.neuron_table_gather(
