@@ -16,6 +16,7 @@ import contextlib
 import json
 import re
 import sys
+import threading
 import time
 
 import jax
@@ -46,17 +47,23 @@ SUPERSEDED = "superseded"  # <workdir>/superseded/<time>/: the steps after a res
 _READ_FAILURE = re.compile(r"\b(NOT_FOUND|DATA_LOSS|OUT_OF_RANGE|FAILED_PRECONDITION|PERMISSION_DENIED|UNAVAILABLE)\b")
 
 
+_reported_read_failure = threading.Event()  # set once a failed read of a step became its one-line CheckpointError
+
+
 def _quiet_closed_loop_callbacks() -> None:
   """After a failed restore, tensorstore completes the reads still in flight into orbax's event loop, closed by
-  then, and each completion prints an unraisable 'Event loop is closed' traceback around the one-line error.
-  Those (and only those) are dropped once a read has started."""
+  then, and each completion prints an unraisable 'Event loop is closed' traceback around the one-line error; the
+  sibling reads of the damaged files, finalized unawaited, print the same read failure again. Those (and only
+  those: the second kind only once a read failure has been reported) are dropped once a read has started."""
   previous = sys.unraisablehook
   if getattr(previous, "drops_closed_loop_callbacks", False):
     return
 
   def hook(unraisable):
     error = unraisable.exc_value
-    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+    closed_loop = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+    reported = _reported_read_failure.is_set() and error is not None and _read_failure(error) is not None
+    if not (closed_loop or reported):
       previous(unraisable)
 
   hook.drops_closed_loop_callbacks = True
@@ -294,6 +301,7 @@ class Checkpointer:
       reason = _read_failure(error)
       if reason is None:
         raise
+      _reported_read_failure.set()
       raise self.damaged(step, f"reading it failed ({reason})") from None
 
   def restore_params(self, step: int, abstract_params):
