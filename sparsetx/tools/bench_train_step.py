@@ -13,7 +13,6 @@ does not hold (a CPU) MFU is n/a unless --peak_tflops gives the peak.
   .venv/bin/python -m sparsetx.tools.bench_train_step --types mlp sgatlin fff --scale 4 --batch 32 --seq_len 2048
 """
 
-import functools
 import statistics
 import time
 from types import SimpleNamespace
@@ -26,11 +25,8 @@ from sparsetx import cli
 from sparsetx import config as config_lib
 from sparsetx.models import ladder
 from sparsetx.parallel import expert_parallel, hardware
-from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
-from sparsetx.train.optimizer import learning_rate_schedule
-from sparsetx.train.state import check_batch_divides
 
 
 def rung_config(ffn_type: str, args) -> config_lib.ml_collections.ConfigDict:
@@ -51,10 +47,7 @@ class TypeStep:
   def __init__(self, ffn_type: str, args, devices):
     self.name = ffn_type
     config = self.config = rung_config(ffn_type, args)
-    mesh = mesh_lib.make_mesh(config.mesh, devices)
-    check_batch_divides(config, mesh)
-    abstract, shardings, model, tx = state_lib.state_shardings(config, mesh)
-    batch_sharding = mesh_lib.batch_sharding(mesh, config.mesh.rules)
+    built = state_lib.setup(config, devices)
     B, T = args.batch, args.seq_len
     tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (B, T + 1), dtype=np.int32)
     batch = dict(
@@ -64,17 +57,11 @@ class TypeStep:
       positions=np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)),
       loss_weights=np.ones((B, T), np.float32),
     )
-    self.batch = jax.device_put(batch, batch_sharding)
-    step = functools.partial(
-      step_lib.train_step, model=model, train=config.train, schedule=learning_rate_schedule(config.train)
-    )
-    with expert_parallel.activate(mesh, config.mesh.rules):
-      self.state = state_lib.create_state(config, shardings, model, tx)
-      jitted = jax.jit(
-        step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0
-      )
+    self.batch = jax.device_put(batch, built.batch_sharding)
+    with expert_parallel.activate(built.mesh, config.mesh.rules):
+      self.state = state_lib.create_state(config, built.shardings, built.model, built.tx)
       start = time.perf_counter()
-      self.step = jitted.lower(self.state, self.batch).compile()
+      self.step = step_lib.make_train_step(config, built).lower(self.state, self.batch).compile()
       self.compile_s = time.perf_counter() - start
     self.tokens = B * T
     self.model_flops = 3 * ladder.forward_flops_per_token(config.model, T)["total"] * self.tokens
