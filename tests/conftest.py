@@ -1,15 +1,24 @@
 """Test setup: 8 simulated CPU devices, float32 layer configs, and loading of config files."""
 
+import atexit
 import importlib.util
 import os
 import pathlib
+import shutil
 import tempfile
+
+# Everything the session and the programs it starts write to the temporary directory (TensorFlow's autograph
+# files, the compilation cache) goes to one directory of this process, removed when it exits: nothing is left
+# behind in /tmp.
+_SESSION_TMP = tempfile.mkdtemp(prefix="sparsetx-tests-")
+atexit.register(shutil.rmtree, _SESSION_TMP, ignore_errors=True)
+os.environ["TMPDIR"] = tempfile.tempdir = _SESSION_TMP
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One compilation cache for the session, shared with the trainer processes the tests start: the
 # same small models are compiled by many tests.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="sparsetx-jax-cache-"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(_SESSION_TMP, "jax-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
