@@ -61,6 +61,7 @@ from sparsetx.config.schema import (
   model_defaults,
   profile_steps,
   remat_policy,
+  rule_axes,
   source_patterns,
   train_defaults,
 )
@@ -74,6 +75,7 @@ __all__ = [
   "DATA_SOURCE_KINDS",
   "DATA_VOCAB_KINDS",
   "DEFAULT_RULES",
+  "rule_axes",
   "DTYPES",
   "FFF_IMPLEMENTATIONS",
   "FFF_VARIANTS",

@@ -189,6 +189,12 @@ DEFAULT_RULES = (
 )
 
 
+def rule_axes(rules, logical_name: str) -> tuple:
+  """The mesh axes a logical axis name maps to under flax-style `rules` (the first rule naming it; () if none)."""
+  axes = next((axes for name, axes in rules if name == logical_name), None)
+  return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
 def train_defaults() -> ml_collections.ConfigDict:
   """Optimizer and loop knobs; defaults are the sgatlin paper's (AdamW, WSD, clip 1.0, wd 0.1)."""
   return ml_collections.ConfigDict(

@@ -53,14 +53,11 @@ def restore(workdir: str, step: int | None = None, mesh: str = "one", tasks: lis
         sources.make_source(name, (config.data.sources or {}).get(name))
     config.mesh = mesh_config(config, mesh)
 
-  built = {}
-
   def device_mesh(config):
-    built["mesh"] = state_lib.checked_mesh(config, jax.devices()[:1] if mesh == "one" else None)
-    return built["mesh"]
+    return state_lib.checked_mesh(config, jax.devices()[:1] if mesh == "one" else None)
 
   config, params, step = checkpointing.load(workdir, step, device_mesh, adjust=adjust, full_state=True)
-  return config, built["mesh"], state_lib.build_model(config), params, step
+  return config, jax.tree.leaves(params)[0].sharding.mesh, state_lib.build_model(config), params, step
 
 
 def evaluate(config: ml_collections.ConfigDict, device_mesh, model, params, eval_batches: int | None = None) -> dict:

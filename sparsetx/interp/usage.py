@@ -18,7 +18,6 @@ import numpy as np
 
 from sparsetx.interp import circuits as circuits_lib
 from sparsetx.models.ffn import common, fff
-from sparsetx.train import sparse_stats
 
 
 def gini(counts: np.ndarray) -> float:
@@ -30,10 +29,7 @@ def unit_ids(cfg, db: circuits_lib.CircuitDatabase, layer: int):
   """(ids [N, S] in usage space, number of units). The circuit's flat space, except PEER, whose
   channels share one table: there a unit is a neuron, whichever channel picked it."""
   circuit = circuits_lib.circuit_of(cfg)
-  size = circuit.usage_units(cfg.ffn)
-  if size != circuit.size(cfg.ffn):  # FfnSpec.circuit.usage_size: a table the groups share
-    return db.ids(layer) % size, size
-  return db.ids(layer), size
+  return circuit.usage_ids(cfg.ffn, db.ids(layer)), circuit.usage_units(cfg.ffn)
 
 
 def unit_counts(cfg, db: circuits_lib.CircuitDatabase, layer: int) -> np.ndarray:
@@ -63,7 +59,7 @@ def usage_table(cfg, db: circuits_lib.CircuitDatabase) -> list[dict]:
 def fff_balance(cfg, db: circuits_lib.CircuitDatabase, layer: int) -> dict:
   """Gini over the leaves and per level, leftmost-leaf share and fraction of left turns of one FFF layer."""
   counts_PN = unit_counts(cfg, db, layer).reshape(cfg.ffn.n_trees, fff.n_nodes(cfg.ffn.depth))
-  return {name: float(value) for name, value in sparse_stats.fff_balance(counts_PN).items()}
+  return {name: float(value) for name, value in fff.fff_balance(counts_PN).items()}
 
 
 def fff_balance_table(cfg, db: circuits_lib.CircuitDatabase) -> list[dict]:

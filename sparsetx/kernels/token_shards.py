@@ -22,14 +22,7 @@ import math
 import jax
 from jax.sharding import PartitionSpec as P
 
-from sparsetx.config import DEFAULT_RULES
-
-
-def _rule_axes(rules, logical_name: str) -> tuple:
-  """The mesh axes the first rule naming `logical_name` gives it."""
-  axes = next((axes for name, axes in rules if name == logical_name), None)
-  return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-
+from sparsetx.config import DEFAULT_RULES, rule_axes
 
 _TOKEN_AXES = contextvars.ContextVar("sparsetx_token_axes", default=None)  # None: the default rules' `batch`
 
@@ -54,7 +47,7 @@ def on_token_shards(fn, per_token, *args):
   if not free:
     return fn(*args)
   axes = _TOKEN_AXES.get()
-  axes = _rule_axes(DEFAULT_RULES, "batch") if axes is None else axes
+  axes = rule_axes(DEFAULT_RULES, "batch") if axes is None else axes
   batch = tuple(a for a in axes if a in free and mesh.shape[a] > 1)
   n_tokens = next(a.shape[0] for a, split in zip(args, per_token) if split)
   tokens = P(batch) if batch and n_tokens % math.prod(mesh.shape[a] for a in batch) == 0 else P()

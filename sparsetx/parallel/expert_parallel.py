@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from sparsetx.config import DEFAULT_RULES, ConfigError
+from sparsetx.config import DEFAULT_RULES, ConfigError, rule_axes
 from sparsetx.kernels import token_shards
 
 # Put first in config.mesh.rules, these split every `embed` axis over fsdp x expert and keep channels whole:
@@ -42,20 +42,10 @@ def activate(mesh, rules=DEFAULT_RULES):
   """Mesh and logical rules in the context, so sparse layers trace their expert-parallel form."""
   token = _RULES.set(tuple(tuple(rule) for rule in rules))
   try:
-    with jax.set_mesh(mesh), token_shards.token_axes(_mesh_axes(_RULES.get(), "batch")):
+    with jax.set_mesh(mesh), token_shards.token_axes(rule_axes(_RULES.get(), "batch")):
       yield
   finally:
     _RULES.reset(token)
-
-
-def _mesh_axes(rules, logical_name: str) -> tuple:
-  """The mesh axes of a logical name under flax's rules (the first rule naming it)."""
-  for name, axes in rules:
-    if name == logical_name:
-      if axes is None:
-        return ()
-      return (axes,) if isinstance(axes, str) else tuple(axes)
-  return ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +93,7 @@ def expert_group(logical_name: str, n_units: int, n_tokens: int, field: str):
     return None
   rules = _RULES.get()
   group = ExpertGroup(
-    mesh, sized_axes(mesh, _mesh_axes(rules, "batch")), sized_axes(mesh, _mesh_axes(rules, logical_name))
+    mesh, sized_axes(mesh, rule_axes(rules, "batch")), sized_axes(mesh, rule_axes(rules, logical_name))
   )
   return _checked(group, n_units, n_tokens, field) if group.units else None
 
@@ -116,7 +106,7 @@ def sized_axes(mesh, axes) -> tuple:
 
 def active_mesh_axes(mesh, logical_name: str) -> tuple:
   """The mesh axes of size > 1 that the active rules map `logical_name` to (e.g. 'batch', 'heads')."""
-  return sized_axes(mesh, _mesh_axes(_RULES.get(), logical_name))
+  return sized_axes(mesh, rule_axes(_RULES.get(), logical_name))
 
 
 def _checked(group: ExpertGroup, n_units: int, n_tokens: int, field: str):
@@ -149,7 +139,7 @@ def table_group(table_names, unit_name, n_units: int, n_tokens: int, field: str)
   rules = _RULES.get()
   spec = table_spec(table_names, rules)
   units = sized_axes(mesh, spec[table_names.index(unit_name)]) if unit_name else ()
-  group = ExpertGroup(mesh, sized_axes(mesh, _mesh_axes(rules, "batch")), units, sized_axes(mesh, spec[-1]))
+  group = ExpertGroup(mesh, sized_axes(mesh, rule_axes(rules, "batch")), units, sized_axes(mesh, spec[-1]))
   if not group.units and not group.split:
     return None
   return _checked(group, n_units, n_tokens, field)

@@ -55,9 +55,8 @@ from sparsetx import config as config_lib  # noqa: E402
 from sparsetx.data import check_files  # noqa: E402
 from sparsetx.models.ffn.registry import SPECS  # noqa: E402
 from sparsetx.parallel import expert_parallel, hardware, roofline  # noqa: E402
-from sparsetx.parallel import mesh as mesh_lib  # noqa: E402
 from sparsetx.train import aot  # noqa: E402
-from sparsetx.train.state import check_batch_divides  # noqa: E402
+from sparsetx.train import state as state_lib  # noqa: E402
 
 _CONFIG = cli.define_config_file("config", "configs/tiny.py", "Config file, optionally with ':ARG'.")
 _DEVICES = flags.DEFINE_integer("devices", 8, "Simulated CPU devices (the mesh's size).")
@@ -129,8 +128,7 @@ def absl_main(argv):
   try:
     check_files(config_lib.validate(config))
     devices = jax.devices()[: _DEVICES.value]
-    mesh = mesh_lib.make_mesh(config.mesh, devices)
-    check_batch_divides(config, mesh)
+    mesh = state_lib.checked_mesh(config, devices)
     start = time.time()
     if _PLATFORM.value != "cpu":
       print_lowering(config, mesh, _PLATFORM.value, _CHIP.value)

@@ -19,10 +19,7 @@ import jax.numpy as jnp
 
 from sparsetx import config as config_lib
 from sparsetx.models.ffn.common import gini
-from sparsetx.models.ffn.fff import fff_balance
 from sparsetx.models.ffn.registry import SPECS
-
-__all__ = ["fff_balance", "gini", "layer_stats", "sparse_stats", "usage_counts"]
 
 
 def usage_counts(ids, weights_per_id, size: int):
@@ -37,10 +34,8 @@ def layer_stats(ffn_cfg, taps: dict, token_weights_BT) -> dict:
     return {}
   circuit = spec.circuit
   units = taps[circuit.units][0]
-  ids_BTS = circuit.ids(ffn_cfg, units, jnp)
+  ids_BTS = circuit.usage_ids(ffn_cfg, circuit.ids(ffn_cfg, units, jnp))
   size = circuit.usage_units(ffn_cfg)
-  if size != circuit.size(ffn_cfg):  # a table shared by the groups: count its rows
-    ids_BTS = ids_BTS % size
   w_BTS = jnp.broadcast_to(token_weights_BT.reshape(token_weights_BT.shape + (1,)), ids_BTS.shape)
   counts = usage_counts(ids_BTS, w_BTS, size)
   stats = dict(used=(counts > 0).mean(), gini=gini(counts))

@@ -36,7 +36,6 @@ from sparsetx import cli
 from sparsetx import config as config_lib
 from sparsetx.data import check_files
 from sparsetx.models import ladder
-from sparsetx.models.ffn import spec as ffn_spec
 from sparsetx.models.ffn.registry import SPECS
 
 LADDER_CONFIG = "configs/ladder.py"
@@ -171,9 +170,6 @@ def _sizes(spec: SweepSpec, ffn_type: str) -> list[tuple[int, str, tuple[str, ..
       name += f"_l{spec.n_layers[i]}"
     sizes.append((d_model, name, tuple(args)))
   return sizes
-
-
-dense_width = ffn_spec.dense_width  # the MLP/SwiGLU width of the ladder at any d_model
 
 
 def ffn_size_args(ffn_type: str, d_model: int) -> tuple[str, ...]:

@@ -52,6 +52,10 @@ class Circuit:
     ids = units + offsets.astype(units.dtype)
     return ids.reshape(units.shape[:-2] + (-1,))
 
+  def usage_ids(self, ffn, ids):
+    """Flat circuit ids in the usage space: modulo the shared table's size where the groups share one."""
+    return ids if self.usage_size is None else ids % self.usage_size(ffn)
+
   def usage_units(self, ffn) -> int:
     """Size of the usage space: the circuit space, or the shared table's (ids taken modulo it)."""
     return (self.usage_size or self.size)(ffn)
