@@ -11,61 +11,47 @@ Tables are flat `[R, D]`: sgatlin flattens its `(C, d_ffw)` channels into rows `
 PEER's table is shared so rows are neuron ids, FFF's rows are `tree * n_nodes + node` with the
 node bias. Gradients flow to x, both tables, the gates and the bias (through the activation).
 Dots and sums accumulate in float32; y and dx have x's dtype. A caller that already holds the
-pre-activations (FFF's walk) passes them in, and the XLA forward then gathers only w_out rows.
+pre-activations (FFF's walk) passes them in, and the forward then gathers only w_out rows.
 
-`options.implementation` picks the backend: `xla` (token-chunked gathers, xla_gather.py),
-`pallas` (on GPU mosaic_gpu.py from Hopper on or the Triton lowering pallas_gpu.py, by `options.gpu_kernel`;
-pallas_tpu.py on TPU; interpret mode elsewhere) or `auto` (pallas on GPU/TPU, xla on CPU). Every backend shares the deterministic sorted-segment table
-gradients (segment_grads.py), except the XLA path's row-sorted variant (`options.row_sorted`, used on CPU
-in float32 when gradients are taken), whose forward sorts once and whose backward walks that same order
-for every gradient (xla_gather.py). The papers' formulation stays in reference.py.
+Tables stream in the compute dtype: in a bf16 run (x bf16, tables float32 parameters) the op casts each
+table to bf16 once per call and every gather reads bf16 rows. The cast reads 4 and writes 2 bytes per table
+element; the gathers read N * S rows per pass, four passes per step (forward and backward, two tables), and
+at the ladder's sizes N * S is tens of times the table's R rows, so the copy halves the bytes of the op's
+largest term for a few percent of them. The copy is the forward's residual, so the backward does not cast
+again, and every backend already rounded float32 rows to x's dtype before multiplying: the values are
+unchanged. Table gradients stay float32 (segment_grads.py) and are returned in the parameters' dtype.
+
+`options.implementation` picks the backend (kernels/platform.py, the one platform switch): `pallas` runs the
+row kernels of Mosaic GPU (Hopper and newer), the Triton lowering (older GPUs) or Pallas TPU, composed in
+row_gather.py, each device on its own tokens (token_shards.py); `xla` runs xla_gather.py's cache-shaped scans
+(the CPU path; with gradients on CPU in float32 its row-sorted variant, whose forward sorts once and whose
+backward walks that same order for every gradient); `auto` takes pallas on GPU/TPU and xla on CPU. Table
+gradients are the deterministic sorted-segment sums (segment_grads.py) on every path but the row-sorted one.
+The papers' formulation stays in reference.py.
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from sparsetx.kernels import segment_grads, token_shards, xla_gather
+from sparsetx.kernels import platform, row_gather, segment_grads, token_shards, xla_gather
 from sparsetx.kernels.options import GPU_KERNELS, IMPLEMENTATIONS, KernelOptions, options_from_config  # noqa: F401 (API)
 from sparsetx.kernels.reference import Gating, gated_gather_reference, identity
 
 
-def _backend(options: KernelOptions):
-  """The module providing forward/backward_rows for this implementation and platform."""
-  implementation = options.implementation
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"kernel implementation={implementation!r} is unknown; use one of {IMPLEMENTATIONS}.")
-  platform = jax.default_backend()
-  if implementation == "auto":
-    implementation = "pallas" if platform in ("gpu", "tpu") else "xla"
-  if implementation == "xla":
-    return xla_gather
-  if platform == "tpu":
-    from sparsetx.kernels import pallas_tpu
-
-    return pallas_tpu
-  if _gpu_kernel(options, platform) == "mosaic":
-    from sparsetx.kernels import mosaic_gpu
-
-    return mosaic_gpu
-  from sparsetx.kernels import pallas_gpu  # Triton: GPU, or interpret mode anywhere else
-
-  return pallas_gpu
+def stream_dtype(x_dtype, table_dtype):
+  """The dtype a table's rows are read in: x's when it is the narrower float (a bf16 run), else the table's."""
+  x_dtype, table_dtype = jnp.dtype(x_dtype), jnp.dtype(table_dtype)
+  return x_dtype if x_dtype.itemsize < table_dtype.itemsize else table_dtype
 
 
-def _gpu_kernel(options, platform):
-  """mosaic on Hopper and newer (sm_90+); triton on older GPUs and, by default, in interpret mode off GPU
-  (the generic interpreter is much faster than Mosaic GPU's simulation of TMA and barriers)."""
-  choice = options.gpu_kernel
-  if choice not in GPU_KERNELS:
-    raise ValueError(f"kernel gpu_kernel={choice!r} is unknown; use one of {GPU_KERNELS}.")
-  if choice != "auto":
-    return choice
-  if platform != "gpu":
-    return "triton"
-  capability = getattr(jax.devices()[0], "compute_capability", "0")
-  return "mosaic" if float(capability) >= 9.0 else "triton"
+class TableDtypes(NamedTuple):
+  """The tables' parameter dtype (their gradients') and the dtype the kernels read them in (static)."""
+
+  param: jnp.dtype
+  stream: jnp.dtype
 
 
 def _row_sorted(options, x_ND, w_in_RD, h_given_NS):
@@ -73,68 +59,61 @@ def _row_sorted(options, x_ND, w_in_RD, h_given_NS):
   return (
     options.row_sorted
     and h_given_NS is None
-    and _backend(options) is xla_gather
-    and jax.default_backend() == "cpu"  # its scatter-adds into x-sized sums are ordered (deterministic) on CPU
+    and platform.kernel_backend(options) is None
+    and platform.on_cpu()  # its scatter-adds into x-sized sums are ordered (deterministic) on CPU
     and x_ND.dtype == jnp.float32  # bf16 would round a row picked twice by a token once, not per slot
     and xla_gather.row_sorted_fits(x_ND.shape[0], w_in_RD.shape[0])
   )
 
 
+def _ops(options):
+  """(forward, forward_from_pre_activation, backward_rows, runs_on_token_shards) of this call's backend."""
+  backend = platform.kernel_backend(options)
+  if backend is None:
+    return xla_gather.forward, xla_gather.forward_from_pre_activation, xla_gather.backward_rows, False
+  bind = lambda fn: functools.partial(fn, backend)  # noqa: E731
+  return bind(row_gather.forward), bind(row_gather.forward_from_pre_activation), bind(row_gather.backward_rows), True
+
+
+def _per_token(on_shards, fn, gating, options, per_token, *args):
+  """fn(*args, gating, options); kernels run on each device's own tokens (token_shards.py)."""
+  call = lambda *a: fn(*a, gating, options)  # noqa: E731
+  return token_shards.on_token_shards(call, per_token, *args) if on_shards else call(*args)
+
+
 def _forward_impl(gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS, for_backward):
-  backend = _backend(options)
   if for_backward and _row_sorted(options, x_ND, w_in_RD, h_given_NS):
     order = xla_gather.row_order(rows_NS, gates_NS, w_in_RD.shape[0], options.pair_chunk, gating.linear_in_gate)
     y_ND, h_P = xla_gather.row_sorted_forward(x_ND, w_in_RD, w_out_RD, order, bias_R, gating, options)
     return y_ND, (order, h_P)
-  if h_given_NS is not None and hasattr(backend, "forward_from_pre_activation"):
-    y_ND = _per_token(
-      backend,
-      backend.forward_from_pre_activation,
-      gating,
-      options,
-      (True, False, True, True, True),
-      x_ND,
-      w_out_RD,
-      rows_NS,
-      gates_NS,
-      h_given_NS,
-    )
-    return y_ND, h_given_NS
-  return _per_token(
-    backend,
-    backend.forward,
-    gating,
-    options,
-    (True, False, False, True, True, False),
-    x_ND,
-    w_in_RD,
-    w_out_RD,
-    rows_NS,
-    gates_NS,
-    bias_R,
-  )
+  forward, from_pre_activation, _, on_shards = _ops(options)
+  if h_given_NS is not None:
+    args = (x_ND, w_out_RD, rows_NS, gates_NS, h_given_NS)
+    return _per_token(
+      on_shards, from_pre_activation, gating, options, (True, False, True, True, True), *args
+    ), h_given_NS
+  args = (x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R)
+  return _per_token(on_shards, forward, gating, options, (True, False, False, True, True, False), *args)
 
 
-def _per_token(backend, fn, gating, options, per_token, *args):
-  """fn(*args, gating, options); a Pallas backend's kernels run on each device's own tokens (token_shards.py)."""
-  call = lambda *a: fn(*a, gating, options)  # noqa: E731
-  return call(*args) if backend is xla_gather else token_shards.on_token_shards(call, per_token, *args)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _gated_gather_ND(gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _gated_gather_ND(gating, options, table_dtype, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS):
   # Without a backward pass the sort does not pay for itself (the row-sorted forward alone is 0-8% slower).
+  w_in_RD, w_out_RD = w_in_RD.astype(table_dtype.stream), w_out_RD.astype(table_dtype.stream)
   return _forward_impl(gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS, False)[0]
 
 
-def _fwd(gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS):
+def _fwd(gating, options, table_dtype, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS):
+  w_in_RD, w_out_RD = (
+    w_in_RD.astype(table_dtype.stream),
+    w_out_RD.astype(table_dtype.stream),
+  )  # the streamed copies are residuals
   y_ND, h_NS = _forward_impl(gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS, True)
   return y_ND, (x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_NS, h_given_NS)
 
 
-def _bwd(gating, options, residuals, dy_ND):
+def _bwd(gating, options, table_dtype, residuals, dy_ND):
   x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_NS, h_given_NS = residuals
-  backend = _backend(options)
   dy_ND = dy_ND.astype(x_ND.dtype)
   if _row_sorted(options, x_ND, w_in_RD, h_given_NS):
     order, h_P = h_NS  # the row-sorted forward keeps its sort and the sorted pre-activations
@@ -142,9 +121,10 @@ def _bwd(gating, options, residuals, dy_ND):
       dy_ND, x_ND, h_P, w_in_RD, w_out_RD, order, bias_R is not None, gating, options
     )
   else:
+    _, _, backward_rows, on_shards = _ops(options)
     dx_ND, dgates_NS, coef_in_NS, coef_out_NS = _per_token(
-      backend,
-      backend.backward_rows,
+      on_shards,
+      backward_rows,
       gating,
       options,
       (True, True, False, False, True, True),
@@ -156,13 +136,13 @@ def _bwd(gating, options, residuals, dy_ND):
       gates_NS,
     )
     dw_in, dw_out, dbias = segment_grads.table_grads(
-      x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS, w_in_RD.shape[0], options.pair_chunk, bias_R is not None
+      x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS, w_in_RD.shape[0], options, bias_R is not None
     )
   rows_cotangent = jax.numpy.zeros(rows_NS.shape, jax.dtypes.float0)
   return (
     dx_ND.astype(x_ND.dtype),
-    dw_in.astype(w_in_RD.dtype),
-    dw_out.astype(w_out_RD.dtype),
+    dw_in.astype(table_dtype.param),
+    dw_out.astype(table_dtype.param),
     rows_cotangent,
     dgates_NS.astype(gates_NS.dtype),
     None if bias_R is None else dbias.astype(bias_R.dtype),
@@ -202,6 +182,7 @@ def gated_gather(
   y_ND = _gated_gather_ND(
     Gating(activation, bool(gate_inside_activation)),
     options,
+    TableDtypes(jnp.dtype(w_in_RD.dtype), stream_dtype(x_BTD.dtype, w_in_RD.dtype)),
     x_BTD.reshape(-1, D),
     w_in_RD,
     w_out_RD,

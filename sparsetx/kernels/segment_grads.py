@@ -1,15 +1,21 @@
 """Table gradients of the gated gather by sorting (token, slot) pairs by row and summing segments.
 
-dW_in[r] = sum over pairs (t, s) with rows[t, s] == r of coef_in[t, s] * x[t], and likewise for
-W_out with dy. Pairs are sorted by row once (shared by both tables and the bias); a `lax.scan`
-over chunks of sorted pairs then adds each chunk into float32 accumulators with
-`indices_are_sorted=True`. Sorted order keeps the accumulator rows being written close together
-(faster than the unsorted scatter-add: docs/kernels.md), the result is deterministic, and nothing is
-ever accumulated in bf16.
+dW_in[r] = sum over pairs (t, s) with rows[t, s] == r of coef_in[t, s] * x[t], and likewise for W_out with
+dy. Pairs are sorted by row once (shared by both tables and the bias), then summed per row in float32:
+deterministic, each row written once, nothing accumulated in bf16 (the shape of FBGEMM's table-batched
+embedding backward).
+
+- On a GPU or TPU the sums are one `segment_sums` kernel per table (platform.kernel_backend): a program owns a
+  tile of rows and walks each row's contiguous range of sorted pairs. No atomics, no loop outside the kernel.
+- On a CPU (the XLA path) a `lax.scan` adds cache-sized chunks of sorted pairs into the float32 accumulators
+  with `indices_are_sorted=True`; sorted order keeps the rows being written close together (faster than the
+  unsorted scatter-add: docs/kernels.md). Elsewhere the XLA path adds all pairs in one step.
 """
 
 import jax
 import jax.numpy as jnp
+
+from sparsetx.kernels import platform
 
 _INT32_LIMIT = 2**31 - 1
 
@@ -27,15 +33,34 @@ def sort_pairs(rows_P, n_rows):
   return order_P, sorted_rows_P
 
 
-def table_grads(x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS, n_rows, pair_chunk, with_bias):
+def row_starts(sorted_rows_P, n_rows):
+  """[R + 1] int32: row r's pairs are [starts[r], starts[r + 1]) of the sorted order.
+
+  An unrolled binary search (log2 P gathers of R + 1 values): no device loop, unlike the default scan method."""
+  boundaries = jnp.arange(n_rows + 1, dtype=jnp.int32)
+  return jnp.searchsorted(sorted_rows_P, boundaries, side="left", method="scan_unrolled").astype(jnp.int32)
+
+
+def table_grads(x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS, n_rows, options, with_bias):
   """(dW_in [R, D], dW_out [R, D], dbias [R] or None), all float32."""
   n_tokens, n_slots = rows_NS.shape
-  n_pairs = n_tokens * n_slots
   order_P, sorted_rows_P = sort_pairs(rows_NS.reshape(-1), n_rows)
   token_P = order_P // n_slots
   coef_in_P = coef_in_NS.reshape(-1)[order_P]
   coef_out_P = coef_out_NS.reshape(-1)[order_P]
+  backend = platform.kernel_backend(options)
+  if backend is not None:
+    starts_R1 = row_starts(sorted_rows_P, n_rows)
+    dw_in, dbias = backend.segment_sums(x_ND, token_P, coef_in_P, starts_R1, options, with_coef_sums=with_bias)
+    dw_out, _ = backend.segment_sums(dy_ND, token_P, coef_out_P, starts_R1, options)
+    return dw_in, dw_out, dbias
+  return _scan_table_grads(x_ND, dy_ND, sorted_rows_P, token_P, coef_in_P, coef_out_P, n_rows, options, with_bias)
 
+
+def _scan_table_grads(x_ND, dy_ND, sorted_rows_P, token_P, coef_in_P, coef_out_P, n_rows, options, with_bias):
+  """The XLA path: sorted scatter-adds, `platform.cpu_chunk(options.pair_chunk)` pairs per scan step."""
+  n_pairs = sorted_rows_P.shape[0]
+  pair_chunk = platform.cpu_chunk(options.pair_chunk, n_pairs)
   n_padded = -(-n_pairs // pair_chunk) * pair_chunk
   pad = n_padded - n_pairs
   # Padding pairs point one past the last row (dropped) with zero coefficients; order stays sorted.

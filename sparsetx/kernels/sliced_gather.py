@@ -4,9 +4,11 @@ Runs inside a `jax.shard_map` (sparsetx/parallel/dispatch.py sets it up): each d
 `d-slice` of both tables and of its tokens' x, and the dots <w_in[row], x> are partial. Summed over the
 split axes (`axes`, a psum of [tokens, slots] float32 scalars) they are whole before the activation and
 the gate act on them, which is why the split is exact; the gated w_out rows then give this device's
-d-slice of y. The dots and sums are the XLA gather's (xla_gather.py: token-chunked row gathers, float32
-accumulation) and the table gradients its sorted-segment sums (segment_grads.py); the Pallas kernels
-have no partial-dot entry point. docs/expert_parallel.md has the collectives and their sizes.
+d-slice of y. The partial dots and the gated sums are the backend's row kernels on a GPU or TPU
+(row_gather.dots / accumulate: a partial dot is a row_dots over the slice) and the XLA gather's cache-sized
+token-chunk scans on a CPU (kernels/platform.py chooses); the table gradients are the sorted-segment sums
+(segment_grads.py). Tables stream in the compute dtype as in the gated gather (gated_gather.py).
+docs/expert_parallel.md has the collectives and their sizes.
 """
 
 import functools
@@ -15,42 +17,61 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparsetx.kernels import segment_grads, xla_gather
+from sparsetx.kernels import platform, row_gather, segment_grads, token_shards, xla_gather
+from sparsetx.kernels.gated_gather import TableDtypes, stream_dtype
+
+
+def _scan_chunks(step, arrays, options):
+  """[h, ...]: step(*chunk) over the tokens in `platform.cpu_chunk(options.token_chunk)` chunks."""
+  n_tokens = arrays[0].shape[0]
+  chunks = xla_gather.chunked(arrays, platform.cpu_chunk(options.token_chunk, n_tokens))
+  _, out = jax.lax.scan(lambda _, chunk: (None, step(*chunk)), None, chunks)
+  return xla_gather.unchunk(out, n_tokens)
 
 
 def rows_dot(options, a_hd, table_Rd, rows_hS):
-  """[h, S]: <a[t], table[rows[t, s]]> in float32, `token_chunk` tokens' rows gathered at a time."""
-
-  def step(_, chunk):
-    a_cd, rows_cS = chunk
-    return None, xla_gather.pre_activation(a_cd, table_Rd, rows_cS, None)[0]
-
-  _, dots = jax.lax.scan(step, None, xla_gather.chunked([a_hd, rows_hS], options.token_chunk))
-  return xla_gather.unchunk(dots, a_hd.shape[0])
+  """[h, S]: <a[t], table[rows[t, s]]> in float32 (rows rounded to a's dtype)."""
+  backend = platform.kernel_backend(options)
+  if backend is None:
+    return _scan_chunks(
+      lambda a_cd, rows_cS: xla_gather.pre_activation(a_cd, table_Rd, rows_cS, None)[0], [a_hd, rows_hS], options
+    )
+  call = lambda a, table, rows: row_gather.dots(backend, a, table, rows, options)  # noqa: E731
+  return token_shards.on_token_shards(call, (True, False, True), a_hd, table_Rd, rows_hS)
 
 
 def rows_sum(options, coef_hS, table_Rd, rows_hS, dtype):
-  """[h, d]: sum_s coef[t, s] * table[rows[t, s]] in float32 (factors in `dtype`), chunked like `rows_dot`."""
+  """[h, d] float32: sum_s coef[t, s] * table[rows[t, s]], both factors rounded to `dtype`, float32 sums
+  (kept float32: the unit-split sums these partial outputs over devices before rounding)."""
+  backend = platform.kernel_backend(options)
+  if backend is None:
+    step = lambda coef_cS, rows_cS: xla_gather.weighted_rows(coef_cS, table_Rd, rows_cS, dtype)  # noqa: E731
+    return _scan_chunks(step, [coef_hS, rows_hS], options)
+  table_Rd = table_Rd.astype(dtype)  # rows in dtype, summed into float32
 
-  def step(_, chunk):
-    coef_cS, rows_cS = chunk
-    return None, xla_gather.weighted_rows(coef_cS, table_Rd, rows_cS, dtype)
+  def call(coef, table, rows):
+    return row_gather.accumulate(backend, coef.astype(dtype), table, rows, jnp.float32, options)
 
-  _, sums = jax.lax.scan(step, None, xla_gather.chunked([coef_hS, rows_hS], options.token_chunk))
-  return xla_gather.unchunk(sums, coef_hS.shape[0])
+  return token_shards.on_token_shards(call, (True, False, True), coef_hS, table_Rd, rows_hS)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def sliced_gated_gather(gating, options, axes, x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS):
   """y [h, d] float32: this device's d-slice of the gated gather, the partial dots summed over mesh `axes`.
 
-  `gating` is a reference.Gating, `options` a KernelOptions (token chunk of the gathers, pair chunk of the
-  table gradients); x_hd, w_in_Rd, w_out_Rd are d-slices, rows_hS and gates_hS whole.
+  `gating` is a reference.Gating, `options` a KernelOptions; x_hd, w_in_Rd, w_out_Rd are d-slices, rows_hS and
+  gates_hS whole.
   """
-  return _forward(gating, options, axes, x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS)[0]
+  dtypes = TableDtypes(jnp.dtype(w_in_Rd.dtype), stream_dtype(x_hd.dtype, w_in_Rd.dtype))
+  return _sliced(gating, options, axes, dtypes, x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS)
 
 
-def _forward(gating, options, axes, x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _sliced(gating, options, axes, dtypes, x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS):
+  return _forward(gating, options, axes, dtypes, x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS)[0]
+
+
+def _forward(gating, options, axes, dtypes, x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS):
+  w_in_Rd, w_out_Rd = w_in_Rd.astype(dtypes.stream), w_out_Rd.astype(dtypes.stream)  # residuals: no second cast
   partial_hS = rows_dot(options, x_hd, w_in_Rd, rows_hS)
   h_hS = jax.lax.psum(partial_hS, axes) if axes else partial_hS
   a_hS = gating.value(h_hS, gates_hS.astype(jnp.float32))
@@ -58,7 +79,7 @@ def _forward(gating, options, axes, x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS):
   return y_hd, (x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS, h_hS)
 
 
-def _backward(gating, options, axes, residuals, dy_hd):
+def _backward(gating, options, axes, dtypes, residuals, dy_hd):
   """Gradients as the gated gather's (sorted-segment table sums), with the d-group's sums made explicit.
 
   <dy, w_out[row]> is partial on a d-slice: summed over the d-group it drives dL/dh (the same on
@@ -73,16 +94,14 @@ def _backward(gating, options, axes, residuals, dy_hd):
   a_hS, da_dh_hS, da_dg_hS = gating.value_and_slopes(h_hS, gates_hS.astype(jnp.float32))
   coef_in_hS = da_dh_hS * dyw_hS
   dx_hd = rows_sum(options, coef_in_hS, w_in_Rd, rows_hS, x_hd.dtype)
-  dw_in, dw_out, _ = segment_grads.table_grads(
-    x_hd, dy_hd, rows_hS, coef_in_hS, a_hS, w_in_Rd.shape[0], options.pair_chunk, False
-  )
+  dw_in, dw_out, _ = segment_grads.table_grads(x_hd, dy_hd, rows_hS, coef_in_hS, a_hS, w_in_Rd.shape[0], options, False)
   return (
     dx_hd.astype(x_hd.dtype),
-    dw_in.astype(w_in_Rd.dtype),
-    dw_out.astype(w_out_Rd.dtype),
+    dw_in.astype(dtypes.param),
+    dw_out.astype(dtypes.param),
     np.zeros(rows_hS.shape, jax.dtypes.float0),
     (da_dg_hS * dyw_partial_hS).astype(gates_hS.dtype),
   )
 
 
-sliced_gated_gather.defvjp(_forward, _backward)
+_sliced.defvjp(_forward, _backward)

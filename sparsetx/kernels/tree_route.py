@@ -9,9 +9,11 @@ logit. Two facts make it fast on a CPU (and they hold on accelerators too):
   more matmul with the activations of the visited nodes (every other node masked to 0, as masked-dense
   does for all nodes). A dense level costs more than a gathered one as the levels widen, so the
   crossover sits at a few levels (docs/kernels.md).
-- Deeper levels gather one `w_in` row per (token, tree) per level inside a `lax.scan` over token
-  chunks of about `WALK_ROWS_PER_CHUNK` rows, which stay in cache (neither one gather over all tokens
-  nor a materialized [tokens, P, D] does).
+- Deeper levels gather one `w_in` row per (token, tree) per level. On a GPU or TPU each level is one
+  row_dots kernel launch (row_gather.dots: P rows per token, the level's logits), so the walk is depth - 2
+  launches whatever the token count. On a CPU the levels run inside a `lax.scan` over token chunks of about
+  `WALK_ROWS_PER_CHUNK` rows, which stay in cache (neither one gather over all tokens nor a materialized
+  [tokens, P, D] does); kernels/platform.py makes that choice.
   Their logits are handed to the gated gather as its pre-activations, so the output pass gathers only
   `w_out` rows; the gated gather's backward gives every gradient of those nodes (x, w_in, b_in, w_out).
 
@@ -22,7 +24,8 @@ the visited nodes flow through the dense matmul (top levels) and the gated gathe
 import jax
 import jax.numpy as jnp
 
-from sparsetx.kernels.gated_gather import gated_gather
+from sparsetx.kernels import platform, row_gather, token_shards
+from sparsetx.kernels.gated_gather import gated_gather, stream_dtype
 from sparsetx.kernels.xla_gather import chunked, unchunk
 
 DENSE_LEVELS = 3  # levels computed by one matmul (7 nodes per tree) before the walk starts gathering
@@ -34,16 +37,37 @@ def next_node(node, z):
   return 2 * node + 1 + (z > 0).astype(node.dtype)
 
 
+def _walk_with_kernels(backend, options, x_ND, w_in_PMD, b_in_PM, node_NP, n_levels):
+  """Walks n_levels levels down from node_NP with one row_dots launch per level; nodes and logits [N, P, n_levels]."""
+  P, M, D = w_in_PMD.shape
+  w_in_RD = w_in_PMD.reshape(P * M, D).astype(stream_dtype(x_ND.dtype, w_in_PMD.dtype))
+  offset_P = M * jnp.arange(P, dtype=jnp.int32)
+  tree_P = jnp.arange(P)
+
+  def level_logits(x_nD, w_RD, rows_nP):
+    return row_gather.dots(backend, x_nD, w_RD, rows_nP, options)
+
+  nodes, logits = [], []
+  for _level in range(n_levels):
+    rows_NP = node_NP + offset_P[None, :]
+    z_NP = token_shards.on_token_shards(level_logits, (True, False, True), x_ND, w_in_RD, rows_NP)
+    z_NP = z_NP + b_in_PM[tree_P, node_NP].astype(jnp.float32)
+    nodes.append(node_NP)
+    logits.append(z_NP)
+    node_NP = next_node(node_NP, z_NP)
+  return jnp.stack(nodes, -1), jnp.stack(logits, -1)
+
+
 def _walk_gathered(x_ND, w_in_PMD, b_in_PM, node_NP, n_levels, rows_per_chunk):
   """Walks n_levels levels down from node_NP, gathering one w_in row per (token, tree) per level.
 
-  A `lax.scan` over chunks of tokens keeps a chunk's gathered rows (about rows_per_chunk of them) in cache.
-  Returns the nodes and logits [N, P, n_levels].
+  A `lax.scan` over chunks of tokens keeps a chunk's gathered rows (about rows_per_chunk of them) in cache
+  on a CPU (elsewhere one chunk holds every token). Returns the nodes and logits [N, P, n_levels].
   """
   n_tokens = x_ND.shape[0]
   P = w_in_PMD.shape[0]
   tree_P = jnp.arange(P)
-  x_KcD, node_KcP = chunked([x_ND, node_NP], max(1, rows_per_chunk // P))
+  x_KcD, node_KcP = chunked([x_ND, node_NP], platform.cpu_chunk(max(1, rows_per_chunk // P), n_tokens))
 
   def walk(_, xs):
     x_cD, node_cP = xs
@@ -61,7 +85,9 @@ def _walk_gathered(x_ND, w_in_PMD, b_in_PM, node_NP, n_levels, rows_per_chunk):
   return unchunk(path, n_tokens), unchunk(z, n_tokens)
 
 
-def tree_paths(x_ND, w_in_PMD, b_in_PM, depth, dense_levels=DENSE_LEVELS, rows_per_chunk=WALK_ROWS_PER_CHUNK):
+def tree_paths(
+  x_ND, w_in_PMD, b_in_PM, depth, dense_levels=DENSE_LEVELS, rows_per_chunk=WALK_ROWS_PER_CHUNK, options=None
+):
   """Path node ids [N, P, depth + 1] (int32) and their logits [N, P, depth + 1] (float32), no gradient.
 
   Also returns the top levels' logits of every node [N, P, 2**top - 1] (float32, differentiable; None
@@ -85,7 +111,11 @@ def tree_paths(x_ND, w_in_PMD, b_in_PM, depth, dense_levels=DENSE_LEVELS, rows_p
       node_NP = next_node(node_NP, z_NP)
   if L > top:
     x_ND, w_in_PMD, b_in_PM = jax.lax.stop_gradient((x_ND, w_in_PMD, b_in_PM))
-    deep_path, deep_z = _walk_gathered(x_ND, w_in_PMD, b_in_PM, node_NP, L - top, rows_per_chunk)
+    backend = None if options is None else platform.kernel_backend(options)
+    if backend is None:
+      deep_path, deep_z = _walk_gathered(x_ND, w_in_PMD, b_in_PM, node_NP, L - top, rows_per_chunk)
+    else:
+      deep_path, deep_z = _walk_with_kernels(backend, options, x_ND, w_in_PMD, b_in_PM, node_NP, L - top)
     nodes.append(deep_path)
     logits.append(deep_z)
   return jnp.concatenate(nodes, -1), jnp.concatenate(logits, -1), z_top_NPM
@@ -97,7 +127,7 @@ def sparse_forward(x_ND, w_in_PMD, b_in_PM, w_out_PMD, depth, activation, option
   L = depth + 1
   top = min(dense_levels, L)
   n_top = 2**top - 1
-  path_NPL, z_NPL, z_top_NPM = tree_paths(x_ND, w_in_PMD, b_in_PM, depth, dense_levels)
+  path_NPL, z_NPL, z_top_NPM = tree_paths(x_ND, w_in_PMD, b_in_PM, depth, dense_levels, options=options)
   y_ND = jnp.zeros(x_ND.shape, jnp.float32)
   if top:
     # Each level visits one node of its own level, so the one-hot rows of the top path never overlap.

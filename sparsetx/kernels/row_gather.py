@@ -1,0 +1,60 @@
+"""The gated gather on a GPU or TPU, composed from one backend's two row kernels.
+
+  row_dots:        dots[s, t] = <lhs[t], table[rows[s, t]]>            (forward: x . w_in; backward: dy . w_out;
+                                                                        FFF's walk: x . w_in per level)
+  row_accumulate:  out[t]     = sum_s coef[s, t] * table[rows[s, t]]    (forward: y from w_out; backward: dx from w_in)
+
+Each backend (mosaic_gpu.py, pallas_gpu.py, pallas_tpu.py) provides both with the same meaning; the per-slot
+arithmetic between them (activation, gate, its slopes) is elementwise on [N, S] and stays in XLA: N * S floats,
+against N * S * D gathered values. A forward is two launches, a backward two more, with no loop around them.
+Per-slot arrays travel to the kernels transposed ([S, N]) so a slot is a contiguous row of a token block, and
+tokens are padded to whole 64-token blocks (Mosaic GPU's register tile; the other backends take any count).
+"""
+
+import jax.numpy as jnp
+
+from sparsetx.kernels.xla_gather import pad_rows
+
+BLOCK_TOKENS = 64
+
+
+def _padded(n_tokens, *arrays_N):
+  n_padded = -(-n_tokens // BLOCK_TOKENS) * BLOCK_TOKENS
+  return [pad_rows(a, n_padded) for a in arrays_N]
+
+
+def dots(backend, lhs_ND, table_RD, rows_NS, options):
+  """[N, S] float32: <lhs[t], table[rows[t, s]]>, the table's rows rounded to lhs's dtype. Padding tokens read row 0."""
+  n_tokens = lhs_ND.shape[0]
+  lhs_pD, rows_pS = _padded(n_tokens, lhs_ND, rows_NS)
+  return backend.row_dots(lhs_pD, table_RD, rows_pS.T, options).T[:n_tokens]
+
+
+def accumulate(backend, coef_NS, table_RD, rows_NS, out_dtype, options):
+  """[N, D] out_dtype: sum_s coef[t, s] * table[rows[t, s]], float32 sums. Padding tokens have coefficient 0."""
+  n_tokens = coef_NS.shape[0]
+  coef_pS, rows_pS = _padded(n_tokens, coef_NS.astype(jnp.float32), rows_NS)
+  return backend.row_accumulate(coef_pS.T, table_RD, rows_pS.T, out_dtype, options)[:n_tokens]
+
+
+def forward(backend, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options):
+  """y [N, D] (x's dtype) and the pre-activations h [N, S] (float32, kept for the backward)."""
+  h_NS = dots(backend, x_ND, w_in_RD, rows_NS, options)
+  if bias_R is not None:
+    h_NS = h_NS + bias_R[rows_NS].astype(jnp.float32)
+  return forward_from_pre_activation(backend, x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating, options), h_NS
+
+
+def forward_from_pre_activation(backend, x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating, options):
+  """y [N, D] from given pre-activations h [N, S]: only w_out rows are gathered (FFF's walk has the logits)."""
+  a_NS = gating.value(h_NS, gates_NS.astype(jnp.float32)).astype(x_ND.dtype)
+  return accumulate(backend, a_NS, w_out_RD, rows_NS, x_ND.dtype, options)
+
+
+def backward_rows(backend, dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options):
+  """dx [N, D], dgates, coef_in = dL/dh and coef_out = a(h, gate) ([N, S] float32), as xla_gather.backward_rows."""
+  dyw_NS = dots(backend, dy_ND, w_out_RD, rows_NS, options)
+  a_NS, da_dh_NS, da_dg_NS = gating.value_and_slopes(h_NS, gates_NS.astype(jnp.float32))
+  coef_in_NS = da_dh_NS * dyw_NS
+  dx_ND = accumulate(backend, coef_in_NS.astype(dy_ND.dtype), w_in_RD, rows_NS, dy_ND.dtype, options)
+  return dx_ND, da_dg_NS * dyw_NS, coef_in_NS, a_NS
