@@ -52,7 +52,7 @@ def ffn_defaults() -> ml_collections.ConfigDict:
           token_chunk=4,  # xla: tokens whose gathered rows exist at once (2-8 fastest on CPU)
           pair_chunk=2048,  # table gradients: sorted (token, slot) pairs added per step
           block_tokens=8,  # pallas (triton): tokens per program
-          block_d=128,  # pallas (mosaic gpu): d_model chunk per gathered row copy (largest fitting divisor)
+          block_d=128,  # pallas on gpu: d_model chunk (largest fitting divisor; triton: a power of two)
           stages=3,  # pallas (mosaic gpu): gathered [64, block_d] tiles in flight
           gpu_kernel="auto",  # pallas on GPU: mosaic | triton | auto (mosaic on sm_90+, triton before)
           row_sorted=True,  # xla on CPU: training walks (token, slot) pairs in table-row order (kernels/xla_gather.py)

@@ -17,7 +17,7 @@ class KernelOptions(NamedTuple):
   token_chunk: int = 4  # xla path: tokens whose gathered rows exist at once
   pair_chunk: int = 2048  # table gradients: sorted (token, slot) pairs added per step
   block_tokens: int = 8  # pallas (triton): tokens per program (grid step)
-  block_d: int = 128  # pallas (mosaic gpu): d_model chunk of one gathered row copy
+  block_d: int = 128  # pallas on gpu: d_model chunk (mosaic: one gathered row copy; triton: a power of two <= it)
   stages: int = 3  # pallas (mosaic gpu): gathered [64, block_d] tiles in flight
   gpu_kernel: str = "auto"  # pallas on GPU: mosaic (Hopper and newer) | triton | auto (mosaic from sm_90)
   interpret: bool = False  # pallas: run the kernels in interpret mode (tests on CPU)

@@ -1,22 +1,31 @@
-"""Pallas GPU kernels of the gated gather (Triton lowering), forward and token-side backward.
+"""Pallas GPU kernels of the gated gather (Triton lowering): the row kernels every backend provides and the fused
+forward / token-side backward.
 
-One program handles `block_tokens` tokens and walks their S slots: per slot it gathers the block's
-w_in and w_out rows straight from the tables in HBM (one row per token, no [tokens, S, D] copy),
-dots, gates and accumulates in float32 registers. Per-slot arrays travel transposed ([S, N]) so a
-slot is a contiguous row of the block. The table gradients are the shared sorted-segment sums
-(segment_grads.py).
+Row kernels (the interface every GPU/TPU backend shares; callers compose the gather's passes from them):
+
+  row_dots:        dots[s, t] = <lhs[t], table[rows[s, t]]>            one program per block of tokens
+  row_accumulate:  out[t]     = sum_s coef[s, t] * table[rows[s, t]]    one program per (token block, d chunk)
+  segment_sums:    sums[r]    = sum_{p in row r} coefs[p] * values[tokens[p]]   (the table gradient)
+
+A per-token row gather is an indexed pointer load here, so each program walks its S slots gathering one
+table row chunk per token straight from HBM (no [tokens, S, D] copy) and sums in float32 registers.
+segment_sums takes pairs sorted by row: a program owns a tile of SEGMENT_ROWS rows and one d chunk and walks
+the tile's pair ranges together (step k adds each row's k-th pair, masked past a row's end), so every output
+row is summed in pair order and written once: deterministic, no atomics, no scatter. FFF's bias gradient
+(the coefficient sums) comes from the same walk.
+
+Triton needs power-of-two array shapes: tokens are padded to a power-of-two block, rows to whole tiles, and
+d_model is walked in power-of-two chunks (the largest dividing it, at most kernel.block_d), so the row kernels
+take any d_model that is a multiple of 128 and any power of two. The fused `forward` / `backward_rows` still
+load whole [tokens, D] blocks: they need a power-of-two D on GPU (interpret mode takes any D).
 
 Mosaic GPU (mosaic_gpu.py) is the kernel for Hopper and newer; this Triton lowering, still supported by the
 pinned JAX (0.10.x), serves older GPUs (A100) and `kernel.gpu_kernel=triton`, and off GPU its generic
-interpreter is the fast way to check a Pallas path on CPU. A per-token row gather is an indexed pointer load
-here, so no TMA row copies are needed.
+interpreter is the fast way to check a Pallas path on CPU.
 
 The calls pass Triton compiler params explicitly: in JAX 0.10 a `pl.pallas_call` without them is lowered
 by Mosaic GPU (`jax_pallas_use_mosaic_gpu` defaults to True), which would stage the whole tables into
 shared memory. Triton lowers neither erf nor erfc, so the activation runs through kernel_math.lowerable.
-
-Triton needs power-of-two block shapes: S and the block of tokens are padded here (padding slots
-have gate 0 and contribute nothing); D must be a power of two on GPU (interpret mode takes any D).
 """
 
 import jax
@@ -42,6 +51,157 @@ def _layout(x_ND, rows_NS, per_slot, block_tokens):
 
 def _interpret():
   return jax.default_backend() != "gpu"
+
+
+SEGMENT_ROWS = 16  # segment_sums: table rows one program owns (a power of two)
+
+
+def _round_up(n, multiple):
+  return -(-n // multiple) * multiple
+
+
+def _d_chunk(d_model, options):
+  """The d_model chunk a load moves: the largest power of two <= kernel.block_d that divides d_model."""
+  chunk = 1
+  while 2 * chunk <= options.block_d and d_model % (2 * chunk) == 0:
+    chunk *= 2
+  return chunk
+
+
+def _token_blocks(n_tokens, options, *arrays_SN):
+  """Block size (a power of two), padded token count and the per-slot [S, N] arrays padded to it (row 0, zeros)."""
+  bt = _next_pow2(options.block_tokens)
+  n_padded = _round_up(n_tokens, bt)
+  return bt, n_padded, [jnp.pad(a, ((0, 0), (0, n_padded - n_tokens))) for a in arrays_SN]
+
+
+def row_dots(lhs_ND, table_RD, rows_SN, options):
+  """dots [S, N] float32: <lhs[t], table[rows[s, t]]>, table rows rounded to lhs's dtype, float32 sums."""
+  n_tokens, d_model = lhs_ND.shape
+  n_slots = rows_SN.shape[0]
+  dtype = lhs_ND.dtype
+  bt, n_padded, (rows_Sp,) = _token_blocks(n_tokens, options, rows_SN.astype(jnp.int32))
+  lhs_pD = jnp.pad(lhs_ND, ((0, n_padded - n_tokens), (0, 0)))
+  chunk = _d_chunk(d_model, options)
+
+  def kernel(lhs_ref, rows_ref, table_ref, dots_ref):
+    def slot(s, carry):
+      rows_b = rows_ref[s, :]
+      dots_b = jnp.zeros((bt,), jnp.float32)
+      for c in range(0, d_model, chunk):  # unrolled: the chunks' gathers are independent loads in flight
+        lhs_bC = lhs_ref[:, pl.ds(c, chunk)].astype(jnp.float32)
+        table_bC = table_ref[rows_b, pl.ds(c, chunk)].astype(dtype).astype(jnp.float32)
+        dots_b = dots_b + jnp.sum(lhs_bC * table_bC, axis=1)
+      dots_ref[s, :] = dots_b
+      return carry
+
+    jax.lax.fori_loop(0, n_slots, slot, 0)
+
+  dots_Sp = pl.pallas_call(
+    kernel,
+    grid=(n_padded // bt,),
+    in_specs=[
+      pl.BlockSpec((bt, d_model), lambda i: (i, 0)),
+      pl.BlockSpec((n_slots, bt), lambda i: (0, i)),
+      pl.BlockSpec(table_RD.shape, lambda i: (0, 0)),
+    ],
+    out_specs=pl.BlockSpec((n_slots, bt), lambda i: (0, i)),
+    out_shape=jax.ShapeDtypeStruct((n_slots, n_padded), jnp.float32),
+    interpret=_interpret() or options.interpret,
+    compiler_params=pltriton.CompilerParams(),
+    name="row_dots",
+  )(lhs_pD, rows_Sp, table_RD)
+  return dots_Sp[:, :n_tokens]
+
+
+def row_accumulate(coef_SN, table_RD, rows_SN, out_dtype, options):
+  """out [N, D] in out_dtype: sum_s coef[s, t] * table[rows[s, t]] (rows rounded to out_dtype, float32 sums)."""
+  n_slots, n_tokens = coef_SN.shape
+  n_rows, d_model = table_RD.shape
+  out_dtype = jnp.dtype(out_dtype)
+  bt, n_padded, (coef_Sp, rows_Sp) = _token_blocks(
+    n_tokens, options, coef_SN.astype(jnp.float32), rows_SN.astype(jnp.int32)
+  )
+  chunk = _d_chunk(d_model, options)
+
+  def kernel(coef_ref, rows_ref, table_ref, out_ref):
+    def slot(s, acc_bC):
+      table_bC = table_ref[rows_ref[s, :], :].astype(out_dtype).astype(jnp.float32)
+      return acc_bC + coef_ref[s, :][:, None] * table_bC
+
+    out_ref[...] = jax.lax.fori_loop(0, n_slots, slot, jnp.zeros((bt, chunk), jnp.float32)).astype(out_dtype)
+
+  slot_block = pl.BlockSpec((n_slots, bt), lambda i, j: (0, i))
+  out_pD = pl.pallas_call(
+    kernel,
+    grid=(n_padded // bt, d_model // chunk),
+    in_specs=[slot_block, slot_block, pl.BlockSpec((n_rows, chunk), lambda i, j: (0, j))],
+    out_specs=pl.BlockSpec((bt, chunk), lambda i, j: (i, j)),
+    out_shape=jax.ShapeDtypeStruct((n_padded, d_model), out_dtype),
+    interpret=_interpret() or options.interpret,
+    compiler_params=pltriton.CompilerParams(),
+    name="row_accumulate",
+  )(coef_Sp, rows_Sp, table_RD)
+  return out_pD[:n_tokens]
+
+
+def segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sums=False):
+  """(sums [R, D] float32, coef sums [R] float32 or None) of pairs sorted by row: row r owns the pairs
+  [starts[r], starts[r + 1]); sums[r] = sum coefs[p] * values[tokens[p]], coef_sums[r] = sum coefs[p]."""
+  n_tokens, d_model = values_ND.shape
+  n_rows = starts_R1.shape[0] - 1
+  tile = SEGMENT_ROWS
+  r_padded = max(tile, _round_up(n_rows, tile))
+  starts_R1 = starts_R1.astype(jnp.int32)
+  # Padding rows own no pairs; a pair array is never empty (a zero-size operand has no pointer to load from).
+  begins_R, ends_R = (jnp.pad(a, (0, r_padded - n_rows)) for a in (starts_R1[:-1], starts_R1[1:]))
+  n_pairs = max(1, tokens_P.shape[0])
+  tokens_P, coefs_P = (jnp.pad(a, (0, n_pairs - a.shape[0])) for a in (tokens_P.astype(jnp.int32), coefs_P))
+  coefs_P = coefs_P.astype(jnp.float32)
+  chunk = _d_chunk(d_model, options)
+
+  def kernel(begins_ref, ends_ref, tokens_ref, coefs_ref, values_ref, sums_ref, *coef_sums_ref):
+    begins_T, ends_T = begins_ref[...], ends_ref[...]
+    columns_1C = jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
+
+    def pair(k, carry):
+      sums_TC, coef_sums_T = carry
+      p_T = begins_T + k
+      live_T = p_T < ends_T  # rows shorter than k + 1 pairs add exact zeros (masked loads, nothing read)
+      token_T = pltriton.load(tokens_ref.at[p_T], mask=live_T, other=0)
+      coef_T = pltriton.load(coefs_ref.at[p_T], mask=live_T, other=0.0)
+      live_TC = jnp.broadcast_to(live_T[:, None], (tile, chunk))
+      values_TC = pltriton.load(values_ref.at[token_T[:, None], columns_1C], mask=live_TC, other=0.0)
+      return sums_TC + coef_T[:, None] * values_TC.astype(jnp.float32), coef_sums_T + coef_T
+
+    init = (jnp.zeros((tile, chunk), jnp.float32), jnp.zeros((tile,), jnp.float32))
+    sums_TC, coef_sums_T = jax.lax.fori_loop(0, jnp.max(ends_T - begins_T), pair, init)
+    sums_ref[...] = sums_TC
+    if with_coef_sums:
+
+      @pl.when(pl.program_id(1) == 0)  # one d chunk's program writes them
+      def _():
+        coef_sums_ref[0][...] = coef_sums_T
+
+  row_block = pl.BlockSpec((tile,), lambda i, j: (i,))
+  whole_pairs = pl.BlockSpec((n_pairs,), lambda i, j: (0,))
+  out_specs = [pl.BlockSpec((tile, chunk), lambda i, j: (i, j))]
+  out_shape = [jax.ShapeDtypeStruct((r_padded, d_model), jnp.float32)]
+  if with_coef_sums:
+    out_specs.append(row_block)
+    out_shape.append(jax.ShapeDtypeStruct((r_padded,), jnp.float32))
+  outs = pl.pallas_call(
+    kernel,
+    grid=(r_padded // tile, d_model // chunk),
+    in_specs=[row_block, row_block, whole_pairs, whole_pairs, pl.BlockSpec((n_tokens, chunk), lambda i, j: (0, j))],
+    out_specs=out_specs,
+    out_shape=out_shape,
+    interpret=_interpret() or options.interpret,
+    compiler_params=pltriton.CompilerParams(),
+    name="segment_sums",
+  )(begins_R, ends_R, tokens_P, coefs_P, values_ND)
+  sums_RD = outs[0][:n_rows]
+  return sums_RD, (outs[1][:n_rows] if with_coef_sums else None)
 
 
 def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options):
