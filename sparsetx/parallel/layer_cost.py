@@ -76,6 +76,7 @@ class LayerCost:
   tokens: int  # own tokens per device
   phases: tuple
   collectives: tuple
+  table_bytes: float = 0.0  # the layer's tables (weights) on the device in the compute dtype, as the kernels read them
 
   @property
   def nbytes(self) -> float:
@@ -122,6 +123,7 @@ class _Builder:
   def __init__(self, remat: str):
     self.remat = remat
     self.phases, self.collectives = [], []
+    self.table_bytes = 0.0
 
   def forward_runs(self, dot: bool) -> int:
     if self.remat == "none":
@@ -160,7 +162,7 @@ class _Builder:
     self.collective("all-reduce", elements * F32, replicas, "gradients over replicas")
 
   def cost(self, name, tokens) -> LayerCost:
-    return LayerCost(name, tokens, tuple(self.phases), tuple(self.collectives))
+    return LayerCost(name, tokens, tuple(self.phases), tuple(self.collectives), self.table_bytes)
 
 
 def _gather(bld: _Builder, N, S, d, b, R, with_bias=False, forward_dots=True):
@@ -237,6 +239,7 @@ def _neuron_table(bld, model, ffn, n, E, G, b, devices):
   R, d = c * F, D // G
   N, S = n * E * G, (C // E) * k
   bld.cast(2 * R * d, b)
+  bld.table_bytes = 2 * R * d * b
   _gather(bld, N, S, d, b, R)
   if peer:  # per-channel queries and sub-keys, split with the channels
     replicated, split = 0, (C * D * ffn.d_key + C * n_keys * ffn.d_key) // E
@@ -276,6 +279,7 @@ def _fff(bld, model, ffn, n, E, G, b, devices):
   n_top, deep = 2**top - 1, L - top
   N, R = n * E, P * Z
   bld.cast(2 * R * D, b)
+  bld.table_bytes = 2 * R * D * b
   bld.collective("all-gather", R * 2 * D * F32, G, "tables over fsdp (FSDP)", forward=True)
   bld.collective("reduce-scatter", R * 2 * D * F32 / G, G, "table gradients over fsdp (FSDP)")
   if top:
@@ -305,6 +309,7 @@ def _moe(bld, model, ffn, n, E, G, b, devices):
   bld.matmul("router", n, D, X, b, F32, F32)
   bld.add("router top-k", n * X * F32 + n * A * (F32 + INDEX), n * X * TOP_K_OPS_PER_SCORE, forward=True)
   bld.cast(weights, b)
+  bld.table_bytes = weights * b
   bld.collective("all-gather", weights * F32, G, "expert weights over fsdp (FSDP)", forward=True)
   bld.collective("reduce-scatter", weights * F32 / G, G, "expert weight gradients over fsdp (FSDP)")
   bld.add("dispatch: sort the group's pairs", RADIX_PASSES * pairs_all * RADIX_BYTES_PER_PAIR * 2, 0, forward=True)
@@ -337,6 +342,7 @@ def _dense(bld, model, ffn, n, E, G, b, devices):
   ins = 2 if ffn.type == "swiglu" else 1
   weights = (ins + 1) * D * F
   bld.cast(weights, b)
+  bld.table_bytes = weights * b
   bld.collective("all-gather", weights * F32, G, "weights over fsdp (FSDP)", forward=True)
   bld.collective("reduce-scatter", weights * F32 / G, G, "weight gradients over fsdp (FSDP)")
   bld.matmul("in projection" + ("s (gate, up)" if ins == 2 else ""), n, D, ins * F, b, b, b)
@@ -508,16 +514,19 @@ def ladder_rows(scales=(2, 5, 8), ffn_types=("sgatlin", "fff", "moe", "mlp"), to
 
 
 def format_ladder(rows) -> str:
-  """A markdown table of ladder_rows: per-layer time (us) and HBM-bound share on each chip."""
+  """A markdown table of ladder_rows: per-layer time (us), its HBM-bound and collective shares on each chip."""
   chips = list(hardware.CHIPS.values())
-  head = " | ".join(f"{_short(c)} us (HBM)" for c in chips)
+  head = " | ".join(f"{_short(c)} us (HBM, comm)" for c in chips)
   lines = [
-    f"| type | scale | E | GB moved | GFLOP | {head} |",
-    "|---|---:|---:|---:|---:|" + "---:|" * len(chips),
+    f"| type | scale | E | tables MB | GB moved | GFLOP | {head} |",
+    "|---|---:|---:|---:|---:|---:|" + "---:|" * len(chips),
   ]
   for ffn_type, scale, E, cost, times in rows:
-    cells = " | ".join(f"{t.total_s * 1e6:,.0f} ({t.hbm_share:.0%})" for t in times)
-    lines.append(f"| {ffn_type} | {scale} | {E} | {cost.nbytes / 1e9:.2f} | {cost.flops / 1e9:,.0f} | {cells} |")
+    cells = " | ".join(f"{t.total_s * 1e6:,.0f} ({t.hbm_share:.0%}, {t.comm_s / t.total_s:.0%})" for t in times)
+    lines.append(
+      f"| {ffn_type} | {scale} | {E} | {cost.table_bytes / 1e6:,.1f} | {cost.nbytes / 1e9:.2f} | {cost.flops / 1e9:,.0f}"
+      f" | {cells} |"
+    )
   return "\n".join(lines)
 
 
