@@ -316,3 +316,59 @@ def test_ladder_table_has_every_type_scale_and_chip():
   assert [(t, s, E) for t, s, E, _, _ in rows] == [("sgatlin", 2, 8), ("fff", 2, 4), ("moe", 2, 8), ("mlp", 2, 1)]
   text = layer_cost.format_ladder(rows)
   assert text.count("\n") == 1 + len(rows) and "| sgatlin | 2 | 8 |" in text
+
+
+def test_remainder_forward_matmuls_are_the_ladder_accounting():
+  """The rest of the step: attention projections and kernel per block and the head, as models/ladder.py counts
+  their forward FLOPs (2 (4 D^2 + 2 T D) per token and block, 2 D V for the head), for the own tokens."""
+  from sparsetx.models import ladder
+
+  config = config_lib.default_config()
+  config.model.update(d_model=64, n_layers=3, head_dim=32, vocab_size=512, remat="none")
+  config.data.update(global_batch_size=8, seq_len=32)
+  mesh = dict(data=8, fsdp=1, tensor=1, expert=1)
+  got = phases(layer_cost.remainder_cost(config, mesh))
+  forward = ("3 x attention q, k, v", "3 x attention out", "3 x attention kernel", "head")
+  counts = ladder.forward_flops_per_token(config.model, 32)
+  assert sum(got[name][1] for name in forward) == 32 * (counts["attention"] + counts["head"])
+  # the head: [32, 64] bf16 x [64, 512] bf16 -> float32 logits
+  assert got["head"][0] == 32 * 64 * 2 + 64 * 512 * 2 + 32 * 512 * 4
+
+
+def test_dry_run_tool_prints_the_layer_table_for_a_lowered_target():
+  """python -m sparsetx.tools.dry_run --platform=cuda (lowered, not compiled; about 10 s on the micro model)."""
+  import subprocess
+  import sys
+
+  from conftest import REPO
+
+  micro = [
+    "--config.model.d_model=32",
+    "--config.model.n_layers=2",
+    "--config.model.head_dim=32",
+    "--config.model.max_len=16",
+    "--config.model.ffn.n_channels=8",
+    "--config.model.ffn.d_ffw=64",
+    "--config.model.ffn.top_k=2",
+    "--config.model.ffn.d_key=8",
+    "--config.data.seq_len=16",
+    "--config.data.global_batch_size=8",
+    "--config.data.eval_batch_size=8",
+    "--config.mesh.ici.data=2",
+    "--config.mesh.ici.expert=4",
+  ]
+  result = subprocess.run(
+    [sys.executable, "-m", "sparsetx.tools.dry_run", "--config=configs/tiny.py:sgatlin", "--platform=cuda", *micro],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert result.returncode == 0, result.stderr
+  text = result.stdout
+  assert "gated_gather_forward" in text  # the lowered program's kernels, then the analytic table
+  assert "sgatlin feed-forward (layers 0..1; per layer and device, 16 tokens" in text
+  assert "  all-gather /4: x to the expert group " in text and "  gather bwd row_accumulate (dx) " in text
+  assert "no compiled program (lowered only)" in text
+  rows = [line.split() for line in text.splitlines() if line.startswith(("  H100", "  H200", "  TPU"))]
+  assert [" ".join(r[:2]) for r in rows] == ["H100 SXM", "H200 SXM", "TPU v5p", "TPU v6e"]

@@ -12,13 +12,14 @@ sgatlin / PEER's d-split gather; for the other types the FSDP split of their wei
 dtype, 4 of float32 (parameters, gradients, scores, dots). A gather kernel sees N = n E G tokens (the group's,
 gathered) with S rows each, of D / G values: N S D / G = n E S D values per table, whatever G.
 
-Kernels, as the accelerator paths run them (sparsetx/kernels):
-  row_dots        reads N S rows (D/G values, dtype b), the lhs (N x D/G, b) and N S int32 row ids; writes N S float32
-  row_accumulate  reads N S rows, N S ids and N S float32 coefficients; writes N x D/G (b)
-  forward = row_dots (h = <w_in, x>) + row_accumulate (y); backward = row_dots (dy . w_out, writing dgate, coef_in,
-  coef_out) + row_accumulate (dx from w_in); table gradients = a sort of the N S (row, pair) int32 keys (a radix
-  sort: RADIX_PASSES passes, each reading and writing RADIX_BYTES_PER_PAIR per pair) and segment sums (x and dy
-  rows in b, per pair its token id and two coefficients, two float32 tables R x D/G written, R = rows on the device).
+Kernels, as the accelerator paths run them (sparsetx/kernels), on N S rows of D/G values in dtype b with int32 ids:
+  forward   row_dots (h = <w_in, x>)       reads the rows, x (N x D/G, b), the ids; writes h (float32 per pair)
+            row_accumulate (y)             reads the rows, the ids, h and the gates; writes y (N x D/G, b)
+  backward  row_dots (dy . w_out)          reads the rows, dy, the ids, h and the gates; writes dgate, coef_in, coef_out
+            row_accumulate (dx from w_in)  reads the rows, the ids, coef_in; writes dx
+  table gradients: a sort of the N S (row, pair) int32 keys (a radix sort: RADIX_PASSES passes, each reading and
+  writing RADIX_BYTES_PER_PAIR per pair) and segment sums (x and dy rows in b, per pair its token id and two
+  coefficients; two float32 tables R x D/G written, R = the table rows on the device).
   A run whose compute dtype is narrower than float32 first casts each table once per step (reads 4, writes b per
   element). The optimizer (AdamW, float32) reads param, grad and two moments and writes three per element.
 A matmul [m, k] x [k, n] moves m k + k n inputs and m n outputs; its backward is two matmuls (dx: dy w^T,
@@ -28,7 +29,11 @@ matmul outputs, so only the non-matmul forward phases (kernels, top-k, sorts) an
 MoE assumes balanced routing (n k pairs per device on average; dropless dispatch gathers all N k pairs).
 
 Not modeled: the tensor axis (assumed 1), micro-batches (one pass of the batch), norms, biases of dense layers,
-kernel tiling overheads and latencies (peak rates: a lower bound, like roofline.py).
+kernel tiling overheads and latencies (peak rates: a lower bound, like roofline.py), caches: every picked row is
+read from HBM, though a device's table slice can fit in a GPU's L2 at small scales (docs/kernels.md).
+
+`remainder_cost` models the rest of the step the same way (attention, head, embedding, their optimizer), so
+roofline.project_analytic can project a whole step without the CPU-compiled program's counts.
 
 `python -m sparsetx.parallel.layer_cost` prints docs/kernels.md's table (ladder scales 2, 5, 8; 32,768 tokens
 per device, expert group 8).

@@ -136,6 +136,8 @@ ANALYTIC_TITLE = (
   "  overlapped: step = max(sum of phase times, comm); serial: step = sum of phase times + comm;"
   " phase time = max(FLOPs / peak, bytes / bandwidth)"
 )
+LOWERED_ONLY = "collectives outside the feed-forward layers from the compiled program"
+LOWERED_ONLY_NOTE = "no compiled program (lowered only): collectives outside the feed-forward layers not counted"
 
 
 def format_projections(projections: list[Projection], title: str = COMPILED_TITLE) -> str:

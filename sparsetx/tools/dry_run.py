@@ -138,7 +138,10 @@ def print_analytic(config, mesh, chips, report=None) -> None:
   rest = roofline.outside_ffn(report.collectives) if report is not None else ()
   parts = layer_cost.step_parts(config, mesh_shape)
   projections = [roofline.project_analytic(c, parts, tokens, model_flops, mesh.size, rest) for c in chips]
-  print(roofline.format_projections(projections, roofline.ANALYTIC_TITLE))
+  title = roofline.ANALYTIC_TITLE
+  if report is None:
+    title = title.replace(roofline.LOWERED_ONLY, roofline.LOWERED_ONLY_NOTE)
+  print(roofline.format_projections(projections, title))
 
 
 def absl_main(argv):
