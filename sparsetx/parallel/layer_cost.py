@@ -8,7 +8,8 @@ roofline.collective_seconds. A phase is HBM-bound when its bytes take longer tha
 
 Notation (per device and train step): n own tokens, E the expert group (the mesh axes splitting the layer's units,
 which also split the batch under the default rules), G the d-group (the axes splitting a neuron table's d_model:
-sgatlin / PEER's d-split gather; for the other types the FSDP split of their weights), b bytes of the compute
+sgatlin / PEER's d-split gather; for the other types the FSDP split of their weights; both groups are taken to split
+the batch too, as the default rules' expert and fsdp axes do), b bytes of the compute
 dtype, 4 of float32 (parameters, gradients, scores, dots). A gather kernel sees N = n E G tokens (the group's,
 gathered) with S rows each, of D / G values: N S D / G = n E S D values per table, whatever G.
 
