@@ -147,12 +147,22 @@ def test_dry_run_tool_prints_the_projected_step_time_per_target():
     timeout=300,
   )
   assert result.returncode == 0, result.stderr
-  rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("  H100", "  H200", "  TPU"))]
+  compiled, analytic = result.stdout.split("projected step time, analytic")
+  rows = [line.split() for line in compiled.splitlines() if line.startswith(("  H100", "  H200", "  TPU"))]
   assert [" ".join(r[:2]) for r in rows] == ["H100 SXM", "H200 SXM", "TPU v5p", "TPU v6e"]
   for row in rows:
     compute, memory, comm, overlap = (float(v) for v in row[2:6])
     assert overlap == pytest.approx(max(compute, memory, comm), rel=1e-2) and overlap > 0  # printed to 3 digits
     assert float(row[8]) == pytest.approx(max(compute, memory) + comm, rel=1e-2)
+  # the per-layer analytic table (sparsetx/parallel/layer_cost.py) and the step projected from it
+  assert "sgatlin feed-forward (layers 0..1; per layer and device, 16 tokens" in compiled
+  assert "  gather fwd row_dots " in compiled and "  HBM-bound share of the layer time" in compiled
+  rows = [line.split() for line in analytic.splitlines() if line.startswith(("  H100", "  H200", "  TPU"))]
+  assert [" ".join(r[:2]) for r in rows] == ["H100 SXM", "H200 SXM", "TPU v5p", "TPU v6e"]
+  for row in rows:  # each phase at the slower of compute and memory: the sum is at least the larger total
+    compute, memory, comm, overlap, serial = (float(v) for v in (*row[2:6], row[8]))
+    assert overlap >= max(compute, memory, comm) * 0.99
+    assert serial == pytest.approx(overlap + comm, rel=1e-2) if overlap > comm else serial >= overlap
 
 
 def test_remat_sweep_full_remat_recomputes_the_forward():

@@ -76,3 +76,28 @@ def test_table_has_a_row_per_chip():
   rows = [line.split() for line in text.splitlines() if line.lstrip().startswith(("H100", "H200", "TPU"))]
   assert [" ".join(r[:2]) for r in rows] == ["H100 SXM", "H200 SXM", "TPU v5p", "TPU v6e"]
   assert rows[0][2:] == ["10", "20", "2.75", "20", "50,000,000", "25.0%", "22.8", "43,947,995", "22.0%"]
+
+
+def test_analytic_projection_sums_phase_maxima_and_keeps_the_rest_collectives():
+  """Two identical layers of one compute-bound and one HBM-bound phase, plus the compiled collectives outside the
+  feed-forward layers (the one from '/mlp/' is the layers' own and is replaced by theirs)."""
+  from sparsetx.parallel import layer_cost
+
+  layer = layer_cost.LayerCost(
+    "sgatlin",
+    0,
+    (layer_cost.Phase("matmul", 3.35e9, 9.89e12), layer_cost.Phase("gather", 3.35e10, 0.0)),  # 10 ms each on H100
+    (layer_cost.Collective("all-gather", 450 * MB, 4, "x"),),  # 0.75 ms
+  )
+  compiled = [
+    aot.Collective("all-reduce", 90 * MB, 2, "", "jit(train_step)/attention/out"),  # 0.2 ms
+    aot.Collective("all-gather", 450 * MB, 4, "", "jit(train_step)/jvp(layers_0)/mlp/gather"),
+  ]
+  rest = roofline.outside_ffn(compiled)
+  assert rest == compiled[:1]
+  p = roofline.project_analytic(hardware.CHIPS["h100"], [(2, layer)], 1_000_000, 8 * 9.89e12, 8, rest)
+  assert p.compute_s == pytest.approx(0.020) and p.memory_s == pytest.approx(2 * (0.001 + 0.010))
+  assert p.comm_s == pytest.approx(2 * 0.75e-3 + 0.2e-3)
+  assert p.step_overlap_s == pytest.approx(0.040)  # 2 x (10 + 10 ms), not max(compute, memory) = 22 ms
+  assert p.step_serial_s == pytest.approx(0.040 + 1.7e-3)
+  assert p.mfu_overlap == pytest.approx(0.25)

@@ -16,6 +16,13 @@ sparsetx/parallel/hardware.py's published figures, per device:
 tokens/s = tokens per step / step; MFU = the model's FLOPs per step (ladder accounting) / (step x
 devices x peak). A lower bound on step time: it assumes peak rates, and XLA prints a loop body
 (micro-batch scan, layer scan) once, so work inside loops is counted once.
+
+`project_analytic` replaces the compiled counts with sparsetx/parallel/layer_cost.py's: the feed-forward layers
+(every layer, by its kernels' bytes and FLOPs) plus an analytic remainder (attention, head, embedding,
+optimizer), because XLA's cost analysis gives one total for the whole program and the feed-forward layers' share
+of it cannot be identified and subtracted. Only the collectives separate: the compiled ones whose op_name lies
+outside the feed-forward layers ('/mlp/') are kept, the layers' own come from the model. Each phase takes
+max(FLOPs / peak, bytes / bandwidth), so the analytic step is the sum of those (at least max(compute, memory)).
 """
 
 import dataclasses
@@ -81,16 +88,62 @@ def project(report, chip: hardware.Chip) -> Projection:
   return Projection(chip, compute, memory, comm, overlap, serial, tps_overlap, tps_serial, mfu_overlap, mfu_serial)
 
 
+FFN_SCOPE = "/mlp/"  # the feed-forward layers' op_name scope (the block's `mlp` submodule)
+
+
+def outside_ffn(collectives) -> list:
+  """The compiled collectives that are not the feed-forward layers' (their op_name lacks FFN_SCOPE)."""
+  return [c for c in collectives if FFN_SCOPE not in c.source]
+
+
+def project_analytic(
+  chip: hardware.Chip, parts, tokens_per_step: int, model_flops: float, devices: int, rest_collectives=()
+) -> Projection:
+  """The step as analytic parts: `parts` = [(times per step, layer_cost.LayerCost)] (each feed-forward layer and
+  the remainder), `rest_collectives` the compiled collectives outside the feed-forward layers (aot.Collective).
+
+  compute / memory are the parts' total FLOPs / peak and bytes / bandwidth; the step is the sum over phases of the
+  slower of the two (overlap: max of that and the communication; serial: their sum).
+  """
+  compute = memory = phases = comm = 0.0
+  for count, cost in parts:
+    for p in cost.phases:
+      compute += count * p.flops / chip.peak_flops
+      memory += count * p.nbytes / chip.hbm_bandwidth
+      phases += count * max(p.flops / chip.peak_flops, p.nbytes / chip.hbm_bandwidth)
+    comm += count * sum(collective_seconds(c.op, c.nbytes, c.group, chip) for c in cost.collectives)
+  comm += sum(collective_seconds(c.op, c.nbytes, c.group, chip) for c in rest_collectives)
+  overlap, serial = max(phases, comm), phases + comm
+
+  def rates(step):
+    return tokens_per_step / step, model_flops / (step * devices * chip.peak_flops)
+
+  (tps_overlap, mfu_overlap), (tps_serial, mfu_serial) = rates(overlap), rates(serial)
+  return Projection(chip, compute, memory, comm, overlap, serial, tps_overlap, tps_serial, mfu_overlap, mfu_serial)
+
+
 def _ms(seconds: float) -> str:
   return f"{seconds * 1e3:.3g}"
 
 
-def format_projections(projections: list[Projection]) -> str:
+COMPILED_TITLE = (
+  "projected step time (roofline per device at peak rates from the compiled program's counts;"
+  " sparsetx/parallel/roofline.py)\n  overlapped: step = max(compute, memory, comm); serial: step = max(compute, memory) + comm"
+)
+ANALYTIC_TITLE = (
+  "projected step time, analytic (feed-forward layers and the rest of the step by sparsetx/parallel/layer_cost.py,"
+  " collectives outside the feed-forward layers from the compiled program; roofline.project_analytic)\n"
+  "  overlapped: step = max(sum of phase times, comm); serial: step = sum of phase times + comm;"
+  " phase time = max(FLOPs / peak, bytes / bandwidth)"
+)
+LOWERED_ONLY = "collectives outside the feed-forward layers from the compiled program"
+LOWERED_ONLY_NOTE = "no compiled program (lowered only): collectives outside the feed-forward layers not counted"
+
+
+def format_projections(projections: list[Projection], title: str = COMPILED_TITLE) -> str:
   """The table sparsetx/tools/dry_run.py prints: one row per chip, times in ms, with and without overlap."""
   lines = [
-    "projected step time (roofline per device at peak rates from the compiled program's counts;"
-    " sparsetx/parallel/roofline.py)",
-    "  overlapped: step = max(compute, memory, comm); serial: step = max(compute, memory) + comm",
+    *title.split("\n"),
     f"  {'target':<10}{'compute ms':>11}{'memory ms':>11}{'comm ms':>10}"
     f"{'overlap ms':>12}{'tokens/s':>12}{'MFU':>7}{'serial ms':>11}{'tokens/s':>12}{'MFU':>7}",
   ]

@@ -17,6 +17,10 @@ scale 8 (C=16) on expert=32:
       --config.mesh.ici.data=2 --config.mesh.ici.expert=32
 The mesh uses config.mesh.ici over `--devices` simulated devices (dcn must be all 1).
 
+Both modes then print each feed-forward layer's analytic cost per train step and device (sparsetx/parallel/
+layer_cost.py: bytes and FLOPs per phase, time on each chip, HBM-bound share) and the step projected from it
+(roofline.project_analytic).
+
 `--platform=cuda|tpu` (with `--chip=v5p|v6e|...` for TPU) instead lowers the train step for that accelerator,
 on the same mesh, without compiling it (aot.lower_train_step), and lists its custom calls: the kernels it
 would launch (gated gather, fused attention), e.g. the Triton kernels of a pre-Hopper GPU:
@@ -53,8 +57,9 @@ from absl import flags  # noqa: E402
 from sparsetx import cli  # noqa: E402
 from sparsetx import config as config_lib  # noqa: E402
 from sparsetx.data import check_files  # noqa: E402
+from sparsetx.models import ladder  # noqa: E402
 from sparsetx.models.ffn.registry import SPECS  # noqa: E402
-from sparsetx.parallel import expert_parallel, hardware, roofline  # noqa: E402
+from sparsetx.parallel import expert_parallel, hardware, layer_cost, roofline  # noqa: E402
 from sparsetx.train import aot  # noqa: E402
 from sparsetx.train import state as state_lib  # noqa: E402
 
@@ -122,6 +127,23 @@ def print_lowering(config, mesh, platform: str, chip) -> None:
   print(aot.format_custom_calls(aot.custom_calls(text)))
 
 
+def print_analytic(config, mesh, chips, report=None) -> None:
+  """The per-layer analytic table (layer_cost.py) and the step projected from it: what the accelerator kernels
+  move and compute, which the CPU-compiled program's counts cannot show. With a compiled `report`, its
+  collectives outside the feed-forward layers join the projection."""
+  mesh_shape = dict(mesh.shape)
+  print(layer_cost.format_config_layers(config, mesh_shape, chips))
+  tokens = config.data.global_batch_size * config.data.seq_len
+  model_flops = 3.0 * ladder.forward_flops_per_token(config.model, config.data.seq_len)["total"] * tokens
+  rest = roofline.outside_ffn(report.collectives) if report is not None else ()
+  parts = layer_cost.step_parts(config, mesh_shape)
+  projections = [roofline.project_analytic(c, parts, tokens, model_flops, mesh.size, rest) for c in chips]
+  title = roofline.ANALYTIC_TITLE
+  if report is None:
+    title = title.replace(roofline.LOWERED_ONLY, roofline.LOWERED_ONLY_NOTE)
+  print(roofline.format_projections(projections, title))
+
+
 def absl_main(argv):
   del argv
   config = with_d_model_split(_CONFIG.value) if _SPLIT.value else _CONFIG.value
@@ -133,6 +155,7 @@ def absl_main(argv):
     if _PLATFORM.value != "cpu":
       print_lowering(config, mesh, _PLATFORM.value, _CHIP.value)
       print(f"lowered (not compiled) in {time.time() - start:.0f} s")
+      print_analytic(config, mesh, hardware.chips(_TARGET.value))
       return
     report = aot.dry_run(config, mesh)
   except config_lib.ConfigError as error:
@@ -140,6 +163,7 @@ def absl_main(argv):
   print(aot.format_report(report))
   print(f"lowered and compiled in {time.time() - start:.0f} s")
   print(roofline.format_projections([roofline.project(report, chip) for chip in hardware.chips(_TARGET.value)]))
+  print_analytic(config, mesh, hardware.chips(_TARGET.value), report)
   if _REMAT_SWEEP.value:
     print_remat_rows(aot.remat_rows(config, mesh))
   if _SWEEP.value:
