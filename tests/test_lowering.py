@@ -2,15 +2,16 @@
 step of every feed-forward type and both block kinds, the evaluation step and the sampler's cached decoding,
 for CUDA (the Triton kernels of pre-Hopper GPUs and the Mosaic GPU kernels of Hopper) and TPU (v5p, v6e).
 
-These are the regression tests for hardware no CI machine has. Each counts the gated-gather kernels in the
-lowered program: Triton and TPU kernels by their names (gated_gather_forward / _backward, one of each per
-sparse layer in a train step), Mosaic GPU kernels by their custom-call target (row_dots and row_accumulate,
-forward and backward); the dense types have none. Only lowering runs (no compilation): a few tenths of a
-second per program. Shapes satisfy Mosaic GPU: d_model 128 in bf16 is one 256-byte row chunk, and 2 x 64
+These are the regression tests for hardware no CI machine has. Each counts the sparse layers' row kernels in the
+lowered program (kernels/row_gather.py: row_dots, row_accumulate, segment_sums): Triton and TPU kernels by their
+names, Mosaic GPU kernels by their custom-call target; the dense types have none. The structural test holds the
+shape of what a device runs: no loop that grows with tokens, bf16 tables into the kernels of a bf16 run. Only
+lowering runs (no compilation): a few tenths of a second per program. Shapes satisfy Mosaic GPU: d_model 128 in bf16 is one 256-byte row chunk, and 2 x 64
 tokens fill its 64-token blocks.
 """
 
 import collections
+import re
 
 import jax
 import jax.numpy as jnp
@@ -47,32 +48,54 @@ def lowering_config(ffn_type: str, gpu_kernel: str = "auto", block: str = "seque
   return config
 
 
+ROW_KERNELS = ("row_dots", "row_accumulate", "segment_sums")
+FFF_DEPTH = 4  # configs/tiny.py: 5 levels, the top 3 dense (tree_route.DENSE_LEVELS), 2 walked by kernels
+
+
 def gather_kernels(lowered_text: str, target: str) -> dict:
-  """The gated-gather kernel calls in a lowered program: {kernel name: count} (Mosaic GPU: {'mosaic_gpu': count})."""
+  """The sparse layers' kernel calls in a lowered program: {kernel name: count} (Mosaic GPU: {'mosaic_gpu': count})."""
   found = collections.Counter()
   for (call, name), count in aot.custom_calls(lowered_text).items():
     if call.startswith("mosaic_gpu"):
       found["mosaic_gpu"] += count
-    elif call in (TRITON, TPU) and name.startswith("gated_gather"):
+    elif call in (TRITON, TPU) and name in ROW_KERNELS:
       assert call == (TRITON if target.startswith("cuda") else TPU), (call, target)
       found[name] += count
   return dict(found)
 
 
-def expected_kernels(ffn_type: str, target: str, program: str) -> dict:
-  """Per program and sparse layer: train = forward + backward, eval = forward, generate = prefill + one decode step.
+def kernel_operands(lowered_text: str, names=ROW_KERNELS) -> list:
+  """The operand types ('64x128xbf16', ...) of each sparse-layer kernel call: Triton/TPU calls with one of
+  `names`, every Mosaic GPU call."""
+  calls = []
+  for line in lowered_text.splitlines():
+    target = re.search(r"stablehlo\.custom_call @([\w$.]+)", line)
+    if not target:
+      continue
+    name = re.search(r'\b(?:kernel_)?name = "([^"]*)"', line)
+    if target[1].startswith("mosaic_gpu") or (name and name[1] in names):
+      operands = re.search(r":\s*\((.*)\)\s*->", line)
+      calls.append(re.findall(r"tensor<([^>]*)>", operands[1]) if operands else [])
+  return calls
 
-  Mosaic GPU runs each half as row_dots (<w_in, x>) and row_accumulate (sum of gated w_out rows): two
-  kernels for a forward and two for a backward, except FFF's forward, whose walk already holds the dots."""
+
+def expected_kernels(ffn_type: str, target: str, program: str) -> dict:
+  """Per program and sparse layer (kernels/row_gather.py): a forward is row_dots (<w_in, x>; FFF's walk: one per
+  walked level instead) and row_accumulate (the gated w_out rows); a backward is one more of each (dy . w_out, dx)
+  and two segment_sums (both tables' gradients). train = forward + backward, eval = forward, generate = prefill +
+  one decode step. Mosaic GPU's calls carry no kernel name: their total."""
   if ffn_type not in GATHER_TYPES:
     return {}
+  forward_dots = FFF_DEPTH + 1 - 3 if ffn_type == "fff" else 1
+  forward = {"row_dots": forward_dots, "row_accumulate": 1}
+  per_layer = {
+    "train": {"row_dots": forward_dots + 1, "row_accumulate": 2, "segment_sums": 2},
+    "eval": forward,
+    "generate": {name: 2 * n for name, n in forward.items()},
+  }[program]
   if target == "cuda-mosaic":
-    forward = 1 if ffn_type == "fff" else 2
-    per_layer = {"train": forward + 2, "eval": forward, "generate": 2 * forward}[program]
-    return {"mosaic_gpu": N_LAYERS * per_layer}
-  if program == "train":
-    return {"gated_gather_forward": N_LAYERS, "gated_gather_backward": N_LAYERS}
-  return {"gated_gather_forward": N_LAYERS * (2 if program == "generate" else 1)}
+    return {"mosaic_gpu": N_LAYERS * sum(per_layer.values())}
+  return {name: N_LAYERS * n for name, n in per_layer.items()}
 
 
 def cases(targets):
@@ -101,7 +124,7 @@ def test_eval_and_decoding_lower_with_the_gated_gather_kernels(ffn_type, target,
 @pytest.mark.parametrize("activation", [*ACTIVATIONS, "gelu_tanh"])
 @pytest.mark.parametrize("target", ["cuda-triton", "tpu-v5p"])
 def test_kernels_lower_with_every_activation(target, activation, gate_inside):
-  """The activation runs inside the Triton and TPU kernels; exact GELU's erf is the one that needs kernel_math."""
+  """Every activation and gate position lowers around the row kernels (the per-slot arithmetic stays in XLA)."""
   platform, chip, gpu_kernel = TARGETS[target]
   act = (lambda h: jax.nn.gelu(h, approximate=True)) if activation == "gelu_tanh" else ACTIVATIONS[activation]
   options = KernelOptions("pallas", gpu_kernel=gpu_kernel)
@@ -120,7 +143,7 @@ def test_kernels_lower_with_every_activation(target, activation, gate_inside):
   with aot.target_platform(platform, chip):
     traced = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))).trace(x, table, table, gates, bias, rows)
     text = traced.lower(lowering_platforms=(platform,)).as_text()
-  assert gather_kernels(text, target) == {"gated_gather_forward": 1, "gated_gather_backward": 1}
+  assert gather_kernels(text, target) == {"row_dots": 2, "row_accumulate": 2, "segment_sums": 2}
 
 
 @pytest.mark.parametrize(
@@ -149,7 +172,7 @@ def test_unknown_targets_are_refused():
 
 
 def test_dry_run_tool_lowers_for_a_platform_and_lists_the_kernels():
-  """python -m sparsetx.tools.dry_run --platform=tpu --chip=v6e: one row per custom call, the gated gather's two kernels per layer."""
+  """python -m sparsetx.tools.dry_run --platform=tpu --chip=v6e: one row per custom call, FFF's row kernels per layer."""
   import subprocess
   import sys
 
@@ -185,7 +208,8 @@ def test_dry_run_tool_lowers_for_a_platform_and_lists_the_kernels():
     for line in result.stdout.splitlines()
     if line.startswith("  tpu_custom_call")
   }
-  assert rows[("tpu_custom_call", "gated_gather_forward")] == rows[("tpu_custom_call", "gated_gather_backward")] == 2
+  expected = expected_kernels("fff", "tpu-v6e", "train")
+  assert {name: rows[("tpu_custom_call", name)] for name in ROW_KERNELS} == expected
   assert "compiler memory analysis" not in result.stdout  # lowered only
 
 
@@ -212,7 +236,31 @@ def test_train_step_lowers_on_a_mesh_with_each_device_on_its_tokens(ffn_type, ta
   text = aot.lower_train_step(config, platform, chip, mesh_lib.make_mesh(config.mesh, jax.devices()[:8]))
   assert gather_kernels(text, target) == expected_kernels(ffn_type, target, "train")
   tokens_per_device = 8 * 64 // ici["data"]
-  operands = [
-    line.split("->")[-1] for line in text.splitlines() if "gated_gather_forward" in line and "custom_call" in line
-  ]
-  assert operands and all(line.lstrip(" (").startswith(f"tensor<{tokens_per_device}x128xbf16>") for line in operands)
+  operands = kernel_operands(text, ("row_dots",))  # (lhs [n, D], table, rows [S, n])
+  assert operands and all(types[0] == f"{tokens_per_device}x128xbf16" for types in operands)
+
+
+LOOP_TRIP_BOUND = 8  # the most trips any device loop of a sparse train step may run (here: none, or 1-trip scans)
+TOKENS_PER_DEVICE = (4096, 32768)
+
+
+@pytest.mark.parametrize("ffn_type", GATHER_TYPES)
+@pytest.mark.parametrize("target", ["cuda-triton", "cuda-mosaic", "tpu-v5p"])
+def test_sparse_train_step_has_no_loop_that_grows_with_tokens_and_streams_bf16_tables(ffn_type, target):
+  """What the device runs: at 4,096 and 32,768 tokens the train step has the same loops, none longer than
+  LOOP_TRIP_BOUND trips (the CPU's cache-sized scans stay on the CPU), and a bf16 run hands the kernels bf16
+  operands only: tables, tokens and gradients (every [rows, d_model] operand is bf16)."""
+  platform, chip, gpu_kernel = TARGETS[target]
+  loops = {}
+  for tokens in TOKENS_PER_DEVICE:
+    config = lowering_config(ffn_type, gpu_kernel)
+    config.data.update(seq_len=512, global_batch_size=tokens // 512)
+    config.model.max_len = 512
+    text = aot.lower_train_step(config_lib.validate(config), platform, chip)
+    loops[tokens] = aot.while_loops(text)
+    operands = kernel_operands(text)
+    assert gather_kernels(text, target) == expected_kernels(ffn_type, target, "train")
+    row_operands = [t for types in operands for t in types if re.fullmatch(r"\d+x128x\w+", t)]
+    assert row_operands and all(t.endswith("xbf16") for t in row_operands), row_operands
+  assert loops[TOKENS_PER_DEVICE[0]] == loops[TOKENS_PER_DEVICE[1]]
+  assert all(trips is not None and trips <= LOOP_TRIP_BOUND for trips in loops[TOKENS_PER_DEVICE[1]]), loops

@@ -4,7 +4,8 @@ No [tokens, S, D] tensor of gathered rows ever exists in full: a `lax.scan` walk
 `token_chunk` tokens, gathers only that chunk's rows (small enough to stay in cache), dots, gates
 and accumulates in float32. The backward pass re-gathers the rows chunk by chunk to produce dx,
 the gate gradients and the per-pair coefficients the table gradients need (segment_grads.py).
-Small chunks are the point: their rows stay in cache.
+Small chunks are the point on a CPU: their rows stay in cache. Elsewhere (`kernel.implementation=xla` on a
+GPU or TPU) one chunk holds every token (kernels/platform.py), so no cache-sized loop reaches the device.
 
 The token-order gather is bound by the rate random table rows can be read; going below it needs row
 reuse, which is the row-sorted path below (KernelOptions.row_sorted, on by default; CPU, with
@@ -20,6 +21,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from sparsetx.kernels import platform
 
 
 def pad_rows(a, n_padded):
@@ -72,7 +75,9 @@ def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options)
     y_cD = weighted_rows(a_cS, w_out_RD, rows_cS, dtype)
     return None, (y_cD.astype(dtype), h_cS)
 
-  _, (y, h) = jax.lax.scan(step, None, chunked([x_ND, rows_NS, gates_NS], options.token_chunk))
+  _, (y, h) = jax.lax.scan(
+    step, None, chunked([x_ND, rows_NS, gates_NS], platform.cpu_chunk(options.token_chunk, n_tokens))
+  )
   return unchunk(y, n_tokens), unchunk(h, n_tokens)
 
 
@@ -87,7 +92,7 @@ def forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating,
     y_cD = weighted_rows(a_cS, w_out_RD, rows_cS, dtype)
     return None, y_cD.astype(dtype)
 
-  _, y = jax.lax.scan(step, None, chunked([rows_NS, gates_NS, h_NS], options.token_chunk))
+  _, y = jax.lax.scan(step, None, chunked([rows_NS, gates_NS, h_NS], platform.cpu_chunk(options.token_chunk, n_tokens)))
   return unchunk(y, n_tokens)
 
 
@@ -109,7 +114,7 @@ def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, opt
     dx_cD = weighted_rows(coef_in_cS, w_in_RD, rows_cS, dtype)
     return None, (dx_cD.astype(dtype), da_dg_cS * dyw_cS, coef_in_cS, a_cS)
 
-  chunks = chunked([dy_ND, h_NS, rows_NS, gates_NS], options.token_chunk)
+  chunks = chunked([dy_ND, h_NS, rows_NS, gates_NS], platform.cpu_chunk(options.token_chunk, n_tokens))
   _, outs = jax.lax.scan(step, None, chunks)
   return tuple(unchunk(a, n_tokens) for a in outs)
 

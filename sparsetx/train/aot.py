@@ -251,6 +251,32 @@ def custom_calls(lowered_text: str) -> collections.Counter:
   return found
 
 
+_CONSTANT_RE = re.compile(r"(%[\w#]+) = stablehlo\.constant dense<(-?\d+)> : tensor<i\d+>")
+_COMPARE_RE = re.compile(r"stablehlo\.compare\s+LT, %[\w#]+, (%[\w#]+)")
+
+
+def while_loops(lowered_text: str) -> list:
+  """The trip count of each `stablehlo.while` in a lowered program, in program order (None where the bound is
+  not a constant): what a device would run sequentially. A scan lowers to a loop whose condition compares its
+  counter (from 0) with a constant; that constant is the count."""
+  lines = lowered_text.splitlines()
+  trips = []
+  for i, line in enumerate(lines):
+    if "stablehlo.while" not in line:
+      continue
+    found = next(((j, m) for j, m in enumerate(map(_COMPARE_RE.search, lines[i : i + 40]), i) if m), None)
+    bound = None
+    if found:
+      j, compare = found
+      for earlier in reversed(lines[:j]):
+        constant = _CONSTANT_RE.search(earlier)
+        if constant and constant[1] == compare[1]:
+          bound = int(constant[2])
+          break
+    trips.append(bound)
+  return trips
+
+
 def format_custom_calls(calls: collections.Counter) -> str:
   """A table of custom_calls(...): target, kernel name, count (the kernels the lowered program would launch)."""
   lines = [f"  {'custom-call target':<30}{'kernel':<42}{'count':>6}"]
@@ -373,5 +399,6 @@ __all__ = [
   "lower_train_step",
   "lower_eval_step",
   "custom_calls",
+  "while_loops",
   "format_custom_calls",
 ]
