@@ -1,0 +1,183 @@
+"""The accelerator acceptance check: on one GPU or TPU, in a few minutes, one table that says the sparse path works.
+
+Three parts, each a set of rows of one table:
+  1. kernels: each row kernel of each backend this platform runs (kernels/platform.py), compiled for the device
+     (not interpret mode), against float64 NumPy on the same inputs, within the float32 summation bound
+     n * 2**-24 * sum|terms| (n: the longest sum; x4 for the device's reassociation), and the whole gated
+     gather's value and every gradient against the XLA path at matmul precision "highest";
+  2. kernel bench: bench_kernels' (kernels/timing.py) ms, GB/s and % of HBM peak per kernel, forward and backward;
+  3. train step: bench_train_step's (train/timing.py) step at ladder scale 2 in bf16 for mlp, sgatlin, fff and moe (tokens/s, MFU).
+Exits 1 when a check fails. `--small` runs the same program on a CPU (kernels in interpret mode, tiny shapes,
+bench_train_step --small): what CI runs to keep the script working.
+
+  .venv/bin/python -m sparsetx.tools.accelerator_check            # on one GPU or TPU (under 8 minutes)
+  .venv/bin/python -m sparsetx.tools.accelerator_check --small    # anywhere
+"""
+
+import sys
+import time
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags
+
+from sparsetx import cli
+from sparsetx.kernels import platform, row_gather, segment_grads
+from sparsetx.kernels import timing as kernel_timing
+from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
+from sparsetx.parallel import hardware
+from sparsetx.train import timing as train_timing
+
+_SMALL = flags.DEFINE_bool("small", False, "Tiny shapes, kernels in interpret mode: the CPU form CI runs.")
+U32 = 2.0**-24  # float32 unit roundoff
+REASSOCIATION = 4  # a device may sum in another order (tree, split-k): the bound's allowance for it
+TRAIN_TYPES = ["mlp", "sgatlin", "fff", "moe"]
+
+
+def kernel_case(small: bool):
+  """Ragged shapes (no dimension a multiple of a block): N tokens, S slots, R rows, D = a multiple of 128."""
+  N, S, R, D = (37, 5, 23, 128) if small else (1000, 96, 3000, 384)
+  k = jax.random.split(jax.random.key(1), 4)
+  lhs = jax.random.normal(k[0], (N, D), jnp.float32)
+  table = jax.random.normal(k[1], (R, D), jnp.float32)
+  rows_NS = jax.random.randint(k[2], (N, S), 0, R).at[:, 0].set(0)  # row 0 is picked by every token
+  coef_NS = jax.random.normal(k[3], (N, S), jnp.float32)
+  return lhs, table, rows_NS, coef_NS
+
+
+def _within(got, want, scale, n) -> tuple:
+  """(max |got - want| / bound, passed) with bound = n * U32 * scale * REASSOCIATION (+ a float32 ulp of want)."""
+  bound = REASSOCIATION * n * U32 * scale + np.abs(want) * U32 + np.finfo(np.float32).tiny
+  ratio = float(np.max(np.abs(np.asarray(got, np.float64) - want) / bound))
+  return ratio, ratio <= 1.0
+
+
+def check_kernels(name, options, small) -> list:
+  """Rows (check, what, value, verdict) for one backend's three row kernels and the whole op."""
+  backend = platform.kernel_backend(options)
+  lhs, table, rows_NS, coef_NS = kernel_case(small)
+  x64, t64, r, c64 = (np.asarray(a, np.float64) for a in (lhs, table, rows_NS, coef_NS))
+  r = np.asarray(rows_NS)
+  N, S = r.shape
+  R, D = table.shape
+  rows = []
+  dots = jax.jit(lambda *a: row_gather.dots(backend, *a, options))(lhs, table, rows_NS)
+  want = np.einsum("nd,nsd->ns", x64, t64[r])
+  ratio, ok = _within(dots, want, np.einsum("nd,nsd->ns", np.abs(x64), np.abs(t64[r])), D)
+  rows.append(("kernels", f"{name} row_dots", f"err/bound {ratio:.3f}", ok))
+  acc = jax.jit(lambda *a: row_gather.accumulate(backend, *a, jnp.float32, options))(coef_NS, table, rows_NS)
+  want = np.einsum("ns,nsd->nd", c64, t64[r])
+  ratio, ok = _within(acc, want, np.einsum("ns,nsd->nd", np.abs(c64), np.abs(t64[r])), S)
+  rows.append(("kernels", f"{name} row_accumulate", f"err/bound {ratio:.3f}", ok))
+  order_P, sorted_rows_P = segment_grads.sort_pairs(rows_NS.reshape(-1), R)
+  starts = segment_grads.row_starts(sorted_rows_P, R)
+  tokens_P, coefs_P = order_P // S, coef_NS.reshape(-1)[order_P]
+  sums, coef_sums = jax.jit(lambda *a: backend.segment_sums(*a, options, with_coef_sums=True))(
+    lhs, tokens_P, coefs_P, starts
+  )
+  want, scale, want_c = np.zeros((R, D)), np.zeros((R, D)), np.zeros(R)
+  np.add.at(want, r.reshape(-1), c64.reshape(-1, 1) * x64[np.arange(N).repeat(S)])
+  np.add.at(scale, r.reshape(-1), np.abs(c64.reshape(-1, 1) * x64[np.arange(N).repeat(S)]))
+  np.add.at(want_c, r.reshape(-1), c64.reshape(-1))
+  longest = int(np.bincount(r.reshape(-1), minlength=R).max())
+  ratio, ok = _within(sums, want, scale, longest)
+  ratio_c, ok_c = _within(coef_sums, want_c, np.bincount(r.reshape(-1), np.abs(c64.reshape(-1)), R), longest)
+  rows.append(("kernels", f"{name} segment_sums", f"err/bound {max(ratio, ratio_c):.3f}", ok and ok_c))
+  rows.append(("kernels", f"{name} gated gather + grads", *_op_versus_xla(options, lhs, table, rows_NS, coef_NS)))
+  return rows
+
+
+def _op_versus_xla(options, lhs, table, rows_NS, gates_NS) -> tuple:
+  """The op's value and gradients (x, both tables, gates) against the XLA path, both float32 at highest precision.
+
+  Each gradient is a float32 sum (of at most n terms: D, S or the longest row's pairs) of products that are
+  themselves such sums, so two float32 evaluations differ by at most about 2 n u sum|terms|; with sum|terms|
+  taken as at most n times the output's largest magnitude (terms of one scale, as these random inputs give),
+  the allowance is 2 n^2 u max|output|, times the reassociation factor.
+  """
+  dy = jnp.cos(lhs)
+
+  def loss(x, w_in, w_out, gates, o):
+    y = gated_gather(x[None], w_in, w_out, rows_NS[None], gates[None], jax.nn.gelu, options=o)[0]
+    return jnp.sum(y * dy)
+
+  with jax.default_matmul_precision("highest"):
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), static_argnums=4)
+    got = grad(lhs, table, table, gates_NS, options)
+    want = grad(lhs, table, table, gates_NS, KernelOptions("xla", row_sorted=False))
+  n = max(lhs.shape[1], rows_NS.shape[1], int(np.bincount(np.asarray(rows_NS).reshape(-1)).max()))
+  worst = 0.0
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = max(float(np.abs(b).max()), np.finfo(np.float32).tiny)
+    worst = max(worst, float(np.abs(a - b).max()) / (2 * REASSOCIATION * n * n * U32 * scale))
+  return f"err/bound {worst:.3f}", worst <= 1.0
+
+
+def bench_rows(small) -> list:
+  chip = hardware.chip_of(jax.devices()[0].device_kind)
+  peak = chip.hbm_bandwidth if chip else None
+  rows = []
+  for shape, backend, kernel, phase, seconds, nbytes in kernel_timing.measure(small, repeats=1 if small else 10):
+    rate = nbytes / seconds
+    share = f" ({100 * rate / peak:.0f}% of HBM peak)" if peak else ""
+    rows.append(("kernel bench", f"{backend} {kernel} {phase} D={shape[-1]}", f"{rate / 1e9:,.1f} GB/s{share}", None))
+  return rows
+
+
+def train_rows(small) -> list:
+  args = train_timing.with_defaults(
+    SimpleNamespace(
+      types=TRAIN_TYPES,
+      scale=None,
+      batch=8,
+      seq_len=None,
+      dtype=None,
+      rounds=1 if small else 5,
+      small=small,
+      peak_tflops=None,
+    )
+  )
+  devices = jax.devices()[:1]
+  peak = train_timing.peak_flops(args, devices)
+  rows = []
+  for step in train_timing.measure(args, devices):
+    mfu = f", MFU {step.model_flops / (step.seconds * peak):.1%}" if peak else ""
+    what = f"{step.name} scale {args.scale} {args.dtype}"
+    rows.append(("train step", what, f"{step.tokens / step.seconds:,.0f} tokens/s{mfu}", None))
+  return rows
+
+
+def format_table(rows) -> str:
+  lines = [f"{'check':<14}{'what':<44}{'value':<40}verdict"]
+  for check, what, value, verdict in rows:
+    mark = "" if verdict is None else ("ok" if verdict else "FAILED")
+    lines.append(f"{check:<14}{what:<44}{value:<40}{mark}")
+  return "\n".join(lines)
+
+
+def absl_main(argv):
+  del argv
+  small = _SMALL.value
+  start = time.perf_counter()
+  device = jax.devices()[0]
+  rows = []
+  for name, options in kernel_timing.backends(small):
+    rows += check_kernels(name, options, small)
+  rows += bench_rows(small)
+  rows += train_rows(small)
+  print(f"accelerator check on {device.device_kind} (jax {jax.__version__}), {time.perf_counter() - start:.0f} s")
+  print(format_table(rows))
+  if any(verdict is False for *_, verdict in rows):
+    sys.exit(1)
+
+
+def main():
+  """The `sparsetx-accelerator-check` entry point."""
+  cli.run(absl_main)
+
+
+if __name__ == "__main__":
+  main()

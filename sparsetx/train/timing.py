@@ -1,0 +1,94 @@
+"""The train step of each feed-forward type at one ladder rung, compiled and timed side by side.
+
+Shared by sparsetx/tools/bench_train_step.py (its table) and sparsetx/tools/accelerator_check.py: every type is built
+at the same rung with the same batch, length, dtype and devices (all on the data axis), compiled first, then timed
+in interleaved rounds (one step of each type per round, so drift and noise hit every type alike).
+"""
+
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from sparsetx import config as config_lib
+from sparsetx.models import ladder
+from sparsetx.parallel import expert_parallel, hardware
+from sparsetx.train import state as state_lib
+from sparsetx.train import step as step_lib
+
+
+def rung_config(ffn_type: str, args) -> config_lib.ml_collections.ConfigDict:
+  """The ladder rung of `ffn_type` with the benchmark's batch, length and dtype (and --small's cuts)."""
+  config = config_lib.default_config()
+  config.model = ladder.ladder_model_config(args.scale, ffn_type)
+  config.model.update(dtype=args.dtype, max_len=max(config.model.max_len, args.seq_len))
+  if args.small:
+    config.model.update(n_layers=2, vocab_size=512)
+  config.data.update(seq_len=args.seq_len, global_batch_size=args.batch, eval_batch_size=args.batch)
+  config.train.update(steps=1000, warmup_steps=10)
+  return config_lib.validate(config)
+
+
+class TypeStep:
+  """One type's compiled train step, its state and a fixed batch; times one step at a time."""
+
+  def __init__(self, ffn_type: str, args, devices):
+    self.name = ffn_type
+    config = self.config = rung_config(ffn_type, args)
+    built = state_lib.setup(config, devices)
+    B, T = args.batch, args.seq_len
+    tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (B, T + 1), dtype=np.int32)
+    batch = dict(
+      inputs=tokens[:, :-1],
+      targets=tokens[:, 1:],
+      segment_ids=np.ones((B, T), np.int32),
+      positions=np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)),
+      loss_weights=np.ones((B, T), np.float32),
+    )
+    self.batch = jax.device_put(batch, built.batch_sharding)
+    with expert_parallel.activate(built.mesh, config.mesh.rules):
+      self.state = state_lib.create_state(config, built.shardings, built.model, built.tx)
+      start = time.perf_counter()
+      self.step = step_lib.make_train_step(config, built).lower(self.state, self.batch).compile()
+      self.compile_s = time.perf_counter() - start
+    self.tokens = B * T
+    self.model_flops = 3 * ladder.forward_flops_per_token(config.model, T)["total"] * self.tokens
+    self.params = ladder.param_counts(config.model)
+    self.times = []
+    self.run()  # the first call also moves what a first call moves
+
+  def run(self) -> float:
+    start = time.perf_counter()
+    self.state, metrics = self.step(self.state, self.batch)
+    jax.block_until_ready(metrics["loss"])
+    return time.perf_counter() - start
+
+  def time_once(self):
+    self.times.append(self.run())
+
+  @property
+  def seconds(self) -> float:
+    return statistics.median(self.times)
+
+
+def with_defaults(args):
+  """args with the shape defaults filled in (--small: scale 1, 64 tokens per sequence, float32)."""
+  args.scale = args.scale or (1 if args.small else 2)
+  args.seq_len = args.seq_len or (64 if args.small else 512)
+  args.dtype = args.dtype or ("float32" if args.small else "bfloat16")
+  return args
+
+
+def measure(args, devices) -> list:
+  """Each type's TypeStep, compiled and timed in `args.rounds` interleaved rounds (the acceptance script too)."""
+  steps = [TypeStep(t, args, devices) for t in args.types]
+  for _ in range(args.rounds):
+    for s in steps:
+      s.time_once()
+  return steps
+
+
+def peak_flops(args, devices) -> float | None:
+  chip = hardware.chip_of(devices[0].device_kind)
+  return args.peak_tflops * 1e12 if args.peak_tflops else chip.peak_flops if chip else None
