@@ -170,3 +170,29 @@ def test_d_split_over_a_non_batch_axis_equals_the_official_formula(ffn_type, mes
   shard = param_shardings["experts"].shard_shape(table.shape)
   assert np.prod(shard) * axes["tensor"] * axes.get("expert", 1) == table.size  # stored split: d_model (x channels)
   assert_matches(ffn_type, y, grads, want_y, want_grads)
+
+
+# The accelerator path on a mesh: the row kernels (Triton's, in interpret mode on CPU) inside the expert-parallel
+# forms: channels split (sgatlin), d_model split (sgatlin_c4 on expert8: the partial dots are row_dots on each
+# device's d-slice), trees split (FFF: the deeper walk levels are row_dots launches).
+KERNEL_CASES = [("sgatlin", "expert8"), ("sgatlin_c4", "expert8"), ("fff", "data2_expert4")]
+
+
+@pytest.mark.parametrize("ffn_type, mesh_name", KERNEL_CASES)
+def test_row_kernels_on_a_mesh_equal_the_official_formula(ffn_type, mesh_name):
+  activation = ACTIVATION.get((ffn_type, mesh_name), "identity")
+  _, params, x, probe, (want_y, want_grads) = case(ffn_type, activation)
+  name = ffn_type.split("_")[0]
+  extra = dict(activation=activation) if name == "sgatlin" else {}
+  kernel = dict(implementation="pallas", gpu_kernel="triton")
+  layer = FFN_LAYERS[name](layer_model_config(name, d_model=D, **LAYERS[ffn_type], **extra, kernel=kernel))
+  mesh = make_mesh(**MESHES[mesh_name])
+  rules = RULES.get((ffn_type, mesh_name), RULES.get(ffn_type, config_lib.DEFAULT_RULES))
+  boxed = jax.eval_shape(layer.init, jax.random.key(0), x)["params"]
+  param_shardings = mesh_lib.logical_sharding(nn.get_partition_spec(boxed), mesh, rules)
+  batch = mesh_lib.batch_sharding(mesh, rules)
+  x_sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*batch.spec, None)))
+  with ep.activate(mesh, rules):
+    step = jax.jit(functools.partial(forward_and_grads, layer_apply(layer), probe))
+    y, grads = step(jax.device_put(params, param_shardings), x_sharded)
+  assert_matches(ffn_type, y, grads, want_y, want_grads)

@@ -16,7 +16,7 @@ import official_refs as official
 import pytest
 from conftest import init_params, layer_model_config
 
-from sparsetx.kernels import gated_gather as gg
+from sparsetx.kernels import platform
 from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
 from sparsetx.models.ffn.common import gelu_tanh
 from sparsetx.models.ffn.fff import Fff
@@ -41,7 +41,9 @@ def backend(request, monkeypatch):
   if name == "tpu_interpret":
     from sparsetx.kernels import pallas_tpu
 
-    monkeypatch.setattr(gg, "_backend", lambda options: pallas_tpu)
+    monkeypatch.setattr(
+      platform, "kernel_backend", lambda options: None if options.implementation == "xla" else pallas_tpu
+    )
   return BACKENDS[name]
 
 
@@ -155,14 +157,27 @@ def test_identity_is_the_paper_layer_bit_for_bit_in_either_gate_position():
 
 
 @pytest.mark.parametrize(
-  "variant, implementation", [("fff", "sparse"), ("fff_post", "sparse"), ("fff", "masked_dense")]
+  "variant, implementation, kernel",
+  [
+    ("fff", "sparse", "xla"),
+    ("fff_post", "sparse", "xla"),
+    ("fff", "masked_dense", "xla"),
+    ("fff", "sparse", "pallas"),
+  ],
 )
-def test_fff_equals_a_per_token_tree_walk(variant, implementation):
+def test_fff_equals_a_per_token_tree_walk(variant, implementation, kernel):
   """Values of the layer against a float64 NumPy walk, token by token; one token's root logit is exactly 0
-  (it must go left) and exact erf GELU (FFF paper, UltraFastBERT) is the default form."""
+  (it must go left) and exact erf GELU (FFF paper, UltraFastBERT) is the default form. With the pallas kernels
+  (Triton's, interpreted) the deeper levels are row_dots launches (tree_route._walk_with_kernels)."""
   depth, n_trees, d_model = 4, 3, 8
   cfg = layer_model_config(
-    "fff", d_model=d_model, depth=depth, n_trees=n_trees, variant=variant, implementation=implementation
+    "fff",
+    d_model=d_model,
+    depth=depth,
+    n_trees=n_trees,
+    variant=variant,
+    implementation=implementation,
+    kernel=dict(implementation=kernel, gpu_kernel="triton"),
   )
   layer = Fff(cfg)
   x = jax.random.normal(jax.random.key(5), (2, 6, d_model))
