@@ -81,7 +81,8 @@ def test_segment_sums_equal_float64_reference(
     assert coef_sums is None
 
 
-def test_segment_sums_lower_for_cuda_at_a_ladder_shape():
+@pytest.mark.parametrize("with_coef_sums", [False, True])
+def test_segment_sums_lower_for_cuda_at_a_ladder_shape(with_coef_sums):
   """4096 tokens x 128 slots of pairs into 16 * 5776 rows, d_model 640 in bf16: five 128-value chunks."""
   spec = jax.ShapeDtypeStruct
   n_tokens, n_pairs, n_rows, d_model = 4096, 4096 * 128, 16 * 5776, 640
@@ -91,13 +92,14 @@ def test_segment_sums_lower_for_cuda_at_a_ladder_shape():
     spec((n_pairs,), jnp.float32),
     spec((n_rows + 1,), jnp.int32),
   )
-  f = lambda *a: mosaic_gpu.segment_sums(*a, KernelOptions(), with_coef_sums=True)
+  f = lambda *a: mosaic_gpu.segment_sums(*a, KernelOptions(), with_coef_sums=with_coef_sums)
   with aot.target_platform("cuda"):
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
 
 
 def test_segment_sums_shapes_and_checks():
+  """No pairs: zero rows without a kernel; on a GPU a d_model chunk spans the compute warpgroup's 128 threads."""
   values, tokens, coefs = jnp.zeros((4, 64)), jnp.zeros((5,), jnp.int32), jnp.ones((5,))
   sums, coef_sums = mosaic_gpu.segment_sums(
     values, tokens[:0], coefs[:0], jnp.zeros((3,), jnp.int32), KernelOptions(), True
