@@ -1,13 +1,15 @@
-"""Mosaic GPU kernels of the gated gather (Hopper and newer: H100, H200, B200), forward and token-side backward.
+"""Mosaic GPU kernels of the gated gather (Hopper and newer: H100, H200, B200): forward, token-side backward and
+the table gradient.
 
-Two kernels do all the row work; the per-slot arithmetic between them is elementwise on [N, S] and stays
+Three kernels do all the row work; the per-slot arithmetic between them is elementwise on [N, S] and stays
 in XLA (N * S floats, about 1 MB at 2,048 tokens and S = 128, against ~800 MB of gathered rows):
 
   row_dots:        dots[s, t] = <lhs[t], table[rows[s, t]]>           (forward: x . w_in; backward: dy . w_out)
   row_accumulate:  out[t]     = sum_s coef[s, t] * table[rows[s, t]]   (forward: y from w_out; backward: dx from w_in)
+  segment_sums:    sums[r]    = sum_p coefs[p] * values[tokens[p]]     (table gradients: pairs sorted by row r)
 
-One program owns a block of 64 tokens (the row tile of a warpgroup's WGMMA register layout) and walks
-d_model in chunks of `block_d`. Hopper's TMA engine moves boxes, not scattered rows, so each gathered
+One program of row_dots / row_accumulate owns a block of 64 tokens (the row tile of a warpgroup's WGMMA register
+layout) and walks d_model in chunks of `block_d`. Hopper's TMA engine moves boxes, not scattered rows, so each gathered
 [64, block_d] tile is filled by 64 one-row TMA copies (a row chunk, at the row the token picked, read from
 the block's rows in shared memory) that all arrive on one barrier. Two warpgroups share the program: the
 copy warpgroup keeps a ring of `stages` tiles filling, the compute warpgroup takes them in order, multiplies
@@ -16,11 +18,20 @@ HBM. Tiles stay untiled and unswizzled in shared memory (a swizzled tile only ta
 so the register loads are not the bank-conflict-free kind. Blackwell's TMA gather (four rows per copy)
 would cut the copy count by 4; not used yet.
 
+segment_sums reuses the ring: a program owns 64 table rows and one d_model chunk, and the copy warpgroup gathers
+the value rows of the block's contiguous pair range in 64-pair tiles. A register tile cannot be indexed by a
+dynamic row, and a one-hot contraction would do 64 times the additions, so the compute warpgroup instead walks
+row by row (a dynamic-length loop over the row's pairs), keeps one row chunk in registers spread over its 128
+threads, and stores it to shared memory once; each output row is written once, summed in pair order in float32,
+with no atomics. On a GPU a chunk must hence be a multiple of 128 values.
+
 Mosaic GPU's interpret mode runs these kernels on CPU (barriers, TMA and shared memory simulated, with race
 detection in the tests); it does not model register layouts, so layout casts and layout-directed loads are
-applied only when lowering for a GPU (`_Lanes`). Tests also lower both kernels for CUDA on CPU, which runs
+applied only when lowering for a GPU (`_Lanes`). Tests also lower the kernels for CUDA on CPU, which runs
 Mosaic's own layout and transfer checks.
 """
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +46,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from sparsetx.kernels import xla_gather
 
 BLOCK_TOKENS = 64  # rows of a WGMMA-layout register tile: one warpgroup's token block
+BLOCK_ROWS = 64  # segment_sums: table rows per program, and pairs per gathered tile
+WARPGROUP = 128  # threads
 TILE = plgpu.Layout.WGMMA  # [64, block_d] float32 tile
 PER_TOKEN = plgpu.Layout.WGMMA.reduce(1)  # [64] vector, one value per token row of a tile
 SMEM_BYTES = 227 * 1024  # per block on H100 / H200
@@ -58,14 +71,16 @@ def races_found() -> bool:
   return get_races().races_found
 
 
-def _block_d(d_model, itemsize, options):
-  """The largest chunk <= options.block_d that divides d_model and makes one row copy a multiple of 128 bytes."""
-  step = max(1, 128 // itemsize)
+def _block_d(d_model, itemsize, options, multiple=1):
+  """The largest chunk <= options.block_d that divides d_model and makes one row copy a multiple of 128 bytes
+  (and of `multiple` values: segment_sums spreads a row chunk over a warpgroup's 128 threads)."""
+  step = math.lcm(max(1, 128 // itemsize), multiple)
   fits = [b for b in range(step, min(options.block_d, d_model) + 1, step) if d_model % b == 0]
   if not fits:
+    why = "TMA copies move multiples of 128 bytes" + (f"; a chunk spans {multiple} threads" if multiple > 1 else "")
     raise ValueError(
       f"d_model={d_model} has no chunk <= kernel.block_d={options.block_d} that is a multiple of {step} values "
-      "(TMA copies move multiples of 128 bytes); raise block_d or use kernel.gpu_kernel='triton'."
+      f"({why}); raise block_d or use kernel.gpu_kernel='triton'."
     )
   return fits[-1]
 
@@ -130,7 +145,9 @@ class _Ring:
 
       fill(q, slot, self.loaded.at[slot])
 
-    @pl.loop(max(0, n_steps - self.stages), n_steps)  # drain: see every slot taken (no phase left unobserved)
+    first_unseen = max(0, n_steps - self.stages) if isinstance(n_steps, int) else jnp.maximum(n_steps - self.stages, 0)
+
+    @pl.loop(first_unseen, n_steps)  # drain: see every slot taken (no phase left unobserved)
     def _(q):
       plgpu.barrier_wait(self.consumed.at[lax.rem(q, self.stages)])
 
@@ -150,13 +167,14 @@ def _ring_barriers(stages):
   ]
 
 
-def _specialized_kernel(body, out_type, n_tokens, scratch_types, interpret):
-  """Two warpgroups per 64-token block: 0 computes, 1 issues the copies (body(wg, *refs) branches on wg)."""
+def _specialized_kernel(body, out_type, grid, scratch_types, interpret):
+  """Two warpgroups per program (grid: {axis name: size}): 0 computes, 1 issues the copies (body(wg, *refs)
+  branches on wg)."""
   return plgpu.kernel(
     lambda *refs: body(lax.axis_index("wg"), *refs),
     out_type=out_type,
-    grid=(n_tokens // BLOCK_TOKENS,),
-    grid_names=("tokens",),
+    grid=tuple(grid.values()),
+    grid_names=tuple(grid),
     num_threads=2,
     thread_name="wg",
     scratch_types=scratch_types,
@@ -223,7 +241,7 @@ def row_dots(lhs_ND, table_RD, rows_SN, options):
   kernel = _specialized_kernel(
     body,
     jax.ShapeDtypeStruct((n_slots, n_tokens), jnp.float32),
-    n_tokens,
+    {"tokens": n_tokens // BLOCK_TOKENS},
     [
       plgpu.SMEM((stages, BLOCK_TOKENS, block_d), dtype),
       plgpu.SMEM((stages, BLOCK_TOKENS, block_d), table_RD.dtype),
@@ -292,7 +310,7 @@ def row_accumulate(coef_SN, table_RD, rows_SN, out_dtype, options):
   kernel = _specialized_kernel(
     body,
     jax.ShapeDtypeStruct((n_tokens, d_model), out_dtype),
-    n_tokens,
+    {"tokens": n_tokens // BLOCK_TOKENS},
     [
       plgpu.SMEM((stages, BLOCK_TOKENS, block_d), table_RD.dtype),
       plgpu.SMEM((n_slots, BLOCK_TOKENS), jnp.int32),
@@ -304,6 +322,135 @@ def row_accumulate(coef_SN, table_RD, rows_SN, out_dtype, options):
     interpret,
   )
   return kernel(coef_SN, table_RD, rows_SN)
+
+
+def _row_chunk_layout(block_d):
+  """A [block_d] float32 vector spread over the warpgroup's 128 threads, up to 4 adjacent values per thread."""
+  vec_size = 1
+  while vec_size < 4 and block_d % (WARPGROUP * 2 * vec_size) == 0:
+    vec_size *= 2
+  return plgpu.Layout.WG_STRIDED((block_d,), vec_size=vec_size)
+
+
+def segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sums=False):
+  """(sums [R, D] float32, coef_sums [R] float32 or None): row r's pairs p in [starts[r], starts[r+1]) summed
+  in pair order, sums[r] = sum_p coefs[p] * values[tokens[p]] and coef_sums[r] = sum_p coefs[p]."""
+  d_model = values_ND.shape[1]
+  n_pairs, n_rows = tokens_P.shape[0], starts_R1.shape[0] - 1
+  if n_rows == 0 or n_pairs == 0:
+    coef_sums = jnp.zeros((n_rows,), jnp.float32) if with_coef_sums else None
+    return jnp.zeros((n_rows, d_model), jnp.float32), coef_sums
+  dtype = values_ND.dtype
+  interpret = _interpret_params(options)
+  lanes = _Lanes(interpret is not None)
+  block_d = _block_d(d_model, dtype.itemsize, options, multiple=1 if lanes.interpret else WARPGROUP)
+  stages = options.stages
+  _check_smem(BLOCK_ROWS * block_d * (stages * dtype.itemsize + 4) + BLOCK_ROWS * 4 * (2 * stages + 3), options)
+  row_chunk = _row_chunk_layout(block_d)
+  n_blocks = -(-n_rows // BLOCK_ROWS)
+  n_padded = n_blocks * BLOCK_ROWS
+
+  # Row r's pair range is [begins[r], ends[r]); padding rows are empty ranges at starts[R], so a block's pairs are
+  # [begins[r0], ends[r0 + 63]) and pairs past starts[R] are never read. Tokens and coefficients get one tile of
+  # padding so a block's last tile copy stays in bounds.
+  starts_R1 = starts_R1.astype(jnp.int32)
+  tail = jnp.full((n_padded - n_rows,), starts_R1[-1], jnp.int32)
+  begins_R = jnp.concatenate([starts_R1[:-1], tail])
+  ends_R = jnp.concatenate([starts_R1[1:], tail])
+  tokens_pP = jnp.pad(tokens_P.astype(jnp.int32), (0, BLOCK_ROWS))
+  coefs_pP = jnp.pad(coefs_P.astype(jnp.float32), (0, BLOCK_ROWS))
+
+  def body(wg, values_gmem, tokens_gmem, coefs_gmem, begins_gmem, ends_gmem, *refs):
+    sums_gmem, coef_sums_gmem = refs[:2] if with_coef_sums else (refs[0], None)
+    tiles, tokens_ring, coefs_ring, begins_smem, ends_smem, sums_smem, coef_sums_smem, *barriers = refs[-11:]
+    loaded, consumed, pairs_loaded, block_loaded = barriers
+    ring = _Ring(stages, loaded, consumed, lanes)
+    r0, c = lax.axis_index("rows") * BLOCK_ROWS, lax.axis_index("chunks")
+
+    @pl.when(wg == 1)
+    def _copy():
+      plgpu.copy_gmem_to_smem(begins_gmem.at[pl.ds(r0, BLOCK_ROWS)], begins_smem, block_loaded)
+      plgpu.copy_gmem_to_smem(ends_gmem.at[pl.ds(r0, BLOCK_ROWS)], ends_smem, block_loaded)
+      plgpu.barrier_wait(block_loaded)
+      p_begin, p_end = begins_smem[0], ends_smem[BLOCK_ROWS - 1]
+
+      def fill(q, slot, barrier):
+        p0 = p_begin + q * BLOCK_ROWS
+        plgpu.copy_gmem_to_smem(tokens_gmem.at[pl.ds(p0, BLOCK_ROWS)], tokens_ring.at[slot], pairs_loaded.at[slot])
+        plgpu.copy_gmem_to_smem(coefs_gmem.at[pl.ds(p0, BLOCK_ROWS)], coefs_ring.at[slot], pairs_loaded.at[slot])
+        plgpu.barrier_wait(pairs_loaded.at[slot])
+        token_of = lambda j: jnp.where(p0 + j < p_end, tokens_ring[slot, j], 0)  # the tile's tail: any valid row
+        _gather_tile(values_gmem, token_of, c, block_d, tiles.at[slot], barrier)
+
+      ring.fill_all(lax.div(p_end - p_begin + BLOCK_ROWS - 1, BLOCK_ROWS), fill)
+
+    @pl.when(wg == 0)
+    def _compute():
+      plgpu.barrier_wait(block_loaded)
+      p_begin, p_end = begins_smem[0], ends_smem[BLOCK_ROWS - 1]
+
+      def add_pair(p, carry):
+        """Adds pair p (tile (p - p_begin) // 64, row j of it) to the row's sums; waits for the tile at its first
+        pair and frees its slot after its last."""
+        acc, coef_sum = carry
+        k, j = lax.div(p - p_begin, BLOCK_ROWS), lax.rem(p - p_begin, BLOCK_ROWS)
+        slot = lax.rem(k, stages)
+
+        @pl.when(j == 0)
+        def _():
+          plgpu.barrier_wait(pairs_loaded.at[slot])
+          plgpu.barrier_wait(loaded.at[slot])
+
+        value = lanes.load(tiles.at[slot, j], row_chunk).astype(jnp.float32)
+        coef = coefs_ring[slot, j]
+
+        @pl.when((j == BLOCK_ROWS - 1) | (p == p_end - 1))
+        def _():
+          plgpu.barrier_arrive(consumed.at[slot])
+
+        return acc + coef * value, coef_sum + coef
+
+      @pl.loop(0, BLOCK_ROWS)
+      def _(i):
+        zero = (lanes.cast(jnp.zeros((block_d,), jnp.float32), row_chunk), jnp.float32(0))
+        acc, coef_sum = lax.fori_loop(begins_smem[i], ends_smem[i], add_pair, zero)
+        sums_smem[i] = acc
+        if with_coef_sums:
+          coef_sums_smem[i] = coef_sum
+
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(sums_smem, sums_gmem.at[pl.ds(r0, BLOCK_ROWS), pl.ds(c * block_d, block_d)])
+      if with_coef_sums:
+
+        @pl.when(c == 0)
+        def _():
+          plgpu.copy_smem_to_gmem(coef_sums_smem, coef_sums_gmem.at[pl.ds(r0, BLOCK_ROWS)])
+
+      plgpu.wait_smem_to_gmem(0)
+
+  out_type = [jax.ShapeDtypeStruct((n_padded, d_model), jnp.float32)]
+  if with_coef_sums:
+    out_type.append(jax.ShapeDtypeStruct((n_padded,), jnp.float32))
+  kernel = _specialized_kernel(
+    body,
+    tuple(out_type),
+    {"rows": n_blocks, "chunks": d_model // block_d},
+    [
+      plgpu.SMEM((stages, BLOCK_ROWS, block_d), dtype),
+      plgpu.SMEM((stages, BLOCK_ROWS), jnp.int32),
+      plgpu.SMEM((stages, BLOCK_ROWS), jnp.float32),
+      plgpu.SMEM((BLOCK_ROWS,), jnp.int32),
+      plgpu.SMEM((BLOCK_ROWS,), jnp.int32),
+      plgpu.SMEM((BLOCK_ROWS, block_d), jnp.float32),
+      plgpu.SMEM((BLOCK_ROWS,), jnp.float32),
+      *_ring_barriers(stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # pairs_loaded: a tile's tokens and coefficients
+      plgpu.Barrier(num_arrivals=2),  # block_loaded: the block's pair ranges
+    ],
+    interpret,
+  )
+  sums, *coef_sums = kernel(values_ND, tokens_pP, coefs_pP, begins_R, ends_R)
+  return sums[:n_rows], coef_sums[0][:n_rows] if with_coef_sums else None
 
 
 def _pad_tokens(n_tokens, *arrays_N):
