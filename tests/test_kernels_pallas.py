@@ -131,12 +131,11 @@ def test_mosaic_gpu_kernels_lower_for_cuda(monkeypatch, n_slots, block_d, stages
   rows_ = jnp.zeros(rows.shape, rows.dtype)
   lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).trace(x, table, table, gates)
   text = lowered.lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("stablehlo.custom_call @mosaic_gpu") == 4  # row_dots and row_accumulate, forward and backward
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 6  # row_dots and row_accumulate (forward, backward), two segment_sums
 
 
 def test_mosaic_gpu_kernel_options_are_checked():
-  from sparsetx.kernels import gated_gather as gg
-  from sparsetx.kernels import mosaic_gpu
+  from sparsetx.kernels import mosaic_gpu, platform
 
   x, table, rows = jnp.zeros((64, 16)), jnp.zeros((8, 16)), jnp.zeros((64, 2), jnp.int32)
   with pytest.raises(ValueError, match="d_model=16 has no chunk"):
@@ -146,6 +145,6 @@ def test_mosaic_gpu_kernel_options_are_checked():
     mosaic_gpu.row_dots(x, table, rows.T, KernelOptions(block_d=1024, stages=8))
   with pytest.raises(ValueError, match="blocks of 64"):
     mosaic_gpu.row_accumulate(jnp.zeros((2, 10)), table, rows[:10].T, jnp.float32, KernelOptions())
-  assert gg._gpu_kernel(KernelOptions(), "cpu") == "triton"  # off GPU, auto interprets the faster Triton path
+  assert platform.gpu_kernel(KernelOptions(), "cpu") == "triton"  # off GPU, auto interprets the faster Triton path
   with pytest.raises(ValueError, match="gpu_kernel='cuda' is unknown"):
-    gg._gpu_kernel(KernelOptions(gpu_kernel="cuda"), "gpu")
+    platform.gpu_kernel(KernelOptions(gpu_kernel="cuda"), "gpu")

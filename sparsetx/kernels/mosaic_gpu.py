@@ -1,5 +1,5 @@
-"""Mosaic GPU kernels of the gated gather (Hopper and newer: H100, H200, B200): forward, token-side backward and
-the table gradient.
+"""Mosaic GPU row kernels of the sparse layers (Hopper and newer: H100, H200, B200), composed in row_gather.py:
+the gated gather's forward and backward, FFF's walk levels, the d-split's partial dots and the table gradients.
 
 Three kernels do all the row work; the per-slot arithmetic between them is elementwise on [N, S] and stays
 in XLA (N * S floats, about 1 MB at 2,048 tokens and S = 128, against ~800 MB of gathered rows):
@@ -42,8 +42,6 @@ from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-
-from sparsetx.kernels import xla_gather
 
 BLOCK_TOKENS = 64  # rows of a WGMMA-layout register tile: one warpgroup's token block
 BLOCK_ROWS = 64  # segment_sums: table rows per program, and pairs per gathered tile
@@ -343,7 +341,10 @@ def segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sum
   dtype = values_ND.dtype
   interpret = _interpret_params(options)
   lanes = _Lanes(interpret is not None)
-  block_d = _block_d(d_model, dtype.itemsize, options, multiple=1 if lanes.interpret else WARPGROUP)
+  multiple = 1 if lanes.interpret else WARPGROUP
+  # A row chunk spans the warpgroup's threads, so this kernel's chunk is at least WARPGROUP values whatever the
+  # gathers' block_d (their tiles' width, a separate trade-off).
+  block_d = _block_d(d_model, dtype.itemsize, options._replace(block_d=max(options.block_d, multiple)), multiple)
   stages = options.stages
   _check_smem(BLOCK_ROWS * block_d * (stages * dtype.itemsize + 4) + BLOCK_ROWS * 4 * (2 * stages + 3), options)
   row_chunk = _row_chunk_layout(block_d)
@@ -451,38 +452,3 @@ def segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sum
   )
   sums, *coef_sums = kernel(values_ND, tokens_pP, coefs_pP, begins_R, ends_R)
   return sums[:n_rows], coef_sums[0][:n_rows] if with_coef_sums else None
-
-
-def _pad_tokens(n_tokens, *arrays_N):
-  n_padded = -(-n_tokens // BLOCK_TOKENS) * BLOCK_TOKENS
-  return [xla_gather.pad_rows(a, n_padded) for a in arrays_N]
-
-
-def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options):
-  """y [N, D] (x's dtype) and pre-activations h [N, S] (float32). Padding tokens gather row 0 with gate 0."""
-  n_tokens = x_ND.shape[0]
-  x_pD, rows_pS = _pad_tokens(n_tokens, x_ND, rows_NS)
-  h_NS = row_dots(x_pD, w_in_RD, rows_pS.T, options).T[:n_tokens]
-  if bias_R is not None:
-    h_NS = h_NS + bias_R[rows_NS].astype(jnp.float32)
-  return forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating, options), h_NS
-
-
-def forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating, options):
-  """y [N, D] from given pre-activations h [N, S]: only w_out rows are gathered (FFF's walk has the logits)."""
-  n_tokens = x_ND.shape[0]
-  a_NS = gating.value(h_NS, gates_NS.astype(jnp.float32)).astype(x_ND.dtype).astype(jnp.float32)
-  a_pS, rows_pS = _pad_tokens(n_tokens, a_NS, rows_NS)
-  return row_accumulate(a_pS.T, w_out_RD, rows_pS.T, x_ND.dtype, options)[:n_tokens]
-
-
-def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options):
-  """dx [N, D], dgates, coef_in = dL/dh and coef_out = a(h, gate) ([N, S] float32)."""
-  n_tokens = dy_ND.shape[0]
-  dy_pD, rows_pS = _pad_tokens(n_tokens, dy_ND, rows_NS)
-  dyw_NS = row_dots(dy_pD, w_out_RD, rows_pS.T, options).T[:n_tokens]
-  a_NS, da_dh_NS, da_dg_NS = gating.value_and_slopes(h_NS, gates_NS.astype(jnp.float32))
-  coef_in_NS = da_dh_NS * dyw_NS
-  (dx_coef_pS,) = _pad_tokens(n_tokens, coef_in_NS.astype(dy_ND.dtype).astype(jnp.float32))
-  dx_ND = row_accumulate(dx_coef_pS.T, w_in_RD, rows_pS.T, dy_ND.dtype, options)[:n_tokens]
-  return dx_ND, da_dg_NS * dyw_NS, coef_in_NS, a_NS
