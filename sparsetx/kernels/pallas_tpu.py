@@ -1,11 +1,23 @@
-"""Pallas TPU (Mosaic) kernels of the gated gather, forward and token-side backward.
+"""Pallas TPU (Mosaic) kernels: the gated gather's forward and token-side backward, and the row kernels.
 
-One program handles `block_tokens` tokens. Their row ids sit in SMEM; the program issues one DMA
-per (token, slot) row from each table in HBM into VMEM scratch [bt, S, D], waits for all of them,
-then dots, gates and sums on the VPU in float32. Only a block's rows are ever resident. The bias
-values ([N, S], tiny) are gathered by XLA before the call. Table gradients are the shared
-sorted-segment sums (segment_grads.py). Off TPU the kernels run in TPU interpret mode. Pallas TPU does
-not lower erfc (exact GELU), so the activation runs through kernel_math.lowerable.
+The row kernels (KERNEL_API.md) gather table rows by id with one DMA per row from HBM into VMEM (Mosaic TPU has
+no gather load) and do the float32 arithmetic on the VPU; the MXU would need a new weight tile per token:
+  row_dots:        dots[s, t] = <lhs[t], table[rows[s, t]]>          [S, N] float32
+  row_accumulate:  out[t]     = sum_s coef[s, t] * table[rows[s, t]]  [N, D]
+  segment_sums:    sums[r]    = sum_{p in row r} coefs[p] * values[tokens[p]], pairs sorted by row (no atomics)
+A grid step of row_dots / row_accumulate owns 8 tokens, all S slots and a d_model chunk; its rows land in one
+of two VMEM slots while the previous step computes on the other (the DMAs of step j + 1 are issued before the
+waits of step j), so the step axis runs in order ("arbitrary"); a leading "parallel" axis of the chip's
+TensorCore count gives each core of a megacore chip (v4, v5p) its own in-order chain. A step reads its own row
+ids and the next step's from two SMEM blocks of the same [N, S] array: at the ladder's N = 32768 tokens and
+S = 128 the whole array is 16 MiB, far over SMEM (1 MiB), so scalar prefetch of all ids is out. The [S, N]
+results are built in [S, 128]-token blocks that stay in VMEM over a token group's steps (lane-dense stores, no
+transpose). segment_sums walks each row's pair range with a dynamic-bound loop; a ring of row copies runs
+ahead of the sums, and the pairs' token ids and coefficients come through two SMEM windows.
+
+The older fused kernels (forward, backward_rows) gather a block's rows, wait for all of them, then dot,
+gate and sum, so no copy overlaps compute. Off TPU every kernel runs in TPU interpret mode. Pallas TPU does
+not lower erfc (exact GELU), so the fused kernels' activation runs through kernel_math.lowerable.
 """
 
 import jax
@@ -152,3 +164,319 @@ def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, opt
     name="gated_gather_backward",
   )(rows_NS, dy_ND, gates_NS, h_NS, w_in_RD, w_out_RD)
   return dx_ND[:n_tokens], dgates[:n_tokens], cin[:n_tokens], cout[:n_tokens]
+
+
+ROW_BLOCK = 8  # tokens per step of the row kernels: the sublane tile of their [tokens, D] blocks
+TOKEN_GROUP = 128  # tokens of one lane-dense [S, 128] block of row_dots' output / row_accumulate's coefficients
+SLOT_BYTES = 2 * 1024 * 1024  # VMEM for one step's gathered rows; two slots, well under 16 MiB of scoped VMEM
+
+
+def _cores(interpret):
+  """TensorCores per chip (the leading parallel grid axis): 2 off TPU, to exercise the split in interpret mode."""
+  return 2 if interpret else pltpu.get_tpu_info().num_cores
+
+
+def _d_chunk(d_model, n_rows, itemsize, budget):
+  """The largest chunk of d_model (all of it, or a multiple of 128 dividing it) whose n_rows copies fit budget."""
+  if d_model % 128:
+    return d_model  # small power-of-two d_model (64 in tiny models): one chunk
+  fits = [c for c in range(128, d_model + 1, 128) if d_model % c == 0 and n_rows * c * itemsize <= budget]
+  return fits[-1] if fits else 128
+
+
+class _Steps:
+  """The row kernels' grid: (cores, steps per core), step q = core * per_core + j visits token block q // n_dc
+  and d chunk q % n_dc. Tokens are padded to whole token groups per core, so no group spans two cores."""
+
+  def __init__(self, n_tokens, d_model, dc, cores):
+    per_core_tokens = -(-n_tokens // (TOKEN_GROUP * cores)) * TOKEN_GROUP
+    self.n_padded = per_core_tokens * cores
+    self.n_dc = d_model // dc
+    self.per_core = per_core_tokens // ROW_BLOCK * self.n_dc
+    self.total = self.per_core * cores
+    self.grid = (cores, self.per_core)
+
+  def block(self, q):
+    return q // self.n_dc
+
+  def chunk(self, q):
+    return q % self.n_dc
+
+  def rows_specs(self, n_slots):
+    """SMEM blocks of the [N, S] row ids: this step's and the next step's (clamped at the last step)."""
+    this = lambda i, j: (self.block(i * self.per_core + j), 0)  # noqa: E731
+    after = lambda i, j: (self.block(jnp.minimum(i * self.per_core + j + 1, self.total - 1)), 0)  # noqa: E731
+    return [pl.BlockSpec((ROW_BLOCK, n_slots), m, memory_space=pltpu.SMEM) for m in (this, after)]
+
+  def group_spec(self, n_slots):
+    """[S, 128] blocks over tokens, one per token group (resident over the group's steps)."""
+    per_group = TOKEN_GROUP // ROW_BLOCK
+    return pl.BlockSpec((n_slots, TOKEN_GROUP), lambda i, j: (0, self.block(i * self.per_core + j) // per_group))
+
+  def token_spec(self, dc):
+    q = lambda i, j: i * self.per_core + j  # noqa: E731
+    return pl.BlockSpec((ROW_BLOCK, dc), lambda i, j: (self.block(q(i, j)), self.chunk(q(i, j))))
+
+  def params(self):
+    return pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
+
+
+def _double_buffered_rows(steps, n_tokens, n_slots, dc, table_hbm, this_rows, next_rows, buf, sem):
+  """Makes step j's rows land in buf[j % 2]: step 0 starts its own, every step starts the next step's copies
+  into the other slot, then waits for its own. Returns (q, slot): the global step and the slot to read."""
+  core, j = pl.program_id(0), pl.program_id(1)
+  q = core * steps.per_core + j
+  slot = j % 2
+
+  def each_row(step, rows_smem, fn):
+    b, c = steps.block(step), steps.chunk(step)
+    n_real = jnp.clip(n_tokens - b * ROW_BLOCK, 0, ROW_BLOCK)  # padding tokens: no copies (results dropped)
+
+    @pl.loop(0, n_real * n_slots)
+    def _(k):
+      fn(k // n_slots, k % n_slots, c, rows_smem)
+
+  def start(slot_):
+    def fn(t, s, c, rows_smem):
+      src = table_hbm.at[pl.ds(rows_smem[t, s], 1), pl.ds(pl.multiple_of(c * dc, dc), dc)]
+      pltpu.make_async_copy(src, buf.at[slot_, t, pl.ds(s, 1)], sem.at[slot_]).start()
+
+    return fn
+
+  def wait(t, s, c, rows_smem):
+    del rows_smem  # a wait counts bytes on the slot's semaphore; the source row does not matter
+    src = table_hbm.at[pl.ds(0, 1), pl.ds(0, dc)]
+    pltpu.make_async_copy(src, buf.at[slot, t, pl.ds(s, 1)], sem.at[slot]).wait()
+
+  @pl.when(j == 0)
+  def _():
+    each_row(q, this_rows, start(slot))
+
+  @pl.when(j + 1 < steps.per_core)
+  def _():
+    each_row(q + 1, next_rows, start(1 - slot))
+
+  each_row(q, this_rows, wait)
+  return q, slot
+
+
+def row_dots(lhs_ND, table_RD, rows_SN, options):
+  """dots [S, N] float32: <lhs[t], table[rows[s, t]]>, table rows rounded to lhs's dtype, summed in float32."""
+  n_tokens, d_model = lhs_ND.shape
+  n_slots = rows_SN.shape[0]
+  dtype = lhs_ND.dtype
+  interpret = _interpret(options)
+  dc = _d_chunk(d_model, ROW_BLOCK * n_slots, table_RD.dtype.itemsize, SLOT_BYTES)
+  steps = _Steps(n_tokens, d_model, dc, _cores(interpret))
+  lhs_pD = jnp.pad(lhs_ND, [(0, steps.n_padded - n_tokens), (0, 0)])
+  rows_pS = jnp.pad(rows_SN.T.astype(jnp.int32), [(0, steps.n_padded - n_tokens), (0, 0)])
+  per_group = TOKEN_GROUP // ROW_BLOCK
+
+  def kernel(this_rows, next_rows, lhs_ref, table_hbm, dots_ref, buf, sem):
+    q, slot = _double_buffered_rows(steps, n_tokens, n_slots, dc, table_hbm, this_rows, next_rows, buf, sem)
+    b, c = steps.block(q), steps.chunk(q)
+
+    @pl.when(jnp.logical_and(b % per_group == 0, c == 0))
+    def _():
+      dots_ref[...] = jnp.zeros(dots_ref.shape, jnp.float32)
+
+    @pl.when(b * ROW_BLOCK < n_tokens)
+    def _():
+      lane = jax.lax.broadcasted_iota(jnp.int32, (n_slots, TOKEN_GROUP), 1)
+      sublane = jax.lax.broadcasted_iota(jnp.int32, (ROW_BLOCK, dc), 0)
+      first = (b % per_group) * ROW_BLOCK
+      lhs_bD = lhs_ref[...].astype(jnp.float32)
+
+      def token(t, dots):
+        lhs_1D = jnp.sum(jnp.where(sublane == t, lhs_bD, 0.0), axis=0, keepdims=True)  # row t, exactly
+        dots_S1 = jnp.sum(buf[slot, t].astype(dtype).astype(jnp.float32) * lhs_1D, axis=1, keepdims=True)
+        return dots + jnp.where(lane == first + t, dots_S1, 0.0)
+
+      dots_ref[...] = jax.lax.fori_loop(0, ROW_BLOCK, token, dots_ref[...])
+
+  dots_SN = pl.pallas_call(
+    kernel,
+    grid=steps.grid,
+    in_specs=[*steps.rows_specs(n_slots), steps.token_spec(dc), pl.BlockSpec(memory_space=pl.ANY)],
+    out_specs=steps.group_spec(n_slots),
+    out_shape=jax.ShapeDtypeStruct((n_slots, steps.n_padded), jnp.float32),
+    scratch_shapes=[pltpu.VMEM((2, ROW_BLOCK, n_slots, dc), table_RD.dtype), pltpu.SemaphoreType.DMA((2,))],
+    compiler_params=steps.params(),
+    interpret=interpret,
+    name="row_dots",
+  )(rows_pS, rows_pS, lhs_pD, table_RD)
+  return dots_SN[:, :n_tokens]
+
+
+def row_accumulate(coef_SN, table_RD, rows_SN, out_dtype, options):
+  """out [N, D] in out_dtype: sum_s coef[s, t] * table[rows[s, t]] (rows rounded to out_dtype, float32 sums)."""
+  n_slots, n_tokens = coef_SN.shape
+  d_model = table_RD.shape[1]
+  out_dtype = jnp.dtype(out_dtype)
+  interpret = _interpret(options)
+  dc = _d_chunk(d_model, ROW_BLOCK * n_slots, table_RD.dtype.itemsize, SLOT_BYTES)
+  steps = _Steps(n_tokens, d_model, dc, _cores(interpret))
+  coef_Sp = jnp.pad(coef_SN.astype(jnp.float32), [(0, 0), (0, steps.n_padded - n_tokens)])
+  rows_pS = jnp.pad(rows_SN.T.astype(jnp.int32), [(0, steps.n_padded - n_tokens), (0, 0)])
+  per_group = TOKEN_GROUP // ROW_BLOCK
+
+  def kernel(this_rows, next_rows, coef_ref, table_hbm, out_ref, buf, sem):
+    q, slot = _double_buffered_rows(steps, n_tokens, n_slots, dc, table_hbm, this_rows, next_rows, buf, sem)
+    b = steps.block(q)
+
+    @pl.when(b * ROW_BLOCK < n_tokens)
+    def _():
+      lane = jax.lax.broadcasted_iota(jnp.int32, (n_slots, TOKEN_GROUP), 1)
+      sublane = jax.lax.broadcasted_iota(jnp.int32, (ROW_BLOCK, dc), 0)
+      first = (b % per_group) * ROW_BLOCK
+      coef_SG = coef_ref[...]
+
+      def token(t, out):
+        coef_S1 = jnp.sum(jnp.where(lane == first + t, coef_SG, 0.0), axis=1, keepdims=True)  # column t, exactly
+        table_SD = buf[slot, t].astype(out_dtype).astype(jnp.float32)
+        return jnp.where(sublane == t, jnp.sum(coef_S1 * table_SD, axis=0, keepdims=True), out)
+
+      out = jax.lax.fori_loop(0, ROW_BLOCK, token, jnp.zeros((ROW_BLOCK, dc), jnp.float32))
+      out_ref[...] = out.astype(out_dtype)
+
+  out_pD = pl.pallas_call(
+    kernel,
+    grid=steps.grid,
+    in_specs=[*steps.rows_specs(n_slots), steps.group_spec(n_slots), pl.BlockSpec(memory_space=pl.ANY)],
+    out_specs=steps.token_spec(dc),
+    out_shape=jax.ShapeDtypeStruct((steps.n_padded, d_model), out_dtype),
+    scratch_shapes=[pltpu.VMEM((2, ROW_BLOCK, n_slots, dc), table_RD.dtype), pltpu.SemaphoreType.DMA((2,))],
+    compiler_params=steps.params(),
+    interpret=interpret,
+    name="row_accumulate",
+  )(rows_pS, rows_pS, coef_Sp, table_RD)
+  return out_pD[:n_tokens]
+
+
+SEGMENT_ROWS = 128  # output rows per program (16 tiles of 8 sublanes); a power-of-two rank-1 SMEM block of starts
+SEGMENT_RING = 256  # row copies in flight ahead of the sums (a single row copy is latency-bound)
+PAIR_WINDOW = 1024  # pairs per SMEM window step of token ids and coefficients (a window holds PAIR_WINDOW + ring)
+
+
+def segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sums=False):
+  """sums [R, D] float32 (and coef_sums [R] float32, or None): row r's sum over pairs [starts[r], starts[r+1]) of
+  coefs[p] * values[tokens[p]], in pair order; each row written once by one program, no atomics."""
+  n_rows = starts_R1.shape[0] - 1
+  d_model = values_ND.shape[1]
+  interpret = _interpret(options)
+  dc = d_model if d_model <= 1024 or d_model % 128 else _d_chunk(d_model, 1, 1, 1024)
+  ring, step = SEGMENT_RING, PAIR_WINDOW
+  window = step + ring
+  n_pairs = max(tokens_P.shape[0], window)  # short pair lists are padded so a window always fits
+  tokens_P = jnp.pad(tokens_P.astype(jnp.int32), (0, n_pairs - tokens_P.shape[0]))
+  coefs_P = jnp.pad(coefs_P.astype(jnp.float32), (0, n_pairs - coefs_P.shape[0]))
+  n_tiles = -(-n_rows // SEGMENT_ROWS)
+  starts = starts_R1.astype(jnp.int32)
+  pad = (0, n_tiles * SEGMENT_ROWS - n_rows)
+  lo, hi = (jnp.pad(s, pad, constant_values=starts[-1]) for s in (starts[:-1], starts[1:]))  # padding rows: empty
+
+  def kernel(lo_ref, hi_ref, values_hbm, tokens_hbm, coefs_hbm, sums_ref, *rest):
+    coef_sums_ref = rest[0] if with_coef_sums else None
+    buf, tokens_w, coefs_w, row_sem, window_sem = rest[-5:]
+    c = pl.program_id(1)
+    first = lo_ref[0]
+    n = hi_ref[SEGMENT_ROWS - 1] - first  # the tile's pairs: [first, first + n)
+
+    def base(j):  # window j holds pairs first + [j * step, j * step + window), clamped inside the arrays
+      return jnp.minimum(first + j * step, n_pairs - window)
+
+    def window_copies(j):
+      at = pl.ds(base(j), window)
+      return [
+        pltpu.make_async_copy(tokens_hbm.at[at], tokens_w.at[j % 2], window_sem.at[j % 2]),
+        pltpu.make_async_copy(coefs_hbm.at[at], coefs_w.at[j % 2], window_sem.at[j % 2]),
+      ]
+
+    def row_copy(q, j):  # pair q's row chunk into ring slot q % ring; its token id read from window j
+      token = tokens_w[j % 2, first + q - base(j)]
+      src = values_hbm.at[pl.ds(token, 1), pl.ds(pl.multiple_of(c * dc, dc), dc)]
+      return pltpu.make_async_copy(src, buf.at[q % ring], row_sem.at[q % ring])
+
+    def wait_row(q):
+      src = values_hbm.at[pl.ds(0, 1), pl.ds(0, dc)]
+      pltpu.make_async_copy(src, buf.at[q % ring], row_sem.at[q % ring]).wait()
+
+    @pl.when(n > 0)
+    def _():
+      for copy in window_copies(0):
+        copy.start()
+      for copy in window_copies(0):
+        copy.wait()
+
+    @pl.when(n > step)
+    def _():
+      for copy in window_copies(1):
+        copy.start()
+
+    @pl.loop(0, jnp.minimum(n, ring))
+    def _(q):
+      row_copy(q, 0).start()
+
+    def pair(q, carry):
+      sum_1D, coef_sum = carry
+      j = q // step
+
+      @pl.when(jnp.logical_and(q % step == 0, q > 0))
+      def _():
+        for copy in window_copies(j):
+          copy.wait()
+
+        @pl.when((j + 1) * step < n)
+        def _():
+          for copy in window_copies(j + 1):
+            copy.start()
+
+      wait_row(q)
+      coef = coefs_w[j % 2, first + q - base(j)]
+      sum_1D = sum_1D + buf[q % ring].astype(jnp.float32) * coef
+
+      @pl.when(q + ring < n)
+      def _():
+        row_copy(q + ring, j).start()  # into the slot just read
+
+      return sum_1D, coef_sum + coef
+
+    sublane = jax.lax.broadcasted_iota(jnp.int32, (8, dc), 0)
+
+    @pl.loop(0, SEGMENT_ROWS // 8)
+    def _(g):
+      tile = jnp.zeros((8, dc), jnp.float32)
+      for i in range(8):
+        r = g * 8 + i
+        zero = (jnp.zeros((1, dc), jnp.float32), jnp.float32(0))
+        sum_1D, coef_sum = jax.lax.fori_loop(lo_ref[r] - first, hi_ref[r] - first, pair, zero)
+        tile = jnp.where(sublane == i, sum_1D, tile)
+        if with_coef_sums:
+          coef_sums_ref[r] = coef_sum
+      sums_ref[pl.ds(pl.multiple_of(g * 8, 8), 8), :] = tile
+
+  starts_spec = pl.BlockSpec((SEGMENT_ROWS,), lambda i, c: (i,), memory_space=pltpu.SMEM)
+  hbm = pl.BlockSpec(memory_space=pl.ANY)
+  out_specs = [pl.BlockSpec((SEGMENT_ROWS, dc), lambda i, c: (i, c))]
+  out_shape = [jax.ShapeDtypeStruct((n_rows, d_model), jnp.float32)]
+  if with_coef_sums:
+    out_specs.append(pl.BlockSpec((SEGMENT_ROWS,), lambda i, c: (i,), memory_space=pltpu.SMEM))
+    out_shape.append(jax.ShapeDtypeStruct((n_tiles * SEGMENT_ROWS,), jnp.float32))
+  outs = pl.pallas_call(
+    kernel,
+    grid=(n_tiles, d_model // dc),
+    in_specs=[starts_spec, starts_spec, hbm, hbm, hbm],
+    out_specs=out_specs,
+    out_shape=out_shape,
+    scratch_shapes=[
+      pltpu.VMEM((ring, 1, dc), values_ND.dtype),
+      pltpu.SMEM((2, window), jnp.int32),
+      pltpu.SMEM((2, window), jnp.float32),
+      pltpu.SemaphoreType.DMA((ring,)),
+      pltpu.SemaphoreType.DMA((2,)),
+    ],
+    compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+    interpret=interpret,
+    name="segment_sums",
+  )(lo, hi, values_ND, tokens_P, coefs_P)
+  return outs[0], (outs[1][:n_rows] if with_coef_sums else None)
