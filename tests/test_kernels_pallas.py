@@ -44,20 +44,21 @@ def test_pallas_gpu_kernels_equal_xla_path(shape, dtype, activation, with_bias, 
 
 
 def test_pallas_tpu_kernels_equal_xla_path_in_interpret_mode():
-  from sparsetx.kernels import pallas_tpu, xla_gather
+  """The gated gather's passes composed from the TPU row kernels (row_gather.py) equal the XLA path's."""
+  from sparsetx.kernels import pallas_tpu, row_gather, xla_gather
 
   x, w_in, w_out, rows, gates, bias = gather_case(5, 1, 11, 3, 2, 5, 16)
   x, rows, gates = x.reshape(11, 16), rows.reshape(11, 6), gates.reshape(11, 6)
   act = Gating(ACTIVATIONS["gelu"])  # the backends take the op's gating (activation and gate position)
   options = KernelOptions("pallas", token_chunk=4, block_tokens=4, interpret=True)
-  y_t, h_t = pallas_tpu.forward(x, w_in, w_out, rows, gates, bias, act, options)
+  y_t, h_t = row_gather.forward(pallas_tpu, x, w_in, w_out, rows, gates, bias, act, options)
   y_x, h_x = xla_gather.forward(x, w_in, w_out, rows, gates, bias, act, options)
   np.testing.assert_allclose(y_t, y_x, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(h_t, h_x, rtol=1e-5, atol=1e-5)
   dy = jnp.cos(x)
   for name, a, b in zip(
     ("dx", "dgates", "coef_in", "coef_out"),
-    pallas_tpu.backward_rows(dy, h_x, w_in, w_out, rows, gates, act, options),
+    row_gather.backward_rows(pallas_tpu, dy, h_x, w_in, w_out, rows, gates, act, options),
     xla_gather.backward_rows(dy, h_x, w_in, w_out, rows, gates, act, options),
   ):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
@@ -131,7 +132,9 @@ def test_mosaic_gpu_kernels_lower_for_cuda(monkeypatch, n_slots, block_d, stages
   rows_ = jnp.zeros(rows.shape, rows.dtype)
   lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).trace(x, table, table, gates)
   text = lowered.lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("stablehlo.custom_call @mosaic_gpu") == 6  # row_dots and row_accumulate (forward, backward), two segment_sums
+  assert (
+    text.count("stablehlo.custom_call @mosaic_gpu") == 6
+  )  # row_dots and row_accumulate (forward, backward), two segment_sums
 
 
 def test_mosaic_gpu_kernel_options_are_checked():

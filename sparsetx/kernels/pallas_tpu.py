@@ -1,4 +1,5 @@
-"""Pallas TPU (Mosaic) kernels: the gated gather's forward and token-side backward, and the row kernels.
+"""Pallas TPU (Mosaic) row kernels of the sparse layers, composed in row_gather.py (the gated gather's passes,
+FFF's walk levels, the d-split's partial dots) and segment_grads.py (the table gradients).
 
 The row kernels (KERNEL_API.md) gather table rows by id with one DMA per row from HBM into VMEM (Mosaic TPU has
 no gather load) and do the float32 arithmetic on the VPU; the MXU would need a new weight tile per token:
@@ -15,9 +16,8 @@ results are built in [S, 128]-token blocks that stay in VMEM over a token group'
 transpose). segment_sums walks each row's pair range with a dynamic-bound loop; a ring of row copies runs
 ahead of the sums, and the pairs' token ids and coefficients come through two SMEM windows.
 
-The older fused kernels (forward, backward_rows) gather a block's rows, wait for all of them, then dot,
-gate and sum, so no copy overlaps compute. Off TPU every kernel runs in TPU interpret mode. Pallas TPU does
-not lower erfc (exact GELU), so the fused kernels' activation runs through kernel_math.lowerable.
+Off TPU every kernel runs in TPU interpret mode. No activation runs inside a kernel (Pallas TPU lowers no erf):
+the per-slot arithmetic between the kernels is XLA's.
 """
 
 import jax
@@ -30,140 +30,6 @@ def _interpret(options):
   if jax.default_backend() == "tpu" and not options.interpret:
     return False
   return pltpu.InterpretParams()
-
-
-def _gather_rows(rows_smem, tables_hbm, scratch, sem, bt, S):
-  """DMA rows[t, s] of each table into scratch[k][t, s] for the block; returns when all landed."""
-
-  def copies(j):
-    t, s = j // S, j % S
-    r = rows_smem[t, s]
-    return [
-      pltpu.make_async_copy(table.at[pl.ds(r, 1)], buf.at[t, pl.ds(s, 1)], sem.at[k])
-      for k, (table, buf) in enumerate(zip(tables_hbm, scratch))
-    ]
-
-  def start(j, carry):
-    for c in copies(j):
-      c.start()
-    return carry
-
-  def wait(j, carry):
-    for c in copies(j):
-      c.wait()
-    return carry
-
-  jax.lax.fori_loop(0, bt * S, start, 0)
-  jax.lax.fori_loop(0, bt * S, wait, 0)
-
-
-def _pad_tokens(arrays, bt):
-  n = arrays[0].shape[0]
-  pad = -(-n // bt) * bt - n
-  return [jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) for a in arrays]
-
-
-def _specs(bt, S, D, n_slot_inputs):
-  token = pl.BlockSpec((bt, D), lambda i: (i, 0))
-  slot = pl.BlockSpec((bt, S), lambda i: (i, 0))
-  rows = pl.BlockSpec((bt, S), lambda i: (i, 0), memory_space=pltpu.SMEM)
-  hbm = pl.BlockSpec(memory_space=pl.ANY)
-  return token, slot, [rows, token] + [slot] * n_slot_inputs + [hbm, hbm]
-
-
-def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options):
-  n_tokens, D = x_ND.shape
-  S = rows_NS.shape[1]
-  bt = options.block_tokens
-  dtype = x_ND.dtype
-  bias_NS = jnp.zeros(rows_NS.shape, jnp.float32) if bias_R is None else bias_R[rows_NS].astype(jnp.float32)
-  x_ND, rows_NS, gates_NS, bias_NS = _pad_tokens([x_ND, rows_NS, gates_NS, bias_NS], bt)
-  n_padded = x_ND.shape[0]
-  gating = gating.lowered()
-
-  def kernel(rows_smem, x_ref, gates_ref, bias_ref, w_in_hbm, w_out_hbm, y_ref, h_ref, w_in_v, w_out_v, sem):
-    _gather_rows(rows_smem, (w_in_hbm, w_out_hbm), (w_in_v, w_out_v), sem, bt, S)
-    x_bD = x_ref[...].astype(jnp.float32)
-    w_in_bSD = w_in_v[...].astype(dtype).astype(jnp.float32)
-    h_bS = jnp.sum(x_bD[:, None, :] * w_in_bSD, axis=-1) + bias_ref[...]
-    h_ref[...] = h_bS
-    a_bS = gating.value(h_bS, gates_ref[...].astype(jnp.float32)).astype(dtype).astype(jnp.float32)
-    w_out_bSD = w_out_v[...].astype(dtype).astype(jnp.float32)
-    y_ref[...] = jnp.sum(a_bS[:, :, None] * w_out_bSD, axis=1).astype(y_ref.dtype)
-
-  token, slot, in_specs = _specs(bt, S, D, 2)
-  y_ND, h_NS = pl.pallas_call(
-    kernel,
-    grid=(n_padded // bt,),
-    in_specs=in_specs,
-    out_specs=[token, slot],
-    out_shape=[jax.ShapeDtypeStruct((n_padded, D), dtype), jax.ShapeDtypeStruct((n_padded, S), jnp.float32)],
-    scratch_shapes=[
-      pltpu.VMEM((bt, S, D), w_in_RD.dtype),
-      pltpu.VMEM((bt, S, D), w_out_RD.dtype),
-      pltpu.SemaphoreType.DMA((2,)),
-    ],
-    interpret=_interpret(options),
-    name="gated_gather_forward",
-  )(rows_NS, x_ND, gates_NS, bias_NS, w_in_RD, w_out_RD)
-  return y_ND[:n_tokens], h_NS[:n_tokens]
-
-
-def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options):
-  """dx [N, D], dgates, coef_in = dL/dh and coef_out = a(h, gate) ([N, S] float32)."""
-  n_tokens, D = dy_ND.shape
-  S = rows_NS.shape[1]
-  bt = options.block_tokens
-  dtype = dy_ND.dtype
-  dy_ND, rows_NS, gates_NS, h_NS = _pad_tokens([dy_ND, rows_NS, gates_NS, h_NS], bt)
-  n_padded = dy_ND.shape[0]
-  gating = gating.lowered()
-
-  def kernel(
-    rows_smem,
-    dy_ref,
-    gates_ref,
-    h_ref,
-    w_in_hbm,
-    w_out_hbm,
-    dx_ref,
-    dgates_ref,
-    cin_ref,
-    cout_ref,
-    w_in_v,
-    w_out_v,
-    sem,
-  ):
-    _gather_rows(rows_smem, (w_in_hbm, w_out_hbm), (w_in_v, w_out_v), sem, bt, S)
-    dy_bD = dy_ref[...].astype(jnp.float32)
-    dyw_bS = jnp.sum(dy_bD[:, None, :] * w_out_v[...].astype(dtype).astype(jnp.float32), axis=-1)
-    h_bS = h_ref[...]
-    gates_bS = gates_ref[...].astype(jnp.float32)
-    a_bS, da_dh_bS, da_dg_bS = gating.value_and_slopes(h_bS, gates_bS)
-    coef_in_bS = da_dh_bS * dyw_bS
-    dgates_ref[...] = da_dg_bS * dyw_bS
-    cin_ref[...] = coef_in_bS
-    cout_ref[...] = a_bS
-    c_bS = coef_in_bS.astype(dtype).astype(jnp.float32)
-    dx_ref[...] = jnp.sum(c_bS[:, :, None] * w_in_v[...].astype(dtype).astype(jnp.float32), axis=1).astype(dx_ref.dtype)
-
-  token, slot, in_specs = _specs(bt, S, D, 2)
-  slot_out = jax.ShapeDtypeStruct((n_padded, S), jnp.float32)
-  dx_ND, dgates, cin, cout = pl.pallas_call(
-    kernel,
-    grid=(n_padded // bt,),
-    in_specs=in_specs,
-    out_specs=[token, slot, slot, slot],
-    out_shape=[jax.ShapeDtypeStruct((n_padded, D), dtype), slot_out, slot_out, slot_out],
-    scratch_shapes=[
-      pltpu.VMEM((bt, S, D), w_in_RD.dtype),
-      pltpu.VMEM((bt, S, D), w_out_RD.dtype),
-      pltpu.SemaphoreType.DMA((2,)),
-    ],
-    interpret=_interpret(options),
-    name="gated_gather_backward",
-  )(rows_NS, dy_ND, gates_NS, h_NS, w_in_RD, w_out_RD)
-  return dx_ND[:n_tokens], dgates[:n_tokens], cin[:n_tokens], cout[:n_tokens]
 
 
 ROW_BLOCK = 8  # tokens per step of the row kernels: the sublane tile of their [tokens, D] blocks

@@ -9,7 +9,6 @@ which is what makes it slow (memory traffic); the benchmarks time the fast paths
 the gated sum accumulate in float32; the output has x's dtype.
 """
 
-import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -32,13 +31,11 @@ class Gating(NamedTuple):
   gate_inside: a = act(g h), da/dh = g act'(g h), da/dg = h act'(g h) (sgatlin, official);
   otherwise    a = g act(h), da/dh = g act'(h),   da/dg = act(h)       (PEER, FFF).
   With dyw = <dy, w_out[row]>: dL/dh = da/dh * dyw (w_in's and x's coefficient), dL/dg = da/dg * dyw,
-  and a multiplies dy into w_out's row. `act_derivative` is act' when given explicitly (Pallas kernels
-  pass `lowered()`: erf-free forms, the derivative taken before the substitution); else a JVP of act.
+  and a multiplies dy into w_out's row; act' is a JVP of act.
   """
 
   activation: Callable = identity
   gate_inside: bool = True
-  act_derivative: Callable | None = None
 
   @property
   def linear_in_gate(self) -> bool:
@@ -46,7 +43,7 @@ class Gating(NamedTuple):
     return not self.gate_inside or self.activation is identity
 
   def _slope(self, u):
-    return derivative(self.activation, u) if self.act_derivative is None else self.act_derivative(u)
+    return derivative(self.activation, u)
 
   def value(self, h, g):
     """a, float32 (h, g are float32)."""
@@ -60,14 +57,6 @@ class Gating(NamedTuple):
       return self.activation(u), g * d, h * d
     act = self.activation(h)
     return g * act, g * self._slope(h), act
-
-  def lowered(self):
-    """The same gating with act and act' through kernel_math.lowerable (what Pallas kernels can lower)."""
-    from sparsetx.kernels.kernel_math import lowerable
-
-    return Gating(
-      lowerable(self.activation), self.gate_inside, lowerable(functools.partial(derivative, self.activation))
-    )
 
 
 def as_gating(activation_or_gating, gate_inside=True) -> Gating:
