@@ -7,6 +7,7 @@ embedding backward).
 
 - On a GPU or TPU the sums are one `segment_sums` kernel per table (platform.kernel_backend): a program owns a
   tile of rows and walks each row's contiguous range of sorted pairs. No atomics, no loop outside the kernel.
+  On a mesh each device sorts and sums its own tokens' pairs (token_shards.py) and the partial tables are summed.
 - On a CPU (the XLA path) a `lax.scan` adds cache-sized chunks of sorted pairs into the float32 accumulators
   with `indices_are_sorted=True`; sorted order keeps the rows being written close together (faster than the
   unsorted scatter-add: docs/kernels.md). Elsewhere the XLA path adds all pairs in one step.
@@ -15,7 +16,7 @@ embedding backward).
 import jax
 import jax.numpy as jnp
 
-from sparsetx.kernels import platform
+from sparsetx.kernels import platform, token_shards
 
 _INT32_LIMIT = 2**31 - 1
 
@@ -41,20 +42,29 @@ def row_starts(sorted_rows_P, n_rows):
   return jnp.searchsorted(sorted_rows_P, boundaries, side="left", method="scan_unrolled").astype(jnp.int32)
 
 
+def _sorted(rows_NS, coef_in_NS, coef_out_NS, n_rows):
+  """The pairs in row order: (sorted rows, their tokens, coef_in, coef_out), each [P]."""
+  n_slots = rows_NS.shape[1]
+  order_P, sorted_rows_P = sort_pairs(rows_NS.reshape(-1), n_rows)
+  return sorted_rows_P, order_P // n_slots, coef_in_NS.reshape(-1)[order_P], coef_out_NS.reshape(-1)[order_P]
+
+
 def table_grads(x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS, n_rows, options, with_bias):
   """(dW_in [R, D], dW_out [R, D], dbias [R] or None), all float32."""
-  n_tokens, n_slots = rows_NS.shape
-  order_P, sorted_rows_P = sort_pairs(rows_NS.reshape(-1), n_rows)
-  token_P = order_P // n_slots
-  coef_in_P = coef_in_NS.reshape(-1)[order_P]
-  coef_out_P = coef_out_NS.reshape(-1)[order_P]
   backend = platform.kernel_backend(options)
-  if backend is not None:
+  if backend is None:
+    pairs = _sorted(rows_NS, coef_in_NS, coef_out_NS, n_rows)
+    return _scan_table_grads(x_ND, dy_ND, *pairs, n_rows, options, with_bias)
+
+  def kernel_sums(x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS):
+    sorted_rows_P, token_P, coef_in_P, coef_out_P = _sorted(rows_NS, coef_in_NS, coef_out_NS, n_rows)
     starts_R1 = row_starts(sorted_rows_P, n_rows)
     dw_in, dbias = backend.segment_sums(x_ND, token_P, coef_in_P, starts_R1, options, with_coef_sums=with_bias)
     dw_out, _ = backend.segment_sums(dy_ND, token_P, coef_out_P, starts_R1, options)
     return dw_in, dw_out, dbias
-  return _scan_table_grads(x_ND, dy_ND, sorted_rows_P, token_P, coef_in_P, coef_out_P, n_rows, options, with_bias)
+
+  # On a mesh each device sorts and sums its own tokens' pairs; the partial tables are summed over the devices.
+  return token_shards.summed_over_token_shards(kernel_sums, (True,) * 5, x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS)
 
 
 def _scan_table_grads(x_ND, dy_ND, sorted_rows_P, token_P, coef_in_P, coef_out_P, n_rows, options, with_bias):
