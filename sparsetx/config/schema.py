@@ -49,8 +49,8 @@ def ffn_defaults() -> ml_collections.ConfigDict:
       kernel=ml_collections.ConfigDict(
         dict(
           implementation="auto",  # xla | pallas | auto (pallas on GPU/TPU, xla on CPU)
-          token_chunk=4,  # xla: tokens whose gathered rows exist at once (2-8 fastest on CPU)
-          pair_chunk=2048,  # table gradients: sorted (token, slot) pairs added per step
+          token_chunk=4,  # xla on CPU: tokens whose gathered rows exist at once (2-8 fastest); elsewhere all
+          pair_chunk=2048,  # xla on CPU: sorted (token, slot) pairs added per table-gradient step; elsewhere all
           block_tokens=8,  # pallas (triton): tokens per program
           block_d=128,  # pallas on gpu: d_model chunk (largest fitting divisor; triton: a power of two)
           stages=3,  # pallas (mosaic gpu): gathered [64, block_d] tiles in flight

@@ -14,8 +14,8 @@ class KernelOptions(NamedTuple):
   """Static knobs of the op (hashable, so they can ride along as a nondiff argument)."""
 
   implementation: str = "auto"
-  token_chunk: int = 4  # xla path: tokens whose gathered rows exist at once
-  pair_chunk: int = 2048  # table gradients: sorted (token, slot) pairs added per step
+  token_chunk: int = 4  # xla path on CPU: tokens whose gathered rows exist at once (platform.cpu_chunk)
+  pair_chunk: int = 2048  # xla path on CPU: sorted (token, slot) pairs added per table-gradient step
   block_tokens: int = 8  # pallas (triton): tokens per program (grid step)
   block_d: int = 128  # pallas on gpu: d_model chunk (mosaic: one gathered row copy; triton: a power of two <= it)
   stages: int = 3  # pallas (mosaic gpu): gathered [64, block_d] tiles in flight

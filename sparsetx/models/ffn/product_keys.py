@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsetx.config import ConfigError, n_keys_for
+from sparsetx.kernels import platform
 from sparsetx.models.ffn.common import router_init
 from sparsetx.parallel.dispatch import where_tokens_are
 
@@ -109,7 +110,7 @@ def product_key_top_k(scores1_N: jax.Array, scores2_N: jax.Array, k: int):
   if not 0 < k < n_keys:
     raise ConfigError(f"top_k={k} must lie in [1, sqrt(d_ffw)={n_keys}); lower top_k or raise d_ffw.")
   s1, s2 = scores1_N.astype(jnp.float32), scores2_N.astype(jnp.float32)
-  neuron_ids = _neuron_ids_cpu if jax.default_backend() == "cpu" else _neuron_ids_top_k
+  neuron_ids = _neuron_ids_cpu if platform.on_cpu() else _neuron_ids_top_k
   indices = neuron_ids(_order_key(s1), _order_key(s2), k)  # integer keys: no gradient flows into the choice
   values = jnp.take_along_axis(s1, indices // n_keys, axis=-1) + jnp.take_along_axis(s2, indices % n_keys, axis=-1)
   return values, indices
