@@ -99,15 +99,13 @@ def _forward_impl(gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, b
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _gated_gather_ND(gating, options, table_dtype, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS):
   # Without a backward pass the sort does not pay for itself (the row-sorted forward alone is 0-8% slower).
-  w_in_RD, w_out_RD = w_in_RD.astype(table_dtype.stream), w_out_RD.astype(table_dtype.stream)
+  w_in_RD, w_out_RD = w_in_RD.astype(table_dtype.stream), w_out_RD.astype(table_dtype.stream)  # one cast per call
   return _forward_impl(gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS, False)[0]
 
 
 def _fwd(gating, options, table_dtype, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS):
-  w_in_RD, w_out_RD = (
-    w_in_RD.astype(table_dtype.stream),
-    w_out_RD.astype(table_dtype.stream),
-  )  # the streamed copies are residuals
+  # The streamed copies are the residuals: the backward does not cast again.
+  w_in_RD, w_out_RD = w_in_RD.astype(table_dtype.stream), w_out_RD.astype(table_dtype.stream)
   y_ND, h_NS = _forward_impl(gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS, True)
   return y_ND, (x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_NS, h_given_NS)
 
