@@ -151,3 +151,41 @@ def test_mosaic_gpu_kernel_options_are_checked():
   assert platform.gpu_kernel(KernelOptions(), "cpu") == "triton"  # off GPU, auto interprets the faster Triton path
   with pytest.raises(ValueError, match="gpu_kernel='cuda' is unknown"):
     platform.gpu_kernel(KernelOptions(gpu_kernel="cuda"), "gpu")
+
+
+def test_bf16_run_streams_bf16_tables_with_float32_table_gradients():
+  """x in bf16, float32 tables: the kernels read the tables as bf16 (one cast per call), the values are exactly
+  those of bf16 tables given directly (every backend rounded rows to x's dtype before multiplying anyway), and the
+  table gradients come back float32, within bf16 bounds of a float64 reference of the paper's formula.
+
+  Bound (identity activation, so y and each gradient are sums of products of three factors): the table rounding
+  (2^-9 relative, u), the slot coefficient's rounding (u), the cotangent's rounding to bf16 (u) and the output's (u)
+  give |error| <= 4 u * (the same sum over absolute values), plus float32 summation (negligible at these sizes)."""
+  x, w_in, w_out, rows, gates, _ = gather_case(11, 1, 13, 3, 2, 5, 128, dtype=jnp.bfloat16)
+  dy = jax.random.normal(jax.random.key(12), x.shape, jnp.float32)
+  options = KernelOptions("pallas", gpu_kernel="triton", interpret=True)
+
+  def loss(w_in, w_out):
+    return jnp.sum(gated_gather(x, w_in, w_out, rows, gates, options=options).astype(jnp.float32) * dy)
+
+  y32 = gated_gather(x, w_in, w_out, rows, gates, options=options)
+  y16 = gated_gather(x, w_in.astype(jnp.bfloat16), w_out.astype(jnp.bfloat16), rows, gates, options=options)
+  np.testing.assert_array_equal(np.asarray(y32, np.float32), np.asarray(y16, np.float32))
+  dw_in, dw_out = jax.grad(loss, argnums=(0, 1))(w_in, w_out)
+  assert dw_in.dtype == dw_out.dtype == jnp.float32
+
+  X, Wi, Wo, G, DY = (np.asarray(a, np.float64) for a in (x[0], w_in, w_out, gates[0], dy[0]))
+  r = np.asarray(rows[0])
+  t = np.arange(r.shape[0])[:, None].repeat(r.shape[1], 1)
+
+  def reference(X, Wi, Wo, G, DY):
+    h = np.einsum("td,tsd->ts", X, Wi[r])
+    d_in, d_out = np.zeros_like(Wi), np.zeros_like(Wo)
+    np.add.at(d_in, r, (G * np.einsum("td,tsd->ts", DY, Wo[r]))[..., None] * X[t])
+    np.add.at(d_out, r, (G * h)[..., None] * DY[t])
+    return d_in, d_out
+
+  want, scale = reference(X, Wi, Wo, G, DY), reference(*(np.abs(a) for a in (X, Wi, Wo, G, DY)))
+  bound = 4 * 2.0**-9
+  for got, w, s in zip((dw_in, dw_out), want, scale):
+    assert np.all(np.abs(np.asarray(got, np.float64) - w) <= bound * s + 1e-30)
