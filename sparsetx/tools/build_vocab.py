@@ -167,8 +167,7 @@ def define_flags() -> dict:
 
 
 def absl_main(argv: list[str], flag_values: dict) -> int:
-  if len(argv) > 1:
-    cli.fail(f"unexpected arguments {argv[1:]}; every input is a --flag.")
+  del argv  # words that are no flags: refused by cli.run
   args = SimpleNamespace(**{name: holder.value for name, holder in flag_values.items()})
   if args.kind == "gpt2":
     return main_gpt2(args)

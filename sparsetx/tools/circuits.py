@@ -214,8 +214,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> dict:
 
 
 def absl_main(argv: list[str], flag_values: dict) -> int:
-  if len(argv) > 1:
-    cli.fail(f"unexpected arguments {argv[1:]}; every input is a --flag.")
+  del argv  # words that are no flags: refused by cli.run
   args = SimpleNamespace(**{name: holder.value for name, holder in flag_values.items()})
   try:
     analyse(args)

@@ -132,7 +132,7 @@ def absl_main(argv) -> int:
 
 def main():
   """The `sparsetx-launch-local` entry point."""
-  cli.run(absl_main)
+  cli.run(absl_main, forwards_after_dashdash=True)
 
 
 if __name__ == "__main__":

@@ -241,8 +241,7 @@ def run_sweep(spec: sweep.SweepSpec, mode: str = "run", in_subprocess: bool = Fa
 
 
 def absl_main(argv, flag_values: dict) -> None:
-  if len(argv) > 1:
-    cli.fail(f"unexpected arguments {argv[1:]}; every input is a --flag.")
+  del argv  # words that are no flags: refused by cli.run
   values = {name: holder.value for name, holder in flag_values.items()}
   try:
     run_sweep(spec_from_flags(values), values["mode"], values["subprocess"])
