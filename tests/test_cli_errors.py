@@ -157,3 +157,36 @@ def test_programs_report_one_line_and_exit_2(tmp_path, command, message):
   errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and message in errors[0] and "Traceback" not in result.stderr, result.stderr
   assert not workdir.exists() and not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize(
+  "command, line",
+  [
+    (
+      ["-m", "sparsetx.tools.bench_train_step", "--types", "mlp", "sgatlin", "fff"],
+      "error: unexpected arguments 'sgatlin' 'fff': a list flag takes commas: --types=mlp,sgatlin,fff.",
+    ),
+    (
+      ["-m", "sparsetx.train", "--workdir=never", "stray"],
+      "error: unexpected argument 'stray': every input is a --flag; see --help.",
+    ),
+  ],
+)
+def test_stray_words_are_one_line_and_exit_2(command, line):
+  """absl leaves the words that are no flags to main; cli.run refuses them before anything runs."""
+  result = run(*command)
+  assert result.returncode == 2 and result.stderr == line + "\n", result.stderr
+  assert not (REPO / "never").exists()
+
+
+@pytest.mark.parametrize(
+  "module, flag",
+  [
+    ("sparsetx.tools.bench_top_k", "--scales"),  # defined with cli.define_integer_list
+    ("sparsetx.tools.dry_run", "--config"),  # cli.define_config_file
+    ("sparsetx.tools.train", "--workdir"),  # the script's main lives in sparsetx.train.__main__
+  ],
+)
+def test_help_lists_the_programs_own_flags(module, flag):
+  result = run("-m", module, "--help")  # (absl's --help exits with 1)
+  assert f"\n  {flag}:" in result.stdout and "sparsetx.cli:" not in result.stdout, result.stdout
