@@ -252,10 +252,10 @@ class Checkpointer:
   def _verify(self, step: int, data_state: bool) -> None:
     _quiet_closed_loop_callbacks()  # the metadata reads go through tensorstore too
     step_dir = self.directory / str(step)
-    try:
-      items = set(self.manager.item_metadata(step).keys())
-    except Exception as error:  # noqa: BLE001  (any failed read of the step's metadata)
-      raise self.damaged(step, f"its metadata is unreadable ({_reason(error)})") from None
+    try:  # the item directories, as orbax finds them: each item's own metadata is read (and named) below
+      items = {path.name for path in step_dir.iterdir() if path.is_dir()}
+    except Exception as error:  # noqa: BLE001  (any failed listing, local or remote)
+      raise self.damaged(step, f"its directory is unreadable ({_reason(error)})") from None
     missing = [item for item in ITEMS if item not in items]
     if len(missing) == len(ITEMS):
       raise self.damaged(step, f"its directory {step_dir} holds no checkpoint items")
