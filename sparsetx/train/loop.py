@@ -103,6 +103,7 @@ class _StepReader:
     self._pending = None
     self._window_start, self._window_steps = time.time(), 0
     self._compiled = False  # the first step read includes the compilation: its time is left out of the rates
+    self._since, self._steps_since = time.time(), 0  # for the ETA: every step after the first, evaluations included
     self.saved_step = saved_step  # named by the divergence message
     self.last = {}  # the last metrics logged
 
@@ -122,9 +123,10 @@ class _StepReader:
     (step, metrics), self._pending = self._pending, None
     health = jax.device_get({k: metrics[k] for k in ("loss", "grad_norm", "param_norm")})
     if not self._compiled and step % self._train.log_every and step != self._train.steps:
-      self._window_start = time.time()  # the rates of the first interval start after the first step (compiled)
+      self._window_start = self._since = time.time()  # the rates start after the first step (compiled)
     else:
       self._window_steps += 1
+      self._steps_since += 1
     self._compiled = True
     if not all(np.isfinite(v) for v in health.values()):
       raise NonFiniteLossError(
@@ -148,7 +150,7 @@ class _StepReader:
           self._train.steps,
           self.last["loss"],
           f"{self.last['tokens_per_sec']:,.0f}",
-          duration((self._train.steps - step) * elapsed / self._window_steps),
+          duration((self._train.steps - step) * (time.time() - self._since) / self._steps_since),
         )
       self._window_start, self._window_steps = time.time(), 0
 
