@@ -7,33 +7,114 @@ report their failures as tracebacks or usage dumps with exit code 1. `parse_flag
 the field, and how to fix it: a missing config file, a syntax error or an exception inside it (its
 own `ConfigError` for an unknown `:ARG` included), an override of a field the config does not have
 (with the nearest name), a value of the wrong type, an unknown flag. Nothing has been built then.
-`main` reports the errors it finds later (`ConfigError`, checkpoint problems) with `fail`.
+`main` reports the errors it finds later (`ConfigError`, checkpoint problems) with `fail`, and nothing
+prints after that line (`run` ends the process without the interpreter's teardown, where tensorstore's
+reads still in flight would print tracebacks). A program takes only --flags: stray words (`--types mlp
+sgatlin`, where absl lists take commas: `--types=mlp,sgatlin`) are one `error:` line, unless `run` is told
+that the program forwards what follows `--` (launch_local).
+
+A quiet console: `--help` lists the program's own flags (those it defines through this module's helpers
+included); the libraries' INFO logs (orbax, seqio, clu, jax, TensorFlow) are dropped unless `--verbosity`
+is given (sparsetx's own INFO lines and every WARNING stay); TensorFlow, only the data pipeline's and the
+metric writers' engine here, is imported with its C++ start-up notices (oneDNN, CPU features, CUDA probing)
+filtered out and with the GPUs hidden from it (so it takes no accelerator memory; JAX's view is unchanged).
 """
 
+import contextlib
 import difflib
+import importlib.abc
+import importlib.util
+import logging as py_logging
 import os
 import re
 import sys
+import tempfile
 import traceback
 
 from absl import app, flags
+from absl import logging as absl_logging
 from ml_collections import config_dict, config_flags
 from ml_collections.config_flags import config_flags as config_flags_lib  # is_config_flag, the file loader
 
 from sparsetx.config import ConfigError
 
 USAGE_EXIT_CODE = 2
+# Flags defined through this module's helpers (define_config_file, define_integer_list) belong to the module
+# that calls them, so that `--help` lists them with that program's other flags.
+flags.disclaim_key_flags()
+
+_running = False  # inside `run`: a `fail` is the program's last word
+_failed = False  # `fail` has printed its line inside `run`
 
 
 def fail(error, code: int = USAGE_EXIT_CODE):
-  """Ends the program with `error: <message>` as the one line on stderr."""
-  print(f"error: {error}", file=sys.stderr)
+  """Ends the program with `error: <message>` as the one line on stderr (one write: no other thread's output
+  can land inside it). Inside `run`, stderr is closed after it, and `run` exits without the teardown."""
+  global _failed
+  sys.stdout.flush()
+  sys.stderr.write(f"error: {error}\n")
+  sys.stderr.flush()
+  if _running:
+    _failed = True
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    sys.stderr = open(os.devnull, "w")  # noqa: SIM115  (the process ends in a moment)
   sys.exit(code)
 
 
-def run(main) -> None:
-  """`app.run(main)`, with flag and config problems reported by `parse_flags`."""
-  app.run(main, flags_parser=parse_flags)
+def run(main, *, forwards_after_dashdash: bool = False) -> None:
+  """`app.run(main)`, with flag and config problems reported by `parse_flags`, words that are no flags
+  refused (but those after `--` with `forwards_after_dashdash`), and `--help` listing `main`'s module's flags.
+  A `fail` ends the process at once (`os._exit`): nothing prints after its line."""
+  global _running
+  _claim_flags_for_help(main)
+
+  def parser(argv: list[str]) -> list[str]:
+    args = parse_flags(argv)
+    forwarded = argv[argv.index("--") + 1 :] if forwards_after_dashdash and "--" in argv else []
+    stray = args[1 : len(args) - len(forwarded)]
+    if stray:
+      fail(_describe_stray(stray, argv))
+    return args
+
+  _running = True
+  try:
+    app.run(main, flags_parser=parser)
+  except SystemExit as exit_info:
+    if _failed:
+      sys.stdout.flush()
+      os._exit(exit_info.code if isinstance(exit_info.code, int) else 1)
+    raise
+  finally:
+    _running = False
+
+
+def _describe_stray(stray: list[str], argv: list[str]) -> str:
+  """The one line for words that are no flags; after a list flag given with a space, the comma form."""
+  words = " ".join(repr(word) for word in stray)
+  hint = "every input is a --flag; see --help."
+  at = argv.index(stray[0]) if stray[0] in argv else 0
+  values = list(stray)
+  for back in (1, 2):  # `--types=mlp sgatlin` or `--types mlp sgatlin`
+    match = re.fullmatch(r"--?([\w.]+)(?:=(.*))?", argv[at - back], re.S) if at - back > 0 else None
+    if match:
+      value = match.group(2) if back == 1 else argv[at - 1]
+      flag = flags.FLAGS[match.group(1)] if match.group(1) in flags.FLAGS else None
+      if value is not None and flag is not None and isinstance(flag.parser, flags.ListParser):
+        hint = f"a list flag takes commas: --{match.group(1)}={','.join([value, *values])}."
+      break
+  return f"unexpected argument{'s' if len(stray) > 1 else ''} {words}: {hint}"
+
+
+def _claim_flags_for_help(main) -> None:
+  """Makes the flags of `main`'s module key flags of the program (`sys.argv[0]`), which `--help` lists: a
+  console script or a `python -m` wrapper runs a `main` defined in another module."""
+  module = getattr(main, "__module__", None)
+  if module in (None, "__main__"):
+    return
+  for flag in flags.FLAGS.get_flags_for_module(module):
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
 
 
 def define_config_file(
@@ -237,3 +318,104 @@ _KINDS = {
   "string": "a string",
   "integer list": "a comma-separated list of integers",
 }
+
+
+# The quiet console (see the module docstring), set up when a program imports this module, before TensorFlow.
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# TensorFlow's C++ start-up lines on any machine: notices, and the CUDA probing of a machine without a GPU.
+TENSORFLOW_NOISE = re.compile(
+  r"All log messages before absl::InitializeLog\(\) is called are written to STDERR"
+  r"|oneDNN custom operations are on"
+  r"|Could not find cuda drivers on your machine"
+  r"|failed call to cuInit"
+  r"|This TensorFlow binary is optimized to use available CPU instructions"
+  r"|^To enable the following instructions: .*rebuild TensorFlow"
+  r"|Unable to register cu(DNN|FFT|BLAS) factory"
+  r"|TF-TRT Warning: Could not find TensorRT"
+)
+
+
+class _LibraryInfoFilter(py_logging.Filter):
+  """Drops the INFO (and DEBUG) records of every library on the console; sparsetx's own and the running
+  program's stay, and an explicit `--verbosity` (absl's flag, also `-v`) shows everything it asks for."""
+
+  def filter(self, record: py_logging.LogRecord) -> bool:
+    if record.levelno >= py_logging.WARNING or "verbosity" in flags.FLAGS and flags.FLAGS["verbosity"].present:
+      return True
+    path = os.path.abspath(record.pathname)
+    return path.startswith(_PACKAGE_DIR) or path == os.path.abspath(sys.argv[0])
+
+
+@contextlib.contextmanager
+def stderr_without(noise: re.Pattern):
+  """Captures what is written to file descriptor 2 (C++ libraries included) inside the block, then writes
+  it back without the lines `noise` matches."""
+  sys.stderr.flush()
+  try:
+    saved = os.dup(2)
+  except OSError:  # no stderr to filter
+    yield
+    return
+  with tempfile.TemporaryFile() as capture:
+    os.dup2(capture.fileno(), 2)
+    try:
+      yield
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      capture.seek(0)
+      lines = capture.read().decode(errors="replace").splitlines(keepends=True)
+      kept = "".join(line for line in lines if not noise.search(line))
+      if kept:
+        sys.stderr.write(kept)
+        sys.stderr.flush()
+
+
+class _QuietTensorFlowLoader(importlib.abc.Loader):
+  """TensorFlow's own loader, run with its C++ start-up noise filtered and its GPUs hidden (see below)."""
+
+  def __init__(self, loader):
+    self._loader = loader
+
+  def create_module(self, spec):
+    return self._loader.create_module(spec)
+
+  def exec_module(self, module) -> None:
+    with stderr_without(TENSORFLOW_NOISE):
+      self._loader.exec_module(module)
+      try:  # lists the devices (TensorFlow's CUDA probing, filtered here) and keeps TensorFlow off the GPUs
+        module.config.set_visible_devices([], "GPU")
+      except (RuntimeError, ValueError):  # already initialized by its importer, or no GPU support built in
+        pass
+
+  def __getattr__(self, name):
+    return getattr(self._loader, name)
+
+
+class _QuietTensorFlowImport(importlib.abc.MetaPathFinder):
+  """Imports `tensorflow`, whoever imports it first (seqio, clu, tfds, sparsetx), through
+  `_QuietTensorFlowLoader`: a GPU that exists stays JAX's, and nothing of the machine is disabled for JAX."""
+
+  _looking = False  # the lookup below asks every finder again, this one included
+
+  def find_spec(self, fullname, path, target=None):
+    if fullname != "tensorflow" or self._looking:
+      return None
+    self._looking = True
+    try:
+      spec = importlib.util.find_spec(fullname)
+    finally:
+      self._looking = False
+    if spec is not None and spec.loader is not None:
+      spec.loader = _QuietTensorFlowLoader(spec.loader)
+    return spec
+
+
+def _quiet_console() -> None:
+  absl_logging.get_absl_handler().addFilter(_LibraryInfoFilter())
+  if "tensorflow" not in sys.modules and not any(isinstance(f, _QuietTensorFlowImport) for f in sys.meta_path):
+    sys.meta_path.insert(0, _QuietTensorFlowImport())
+
+
+_quiet_console()

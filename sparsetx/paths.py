@@ -54,6 +54,7 @@ def local_staging() -> Iterator[epath.Path]:
 
 
 def save_figure(fig, path: epath.PathLike, dpi: int = 110) -> None:
-  """matplotlib's savefig through epath (a PNG next to a run may live in Cloud Storage too)."""
+  """matplotlib's savefig through epath (a PNG next to a run may live in Cloud Storage too); the image is
+  cropped to what is drawn, so a legend placed outside the axes is kept whole."""
   with epath.Path(path).open("wb") as f:
-    fig.savefig(f, format="png", dpi=dpi)
+    fig.savefig(f, format="png", dpi=dpi, bbox_inches="tight")

@@ -157,3 +157,62 @@ def test_programs_report_one_line_and_exit_2(tmp_path, command, message):
   errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and message in errors[0] and "Traceback" not in result.stderr, result.stderr
   assert not workdir.exists() and not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize(
+  "command, line",
+  [
+    (
+      ["-m", "sparsetx.tools.bench_train_step", "--types", "mlp", "sgatlin", "fff"],
+      "error: unexpected arguments 'sgatlin' 'fff': a list flag takes commas: --types=mlp,sgatlin,fff.",
+    ),
+    (
+      ["-m", "sparsetx.train", "--workdir=never", "stray"],
+      "error: unexpected argument 'stray': every input is a --flag; see --help.",
+    ),
+  ],
+)
+def test_stray_words_are_one_line_and_exit_2(command, line):
+  """absl leaves the words that are no flags to main; cli.run refuses them before anything runs."""
+  result = run(*command)
+  assert result.returncode == 2 and result.stderr == line + "\n", result.stderr
+  assert not (REPO / "never").exists()
+
+
+@pytest.mark.parametrize(
+  "module, flag",
+  [
+    ("sparsetx.tools.bench_top_k", "--scales"),  # defined with cli.define_integer_list
+    ("sparsetx.tools.dry_run", "--config"),  # cli.define_config_file
+    ("sparsetx.tools.train", "--workdir"),  # the script's main lives in sparsetx.train.__main__
+  ],
+)
+def test_help_lists_the_programs_own_flags(module, flag):
+  result = run("-m", module, "--help")  # (absl's --help exits with 1)
+  assert f"\n  {flag}:" in result.stdout and "sparsetx.cli:" not in result.stdout, result.stdout
+
+
+def test_library_info_logs_are_dropped_unless_verbosity_is_given(monkeypatch):
+  """The console filter on absl's handler: sparsetx's INFO and every library's WARNING pass, a library's INFO
+  (orbax's checkpoint chatter) only with an explicit --verbosity."""
+  import logging
+
+  def record(path: str, level: int) -> logging.LogRecord:
+    return logging.LogRecord("absl", level, path, 1, "message", None, None)
+
+  orbax = "/site-packages/orbax/checkpoint/checkpoint_manager.py"
+  ours = str(REPO / "sparsetx" / "train" / "loop.py")
+  console = cli._LibraryInfoFilter()
+  assert not console.filter(record(orbax, logging.INFO))
+  assert console.filter(record(orbax, logging.WARNING)) and console.filter(record(ours, logging.INFO))
+  monkeypatch.setattr(flags.FLAGS["verbosity"], "present", 1)
+  assert console.filter(record(orbax, logging.INFO))
+
+
+def test_stderr_without_drops_only_the_noise_lines(capfd):
+  """What C++ libraries write to file descriptor 2 (TensorFlow's start-up notices) is filtered line by line."""
+  with cli.stderr_without(cli.TENSORFLOW_NOISE):
+    os.write(2, b"E0000 cuda_platform.cc:52] failed call to cuInit: UNKNOWN ERROR (303)\n")
+    os.write(2, b"a real problem\n")
+    os.write(2, b"I0000 port.cc:153] oneDNN custom operations are on. You may see ...\n")
+  assert capfd.readouterr().err == "a real problem\n"

@@ -17,6 +17,7 @@ from sparsetx import config as config_lib
 from sparsetx.evaluate import perplexity, sampling
 from sparsetx.interp import checkpoint as checkpoint_lib
 from sparsetx.train import loop
+from sparsetx.train import state as state_lib
 
 
 def trained_workdir(tmp_path_factory) -> str:
@@ -105,7 +106,23 @@ def test_cli_on_another_mesh_reports_trainer_eval_and_greedy_sample(workdir, res
   vocabulary = checkpoint_lib.vocabulary(config)
   prompt = checkpoint_lib.encode_prompt(vocabulary, "The ball was")
   want = greedy_reference(model, params, prompt, 6, config.model.max_len, vocabulary.eos_id)
-  assert lines[-1] == f"sample: {vocabulary.decode(want)!r}"
+  assert lines[-1] == f"sample (float32): {vocabulary.decode(want)!r}"  # --sample_dtype's default
+
+
+def test_cli_samples_in_the_dtype_asked_for(workdir, restored):
+  """--sample_dtype=bfloat16 samples with the model in bfloat16 (the same sampler, built here, agrees), and says so."""
+  config, _, _, params, _ = restored
+  result = run_cli(
+    f"--workdir={workdir}", "--noeval", "--prompt=The ball was", "--max_new_tokens=6", "--sample_dtype=bfloat16"
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  bf16 = config.copy_and_resolve_references()
+  bf16.model.dtype = "bfloat16"
+  vocabulary = checkpoint_lib.vocabulary(config)
+  prompt = checkpoint_lib.encode_prompt(vocabulary, "The ball was")
+  sampler = sampling.Sampler(state_lib.build_model(bf16), params, config.model.max_len, 1, vocabulary.eos_id)
+  (want,) = sampler.generate([prompt], 6)
+  assert result.stdout.splitlines()[-1] == f"sample (bfloat16): {vocabulary.decode(want)!r}"
 
 
 def test_greedy_sampling_equals_stepwise_argmax_and_top_k_1(restored):

@@ -19,6 +19,8 @@ def on_term(signum, frame):
   open(f"{out}/term_{i}", "w").close()
   sys.exit(0)
 signal.signal(signal.SIGTERM, signal.SIG_IGN if flags["mode"] == "stubborn" and i == 0 else on_term)
+print(f"stdout of {i}", flush=True)  # before the started file the test waits for
+print(f"stderr of {i}", file=sys.stderr, flush=True)
 json.dump(dict(flags=flags, xla_flags=os.environ["XLA_FLAGS"], platforms=os.environ["JAX_PLATFORMS"]),
           open(f"{out}/started_{i}.json", "w"))
 if flags["mode"] == "stubborn" and i == 1:
@@ -75,6 +77,9 @@ def test_processes_get_the_distributed_flags_and_devices_and_sigterm_is_forwarde
   assert len(coordinators) == 1 and coordinators.pop().startswith("localhost:")
   assert all("--xla_force_host_platform_device_count=3" in s["xla_flags"].split() for s in started)
   assert all(s["platforms"] == "cpu" for s in started)
+  lines = output.splitlines()  # each process's lines, stdout and stderr, prefixed with its index
+  assert {f"[{i}] {stream} of {i}" for i in range(2) for stream in ("stdout", "stderr")} <= set(lines), output
+  assert lines[0].startswith("launch_local: 2 processes x 3 CPU devices; their output here, each line prefixed")
 
 
 def test_one_failed_process_stops_the_others(tmp_path):

@@ -299,3 +299,34 @@ def test_cli_reports_one_line_and_exit_code(tmp_path):
   output = finish(process)
   assert process.returncode == 2
   assert output.strip().splitlines()[-1].startswith("error: config.mesh.ici (data=-1, fsdp=1, tensor=1, expert=3)")
+
+
+def test_console_is_a_summary_and_one_line_per_interval(tmp_path):
+  """A tiny run prints its summary, one progress line per log interval, one line per evaluation and its end:
+  no library INFO (orbax's checkpoint chatter, clu's metric lines), no TensorFlow start-up notices."""
+  workdir = tmp_path / "q"
+  process = run_cli(
+    str(workdir),
+    "--config.train.steps=4",
+    "--config.train.log_every=2",
+    "--config.train.eval_every=2",
+    "--config.checkpoint.every=2",
+    ffn_type="mlp",
+  )
+  lines = finish(process).splitlines()
+  assert process.returncode == 0, lines
+  assert len(lines) <= 8, lines  # summary, 2 progress, 2 evaluations, done (and room for a stray warning)
+  assert not [
+    line
+    for line in lines
+    if line.startswith(("I", "E0000", "WARNING: All log"))
+    and "sparsetx" not in line
+    and not any(name in line for name in ("loop.py", "__main__.py"))
+  ], lines
+  progress = [line for line in lines if "] step " in line and "loss" in line and "ETA" in line]
+  assert [line.split("] ")[1].split()[:2] for line in progress] == [["step", "2/4"], ["step", "4/4"]], lines
+  assert any("mlp model (2 layers, d_model 64)" in line and "256 tokens per step (8 x 32)" in line for line in lines)
+  saved = json.loads((workdir / "config.json").read_text())
+  assert saved["train"]["steps"] == 4 and saved["model"]["ffn"]["type"] == "mlp"
+  rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert any({"loss", "grad_norm", "tokens_per_sec", "learning_rate"} <= row.keys() for row in rows)  # all metrics

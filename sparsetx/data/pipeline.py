@@ -33,8 +33,10 @@ batch (loss_weights 0). All processes yield the same number of batches: shorter 
 padded with all-padding batches, agreed through one `process_allgather`.
 """
 
+import contextlib
 import gc
 import json
+import logging
 from collections.abc import Iterator
 
 import jax
@@ -42,6 +44,7 @@ import ml_collections
 import numpy as np
 import seqio
 import tensorflow as tf
+from absl import logging as absl_logging
 from etils import epath
 from jax.experimental import multihost_utils
 
@@ -111,6 +114,23 @@ def _with_options(dataset: tf.data.Dataset) -> tf.data.Dataset:
   return dataset.with_options(options)
 
 
+class _UncachedFunctionDatasetWarning(logging.Filter):
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Using an uncached FunctionDataset for training")
+
+
+@contextlib.contextmanager
+def _known_uncached_function_datasets():
+  """seqio warns that an uncached FunctionDataSource (the embedded corpus, sources.py) reshuffles poorly on
+  restarts; here a restart restores the exact iterator (shuffle buffers included), so the warning is dropped."""
+  absl_logger, warning = absl_logging.get_absl_logger(), _UncachedFunctionDatasetWarning()
+  absl_logger.addFilter(warning)
+  try:
+    yield
+  finally:
+    absl_logger.removeFilter(warning)
+
+
 def local_train_dataset(
   config: ml_collections.ConfigDict, shard_info: seqio.ShardInfo, local_rows: int
 ) -> tf.data.Dataset:
@@ -120,15 +140,16 @@ def local_train_dataset(
   vocabulary = vocab.make_vocabulary(data, config.model.vocab_size)
   mixture = tasks.register_mixture(data, vocabulary)
   lengths = {"targets": data.seq_len}
-  dataset = mixture.get_dataset(
-    lengths,
-    split="train",
-    shuffle=True,
-    seed=data.seed,
-    shard_info=shard_info,
-    num_epochs=None,
-    try_in_mem_cache=False,
-  )
+  with _known_uncached_function_datasets():
+    dataset = mixture.get_dataset(
+      lengths,
+      split="train",
+      shuffle=True,
+      seed=data.seed,
+      shard_info=shard_info,
+      num_epochs=None,
+      try_in_mem_cache=False,
+    )
   dataset = _feature_converter(data.pack)(dataset, task_feature_lengths=lengths)
   dataset = dataset.map(_to_model_features, num_parallel_calls=tf.data.AUTOTUNE)
   dataset = dataset.batch(local_rows, drop_remainder=True).prefetch(tf.data.AUTOTUNE)

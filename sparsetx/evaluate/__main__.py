@@ -3,7 +3,7 @@
 Prints each validation task's loss (nats per token) and perplexity, the numbers the trainer logs
 as `eval/<task>/loss` and `eval/<task>/perplexity` (see sparsetx/evaluate/perplexity.py), and with
 `--prompt` samples a continuation (`--temperature 0` is greedy; `--top_k`, `--seed`,
-`--max_new_tokens`). `--noeval` skips the perplexity pass. A bad flag, a missing workdir, a missing
+`--max_new_tokens`; `--sample_dtype`, float32 by default, and the line names it). `--noeval` skips the perplexity pass. A bad flag, a missing workdir, a missing
 or damaged checkpoint (the line names the step and the other saved steps, for `--step`) or an
 unknown task ends the run with one `error:` line and exit code 2 (sparsetx/cli.py).
 """
@@ -24,12 +24,21 @@ _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to sample a
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; 0 = all.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_SAMPLE_DTYPE = flags.DEFINE_enum(
+  "sample_dtype",
+  "float32",
+  ["float32", "bfloat16"],
+  "Compute dtype of --prompt's sampling (the parameters are float32 either way). Default float32: near-tied "
+  "logits then pick the same token as the float32 Hugging Face export (sparsetx.tools.export); bfloat16 is "
+  "the checkpoint's training dtype (config.model.dtype), faster on a GPU or TPU, and its greedy text can differ.",
+)
 
 
 def run() -> str:
   """Evaluates and samples as the flags say; returns the printed report."""
   from sparsetx.evaluate import perplexity, sampling
   from sparsetx.interp import checkpoint as checkpoint_lib
+  from sparsetx.train import state as state_lib
 
   config, mesh, model, params, step = perplexity.restore(_WORKDIR.value, _STEP.value, _MESH.value, _TASK.value)
   lines = [f"checkpoint {_WORKDIR.value} step {step}, mesh {dict(mesh.shape)}"]
@@ -42,11 +51,14 @@ def run() -> str:
         lines.append(f"{name:<20} {results[key]:>18.6f} {results[f'eval/{name}/perplexity']:>12.4f}")
   if _PROMPT.value is not None:
     vocabulary = checkpoint_lib.vocabulary(config)
-    sampler = sampling.Sampler(model, params, config.model.max_len, batch_size=1, eos_id=vocabulary.eos_id)
+    sample_config = config.copy_and_resolve_references()
+    sample_config.model.dtype = _SAMPLE_DTYPE.value
+    sample_model = state_lib.build_model(sample_config)
+    sampler = sampling.Sampler(sample_model, params, config.model.max_len, batch_size=1, eos_id=vocabulary.eos_id)
     prompt = checkpoint_lib.encode_prompt(vocabulary, _PROMPT.value)
     (new,) = sampler.generate([prompt], _MAX_NEW_TOKENS.value, _TEMPERATURE.value, _TOP_K.value, _SEED.value)
     lines.append(f"prompt: {_PROMPT.value!r}")
-    lines.append(f"sample: {vocabulary.decode(new)!r}")
+    lines.append(f"sample ({_SAMPLE_DTYPE.value}): {vocabulary.decode(new)!r}")
   report = "\n".join(lines)
   print(report)
   return report

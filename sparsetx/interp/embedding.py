@@ -73,12 +73,16 @@ def plot(vocabulary, embedding: Embedding, path: str) -> None:
 
   tokens = list(dict.fromkeys(embedding.tokens_N.tolist()))
   colours = plt.get_cmap("tab20")(np.linspace(0, 1, max(len(tokens), 1)))
-  fig, ax = plt.subplots(figsize=(7, 6))
+  fig, ax = plt.subplots(figsize=(9, 6))
   for colour, token in zip(colours, tokens):
     at = embedding.tokens_N == token
     ax.scatter(*embedding.points_N2[at].T, s=9, color=colour, label=repr(token_text(vocabulary, token)))
   ax.set_title(f"layer {embedding.layer} circuits of the {len(tokens)} most frequent tokens ({embedding.method})")
-  ax.legend(fontsize=7, ncol=2, markerscale=2, loc="best")
+  ax.set_xlabel(f"{embedding.method} component 1")
+  ax.set_ylabel(f"{embedding.method} component 2")
+  ax.ticklabel_format(useOffset=False)
+  # Outside the axes, to their right: a legend inside would cover points.
+  ax.legend(title="input token", fontsize=7, ncol=2, markerscale=2, loc="upper left", bbox_to_anchor=(1.02, 1.0))
   fig.tight_layout()
   paths.save_figure(fig, path)
   plt.close(fig)

@@ -234,14 +234,16 @@ def plot(result: NieResult, path: str, title: str = "NIE of patching the gates")
   fig, ax = plt.subplots(figsize=(1.3 * len(result.col_labels) + 2, 0.6 * len(result.row_labels) + 1.5))
   limit = max(float(np.nanmax(np.abs(result.nie_RC))) if np.isfinite(result.nie_RC).any() else 1.0, 1e-3)
   image = ax.imshow(np.nan_to_num(result.nie_RC), cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto")
-  ax.set_xticks(range(len(result.col_labels)), result.col_labels)
+  ax.set_xticks(range(len(result.col_labels)), result.col_labels, rotation=20, ha="right")
   ax.set_yticks(
     range(len(result.row_labels)), [f"layer {r}" if r != "all" else "all layers" for r in result.row_labels]
   )
   for (r, c), value in np.ndenumerate(result.nie_RC):
     ax.text(c, r, f"{value:.2f}" if np.isfinite(value) else "n/a", ha="center", va="center", fontsize=8)
+  ax.set_xlabel("positions patched")
+  ax.set_ylabel("gates patched")
   ax.set_title(title)
-  fig.colorbar(image, ax=ax)
+  fig.colorbar(image, ax=ax, label="NIE")
   fig.tight_layout()
   paths.save_figure(fig, path)
   plt.close(fig)

@@ -3,10 +3,11 @@
   python -m sparsetx.tools.bench_data [--config=configs/tiny.py] [--steps=200] [--train_steps=10]
 
 Prints one table: tokens/s of the pipeline (host batches, and global jax.Arrays on the mesh),
-the fraction of real (non-padding) tokens, and tokens/s of a jitted forward+backward of the
-model on the same batch shape, with their ratio. The goal is a pipeline at least 10x faster
-than the step, so input never limits training. The data seq_len is set to the model's
-max_len (the tiny model's context).
+the fraction of real (non-padding) tokens, and tokens/s of the train step as `make train` runs
+it (the config's mesh on this machine's devices, no simulated ones; the trainer's own jitted step,
+sparsetx/train/step.py), with their ratio. The goal is a pipeline at least 10x faster than the
+step, so input never limits training. The data seq_len is set to the model's max_len (the tiny
+model's context).
 """
 
 import importlib.util
@@ -14,22 +15,17 @@ import os
 import time
 from types import SimpleNamespace
 
-# Eight simulated CPU devices for the mesh, fixed before jax is imported (a real accelerator ignores it).
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import jax
+import ml_collections
+import numpy as np
+from absl import flags
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import ml_collections  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from absl import flags  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from sparsetx import cli  # noqa: E402
-from sparsetx import config as config_lib  # noqa: E402
-from sparsetx.data import pipeline  # noqa: E402
-from sparsetx.models.transformer import Transformer  # noqa: E402
+from sparsetx import cli
+from sparsetx import config as config_lib
+from sparsetx.data import pipeline
+from sparsetx.parallel import expert_parallel
+from sparsetx.train import state as state_lib
+from sparsetx.train import step as step_lib
 
 _FLAGS = dict(
   config=flags.DEFINE_string("config", "configs/tiny.py", "Config file, optionally with ':ARG'."),
@@ -68,30 +64,18 @@ def time_pipeline(iterator, steps: int, global_arrays: bool) -> tuple[float, flo
   return (time.perf_counter() - start) / steps, real / steps
 
 
-def time_train_step(config, batch, steps: int) -> float:
-  """Seconds per jitted forward+backward+AdamW update on `batch`."""
-  model = Transformer(ml_collections.FrozenConfigDict(config.model))
-  params = model.init(jax.random.key(0), batch["inputs"][:1], batch["positions"][:1], batch["segment_ids"][:1])
-  optimizer = optax.adamw(1e-3)
-  opt_state = optimizer.init(params)
-
-  def loss_fn(params, batch):
-    logits_BTV = model.apply(params, batch["inputs"], batch["positions"], batch["segment_ids"])
-    losses_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
-    return jnp.sum(losses_BT * batch["loss_weights"]) / jnp.maximum(jnp.sum(batch["loss_weights"]), 1.0)
-
-  @jax.jit
-  def step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  params, opt_state, loss = step(params, opt_state, batch)  # compile
-  jax.block_until_ready(loss)
-  start = time.perf_counter()
-  for _ in range(steps):
-    params, opt_state, loss = step(params, opt_state, batch)
-  jax.block_until_ready(loss)
+def time_train_step(config, built: state_lib.Setup, batch, steps: int) -> float:
+  """Seconds per step of the trainer's jitted train step (forward, backward, optimizer) on `batch`, after the
+  compiling first one: what the training loop runs."""
+  with expert_parallel.activate(built.mesh, config.mesh.rules):
+    state = state_lib.create_state(config, built.shardings, built.model, built.tx)
+    step = step_lib.make_train_step(config, built)
+    state, metrics = step(state, batch)  # compile
+    jax.block_until_ready(metrics["loss"])
+    start = time.perf_counter()
+    for _ in range(steps):
+      state, metrics = step(state, batch)
+    jax.block_until_ready(metrics["loss"])
   return (time.perf_counter() - start) / steps
 
 
@@ -100,16 +84,15 @@ def absl_main(argv) -> None:
   args = SimpleNamespace(**{name: holder.value for name, holder in _FLAGS.items()})
   config = load_config(args.config)
   data = config.data
-  mesh = Mesh(np.array(jax.devices()), ("data",))
-  sharding = NamedSharding(mesh, P("data", None))
+  built = state_lib.setup(config)  # the trainer's mesh on this machine's devices
   tokens = data.global_batch_size * data.seq_len
 
   start = time.perf_counter()
-  iterator = pipeline.make_train_iterator(config, sharding)
+  iterator = pipeline.make_train_iterator(config, built.batch_sharding)
   build_s = time.perf_counter() - start
   host_s, real_fraction = time_pipeline(iterator, args.steps, global_arrays=False)
   global_s, _ = time_pipeline(iterator, args.steps, global_arrays=True)
-  step_s = time_train_step(config, next(iterator), args.train_steps)
+  step_s = time_train_step(config, built, next(iterator), args.train_steps)
 
   print(
     f"config {args.config}  mixture {dict(data.mixture)}  batch {data.global_batch_size} x {data.seq_len}"
@@ -120,7 +103,7 @@ def absl_main(argv) -> None:
   rows = (
     ("pipeline, host batches", host_s),
     ("pipeline, global jax.Arrays", global_s),
-    ("train step (fwd+bwd+AdamW)", step_s),
+    ("train step (as the trainer runs it)", step_s),
   )
   for name, seconds in rows:
     print(f"{name:<36}{seconds * 1e3:>10.2f}{tokens / seconds:>14,.0f}{step_s / seconds:>14.1f}")

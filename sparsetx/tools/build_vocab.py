@@ -167,8 +167,7 @@ def define_flags() -> dict:
 
 
 def absl_main(argv: list[str], flag_values: dict) -> int:
-  if len(argv) > 1:
-    cli.fail(f"unexpected arguments {argv[1:]}; every input is a --flag.")
+  del argv  # words that are no flags: refused by cli.run
   args = SimpleNamespace(**{name: holder.value for name, holder in flag_values.items()})
   if args.kind == "gpt2":
     return main_gpt2(args)
@@ -219,6 +218,13 @@ def main_gpt2(args: SimpleNamespace) -> int:
     f"wrote {output}/vocab.json and merges.txt ({size} tokens, <pad>=0, <|endoftext|>=1); use "
     f"--config.data.vocab.kind=gpt2 --config.data.vocab.path={output} and config.model.vocab_size >= {size}"
   )
+  if size < args.vocab_size:  # the trainer stops early only when no pair of adjacent tokens is left to merge
+    with open(os.path.join(output, "merges.txt"), encoding="utf-8") as f:
+      merges = sum(1 for line in f if line.strip() and not line.startswith("#"))
+    print(
+      f"{size} < --vocab_size={args.vocab_size}: after {merges} merges every word of the training text is one "
+      "token, so no pair is left to merge; more (or more varied) text gives a larger vocabulary."
+    )
   return 0
 
 

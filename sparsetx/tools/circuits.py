@@ -44,11 +44,17 @@ def _plot_visits(visits_by_layer: dict, path: str) -> None:
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  from matplotlib import ticker
 
-  fig, axes = plt.subplots(len(visits_by_layer), 1, figsize=(9, 1.2 + 1.1 * len(visits_by_layer)), squeeze=False)
+  fig, axes = plt.subplots(
+    len(visits_by_layer), 1, figsize=(9, 1.2 + 1.1 * len(visits_by_layer)), squeeze=False, sharex=True
+  )
   for ax, (layer, visits_PN) in zip(axes[:, 0], visits_by_layer.items()):
     image = ax.imshow(visits_PN, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0)
     ax.set_ylabel(f"layer {layer}\ntree")
+    # Whole trees and nodes only, few enough to keep the labels apart in a row about an inch high.
+    ax.yaxis.set_major_locator(ticker.MaxNLocator(nbins=3, integer=True))
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(nbins=12, integer=True))
   axes[-1, 0].set_xlabel("node (heap order: root, level 1, ..., leaves)")
   fig.colorbar(image, ax=axes[:, 0].tolist(), label="fraction of tokens visiting")
   paths.save_figure(fig, path)
@@ -65,6 +71,8 @@ def _plot_pruning(results: list[dict], path: str) -> None:
   ax.plot([r["fraction"] for r in results], [r["loss"] for r in results], marker="o")
   ax.set_xlabel("fraction of nodes pruned (least visited first)")
   ax.set_ylabel("validation loss")
+  ax.ticklabel_format(axis="both", style="plain", useOffset=False)  # 4.35456, not 1e-6 + 4.35455
+  ax.grid(alpha=0.3)
   fig.tight_layout()
   paths.save_figure(fig, path)
   plt.close(fig)
@@ -214,8 +222,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> dict:
 
 
 def absl_main(argv: list[str], flag_values: dict) -> int:
-  if len(argv) > 1:
-    cli.fail(f"unexpected arguments {argv[1:]}; every input is a --flag.")
+  del argv  # words that are no flags: refused by cli.run
   args = SimpleNamespace(**{name: holder.value for name, holder in flag_values.items()})
   try:
     analyse(args)

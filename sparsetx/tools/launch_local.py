@@ -12,7 +12,9 @@ SIGTERM or Ctrl-C is forwarded to all processes (the trainer saves and exits 0);
 them. When one process fails, the others get `--grace_period` seconds to stop on their own (JAX
 aborts them once it notices the dead peer), then are killed: nothing is left behind. Prints one
 line per process (`launch_local: process i pid P` at start, how it ended at the end) and exits
-with the first failure's code (128 + signal for a signal), or 0.
+with the first failure's code (128 + signal for a signal), or 0. Each process's output (stdout and
+stderr) reaches this terminal line by line, prefixed with its index (`[1] ...`), or goes to
+`--log_dir`/process_<i>.log.
 """
 
 import os
@@ -21,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from absl import flags, logging  # noqa: F401  (logging defines --log_dir)
@@ -54,6 +57,7 @@ def child_env(devices: int) -> dict:
   flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).split()
   env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
   env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONUNBUFFERED"] = "1"  # each line as it is printed, not a buffer at exit
   return env
 
 
@@ -71,6 +75,8 @@ def start(forwarded) -> list[subprocess.Popen]:
   port = _PORT.value or free_port()
   env = child_env(_DEVICES_PER_PROCESS.value)
   processes = []
+  where = f"in {flags.FLAGS.log_dir}/process_<i>.log" if flags.FLAGS.log_dir else "here, each line prefixed [i]"
+  say(f"{PREFIX} {_NUM_PROCESSES.value} processes x {_DEVICES_PER_PROCESS.value} CPU devices; their output {where}")
   for i in range(_NUM_PROCESSES.value):
     command = [
       sys.executable,
@@ -81,13 +87,35 @@ def start(forwarded) -> list[subprocess.Popen]:
       f"--num_processes={_NUM_PROCESSES.value}",
       f"--process_id={i}",
     ]
-    output = None
     if flags.FLAGS.log_dir:
       os.makedirs(flags.FLAGS.log_dir, exist_ok=True)
       output = open(os.path.join(flags.FLAGS.log_dir, f"process_{i}.log"), "w")
-    processes.append(subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT if output else None))
-    print(f"{PREFIX} process {i} pid {processes[-1].pid}", flush=True)
+    else:
+      output = subprocess.PIPE
+    process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
+    if process.stdout is not None:
+      process.relay = threading.Thread(target=relay, args=(process.stdout, f"[{i}] "), daemon=True)
+      process.relay.start()
+    processes.append(process)
+    say(f"{PREFIX} process {i} pid {process.pid}")
   return processes
+
+
+_print_lock = threading.Lock()
+
+
+def say(line: str) -> None:
+  with _print_lock:
+    print(line, flush=True)
+
+
+def relay(stream, prefix: str) -> None:
+  """Copies a process's output to this stdout line by line, each line prefixed (whole lines: no interleaving)."""
+  for line in iter(stream.readline, b""):
+    with _print_lock:
+      sys.stdout.buffer.write(prefix.encode() + line if line.endswith(b"\n") else prefix.encode() + line + b"\n")
+      sys.stdout.flush()
+  stream.close()
 
 
 def supervise(processes: list[subprocess.Popen], grace_period: float) -> int:
@@ -99,7 +127,7 @@ def supervise(processes: list[subprocess.Popen], grace_period: float) -> int:
   while any(p.poll() is None for p in processes):
     if len(signals) > forwarded:
       action = signal.SIGTERM if forwarded == 0 else signal.SIGKILL
-      print(f"{PREFIX} got {signal.Signals(signals[-1]).name}; sending {action.name} to all processes", flush=True)
+      say(f"{PREFIX} got {signal.Signals(signals[-1]).name}; sending {action.name} to all processes")
       for p in processes:
         if p.poll() is None:
           p.send_signal(action)
@@ -108,7 +136,7 @@ def supervise(processes: list[subprocess.Popen], grace_period: float) -> int:
       if first_failure is None and p.poll() not in (None, 0):
         first_failure = i
         deadline = time.monotonic() + grace_period
-        print(f"{PREFIX} process {i} {describe(p.returncode)}; the others have {grace_period:g}s to stop", flush=True)
+        say(f"{PREFIX} process {i} {describe(p.returncode)}; the others have {grace_period:g}s to stop")
     if deadline is not None and time.monotonic() > deadline:
       for i, p in enumerate(processes):
         if p.poll() is None:
@@ -116,10 +144,13 @@ def supervise(processes: list[subprocess.Popen], grace_period: float) -> int:
           killed.add(i)
       deadline = None
     time.sleep(0.1)
-  for i, p in enumerate(processes):
+  for p in processes:
     p.wait()
+    if getattr(p, "relay", None) is not None:
+      p.relay.join(timeout=10)  # its last lines before how it ended
+  for i, p in enumerate(processes):
     how = "was killed by launch_local after the grace period" if i in killed else describe(p.returncode)
-    print(f"{PREFIX} process {i} {how}", flush=True)
+    say(f"{PREFIX} process {i} {how}")
   return 0 if first_failure is None else exit_code(processes[first_failure].returncode)
 
 
@@ -132,7 +163,7 @@ def absl_main(argv) -> int:
 
 def main():
   """The `sparsetx-launch-local` entry point."""
-  cli.run(absl_main)
+  cli.run(absl_main, forwards_after_dashdash=True)
 
 
 if __name__ == "__main__":

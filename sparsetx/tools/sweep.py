@@ -134,6 +134,19 @@ def _plt():
   return plt
 
 
+def _log_x(ax, engineering: bool) -> None:
+  """A log x axis whose labels stay apart: labels at 1, 2 and 5 of each decade only (no minor-tick labels),
+  short (300k, 1.2M with `engineering`; else 1e+15), tilted; a plain y axis (no offset)."""
+  from matplotlib import ticker
+
+  ax.set_xscale("log")
+  ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+  ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+  ax.xaxis.set_major_formatter(ticker.EngFormatter(sep="") if engineering else ticker.LogFormatterSciNotation())
+  ax.tick_params(axis="x", labelrotation=30)
+  ax.ticklabel_format(axis="y", style="plain", useOffset=False)
+
+
 def plot_perplexity_vs_size(rows: list[dict], path: str) -> None:
   """Figure 3 style: one column per budget, rows: total and active parameters; a line per type."""
   plt = _plt()
@@ -149,14 +162,13 @@ def plot_perplexity_vs_size(rows: list[dict], path: str) -> None:
         points = sorted((r[key], r["perplexity"]) for r in rows if r["budget"] == budget and r["ffn_type"] == ffn_type)
         if points:
           ax.plot(*zip(*points), "o-", color=f"C{color}", label=ffn_type)
-      ax.set_xscale("log")
+      _log_x(ax, engineering=True)
       ax.set_xlabel(label)
       ax.grid(alpha=0.3)
       if row_index == 0:
         ax.set_title(f"{budget:.3g} FLOPs")
-      if column == 0:
-        ax.set_ylabel("validation perplexity")
-  axes[0, 0].legend(fontsize=8)
+      ax.set_ylabel("validation perplexity")  # each column has its own scale
+  axes[0, -1].legend(title="feed-forward", fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # off the data
   fig.tight_layout()
   paths.save_figure(fig, path)
   plt.close(fig)
@@ -182,11 +194,11 @@ def plot_best_vs_compute(rows: list[dict], path: str) -> None:
         xytext=(4, 4),
         color=f"C{color}",
       )
-  ax.set_xscale("log")
+  _log_x(ax, engineering=False)
   ax.set_xlabel("training FLOP budget")
   ax.set_ylabel("best validation perplexity (label: total parameters)")
   ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
+  ax.legend(title="feed-forward", fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # off the data
   fig.tight_layout()
   paths.save_figure(fig, path)
   plt.close(fig)
@@ -241,8 +253,7 @@ def run_sweep(spec: sweep.SweepSpec, mode: str = "run", in_subprocess: bool = Fa
 
 
 def absl_main(argv, flag_values: dict) -> None:
-  if len(argv) > 1:
-    cli.fail(f"unexpected arguments {argv[1:]}; every input is a --flag.")
+  del argv  # words that are no flags: refused by cli.run
   values = {name: holder.value for name, holder in flag_values.items()}
   try:
     run_sweep(spec_from_flags(values), values["mode"], values["subprocess"])

@@ -14,6 +14,7 @@ training the data state of every process), and a failed read of its arrays is re
 
 import contextlib
 import json
+import logging as logging_std
 import re
 import sys
 import threading
@@ -68,6 +69,43 @@ def _quiet_closed_loop_callbacks() -> None:
 
   hook.drops_closed_loop_callbacks = True
   sys.unraisablehook = hook
+
+
+def _item_handlers(state_handler=None) -> dict:
+  """The handler of each item, given to the manager up front: a manager that learns them only from the first
+  save or restore warns, for every item it reads metadata of before that, that the item 'was found in the
+  checkpoint, but could not be restored'."""
+  return {"state": state_handler or ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
+
+
+class _HeldWarnings(logging_std.Filter):
+  """Keeps back the absl records (orbax logs through absl) logged while it is installed."""
+
+  def __init__(self):
+    super().__init__()
+    self.records = []
+
+  def filter(self, record):
+    self.records.append(record)
+    return False
+
+  def release(self) -> None:
+    for record in self.records:
+      logging.get_absl_logger().handle(record)
+    self.records = []
+
+
+@contextlib.contextmanager
+def _warnings_held_back():
+  """Orbax's warnings while a step is checked ('Metadata file does not exist', 'Item "state" was found in the
+  checkpoint, but could not be restored') are dropped when the check fails: its one line says what is wrong.
+  The caller releases them when the check passes."""
+  held = _HeldWarnings()
+  logging.get_absl_logger().addFilter(held)
+  try:
+    yield held
+  finally:
+    logging.get_absl_logger().removeFilter(held)
 
 
 class CheckpointError(ConfigError):
@@ -166,7 +204,8 @@ class Checkpointer:
       enable_async_checkpointing=checkpoint.async_save,
       create=True,
     )
-    self.manager = ocp.CheckpointManager(self.directory, options=options)
+    with _warnings_held_back() as self._held:  # about a damaged step, if any: released once it is verified
+      self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_item_handlers())
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -205,11 +244,18 @@ class Checkpointer:
     directory included), a config or array metadata that does not parse or whose files are gone, and with
     `data_state` a missing or unreadable data state of any process. Array contents are read (and their
     failures reported the same way) by the restore itself."""
+    with _warnings_held_back() as held:
+      self._verify(step, data_state)
+    for records in (self._held, held):  # the step reads: orbax's warnings were not the prelude of our error
+      records.release()
+
+  def _verify(self, step: int, data_state: bool) -> None:
+    _quiet_closed_loop_callbacks()  # the metadata reads go through tensorstore too
     step_dir = self.directory / str(step)
-    try:
-      items = set(self.manager.item_metadata(step).keys())
-    except Exception as error:  # noqa: BLE001  (any failed read of the step's metadata)
-      raise self.damaged(step, f"its metadata is unreadable ({_reason(error)})") from None
+    try:  # the item directories, as orbax finds them: each item's own metadata is read (and named) below
+      items = {path.name for path in step_dir.iterdir() if path.is_dir()}
+    except Exception as error:  # noqa: BLE001  (any failed listing, local or remote)
+      raise self.damaged(step, f"its directory is unreadable ({_reason(error)})") from None
     missing = [item for item in ITEMS if item not in items]
     if len(missing) == len(ITEMS):
       raise self.damaged(step, f"its directory {step_dir} holds no checkpoint items")
@@ -233,6 +279,8 @@ class Checkpointer:
 
   def damaged(self, step: int, problem: str) -> CheckpointError:
     """The one-line error for an unreadable `step`: what is wrong, the other saved steps, the flag to pick one."""
+    _reported_read_failure.set()
+    self._held.records.clear()  # orbax's warnings about the step: its one line says what is wrong
     others = sorted(s for s in self.manager.all_steps() if s != step)
     if others:
       way = (
@@ -308,7 +356,7 @@ class Checkpointer:
     """Only the parameters at `step`, laid out as `abstract_params`: a start whose optimizer state may have
     another structure (sparsetx/tools/sparsify.py with other freeze settings, an HF import). Read through a separate
     manager that deletes nothing and keeps this one's save handlers as they are."""
-    reader = ocp.CheckpointManager(self.directory)
+    reader = ocp.CheckpointManager(self.directory, item_handlers=_item_handlers(ocp.PyTreeCheckpointHandler()))
     try:
       target = {"params": abstract_params}
       restore_args = ocp.checkpoint_utils.construct_restore_args(target)
@@ -342,6 +390,7 @@ class Checkpointer:
     self.manager.wait_until_finished()
 
   def close(self) -> None:
+    self._held.release()
     self.manager.close()
 
   def _remove_orphan_data_states(self) -> None:

@@ -12,8 +12,13 @@ The host runs one step ahead of the devices: it dispatches step N, then reads st
 It waits on step N itself only where the state must be known good: before an evaluation or a
 checkpoint of step N (the state is donated to step N+1, so both happen before N+1 is dispatched),
 and at the end. The next batch is read after any save, so a saved data position is exact.
+
+The console gets a short summary of the run (type, parameters, mesh, tokens per step; the whole config is
+written to <workdir>/config.json), one progress line per config.train.log_every steps (step, loss,
+tokens/s, ETA) and one line per evaluation; every metric goes to metrics.jsonl and TensorBoard.
 """
 
+import json
 import math
 import signal
 import time
@@ -94,10 +99,17 @@ class _StepReader:
       3 * ladder.forward_flops_per_token(config.model, config.data.seq_len)["total"] * self._tokens_per_step
     )
     self._peak = metrics_lib.peak_flops_per_device()
+    self._console = jax.process_index() == 0  # one progress line per run, not one per process
     self._pending = None
     self._window_start, self._window_steps = time.time(), 0
+    self._compiled = False  # the first step read includes the compilation: its time is left out of the rates
+    self._since, self._steps_since = time.time(), 0  # for the ETA: every step after the first, evaluations included
     self.saved_step = saved_step  # named by the divergence message
     self.last = {}  # the last metrics logged
+
+  def exclude(self, seconds: float) -> None:
+    """Leaves `seconds` (an evaluation, a checkpoint save) out of the current interval's rates."""
+    self._window_start += seconds
 
   def dispatched(self, step: int, metrics: dict) -> None:
     """Takes the metrics of the step just dispatched; reads the step before it."""
@@ -109,8 +121,13 @@ class _StepReader:
     if self._pending is None:
       return
     (step, metrics), self._pending = self._pending, None
-    self._window_steps += 1
     health = jax.device_get({k: metrics[k] for k in ("loss", "grad_norm", "param_norm")})
+    if not self._compiled and step % self._train.log_every and step != self._train.steps:
+      self._window_start = self._since = time.time()  # the rates start after the first step (compiled)
+    else:
+      self._window_steps += 1
+      self._steps_since += 1
+    self._compiled = True
     if not all(np.isfinite(v) for v in health.values()):
       raise NonFiniteLossError(
         f"training diverged at step {step} ({', '.join(f'{k}={float(v)}' for k, v in health.items())}); "
@@ -126,7 +143,51 @@ class _StepReader:
       if self._peak:
         self.last["mfu"] = self._window_steps * self._flops_per_step / elapsed / (self._peak * jax.device_count())
       self._writer.write_scalars(step, self.last)
+      if self._console:
+        logging.info(
+          "step %d/%d  loss %.4f  %s tokens/s  ETA %s",
+          step,
+          self._train.steps,
+          self.last["loss"],
+          f"{self.last['tokens_per_sec']:,.0f}",
+          duration((self._train.steps - step) * (time.time() - self._since) / self._steps_since),
+        )
       self._window_start, self._window_steps = time.time(), 0
+
+
+def duration(seconds: float) -> str:
+  """`42s`, `3m05s`, `2h07m`: an ETA at a glance."""
+  seconds = max(int(round(seconds)), 0)
+  if seconds < 60:
+    return f"{seconds}s"
+  minutes, seconds = divmod(seconds, 60)
+  if minutes < 60:
+    return f"{minutes}m{seconds:02d}s"
+  hours, minutes = divmod(minutes, 60)
+  return f"{hours}h{minutes:02d}m"
+
+
+def summary(config: ml_collections.ConfigDict, built: state_lib.Setup) -> str:
+  """One line on what runs: the feed-forward type and size, the parameters, the mesh, the tokens per step."""
+  model, data = config.model, config.data
+  total = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(built.abstract_state.params))
+  active = ladder.param_counts(model)["active"]
+  axes = ", ".join(f"{name}={size}" for name, size in built.mesh.shape.items() if size > 1)
+  devices = f"{built.mesh.size} {jax.devices()[0].platform} device{'s' if built.mesh.size > 1 else ''}"
+  return (
+    f"{model.ffn.type} model ({model.n_layers} layers, d_model {model.d_model}): {total / 1e6:,.2f}M parameters "
+    f"({active / 1e6:,.2f}M active per token); {f'mesh {axes} over {devices}' if axes else devices}; "
+    f"{data.global_batch_size * data.seq_len:,} tokens per step ({data.global_batch_size} x {data.seq_len}), "
+    f"{config.train.steps} steps"
+  )
+
+
+def write_config(config: ml_collections.ConfigDict, workdir: str) -> epath.Path:
+  """<workdir>/config.json: the whole config of this run (process 0; each start rewrites it)."""
+  path = paths.resolve(workdir) / "config.json"
+  if jax.process_index() == 0:
+    paths.write_text_atomically(path, json.dumps(config.to_dict(), indent=2) + "\n")
+  return path
 
 
 class _Profiler:
@@ -204,6 +265,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup
     state = state_lib.create_state(config, shardings, model, tx)
     start = 0
   checkpointer.set_aside_after(start)  # a restore_step before the newest: later steps move to superseded/
+  logging.info("%s; config: %s", summary(config, built), write_config(config, workdir))
 
   step_fn = step_lib.make_train_step(config, built)
   eval_fn = step_lib.make_eval_step(model, shardings.params, batch_sharding)
@@ -233,10 +295,20 @@ def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup
       reader.dispatched(step, step_metrics)  # reads step - 1's metrics: the devices still run `step`
       if step % config.train.eval_every == 0 or step == config.train.steps:
         reader.read()  # waits for `step`: evaluate only a state known finite
-        writer.write_scalars(step, evaluate(config, state.params, eval_fn, eval_data))
+        started = time.time()
+        results = evaluate(config, state.params, eval_fn, eval_data)
+        reader.exclude(time.time() - started)
+        writer.write_scalars(step, results)
+        if jax.process_index() == 0:
+          losses = [
+            f"{key[len('eval/') : -len('/loss')]} {value:.4f}" for key, value in results.items() if "/loss" in key
+          ]
+          logging.info("step %d  eval loss: %s", step, ", ".join(losses))
       if step % config.checkpoint.every == 0 or step == config.train.steps:
         reader.read()  # waits for `step`: save only a state known finite, before step + 1 takes its buffers
+        started = time.time()
         checkpointer.save(step, state, config, data_iterator)
+        reader.exclude(time.time() - started)
         saved_step = reader.saved_step = step
       if step == config.train.steps or sigterm.agreed(step, every=config.train.log_every):
         break

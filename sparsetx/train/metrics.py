@@ -1,6 +1,7 @@
-"""Metric writers (clu: TensorBoard event files and the log, plus metrics.jsonl) and MFU.
+"""Metric writers (clu: TensorBoard event files, plus metrics.jsonl) and MFU.
 
-Only process 0 writes; other processes get a writer that only logs. Model FLOPs come from the
+Only process 0 writes; other processes get a writer that writes nothing. The console gets the loop's one
+progress line per log interval (sparsetx/train/loop.py), not every metric. Model FLOPs come from the
 ladder's accounting (3 x forward FLOPs per token); MFU divides by the bf16 peak of the device kind.
 
 A run that starts at step S (0, or the step it resumes from) keeps one value per step: metrics.jsonl
@@ -116,16 +117,10 @@ def tensorboard_writer(logdir: epath.Path, start_step: int) -> interface.MetricW
 def make_writer(workdir: str, start_step: int = 0) -> metric_writers.MetricWriter:
   """The writer of a run starting at `start_step`: what an earlier run logged past it is dropped (see above)."""
   if jax.process_index() != 0:
-    return metric_writers.create_default_writer(None, just_logging=True)
+    return metric_writers.MultiWriter([])
   jsonl = paths.resolve(workdir) / "metrics.jsonl"
   if dropped := drop_rows_after(jsonl, start_step):
     logging.info(
       "Starting at step %d: dropped %d rows of %s logged after it by an earlier run.", start_step, dropped, jsonl
     )
-  return metric_writers.MultiWriter(
-    [
-      metric_writers.LoggingWriter(),
-      tensorboard_writer(tensorboard_dir(workdir), start_step),
-      JsonlWriter(jsonl),
-    ]
-  )
+  return metric_writers.MultiWriter([tensorboard_writer(tensorboard_dir(workdir), start_step), JsonlWriter(jsonl)])
