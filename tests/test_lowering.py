@@ -214,11 +214,11 @@ def test_dry_run_tool_lowers_for_a_platform_and_lists_the_kernels():
 
 
 def test_custom_calls_table():
-  calls = collections.Counter({("tpu_custom_call", "gated_gather_forward"): 2, ("mosaic_gpu_v2", ""): 4})
+  calls = collections.Counter({("tpu_custom_call", "row_dots"): 2, ("mosaic_gpu_v2", ""): 4})
   lines = aot.format_custom_calls(calls).splitlines()
   assert [line.split() for line in lines[1:]] == [
     ["mosaic_gpu_v2", "-", "4"],
-    ["tpu_custom_call", "gated_gather_forward", "2"],
+    ["tpu_custom_call", "row_dots", "2"],
   ]
   assert "(none" in aot.format_custom_calls(collections.Counter())
 
