@@ -14,6 +14,7 @@ The program checks run in one fresh process, since absl flags are process-global
 same names.
 """
 
+import ast
 import importlib.util
 import json
 import os
@@ -87,6 +88,37 @@ def documented_commands() -> list[dict]:
   return commands
 
 
+PROGRAM_START = re.compile(r"^(\.venv/bin/)?python3? -m sparsetx\.|^sparsetx-[\w-]+ ")
+SYNOPSIS = re.compile(r"\[|\.\.\.|\b[A-Z]{3,}\b")  # [optional] parts, `...`, placeholders such as DIR
+
+
+def docstring_commands() -> list[dict]:
+  """The example commands of the programs' docstrings (what their --help shows): a line starting with a program,
+  with its `\\` continuations and the more indented lines of optional flags below it. A synopsis (with [optional]
+  parts, `...` or a placeholder such as DIR) is checked for its flag names only; the rest as commands."""
+  commands = []
+  for path in sorted((REPO / "sparsetx" / "tools").glob("*.py")):
+    lines = (ast.get_docstring(ast.parse(path.read_text())) or "").splitlines()
+    i = 0
+    while i < len(lines):
+      text, indent = lines[i].strip(), len(lines[i]) - len(lines[i].lstrip())
+      where = f"{path.relative_to(REPO)}:docstring line {i + 1}"
+      i += 1
+      if not PROGRAM_START.match(text):
+        continue
+      while i < len(lines) and (
+        text.endswith("\\") or (len(lines[i]) - len(lines[i].lstrip()) > indent and lines[i].strip()[:1] in "[-")
+      ):
+        text = text.removesuffix("\\") + " " + lines[i].strip()
+        i += 1
+      (command,) = shell_commands(text, where, 0)
+      command["where"] = where
+      if SYNOPSIS.search(text.split("#")[0]):
+        command["names"] = sorted(set(re.findall(r"(?<![\w-])--([\w.]+)", text.split("#")[0])))
+      commands.append(command)
+  return commands
+
+
 def python_blocks() -> list[tuple[str, str]]:
   return [
     (f"{document}:{line}", body)
@@ -151,7 +183,9 @@ def plan(command: dict) -> list[dict]:
     return [{"kind": "ok", "where": where, "what": f"python -m {module}"}]
   if program is not None:
     module, args = program
-    return [{"kind": "program", "where": where, "module": module, "args": args, "env": env}]
+    return [
+      {"kind": "program", "where": where, "module": module, "args": args, "env": env, "names": command.get("names")}
+    ]
   if argv[0] in PYTHONS and argv[1:2] == ["-c"]:
     return [{"kind": "run", "where": where, "argv": [sys.executable, *argv[1:]], "env": env}]
   if argv[0] == "make":
@@ -242,8 +276,34 @@ def device_count(env):
   return int(match.group(1)) if match else 1
 
 
+def check_names(module_name, names):
+  '''A synopsis: each --name is a flag of the program (--noNAME of a boolean one), --config.x.y a config field.'''
+  from sparsetx import config as config_lib
+  if module_name == "sparsetx.tools.lm_eval_cli":
+    from lm_eval._cli.harness import HarnessCLI
+    parser = HarnessCLI()._subparsers.choices["run"]
+    known = {option.lstrip("-") for action in parser._actions for option in action.option_strings}
+    booleans = set()
+  else:
+    _, has_main = load(module_name)
+    assert has_main, f"{module_name} defines no main()"
+    known = set(FLAGS)
+    booleans = {name for name in FLAGS if isinstance(FLAGS[name], flags.BooleanFlag)}
+  for name in names:
+    if name.startswith("config."):
+      assert "config" in known, f"--{name}: the program has no --config"
+      node = config_lib.default_config()
+      for part in name.split(".")[1:]:
+        assert part in node, f"--{name}: the config has no field {part!r} there"
+        node = node[part]
+    else:
+      assert name in known or (name[:2] == "no" and name[2:] in booleans), f"--{name} is not a flag of {module_name}"
+
+
 def check(item):
   module_name, args, env = item["module"], item["args"], item["env"]
+  if item.get("names") is not None:
+    return check_names(module_name, item["names"])
   if module_name == "sparsetx.tools.lm_eval_cli":
     from lm_eval._cli.harness import HarnessCLI
     _, has_main = load(module_name)
@@ -318,7 +378,7 @@ def check_programs(items: list[dict]) -> dict:
   return json.loads(lines[-1][len("CHECKER") :])
 
 
-COMMANDS = documented_commands()
+COMMANDS = documented_commands() + docstring_commands()
 
 
 @pytest.fixture(scope="module")

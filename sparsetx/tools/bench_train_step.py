@@ -10,7 +10,7 @@ does not hold (a CPU) MFU is n/a unless --peak_tflops gives the peak.
 
   .venv/bin/python -m sparsetx.tools.bench_train_step                   # GPU / TPU: scale 2, 8 x 512 tokens, bf16
   .venv/bin/python -m sparsetx.tools.bench_train_step --small           # CPU: scale 1 cut to 2 layers, 8 x 64, float32
-  .venv/bin/python -m sparsetx.tools.bench_train_step --types mlp sgatlin fff --scale 4 --batch 32 --seq_len 2048
+  .venv/bin/python -m sparsetx.tools.bench_train_step --types=mlp,sgatlin,fff --scale=4 --batch=32 --seq_len=2048
 """
 
 import statistics
