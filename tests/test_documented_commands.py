@@ -1,17 +1,19 @@
 """Every command in the documentation's code blocks runs as written, or at least would: checked here.
 
 The commands are read from the fenced code blocks of README.md, CONTRIBUTING.md, deploy/README.md and docs/*.md
-(`\\` continuations joined, `VAR=value` lines and prefixes, comments dropped). A command that takes seconds runs for
-real (`python -c ...`). The rest are checked as their programs would check them, without training or compiling: the
-module exists and defines main(); the program's own parser (its absl flags and `sparsetx.cli.config_args`, or
-lm-eval's argparse) accepts every flag, loads the `--config` file with its `:ARG` and applies every `--config.x.y`
-override; the config validates; and the mesh it declares (config.mesh.ici/dcn after the overrides) fits the devices
-the command declares (`--devices`, an `XLA_FLAGS=--xla_force_host_platform_device_count=N` prefix, launch_local's
-processes x devices, else the one CPU device), with the batch divisible over it and no large parameter fully
-replicated (`state.setup` on abstract shapes). `make` targets exist and their recipes' commands are checked the
-same way; pip extras exist in pyproject.toml. A command of any other form fails the test: nothing is skipped.
-The program checks run in one fresh process, since absl flags are process-global and several programs define the
-same names.
+(`\\` continuations joined, `VAR=value` lines and prefixes, comments dropped), and from the example lines of the
+programs' docstrings (their --help). A command that takes seconds runs for real (`python -c ...`; the tiny config's
+dry runs, cut to a short context by flags this test appends). The rest are checked as their programs would check
+them, without training or compiling: the module exists and defines main(); the program's own parser (its absl
+flags and `sparsetx.cli.config_args`, or lm-eval's argparse) accepts every flag, loads the `--config` file with its
+`:ARG` and applies every `--config.x.y` override; the config validates; and the mesh it declares
+(config.mesh.ici/dcn after the overrides) fits the devices the command declares (`--devices`, an
+`XLA_FLAGS=--xla_force_host_platform_device_count=N` prefix, launch_local's processes x devices, else the one CPU
+device), with the batch divisible over it and no large parameter fully replicated (`state.setup` on abstract
+shapes). A docstring synopsis (with [optional] parts or placeholders) is checked for its flag names. `make` targets
+exist and their recipes' Python commands are checked the same way; pip extras exist in pyproject.toml. A command of
+any other form fails the test: nothing is skipped. The program checks run in one fresh process, since absl flags
+are process-global and several programs define the same names.
 """
 
 import ast
@@ -171,6 +173,15 @@ def program_of(argv: list[str], where: str) -> tuple[str, list[str]] | None:
   return None
 
 
+# Documented commands that also run for real, cut down by the flags appended here (the last value of a flag wins):
+# the dry runs of the tiny config, at a short context (a compile of seconds).
+CUT_DOWN = {"sparsetx.tools.dry_run": ["--config.data.seq_len=64", "--config.model.max_len=64"]}
+
+
+def runs_for_real(module: str, args: list[str]) -> bool:
+  return module in CUT_DOWN and "--config=configs/tiny.py" in args and "--remat_sweep" not in args
+
+
 def plan(command: dict) -> list[dict]:
   """What checking `command` takes: [{kind: run|program|ok, ...}], or an AssertionError naming what is wrong."""
   argv, env, where = command["argv"], command["env"], command["where"]
@@ -183,9 +194,18 @@ def plan(command: dict) -> list[dict]:
     return [{"kind": "ok", "where": where, "what": f"python -m {module}"}]
   if program is not None:
     module, args = program
-    return [
-      {"kind": "program", "where": where, "module": module, "args": args, "env": env, "names": command.get("names")}
-    ]
+    check = {
+      "kind": "program",
+      "where": where,
+      "module": module,
+      "args": args,
+      "env": env,
+      "names": command.get("names"),
+    }
+    if check["names"] is None and runs_for_real(module, args):
+      real = [sys.executable, "-m", module, *args, *CUT_DOWN[module]]
+      return [check, {"kind": "run", "where": where, "argv": real, "env": env}]
+    return [check]
   if argv[0] in PYTHONS and argv[1:2] == ["-c"]:
     return [{"kind": "run", "where": where, "argv": [sys.executable, *argv[1:]], "env": env}]
   if argv[0] == "make":
@@ -392,8 +412,8 @@ def checked() -> dict:
 def test_documented_command(command, checked):
   for step in plan(command):
     if step["kind"] == "run":
-      env = {**os.environ, **step["env"]}
-      result = subprocess.run(step["argv"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+      env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu", **step["env"]}
+      result = subprocess.run(step["argv"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
       assert result.returncode == 0, f"{step['where']}: {shlex.join(command['argv'])}\n{result.stderr[-2000:]}"
     elif step["kind"] == "program":
       error = checked[step["where"]]
