@@ -159,7 +159,7 @@ def expand_make(line: str, variables: dict) -> str:
   return line
 
 
-def program_of(argv: list[str], where: str) -> tuple[str, list[str]] | None:
+def program_of(argv: list[str]) -> tuple[str, list[str]] | None:
   """(module, arguments) of a Python program command, else None."""
   scripts = pyproject()["project"]["scripts"]
   if argv[0] in scripts:
@@ -185,7 +185,7 @@ def runs_for_real(module: str, args: list[str]) -> bool:
 def plan(command: dict) -> list[dict]:
   """What checking `command` takes: [{kind: run|program|ok, ...}], or an AssertionError naming what is wrong."""
   argv, env, where = command["argv"], command["env"], command["where"]
-  program = program_of(argv, where)
+  program = program_of(argv)
   if program is not None and not program[0].startswith("sparsetx"):  # another package's program (make test's pytest)
     module, args = program
     assert importlib.util.find_spec(module), f"{where}: no module {module}"
@@ -217,7 +217,7 @@ def plan(command: dict) -> list[dict]:
       assert target in recipes, f"{where}: the Makefile has no target {target!r} (it has {sorted(recipes)})"
       for recipe in recipes[target]:
         words = shlex.split(expand_make(recipe, {**variables, "PY": ".venv/bin/python"}))
-        if program_of(words, where) is not None:  # the Python programs a target runs are checked as documented ones
+        if program_of(words) is not None:  # the Python programs a target runs are checked as documented ones
           steps += plan({"where": f"{where} (make {target})", "env": env, "argv": words})
     return steps or [{"kind": "ok", "where": where, "what": f"make target(s) {targets}"}]
   if re.fullmatch(r"(\.venv/bin/)?pip3?", argv[0]) and argv[1:2] == ["install"]:
