@@ -401,25 +401,6 @@ def check_programs(items: list[dict]) -> dict:
 COMMANDS = documented_commands() + docstring_commands()
 
 
-@pytest.fixture(scope="module")
-def checked() -> dict:
-  """{where: error or None} of every documented program command, and of the mutations below."""
-  items = [step for command in COMMANDS for step in plan(command) if step["kind"] == "program"]
-  return check_programs(items + [mutation for mutation, _ in MUTATIONS.values()])
-
-
-@pytest.mark.parametrize("command", COMMANDS, ids=[c["where"] for c in COMMANDS])
-def test_documented_command(command, checked):
-  for step in plan(command):
-    if step["kind"] == "run":
-      env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu", **step["env"]}
-      result = subprocess.run(step["argv"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-      assert result.returncode == 0, f"{step['where']}: {shlex.join(command['argv'])}\n{result.stderr[-2000:]}"
-    elif step["kind"] == "program":
-      error = checked[step["where"]]
-      assert error is None, f"{step['where']}: {shlex.join(command['argv'])}\n{error}"
-
-
 def test_the_documents_hold_the_commands_of_each_kind():
   """The extraction finds what the README is known to document (a parser that finds nothing passes nothing)."""
   modules = {step.get("module") for command in COMMANDS for step in plan(command)}
@@ -460,8 +441,30 @@ MUTATIONS = {
 }
 
 
-@pytest.mark.parametrize("name", MUTATIONS)
-def test_a_broken_command_fails(name, checked):
-  mutation, expected = MUTATIONS[name]
-  error = checked[mutation["where"]]
-  assert error is not None and expected in error, error
+def run(step: dict) -> str | None:
+  """Runs a command step for real; its error output when it fails."""
+  env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu", **step["env"]}
+  result = subprocess.run(step["argv"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  return None if result.returncode == 0 else f"exit {result.returncode}\n{result.stderr[-2000:]}"
+
+
+def test_documented_commands_run_and_broken_ones_fail():
+  """Every documented command runs or passes its program's checks (the failures listed together), and each
+  mutation above is refused. One test, so that one process checks all the commands, under pytest-xdist too."""
+  failures, steps = [], []
+  for command in COMMANDS:
+    try:
+      steps += [(command, step) for step in plan(command)]
+    except AssertionError as error:
+      failures.append(str(error))
+  programs = [step for _, step in steps if step["kind"] == "program"]
+  checked = check_programs(programs + [mutation for mutation, _ in MUTATIONS.values()])
+  for command, step in steps:
+    error = run(step) if step["kind"] == "run" else checked[step["where"]] if step["kind"] == "program" else None
+    if error is not None:
+      failures.append(f"{step['where']}: {shlex.join(command['argv'])}\n  {error}")
+  for name, (mutation, expected) in MUTATIONS.items():
+    error = checked[mutation["where"]]
+    if error is None or expected not in error:
+      failures.append(f"{name} ({mutation['where']}) was not refused with {expected!r}: {error}")
+  assert not failures, "\n\n".join(failures)
