@@ -22,16 +22,20 @@ import ml_collections
 from absl import flags
 
 from sparsetx import cli
-from sparsetx.config import default_config, validate
+from sparsetx.config import ConfigError, default_config, validate
 from sparsetx.kernels import gated_gather as gg
-from sparsetx.models.ffn import sgatlin as sgatlin_module
 from sparsetx.models.ffn.dense import Mlp, SwiGlu
 from sparsetx.models.ffn.fff import Fff
 from sparsetx.models.ffn.sgatlin import Sgatlin
+from sparsetx.parallel import dispatch
 
 
-def papers_gather(x, w_in, w_out, rows, gates, activation=gg.identity, bias_R=None, options=None):
-  return gg.gated_gather_reference(x, w_in, w_out, rows, gates, activation, bias_R)
+def papers_gather(x, w_in, w_out, rows, gates, activation=gg.identity, options=None, gate_inside_activation=True):
+  """Listing 1's formulation (gather the rows, two einsums) in place of the gated gather op sgatlin's layer calls."""
+  del options
+  return gg.gated_gather_reference(
+    x, w_in, w_out, rows, gates, activation, gate_inside_activation=gate_inside_activation
+  )
 
 
 def layer_config(d_model, dtype, **ffn):
@@ -49,7 +53,7 @@ class Variant:
 
   def __init__(self, name, module, d_model, tokens, dtype, papers=False):
     self.name = name
-    patch = mock.patch.object(sgatlin_module, "gated_gather", papers_gather) if papers else contextlib.nullcontext()
+    patch = mock.patch.object(dispatch, "gated_gather", papers_gather) if papers else contextlib.nullcontext()
     x = jax.random.normal(jax.random.key(0), (tokens // 256, 256, d_model), jnp.dtype(dtype))
     with patch:
       params = jax.jit(module.init)(jax.random.key(1), x)
@@ -212,9 +216,12 @@ def absl_main(argv):
   del argv
   args = SimpleNamespace(**{name: holder.value for name, holder in _FLAGS.items()})
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {jax.device_count()} device(s)")
-  rungs = [(s, rung(s, args.tokens, args.dtype, args.rounds)) for s in args.scales]
-  fff_rows = fff_table(args.fff_depths, args.tokens, args.dtype, args.rounds)
-  sweep_variants = sweep(args.sweep_n_keys, args.sweep_scale, args.tokens, args.dtype, args.rounds)
+  try:  # a flag giving an invalid layer (e.g. --sweep_n_keys at or below top_k) is one error line
+    rungs = [(s, rung(s, args.tokens, args.dtype, args.rounds)) for s in args.scales]
+    fff_rows = fff_table(args.fff_depths, args.tokens, args.dtype, args.rounds)
+    sweep_variants = sweep(args.sweep_n_keys, args.sweep_scale, args.tokens, args.dtype, args.rounds)
+  except ConfigError as error:
+    cli.fail(error)
   if args.png:
     plot(args.png, rungs, fff_rows, sweep_variants, args.sweep_n_keys)
 

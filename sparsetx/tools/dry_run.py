@@ -2,7 +2,8 @@
 
   .venv/bin/python -m sparsetx.tools.dry_run --config=configs/large.py:sgatlin8,h100 --devices=64
   .venv/bin/python -m sparsetx.tools.dry_run --config=configs/ladder.py:sgatlin,8 --devices=64 \\
-      --config.mesh.ici.data=8 --config.mesh.ici.fsdp=2 --config.mesh.ici.expert=4
+      --config.mesh.ici.data=8 --config.mesh.ici.fsdp=2 --config.mesh.ici.expert=4 \\
+      --config.data.global_batch_size=64 --config.data.eval_batch_size=64
 
 Prints per-device parameter and optimizer bytes, the compiler's memory analysis, FLOPs per step
 and the collectives of the compiled program (sparsetx/train/aot.py), then the projected step time,
@@ -14,8 +15,10 @@ larger than sgatlin's channel count is shown with the table split by d_model ove
 (expert_parallel.D_MODEL_SPLIT_RULES). `--split_d_model` compiles with those rules, e.g. sgatlin
 scale 8 (C=16) on expert=32:
   .venv/bin/python -m sparsetx.tools.dry_run --config=configs/ladder.py:sgatlin,8 --devices=64 --split_d_model \\
-      --config.mesh.ici.data=2 --config.mesh.ici.expert=32
-The mesh uses config.mesh.ici over `--devices` simulated devices (dcn must be all 1).
+      --config.mesh.ici.data=2 --config.mesh.ici.expert=32 \\
+      --config.data.global_batch_size=64 --config.data.eval_batch_size=64
+The batch splits over data x fsdp x expert (64 shards here), so it needs at least 64 rows. The mesh uses
+config.mesh.ici over `--devices` simulated devices (dcn must be all 1).
 
 Both modes then print each feed-forward layer's analytic cost per train step and device (sparsetx/parallel/
 layer_cost.py: bytes and FLOPs per phase, time on each chip, HBM-bound share) and the step projected from it
