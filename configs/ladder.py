@@ -1,20 +1,56 @@
-"""A rung of the sgatlin paper's scaling ladder: `--config=configs/ladder.py:sgatlin,4`.
+"""A rung of the sgatlin paper's scaling ladder: `--config=configs/ladder.py:sgatlin,4[,TARGET]`.
 
 d_model = 128 * scale, n_layers = 2 * scale, d_ffw per type (Listing 2; see sparsetx/models/ladder.py,
 which also defines the FFF rung). GPT-2 vocabulary padded to 50,304, context 2048, remat per block.
+
+TARGET (optional) sizes the run for a machine (sparsetx/parallel/targets.py): the paper's 128 x 2,048 tokens
+per step, the sparse layer's units split over `expert` inside one node or slice (NVLink / ICI), `data` over the
+rest and over the nodes (DCN), the vocabulary over `expert` (nothing large replicated), micro-batches so each
+device holds at most 8,192 tokens at a time on an 80 GB chip (scaled with the HBM), and remat `none` (no forward
+recomputed, nor its collectives) where the planned device memory (aot.planned_device_bytes) leaves half the HBM
+free for what the analytic count omits, `full` otherwise. sparsetx/tools/dry_run.py prints the device memory of
+the compiled step (aot.device_memory). E.g.
+  configs/ladder.py:sgatlin,5,h100x8    one node of 8 H100s: expert=8, 4 micro-batches of 2 rows per GPU
+  configs/ladder.py:fff,2,h200x8        one node of 8 H200s: expert=4 (FFF's 4 trees), data=2
+  configs/ladder.py:sgatlin,8,h100x8x4  4 nodes: expert=8 on NVLink, data=4 over the DCN
+  configs/ladder.py:sgatlin,2,v5p-64    a v5p slice of 32 chips: expert=16 (sgatlin's 16 channels), data=2
+Forms: h100xG[xN], h200xG[xN], v5p-C[xN] (C TensorCores, 2 per chip), v6e-C[xN] (C chips).
 """
 
 from sparsetx import config as config_lib
 from sparsetx.models import ladder
+from sparsetx.models.ffn.registry import SPECS
+from sparsetx.parallel import targets
+from sparsetx.train import aot
+
+
+def units(model) -> int | None:
+  """What `expert` splits in the rung's feed-forward layer (channels, trees, experts); None for a dense one."""
+  spec = SPECS[model.ffn.type]
+  return None if spec.units is None else model.ffn[spec.units.field]
 
 
 def get_config(arg: str = "sgatlin,2"):
-  parts = arg.split(",")
-  if len(parts) != 2 or not parts[1].strip().isdigit():
+  parts = [p.strip() for p in arg.split(",")]
+  if len(parts) not in (2, 3) or not parts[1].isdigit():
     raise config_lib.ConfigError(
-      f"configs/ladder.py:{arg} must be 'FFN,SCALE', e.g. configs/ladder.py:sgatlin,4 "
-      f"(FFN one of {', '.join(config_lib.FFN_TYPES)}; SCALE 2..8 in the paper)."
+      f"configs/ladder.py:{arg} must be 'FFN,SCALE[,TARGET]', e.g. configs/ladder.py:sgatlin,4 or "
+      f"configs/ladder.py:sgatlin,5,h100x8 (FFN one of {', '.join(config_lib.FFN_TYPES)}; SCALE 2..8 in the paper; "
+      f"TARGET one of {targets.EXAMPLES})."
     )
   config = config_lib.default_config()
-  config.model = ladder.ladder_model_config(int(parts[1]), parts[0].strip())
+  config.model = ladder.ladder_model_config(int(parts[1]), parts[0])
+  if len(parts) == 3:
+    config.model.ffn.kernel.implementation = "auto"
+    config.data.update(seq_len=ladder.LADDER_SEQ_LEN, global_batch_size=128, eval_batch_size=128)
+    targets.apply(config, parts[2], units(config.model))
+    config.model.remat = remat_for(config, targets.parse(parts[2]))
   return config
+
+
+def remat_for(config, target) -> str:
+  """`none` when the step without remat is planned to use at most half of a chip's HBM, else `full`."""
+  plain = config.copy_and_resolve_references()
+  plain.model.remat = "none"
+  expert = targets.expert_size(target, units(config.model))
+  return "none" if aot.planned_device_bytes(plain, target.devices, expert) <= target.chip.hbm_bytes / 2 else "full"

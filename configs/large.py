@@ -19,6 +19,7 @@ axis instead, so no large parameter is replicated. Try one on simulated devices 
 
 from sparsetx import config as config_lib
 from sparsetx.models import ladder
+from sparsetx.parallel import targets
 
 TARGETS = {
   "h100": dict(ici=dict(data=-1, fsdp=1, tensor=1, expert=8), dcn=dict(data=-1, fsdp=1, tensor=1, expert=1)),
@@ -47,9 +48,7 @@ def get_config(arg: str = "sgatlin8,h100"):
   config.model = MODELS[parts[0]]()
   config.model.ffn.kernel.implementation = "auto"
   config.mesh.update(TARGETS[parts[1]])
-  config.mesh.rules = tuple(
-    ("vocab", ("tensor", "expert")) if name == "vocab" else (name, axes) for name, axes in config_lib.DEFAULT_RULES
-  )
+  config.mesh.rules = targets.vocab_split_rules(config_lib.DEFAULT_RULES)
   config.data.update(seq_len=2048, global_batch_size=256, eval_batch_size=256)
   # 4 micro-batches: one 2048-token row per device at a time, so the expert group's gathered tokens
   # (E rows per device) stay small next to the tables (sparsetx/tools/dry_run.py shows temporaries).

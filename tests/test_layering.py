@@ -107,3 +107,16 @@ def test_no_import_cycle(level):
   for node in sorted(graph):
     if node not in state:
       visit(node)
+
+
+def test_models_know_no_mesh():
+  """Placement on a mesh (shard_maps, the active mesh) lives in sparsetx/parallel/; the model code only calls it."""
+  mesh_calls = ("shard_map", "get_abstract_mesh", "PartitionSpec")
+  found = [
+    f"{path.relative_to(ROOT)}: {name}"
+    for path in sorted((PACKAGE / "models").rglob("*.py"))
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+    for name in [getattr(node, "attr", None) or getattr(node, "id", None) or getattr(node, "name", None)]
+    if name in mesh_calls
+  ]
+  assert not found, "mesh placement inside sparsetx/models/ (move it to sparsetx/parallel/):\n" + "\n".join(found)

@@ -33,6 +33,19 @@ def test_sbatch_asks_for_8_gpus_per_node_and_srun_starts_every_task():
   assert re.search(r"^srun .*\\$", text, re.M)
 
 
+def test_sbatch_runs_one_process_per_node_with_its_target_recipe():
+  """One task per node keeps the ICI `expert` axis inside the node's NVLink; the default config is the ladder
+  recipe for the nodes asked for (its DCN data axis is the node count)."""
+  from conftest import load_config
+
+  text = (REPO / "deploy/slurm/train.sbatch").read_text()
+  directives = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", text, re.M))
+  assert directives["ntasks-per-node"] == "1"
+  path, arg = re.search(r"^CONFIG=\$\{CONFIG:-(.*?):(.*)\}$", text, re.M).groups()
+  config = load_config(path, arg)
+  assert config.mesh.dcn.data == int(directives["nodes"]) and config.mesh.ici.expert == 8
+
+
 def test_jobset_loads_and_sets_the_environment_detection_reads():
   documents = list(yaml.safe_load_all((REPO / "deploy/k8s/jobset.yaml").read_text()))
   assert len(documents) == 1 and documents[0]["kind"] == "JobSet"

@@ -18,8 +18,8 @@ document (segment id), softmax statistics (max, sum, logsumexp) in float32, outp
 The Pallas kernels run in interpret mode off their target (how the tests check them on CPU). They need the
 length in whole blocks: rows are padded at the end, which is exact for causal attention (no real query
 reads a later key) and the padded queries, which read themselves, are sliced off.
-Under a mesh (`expert_parallel.activate`) the Pallas kernels run in a shard_map over the batch and head axes
-(they have no partitioning rule of their own); cuDNN's call carries its own.
+Under a mesh (`expert_parallel.activate`) the Pallas kernels run on each device's rows and heads
+(sparsetx/parallel/attention_placement.py: they have no partitioning rule of their own); cuDNN's call carries its own.
 """
 
 import math
@@ -29,10 +29,9 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
-from jax.sharding import PartitionSpec as P
 
 from sparsetx import config as config_lib
-from sparsetx.parallel import expert_parallel
+from sparsetx.parallel import attention_placement
 
 IMPLEMENTATIONS = config_lib.ATTENTION_IMPLEMENTATIONS
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -76,7 +75,9 @@ def fused_attention(implementation: str, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)
     return cudnn_attention(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)
   interpret = jax.default_backend() != _TARGET[implementation]
   kernel = splash_attention if implementation == "splash" else pallas_attention
-  return _per_shard(lambda q, k, v, s: kernel(q, k, v, s, interpret=interpret), q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)
+  return attention_placement.per_device(
+    lambda q, k, v, s: kernel(q, k, v, s, interpret=interpret), q_BTHK, k_BTHK, v_BTHK, segment_ids_BT
+  )
 
 
 def cudnn_attention(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT):
@@ -147,33 +148,3 @@ def _check_backend(implementation: str, dtype) -> None:
       f"config.model.attention={implementation!r} is a {_TARGET[implementation].upper()} kernel and this process "
       f"runs on {backend}; use 'auto' or '{use}'."
     )
-
-
-def _per_shard(fn, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT):
-  """fn on each device's rows and heads: a shard_map over the mesh axes of `batch` and `heads` when a mesh is set.
-
-  Pallas calls have no partitioning rule, so without it the compiler would gather every row onto every device.
-  """
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh is None or mesh.empty:
-    return fn(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)
-  B, _, H, _ = q_BTHK.shape
-
-  def dividing(name: str, size: int) -> tuple:
-    axes = expert_parallel.active_mesh_axes(mesh, name)
-    return axes if axes and size % math.prod(mesh.shape[a] for a in axes) == 0 else ()
-
-  batch, heads = dividing("batch", B), dividing("heads", H)
-  heads = tuple(a for a in heads if a not in batch)
-  if not batch and not heads:
-    return fn(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)
-  spec_BTHK, spec_BT = P(batch or None, None, heads or None, None), P(batch or None, None)
-  return jax.shard_map(
-    fn,
-    mesh=mesh,
-    in_specs=(spec_BTHK,) * 3 + (spec_BT,),
-    out_specs=spec_BTHK,
-    # Every free axis manual (the others replicate): Pallas TPU refuses a partially manual region.
-    axis_names=set(mesh.axis_names) - set(mesh.manual_axes),
-    check_vma=False,
-  )(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)

@@ -24,23 +24,24 @@ class Chip:
   ici_bandwidth: float  # bytes/s per chip, bidirectional: NVLink inside a node, ICI inside a TPU slice
   dcn_bandwidth: float  # bytes/s per chip, one direction, between nodes / slices
   fast_domain: int  # chips one NVLink node / ICI slice joins
+  hbm_bytes: float = 0.0  # HBM capacity per chip (decimal GB as published)
 
 
 CHIPS = {
   # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16 dense (1,979 with 2:4 sparsity), 3.35 TB/s HBM3,
-  # NVLink 4 900 GB/s bidirectional (18 links x 50 GB/s); DGX H100: one ConnectX-7 400 Gb/s NIC per GPU.
-  "h100": Chip("H100 SXM", 989 * TERA, 3.35e12, 900 * GIGA, 400 / 8 * GIGA, fast_domain=8),
+  # NVLink 4 900 GB/s bidirectional (18 links x 50 GB/s); DGX H100: one ConnectX-7 400 Gb/s NIC per GPU; 80 GB HBM3.
+  "h100": Chip("H100 SXM", 989 * TERA, 3.35e12, 900 * GIGA, 400 / 8 * GIGA, fast_domain=8, hbm_bytes=80 * GIGA),
   # NVIDIA H200 SXM datasheet: the H100's GH100 die (989 TFLOP/s bf16 dense), 4.8 TB/s HBM3e, NVLink 4
-  # 900 GB/s; DGX/HGX H200 keeps one 400 Gb/s ConnectX-7 per GPU.
-  "h200": Chip("H200 SXM", 989 * TERA, 4.8e12, 900 * GIGA, 400 / 8 * GIGA, fast_domain=8),
+  # 900 GB/s; DGX/HGX H200 keeps one 400 Gb/s ConnectX-7 per GPU; 141 GB HBM3e.
+  "h200": Chip("H200 SXM", 989 * TERA, 4.8e12, 900 * GIGA, 400 / 8 * GIGA, fast_domain=8, hbm_bytes=141 * GIGA),
   # cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, HBM2e 2,765 GB/s, bidirectional ICI 1,200 GB/s
   # per chip (older revisions of the page: 4,800 Gbps = 600 GB/s each way), DCN 50 Gbps per chip;
-  # largest slice 6,144 chips.
-  "v5p": Chip("TPU v5p", 459 * TERA, 2765 * GIGA, 1200 * GIGA, 50 / 8 * GIGA, fast_domain=6144),
+  # largest slice 6,144 chips; 95 GB of HBM2e per chip.
+  "v5p": Chip("TPU v5p", 459 * TERA, 2765 * GIGA, 1200 * GIGA, 50 / 8 * GIGA, fast_domain=6144, hbm_bytes=95 * GIGA),
   # cloud.google.com/tpu/docs/v6e (Trillium): 918 TFLOP/s bf16, HBM 1,640 GB/s (the page also rounds
   # it to 1,600), bidirectional ICI 800 GB/s per chip (older revisions: 3,200 Gbps = 400 GB/s each way),
-  # 4 x 200 Gbps NICs per 8-chip host = 100 Gbps per chip; a pod (the largest slice) is 256 chips.
-  "v6e": Chip("TPU v6e", 918 * TERA, 1640 * GIGA, 800 * GIGA, 100 / 8 * GIGA, fast_domain=256),
+  # 4 x 200 Gbps NICs per 8-chip host = 100 Gbps per chip; a pod (the largest slice) is 256 chips; 32 GB of HBM.
+  "v6e": Chip("TPU v6e", 918 * TERA, 1640 * GIGA, 800 * GIGA, 100 / 8 * GIGA, fast_domain=256, hbm_bytes=32 * GIGA),
 }
 
 

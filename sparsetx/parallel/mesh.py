@@ -30,17 +30,35 @@ def axis_sizes(sizes: dict, total: int, group: str) -> list[int]:
   return [total // known if sizes[a] == -1 else sizes[a] for a in MESH_AXES]
 
 
-def make_mesh(mesh_config: ml_collections.ConfigDict, devices=None) -> Mesh:
+def make_mesh(mesh_config: ml_collections.ConfigDict, devices=None, granules: int | None = None) -> Mesh:
+  """The mesh of config.mesh over `devices` (default: all). `granules` simulates that many nodes / slices on one
+  process's devices (the dry run's CPU devices): consecutive runs of the devices are the granules, laid out as
+  create_hybrid_device_mesh lays out real ones (see granule_of)."""
   devices = list(devices if devices is not None else jax.devices())
-  dcn = axis_sizes(dict(mesh_config.dcn), _slice_count(devices), "dcn")
+  dcn = axis_sizes(dict(mesh_config.dcn), granules or _slice_count(devices), "dcn")
   n_slices = math.prod(dcn)
   ici = axis_sizes(dict(mesh_config.ici), len(devices) // n_slices, "ici")
-  if n_slices > 1:
+  if granules:
+    per = len(devices) // granules
+    meshes = [mesh_utils.create_device_mesh(ici, devices[g * per : (g + 1) * per]) for g in range(granules)]
+    blocks = np.empty(granules, dtype=object)
+    blocks[:] = meshes
+    array = np.block(blocks.reshape(dcn).tolist())
+  elif n_slices > 1:
     granule_is_process = not hasattr(devices[0], "slice_index")
     array = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=granule_is_process)
   else:
     array = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
   return Mesh(array, MESH_AXES)
+
+
+def granule_of(devices, granules: int | None = None) -> dict:
+  """Device id -> its node / slice: `granules` consecutive runs of `devices` (simulated, as make_mesh's), else
+  the slice (TPU) or process (hosts of a multi-node GPU job)."""
+  if granules:
+    per = len(devices) // granules
+    return {d.id: i // per for i, d in enumerate(devices)}
+  return {d.id: getattr(d, "slice_index", d.process_index) for d in devices}
 
 
 def _slice_count(devices) -> int:

@@ -49,8 +49,32 @@ def link_bandwidth(chip: hardware.Chip, group: int) -> float:
   return chip.ici_bandwidth / 2 if group <= chip.fast_domain else chip.dcn_bandwidth
 
 
-def collective_seconds(op: str, nbytes: float, group: int, chip: hardware.Chip) -> float:
-  """Ring-algorithm time of one collective whose result holds `nbytes` on each device."""
+def dcn_bytes(op: str, nbytes: float, group: int, granules: int) -> float:
+  """Bytes one chip sends over the DCN in a collective whose group spans `granules` nodes / slices, done
+  hierarchically (inside each node first, then across the nodes on 1/local of the data, every chip on its own NIC;
+  local = group / granules chips per node); `nbytes` is the result on one device:
+    all-gather      S / local (k-1)/k        reduce-scatter  S (k-1)         all-reduce  2 S / local (k-1)/k
+    all-to-all      S (k-1)/k                collective-permute  S           (k = granules)"""
+  if granules <= 1:
+    return 0.0
+  k, local = granules, max(group // granules, 1)
+  share = (k - 1) / k
+  return {
+    "all-gather": nbytes / local * share,
+    "reduce-scatter": nbytes * (k - 1),
+    "all-reduce": 2 * nbytes / local * share,
+    "all-to-all": nbytes * share,
+    "collective-permute": nbytes,
+  }[op]
+
+
+def collective_seconds(op: str, nbytes: float, group: int, chip: hardware.Chip, granules: int = 1) -> float:
+  """Ring-algorithm time of one collective whose result holds `nbytes` on each device; a group spanning
+  `granules` > 1 nodes / slices: the part inside a node at NVLink/ICI rate plus dcn_bytes at the DCN rate."""
+  if granules > 1:
+    return collective_seconds(op, nbytes, group // granules, chip) + dcn_bytes(op, nbytes, group, granules) / (
+      chip.dcn_bandwidth
+    )
   if group <= 1:
     return 0.0
   bw = link_bandwidth(chip, group)
@@ -72,7 +96,7 @@ def project(report, chip: hardware.Chip) -> Projection:
   """The roofline of `report` (an aot.Report) on `chip`."""
   compute = report.compiled_flops / chip.peak_flops
   memory = report.bytes_accessed / chip.hbm_bandwidth
-  comm = sum(collective_seconds(c.op, c.nbytes, c.group, chip) for c in report.collectives)
+  comm = sum(collective_seconds(c.op, c.nbytes, c.group, chip, _granules(c)) for c in report.collectives)
   overlap = max(compute, memory, comm)
   serial = max(compute, memory) + comm
   devices = 1
@@ -86,6 +110,10 @@ def project(report, chip: hardware.Chip) -> Projection:
 
   (tps_overlap, mfu_overlap), (tps_serial, mfu_serial) = rates(overlap), rates(serial)
   return Projection(chip, compute, memory, comm, overlap, serial, tps_overlap, tps_serial, mfu_overlap, mfu_serial)
+
+
+def _granules(collective) -> int:
+  return getattr(collective, "granules", 1)
 
 
 FFN_SCOPE = "/mlp/"  # the feed-forward layers' op_name scope (the block's `mlp` submodule)
@@ -112,7 +140,7 @@ def project_analytic(
       memory += count * p.nbytes / chip.hbm_bandwidth
       phases += count * max(p.flops / chip.peak_flops, p.nbytes / chip.hbm_bandwidth)
     comm += count * sum(collective_seconds(c.op, c.nbytes, c.group, chip) for c in cost.collectives)
-  comm += sum(collective_seconds(c.op, c.nbytes, c.group, chip) for c in rest_collectives)
+  comm += sum(collective_seconds(c.op, c.nbytes, c.group, chip, _granules(c)) for c in rest_collectives)
   overlap, serial = max(phases, comm), phases + comm
 
   def rates(step):

@@ -17,8 +17,15 @@ scale 8 (C=16) on expert=32:
   .venv/bin/python -m sparsetx.tools.dry_run --config=configs/ladder.py:sgatlin,8 --devices=64 --split_d_model \\
       --config.mesh.ici.data=2 --config.mesh.ici.expert=32 \\
       --config.data.global_batch_size=64 --config.data.eval_batch_size=64
-The batch splits over data x fsdp x expert (64 shards here), so it needs at least 64 rows. The mesh uses
-config.mesh.ici over `--devices` simulated devices (dcn must be all 1).
+The batch splits over data x fsdp x expert (64 shards here), so it needs at least 64 rows.
+The mesh uses config.mesh over `--devices` simulated devices. A config.mesh.dcn whose sizes are all given, with a
+product above 1, simulates that many nodes / slices (consecutive devices, sparsetx/parallel/mesh.py); the collectives
+that cross them are priced at the chip's DCN rate and their bytes printed apart, e.g. 4 nodes of 8 H100s:
+  .venv/bin/python -m sparsetx.tools.dry_run --config=configs/ladder.py:sgatlin,8,h100x8x4 --devices=32 --target=h100
+Targets of configs/ladder.py (sparsetx/parallel/targets.py) set the mesh, rules and micro-batches.
+
+Both the compiled (CPU) per-device memory and the device estimate (fused attention, remat honoured;
+aot.device_memory) are printed, with the estimate's share of each --target chip's HBM.
 
 Both modes then print each feed-forward layer's analytic cost per train step and device (sparsetx/parallel/
 layer_cost.py: bytes and FLOPs per phase, time on each chip, HBM-bound share) and the step projected from it
@@ -63,6 +70,7 @@ from sparsetx.data import check_files  # noqa: E402
 from sparsetx.models import ladder  # noqa: E402
 from sparsetx.models.ffn.registry import SPECS  # noqa: E402
 from sparsetx.parallel import expert_parallel, hardware, layer_cost, roofline  # noqa: E402
+from sparsetx.parallel import mesh as mesh_lib  # noqa: E402
 from sparsetx.train import aot  # noqa: E402
 from sparsetx.train import state as state_lib  # noqa: E402
 
@@ -153,17 +161,19 @@ def absl_main(argv):
   try:
     check_files(config_lib.validate(config))
     devices = jax.devices()[: _DEVICES.value]
-    mesh = state_lib.checked_mesh(config, devices)
+    granules = aot.dcn_granule_count(config)
+    mesh = state_lib.checked_mesh(config, devices, granules)
     start = time.time()
     if _PLATFORM.value != "cpu":
       print_lowering(config, mesh, _PLATFORM.value, _CHIP.value)
       print(f"lowered (not compiled) in {time.time() - start:.0f} s")
       print_analytic(config, mesh, hardware.chips(_TARGET.value))
       return
-    report = aot.dry_run(config, mesh)
+    report = aot.dry_run(config, mesh, mesh_lib.granule_of(devices, granules))
   except config_lib.ConfigError as error:
     cli.fail(error)
   print(aot.format_report(report))
+  print(aot.format_device_memory(aot.device_memory(config, mesh, report), hardware.chips(_TARGET.value)))
   print(f"lowered and compiled in {time.time() - start:.0f} s")
   print(roofline.format_projections([roofline.project(report, chip) for chip in hardware.chips(_TARGET.value)]))
   print_analytic(config, mesh, hardware.chips(_TARGET.value), report)

@@ -23,13 +23,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from jax._src.cudnn import fused_attention_stablehlo  # cuDNN's version check (no public API)
 from jax._src.pallas.mosaic import tpu_info  # the chip Pallas TPU lowers for (no public API)
 
 from sparsetx import config as config_lib
 from sparsetx.models import ladder
 from sparsetx.models.ffn import placement
-from sparsetx.parallel import expert_parallel
+from sparsetx.models.ffn.registry import SPECS
+from sparsetx.parallel import expert_parallel, roofline
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
@@ -92,10 +94,12 @@ class Collective(NamedTuple):
   group: int  # devices per replica group
   shape: str
   source: str  # the jax op_name it came from (jvp(...) forward, transpose(...) backward)
+  granules: int = 1  # nodes / slices its largest replica group spans (> 1: part of it crosses the DCN)
 
 
-def collectives(hlo_text: str) -> list:
-  """A Collective for each collective instruction in a compiled HLO text."""
+def collectives(hlo_text: str, granule_of_id=None) -> list:
+  """A Collective for each collective instruction in a compiled HLO text. `granule_of_id` maps a replica-group
+  id (a position in the program's device assignment) to its node / slice (dcn_granules); None: all one."""
   found = []
   for line in hlo_text.splitlines():
     match = _COLLECTIVE_RE.search(line)
@@ -106,10 +110,51 @@ def collectives(hlo_text: str) -> list:
       for dtype, dims in _ARRAY_RE.findall(match["shape"])
     )
     source = re.search(r'op_name="([^"]*)"', line)
+    groups = replica_groups(line) if granule_of_id else None
+    spans = max((len({granule_of_id[i] for i in group}) for group in groups), default=1) if groups else 1
     found.append(
-      Collective(match["op"], nbytes, _group_size(line), match["shape"].split("{")[0], source[1] if source else "")
+      Collective(
+        match["op"], nbytes, _group_size(line), match["shape"].split("{")[0], source[1] if source else "", spans
+      )
     )
   return found
+
+
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+  """XLA's iota tile assignment: arange reshaped to `dims`, transposed by `perm`."""
+  shape = [int(d) for d in dims.split(",")]
+  ids = np.arange(math.prod(shape)).reshape(shape)
+  return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+
+
+def replica_groups(line: str) -> list | None:
+  """The device ids of each replica group of a collective instruction (mesh, iota or explicit form; a
+  collective-permute's source-target pairs as groups of two); None when the line has none of them."""
+  mesh = re.search(
+    r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]*)\](?:T\(([\d,]*)\))?\))? \{([^}]*)\}", line
+  )
+  if mesh:
+    names = re.findall(r"'(\w+)'=(\d+)", mesh[1])
+    sizes = [int(size) for _, size in names]
+    ids = _iota(mesh[2], mesh[3]) if mesh[2] else np.arange(math.prod(sizes))
+    ids = ids.reshape(sizes)
+    grouped = [i for i, (name, _) in enumerate(names) if f"'{name}'" in mesh[4]]
+    rest = [i for i in range(len(names)) if i not in grouped]
+    size = math.prod(sizes[i] for i in grouped)
+    return ids.transpose(rest + grouped).reshape(-1, size).tolist()
+  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]*)\](?:T\(([\d,]*)\))?", line)
+  if iota:
+    return _iota(iota[3], iota[4]).reshape(int(iota[1]), int(iota[2])).tolist()
+  explicit = re.search(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
+  if explicit:
+    return [[int(i) for i in group.split(",") if i] for group in re.findall(r"\{([\d,]*)\}", explicit[1])]
+  return None
+
+
+def dcn_granules(mesh, granule_of: dict) -> dict:
+  """Replica-group id -> node / slice: the ids index the program's device assignment, the mesh's devices in
+  order; `granule_of` maps a device id to its granule (mesh_lib.granule_of)."""
+  return {i: granule_of[d.id] for i, d in enumerate(mesh.devices.flat)}
 
 
 def _group_size(line: str) -> int:
@@ -284,7 +329,9 @@ def format_custom_calls(calls: collections.Counter) -> str:
   return "\n".join(lines if calls else lines + ["  (none: XLA's own code only)"])
 
 
-def dry_run(config: ml_collections.ConfigDict, mesh) -> Report:
+def dry_run(config: ml_collections.ConfigDict, mesh, granule_of: dict | None = None) -> Report:
+  """Compiles the train step for `mesh` and reports it; `granule_of` (device id -> node / slice,
+  mesh_lib.granule_of) marks the collectives that cross the DCN."""
   compiled, abstract = compile_train_step(config, mesh)
   memory = compiled.memory_analysis()
   memory = {
@@ -303,7 +350,7 @@ def dry_run(config: ml_collections.ConfigDict, mesh) -> Report:
     memory=memory,
     model_flops=3.0 * ladder.forward_flops_per_token(config.model, config.data.seq_len)["total"] * tokens,
     compiled_flops=float((cost or {}).get("flops", 0.0)),
-    collectives=collectives(compiled.as_text()),
+    collectives=collectives(compiled.as_text(), dcn_granules(mesh, granule_of) if granule_of else None),
     bytes_accessed=float((cost or {}).get("bytes accessed", 0.0)),
     tokens_per_step=tokens,
   )
@@ -349,8 +396,8 @@ def format_report(report: Report) -> str:
     f"  {'op':<20}{'count':>7}{'total bytes':>14}{'largest':>12}  group sizes",
   ]
   by_op = collections.defaultdict(list)
-  for op, nbytes, group, _, _ in report.collectives:
-    by_op[op].append((nbytes, group))
+  for c in report.collectives:
+    by_op[c.op].append((c.nbytes, c.group))
   for op in COLLECTIVES:
     if op in by_op:
       sizes = [b for b, _ in by_op[op]]
@@ -358,7 +405,22 @@ def format_report(report: Report) -> str:
       lines.append(f"  {op:<20}{len(sizes):>7}{_size(sum(sizes)):>14}{_size(max(sizes)):>12}  {groups}")
   if not by_op:
     lines.append("  (none)")
+  crossing = [c for c in report.collectives if c.granules > 1]
+  if crossing:
+    sent = sum(roofline.dcn_bytes(c.op, c.nbytes, c.group, c.granules) for c in crossing)
+    spans = ",".join(str(k) for k in sorted({c.granules for c in crossing}))
+    lines.append(
+      f"  over the DCN: {len(crossing)} of them span {spans} nodes / slices; {_size(sent)} sent per device over"
+      " the DCN (hierarchical, roofline.dcn_bytes)"
+    )
   return "\n".join(lines)
+
+
+def dcn_granule_count(config) -> int | None:
+  """The simulated nodes / slices of config.mesh.dcn when its sizes are all given and their product is > 1
+  (a dry run on one process's devices); None otherwise (the processes / slices present are the granules)."""
+  sizes = [config.mesh.dcn[a] for a in config_lib.MESH_AXES]
+  return math.prod(sizes) if -1 not in sizes and math.prod(sizes) > 1 else None
 
 
 def table_bytes_by_expert(config: ml_collections.ConfigDict, devices, expert_sizes) -> list:
@@ -402,3 +464,129 @@ __all__ = [
   "while_loops",
   "format_custom_calls",
 ]
+
+
+# The accelerator's memory, from the CPU compile and analytic corrections --------------------------------------
+
+
+class DeviceMemory(NamedTuple):
+  """Per-device bytes of a train step as a GPU/TPU runs it (see device_memory); every field is bytes."""
+
+  compiled: int  # the CPU program: arguments + outputs - aliased + temporaries (the compiler's memory analysis)
+  state: int  # arguments + outputs - aliased: parameters, optimizer state, batch (the same on every backend)
+  gradients: int  # float32 parameter-sized gradients, twice with micro-batches (the running sum and one micro-batch's)
+  saved: int  # activations the forward keeps for the backward, all layers, under config.model.remat
+  layer: int  # one block's recomputed forward and its cotangents during its backward (remat none: 0, in `saved`)
+  head: int  # the LM head's float32 logits, their softmax and their cotangent over one micro-batch
+  tokens: int  # tokens per device per micro-batch
+
+  @property
+  def device(self) -> int:
+    return self.state + self.gradients + self.saved + self.layer + self.head
+
+
+def _batch_shards(config, mesh) -> int:
+  spec = mesh_lib.batch_sharding(mesh, config.mesh.rules).spec[0]
+  axes = spec if isinstance(spec, tuple) else (spec,) if spec else ()
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def layer_residual_bytes(config, tokens: int, policy: str, expert: int = 1) -> int:
+  """Bytes one block keeps for its backward over `tokens` tokens under a remat policy, with fused attention.
+
+  full: the block's input [n, D]. none: the inputs of its matmuls and nonlinearities: both norms' outputs
+  (2 nD), q, k, v and the attention output (4 n H K), the flash kernel's logsumexp (n H float32), the residual
+  stream after attention (nD), and the feed-forward layer's: mlp/swiglu the hidden (2 or 3 nF), moe its experts'
+  hidden (k 2 nF), sgatlin/peer the selected slots' scores and indices (n C k, float32 and int32) and the
+  gated pre-activations (n C k) and the product-key router's scores (2 n C sqrt(F) float32), fff the visited nodes
+  (n trees (depth+1), float32 and int32); a sparse layer on `expert` > 1 devices also keeps the expert group's
+  gathered tokens (expert n D).
+  dots_saveable / dots_with_no_batch_dims_saveable keep the matmul outputs, about the same as none.
+  Compute-dtype bytes (config.model.dtype) except where noted."""
+  model = config.model
+  itemsize = jnp.dtype(model.dtype).itemsize
+  D = model.d_model
+  if policy == "full":
+    return tokens * D * itemsize
+  heads = D // model.head_dim
+  attention = tokens * (2 * D + 4 * heads * model.head_dim + D) * itemsize + tokens * heads * 4
+  ffn = model.ffn
+  if ffn.type in ("mlp", "swiglu"):
+    feed_forward = tokens * ffn.d_ffw * (2 if ffn.type == "mlp" else 3) * itemsize
+  elif ffn.type == "moe":
+    feed_forward = tokens * ffn.experts_per_token * 2 * ffn.d_ffw * itemsize
+  elif ffn.type in ("sgatlin", "peer"):
+    router = 2 * ffn.n_channels * math.isqrt(ffn.d_ffw) * 4
+    feed_forward = tokens * (ffn.n_channels * ffn.top_k * (4 + 4 + itemsize) + router)
+  else:  # fff
+    feed_forward = tokens * ffn.n_trees * (ffn.depth + 1) * 8
+  if ffn.type not in ("mlp", "swiglu") and expert > 1:
+    feed_forward += expert * tokens * D * itemsize
+  return attention + feed_forward
+
+
+def activation_bytes(config, tokens: int, vocab_shards: int = 1, expert: int = 1) -> tuple[int, int, int]:
+  """(saved, layer, head): DeviceMemory's activation terms for `tokens` tokens per device per micro-batch."""
+  policy = config_lib.remat_policy(config.model)
+  saved = config.model.n_layers * layer_residual_bytes(config, tokens, policy, expert)
+  layer = 0 if policy == "none" else 2 * layer_residual_bytes(config, tokens, "none", expert)
+  head = 3 * 4 * tokens * config.model.vocab_size // vocab_shards
+  return saved, layer, head
+
+
+def device_memory(config, mesh, report: Report) -> DeviceMemory:
+  """The per-device memory of the train step on a GPU/TPU, next to the CPU-compiled figure it corrects.
+
+  The CPU program is not the device's in two ways, so its temporaries are replaced by an analytic count:
+  - attention: the CPU runs the XLA attention, which materializes [B,H,T,T] float32 logits and probabilities
+    (and keeps several per layer); cuDNN, splash and the Pallas flash kernel keep only the [B,H,T] logsumexp.
+    On 1 device, ladder mlp scale 2 at T=512, 8 rows: 744 MiB of temporaries, 23x one [B,H,T,T] float32 buffer.
+  - remat: XLA on CPU drops the remat barriers (the same step compiles to 257 MiB of temporaries under
+    remat=none and 254 MiB under full at T=256), so its program keeps every layer's residuals; an accelerator
+    keeps only what config.model.remat saves (layer_residual_bytes) and recomputes one block at a time.
+  The device figure is: state (arguments + outputs - aliased, exact from the compile) + float32 gradients (the
+  parameters' per-device bytes in float32; twice with micro-batches, for the running sum) + every layer's saved
+  residuals for one micro-batch + one block's recomputed residuals and their cotangents (2x remat=none's, when
+  remat is not none) + the LM head's [n, V] float32 logits, softmax and cotangent (3 x 4 n V bytes over the
+  vocab's shards of the logits). It omits XLA's fusion scratch and fragmentation: a lower bound to leave
+  headroom above (the accelerator's allocator reserves some of the HBM too).
+  """
+  memory = report.memory
+  state = memory["argument"] + memory["output"] - memory["alias"]
+  n = config.data.global_batch_size // config.train.microbatches // _batch_shards(config, mesh) * config.data.seq_len
+  n_params_device = report.param_bytes // jnp.dtype(config.model.param_dtype).itemsize
+  gradients = 4 * n_params_device * (2 if config.train.microbatches > 1 else 1)
+  logits_spec = nn.logical_to_mesh_axes(("batch", "length", "vocab"), tuple(config.mesh.rules))[-1]
+  vocab_axes = logits_spec if isinstance(logits_spec, tuple) else (logits_spec,) if logits_spec else ()
+  vocab_shards = math.prod(mesh.shape[a] for a in vocab_axes)  # often 1: the batch takes `vocab`'s mesh axes
+  saved, layer, head = activation_bytes(config, n, vocab_shards, mesh.shape["expert"])
+  return DeviceMemory(state + memory["temp"], state, gradients, saved, layer, head, n)
+
+
+def planned_device_bytes(config, devices: int, expert: int) -> int:
+  """DeviceMemory.device before anything is built (a config file choosing remat and micro-batches): parameters
+  from the ladder's count, the sparse tables and the vocabulary split over `expert`, the rest replicated; float32
+  Adam moments and gradients; the activations of activation_bytes with the batch over all `devices`."""
+  model = config.model
+  counts = ladder.param_counts(model)
+  embeddings = model.vocab_size * model.d_model * (1 if model.tie_embeddings else 2)
+  split = embeddings + (counts["ffn_total"] if SPECS[model.ffn.type].units is not None else 0)
+  params = split / expert + counts["total"] - split
+  itemsize = jnp.dtype(model.param_dtype).itemsize
+  state = params * (itemsize + 8 + 4 * (2 if config.train.microbatches > 1 else 1))
+  tokens = config.data.global_batch_size // config.train.microbatches // devices * config.data.seq_len
+  return int(state + sum(activation_bytes(config, tokens, expert=expert)))
+
+
+def format_device_memory(memory: DeviceMemory, chips=()) -> str:
+  """The compiled (CPU) figure, the device estimate by term, and its share of each chip's HBM."""
+  lines = [
+    f"per-device memory, compiled CPU program  {_size(memory.compiled)} (XLA attention, remat dropped)",
+    f"per-device memory, device estimate        {_size(memory.device)} (fused attention, remat honoured;"
+    " aot.device_memory)",
+    f"  state {_size(memory.state)}, gradients {_size(memory.gradients)}, saved activations {_size(memory.saved)},"
+    f" one block's backward {_size(memory.layer)}, LM head {_size(memory.head)} ({memory.tokens:,} tokens per"
+    " micro-batch)",
+  ]
+  lines += [f"  of {chip.name} HBM ({_size(chip.hbm_bytes)}): {memory.device / chip.hbm_bytes:.0%}" for chip in chips]
+  return "\n".join(lines)

@@ -92,10 +92,10 @@ def check_batch_divides(config: ml_collections.ConfigDict, mesh) -> None:
     )
 
 
-def checked_mesh(config: ml_collections.ConfigDict, devices=None):
-  """config.mesh over `devices` (default: all), refused in one sentence when the batch or the sparse layers'
-  units do not divide over it."""
-  mesh = mesh_lib.make_mesh(config.mesh, devices)
+def checked_mesh(config: ml_collections.ConfigDict, devices=None, granules: int | None = None):
+  """config.mesh over `devices` (default: all; `granules` simulated nodes / slices, see mesh_lib.make_mesh),
+  refused in one sentence when the batch or the sparse layers' units do not divide over it."""
+  mesh = mesh_lib.make_mesh(config.mesh, devices, granules)
   check_batch_divides(config, mesh)
   placement.check_units_divide(config, mesh)
   return mesh
