@@ -1,4 +1,4 @@
-"""The chunked cross-entropy (train/step.py chunked_token_losses, config.train.loss_chunks): the same per-token loss
+"""The vocabulary-tiled cross-entropy (train/step.py chunked_token_losses, config.train.loss_chunks): the same loss
 and gradients as the plain loss over the whole [B,T,vocab] logits, and a train step whose temporaries stay below
 those logits' bytes at a long sequence."""
 
@@ -39,13 +39,15 @@ def head_and_inputs(tied: bool, dtype):
 @pytest.mark.parametrize("tied", [False, True])
 def test_chunked_loss_equals_the_plain_loss_and_its_gradients(tied, dtype):
   """Values and gradients (to the final hidden states and to the head / tied embedding) of the weighted summed loss
-  with z-loss. Bounds (float32 summation, the only difference being the order of sums over slices):
-  - a token's loss: its logits are the same D-term dots, its loss a logsumexp over V; <= 4 (D + V) eps32 |loss|
-    plus the logit error 2 D eps32 max|x||w| (a loss moves at most as much as its logits: softmax - onehot sums
-    to 0 and has |.|_1 <= 2);
-  - the head's gradient sums B T token terms x_t g_t^T: the chunked sum adds T/n slice sums in another order, so
-    |delta| <= 2 B T eps32 sum_t |x_t||g_t|;
-  - the hidden gradient g_t W^T is per token (same V-term dots): 2 V eps32 sum_v |g_tv||w_v|;
+  with z-loss, over 8 vocabulary tiles. Bounds (float32 summation; the tiles change only the order of the sums
+  over the vocabulary):
+  - a token's loss: its logits are the same D-term dots, its logsumexp a V-term sum taken per tile then over
+    tiles: <= 4 (D + V) eps32 |loss| plus the logit error 2 D eps32 max|x||w| (a loss moves at most as much as its
+    logits: softmax - onehot sums to 0 and has |.|_1 <= 2);
+  - the head's gradient sums the B T token terms x_t g_t^T as the plain loss does, g_t (softmax - onehot) moved by
+    that error: 2 B T eps32 sum_t |x_t||g_t| + 2 D eps32 max|g| sum_t |x_t|;
+  - the hidden gradient g_t W^T is a V-term sum per token, taken per tile: 2 V eps32 sum_v |g_tv||w_v| plus
+    2 V max|w| times the logit error;
   - bf16 inputs: each gradient is rounded once more to bf16: + eps_bf16 |g|."""
   cfg = head_config(tied)
   head, hidden_BTD, targets_BT, weights_BT = head_and_inputs(tied, dtype)
@@ -55,10 +57,10 @@ def test_chunked_loss_equals_the_plain_loss_and_its_gradients(tied, dtype):
     return (step_lib._token_cross_entropy(logits_BTV, targets_BT, Z_LOSS) * weights_BT).sum()
 
   def chunked(head, hidden_BTD):
-    n = step_lib.loss_chunk_count(T, 8)
+    n = step_lib.loss_chunk_count(V, 8)
     return (step_lib.chunked_token_losses(cfg, head, hidden_BTD, targets_BT, Z_LOSS, n) * weights_BT).sum()
 
-  assert step_lib.loss_chunk_count(T, 8) == 8
+  assert step_lib.loss_chunk_count(V, 8) == 8
   (value, grads), (want, want_grads) = (
     jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(head, hidden_BTD) for f in (chunked, plain)
   )
@@ -118,14 +120,16 @@ def test_the_step_with_chunks_equals_the_step_without(tied):
     results.append(run(params, batch))
   (loss, grads), (want_loss, want_grads) = results
   np.testing.assert_allclose(loss, want_loss, rtol=16 * EPS32)
-  for path, g, want in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+  for path, g, want in zip(
+    jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads), jax.tree.leaves(want_grads)
+  ):
     np.testing.assert_allclose(g, want, atol=64 * EPS32 * float(jnp.abs(want).max()), rtol=0, err_msg=str(path[0]))
 
 
 def test_a_long_sequence_step_keeps_its_temporaries_below_the_full_logits():
   """The compiled train step of a small model at 8 x 1,024 tokens and a 16,384 vocabulary: the whole float32 logits
   are 8 x 1,024 x 16,384 x 4 B = 512 MiB, and the plain loss needs at least them (plus their softmax and
-  gradient). With loss_chunks=8 one slice's logits are 64 MiB; the rest of the step (one layer at d_model 64,
+  gradient). With loss_chunks=8 one tile's logits are 64 MiB; the rest of the step (one layer at d_model 64,
   attention's [8, 1, 1,024, 1,024] float32 scores: 32 MiB each) stays well under the full logits. So the
   bound: temporaries < the full logits' bytes, which the unchunked step exceeds."""
   batch, seq_len, vocab = 8, 1024, 16384
