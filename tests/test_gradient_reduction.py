@@ -20,9 +20,9 @@ EPS32 = float(np.finfo(np.float32).eps)
 REDUCTIONS = re.compile(r"= (\(.*?\)|\S+) (all-reduce|reduce-scatter)(?:-start)?\(")
 
 
-def mesh_config(microbatches: int):
+def mesh_config(microbatches: int, ffn_type: str = "sgatlin"):
   """Tiny sgatlin on data=2 x expert=4: each device holds one channel's tables and 1/8 of the tokens."""
-  config = load_config("configs/tiny.py", "sgatlin")
+  config = load_config("configs/tiny.py", ffn_type)
   config.model.update(n_layers=1, max_len=32, dtype="float32")  # float32: only the order of the sums differs
   config.data.update(seq_len=32, global_batch_size=16)
   config.train.microbatches = microbatches
@@ -76,10 +76,13 @@ def replica_groups(line: str) -> list:
   listed = re.search(r"replica_groups=\[(\d+),(\d+)\]<=(\[[\d,]+\](?:T\([\d,]+\))?)", line)
   if listed:
     return iota(listed[3]).reshape(int(listed[1]), int(listed[2])).tolist()
-  meshed = re.search(r"replica_groups=mesh\[([^\]]*)\], device_ids=\(([^)]*)\) \{([^}]*)\}", line)
+  meshed = re.search(
+    r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((\[[\d,]+\](?:T\([\d,]+\))?)\))? \{([^}]*)\}", line
+  )
   assert meshed, line
   names = re.findall(r"'(\w+)'=(\d+)", meshed[1])
-  ids = iota(meshed[2]).reshape([int(size) for _, size in names])
+  sizes = [int(size) for _, size in names]
+  ids = (iota(meshed[2]) if meshed[2] else np.arange(math.prod(sizes))).reshape(sizes)
   over = [i for i, (name, _) in enumerate(names) if f"'{name}'" in meshed[3]]
   rest = [i for i in range(len(names)) if i not in over]
   return ids.transpose(rest + over).reshape(-1, math.prod(ids.shape[i] for i in over)).tolist()
@@ -161,5 +164,34 @@ def test_per_device_accumulation_equals_one_microbatch():
   (loss, grads, tokens), (want_loss, want_grads, want_tokens) = results
   assert tokens == want_tokens == config.data.global_batch_size * config.data.seq_len - config.data.seq_len // 2
   np.testing.assert_allclose(loss, want_loss, rtol=16 * EPS32)
+  for (path, g), want in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(g, want, atol=64 * EPS32 * float(np.abs(want).max()), rtol=0, err_msg=str(path))
+
+
+def test_per_device_loop_equals_the_compiler_loop_with_moe_balancing_losses():
+  """MoE with both balancing losses (nonlinear in the whole microbatch: the per-device loop computes them from the
+  taps all-gathered over `data`, each device adding 1/devices of them): loss, gradients and the sparse-layer stats
+  of the per-device loop equal the compiler's loop (param_specs not given) at microbatches=2, to 64 eps32 of each
+  leaf's largest element."""
+  config = mesh_config(microbatches=2, ffn_type="moe")
+  config.model.ffn.update(aux_loss=0.1, router_z_loss=0.01)
+  built = state_lib.setup(config, jax.devices()[:8])
+  params = state_lib.create_state(config, built.shardings, built.model, built.tx).params
+  batch = jax.device_put(synthetic_batch(config), built.batch_sharding)
+  specs = jax.tree.map(lambda sharding: sharding.spec, built.shardings.params)
+  assert ep.per_device_axes(built.mesh, config.mesh.rules, specs) == ("data",)
+  results = []
+  for param_specs in (specs, None):
+    run = jax.jit(
+      lambda p, b: step_lib.loss_and_grads(p, b, model=built.model, train=config.train, param_specs=param_specs),  # noqa: B023
+      in_shardings=(built.shardings.params, built.batch_sharding),
+    )
+    with ep.activate(built.mesh, config.mesh.rules):
+      results.append(jax.device_get(run(params, batch)))
+  (loss, grads, tokens, stats), (want_loss, want_grads, want_tokens, want_stats) = results
+  assert tokens == want_tokens and stats.keys() == want_stats.keys() and "sparse/layers_0/aux_loss" in stats
+  np.testing.assert_allclose(loss, want_loss, rtol=16 * EPS32)
+  for name in stats:
+    np.testing.assert_allclose(stats[name], want_stats[name], rtol=16 * EPS32, err_msg=name)
   for (path, g), want in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(g, want, atol=64 * EPS32 * float(np.abs(want).max()), rtol=0, err_msg=str(path))

@@ -177,9 +177,7 @@ def _per_device_accumulation(params, batch, model, train, mesh, axes):
 
   grad_fn = jax.value_and_grad(device_loss, has_aux=True)
 
-  def per_device(params, batch):
-    micro = jax.tree.map(lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:]), batch)
-
+  def per_device(params, micro):
     def accumulate(carry, microbatch):
       (loss_sum, (weight_sum, stats)), grads = grad_fn(params, microbatch)
       total_loss, total_weight, total_grads = carry
@@ -191,14 +189,17 @@ def _per_device_accumulation(params, batch, model, train, mesh, axes):
     loss_sum, weight_sum, grads = jax.lax.psum((loss_sum, weight_sum, grads), axes)
     return loss_sum, weight_sum, grads, jax.tree.map(lambda s: s.mean(0), stats)
 
+  # The microbatches are the global batch's row blocks, as in the compiler's loop (the same tokens per microbatch,
+  # so the same balancing losses and stats); each device takes its rows of each.
+  micro = jax.tree.map(lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:]), batch)
   return jax.shard_map(
     per_device,
     mesh=mesh,
-    in_specs=(P(), P(axes)),  # parameters whole along `axes` (they split none), the batch's rows split
+    in_specs=(P(), P(None, axes)),  # parameters whole along `axes` (they split none), each microbatch's rows split
     out_specs=P(),
     axis_names=set(axes),
     check_vma=False,
-  )(params, batch)
+  )(params, micro)
 
 
 def train_step(state, batch, *, model, train: ml_collections.ConfigDict, schedule, param_specs=None):
