@@ -168,8 +168,12 @@ def _per_device_accumulation(params, batch, model, train, mesh, axes):
   def device_loss(params, microbatch):
     loss_BT, intermediates = token_losses(model, params, microbatch, train.z_loss, train.get("loss_chunks", 0))
     weights_BT = microbatch["loss_weights"]
-    b = weights_BT.shape[0]
-    taps = jax.tree.map(lambda a: gather(a) if a.ndim and a.shape[0] == b else a, intermediates)
+    # The sparse layers' per-token taps [b, T, ...] (what balance_loss and sparse_stats read), whole microbatch.
+    taps = {
+      layer: {"mlp": jax.tree.map(gather, values["mlp"])}
+      for layer, values in intermediates.items()
+      if layer.startswith("layers_") and "mlp" in values
+    }
     all_weights_BT = gather(weights_BT)
     balance = moe.balance_loss(model.cfg, taps, all_weights_BT)
     total = (loss_BT * weights_BT).sum() + balance * all_weights_BT.sum() / n_devices
