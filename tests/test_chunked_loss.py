@@ -21,11 +21,11 @@ B, T, D, V = 4, 32, 32, 320
 Z_LOSS = 1e-2
 
 
-def head_config(tied: bool):
-  return ml_collections.FrozenConfigDict(dict(tie_embeddings=tied))
+def head_config(tied: bool, V: int):
+  return ml_collections.FrozenConfigDict(dict(tie_embeddings=tied, vocab_size=V))
 
 
-def head_and_inputs(tied: bool, dtype):
+def head_and_inputs(tied: bool, dtype, V: int):
   keys = jax.random.split(jax.random.key(0), 4)
   weights = jax.random.normal(keys[0], (V, D) if tied else (D, V)) * 0.5
   head = {"embed": {"embedding": weights}} if tied else {"lm_head": {"kernel": weights}}
@@ -35,11 +35,14 @@ def head_and_inputs(tied: bool, dtype):
   return jax.tree.map(lambda a: a.astype(dtype), head), hidden_BTD.astype(dtype), targets_BT, weights_BT
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("tied", [False, True])
-def test_chunked_loss_equals_the_plain_loss_and_its_gradients(tied, dtype):
+@pytest.mark.parametrize(
+  "tied, dtype, V",
+  [(False, jnp.float32, V), (True, jnp.float32, V), (False, jnp.bfloat16, V), (True, jnp.bfloat16, V)]
+  + [(False, jnp.float32, V + 3)],  # 8 tiles of 41 columns, the last 5 padding
+)
+def test_chunked_loss_equals_the_plain_loss_and_its_gradients(tied, dtype, V):
   """Values and gradients (to the final hidden states and to the head / tied embedding) of the weighted summed loss
-  with z-loss, over 8 vocabulary tiles. Bounds (float32 summation; the tiles change only the order of the sums
+  with z-loss, over 8 vocabulary tiles (a vocabulary 8 does not divide: padded). Bounds (float32 summation; the tiles change only the order of the sums
   over the vocabulary):
   - a token's loss: its logits are the same D-term dots, its logsumexp a V-term sum taken per tile then over
     tiles: <= 4 (D + V) eps32 |loss| plus the logit error 2 D eps32 max|x||w| (a loss moves at most as much as its
@@ -49,8 +52,8 @@ def test_chunked_loss_equals_the_plain_loss_and_its_gradients(tied, dtype):
   - the hidden gradient g_t W^T is a V-term sum per token, taken per tile: 2 V eps32 sum_v |g_tv||w_v| plus
     2 V max|w| times the logit error;
   - bf16 inputs: each gradient is rounded once more to bf16: + eps_bf16 |g|."""
-  cfg = head_config(tied)
-  head, hidden_BTD, targets_BT, weights_BT = head_and_inputs(tied, dtype)
+  cfg = head_config(tied, V)
+  head, hidden_BTD, targets_BT, weights_BT = head_and_inputs(tied, dtype, V)
 
   def plain(head, hidden_BTD):
     logits_BTV = transformer.head_logits(cfg, head, hidden_BTD)
@@ -146,3 +149,10 @@ def test_a_long_sequence_step_keeps_its_temporaries_below_the_full_logits():
     compiled, _ = aot.compile_train_step(config, mesh_lib.make_mesh(config.mesh, jax.devices()[:1]))
     temps[loss_chunks] = compiled.memory_analysis().temp_size_in_bytes
   assert temps[8] < logits_bytes <= temps[0], (temps, logits_bytes)
+
+
+def test_a_negative_tile_count_is_refused():
+  config = load_config("configs/tiny.py", "mlp")
+  config.train.loss_chunks = -1
+  with pytest.raises(config_lib.ConfigError, match=r"config.train.loss_chunks=-1 must be an integer >= 0"):
+    config_lib.validate(config)

@@ -27,17 +27,17 @@ def _token_cross_entropy(logits_BTV, targets_BT, z_loss: float):
 
 
 def loss_chunk_count(vocab_size: int, loss_chunks: int) -> int:
-  """How many vocabulary tiles the chunked loss runs: the largest divisor of vocab_size not above loss_chunks
-  (1: unchunked). A constant, so the device loop has the same trips at any number of tokens."""
-  return max((n for n in range(1, max(loss_chunks, 1) + 1) if vocab_size % n == 0), default=1)
+  """How many vocabulary tiles the chunked loss runs: loss_chunks, at most one per vocabulary entry (0 or 1:
+  unchunked). A constant, so the device loop has the same trips at any number of tokens."""
+  return max(1, min(loss_chunks, vocab_size))
 
 
 def chunked_token_losses(cfg, params, hidden_BTD, targets_BT, z_loss: float, n_tiles: int):
   """`token_losses`' per-token loss [B,T] from the final-norm outputs, the LM head applied one vocabulary tile of
-  V/n_tiles columns at a time under a `lax.scan` with an online logsumexp (running max and rescaled sum, and the
-  target's logit picked from its tile). The tile function is `jax.checkpoint`ed, so the forward keeps only the
+  ceil(V/n_tiles) columns at a time under a `lax.scan` with an online logsumexp (running max and rescaled sum, and
+  the target's logit picked from its tile). The tile function is `jax.checkpoint`ed, so the forward keeps only the
   [B,T] carries and the backward recomputes each tile's logits: one tile's [B, T, V/n] float32 logits are alive at
-  a time instead of the whole [B, T, V].
+  a time instead of the whole [B, T, V]. A vocabulary n does not divide is padded with zero columns, masked out.
 
   Tiles of the vocabulary, not of the tokens: each tile's head gradient is its own columns (the data-parallel
   reduction of the head's gradient moves the same bytes as the plain loss's, in n pieces), and the batch keeps its
@@ -47,27 +47,28 @@ def chunked_token_losses(cfg, params, hidden_BTD, targets_BT, z_loss: float, n_t
   # float32 before the loop (as head_logits casts), so the backward sums the head gradient in float32 and rounds
   # to the parameters' dtype once, as the plain loss does.
   head = jax.tree.map(lambda w: w.astype(jnp.float32), transformer.head_params(cfg, params))
+  V = cfg.vocab_size
+  v = -(-V // n_tiles)
   if cfg.tie_embeddings:
-    w_VD = head["embed"]["embedding"]
-    V = w_VD.shape[0]
-    tiles = w_VD.reshape(n_tiles, V // n_tiles, w_VD.shape[1])  # [n, v, D]
+    w_VD = jnp.pad(head["embed"]["embedding"], ((0, n_tiles * v - V), (0, 0)))
+    tiles = w_VD.reshape(n_tiles, v, w_VD.shape[1])  # [n, v, D]
     spec = "btd,vd->btv"
   else:
-    w_DV = head["lm_head"]["kernel"]
-    V = w_DV.shape[1]
-    tiles = jnp.moveaxis(w_DV.reshape(w_DV.shape[0], n_tiles, V // n_tiles), 1, 0)  # [n, D, v]
+    w_DV = jnp.pad(head["lm_head"]["kernel"], ((0, 0), (0, n_tiles * v - V)))
+    tiles = jnp.moveaxis(w_DV.reshape(w_DV.shape[0], n_tiles, v), 1, 0)  # [n, D, v]
     spec = "btd,dv->btv"
-  v = V // n_tiles
 
   @jax.checkpoint
   def tile(carry, xs):
     max_BT, sum_BT, target_BT = carry
     w_tile, first = xs
     logits_BTv = nn.with_logical_constraint(jnp.einsum(spec, x_BTD, w_tile), ("batch", "length", "vocab"))
+    column_v = first + jnp.arange(v)
+    logits_BTv = jnp.where((column_v < V)[None, None, :], logits_BTv, -jnp.inf)  # the padding's columns
     # The running max only shifts the exponentials (logsumexp does not depend on it): no gradient through it.
     new_max_BT = jax.lax.stop_gradient(jnp.maximum(max_BT, logits_BTv.max(-1)))
     sum_BT = sum_BT * jnp.exp(max_BT - new_max_BT) + jnp.exp(logits_BTv - new_max_BT[..., None]).sum(-1)
-    hit_BTv = (first + jnp.arange(v))[None, None, :] == targets_BT[..., None]
+    hit_BTv = column_v[None, None, :] == targets_BT[..., None]
     target_BT = target_BT + jnp.where(hit_BTv, logits_BTv, 0.0).sum(-1)
     return (new_max_BT, sum_BT, target_BT), None
 
