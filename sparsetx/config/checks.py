@@ -178,6 +178,11 @@ def validate_train(
     isinstance(train.freeze_steps, int) and train.freeze_steps >= 0,
     f"config.train.freeze_steps={train.freeze_steps!r} must be an integer >= 0 (0 trains every parameter from step 0).",
   )
+  loss_chunks = train.get("loss_chunks", 0)  # configs saved before the knob existed: the whole logits
+  _require(
+    isinstance(loss_chunks, int) and loss_chunks >= 0,
+    f"config.train.loss_chunks={loss_chunks!r} must be an integer >= 0 (0 or 1: the whole logits at once).",
+  )
   _one_of("config.train.schedule", train.schedule, SCHEDULES)
   _require(train.learning_rate > 0, f"config.train.learning_rate={train.learning_rate!r} must be positive.")
   _require(0 <= train.decay_fraction <= 1, f"config.train.decay_fraction={train.decay_fraction!r} must lie in [0, 1].")

@@ -185,7 +185,9 @@ class Transformer(nn.Module):
   cfg: object  # the model config (FrozenConfigDict)
 
   @nn.compact
-  def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, decode: bool = False):
+  def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, decode: bool = False, head: bool = True):
+    """head=False returns the final norm's output [B,T,D] float32 instead of the logits: the train step's chunked
+    loss applies the head (`head_logits`) a slice of tokens at a time."""
     cfg = self.cfg
     if decode:
       positions_BT, mask_B1TS = self._decode_positions(tokens_BT, positions_BT, segment_ids_BT)
@@ -213,6 +215,8 @@ class Transformer(nn.Module):
       x_BTD = block(block_config(cfg, i), decode, name=f"layers_{i}")(x_BTD, positions_BT, mask_B1TS, segment_ids_BT)
 
     x_BTD = tap(self, "final_norm_output", make_norm(cfg, "final_norm")(x_BTD))
+    if not head and not self.is_initializing():
+      return x_BTD
     if cfg.tie_embeddings:
       logits_BTV = jnp.einsum("btd,vd->btv", x_BTD.astype(jnp.float32), embed.embedding.astype(jnp.float32))
     else:
@@ -245,6 +249,21 @@ class Transformer(nn.Module):
     positions_BT = jnp.asarray(positions_BT, jnp.int32)
     index.value = positions_BT[:, -1] + 1
     return positions_BT, decode_mask(positions_BT, self.cfg.max_len)
+
+
+def head_logits(cfg, params, x_BTD):
+  """The LM head on final-norm outputs x_BTD (any leading shape): float32 logits [..., vocab], the product
+  `Transformer` computes (its tied einsum, or its lm_head Dense: the same float32 dot), from the unboxed `params`."""
+  x_BTD = x_BTD.astype(jnp.float32)
+  if cfg.tie_embeddings:
+    return jnp.einsum("...d,vd->...v", x_BTD, params["embed"]["embedding"].astype(jnp.float32))
+  return jnp.einsum("...d,dv->...v", x_BTD, params["lm_head"]["kernel"].astype(jnp.float32))
+
+
+def head_params(cfg, params) -> dict:
+  """The subtree of `params` that `head_logits` reads (what the chunked loss differentiates)."""
+  name = "embed" if cfg.tie_embeddings else "lm_head"
+  return {name: params[name]}
 
 
 def remat_block(cfg):

@@ -23,7 +23,7 @@ def per_device(fn, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT):
   B, _, H, _ = q_BTHK.shape
 
   def dividing(name: str, size: int) -> tuple:
-    axes = expert_parallel.active_mesh_axes(mesh, name)
+    axes = tuple(a for a in expert_parallel.active_mesh_axes(mesh, name) if a not in mesh.manual_axes)
     return axes if axes and size % math.prod(mesh.shape[a] for a in axes) == 0 else ()
 
   batch, heads = dividing("batch", B), dividing("heads", H)

@@ -62,7 +62,7 @@ def where_tokens_are(fn, *arrays_BT):
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is None or mesh.empty:
     return fn(*arrays_BT)
-  batch = ep.active_mesh_axes(mesh, "batch")
+  batch = tuple(a for a in ep.active_mesh_axes(mesh, "batch") if a not in ep.manual_axes(mesh))
   B, T = arrays_BT[0].shape[:2]
   if not batch or (B * T) % math.prod(mesh.shape[a] for a in batch):
     return fn(*arrays_BT)

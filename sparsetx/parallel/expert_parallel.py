@@ -48,6 +48,24 @@ def activate(mesh, rules=DEFAULT_RULES):
     _RULES.reset(token)
 
 
+def active_rules() -> tuple:
+  """The logical rules in the context (`activate`)."""
+  return _RULES.get()
+
+
+def per_device_axes(mesh, rules, param_specs) -> tuple:
+  """The batch axes (size > 1) that split no parameter (`param_specs`: PartitionSpecs): the train step runs its
+  microbatch loop per device along them (train/step.py), the parameters being whole there. An axis that also
+  splits a parameter (`expert`'s tables, `fsdp`'s weights) stays with the compiler and the layers' shard_maps:
+  flax and the layers need each parameter whole along the axes the shard_maps do not take."""
+  used = {a for spec in jax.tree.leaves(param_specs, is_leaf=lambda s: isinstance(s, P)) for a in _spec_axes(spec)}
+  return tuple(a for a in sized_axes(mesh, rule_axes(rules, "batch")) if a not in used)
+
+
+def _spec_axes(spec: P) -> set:
+  return {a for entry in spec for a in ((entry,) if isinstance(entry, str) else tuple(entry or ()))}
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertGroup:
   """The mesh axes of the tokens (`batch`) and of a layer's units (`units`), sizes > 1 only."""
@@ -63,7 +81,9 @@ class ExpertGroup:
 
   @property
   def n_token_shards(self) -> int:
-    return math.prod(self.mesh.shape[a] for a in self.batch)
+    """Shards of the tokens this code sees: over the batch axes not already manual (inside the step's
+    per-device microbatch loop, train/step.py, the tokens are one device's along its manual axes)."""
+    return math.prod(self.mesh.shape[a] for a in self.batch if a not in manual_axes(self.mesh))
 
   @property
   def token_spec(self) -> P:
@@ -151,6 +171,25 @@ def table_spec(table_names, rules) -> tuple:
   return spec + (None,) * (len(table_names) - len(spec))
 
 
+def manual_axes(mesh) -> frozenset:
+  """The mesh axes already manual here: those of an enclosing shard_map (the step's per-device loop)."""
+  return frozenset(getattr(mesh, "manual_axes", ()))
+
+
+def free_spec(spec: P, mesh) -> P:
+  """`spec` without the axes already manual: what a nested shard_map or a sharding constraint may name (the
+  arrays there are already one device's along those axes)."""
+  manual = manual_axes(mesh)
+  if not manual:
+    return spec
+
+  def entry(axes):
+    kept = tuple(a for a in ((axes,) if isinstance(axes, str) else tuple(axes or ())) if a not in manual)
+    return kept or None
+
+  return P(*(entry(axes) for axes in spec))
+
+
 def on_token_shards(a_BT, group: ExpertGroup):
   """Constrains a [B, T, ...] array to the batch layout, so the router runs where the tokens are.
 
@@ -159,7 +198,9 @@ def on_token_shards(a_BT, group: ExpertGroup):
   """
   B, T = a_BT.shape[:2]
   a_N = a_BT.reshape((B * T,) + a_BT.shape[2:])
-  a_N = jax.lax.with_sharding_constraint(a_N, jax.sharding.NamedSharding(group.mesh, group.token_spec))
+  spec = free_spec(group.token_spec, group.mesh)
+  if any(spec):
+    a_N = jax.lax.with_sharding_constraint(a_N, jax.sharding.NamedSharding(group.mesh, spec))
   return a_N.reshape(a_BT.shape)
 
 
@@ -258,12 +299,21 @@ def shard_map(fn, group: ExpertGroup, in_specs, out_specs):
   axes check rejects inside a shard_map. The tests compare values and gradients with the
   single-device layer on meshes whose batch is split over the expert axis too, and on meshes whose
   d_model split axis (tensor) does not split the batch.
+
+  Axes already manual (the step's per-device microbatch loop, train/step.py) are left out, with their entries
+  in the specs: the arrays are already one device's along them, and the collectives of `fn` name them as they
+  are. With every axis manual, `fn` runs as is, and its table gradients stay the device's own (summed over the
+  data axes once per step, after the loop).
   """
+  manual = manual_axes(group.mesh)
+  axes = set(group.batch + group.units + group.split) - manual
+  if not axes:
+    return fn
   return jax.shard_map(
     fn,
     mesh=group.mesh,
-    in_specs=in_specs,
-    out_specs=out_specs,
-    axis_names=set(group.batch + group.units + group.split),
+    in_specs=jax.tree.map(lambda s: free_spec(s, group.mesh), in_specs, is_leaf=lambda s: isinstance(s, P)),
+    out_specs=jax.tree.map(lambda s: free_spec(s, group.mesh), out_specs, is_leaf=lambda s: isinstance(s, P)),
+    axis_names=axes,
     check_vma=False,
   )

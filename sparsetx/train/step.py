@@ -2,48 +2,133 @@
 and `make_eval_step` jit them as every caller runs them (the loop, the ahead-of-time compile, evaluation)."""
 
 import functools
+import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
+from jax.sharding import PartitionSpec as P
 
+from sparsetx.models import transformer
 from sparsetx.models.ffn import moe
+from sparsetx.parallel import expert_parallel as ep
 from sparsetx.train.optimizer import learning_rate_schedule
 from sparsetx.train.sparse_stats import sparse_stats
 
 
-def token_losses(model, params, batch, z_loss: float):
-  """Per-token loss [B,T] (cross-entropy + z_loss * logZ**2) and the model's intermediates."""
-  logits_BTV, state = model.apply(
+def _token_cross_entropy(logits_BTV, targets_BT, z_loss: float):
+  """Cross-entropy + z_loss * logZ**2 of each token, from its float32 logits."""
+  ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
+  if z_loss:
+    ce_BT = ce_BT + z_loss * jax.nn.logsumexp(logits_BTV, axis=-1) ** 2
+  return ce_BT
+
+
+def loss_chunk_count(vocab_size: int, loss_chunks: int) -> int:
+  """How many vocabulary tiles the chunked loss runs: loss_chunks, at most one per vocabulary entry (0 or 1:
+  unchunked). A constant, so the device loop has the same trips at any number of tokens."""
+  return max(1, min(loss_chunks, vocab_size))
+
+
+def chunked_token_losses(cfg, params, hidden_BTD, targets_BT, z_loss: float, n_tiles: int):
+  """`token_losses`' per-token loss [B,T] from the final-norm outputs, the LM head applied one vocabulary tile of
+  ceil(V/n_tiles) columns at a time under a `lax.scan` with an online logsumexp (running max and rescaled sum, and
+  the target's logit picked from its tile). The tile function is `jax.checkpoint`ed, so the forward keeps only the
+  [B,T] carries and the backward recomputes each tile's logits: one tile's [B, T, V/n] float32 logits are alive at
+  a time instead of the whole [B, T, V]. A vocabulary n does not divide is padded with zero columns, masked out.
+
+  Tiles of the vocabulary, not of the tokens: each tile's head gradient is its own columns (the data-parallel
+  reduction of the head's gradient moves the same bytes as the plain loss's, in n pieces), and the batch keeps its
+  sharding. Same math as the plain loss; the sums over the vocabulary are taken per tile, then over tiles."""
+  B, T, _ = hidden_BTD.shape
+  x_BTD = hidden_BTD.astype(jnp.float32)
+  # float32 before the loop (as head_logits casts), so the backward sums the head gradient in float32 and rounds
+  # to the parameters' dtype once, as the plain loss does.
+  head = jax.tree.map(lambda w: w.astype(jnp.float32), transformer.head_params(cfg, params))
+  V = cfg.vocab_size
+  v = -(-V // n_tiles)
+  if cfg.tie_embeddings:
+    w_VD = jnp.pad(head["embed"]["embedding"], ((0, n_tiles * v - V), (0, 0)))
+    tiles = w_VD.reshape(n_tiles, v, w_VD.shape[1])  # [n, v, D]
+    spec = "btd,vd->btv"
+  else:
+    w_DV = jnp.pad(head["lm_head"]["kernel"], ((0, 0), (0, n_tiles * v - V)))
+    tiles = jnp.moveaxis(w_DV.reshape(w_DV.shape[0], n_tiles, v), 1, 0)  # [n, D, v]
+    spec = "btd,dv->btv"
+
+  @jax.checkpoint
+  def tile(carry, xs):
+    max_BT, sum_BT, target_BT = carry
+    w_tile, first = xs
+    logits_BTv = nn.with_logical_constraint(jnp.einsum(spec, x_BTD, w_tile), ("batch", "length", "vocab"))
+    column_v = first + jnp.arange(v)
+    logits_BTv = jnp.where((column_v < V)[None, None, :], logits_BTv, -jnp.inf)  # the padding's columns
+    # The running max only shifts the exponentials (logsumexp does not depend on it): no gradient through it.
+    new_max_BT = jax.lax.stop_gradient(jnp.maximum(max_BT, logits_BTv.max(-1)))
+    sum_BT = sum_BT * jnp.exp(max_BT - new_max_BT) + jnp.exp(logits_BTv - new_max_BT[..., None]).sum(-1)
+    hit_BTv = column_v[None, None, :] == targets_BT[..., None]
+    target_BT = target_BT + jnp.where(hit_BTv, logits_BTv, 0.0).sum(-1)
+    return (new_max_BT, sum_BT, target_BT), None
+
+  start = (jnp.full((B, T), -jnp.inf), jnp.zeros((B, T)), jnp.zeros((B, T)))
+  (max_BT, sum_BT, target_BT), _ = jax.lax.scan(tile, start, (tiles, jnp.arange(n_tiles) * v))
+  log_z_BT = max_BT + jnp.log(sum_BT)
+  ce_BT = log_z_BT - target_BT
+  if z_loss:
+    ce_BT = ce_BT + z_loss * log_z_BT**2
+  return ce_BT
+
+
+def token_losses(model, params, batch, z_loss: float, loss_chunks: int = 0):
+  """Per-token loss [B,T] (cross-entropy + z_loss * logZ**2) and the model's intermediates.
+
+  loss_chunks > 1 (config.train.loss_chunks): the head and loss run by `chunked_token_losses`, so the full
+  logits never exist; the intermediates are the same but for the `logits` tap, which is then not taken."""
+  n_chunks = loss_chunk_count(model.cfg.vocab_size, loss_chunks)
+  out, state = model.apply(
     {"params": params},
     batch["inputs"],
     batch["positions"],
     batch["segment_ids"],
+    head=n_chunks == 1,
     mutable=["intermediates"],
   )
-  ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
-  if z_loss:
-    ce_BT = ce_BT + z_loss * jax.nn.logsumexp(logits_BTV, axis=-1) ** 2
+  if n_chunks == 1:
+    return _token_cross_entropy(out, batch["targets"], z_loss), state["intermediates"]
+  ce_BT = chunked_token_losses(model.cfg, params, out, batch["targets"], z_loss, n_chunks)
   return ce_BT, state["intermediates"]
 
 
-def _summed_loss(model, z_loss, params, batch):
+def _summed_loss(model, z_loss, loss_chunks, params, batch):
   """Weighted sum of the token losses, plus the MoE balancing losses (means over the batch's real tokens,
   models/ffn/moe.py) times its token weight, so the step's mean loss carries them once."""
-  loss_BT, intermediates = token_losses(model, params, batch, z_loss)
+  loss_BT, intermediates = token_losses(model, params, batch, z_loss, loss_chunks)
   weights_BT = batch["loss_weights"]
   weight_sum = weights_BT.sum()
   balance = moe.balance_loss(model.cfg, intermediates, weights_BT)
   return (loss_BT * weights_BT).sum() + balance * weight_sum, (weight_sum, intermediates)
 
 
-def loss_and_grads(params, batch, *, model, train: ml_collections.ConfigDict):
+def loss_and_grads(params, batch, *, model, train: ml_collections.ConfigDict, param_specs=None):
   """(mean loss, gradients of it, real tokens, sparse-layer stats) over the global batch, accumulating over
-  `microbatches` slices; the optimizer-free half of the step (tests compare it across meshes)."""
-  grad_fn = jax.value_and_grad(functools.partial(_summed_loss, model, train.z_loss), has_aux=True)
+  `microbatches` slices; the optimizer-free half of the step (tests compare it across meshes).
+
+  With microbatches > 1 on a mesh and `param_specs` (the parameters' PartitionSpecs, as make_train_step passes
+  them) the loop runs per device along the data-parallel axes (`_per_device_accumulation`), so the gradients are
+  reduced over them once per step instead of once per microbatch."""
+  grad_fn = jax.value_and_grad(
+    functools.partial(_summed_loss, model, train.z_loss, train.get("loss_chunks", 0)), has_aux=True
+  )
   m = train.microbatches
-  if m == 1:
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = ()
+  if m > 1 and param_specs is not None and mesh is not None and not mesh.empty:
+    axes = ep.per_device_axes(mesh, ep.active_rules(), param_specs)
+  if axes:
+    loss_sum, weight_sum, grads, stats = _per_device_accumulation(params, batch, model, train, mesh, axes)
+  elif m == 1:
     (loss_sum, (weight_sum, intermediates)), grads = grad_fn(params, batch)
     stats = sparse_stats(model.cfg, intermediates, batch["loss_weights"])
   else:
@@ -63,13 +148,74 @@ def loss_and_grads(params, batch, *, model, train: ml_collections.ConfigDict):
   return loss_sum / denominator, grads, weight_sum, stats
 
 
-def train_step(state, batch, *, model, train: ml_collections.ConfigDict, schedule):
+def _per_device_accumulation(params, batch, model, train, mesh, axes):
+  """The microbatch loop in a shard_map manual over the batch axes `axes` that split no parameter
+  (ep.per_device_axes: `data`, and `fsdp` / `expert` where they split none): each device accumulates the
+  gradients of its own tokens, and they are summed over `axes` once, after the loop. In the compiler's loop every
+  gradient is reduced over all the batch's devices inside each microbatch (it is added to a replicated carry),
+  and the expert-parallel shard_maps' transposes (check_vma off) sum the tables' gradients over `data` inside the
+  layer; here those shard_maps leave the manual axes out (ep.shard_map). Reductions over the axes that also split
+  parameters (an expert axis that splits the batch too, fsdp) stay in the loop: flax and the layers need the
+  parameters whole along the axes the compiler partitions.
+
+  check_vma is off, so every value is the device's own and the step's loss is the sum of the devices' losses.
+  Terms that need the whole microbatch (the MoE balancing losses, the sparse-layer stats) read the per-token taps
+  all-gathered over `axes`; each device adds 1/devices of the balancing term, whose gradient the all-gather's
+  transpose (a reduce-scatter) sums back to the devices' own tokens."""
+  m = train.microbatches
+  n_devices = math.prod(mesh.shape[a] for a in axes)
+  gather = functools.partial(jax.lax.all_gather, axis_name=axes, axis=0, tiled=True)
+
+  def device_loss(params, microbatch):
+    loss_BT, intermediates = token_losses(model, params, microbatch, train.z_loss, train.get("loss_chunks", 0))
+    weights_BT = microbatch["loss_weights"]
+    # The sparse layers' per-token taps [b, T, ...] (what balance_loss and sparse_stats read), whole microbatch.
+    taps = {
+      layer: {"mlp": jax.tree.map(gather, values["mlp"])}
+      for layer, values in intermediates.items()
+      if layer.startswith("layers_") and "mlp" in values
+    }
+    all_weights_BT = gather(weights_BT)
+    balance = moe.balance_loss(model.cfg, taps, all_weights_BT)
+    total = (loss_BT * weights_BT).sum() + balance * all_weights_BT.sum() / n_devices
+    return total, (weights_BT.sum(), sparse_stats(model.cfg, taps, all_weights_BT))
+
+  grad_fn = jax.value_and_grad(device_loss, has_aux=True)
+
+  def per_device(params, micro):
+    def accumulate(carry, microbatch):
+      (loss_sum, (weight_sum, stats)), grads = grad_fn(params, microbatch)
+      total_loss, total_weight, total_grads = carry
+      return (total_loss + loss_sum, total_weight + weight_sum, jax.tree.map(jnp.add, total_grads, grads)), stats
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (loss_sum, weight_sum, grads), stats = jax.lax.scan(accumulate, (0.0, 0.0, zeros), micro)
+    # The one reduction of the step over `axes` (the compiler's over the other axes happen in the loop).
+    loss_sum, weight_sum, grads = jax.lax.psum((loss_sum, weight_sum, grads), axes)
+    return loss_sum, weight_sum, grads, jax.tree.map(lambda s: s.mean(0), stats)
+
+  # The microbatches are the global batch's row blocks, as in the compiler's loop (the same tokens per microbatch,
+  # so the same balancing losses and stats); each device takes its rows of each.
+  micro = jax.tree.map(lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:]), batch)
+  return jax.shard_map(
+    per_device,
+    mesh=mesh,
+    in_specs=(P(), P(None, axes)),  # parameters whole along `axes` (they split none), each microbatch's rows split
+    out_specs=P(),
+    axis_names=set(axes),
+    check_vma=False,
+  )(params, micro)
+
+
+def train_step(state, batch, *, model, train: ml_collections.ConfigDict, schedule, param_specs=None):
   """One optimizer step over the global batch.
 
   The loss is the weighted mean over every real token of the global batch, so the result does not
   depend on how the batch is split into micro-batches or over devices.
   """
-  loss, grads, weight_sum, stats = loss_and_grads(state.params, batch, model=model, train=train)
+  loss, grads, weight_sum, stats = loss_and_grads(
+    state.params, batch, model=model, train=train, param_specs=param_specs
+  )
   new_state = state.apply_gradients(grads=grads)
   metrics = dict(
     loss=loss,
@@ -94,7 +240,11 @@ def make_train_step(config: ml_collections.ConfigDict, setup):
   """`train_step` jitted on `setup`'s shardings (a `state.Setup`): (state, batch) -> (state, metrics), the
   state donated. Trace it under `expert_parallel.activate(setup.mesh, ...)`, as the loop does."""
   step = functools.partial(
-    train_step, model=setup.model, train=config.train, schedule=learning_rate_schedule(config.train)
+    train_step,
+    model=setup.model,
+    train=config.train,
+    schedule=learning_rate_schedule(config.train),
+    param_specs=jax.tree.map(lambda sharding: sharding.spec, setup.shardings.params),
   )
   return jax.jit(
     step,

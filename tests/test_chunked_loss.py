@@ -1,0 +1,158 @@
+"""The vocabulary-tiled cross-entropy (train/step.py chunked_token_losses, config.train.loss_chunks): the same loss
+and gradients as the plain loss over the whole [B,T,vocab] logits, and a train step whose temporaries stay below
+those logits' bytes at a long sequence."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from conftest import init_params, load_config
+
+from sparsetx import config as config_lib
+from sparsetx.models import transformer
+from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.train import aot
+from sparsetx.train import step as step_lib
+
+EPS32 = float(jnp.finfo(jnp.float32).eps)
+EPS_BF16 = float(jnp.finfo(jnp.bfloat16).eps)
+B, T, D, V = 4, 32, 32, 320
+Z_LOSS = 1e-2
+
+
+def head_config(tied: bool, V: int):
+  return ml_collections.FrozenConfigDict(dict(tie_embeddings=tied, vocab_size=V))
+
+
+def head_and_inputs(tied: bool, dtype, V: int):
+  keys = jax.random.split(jax.random.key(0), 4)
+  weights = jax.random.normal(keys[0], (V, D) if tied else (D, V)) * 0.5
+  head = {"embed": {"embedding": weights}} if tied else {"lm_head": {"kernel": weights}}
+  hidden_BTD = jax.random.normal(keys[1], (B, T, D))
+  targets_BT = jax.random.randint(keys[2], (B, T), 0, V)
+  weights_BT = (jax.random.uniform(keys[3], (B, T)) > 0.2).astype(jnp.float32)  # packing: some tokens weigh 0
+  return jax.tree.map(lambda a: a.astype(dtype), head), hidden_BTD.astype(dtype), targets_BT, weights_BT
+
+
+@pytest.mark.parametrize(
+  "tied, dtype, V",
+  [(False, jnp.float32, V), (True, jnp.float32, V), (False, jnp.bfloat16, V), (True, jnp.bfloat16, V)]
+  + [(False, jnp.float32, V + 3)],  # 8 tiles of 41 columns, the last 5 padding
+)
+def test_chunked_loss_equals_the_plain_loss_and_its_gradients(tied, dtype, V):
+  """Values and gradients (to the final hidden states and to the head / tied embedding) of the weighted summed loss
+  with z-loss, over 8 vocabulary tiles (a vocabulary 8 does not divide: padded). Bounds (float32 summation; the tiles change only the order of the sums
+  over the vocabulary):
+  - a token's loss: its logits are the same D-term dots, its logsumexp a V-term sum taken per tile then over
+    tiles: <= 4 (D + V) eps32 |loss| plus the logit error 2 D eps32 max|x||w| (a loss moves at most as much as its
+    logits: softmax - onehot sums to 0 and has |.|_1 <= 2);
+  - the head's gradient sums the B T token terms x_t g_t^T as the plain loss does, g_t (softmax - onehot) moved by
+    that error: 2 B T eps32 sum_t |x_t||g_t| + 2 D eps32 max|g| sum_t |x_t|;
+  - the hidden gradient g_t W^T is a V-term sum per token, taken per tile: 2 V eps32 sum_v |g_tv||w_v| plus
+    2 V max|w| times the logit error;
+  - bf16 inputs: each gradient is rounded once more to bf16: + eps_bf16 |g|."""
+  cfg = head_config(tied, V)
+  head, hidden_BTD, targets_BT, weights_BT = head_and_inputs(tied, dtype, V)
+
+  def plain(head, hidden_BTD):
+    logits_BTV = transformer.head_logits(cfg, head, hidden_BTD)
+    return (step_lib._token_cross_entropy(logits_BTV, targets_BT, Z_LOSS) * weights_BT).sum()
+
+  def chunked(head, hidden_BTD):
+    n = step_lib.loss_chunk_count(V, 8)
+    return (step_lib.chunked_token_losses(cfg, head, hidden_BTD, targets_BT, Z_LOSS, n) * weights_BT).sum()
+
+  assert step_lib.loss_chunk_count(V, 8) == 8
+  (value, grads), (want, want_grads) = (
+    jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(head, hidden_BTD) for f in (chunked, plain)
+  )
+  x_ND = np.abs(np.asarray(hidden_BTD, np.float64)).reshape(B * T, D)
+  w_DV = np.abs(np.asarray(jax.tree.leaves(head)[0], np.float64))
+  w_DV = w_DV.T if tied else w_DV
+  logit_error = 2 * D * EPS32 * float((x_ND @ w_DV).max())
+  np.testing.assert_allclose(value, want, rtol=4 * (D + V) * EPS32, atol=float(weights_BT.sum()) * logit_error)
+  # |g_tv| of the reference: d(loss)/d(logits) of each token (softmax - onehot + z-loss term, weighted).
+  g_NV = np.abs(
+    np.asarray(
+      jax.grad(lambda logits: (step_lib._token_cross_entropy(logits, targets_BT, Z_LOSS) * weights_BT).sum())(
+        transformer.head_logits(cfg, head, hidden_BTD)
+      ),
+      np.float64,
+    )
+  ).reshape(B * T, V)
+  head_bound_DV = 2 * B * T * EPS32 * (x_ND.T @ g_NV) + 2 * D * EPS32 * float(g_NV.max()) * x_ND.sum(0)[:, None]
+  hidden_bound_ND = 2 * V * EPS32 * (g_NV @ w_DV.T) + 2 * V * logit_error * w_DV.max()
+  (head_grad,), (want_head_grad,) = jax.tree.leaves(grads[0]), jax.tree.leaves(want_grads[0])
+  head_grad, want_head_grad = (np.asarray(g, np.float64) for g in (head_grad, want_head_grad))
+  if tied:
+    head_grad, want_head_grad = head_grad.T, want_head_grad.T
+  rounding = EPS_BF16 if dtype == jnp.bfloat16 else 0.0
+  assert np.all(np.abs(head_grad - want_head_grad) <= head_bound_DV + rounding * np.abs(want_head_grad))
+  hidden_grad, want_hidden_grad = (np.asarray(g, np.float64).reshape(B * T, D) for g in (grads[1], want_grads[1]))
+  assert np.all(np.abs(hidden_grad - want_hidden_grad) <= hidden_bound_ND + rounding * np.abs(want_hidden_grad))
+  assert grads[1].dtype == dtype and jax.tree.leaves(grads[0])[0].dtype == dtype
+
+
+def micro_model_config(tied: bool, loss_chunks: int) -> ml_collections.ConfigDict:
+  config = load_config("configs/tiny.py", "mlp")
+  config.model.update(d_model=D, n_layers=1, head_dim=D, max_len=T, vocab_size=V, dtype="float32", tie_embeddings=tied)
+  config.data.update(seq_len=T, global_batch_size=B)
+  config.train.update(z_loss=Z_LOSS, loss_chunks=loss_chunks)
+  return config_lib.validate(config)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_step_with_chunks_equals_the_step_without(tied):
+  """loss_and_grads over a whole model (z-loss, packing weights): the same loss and every parameter's gradient,
+  within 64 eps32 of each leaf's largest element (the head bound above, summed back through one layer)."""
+  keys = jax.random.split(jax.random.key(1), 2)
+  batch = dict(
+    inputs=jax.random.randint(keys[0], (B, T), 0, V),
+    targets=jax.random.randint(keys[1], (B, T), 0, V),
+    positions=jnp.broadcast_to(jnp.arange(T), (B, T)),
+    segment_ids=jnp.ones((B, T), jnp.int32),
+    loss_weights=jnp.ones((B, T)).at[:, -3:].set(0.0),
+  )
+  results = []
+  for loss_chunks in (8, 0):
+    config = micro_model_config(tied, loss_chunks)
+    model = transformer.Transformer(ml_collections.FrozenConfigDict(config.model))
+    params = init_params(model, batch["inputs"])
+    run = jax.jit(lambda p, b: step_lib.loss_and_grads(p, b, model=model, train=config.train)[:2])  # noqa: B023
+    results.append(run(params, batch))
+  (loss, grads), (want_loss, want_grads) = results
+  np.testing.assert_allclose(loss, want_loss, rtol=16 * EPS32)
+  for path, g, want in zip(
+    jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads), jax.tree.leaves(want_grads)
+  ):
+    np.testing.assert_allclose(g, want, atol=64 * EPS32 * float(jnp.abs(want).max()), rtol=0, err_msg=str(path[0]))
+
+
+def test_a_long_sequence_step_keeps_its_temporaries_below_the_full_logits():
+  """The compiled train step of a small model at 8 x 1,024 tokens and a 16,384 vocabulary: the whole float32 logits
+  are 8 x 1,024 x 16,384 x 4 B = 512 MiB, and the plain loss needs at least them (plus their softmax and
+  gradient). With loss_chunks=8 one tile's logits are 64 MiB; the rest of the step (one layer at d_model 64,
+  attention's [8, 1, 1,024, 1,024] float32 scores: 32 MiB each) stays well under the full logits. So the
+  bound: temporaries < the full logits' bytes, which the unchunked step exceeds."""
+  batch, seq_len, vocab = 8, 1024, 16384
+  logits_bytes = batch * seq_len * vocab * 4
+  temps = {}
+  for loss_chunks in (8, 0):
+    config = load_config("configs/tiny.py", "mlp")
+    config.model.update(d_model=64, n_layers=1, head_dim=64, max_len=seq_len, vocab_size=vocab, dtype="bfloat16")
+    config.model.ffn.update(d_ffw=128)
+    config.data.update(seq_len=seq_len, global_batch_size=batch)
+    config.train.loss_chunks = loss_chunks
+    config.mesh.ici.update(data=1)
+    config_lib.validate(config)
+    compiled, _ = aot.compile_train_step(config, mesh_lib.make_mesh(config.mesh, jax.devices()[:1]))
+    temps[loss_chunks] = compiled.memory_analysis().temp_size_in_bytes
+  assert temps[8] < logits_bytes <= temps[0], (temps, logits_bytes)
+
+
+def test_a_negative_tile_count_is_refused():
+  config = load_config("configs/tiny.py", "mlp")
+  config.train.loss_chunks = -1
+  with pytest.raises(config_lib.ConfigError, match=r"config.train.loss_chunks=-1 must be an integer >= 0"):
+    config_lib.validate(config)

@@ -1,0 +1,197 @@
+"""One gradient reduction per step (issue 25 item 5): with microbatches, the compiled train step on a data x expert
+mesh sums the parameters' gradients over devices after the microbatch loop, not inside it
+(train/step.py `_per_device_accumulation`), and its gradients equal the single-microbatch step's."""
+
+import math
+import re
+
+import jax
+import numpy as np
+from conftest import load_config
+
+from sparsetx import config as config_lib
+from sparsetx.parallel import expert_parallel as ep
+from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.train import aot
+from sparsetx.train import state as state_lib
+from sparsetx.train import step as step_lib
+
+EPS32 = float(np.finfo(np.float32).eps)
+REDUCTIONS = re.compile(r"= (\(.*?\)|\S+) (all-reduce|reduce-scatter)(?:-start)?\(")
+
+
+def mesh_config(microbatches: int, ffn_type: str = "sgatlin"):
+  """Tiny sgatlin on data=2 x expert=4: each device holds one channel's tables and 1/8 of the tokens."""
+  config = load_config("configs/tiny.py", ffn_type)
+  config.model.update(n_layers=1, max_len=32, dtype="float32")  # float32: only the order of the sums differs
+  config.data.update(seq_len=32, global_batch_size=16)
+  config.train.microbatches = microbatches
+  config.mesh.ici.update(data=2, fsdp=1, tensor=1, expert=4)
+  return config_lib.validate(config)
+
+
+def computations(hlo_text: str) -> dict:
+  """{computation name: its instruction lines} of an HLO module's text."""
+  found, current = {}, None
+  for line in hlo_text.splitlines():
+    header = re.match(r"^(?:ENTRY )?(%[\w.\-]+) .*\{\s*$", line)
+    if header:
+      current = found.setdefault(header[1], [])
+    elif current is not None:
+      current.append(line)
+  return found
+
+
+def reached(comps: dict, root: str) -> set:
+  """`root` and every computation it calls (fusions, nested loops, reductions' bodies), transitively."""
+  seen, todo = set(), [root]
+  while todo:
+    name = todo.pop()
+    if name not in seen:
+      seen.add(name)
+      for line in comps.get(name, ()):
+        for called in re.findall(r"(?:calls|body|condition|to_apply|branch_computations)=\{?([%\w.\-, ]+)\}?", line):
+          todo += [c.strip() for c in called.split(",") if c.strip().startswith("%")]
+  return seen
+
+
+def shapes(result_type: str) -> list:
+  """The array shapes of an instruction's result type: 'f32[2,64]{1,0}' or a tuple of them -> [(2, 64), ...]."""
+  return [tuple(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\w+\[([\d,]*)\]", result_type)]
+
+
+def iota(text: str) -> np.ndarray:
+  """An HLO iota device list '[2,4]T(1,0)' / '[8]' (dims, then an optional transpose of them)."""
+  match = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+  dims = [int(d) for d in match[1].split(",")]
+  ids = np.arange(math.prod(dims)).reshape(dims)
+  return ids.transpose([int(p) for p in match[2].split(",")]) if match[2] else ids
+
+
+def replica_groups(line: str) -> list:
+  """The device groups (logical ids) a collective's line reduces over, in each of HLO's three spellings."""
+  explicit = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
+  if explicit:
+    return [[int(i) for i in group.split(",") if i] for group in re.findall(r"\{([\d,]*)\}", explicit[1])]
+  listed = re.search(r"replica_groups=\[(\d+),(\d+)\]<=(\[[\d,]+\](?:T\([\d,]+\))?)", line)
+  if listed:
+    return iota(listed[3]).reshape(int(listed[1]), int(listed[2])).tolist()
+  meshed = re.search(
+    r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((\[[\d,]+\](?:T\([\d,]+\))?)\))? \{([^}]*)\}", line
+  )
+  assert meshed, line
+  names = re.findall(r"'(\w+)'=(\d+)", meshed[1])
+  sizes = [int(size) for _, size in names]
+  ids = (iota(meshed[2]) if meshed[2] else np.arange(math.prod(sizes))).reshape(sizes)
+  over = [i for i, (name, _) in enumerate(names) if f"'{name}'" in meshed[3]]
+  rest = [i for i in range(len(names)) if i not in over]
+  return ids.transpose(rest + over).reshape(-1, math.prod(ids.shape[i] for i in over)).tolist()
+
+
+def gradient_reductions(hlo_text: str, param_shapes: set, trips: int):
+  """(inside, outside): (replica groups, line) of every all-reduce / reduce-scatter of a parameter-shaped value
+  run by the loop of `trips` trips (its body and all it calls), and of those elsewhere in the program."""
+  loops = [line for line in hlo_text.splitlines() if f'"known_trip_count":{{"n":"{trips}"}}' in line]
+  assert len(loops) == 1, f"expected one loop of {trips} trips, found {len(loops)}"
+  comps = computations(hlo_text)
+  in_loop = reached(comps, re.search(r"body=(%[\w.\-]+)", loops[0])[1])
+  inside, outside = [], []
+  for name, lines in comps.items():
+    for line in lines:
+      match = REDUCTIONS.search(line)
+      if match and param_shapes & set(shapes(match[1])):
+        (inside if name in in_loop else outside).append((replica_groups(line), line.strip()[:160]))
+  return inside, outside
+
+
+def test_microbatch_loop_reduces_no_parameter_gradient_over_data():
+  """Inside the 2-trip microbatch loop no all-reduce or reduce-scatter of a parameter-shaped value (the whole
+  parameter or its per-device block) spans devices of different `data` coordinates: the data-parallel reduction
+  of every gradient, tables' included, runs once, after the loop (and such a reduction is found there). Before
+  the per-device loop every dense gradient was all-reduced over all 8 devices, and every table gradient over
+  `data` by the shard_maps' transposes, inside each microbatch. What stays in the loop is the compiler's
+  reduction over `expert` (4 devices of one data coordinate), which splits the tables as well as the tokens."""
+  config = mesh_config(microbatches=2)
+  mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:8])
+  compiled, abstract = aot.compile_train_step(config, mesh)
+  param_shapes = set()
+  for leaf in jax.tree.leaves(abstract.params):
+    param_shapes |= {tuple(leaf.shape), tuple(leaf.sharding.shard_shape(leaf.shape))}
+  param_shapes.discard(())
+  # Logical device i of the program is mesh.devices.flat[i]; its data coordinate:
+  data_of = np.unravel_index(np.arange(mesh.size), mesh.devices.shape)[mesh.axis_names.index("data")]
+  spans_data = lambda groups: any(len({int(data_of[i]) for i in group}) > 1 for group in groups)  # noqa: E731
+  inside, outside = gradient_reductions(compiled.as_text(), param_shapes, trips=2)
+  assert inside, "the loop reduces no gradient at all: the mesh no longer splits tables and tokens over expert"
+  assert not [line for groups, line in inside if spans_data(groups)], inside
+  assert [line for groups, line in outside if spans_data(groups)]
+
+
+def synthetic_batch(config):
+  rng = np.random.default_rng(0)
+  B, T = config.data.global_batch_size, config.data.seq_len
+  tokens = rng.integers(1, 259, (B, T + 1)).astype(np.int32)
+  weights = np.ones((B, T), np.float32)
+  weights[0, T // 2 :] = 0.0  # packing padding: tokens of weight 0
+  return dict(
+    inputs=tokens[:, :-1],
+    targets=tokens[:, 1:],
+    segment_ids=np.ones((B, T), np.int32),
+    positions=np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
+    loss_weights=weights,
+  )
+
+
+def test_per_device_accumulation_equals_one_microbatch():
+  """loss_and_grads as the train step runs it (param_specs given): microbatches=2 (the per-device loop) equals
+  microbatches=1 (one auto-sharded pass) on the same mesh, parameters and batch. The same tokens' terms are
+  summed in another order (per device, then over devices once), so the loss is within 16 eps32 and each gradient
+  leaf within 64 eps32 of its largest element; the token count is exact."""
+  config = mesh_config(microbatches=2)
+  built = state_lib.setup(config, jax.devices()[:8])
+  params = state_lib.create_state(config, built.shardings, built.model, built.tx).params
+  batch = jax.device_put(synthetic_batch(config), built.batch_sharding)
+  specs = jax.tree.map(lambda sharding: sharding.spec, built.shardings.params)
+  results = []
+  for microbatches in (2, 1):
+    train = mesh_config(microbatches).train
+    run = jax.jit(
+      lambda p, b: step_lib.loss_and_grads(p, b, model=built.model, train=train, param_specs=specs)[:3],  # noqa: B023
+      in_shardings=(built.shardings.params, built.batch_sharding),
+    )
+    with ep.activate(built.mesh, config.mesh.rules):
+      results.append(jax.device_get(run(params, batch)))
+  (loss, grads, tokens), (want_loss, want_grads, want_tokens) = results
+  assert tokens == want_tokens == config.data.global_batch_size * config.data.seq_len - config.data.seq_len // 2
+  np.testing.assert_allclose(loss, want_loss, rtol=16 * EPS32)
+  for (path, g), want in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(g, want, atol=64 * EPS32 * float(np.abs(want).max()), rtol=0, err_msg=str(path))
+
+
+def test_per_device_loop_equals_the_compiler_loop_with_moe_balancing_losses():
+  """MoE with both balancing losses (nonlinear in the whole microbatch: the per-device loop computes them from the
+  taps all-gathered over `data`, each device adding 1/devices of them): loss, gradients and the sparse-layer stats
+  of the per-device loop equal the compiler's loop (param_specs not given) at microbatches=2, to 64 eps32 of each
+  leaf's largest element."""
+  config = mesh_config(microbatches=2, ffn_type="moe")
+  config.model.ffn.update(aux_loss=0.1, router_z_loss=0.01)
+  built = state_lib.setup(config, jax.devices()[:8])
+  params = state_lib.create_state(config, built.shardings, built.model, built.tx).params
+  batch = jax.device_put(synthetic_batch(config), built.batch_sharding)
+  specs = jax.tree.map(lambda sharding: sharding.spec, built.shardings.params)
+  assert ep.per_device_axes(built.mesh, config.mesh.rules, specs) == ("data",)
+  results = []
+  for param_specs in (specs, None):
+    run = jax.jit(
+      lambda p, b: step_lib.loss_and_grads(p, b, model=built.model, train=config.train, param_specs=param_specs),  # noqa: B023
+      in_shardings=(built.shardings.params, built.batch_sharding),
+    )
+    with ep.activate(built.mesh, config.mesh.rules):
+      results.append(jax.device_get(run(params, batch)))
+  (loss, grads, tokens, stats), (want_loss, want_grads, want_tokens, want_stats) = results
+  assert tokens == want_tokens and stats.keys() == want_stats.keys() and "sparse/layers_0/aux_loss" in stats
+  np.testing.assert_allclose(loss, want_loss, rtol=16 * EPS32)
+  for name in stats:
+    np.testing.assert_allclose(stats[name], want_stats[name], rtol=16 * EPS32, err_msg=name)
+  for (path, g), want in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(g, want, atol=64 * EPS32 * float(np.abs(want).max()), rtol=0, err_msg=str(path))
