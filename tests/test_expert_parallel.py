@@ -3,6 +3,7 @@
 FFF and MoE, the single-device layers."""
 
 import functools
+import re
 
 import flax.linen as nn
 import jax
@@ -17,6 +18,7 @@ from sparsetx.models.ffn.registry import FFN_LAYERS
 from sparsetx.parallel import dispatch
 from sparsetx.parallel import expert_parallel as ep
 from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.train import aot
 
 D = 16
 LAYERS = {
@@ -129,6 +131,8 @@ def test_sharded_layer_equals_the_official_formula(ffn_type, mesh_name):
   if ffn_type == "peer" or (ffn_type, mesh_name) == ("sgatlin_c4", "expert8"):
     # the d-split form ran: x and y moved by d-slice, partial dots summed
     assert "all-to-all" in hlo and "all-reduce" in hlo
+  elif ffn_type == "moe":  # each token went to its experts' devices and back: all-to-alls, no reduce-scatter
+    assert "all-to-all" in hlo and "reduce-scatter" not in hlo
   else:  # the expert-parallel form ran: tokens moved, outputs reduce-scattered
     assert "reduce-scatter" in hlo and ("all-gather" in hlo or "all-to-all" in hlo)
   assert_matches(ffn_type, y, grads, want_y, want_grads)
@@ -196,3 +200,59 @@ def test_row_kernels_on_a_mesh_equal_the_official_formula(ffn_type, mesh_name):
     step = jax.jit(functools.partial(forward_and_grads, layer_apply(layer), probe))
     y, grads = step(jax.device_put(params, param_shardings), x_sharded)
   assert_matches(ffn_type, y, grads, want_y, want_grads)
+
+
+@pytest.mark.parametrize("mesh_name", ["expert8", "data2_expert4"])
+def test_moe_sends_each_token_only_to_its_experts(mesh_name):
+  """MoE's collectives, forward and backward, on G = 8 or 4 devices of the expert axis (n = 4 tokens each, k = 2,
+  D = 16, X = 8 experts). Payload: the pairs' x rows out, their outputs back, and the transposes of both, by
+  ragged all-to-all on the accelerators (4 `ragged_all_to_all` calls, no all-gather or reduce-scatter of tokens);
+  a ragged all-to-all sends only its real rows, each pair once, so a device sends at most k·D·b bytes per own token
+  each way, k·D·b·(G-1)/G when routing is balanced (the pairs for its own experts stay). Metadata: one all-gather of
+  the per-expert counts, G·X int32, per layer call (G·X·4/n bytes per token). The CPU's padded stand-in moves
+  G blocks of n·k rows (G·k·D·b per token) by plain all-to-alls; no collective gathers tokens there either."""
+  layer, params, x, probe, _ = case("moe")
+  mesh = make_mesh(**MESHES[mesh_name])
+  G, n, k, X = mesh.shape["expert"], 4, LAYERS["moe"]["experts_per_token"], LAYERS["moe"]["n_experts"]
+  boxed = jax.eval_shape(layer.init, jax.random.key(0), x)["params"]
+  params = jax.device_put(
+    params, mesh_lib.logical_sharding(nn.get_partition_spec(boxed), mesh, config_lib.DEFAULT_RULES)
+  )
+  batch = mesh_lib.batch_sharding(mesh, config_lib.DEFAULT_RULES)
+  x = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*batch.spec, None)))
+  loss = lambda p, x: jnp.sum(jnp.sin(layer.apply({"params": p}, x)) * probe)  # noqa: E731
+  with ep.activate(mesh):
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, x).compile()
+    with aot.target_platform("cuda"):  # a fresh jit: the trace takes the accelerator's path
+      lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(params, x).lower(lowering_platforms=("cuda",))
+  moe = [c for c in aot.collectives(compiled.as_text()) if "Moe" in c.source and "/router/" not in c.source]
+  table_grads = [c for c in moe if c.op == "all-reduce"]  # the expert tables' gradients summed over `data`
+  assert all(c.group == mesh.shape["data"] for c in table_grads)
+  moe = [c for c in moe if c.op != "all-reduce"]
+  payload = [c for c in moe if c.shape.lstrip("(").startswith("f32")]
+  metadata = [c for c in moe if c.shape.lstrip("(").startswith("s32")]
+  assert {c.op for c in moe} == {"all-gather", "all-to-all"} and len(payload) + len(metadata) == len(moe)
+  assert [(c.op, c.nbytes, c.group) for c in payload] == [("all-to-all", G * n * k * D * 4, G)] * 4
+  assert [c.op for c in metadata].count("all-gather") == 1
+  assert all(c.nbytes <= G * X * 4 for c in metadata)
+
+  text = lowered.as_text()
+  ragged = re.findall(r"custom_call @ragged_all_to_all\(.*\) -> tensor<(\d+)x(\d+)xf32>", text)
+  assert sorted((int(r), int(d)) for r, d in ragged) == [(n * k, D)] * 2 + [(G * n * k, D)] * 2
+  assert "reduce_scatter" not in text
+  gathers = re.findall(r"stablehlo.all_gather.*-> tensor<([^>]*)>", text)
+  assert gathers == [f"{G}x{X}xi32"]  # the counts; no token is gathered
+
+  # The ragged sends' real rows for this routing: the pairs whose expert lives on another device.
+  ids = np.asarray(
+    jax.jit(lambda p, x: layer.apply({"params": p}, x, mutable="intermediates")[1])(params, x)["intermediates"][
+      "expert_ids"
+    ][0]
+  )
+  owner = ids.reshape(-1, k) // (X // G)  # [tokens in device order, k]
+  device = np.arange(owner.shape[0])[:, None] // n % G  # the token's position on the expert axis
+  off_device_per_token = (owner != device).sum() / owner.shape[0]
+  assert 0 < off_device_per_token <= k
+  print(
+    f"{mesh_name}: {off_device_per_token:.2f} of k={k} pairs per token leave the device; (G-1)/G·k = {(G - 1) / G * k:.2f}"
+  )
