@@ -14,6 +14,7 @@ import pytest
 from conftest import init_params, layer_model_config
 
 from sparsetx import config as config_lib
+from sparsetx.models.ffn import moe
 from sparsetx.models.ffn.registry import FFN_LAYERS
 from sparsetx.parallel import dispatch
 from sparsetx.parallel import expert_parallel as ep
@@ -256,3 +257,35 @@ def test_moe_sends_each_token_only_to_its_experts(mesh_name):
   print(
     f"{mesh_name}: {off_device_per_token:.2f} of k={k} pairs per token leave the device; (G-1)/G·k = {(G - 1) / G * k:.2f}"
   )
+
+
+def test_moe_rows_travel_in_bf16_and_the_owner_sums_them_in_float32():
+  """A bf16 run on expert8: the four ragged all-to-alls (x rows, outputs, dy rows, dx rows) carry bf16. Each
+  pair's output y_j is rounded to bf16 for the trip back (relative error <= u = 2^-8) and the owner sums
+  w_j * y_j in float32, so against the single-device layer (sum in float32, one rounding) the difference is at
+  most u·sum_j w_j |y_j| before the final roundings and 3u·sum_j w_j |y_j| after both (plus float32 noise)."""
+  layer, params, x, _, _ = case("moe")
+  x = x.astype(jnp.bfloat16)
+  N, k = x.shape[0] * x.shape[1], LAYERS["moe"]["experts_per_token"]
+  single, state = jax.jit(lambda p, x: layer.apply({"params": p}, x, mutable="intermediates"))(params, x)
+  ids, weights = (state["intermediates"][name][0].reshape(N, k) for name in ("expert_ids", "expert_weights"))
+  x_ND = x.reshape(N, D)
+  terms = 0.0  # sum_j w_j |y_j|, each slot's expert output in float32 from the same bf16 inputs
+  for j in range(k):
+    order = jnp.argsort(ids[:, j])
+    sizes = jnp.bincount(ids[:, j], length=LAYERS["moe"]["n_experts"]).astype(jnp.int32)
+    y_j = moe.sorted_experts(x_ND[order], sizes, params["wi_gate"], params["wi_up"], params["wo"])[jnp.argsort(order)]
+    terms = terms + weights[:, j : j + 1] * jnp.abs(y_j)
+  mesh = make_mesh(**MESHES["expert8"])
+  batch = mesh_lib.batch_sharding(mesh, config_lib.DEFAULT_RULES)
+  x_sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*batch.spec, None)))
+  loss = lambda p, x: jnp.sum(layer.apply({"params": p}, x).astype(jnp.float32))  # noqa: E731
+  with ep.activate(mesh):
+    y = jax.jit(layer_apply(layer))(params, x_sharded)
+    with aot.target_platform("cuda"):  # XLA:CPU widens bf16 collectives to float32; the accelerator's program
+      text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(params, x_sharded).lower(lowering_platforms=("cuda",))
+  payload = re.findall(r"custom_call @ragged_all_to_all\(.*\) -> tensor<\d+x\d+x(\w+)>", text.as_text())
+  assert payload == ["bf16"] * 4
+  difference = np.abs(np.asarray(y, np.float32) - np.asarray(single, np.float32)).reshape(N, D)
+  bound = (3 * 2.0**-8 + 1e-5) * np.asarray(terms) + 1e-6
+  assert np.all(difference <= bound), float((difference / bound).max())
