@@ -289,3 +289,41 @@ def test_moe_rows_travel_in_bf16_and_the_owner_sums_them_in_float32():
   difference = np.abs(np.asarray(y, np.float32) - np.asarray(single, np.float32)).reshape(N, D)
   bound = (3 * 2.0**-8 + 1e-5) * np.asarray(terms) + 1e-6
   assert np.all(difference <= bound), float((difference / bound).max())
+
+
+# Experts 0 and 1 favoured by the router's bias: on data2_expert4 (2 experts per device) every pair of the group goes
+# to the first device of the expert axis, filling its receive buffer (G·n·k rows) exactly; with `batch` not split
+# over `expert`, every device of the expert axis holds the same tokens and the layer keeps the gathered form.
+SKEW_CASES = {
+  "all_pairs_to_one_device": (config_lib.DEFAULT_RULES, 30.0),
+  "expert_axis_not_splitting_the_batch": ((("batch", ("data", "fsdp")),) + config_lib.DEFAULT_RULES, 0.0),
+}
+
+
+@pytest.mark.parametrize("name", list(SKEW_CASES))
+def test_moe_on_data2_expert4_equals_the_single_device_layer(name):
+  rules, bias = SKEW_CASES[name]
+  layer, params, x, probe, _ = case("moe")
+  params = jax.tree.map(lambda a: a, params)
+  params["router"]["bias"] = params["router"]["bias"].at[:2].add(bias)
+  want_y, want_grads = jax.device_get(
+    jax.jit(functools.partial(forward_and_grads, layer_apply(layer), probe))(params, x)
+  )
+  mesh = make_mesh(**MESHES["data2_expert4"])
+  boxed = jax.eval_shape(layer.init, jax.random.key(0), x)["params"]
+  sharded = jax.device_put(params, mesh_lib.logical_sharding(nn.get_partition_spec(boxed), mesh, rules))
+  batch = mesh_lib.batch_sharding(mesh, rules)
+  x_sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*batch.spec, None)))
+  with ep.activate(mesh, rules):
+    compiled = (
+      jax.jit(functools.partial(forward_and_grads, layer_apply(layer), probe)).lower(sharded, x_sharded).compile()
+    )
+  y, grads = compiled(sharded, x_sharded)
+  hlo = compiled.as_text()
+  if bias:
+    ids = np.asarray(layer.apply({"params": params}, x, mutable="intermediates")[1]["intermediates"]["expert_ids"][0])
+    assert set(np.unique(ids)) == {0, 1}  # every pair on the expert axis' first device
+    assert "all-to-all" in hlo and "reduce-scatter" not in hlo
+  else:
+    assert "all-to-all" not in hlo  # tokens already on every device of the expert axis: outputs summed over it
+  assert_matches("moe", y, grads, want_y, want_grads)
