@@ -327,3 +327,37 @@ def test_moe_on_data2_expert4_equals_the_single_device_layer(name):
   else:
     assert "all-to-all" not in hlo  # tokens already on every device of the expert axis: outputs summed over it
   assert_matches("moe", y, grads, want_y, want_grads)
+
+
+def test_sgatlin_dy_travels_in_bf16_with_the_same_values(monkeypatch):
+  """A bf16 run of sgatlin's channel split on expert8: the output's partial sums are reduce-scattered in float32
+  and cast to bf16, so the backward's dy holds bf16 values and its all-gather moves them in bf16, where the
+  gradients were all-gathered in float32 before: the same values and gradients, bit for bit, in half the bytes.
+  The forward's all-gathers of x and this one are the layer's only all-gathers of [group tokens, D]."""
+  layer, params, x, probe, _ = case("sgatlin", ACTIVATION["sgatlin", "expert8"])
+  mesh = make_mesh(**MESHES["expert8"])
+  boxed = jax.eval_shape(layer.init, jax.random.key(0), x)["params"]
+  params = jax.device_put(
+    params, mesh_lib.logical_sharding(nn.get_partition_spec(boxed), mesh, config_lib.DEFAULT_RULES)
+  )
+  batch = mesh_lib.batch_sharding(mesh, config_lib.DEFAULT_RULES)
+  spec = jax.sharding.PartitionSpec(*batch.spec, None)
+  x = jax.device_put(x.astype(jnp.bfloat16), jax.sharding.NamedSharding(mesh, spec))
+
+  def run():
+    with ep.activate(mesh):
+      step = jax.jit(functools.partial(forward_and_grads, layer_apply(layer), probe))
+      lowered = step.lower(params, x)
+      return jax.device_get(lowered.compile()(params, x)), re.findall(
+        rf"stablehlo.all_gather.*-> tensor<{x.shape[0] * x.shape[1]}x{D}x(\w+)>", lowered.as_text()
+      )
+
+  (y, grads), gathers = run()
+  scatter_back = ep.scatter_back
+  monkeypatch.setattr(ep, "scatter_back", lambda y_g, group, out_dtype=None: scatter_back(y_g, group))
+  (y_f32_wire, grads_f32_wire), gathers_f32_wire = run()
+  # x's (the forward runs twice here: y, and the gradient's linearization) and dy's
+  assert sorted(gathers) == ["bf16"] * 3 and sorted(gathers_f32_wire) == ["bf16", "bf16", "f32"]
+  assert y.dtype == jnp.bfloat16 and np.array_equal(y, y_f32_wire)
+  for (path, g), w in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(grads_f32_wire)):
+    assert np.array_equal(g, w), jax.tree_util.keystr(path)

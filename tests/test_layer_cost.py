@@ -99,7 +99,7 @@ def test_sgatlin_collectives_by_hand():
     ("all-gather", 128 * 2 * 64 * 2, 2),  # x of the group's 256 tokens, bf16
     ("all-to-all", 128 * 4 * 2 * 8, 2),  # int32 index + f32 gate per (token, channel, slot)
     ("reduce-scatter", 128 * 64 * 4, 2),  # y of the own tokens, float32
-    ("all-gather", 128 * 2 * 64 * 4, 2),  # dy, float32
+    ("all-gather", 128 * 2 * 64 * 2, 2),  # dy, bf16 (the cotangent of the bf16 output)
     ("reduce-scatter", 128 * 64 * 4, 2),  # dx, float32
     ("all-to-all", 128 * 4 * 2 * 4, 2),  # gate gradients
   ]
@@ -246,7 +246,8 @@ def test_full_remat_doubles_the_forward_and_nothing_else(ffn_type):
   assert full.flops - none.flops == forward_flops  # one more forward
   if E > 1:  # the forward's move of x runs again in the recomputed forward, the backward's dy once
     runs = {c.what: c.runs for c in full.collectives if c.op in ("all-gather", "all-to-all")}
-    dy = "dy rows to the experts (ragged)" if ffn_type == "moe" else "dy to the expert group (float32)"
+    dy = dict(moe="dy rows to the experts (ragged)", sgatlin="dy to the expert group")
+    dy = dy.get(ffn_type, "dy to the expert group (float32)")
     assert runs[next(w for w in runs if w.startswith("x"))] == 2 and runs[dy] == 1
 
 

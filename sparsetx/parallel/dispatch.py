@@ -81,15 +81,15 @@ def where_tokens_are(fn, *arrays_BT):
   return jax.tree.map(lambda o: o.reshape((B, T) + o.shape[1:]), outs)
 
 
-def token_parallel(group, local, tokens=(), owned=(), tables=(), table_specs=(), n_owned_outputs=0):
+def token_parallel(group, local, tokens=(), owned=(), tables=(), table_specs=(), n_owned_outputs=0, out_dtype=None):
   """local over each device's own units for the tokens of its expert group, in one shard_map.
 
   `tokens` are [N, ...] arrays every unit reads (all-gathered over the group: `ep.gather_tokens`), `owned`
   [N, U, ...] per-unit routing data (sent to the units' owners: `ep.to_owners`, unit dimension 1), `tables`
   enter as stored, split by `table_specs`. local(tokens_g, owned_g, tables_u) returns (y_g, *per-unit
   outputs [g, u, ...]); y's partial sums come back summed over the group to the tokens' owners in float32
-  (`ep.scatter_back`), the `n_owned_outputs` per-unit outputs by the inverse of `to_owners`. Returns
-  (y_N, *per-unit outputs [N, U, ...]).
+  (`ep.scatter_back`; cast to `out_dtype` if given, its dy then all-gathered in it), the `n_owned_outputs`
+  per-unit outputs by the inverse of `to_owners`. Returns (y_N, *per-unit outputs [N, U, ...]).
   """
   n_tokens, n_owned = len(tokens), len(owned)
 
@@ -97,7 +97,7 @@ def token_parallel(group, local, tokens=(), owned=(), tables=(), table_specs=(),
     tokens_g = [ep.gather_tokens(a, group) for a in args[:n_tokens]]
     owned_g = [ep.to_owners(a, group, unit_dim=1) for a in args[n_tokens : n_tokens + n_owned]]
     y_g, *owned_outputs_g = local(tokens_g, owned_g, args[n_tokens + n_owned :])
-    return (ep.scatter_back(y_g, group), *(ep.from_owners(a, group, unit_dim=1) for a in owned_outputs_g))
+    return (ep.scatter_back(y_g, group, out_dtype), *(ep.from_owners(a, group, unit_dim=1) for a in owned_outputs_g))
 
   spec = group.token_spec
   return ep.shard_map(
@@ -171,6 +171,7 @@ def _unit_split_gather(group, x_BTD, experts_2UFD, idx_BTUK, gates_BTUK, activat
     owned=(idx_BTUK.reshape(B * T, U, K), gates_BTUK.reshape(B * T, U, K)),
     tables=(experts_2UFD,),
     table_specs=(PartitionSpec(None, group.unit_spec),),
+    out_dtype=x_BTD.dtype,
   )
   return y_ND.reshape(B, T, D).astype(x_BTD.dtype)
 
@@ -284,7 +285,9 @@ def expert_dispatch(experts_fn, sorted_fn, x_BTD, ids_BTA, weights_BTA, tables, 
     first = tables_e[0].shape[0] * ep.unit_index(group)
     return (experts_fn(*tokens_g, *tables_e, first_expert=first),)
 
-  (y_ND,) = token_parallel(group, local, tokens=flat, tables=tuple(tables), table_specs=(experts,) * len(tables))
+  (y_ND,) = token_parallel(
+    group, local, tokens=flat, tables=tuple(tables), table_specs=(experts,) * len(tables), out_dtype=x_BTD.dtype
+  )
   return y_ND.reshape(B, T, D).astype(x_BTD.dtype)
 
 

@@ -260,7 +260,10 @@ def _neuron_table(bld, model, ffn, n, E, G, b, devices):
   bld.collective("all-gather", n * E * D * b, E, "x to the expert group", forward=True)
   bld.collective("all-to-all", n * C * k * (INDEX + F32), E, "indices and gates to owners", forward=True)
   bld.collective("reduce-scatter", n * D * F32, E, "y partial sums (float32)", forward=True)
-  bld.collective("all-gather", n * E * D * F32, E, "dy to the expert group (float32)")
+  if G == 1:  # y cast to b by the reduce-scatter (ep.scatter_back): its dy holds b values and moves in b
+    bld.collective("all-gather", n * E * D * b, E, "dy to the expert group")
+  else:
+    bld.collective("all-gather", n * E * D * F32, E, "dy to the expert group (float32)")
   bld.collective("reduce-scatter", n * D * F32, E, "dx partial sums (float32)")
   bld.collective("all-to-all", n * C * k * F32, E, "gate gradients back")
   # d-split (G > 1): x by d-slice, indices and gates all-gathered, partial dots all-reduced, y back.
