@@ -3,6 +3,7 @@
 FFF and MoE, the single-device layers."""
 
 import functools
+import re
 
 import flax.linen as nn
 import jax
@@ -13,10 +14,12 @@ import pytest
 from conftest import init_params, layer_model_config
 
 from sparsetx import config as config_lib
+from sparsetx.models.ffn import moe
 from sparsetx.models.ffn.registry import FFN_LAYERS
 from sparsetx.parallel import dispatch
 from sparsetx.parallel import expert_parallel as ep
 from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.train import aot
 
 D = 16
 LAYERS = {
@@ -129,6 +132,8 @@ def test_sharded_layer_equals_the_official_formula(ffn_type, mesh_name):
   if ffn_type == "peer" or (ffn_type, mesh_name) == ("sgatlin_c4", "expert8"):
     # the d-split form ran: x and y moved by d-slice, partial dots summed
     assert "all-to-all" in hlo and "all-reduce" in hlo
+  elif ffn_type == "moe":  # each token went to its experts' devices and back: all-to-alls, no reduce-scatter
+    assert "all-to-all" in hlo and "reduce-scatter" not in hlo
   else:  # the expert-parallel form ran: tokens moved, outputs reduce-scattered
     assert "reduce-scatter" in hlo and ("all-gather" in hlo or "all-to-all" in hlo)
   assert_matches(ffn_type, y, grads, want_y, want_grads)
@@ -196,3 +201,163 @@ def test_row_kernels_on_a_mesh_equal_the_official_formula(ffn_type, mesh_name):
     step = jax.jit(functools.partial(forward_and_grads, layer_apply(layer), probe))
     y, grads = step(jax.device_put(params, param_shardings), x_sharded)
   assert_matches(ffn_type, y, grads, want_y, want_grads)
+
+
+@pytest.mark.parametrize("mesh_name", ["expert8", "data2_expert4"])
+def test_moe_sends_each_token_only_to_its_experts(mesh_name):
+  """MoE's collectives, forward and backward, on G = 8 or 4 devices of the expert axis (n = 4 tokens each, k = 2,
+  D = 16, X = 8 experts). Payload: the pairs' x rows out, their outputs back, and the transposes of both, by
+  ragged all-to-all on the accelerators (4 `ragged_all_to_all` calls, no all-gather or reduce-scatter of tokens);
+  a ragged all-to-all sends only its real rows, each pair once, so a device sends at most k·D·b bytes per own token
+  each way, k·D·b·(G-1)/G when routing is balanced (the pairs for its own experts stay). Metadata: one all-gather of
+  the per-expert counts, G·X int32, per layer call (G·X·4/n bytes per token). The CPU's padded stand-in moves
+  G blocks of n·k rows (G·k·D·b per token) by plain all-to-alls; no collective gathers tokens there either."""
+  layer, params, x, probe, _ = case("moe")
+  mesh = make_mesh(**MESHES[mesh_name])
+  G, n, k, X = mesh.shape["expert"], 4, LAYERS["moe"]["experts_per_token"], LAYERS["moe"]["n_experts"]
+  boxed = jax.eval_shape(layer.init, jax.random.key(0), x)["params"]
+  params = jax.device_put(
+    params, mesh_lib.logical_sharding(nn.get_partition_spec(boxed), mesh, config_lib.DEFAULT_RULES)
+  )
+  batch = mesh_lib.batch_sharding(mesh, config_lib.DEFAULT_RULES)
+  x = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*batch.spec, None)))
+  loss = lambda p, x: jnp.sum(jnp.sin(layer.apply({"params": p}, x)) * probe)  # noqa: E731
+  with ep.activate(mesh):
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, x).compile()
+    with aot.target_platform("cuda"):  # a fresh jit: the trace takes the accelerator's path
+      lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(params, x).lower(lowering_platforms=("cuda",))
+  moe = [c for c in aot.collectives(compiled.as_text()) if "Moe" in c.source and "/router/" not in c.source]
+  table_grads = [c for c in moe if c.op == "all-reduce"]  # the expert tables' gradients summed over `data`
+  assert all(c.group == mesh.shape["data"] for c in table_grads)
+  moe = [c for c in moe if c.op != "all-reduce"]
+  payload = [c for c in moe if c.shape.lstrip("(").startswith("f32")]
+  metadata = [c for c in moe if c.shape.lstrip("(").startswith("s32")]
+  assert {c.op for c in moe} == {"all-gather", "all-to-all"} and len(payload) + len(metadata) == len(moe)
+  assert [(c.op, c.nbytes, c.group) for c in payload] == [("all-to-all", G * n * k * D * 4, G)] * 4
+  assert [c.op for c in metadata].count("all-gather") == 1
+  assert all(c.nbytes <= G * X * 4 for c in metadata)
+
+  text = lowered.as_text()
+  ragged = re.findall(r"custom_call @ragged_all_to_all\(.*\) -> tensor<(\d+)x(\d+)xf32>", text)
+  assert sorted((int(r), int(d)) for r, d in ragged) == [(n * k, D)] * 2 + [(G * n * k, D)] * 2
+  assert "reduce_scatter" not in text
+  gathers = re.findall(r"stablehlo.all_gather.*-> tensor<([^>]*)>", text)
+  assert gathers == [f"{G}x{X}xi32"]  # the counts; no token is gathered
+
+  # The ragged sends' real rows for this routing: the pairs whose expert lives on another device.
+  ids = np.asarray(
+    jax.jit(lambda p, x: layer.apply({"params": p}, x, mutable="intermediates")[1])(params, x)["intermediates"][
+      "expert_ids"
+    ][0]
+  )
+  owner = ids.reshape(-1, k) // (X // G)  # [tokens in device order, k]
+  device = np.arange(owner.shape[0])[:, None] // n % G  # the token's position on the expert axis
+  off_device_per_token = (owner != device).sum() / owner.shape[0]
+  assert 0 < off_device_per_token <= k
+  print(
+    f"{mesh_name}: {off_device_per_token:.2f} of k={k} pairs per token leave the device; (G-1)/G·k = {(G - 1) / G * k:.2f}"
+  )
+
+
+def test_moe_rows_travel_in_bf16_and_the_owner_sums_them_in_float32():
+  """A bf16 run on expert8: the four ragged all-to-alls (x rows, outputs, dy rows, dx rows) carry bf16. Each
+  pair's output y_j is rounded to bf16 for the trip back (relative error <= u = 2^-8) and the owner sums
+  w_j * y_j in float32, so against the single-device layer (sum in float32, one rounding) the difference is at
+  most u·sum_j w_j |y_j| before the final roundings and 3u·sum_j w_j |y_j| after both (plus float32 noise)."""
+  layer, params, x, _, _ = case("moe")
+  x = x.astype(jnp.bfloat16)
+  N, k = x.shape[0] * x.shape[1], LAYERS["moe"]["experts_per_token"]
+  single, state = jax.jit(lambda p, x: layer.apply({"params": p}, x, mutable="intermediates"))(params, x)
+  ids, weights = (state["intermediates"][name][0].reshape(N, k) for name in ("expert_ids", "expert_weights"))
+  x_ND = x.reshape(N, D)
+  terms = 0.0  # sum_j w_j |y_j|, each slot's expert output in float32 from the same bf16 inputs
+  for j in range(k):
+    order = jnp.argsort(ids[:, j])
+    sizes = jnp.bincount(ids[:, j], length=LAYERS["moe"]["n_experts"]).astype(jnp.int32)
+    y_j = moe.sorted_experts(x_ND[order], sizes, params["wi_gate"], params["wi_up"], params["wo"])[jnp.argsort(order)]
+    terms = terms + weights[:, j : j + 1] * jnp.abs(y_j)
+  mesh = make_mesh(**MESHES["expert8"])
+  batch = mesh_lib.batch_sharding(mesh, config_lib.DEFAULT_RULES)
+  x_sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*batch.spec, None)))
+  loss = lambda p, x: jnp.sum(layer.apply({"params": p}, x).astype(jnp.float32))  # noqa: E731
+  with ep.activate(mesh):
+    y = jax.jit(layer_apply(layer))(params, x_sharded)
+    with aot.target_platform("cuda"):  # XLA:CPU widens bf16 collectives to float32; the accelerator's program
+      text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(params, x_sharded).lower(lowering_platforms=("cuda",))
+  payload = re.findall(r"custom_call @ragged_all_to_all\(.*\) -> tensor<\d+x\d+x(\w+)>", text.as_text())
+  assert payload == ["bf16"] * 4
+  difference = np.abs(np.asarray(y, np.float32) - np.asarray(single, np.float32)).reshape(N, D)
+  bound = (3 * 2.0**-8 + 1e-5) * np.asarray(terms) + 1e-6
+  assert np.all(difference <= bound), float((difference / bound).max())
+
+
+# Experts 0 and 1 favoured by the router's bias: on data2_expert4 (2 experts per device) every pair of the group goes
+# to the first device of the expert axis, filling its receive buffer (G·n·k rows) exactly; with `batch` not split
+# over `expert`, every device of the expert axis holds the same tokens and the layer keeps the gathered form.
+SKEW_CASES = {
+  "all_pairs_to_one_device": (config_lib.DEFAULT_RULES, 30.0),
+  "expert_axis_not_splitting_the_batch": ((("batch", ("data", "fsdp")),) + config_lib.DEFAULT_RULES, 0.0),
+}
+
+
+@pytest.mark.parametrize("name", list(SKEW_CASES))
+def test_moe_on_data2_expert4_equals_the_single_device_layer(name):
+  rules, bias = SKEW_CASES[name]
+  layer, params, x, probe, _ = case("moe")
+  params = jax.tree.map(lambda a: a, params)
+  params["router"]["bias"] = params["router"]["bias"].at[:2].add(bias)
+  want_y, want_grads = jax.device_get(
+    jax.jit(functools.partial(forward_and_grads, layer_apply(layer), probe))(params, x)
+  )
+  mesh = make_mesh(**MESHES["data2_expert4"])
+  boxed = jax.eval_shape(layer.init, jax.random.key(0), x)["params"]
+  sharded = jax.device_put(params, mesh_lib.logical_sharding(nn.get_partition_spec(boxed), mesh, rules))
+  batch = mesh_lib.batch_sharding(mesh, rules)
+  x_sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*batch.spec, None)))
+  with ep.activate(mesh, rules):
+    compiled = (
+      jax.jit(functools.partial(forward_and_grads, layer_apply(layer), probe)).lower(sharded, x_sharded).compile()
+    )
+  y, grads = compiled(sharded, x_sharded)
+  hlo = compiled.as_text()
+  if bias:
+    ids = np.asarray(layer.apply({"params": params}, x, mutable="intermediates")[1]["intermediates"]["expert_ids"][0])
+    assert set(np.unique(ids)) == {0, 1}  # every pair on the expert axis' first device
+    assert "all-to-all" in hlo and "reduce-scatter" not in hlo
+  else:
+    assert "all-to-all" not in hlo  # tokens already on every device of the expert axis: outputs summed over it
+  assert_matches("moe", y, grads, want_y, want_grads)
+
+
+def test_sgatlin_dy_travels_in_bf16_with_the_same_values(monkeypatch):
+  """A bf16 run of sgatlin's channel split on expert8: the output's partial sums are reduce-scattered in float32
+  and cast to bf16, so the backward's dy holds bf16 values and its all-gather moves them in bf16, where the
+  gradients were all-gathered in float32 before: the same values and gradients, bit for bit, in half the bytes.
+  The forward's all-gathers of x and this one are the layer's only all-gathers of [group tokens, D]."""
+  layer, params, x, probe, _ = case("sgatlin", ACTIVATION["sgatlin", "expert8"])
+  mesh = make_mesh(**MESHES["expert8"])
+  boxed = jax.eval_shape(layer.init, jax.random.key(0), x)["params"]
+  params = jax.device_put(
+    params, mesh_lib.logical_sharding(nn.get_partition_spec(boxed), mesh, config_lib.DEFAULT_RULES)
+  )
+  batch = mesh_lib.batch_sharding(mesh, config_lib.DEFAULT_RULES)
+  spec = jax.sharding.PartitionSpec(*batch.spec, None)
+  x = jax.device_put(x.astype(jnp.bfloat16), jax.sharding.NamedSharding(mesh, spec))
+
+  def run():
+    with ep.activate(mesh):
+      step = jax.jit(functools.partial(forward_and_grads, layer_apply(layer), probe))
+      lowered = step.lower(params, x)
+      return jax.device_get(lowered.compile()(params, x)), re.findall(
+        rf"stablehlo.all_gather.*-> tensor<{x.shape[0] * x.shape[1]}x{D}x(\w+)>", lowered.as_text()
+      )
+
+  (y, grads), gathers = run()
+  scatter_back = ep.scatter_back
+  monkeypatch.setattr(ep, "scatter_back", lambda y_g, group, out_dtype=None: scatter_back(y_g, group))
+  (y_f32_wire, grads_f32_wire), gathers_f32_wire = run()
+  # x's (the forward runs twice here: y, and the gradient's linearization) and dy's
+  assert sorted(gathers) == ["bf16"] * 3 and sorted(gathers_f32_wire) == ["bf16", "bf16", "f32"]
+  assert y.dtype == jnp.bfloat16 and np.array_equal(y, y_f32_wire)
+  for (path, g), w in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(grads_f32_wire)):
+    assert np.array_equal(g, w), jax.tree_util.keystr(path)

@@ -99,7 +99,7 @@ def test_sgatlin_collectives_by_hand():
     ("all-gather", 128 * 2 * 64 * 2, 2),  # x of the group's 256 tokens, bf16
     ("all-to-all", 128 * 4 * 2 * 8, 2),  # int32 index + f32 gate per (token, channel, slot)
     ("reduce-scatter", 128 * 64 * 4, 2),  # y of the own tokens, float32
-    ("all-gather", 128 * 2 * 64 * 4, 2),  # dy, float32
+    ("all-gather", 128 * 2 * 64 * 2, 2),  # dy, bf16 (the cotangent of the bf16 output)
     ("reduce-scatter", 128 * 64 * 4, 2),  # dx, float32
     ("all-to-all", 128 * 4 * 2 * 4, 2),  # gate gradients
   ]
@@ -159,10 +159,11 @@ def test_moe_phases_by_hand():
   assert forward_dots == 64 * SPECS["moe"].flops(model, model.ffn)
   assert collectives(cost) == [
     ("all-reduce", (32 * 4 + 4) * 4, 2),  # the replicated router's gradient
-    ("all-gather", 128 * (32 * 2 + 2 * 8), 2),  # x, ids and weights
-    ("reduce-scatter", 64 * 32 * 4, 2),
-    ("all-gather", 128 * 32 * 4, 2),
-    ("reduce-scatter", 64 * (32 + 2) * 4, 2),  # dx and the weights' gradients
+    ("all-gather", 2 * 4 * 4, 2),  # the per-expert pair counts of both devices
+    ("all-to-all", 128 * 32 * 2, 2),  # the 64 x 2 pairs' x rows (bf16) to their experts, by ragged all-to-all
+    ("all-to-all", 128 * 32 * 2, 2),  # their outputs back, each pair's alone in bf16 (summed at the owner)
+    ("all-to-all", 128 * 32 * 2, 2),  # dy rows
+    ("all-to-all", 128 * 32 * 2, 2),  # dx rows
   ]
 
 
@@ -243,9 +244,11 @@ def test_full_remat_doubles_the_forward_and_nothing_else(ffn_type):
     assert b.nbytes == b.runs * a.nbytes
   forward_flops = sum(a.flops for a, b in zip(none.phases, full.phases) if b.runs == 2)
   assert full.flops - none.flops == forward_flops  # one more forward
-  if E > 1:  # the forward's all-gather of x runs again in the recomputed forward, the backward's dy once
-    runs = {c.what: c.runs for c in full.collectives if c.op == "all-gather"}
-    assert runs[next(w for w in runs if w.startswith("x"))] == 2 and runs["dy to the expert group (float32)"] == 1
+  if E > 1:  # the forward's move of x runs again in the recomputed forward, the backward's dy once
+    runs = {c.what: c.runs for c in full.collectives if c.op in ("all-gather", "all-to-all")}
+    dy = dict(moe="dy rows to the experts (ragged)", sgatlin="dy to the expert group")
+    dy = dy.get(ffn_type, "dy to the expert group (float32)")
+    assert runs[next(w for w in runs if w.startswith("x"))] == 2 and runs[dy] == 1
 
 
 def test_dots_policies_recompute_only_the_non_matmul_forward():

@@ -267,3 +267,25 @@ def test_sparse_train_step_has_no_loop_that_grows_with_tokens_and_streams_bf16_t
     assert row_operands and all(t.endswith("xbf16") for t in row_operands), row_operands
   assert loops[TOKENS_PER_DEVICE[0]] == loops[TOKENS_PER_DEVICE[1]]
   assert all(trips is not None and trips <= LOOP_TRIP_BOUND for trips in loops[TOKENS_PER_DEVICE[1]]), loops
+
+
+@pytest.mark.parametrize("target", ["tpu-v5p", "cuda-triton"])
+def test_moe_train_step_lowers_with_ragged_all_to_alls(target):
+  """MoE on data=2 x expert=4 sends each token's pairs to its experts' devices by `ragged_all_to_all`, the op the
+  CPU lacks: per layer the x rows out and the outputs back, and their transposes, in bf16 (n = 64 tokens per
+  device, k = 2: send buffers of n·k = 128 rows, receive buffers of 4·n·k); the only all-gather is the counts."""
+  import re
+
+  platform, chip, gpu_kernel = TARGETS[target]
+  config = lowering_config("moe", gpu_kernel)
+  config.data.global_batch_size = 8
+  config.model.attention = "xla"
+  config.mesh.ici.update(data=2, fsdp=1, tensor=1, expert=4)
+  text = aot.lower_train_step(config, platform, chip, mesh_lib.make_mesh(config.mesh, jax.devices()[:8]))
+  ragged = re.findall(r"custom_call @ragged_all_to_all\(.*\) -> tensor<(\w+)>", text)
+  n, k, D = 64, config.model.ffn.experts_per_token, config.model.d_model
+  assert collections.Counter(ragged) == {f"{n * k}x{D}xbf16": 2 * N_LAYERS, f"{4 * n * k}x{D}xbf16": 2 * N_LAYERS}
+  assert (
+    re.findall(r"stablehlo.all_gather.*-> tensor<([^>]*)>", text) == [f"4x{config.model.ffn.n_experts}xi32"] * N_LAYERS
+  )
+  assert "reduce_scatter" not in text

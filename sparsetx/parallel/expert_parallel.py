@@ -269,12 +269,39 @@ def from_owners(a_gU, group: ExpertGroup, unit_dim: int, axes: tuple | None = No
   return a_gU
 
 
-def scatter_back(y_g, group: ExpertGroup):
+def scatter_back(y_g, group: ExpertGroup, out_dtype=None):
   """Sums partial outputs over the group and returns each device its own tokens (reduce-scatter).
 
   The sum is float32, as the single-device kernels accumulate (and XLA:CPU aborts compiling a
-  bf16 reduce-scatter of the gated gather's output); the caller casts the result.
+  bf16 reduce-scatter of the gated gather's output); the caller casts the result, or names the
+  dtype it casts to (`out_dtype`), which is then cast here. The cotangent of an output cast to a
+  narrower dtype holds values of that dtype, so the backward's all-gather of dy moves them in it:
+  the same values in half the bytes (docs/expert_parallel.md, dtypes on the wire).
   """
+  narrow = out_dtype is not None and jnp.dtype(out_dtype).itemsize < 4
+  if narrow and all(axis in group.batch for axis in group.units):
+    return _scatter_back_narrow_grad(y_g.astype(jnp.float32), group, jnp.dtype(out_dtype))
+  y_g = _scatter_back_f32(y_g, group)
+  return y_g if out_dtype is None else y_g.astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _scatter_back_narrow_grad(y_g, group, dtype):
+  return _reduce_scatter(y_g, group.units).astype(dtype)
+
+
+def _scatter_back_narrow_fwd(y_g, group, dtype):
+  return _scatter_back_narrow_grad(y_g, group, dtype), None
+
+
+def _scatter_back_narrow_bwd(group, dtype, _, dy_n):
+  return (all_gather(dy_n.astype(dtype), group.units).astype(jnp.float32),)
+
+
+_scatter_back_narrow_grad.defvjp(_scatter_back_narrow_fwd, _scatter_back_narrow_bwd)
+
+
+def _scatter_back_f32(y_g, group: ExpertGroup):
   y_g = y_g.astype(jnp.float32)
   for axis in reversed(group.units):
     if axis in group.batch:

@@ -27,7 +27,8 @@ A matmul [m, k] x [k, n] moves m k + k n inputs and m n outputs; its backward is
 dw: x^T dy, dw in float32). Routers run in float32 on the own tokens; top-k is counted as TOP_K_OPS_PER_SCORE
 operations per score read. remat="full" recomputes the whole forward (phases marked x2); the dots policies save
 matmul outputs, so only the non-matmul forward phases (kernels, top-k, sorts) and the collectives run twice.
-MoE assumes balanced routing (n k pairs per device on average; dropless dispatch gathers all N k pairs).
+MoE assumes balanced routing (n k pairs per device on average, sent by ragged all-to-all; the dropless receive
+buffer holds all N k pairs of the group, which the receive sort and permutation touch).
 
 Not modeled: the tensor axis (assumed 1), micro-batches (one pass of the batch), norms, biases of dense layers,
 kernel tiling overheads and latencies (peak rates: a lower bound, like roofline.py), caches: every picked row is
@@ -259,7 +260,10 @@ def _neuron_table(bld, model, ffn, n, E, G, b, devices):
   bld.collective("all-gather", n * E * D * b, E, "x to the expert group", forward=True)
   bld.collective("all-to-all", n * C * k * (INDEX + F32), E, "indices and gates to owners", forward=True)
   bld.collective("reduce-scatter", n * D * F32, E, "y partial sums (float32)", forward=True)
-  bld.collective("all-gather", n * E * D * F32, E, "dy to the expert group (float32)")
+  if G == 1:  # y cast to b by the reduce-scatter (ep.scatter_back): its dy holds b values and moves in b
+    bld.collective("all-gather", n * E * D * b, E, "dy to the expert group")
+  else:
+    bld.collective("all-gather", n * E * D * F32, E, "dy to the expert group (float32)")
   bld.collective("reduce-scatter", n * D * F32, E, "dx partial sums (float32)")
   bld.collective("all-to-all", n * C * k * F32, E, "gate gradients back")
   # d-split (G > 1): x by d-slice, indices and gates all-gathered, partial dots all-reduced, y back.
@@ -336,10 +340,12 @@ def _moe(bld, model, ffn, n, E, G, b, devices):
   bld.optimizer(weights / G + router)
   bld.grad_sync(weights / G, devices // (E * G))
   bld.grad_sync(router, devices)
-  bld.collective("all-gather", N * (D * b + A * (INDEX + F32)), E, "x, expert ids and weights", forward=True)
-  bld.collective("reduce-scatter", n * D * F32, E, "y partial sums (float32)", forward=True)
-  bld.collective("all-gather", N * D * F32, E, "dy to the expert group (float32)")
-  bld.collective("reduce-scatter", n * (D + A) * F32, E, "dx and weight gradients (float32)")
+  # dispatch.all_to_all_experts: ragged all-to-alls of the n k pairs' rows, in the compute dtype, each way
+  bld.collective("all-gather", E * X * INDEX, E, "per-expert pair counts (sizes and offsets)", forward=True)
+  bld.collective("all-to-all", pairs * D * b, E, "x rows to their experts' devices (ragged)", forward=True)
+  bld.collective("all-to-all", pairs * D * b, E, "expert outputs back (ragged)", forward=True)
+  bld.collective("all-to-all", pairs * D * b, E, "dy rows to the experts (ragged)")
+  bld.collective("all-to-all", pairs * D * b, E, "dx rows back (ragged)")
 
 
 def _dense(bld, model, ffn, n, E, G, b, devices):

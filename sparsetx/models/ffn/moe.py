@@ -5,8 +5,9 @@ Dispatch is dropless and real: the (token, slot) pairs are sorted by expert and 
 one grouped matmul (`jax.lax.ragged_dot`) over exactly the tokens routed to it. No expert sees a
 token it was not chosen for, and no token is dropped for capacity.
 
-Over several devices the experts are split over the expert axis and tokens move instead of experts: each device
-runs `dispatch_experts` for its own experts over the tokens gathered along that axis, still dropless.
+Over several devices the experts are split over the expert axis and tokens move instead of experts: each token goes
+to the devices owning its k experts (a ragged all-to-all), each device runs `sorted_experts` for its own experts over
+the rows it received, still dropless, and the k outputs come back to the token's device to be weighted and summed.
 sparsetx/parallel/dispatch.py decides the form; docs/expert_parallel.md has the collectives and their bytes.
 
 Load balancing (optional; both 0 by default, the seed paper's baseline): `ffn.aux_loss` weights the Switch
@@ -73,16 +74,21 @@ def dispatch_experts(x_ND, expert_ids_NA, weights_NA, wi_gate_EDF, wi_up_EDF, wo
   expert_of_slot = local_NA.reshape(N * A)
   order = jnp.argsort(expert_of_slot, stable=True)
   group_sizes_E = jnp.bincount(expert_of_slot, length=E).astype(jnp.int32)
-  x_SD = x_ND[order // A]
-  dtype = x_ND.dtype
+  y_SD = sorted_experts(x_ND[order // A], group_sizes_E, wi_gate_EDF, wi_up_EDF, wo_EFD)
+  y_NAD = y_SD[jnp.argsort(order)].reshape(N, A, -1)
+  return jnp.einsum("nad,na->nd", y_NAD, weights_NA.astype(jnp.float32)).astype(x_ND.dtype)
+
+
+def sorted_experts(x_SD, group_sizes_E, wi_gate_EDF, wi_up_EDF, wo_EFD):
+  """y [S, D] float32: SwiGLU_e(x[s]) for rows sorted by expert, group_sizes_E[e] rows for expert e, by grouped
+  matmuls (`jax.lax.ragged_dot`); rows after the last group are computed by no expert (zeros)."""
+  dtype = x_SD.dtype
 
   def grouped(lhs, rhs):
     return jax.lax.ragged_dot(lhs, rhs.astype(dtype), group_sizes_E, preferred_element_type=jnp.float32)
 
   h_SF = (jax.nn.silu(grouped(x_SD, wi_gate_EDF)) * grouped(x_SD, wi_up_EDF)).astype(dtype)
-  y_SD = grouped(h_SF, wo_EFD)
-  y_NAD = y_SD[jnp.argsort(order)].reshape(N, A, -1)
-  return jnp.einsum("nad,na->nd", y_NAD, weights_NA.astype(jnp.float32)).astype(dtype)
+  return grouped(h_SF, wo_EFD)
 
 
 class Moe(nn.Module):
@@ -117,6 +123,7 @@ class Moe(nn.Module):
     wo = table("wo", (E, F, D), ("expert", "mlp", "embed"))
     return dispatch.expert_dispatch(
       dispatch_experts,
+      sorted_experts,
       x_BTD,
       expert_ids_BTA,
       weights_BTA,
