@@ -1,4 +1,4 @@
-"""The analytic per-layer cost (sparsetx/parallel/layer_cost.py) against hand-computed bytes and FLOPs.
+"""The analytic per-layer cost (sparsetx/train/layer_cost.py) against hand-computed bytes and FLOPs.
 
 Every expected number is literal arithmetic from the formulas in the module's docstring (bf16 compute: 2 bytes;
 float32: 4; int32 ids: 4), written out here, not taken from the module's helpers.
@@ -9,7 +9,8 @@ import pytest
 
 from sparsetx import config as config_lib
 from sparsetx.models.ffn.registry import SPECS
-from sparsetx.parallel import hardware, layer_cost, roofline
+from sparsetx.parallel import hardware, roofline
+from sparsetx.train import layer_cost
 
 GATHER_KERNELS = (
   "gather fwd row_dots",

@@ -81,7 +81,7 @@ def test_table_has_a_row_per_chip():
 def test_analytic_projection_sums_phase_maxima_and_keeps_the_rest_collectives():
   """Two identical layers of one compute-bound and one HBM-bound phase, plus the compiled collectives outside the
   feed-forward layers (the one from '/mlp/' is the layers' own and is replaced by theirs)."""
-  from sparsetx.parallel import layer_cost
+  from sparsetx.train import layer_cost
 
   layer = layer_cost.LayerCost(
     "sgatlin",

@@ -17,7 +17,7 @@ tokens/s = tokens per step / step; MFU = the model's FLOPs per step (ladder acco
 devices x peak). A lower bound on step time: it assumes peak rates, and XLA prints a loop body
 (micro-batch scan, layer scan) once, so work inside loops is counted once.
 
-`project_analytic` replaces the compiled counts with sparsetx/parallel/layer_cost.py's: the feed-forward layers
+`project_analytic` replaces the compiled counts with sparsetx/train/layer_cost.py's: the feed-forward layers
 (every layer, by its kernels' bytes and FLOPs) plus an analytic remainder (attention, head, embedding,
 optimizer), because XLA's cost analysis gives one total for the whole program and the feed-forward layers' share
 of it cannot be identified and subtracted. Only the collectives separate: the compiled ones whose op_name lies
@@ -159,7 +159,7 @@ COMPILED_TITLE = (
   " sparsetx/parallel/roofline.py)\n  overlapped: step = max(compute, memory, comm); serial: step = max(compute, memory) + comm"
 )
 ANALYTIC_TITLE = (
-  "projected step time, analytic (feed-forward layers and the rest of the step by sparsetx/parallel/layer_cost.py,"
+  "projected step time, analytic (feed-forward layers and the rest of the step by sparsetx/train/layer_cost.py,"
   " collectives outside the feed-forward layers from the compiled program; roofline.project_analytic)\n"
   "  overlapped: step = max(sum of phase times, comm); serial: step = sum of phase times + comm;"
   " phase time = max(FLOPs / peak, bytes / bandwidth)"

@@ -69,9 +69,9 @@ from sparsetx import config as config_lib  # noqa: E402
 from sparsetx.data import check_files  # noqa: E402
 from sparsetx.models import ladder  # noqa: E402
 from sparsetx.models.ffn.registry import SPECS  # noqa: E402
-from sparsetx.parallel import expert_parallel, hardware, layer_cost, roofline  # noqa: E402
+from sparsetx.parallel import expert_parallel, hardware, roofline  # noqa: E402
 from sparsetx.parallel import mesh as mesh_lib  # noqa: E402
-from sparsetx.train import aot  # noqa: E402
+from sparsetx.train import aot, layer_cost  # noqa: E402
 from sparsetx.train import state as state_lib  # noqa: E402
 
 _CONFIG = cli.define_config_file("config", "configs/tiny.py", "Config file, optionally with ':ARG'.")

@@ -37,7 +37,7 @@ read from HBM, though a device's table slice can fit in a GPU's L2 at small scal
 `remainder_cost` models the rest of the step the same way (attention, head, embedding, their optimizer), so
 roofline.project_analytic can project a whole step without the CPU-compiled program's counts.
 
-`python -m sparsetx.parallel.layer_cost` prints docs/kernels.md's table (ladder scales 2, 5, 8; 32,768 tokens
+`python -m sparsetx.train.layer_cost` prints docs/kernels.md's table (ladder scales 2, 5, 8; 32,768 tokens
 per device, expert group 8).
 """
 
@@ -469,7 +469,7 @@ def format_layer(layers: tuple, cost: LayerCost, chips: list) -> str:
   names = "".join(f"{_short(c) + ' us':>10}" for c in chips)
   span = f"layers {layers[0]}..{layers[-1]}" if len(layers) > 1 else f"layer {layers[0]}"
   lines = [
-    f"{cost.name} feed-forward ({span}; per layer and device, {cost.tokens:,} tokens; sparsetx/parallel/layer_cost.py)",
+    f"{cost.name} feed-forward ({span}; per layer and device, {cost.tokens:,} tokens; sparsetx/train/layer_cost.py)",
     f"  {'phase':<50}{'runs':>5}{'MB':>10}{'GFLOP':>10}{names}",
   ]
   for i, p in enumerate(cost.phases):
