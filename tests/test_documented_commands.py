@@ -348,7 +348,10 @@ def check(item):
     config = FLAGS.config
     if FLAGS.split_d_model:
       config = sys.modules["sparsetx.tools.dry_run"].with_d_model_split(config)
-    mesh_fits(config, 1, FLAGS.devices)
+    from sparsetx.train import aot
+
+    granules = aot.dcn_granule_count(config) or 1  # the dry run simulates a dcn mesh's nodes on its devices
+    mesh_fits(config, granules, FLAGS.devices // granules)
   elif module_name == "sparsetx.evaluate":
     spec = FLAGS.mesh
     if spec not in ("one", "saved"):

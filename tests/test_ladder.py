@@ -107,7 +107,7 @@ def test_ladder_cli_prints_every_rung(capsys):
 
 def test_ladder_config_file_and_bad_argument():
   assert load_config("configs/ladder.py", "sgatlin,4").model.ffn.d_ffw == 64**2
-  with pytest.raises(config_lib.ConfigError, match="must be 'FFN,SCALE'"):
+  with pytest.raises(config_lib.ConfigError, match=r"must be 'FFN,SCALE\[,TARGET\]'"):
     load_config("configs/ladder.py", "sgatlin")
   with pytest.raises(config_lib.ConfigError, match="unknown"):
     load_config("configs/ladder.py", "dense,4")
