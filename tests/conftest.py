@@ -25,6 +25,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
 
 from sparsetx import config as config_lib  # noqa: E402
 
@@ -56,3 +57,35 @@ def layer_model_config(ffn_type: str, d_model: int = 32, **ffn) -> ml_collection
 def init_params(module, *args, seed: int = 0):
   """Unboxed float params of `module` (logical-axis metadata removed)."""
   return nn.unbox(jax.jit(module.init)(jax.random.key(seed), *args))["params"]
+
+
+def synthetic_batch(config, seed=0):
+  """A global batch of random byte-level tokens for `config`, with half of row 0 packing padding (weight 0)."""
+  rng = np.random.default_rng(seed)
+  B, T = config.data.global_batch_size, config.data.seq_len
+  tokens = rng.integers(1, 259, (B, T + 1)).astype(np.int32)
+  weights = np.ones((B, T), np.float32)
+  weights[0, T // 2 :] = 0.0
+  return dict(
+    inputs=tokens[:, :-1],
+    targets=tokens[:, 1:],
+    segment_ids=np.ones((B, T), np.int32),
+    positions=np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
+    loss_weights=weights,
+  )
+
+
+# A two-layer sgatlin small enough for the dry-run program to build in seconds (configs/tiny.py:sgatlin overrides).
+MICRO_SGATLIN_FLAGS = (
+  "--config.model.d_model=32",
+  "--config.model.n_layers=2",
+  "--config.model.head_dim=32",
+  "--config.model.max_len=16",
+  "--config.model.ffn.n_channels=8",
+  "--config.model.ffn.d_ffw=64",
+  "--config.model.ffn.top_k=2",
+  "--config.model.ffn.d_key=8",
+  "--config.data.seq_len=16",
+  "--config.data.global_batch_size=8",
+  "--config.data.eval_batch_size=8",
+)

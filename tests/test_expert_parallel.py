@@ -111,11 +111,8 @@ RULES = {"peer": D_SPLIT_RULES, ("sgatlin_c4", "expert8"): D_SPLIT_RULES}
 CASES = [(ffn, mesh) for ffn in LAYERS for mesh in MESHES if ffn != "sgatlin_c4" or mesh != "data2_expert4"]
 
 
-@pytest.mark.parametrize("ffn_type, mesh_name", CASES)
-def test_sharded_layer_equals_the_official_formula(ffn_type, mesh_name):
-  layer, params, x, probe, (want_y, want_grads) = case(ffn_type, ACTIVATION.get((ffn_type, mesh_name), "identity"))
-  mesh = make_mesh(**MESHES[mesh_name])
-  rules = RULES.get((ffn_type, mesh_name), RULES.get(ffn_type, config_lib.DEFAULT_RULES))
+def run_sharded(layer, params, x, probe, mesh, rules):
+  """(y, grads, the compiled step, the parameters' shardings) of the layer with its parameters and x on the mesh."""
   boxed = jax.eval_shape(layer.init, jax.random.key(0), x)["params"]
   param_shardings = mesh_lib.logical_sharding(nn.get_partition_spec(boxed), mesh, rules)
   batch = mesh_lib.batch_sharding(mesh, rules)
@@ -124,6 +121,15 @@ def test_sharded_layer_equals_the_official_formula(ffn_type, mesh_name):
     step = jax.jit(functools.partial(forward_and_grads, layer_apply(layer), probe))
     compiled = step.lower(jax.device_put(params, param_shardings), x_sharded).compile()
     y, grads = compiled(jax.device_put(params, param_shardings), x_sharded)
+  return y, grads, compiled, param_shardings
+
+
+@pytest.mark.parametrize("ffn_type, mesh_name", CASES)
+def test_sharded_layer_equals_the_official_formula(ffn_type, mesh_name):
+  layer, params, x, probe, (want_y, want_grads) = case(ffn_type, ACTIVATION.get((ffn_type, mesh_name), "identity"))
+  mesh = make_mesh(**MESHES[mesh_name])
+  rules = RULES.get((ffn_type, mesh_name), RULES.get(ffn_type, config_lib.DEFAULT_RULES))
+  y, grads, compiled, param_shardings = run_sharded(layer, params, x, probe, mesh, rules)
   hlo = compiled.as_text()
   if ffn_type in ("sgatlin", "sgatlin_c4", "peer"):  # the table is stored split over every expert and fsdp device
     table = params["experts"]
@@ -193,13 +199,7 @@ def test_row_kernels_on_a_mesh_equal_the_official_formula(ffn_type, mesh_name):
   layer = FFN_LAYERS[name](layer_model_config(name, d_model=D, **LAYERS[ffn_type], **extra, kernel=kernel))
   mesh = make_mesh(**MESHES[mesh_name])
   rules = RULES.get((ffn_type, mesh_name), RULES.get(ffn_type, config_lib.DEFAULT_RULES))
-  boxed = jax.eval_shape(layer.init, jax.random.key(0), x)["params"]
-  param_shardings = mesh_lib.logical_sharding(nn.get_partition_spec(boxed), mesh, rules)
-  batch = mesh_lib.batch_sharding(mesh, rules)
-  x_sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*batch.spec, None)))
-  with ep.activate(mesh, rules):
-    step = jax.jit(functools.partial(forward_and_grads, layer_apply(layer), probe))
-    y, grads = step(jax.device_put(params, param_shardings), x_sharded)
+  y, grads, _, _ = run_sharded(layer, params, x, probe, mesh, rules)
   assert_matches(ffn_type, y, grads, want_y, want_grads)
 
 
@@ -309,16 +309,7 @@ def test_moe_on_data2_expert4_equals_the_single_device_layer(name):
   want_y, want_grads = jax.device_get(
     jax.jit(functools.partial(forward_and_grads, layer_apply(layer), probe))(params, x)
   )
-  mesh = make_mesh(**MESHES["data2_expert4"])
-  boxed = jax.eval_shape(layer.init, jax.random.key(0), x)["params"]
-  sharded = jax.device_put(params, mesh_lib.logical_sharding(nn.get_partition_spec(boxed), mesh, rules))
-  batch = mesh_lib.batch_sharding(mesh, rules)
-  x_sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*batch.spec, None)))
-  with ep.activate(mesh, rules):
-    compiled = (
-      jax.jit(functools.partial(forward_and_grads, layer_apply(layer), probe)).lower(sharded, x_sharded).compile()
-    )
-  y, grads = compiled(sharded, x_sharded)
+  y, grads, compiled, _ = run_sharded(layer, params, x, probe, make_mesh(**MESHES["data2_expert4"]), rules)
   hlo = compiled.as_text()
   if bias:
     ids = np.asarray(layer.apply({"params": params}, x, mutable="intermediates")[1]["intermediates"]["expert_ids"][0])

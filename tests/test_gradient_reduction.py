@@ -7,7 +7,7 @@ import re
 
 import jax
 import numpy as np
-from conftest import load_config
+from conftest import load_config, synthetic_batch
 
 from sparsetx import config as config_lib
 from sparsetx.parallel import expert_parallel as ep
@@ -125,21 +125,6 @@ def test_microbatch_loop_reduces_no_parameter_gradient_over_data():
   assert inside, "the loop reduces no gradient at all: the mesh no longer splits tables and tokens over expert"
   assert not [line for groups, line in inside if spans_data(groups)], inside
   assert [line for groups, line in outside if spans_data(groups)]
-
-
-def synthetic_batch(config):
-  rng = np.random.default_rng(0)
-  B, T = config.data.global_batch_size, config.data.seq_len
-  tokens = rng.integers(1, 259, (B, T + 1)).astype(np.int32)
-  weights = np.ones((B, T), np.float32)
-  weights[0, T // 2 :] = 0.0  # packing padding: tokens of weight 0
-  return dict(
-    inputs=tokens[:, :-1],
-    targets=tokens[:, 1:],
-    segment_ids=np.ones((B, T), np.int32),
-    positions=np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
-    loss_weights=weights,
-  )
 
 
 def test_per_device_accumulation_equals_one_microbatch():

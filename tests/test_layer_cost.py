@@ -344,23 +344,9 @@ def test_dry_run_tool_prints_the_layer_table_for_a_lowered_target():
   import subprocess
   import sys
 
-  from conftest import REPO
+  from conftest import MICRO_SGATLIN_FLAGS, REPO
 
-  micro = [
-    "--config.model.d_model=32",
-    "--config.model.n_layers=2",
-    "--config.model.head_dim=32",
-    "--config.model.max_len=16",
-    "--config.model.ffn.n_channels=8",
-    "--config.model.ffn.d_ffw=64",
-    "--config.model.ffn.top_k=2",
-    "--config.model.ffn.d_key=8",
-    "--config.data.seq_len=16",
-    "--config.data.global_batch_size=8",
-    "--config.data.eval_batch_size=8",
-    "--config.mesh.ici.data=2",
-    "--config.mesh.ici.expert=4",
-  ]
+  micro = [*MICRO_SGATLIN_FLAGS, "--config.mesh.ici.data=2", "--config.mesh.ici.expert=4"]
   result = subprocess.run(
     [sys.executable, "-m", "sparsetx.tools.dry_run", "--config=configs/tiny.py:sgatlin", "--platform=cuda", *micro],
     cwd=REPO,

@@ -10,7 +10,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, load_config
+from conftest import REPO, load_config, synthetic_batch
 
 from sparsetx import config as config_lib
 from sparsetx.data import pipeline
@@ -43,21 +43,6 @@ def restore_params(config, workdir, mesh):
   state = manager.restore_state(step, abstract)
   manager.close()
   return step, state
-
-
-def synthetic_batch(config, seed=0):
-  rng = np.random.default_rng(seed)
-  B, T = config.data.global_batch_size, config.data.seq_len
-  tokens = rng.integers(1, 259, (B, T + 1)).astype(np.int32)
-  weights = np.ones((B, T), np.float32)
-  weights[0, T // 2 :] = 0.0
-  return dict(
-    inputs=tokens[:, :-1],
-    targets=tokens[:, 1:],
-    segment_ids=np.ones((B, T), np.int32),
-    positions=np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
-    loss_weights=weights,
-  )
 
 
 def one_step(config, mesh):

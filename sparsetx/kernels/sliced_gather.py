@@ -47,8 +47,8 @@ def rows_sum(options, coef_hS, table_Rd, rows_hS, dtype):
   if backend is None:
     step = lambda coef_cS, rows_cS: xla_gather.weighted_rows(coef_cS, table_Rd, rows_cS, dtype)  # noqa: E731
     return _scan_chunks(step, [coef_hS, rows_hS], options)
-  table_Rd = table_Rd.astype(dtype)  # rows in dtype, summed into float32
 
+  # The table already streams in the compute dtype (_forward): its rows are `dtype` values, summed into float32.
   def call(coef, table, rows):
     return row_gather.accumulate(backend, coef.astype(dtype), table, rows, jnp.float32, options)
 

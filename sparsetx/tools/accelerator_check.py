@@ -58,7 +58,7 @@ def check_kernels(name, options, small) -> list:
   """Rows (check, what, value, verdict) for one backend's three row kernels and the whole op."""
   backend = platform.kernel_backend(options)
   lhs, table, rows_NS, coef_NS = kernel_case(small)
-  x64, t64, r, c64 = (np.asarray(a, np.float64) for a in (lhs, table, rows_NS, coef_NS))
+  x64, t64, c64 = (np.asarray(a, np.float64) for a in (lhs, table, coef_NS))
   r = np.asarray(rows_NS)
   N, S = r.shape
   R, D = table.shape
