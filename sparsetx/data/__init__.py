@@ -46,4 +46,4 @@ shuffle_buffer pieces per task per process.
 Importing this package is cheap; TensorFlow and seqio load with the modules that need them.
 """
 
-from sparsetx.data.file_checks import check_files  # noqa: F401  (light: no TensorFlow)
+from sparsetx.data.file_checks import check_files, check_training_files  # noqa: F401  (light: no TensorFlow)

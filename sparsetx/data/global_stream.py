@@ -397,3 +397,23 @@ class TokenizedEvalData:
   def __iter__(self):
     for name in self.splits:
       yield from self.task_iterator(name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What the trainer reads
+
+
+def make_train_data(config: ml_collections.ConfigDict, batch_sharding: jax.sharding.Sharding):
+  """The train batches: this stream when config.data.tokenized_dir is set, else the on-the-fly seqio pipeline."""
+  if config.data.tokenized_dir:
+    return GlobalStream(config, batch_sharding)
+  pipeline.warn_if_pretokenizing_pays(config)
+  return pipeline.make_train_iterator(config, batch_sharding)
+
+
+def make_eval_data(config: ml_collections.ConfigDict, batch_sharding: jax.sharding.Sharding, split="validation"):
+  """The validation batches (task_names, task_iterator(name)): tokenized splits when config.data.tokenized_dir is
+  set (no tokenizer runs), else pipeline.EvalData."""
+  if config.data.tokenized_dir:
+    return TokenizedEvalData(config, batch_sharding, split)
+  return pipeline.EvalData(config, batch_sharding, split)

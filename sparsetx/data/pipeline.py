@@ -316,6 +316,40 @@ def check_saved_state(path: epath.PathLike) -> None:
         raise ValueError(f"its data state lacks shard {index} of {count} ({shard_dir} is missing)")
 
 
+LARGE_CORPUS_BYTES = 1 << 30  # on-the-fly sources above this (1 GiB) are worth tokenizing once
+
+
+def _source_bytes(data: ml_collections.ConfigDict, limit: int) -> int:
+  """The size of the mixture's local source files, counted up to `limit` (TFDS and remote files count 0)."""
+  total = 0
+  for name, _ in data.mixture:
+    source = (data.sources or {}).get(name)
+    if source is None or source.get("kind") == "tfds":
+      continue
+    for key in ("train", "validation"):
+      for pattern in config_lib.source_patterns(source.get(key)):
+        for path in [] if "://" in pattern else tf.io.gfile.glob(pattern):
+          total += tf.io.gfile.stat(path).length
+          if total >= limit:
+            return total
+  return total
+
+
+def warn_if_pretokenizing_pays(config: ml_collections.ConfigDict) -> None:
+  """One warning line when the on-the-fly path is the wrong tool: several processes (a checkpoint then resumes
+  its data only on as many) or sources of a GiB or more (tokenized again by every run, under the GIL)."""
+  processes = jax.process_count()
+  if processes == 1 and _source_bytes(config.data, LARGE_CORPUS_BYTES) < LARGE_CORPUS_BYTES:
+    return
+  why = f"{processes} processes" if processes > 1 else "sources of 1 GiB or more"
+  absl_logging.warning(
+    "Tokenizing config.data.mixture on the fly with %s: run sparsetx-tokenize once and train with "
+    "--config.data.tokenized_dir=DIR (no tokenizer at train time; a checkpoint then resumes its data stream on any "
+    "number of processes).",
+    why,
+  )
+
+
 def make_train_iterator(
   config: ml_collections.ConfigDict, batch_sharding: jax.sharding.Sharding, shard_info: seqio.ShardInfo | None = None
 ) -> TrainIterator:

@@ -43,11 +43,11 @@ _HEARTBEAT = flags.DEFINE_integer(
 def main(argv):
   del argv
   from sparsetx import config as config_lib
-  from sparsetx.data import check_files
+  from sparsetx.data import check_training_files
   from sparsetx.parallel import distributed
 
   try:
-    check_files(
+    check_training_files(
       config_lib.validate(_CONFIG.value)
     )  # before joining peers: a bad value is reported by every process alike
     spec = distributed.detect(
