@@ -3,6 +3,7 @@ rates within one row, the row permutations are bijections, rows are the corpus's
 restore (or continued with accept_new_stream), and tokenized evaluation goes once over each validation split."""
 
 import json
+import types
 
 import jax
 import numpy as np
@@ -164,3 +165,71 @@ def test_tokenized_evaluation_is_one_ordered_pass_padded_alike_on_every_process(
   for i, batch in enumerate(batches):
     parts = [half.local_batch("facts", i) for half in halves]
     np.testing.assert_array_equal(np.concatenate([p["targets"] for p in parts]), batch["targets"])
+
+
+class _Checkpointer:
+  """Records which restore the loop chose (the data state lives in `data_directory`)."""
+
+  def __init__(self, data_directory):
+    self.data_directory, self.calls = str(data_directory), []
+
+  def restore_state(self, step, abstract_state):
+    self.calls.append(("model", step))
+
+  def restore(self, step, abstract_state, data_iterator):
+    self.calls.append(("model and data", step))
+
+
+def test_the_loop_restores_the_stream_and_refuses_a_changed_one(tokenized_corpus, tmp_path):
+  from sparsetx.train import loop
+
+  global_stream.GlobalStream(_config(tokenized_corpus), Block(0, 1), step=6).save(tmp_path / "6")
+  stream = global_stream.GlobalStream(_config(tokenized_corpus), Block(1, 4))  # another process count
+  checkpointer = _Checkpointer(tmp_path)
+  loop.restore(checkpointer, 6, None, stream)
+  assert stream.step == 6 and checkpointer.calls == [("model", 6)]
+  other = global_stream.GlobalStream(_config(tokenized_corpus, global_batch_size=16), Block(0, 1))
+  with pytest.raises(config_lib.ConfigError, match=r"config.data.global_batch_size=8 \(now 16\)"):
+    loop.restore(checkpointer, 6, None, other)
+  on_the_fly = types.SimpleNamespace(shard_info=None)  # the seqio pipeline cannot continue the tokenized stream
+  with pytest.raises(config_lib.ConfigError, match=r"saved by the tokenized stream .*accept_new_stream=True"):
+    loop.restore(checkpointer, 6, None, on_the_fly)
+  loop.restore(checkpointer, 6, None, on_the_fly, accept_new_stream=True)
+  assert checkpointer.calls[-1] == ("model", 6)
+  for s in (stream, other):
+    s.close()
+
+
+def test_a_damaged_stream_state_is_one_checkpoint_error_and_a_good_one_verifies(tokenized_corpus, tmp_path):
+  from sparsetx.train import checkpointing
+
+  config = _config(tokenized_corpus)
+  config.checkpoint.update(async_save=False)
+  stream = global_stream.GlobalStream(config, Block(0, 1), step=3)
+  checkpointer = checkpointing.Checkpointer(str(tmp_path), config.checkpoint)
+  checkpointer.save(3, {"w": np.ones(2, np.float32)}, config, stream)
+  checkpointer.wait()
+  assert checkpointer.resume_step() == 3  # verified with its data state
+  state_file = tmp_path / "data_state" / "3" / global_stream.STATE_JSON
+  state_file.write_text(state_file.read_text()[:20])
+  with pytest.raises(checkpointing.CheckpointError, match=r"step 3 .*its data state file .*stream_state.json is unr"):
+    checkpointer.resume_step()
+  state_file.unlink()
+  with pytest.raises(checkpointing.CheckpointError, match=r"step 3 .*its data state .*missing"):
+    checkpointer.resume_step()
+  checkpointer.close()
+  stream.close()
+
+
+def test_the_on_the_fly_path_suggests_pretokenizing_a_large_corpus_once(tmp_path, caplog, monkeypatch):
+  text = tmp_path / "web.txt"
+  text.write_text("a document\n" * 100)
+  config = load_config("configs/tiny.py")
+  pipeline.warn_if_pretokenizing_pays(config)  # the embedded corpus, one process: quiet
+  config.data.sources.web = dict(kind="text", train=str(text))
+  config.data.mixture = (("web", 1.0),)
+  pipeline.warn_if_pretokenizing_pays(config)  # 1.1 kB: quiet
+  assert "sparsetx-tokenize" not in caplog.text
+  monkeypatch.setattr(pipeline, "LARGE_CORPUS_BYTES", 1000)
+  pipeline.warn_if_pretokenizing_pays(config)
+  assert caplog.text.count("run sparsetx-tokenize once and train with --config.data.tokenized_dir=DIR") == 1
