@@ -15,6 +15,11 @@ and `index` the block this process holds (= process_index / process_count when t
 is split over all processes), then `jax.make_array_from_process_local_data` assembles the global
 array without any cross-host copy.
 
+This is the on-the-fly path (config.data.tokenized_dir == ""), for small corpora: it tokenizes at train time, and
+its state resumes only on the same number of data shards (processes). A tokenized corpus (sparsetx-tokenize) is
+read by sparsetx/data/global_stream.py instead, whose batches are a pure function of the step and resume on any
+number of processes; `warn_if_pretokenizing_pays` says so once for a large corpus or several processes.
+
 Resume: `iterator.save(path)` writes the state of this process's tf.data iterator as a
 TensorFlow checkpoint (`tf.train.Checkpoint`, no pickle) plus a small JSON file, under
 `path/shard_<index>_of_<count>/`; `iterator.restore(path)` on a freshly built iterator continues
