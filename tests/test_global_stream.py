@@ -233,3 +233,12 @@ def test_the_on_the_fly_path_suggests_pretokenizing_a_large_corpus_once(tmp_path
   monkeypatch.setattr(pipeline, "LARGE_CORPUS_BYTES", 1000)
   pipeline.warn_if_pretokenizing_pays(config)
   assert caplog.text.count("run sparsetx-tokenize once and train with --config.data.tokenized_dir=DIR") == 1
+
+
+def test_a_ladder_rung_on_a_target_trains_only_from_a_tokenized_corpus(tmp_path):
+  from sparsetx.train import loop
+
+  config = load_config("configs/ladder.py", "sgatlin,5,h100x8")
+  assert config.data.require_tokenized and not load_config("configs/ladder.py", "sgatlin,5").data.require_tokenized
+  with pytest.raises(config_lib.ConfigError, match=r"write one with sparsetx-tokenize .*--config.data.tokenized_dir"):
+    loop.train(config, str(tmp_path))

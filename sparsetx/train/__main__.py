@@ -64,11 +64,12 @@ def main(argv):
   except distributed.DistributedError as error:
     cli.fail(error, 4)
   # After joining (a missing peer is reported before the slow imports) and after flags (fast --help).
+  from sparsetx.data.token_store import CorpusError
   from sparsetx.train.loop import NonFiniteLossError, train
 
   try:
     train(_CONFIG.value, _WORKDIR.value)
-  except ConfigError as error:
+  except (ConfigError, CorpusError) as error:  # a missing or damaged tokenized shard: one line naming it
     cli.fail(error, 2)
   except NonFiniteLossError as error:
     cli.fail(error, 3)
