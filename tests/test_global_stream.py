@@ -196,6 +196,14 @@ def test_the_loop_restores_the_stream_and_refuses_a_changed_one(tokenized_corpus
     loop.restore(checkpointer, 6, None, on_the_fly)
   loop.restore(checkpointer, 6, None, on_the_fly, accept_new_stream=True)
   assert checkpointer.calls[-1] == ("model", 6)
+  # A state the on-the-fly pipeline saved (no stream state): another stream, refused unless accepted.
+  (tmp_path / "8" / "shard_00000_of_00001").mkdir(parents=True)
+  with pytest.raises(config_lib.ConfigError, match=r"saved with config.data.tokenized_dir='' \(the on-the-fly"):
+    loop.restore(checkpointer, 8, None, stream)
+  accepted = global_stream.GlobalStream(_config(tokenized_corpus, accept_new_stream=True), Block(0, 1))
+  loop.restore(checkpointer, 8, None, accepted)
+  assert accepted.step == 8
+  accepted.close()
   for s in (stream, other):
     s.close()
 
