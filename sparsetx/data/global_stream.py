@@ -8,12 +8,13 @@ Step s (0-based: the batch that trains step s + 1) of B = config.data.global_bat
             which every task has a row (G = 1 unless a task's share of B is under one row): counts are evaluated
             at group boundaries, where largest remainder is monotone (no Alabama paradox: every task gains rows).
   order     a group's G * B rows (tasks in mixture order) are shuffled by a Feistel permutation keyed by (seed,
-            group); step s = gG + j takes positions [jB, (j + 1)B) of it.
+            group); step s = gG + j takes positions [jB, (j + 1)B) of it (with G > 1 a rare task's rows fall on
+            random steps of the group).
   rows      task t's k-th row is row perm_{t,e}(k mod R_t) of its train split (R_t rows of T tokens, epoch
             e = k // R_t): a Feistel permutation with cycle walking keyed by (seed, task, epoch), O(1) memory
             for any R_t.
 
-Every process computes that mapping for the whole batch (a few microseconds) and reads only the rows of its
+Every process computes that mapping for the whole batch (about a millisecond) and reads only the rows of its
 devices (`pipeline.data_shard`), through TensorStore (C++ threads, no GIL), one step ahead in a background
 thread, so the reads of step s + 1 overlap step s. Rows are packed features (`packing.packed_features`).
 
