@@ -128,6 +128,9 @@ def validate_data(
   _require(
     isinstance(data.accept_new_stream, bool), f"{prefix}.accept_new_stream={data.accept_new_stream!r} must be a bool."
   )
+  _require(
+    isinstance(data.require_tokenized, bool), f"{prefix}.require_tokenized={data.require_tokenized!r} must be a bool."
+  )
   sources = data.sources or {}
   for name in sources:
     validate_source(name, sources[name], f"{prefix}.sources.{name}")

@@ -168,6 +168,9 @@ def data_defaults() -> ml_collections.ConfigDict:
       # On resume, continue with this config's stream at the restored step even if the saved data fingerprint
       # (config and shards) differs; False refuses a changed stream.
       accept_new_stream=False,
+      # Training refuses tokenized_dir="" (pod-scale configs: configs/ladder.py rungs on a target); a dry run
+      # needs no data.
+      require_tokenized=False,
     )
   )
 
