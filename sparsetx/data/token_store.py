@@ -248,9 +248,12 @@ class TokenSplit:
     return Rows(tokens_NT, starts_NT)
 
 
-def write_manifest(corpus_dir: epath.PathLike, vocabulary: dict, tasks: dict[str, dict[str, int]]) -> None:
-  """Writes manifest.json: the vocabulary the shards were tokenized with and each task's shard count per split."""
-  record = dict(format=FORMAT, vocabulary=vocabulary, tasks=tasks)
+def write_manifest(
+  corpus_dir: epath.PathLike, vocabulary: dict, tasks: dict[str, dict[str, int]], sources: dict | None = None
+) -> None:
+  """Writes manifest.json: the vocabulary the shards were tokenized with, each task's shard count per split and
+  its source (the JSON view of config.data.sources.<task>; {} for the embedded corpus)."""
+  record = dict(format=FORMAT, vocabulary=vocabulary, tasks=tasks, sources=sources or {})
   paths.write_text_atomically(paths.resolve(corpus_dir) / MANIFEST, json.dumps(record, indent=1, sort_keys=True))
 
 
