@@ -21,6 +21,7 @@ previous corpus's task directories. `manifest.json` is written last: its presenc
 
 import concurrent.futures
 import dataclasses
+import gc
 import json
 import multiprocessing
 import os
@@ -29,6 +30,7 @@ import time
 from collections.abc import Callable
 
 import ml_collections
+import numpy as np
 from etils import epath
 
 from sparsetx import config as config_lib
@@ -173,6 +175,7 @@ def shard_jobs(plan: dict, output_dir: epath.Path) -> list[ShardJob]:
 _TASKS = {}  # (task name, data config JSON) -> seqio.Task: a worker builds each task once
 _PARENT = None  # the pid that spawned this worker; a worker whose parent died stops
 _QUEUE = None  # a worker's progress messages to the parent
+_BATCH = 256  # documents per step out of tf.data
 
 
 def document_stream(job: ShardJob, data: dict):
@@ -197,10 +200,13 @@ def document_stream(job: ShardJob, data: dict):
   )
   options = tf.data.Options()
   options.deterministic = True  # a rewritten shard equals the first write
-  dataset = dataset.with_options(options)
-  return (example["targets"] for example in dataset.as_numpy_iterator()), task.output_features[
-    "targets"
-  ].vocabulary.vocab_size
+  batches = dataset.map(lambda example: example["targets"]).ragged_batch(_BATCH).with_options(options)
+
+  def documents():
+    for batch in batches:  # a batch per step out of tf.data: per-document steps cost more than byte tokenizing
+      yield from np.split(batch.flat_values.numpy(), batch.row_splits.numpy()[1:-1])
+
+  return documents(), task.output_features["targets"].vocabulary.vocab_size
 
 
 def _reason(error: Exception) -> str:
@@ -235,7 +241,10 @@ def write_one(job: ShardJob, data: dict, report: Callable[[ShardJob, int, int], 
     stream, vocab_size = document_stream(job, data)
     return token_store.write_shard(job.path, documents(), vocab_size)
   except (tf.errors.OpError, UnicodeDecodeError) as error:
-    raise ShardError(f"shard {job.name} failed: {_reason(error)}") from None
+    raise ShardError(
+      f"shard {job.name} failed: {_reason(error)}; fix that input of config.data.sources.{job.task} and run the "
+      "same command again (complete shards are kept)."
+    ) from None
 
 
 def _queue_report(job: ShardJob, documents: int, tokens: int) -> None:
@@ -366,10 +375,12 @@ def _run_jobs(
 
 def _run_in_workers(todo, data, workers, partial, finished) -> None:
   context = multiprocessing.get_context("spawn")
+  others = set(multiprocessing.active_children())
   messages = context.Queue()
   executor = concurrent.futures.ProcessPoolExecutor(
     workers, mp_context=context, initializer=_init_worker, initargs=(messages, os.getpid())
   )
+  futures = {}
   try:
     futures = {executor.submit(_worker_write, job, data): job for job in todo}
     pending = set(futures)
@@ -388,4 +399,17 @@ def _run_in_workers(todo, data, workers, partial, finished) -> None:
       "a tokenizer worker process died (out of memory, or killed); run the same command again to resume."
     ) from None
   finally:
+    # Done, failed or interrupted (Ctrl-C, or SIGTERM through the program's handler): no worker outlives the run
+    # (one mid-shard leaves that shard incomplete, for the rerun), and the queues' semaphores are released here,
+    # since the program may end without the interpreter's teardown (cli.fail).
     executor.shutdown(wait=False, cancel_futures=True)
+    workers = [process for process in multiprocessing.active_children() if process not in others]
+    for process in workers:
+      process.terminate()
+    for process in workers:
+      process.join(timeout=10)
+    executor.shutdown(wait=True)
+    messages.close()
+    messages.join_thread()
+    del executor, messages, futures
+    gc.collect()  # the executor's queues sit in reference cycles

@@ -179,6 +179,8 @@ class Shard:
 
   def documents(self) -> Iterator[np.ndarray]:
     """Every document, in order (for detokenizing and checks; reads the shard whole)."""
+    if not self.n_documents:  # a shard of a split with fewer documents than shards
+      return iter(())
     tokens, ends = self._tokens.read().result(), self._ends.read().result()
     return iter(np.split(tokens, ends[:-1]))
 

@@ -66,6 +66,8 @@ def _stop(signum, frame) -> None:
 
 def absl_main(argv):
   del argv  # words that are no flags: refused by cli.run
+  if not flags.FLAGS["verbosity"].present:  # TensorFlow's C++ warnings repeat, with tracebacks, what fails here
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   from sparsetx.data import pretokenize
 
   signal.signal(signal.SIGTERM, _stop)  # the workers stop with this process; a rerun resumes
