@@ -107,6 +107,16 @@ def test_changed_config_bad_input_and_damaged_shards_are_one_clear_error(tmp_pat
   manifest = pretokenize.tokenize_corpus(config, out, workers=1)
   assert manifest["tasks"] == {"notes": {"train": 2, "validation": 1}, "web": {"train": 1}, "more": {"train": 1}}
   assert decoded(out, "more", "train") == ["more"]
+  # Other shard counts: refused, unless --overwrite, which replaces the whole corpus.
+  with pytest.raises(config_lib.ConfigError, match=r"task 'notes' has shards \{'train': 2, 'validation': 1\} there"):
+    pretokenize.tokenize_corpus(config, out, workers=1, shards=3)
+  manifest = pretokenize.tokenize_corpus(config, out, workers=1, shards=3, overwrite=True)
+  assert manifest["tasks"] == {"notes": {"train": 3, "validation": 3}, "more": {"train": 3}}
+  assert sorted(os.listdir(out)) == sorted(["manifest.json", pretokenize.PLAN, "notes", "more"])
+  assert sorted(os.listdir(token_store.split_dir(out, "notes", "train"))) == [
+    token_store.shard_name(i, 3) for i in range(3)
+  ]
+  assert collections.Counter(decoded(out, "notes", "train")) == non_blank(TEXT["a.txt"] + TEXT["b.txt"])
   config.data.mixture = (("web", 1.0),)
 
   (tmp_path / "src/web.jsonl").write_text('{"body": "fine"}\nnot json\n')
@@ -115,11 +125,11 @@ def test_changed_config_bad_input_and_damaged_shards_are_one_clear_error(tmp_pat
     pretokenize.tokenize_corpus(config, bad, workers=1)
 
   split_dir = token_store.split_dir(out, "notes", "train")
-  (split_dir / token_store.shard_name(1, 2) / "tokens" / "c" / "0").write_bytes(b"not zstd")
-  with pytest.raises(token_store.CorpusError, match=f"shard {split_dir / token_store.shard_name(1, 2)} is damaged"):
+  (split_dir / token_store.shard_name(1, 3) / "tokens" / "c" / "0").write_bytes(b"not zstd")
+  with pytest.raises(token_store.CorpusError, match=f"shard {split_dir / token_store.shard_name(1, 3)} is damaged"):
     token_store.TokenSplit(out, "notes", "train").shards[1].verify()
-  (split_dir / token_store.shard_name(0, 2) / token_store.SHARD_JSON).unlink()
-  with pytest.raises(token_store.CorpusError, match=f"shard {split_dir / token_store.shard_name(0, 2)} is missing"):
+  (split_dir / token_store.shard_name(0, 3) / token_store.SHARD_JSON).unlink()
+  with pytest.raises(token_store.CorpusError, match=f"shard {split_dir / token_store.shard_name(0, 3)} is missing"):
     token_store.TokenSplit(out, "notes", "train")
 
 

@@ -151,20 +151,20 @@ def reconcile(previous: dict | None, plan: dict, output_dir: epath.Path, shards_
     )
   for name, counts in previous.get("tasks", {}).items():
     if name not in plan["tasks"]:
-      plan.setdefault("carried", {})[name] = counts
+      plan["tasks"][name] = counts
       plan["sources"][name] = previous.get("sources", {}).get(name, {})
       if "inputs" in previous and name in previous["inputs"]:
         plan["inputs"][name] = previous["inputs"][name]
   return plan
 
 
-def shard_jobs(plan: dict, output_dir: epath.Path) -> list[ShardJob]:
-  """Every shard of the plan's mixture tasks, in task, split, index order."""
+def shard_jobs(tasks: dict[str, dict[str, int]], output_dir: epath.Path) -> list[ShardJob]:
+  """Every shard of `tasks` ({task: {split: shard count}}), in task, split, index order."""
   return [
     ShardJob(
       name, split, i, count, str(token_store.split_dir(output_dir, name, split) / token_store.shard_name(i, count))
     )
-    for name, counts in plan["tasks"].items()
+    for name, counts in tasks.items()
     for split, count in counts.items()
     for i in range(count)
   ]
@@ -313,13 +313,13 @@ def tokenize_corpus(
     raise config_lib.ConfigError(
       f"cannot write to --output_dir={output_dir} ({paths.reason(error)}); give a writable directory."
     ) from None
-  jobs = shard_jobs(plan, output_dir)
+  mixture = {name: plan["tasks"][name] for name, _ in data.mixture}
+  jobs = shard_jobs(mixture, output_dir)
   todo = [job for job in jobs if not token_store.shard_complete(job.path)]
   _run_jobs(todo, len(jobs), data.to_dict(), workers, progress)
-  tasks = dict(plan["tasks"])
-  for name, counts in plan.get("carried", {}).items():  # tasks of an earlier run, outside this mixture
-    complete = all(token_store.shard_complete(job.path) for job in shard_jobs({"tasks": {name: counts}}, output_dir))
-    if complete:
+  tasks = dict(mixture)
+  for name, counts in plan["tasks"].items():  # tasks of an earlier run, outside this mixture: listed if complete
+    if name not in tasks and all(token_store.shard_complete(j.path) for j in shard_jobs({name: counts}, output_dir)):
       tasks[name] = counts
   sources = {name: plan["sources"].get(name, {}) for name in tasks}
   token_store.write_manifest(output_dir, plan["vocabulary"], tasks, sources=sources)
