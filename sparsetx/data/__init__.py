@@ -9,6 +9,8 @@ Files, one concern each:
   tasks.py          registers tasks `sparsetx.<name>` and the mixture `sparsetx.mixture` with seqio
   pipeline.py       `make_train_iterator`, `make_eval_iterator` / `EvalData`: global jax.Array batches
   file_checks.py    `check_files(config)`: the files config.data names exist (sources, TFDS data_dir, tokenizer)
+  pretokenize.py    `tokenize_corpus(config, output_dir, workers)`: the tasks' whole documents into token shards
+                    (sparsetx-tokenize; resumable, worker processes)
 
 Defaults need nothing outside the package: `config.data.mixture = (('stories', 0.7), ('facts', 0.3))`,
 byte vocabulary, seq_len 256, global batch 16, packing on.

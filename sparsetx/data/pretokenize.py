@@ -134,10 +134,9 @@ def reconcile(previous: dict | None, plan: dict, output_dir: epath.Path, shards_
     before = previous.get("tasks", {}).get(name)
     if before is None:
       continue  # a task added to the corpus
-    if previous.get("sources", {}).get(name, {}) != plan["sources"][name]:
-      differences.append(
-        f"task {name!r} has source {previous['sources'].get(name)} there, {plan['sources'][name]} here"
-      )
+    source = previous.get("sources", {}).get(name, {})
+    if source != plan["sources"][name]:
+      differences.append(f"task {name!r} has source {source} there, {plan['sources'][name]} here")
     elif "inputs" in previous and previous["inputs"].get(name) != plan["inputs"][name]:
       differences.append(f"the input files of task {name!r} changed")
     elif sorted(before) != sorted(counts) or (shards_given and before != counts):
@@ -316,6 +315,8 @@ def tokenize_corpus(
   mixture = {name: plan["tasks"][name] for name, _ in data.mixture}
   jobs = shard_jobs(mixture, output_dir)
   todo = [job for job in jobs if not token_store.shard_complete(job.path)]
+  if todo:  # the corpus is incomplete until every shard is written
+    (output_dir / token_store.MANIFEST).unlink(missing_ok=True)
   _run_jobs(todo, len(jobs), data.to_dict(), workers, progress)
   tasks = dict(mixture)
   for name, counts in plan["tasks"].items():  # tasks of an earlier run, outside this mixture: listed if complete

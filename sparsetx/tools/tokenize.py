@@ -26,7 +26,9 @@ _OUTPUT_DIR = flags.DEFINE_string(
   "output_dir", None, "Directory of the tokenized corpus (local or gs://), new or one to finish.", required=True
 )
 _WORKERS = flags.DEFINE_integer(
-  "workers", len(os.sched_getaffinity(0)), "Worker processes tokenizing shards (1: in this process)."
+  "workers",
+  len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+  "Worker processes tokenizing shards (default: this machine's CPUs; 1: in this process).",
 )
 _SHARDS = flags.DEFINE_integer("shards", 0, "Shards per split; 0: one per input file, at least --workers.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a corpus in --output_dir tokenized with another config.")
