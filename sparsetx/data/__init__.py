@@ -13,6 +13,8 @@ Files, one concern each:
   global_stream.py  the tokenized path: batch of step s = f(data config, seed, s), resumable on any process count;
                     `make_train_data` / `make_eval_data` pick it when config.data.tokenized_dir is set
   file_checks.py    `check_files(config)`: the files config.data names exist (sources, TFDS data_dir, tokenizer)
+  pretokenize.py    `tokenize_corpus(config, output_dir, workers)`: the tasks' whole documents into token shards
+                    (sparsetx-tokenize; resumable, worker processes)
 
 Defaults need nothing outside the package: `config.data.mixture = (('stories', 0.7), ('facts', 0.3))`,
 byte vocabulary, seq_len 256, global batch 16, packing on.

@@ -179,6 +179,8 @@ class Shard:
 
   def documents(self) -> Iterator[np.ndarray]:
     """Every document, in order (for detokenizing and checks; reads the shard whole)."""
+    if not self.n_documents:  # a shard of a split with fewer documents than shards
+      return iter(())
     tokens, ends = self._tokens.read().result(), self._ends.read().result()
     return iter(np.split(tokens, ends[:-1]))
 
@@ -248,9 +250,12 @@ class TokenSplit:
     return Rows(tokens_NT, starts_NT)
 
 
-def write_manifest(corpus_dir: epath.PathLike, vocabulary: dict, tasks: dict[str, dict[str, int]]) -> None:
-  """Writes manifest.json: the vocabulary the shards were tokenized with and each task's shard count per split."""
-  record = dict(format=FORMAT, vocabulary=vocabulary, tasks=tasks)
+def write_manifest(
+  corpus_dir: epath.PathLike, vocabulary: dict, tasks: dict[str, dict[str, int]], sources: dict | None = None
+) -> None:
+  """Writes manifest.json: the vocabulary the shards were tokenized with, each task's shard count per split and
+  its source (the JSON view of config.data.sources.<task>; {} for the embedded corpus)."""
+  record = dict(format=FORMAT, vocabulary=vocabulary, tasks=tasks, sources=sources or {})
   paths.write_text_atomically(paths.resolve(corpus_dir) / MANIFEST, json.dumps(record, indent=1, sort_keys=True))
 
 
