@@ -497,6 +497,19 @@ def step_parts(config, mesh_shape: dict) -> list[tuple[int, LayerCost]]:
   return parts + [(1, remainder_cost(config, mesh_shape))]
 
 
+def project_step(config, mesh_shape: dict, chip: hardware.Chip, rest_collectives=()) -> roofline.Projection:
+  """The dry run's analytic projection of `config`'s train step on a mesh of `mesh_shape` `chip`s (roofline.
+  project_analytic over step_parts): tokens/s, step time and MFU without compiling. `rest_collectives`: the
+  compiled program's collectives outside the feed-forward layers; without them (none given) the step is faster
+  by their time, so what it consumes is an upper bound."""
+  from sparsetx.models import ladder
+
+  tokens = config.data.global_batch_size * config.data.seq_len
+  model_flops = 3.0 * ladder.forward_flops_per_token(config.model, config.data.seq_len)["total"] * tokens
+  devices = math.prod(mesh_shape.values())
+  return roofline.project_analytic(chip, step_parts(config, mesh_shape), tokens, model_flops, devices, rest_collectives)
+
+
 def format_config_layers(config, mesh_shape: dict, chips: list | None = None) -> str:
   """The dry run's per-layer table for every distinct feed-forward layer of `config` on a mesh of `mesh_shape`."""
   chips = chips or list(hardware.CHIPS.values())
