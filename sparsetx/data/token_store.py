@@ -170,12 +170,15 @@ class Shard:
     """A future of tokens [start, stop) (the array's dtype)."""
     return self._tokens[start:stop].read()
 
-  def boundaries(self, start: int, stop: int) -> np.ndarray:
-    """The offsets e with start < e < stop where a document ends and the next begins (one small read)."""
+  def read_boundaries(self, start: int, stop: int) -> "Boundaries":
+    """The offsets e with start < e < stop where a document ends and the next begins: one small read, started
+    now (`.result()` waits for it), so the reads of many rows overlap."""
     lo = max(int(np.searchsorted(self._end_sample, start, side="right")) - 1, 0) * _END_SAMPLE
     hi = min(int(np.searchsorted(self._end_sample, stop, side="left")) * _END_SAMPLE + 1, self.n_documents)
-    ends = self._ends[lo:hi].read().result() if hi > lo else np.zeros(0, np.int64)
-    return ends[(ends > start) & (ends < stop)]
+    return Boundaries(self._ends[lo:hi].read() if hi > lo else None, start, stop)
+
+  def boundaries(self, start: int, stop: int) -> np.ndarray:
+    return self.read_boundaries(start, stop).result()
 
   def documents(self) -> Iterator[np.ndarray]:
     """Every document, in order (for detokenizing and checks; reads the shard whole)."""
@@ -198,6 +201,19 @@ class Shard:
     digest = hashlib.sha256(hashlib.sha256(tokens.tobytes()).digest() + hashlib.sha256(ends.tobytes()).digest())
     if digest.hexdigest() != self.sha256 or (self.n_documents and ends[-1] != self.n_tokens):
       raise self.damaged(ValueError("its contents fail their checksum"))
+
+
+@dataclasses.dataclass
+class Boundaries:
+  """A pending read of document ends around [start, stop)."""
+
+  future: ts.Future | None
+  start: int
+  stop: int
+
+  def result(self) -> np.ndarray:
+    ends = self.future.result() if self.future is not None else np.zeros(0, np.int64)
+    return ends[(ends > self.start) & (ends < self.stop)]
 
 
 @dataclasses.dataclass
@@ -237,10 +253,14 @@ class TokenSplit:
     which = np.searchsorted(first_row, row_ids, side="right") - 1
     starts = (row_ids - first_row[which]) * seq_len
     futures = [self.shards[s].read_tokens(a, a + seq_len) for s, a in zip(which, starts)]
+    ends = [self.shards[s].read_boundaries(a, a + seq_len) for s, a in zip(which, starts)]  # all in flight
     starts_NT = np.zeros((row_ids.size, seq_len), bool)
     starts_NT[:, 0] = True
     for n, (s, a) in enumerate(zip(which, starts)):
-      starts_NT[n, self.shards[s].boundaries(a, a + seq_len) - a] = True
+      try:
+        starts_NT[n, ends[n].result() - a] = True
+      except ValueError as error:
+        raise self.shards[s].damaged(error) from None
     tokens_NT = np.zeros((row_ids.size, seq_len), np.int32)
     for n, (s, future) in enumerate(zip(which, futures)):
       try:
