@@ -135,7 +135,7 @@ def training_bar(spec: str, chips_per_host: int = 0) -> Bar:
   config = config_lib.validate(config_from_file(spec))
   target = targets.parse(target_name)
   if chips_per_host <= 0:
-    chips_per_host = target.per_granule if target.chip.name.startswith("H") else TPU_CHIPS_PER_HOST
+    chips_per_host = target.per_granule if target.name.startswith(("h100", "h200")) else TPU_CHIPS_PER_HOST
   chips_per_host = min(chips_per_host, target.devices)
   if config.data.global_batch_size * chips_per_host % target.devices:
     raise config_lib.ConfigError(
