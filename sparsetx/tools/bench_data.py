@@ -298,7 +298,10 @@ def format_table(timings: list[PathTiming], bar: Bar) -> str:
 def describe(inputs: Inputs, bar: Bar, rows: int, seq_len: int, steps: int) -> str:
   """The header: the bar, the text, the BPE, the tokenizing, this machine."""
   data_bytes = sum(os.path.getsize(f) for f in inputs.files)
-  with_documents = sum(1 for f in inputs.files for line in open(f, encoding="utf-8") if line.strip())
+  documents = 0
+  for path in inputs.files:
+    with open(path, encoding="utf-8") as f:
+      documents += sum(1 for line in f if line.strip())
   vocabulary = vocab.make_vocabulary(inputs.config.data)
   p = bar.projection
   source = "generated: corpus.story_stream" if inputs.generated else "--input"
@@ -311,7 +314,7 @@ def describe(inputs: Inputs, bar: Bar, rows: int, seq_len: int, steps: int) -> s
       f"{p.step_overlap_s * 1e3:.0f} ms (the dry run's analytic projection, overlapped: layer_cost.project_step)",
       f"  one {bar.chip.name} consumes {bar.per_chip:,.0f} tokens/s; one host of {bar.chips_per_host}: "
       f"{bar.per_host:,.0f} tokens/s, {bar.host_rows} rows per step",
-      f"text: {len(inputs.files)} files, {data_bytes / 1e6:.1f} MB, {with_documents:,} documents ({source}); "
+      f"text: {len(inputs.files)} files, {data_bytes / 1e6:.1f} MB, {documents:,} documents ({source}); "
       f"GPT-2 BPE of {vocabulary.vocab_size:,} ids ({bpe})",
       f"pre-tokenized once: {inputs.corpus_tokens:,} tokens in {inputs.tokenize_s:.1f} s "
       f"({inputs.corpus_tokens / inputs.tokenize_s:,.0f} tokens/s with TensorFlow's start, "
