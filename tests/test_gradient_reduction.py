@@ -135,13 +135,21 @@ def test_microbatch_loop_reduces_no_parameter_gradient(mesh_name):
     assert tuple(leaf.sharding.shard_shape(leaf.shape)) in reduced, sorted(reduced)
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
-def test_per_device_accumulation_equals_one_microbatch(mesh_name):
+@pytest.mark.parametrize(
+  "ffn_type, mesh_name",
+  [
+    ("sgatlin", "data2_expert4"),
+    ("sgatlin", "data2_fsdp2_expert2"),
+    ("peer", "data2_fsdp2_expert2"),  # the shared table's d-split over fsdp
+    ("fff", "data2_fsdp2_expert2"),  # trees as blocks, their d_model gathered like a dense weight's
+  ],
+)
+def test_per_device_accumulation_equals_one_microbatch(ffn_type, mesh_name):
   """loss_and_grads as the train step runs it (param_specs given): microbatches=2 (the per-device loop) equals
   microbatches=1 (one auto-sharded pass) on the same mesh, parameters and batch. The same tokens' terms are
   summed in another order (per device, then over devices once), so the loss is within 16 eps32 and each gradient
   leaf within 64 eps32 of its largest element; the token count is exact."""
-  config = mesh_config(microbatches=2, mesh=mesh_name)
+  config = mesh_config(microbatches=2, ffn_type=ffn_type, mesh=mesh_name)
   built = state_lib.setup(config, jax.devices()[:8])
   params = state_lib.create_state(config, built.shardings, built.model, built.tx).params
   batch = jax.device_put(synthetic_batch(config), built.batch_sharding)
@@ -151,7 +159,7 @@ def test_per_device_accumulation_equals_one_microbatch(mesh_name):
   )
   results = []
   for microbatches in (2, 1):
-    train = mesh_config(microbatches, mesh=mesh_name).train
+    train = mesh_config(microbatches, ffn_type, mesh_name).train
     run = jax.jit(
       lambda p, b: step_lib.loss_and_grads(p, b, model=built.model, train=train, param_specs=specs)[:3],  # noqa: B023
       in_shardings=(built.shardings.params, built.batch_sharding),

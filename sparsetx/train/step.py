@@ -254,7 +254,7 @@ def _reduce_once(g, spec: P, block: P, axes):
   ]
   rest = tuple(a for a in axes if a not in blocks and all(a not in entry for _, entry in scatters))
   for dim, entry in scatters:
-    g = jnp.moveaxis(jax.lax.psum_scatter(jnp.moveaxis(g, dim, 0), entry, scatter_dimension=0, tiled=True), 0, dim)
+    g = jax.lax.psum_scatter(g, entry, scatter_dimension=dim, tiled=True)
   if scatters and rest:
     # Scattered first, so the all-reduce moves 1/S of the gradient. The barrier keeps the two apart: without it the
     # CPU program (jax 0.10.2) gave every block the sum of all blocks (the router keys' gradient on data=2 x
