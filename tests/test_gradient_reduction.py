@@ -117,9 +117,10 @@ def gradient_reductions(hlo_text: str, param_shapes: set, trips: int):
 def test_microbatch_loop_reduces_no_parameter_gradient(mesh_name):
   """Inside the 2-trip microbatch loop no all-reduce or reduce-scatter has a parameter-shaped result (the whole
   parameter or its stored per-device block): every gradient, dense, FSDP-split and table, is reduced once, after
-  the loop, where such reductions are found. The loop's own collectives are the layers' token movements
-  (activations) and the taps' gathers. Before this, the compiler all-reduced every dense gradient over `expert`
-  (and reduce-scattered the FSDP ones over `fsdp`) inside each microbatch."""
+  the loop, where such reductions are found, the table's block over `data` only (its expert group computed it
+  whole). The loop's own collectives are the layers' token movements (activations) and the taps' gathers.
+  Before this, the compiler all-reduced every dense gradient over `expert` (and reduce-scattered the FSDP ones
+  over `fsdp`) inside each microbatch."""
   config = mesh_config(microbatches=2, mesh=mesh_name)
   mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:8])
   compiled, abstract = aot.compile_train_step(config, mesh)
@@ -130,9 +131,19 @@ def test_microbatch_loop_reduces_no_parameter_gradient(mesh_name):
   inside, outside = gradient_reductions(compiled.as_text(), param_shapes, trips=2)
   assert not inside, inside
   reduced = {shape for _, result, _ in outside for shape in result}
-  # After the loop: the table's gradient block (summed over `data` only) and the dense ones (the head's).
-  for leaf in (abstract.params["layers_0"]["mlp"]["experts"], abstract.params["lm_head"]["kernel"]):
+  # After the loop: the table's gradient block and the dense ones (the head's).
+  table = abstract.params["layers_0"]["mlp"]["experts"]
+  block = tuple(table.sharding.shard_shape(table.shape))
+  for leaf in (table, abstract.params["lm_head"]["kernel"]):
     assert tuple(leaf.sharding.shard_shape(leaf.shape)) in reduced, sorted(reduced)
+  # The table's block is summed over `data` only: its devices' expert (and fsdp) coordinates agree in every group
+  # (logical device i of the program is mesh.devices.flat[i]).
+  coords = np.stack(np.unravel_index(np.arange(mesh.size), mesh.devices.shape), axis=1)
+  others = [i for i, name in enumerate(mesh.axis_names) if name != "data"]
+  table_groups = [groups for groups, result, _ in outside if block in result]
+  assert table_groups and all(
+    len({tuple(coords[d, others]) for d in group}) == 1 for groups in table_groups for group in groups
+  ), table_groups
 
 
 @pytest.mark.parametrize(
