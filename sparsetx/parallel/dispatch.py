@@ -17,10 +17,13 @@ summed back to the tokens' owners. Tables never move. docs/expert_parallel.md de
 collectives and their bytes and names the tests that check them.
 """
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
@@ -45,6 +48,34 @@ class NeuronTable:
   def layout(self, n_tokens: int):
     """The expert group this table's layout gives n_tokens tokens, or None for the plain computation."""
     return ep.table_group(self.axes, self.unit_axis, self.n_units, n_tokens, self.field)
+
+
+_TABLES = contextvars.ContextVar("sparsetx_tables", default=None)  # {param path: (axes, local)} while recording
+
+
+def table_param(module, name: str, init, shape, dtype, axes: tuple, local: tuple):
+  """module.param(name, ...) for a table the dispatcher runs on: `shape` as stored, logical `axes`; `local` names
+  the dimensions the dispatcher takes as this device's block (units; a neuron table's d_model). Inside the step's
+  per-device microbatch loop (train/step.py), whose batch axes are manual, the table enters as that block
+  (`ep.block_shape`) and the dispatcher's body runs on it without opening a shard_map over those axes.
+  `recording_tables` collects, by parameter path, the tables declared this way."""
+  recorded = _TABLES.get()
+  if recorded is not None:
+    recorded[tuple(module.scope.path) + (name,)] = (tuple(axes), tuple(local))
+  block = ep.block_shape(shape, axes, local, jax.sharding.get_abstract_mesh(), ep.active_rules())
+  return module.param(name, nn.with_logical_partitioning(init, axes), block, dtype)
+
+
+@contextlib.contextmanager
+def recording_tables():
+  """Yields a dict that `table_param` fills while in this context: {parameter path (tuple of names): (logical
+  axes, dimensions taken as blocks)} of every table the model declares (the train step traces the model's init
+  in it to learn which parameters enter its per-device loop as blocks)."""
+  token = _TABLES.set({})
+  try:
+    yield _TABLES.get()
+  finally:
+    _TABLES.reset(token)
 
 
 def place_on_token_shards(a_BT, table: NeuronTable):
@@ -119,8 +150,8 @@ def neuron_table_gather(
   as `table`'s layout under the active rules gives.
   """
   B, T, D = x_BTD.shape
-  U, F = experts_2UFD.shape[1:3]
-  K = idx_BTUK.shape[-1]
+  U, K = idx_BTUK.shape[2:]  # the units of the routing: the table may be this device's block (`table_param`)
+  F = experts_2UFD.shape[2]
   group = table.layout(B * T)
   if group is not None and group.split:
     x_ND, idx_NUK, gates_NUK = x_BTD.reshape(B * T, D), idx_BTUK.reshape(B * T, U, K), gates_BTUK.reshape(B * T, U, K)
@@ -146,8 +177,8 @@ def neuron_table_gather(
 def _unit_split_gather(group, x_BTD, experts_2UFD, idx_BTUK, gates_BTUK, activation, options):
   """The gated gather with its units (sgatlin's channels) split over the group: each device its own units."""
   B, T, D = x_BTD.shape
-  U, F = experts_2UFD.shape[1:3]
-  K = idx_BTUK.shape[-1]
+  U, K = idx_BTUK.shape[2:]
+  F = experts_2UFD.shape[2]
 
   def local(tokens_g, owned_g, tables_u):
     (x_gD,), (idx_guK, gates_guK), (experts_2uFD,) = tokens_g, owned_g, tables_u
@@ -233,7 +264,7 @@ def tree_walk(x_BTD, w_in_PZD, b_in_PZ, w_out_PZD, depth: int, activation, optio
   summed back to the tokens' owners in float32, the paths and logits return by all-to-all.
   """
   B, T, D = x_BTD.shape
-  P, L = w_in_PZD.shape[0], depth + 1
+  P, L = ep.whole_units(w_in_PZD.shape[0], table_axes[0]), depth + 1  # the tables may be blocks (`table_param`)
   x_ND = x_BTD.reshape(B * T, D)
   group = ep.expert_group(table_axes[0], P, B * T, field)
   if group is None:
@@ -268,7 +299,7 @@ def expert_dispatch(experts_fn, sorted_fn, x_BTD, ids_BTA, weights_BTA, tables, 
   B, T, D = x_BTD.shape
   A = ids_BTA.shape[-1]
   flat = (x_BTD.reshape(B * T, D), ids_BTA.reshape(B * T, A), weights_BTA.reshape(B * T, A))
-  group = ep.expert_group(table_axes[0], tables[0].shape[0], B * T, field)
+  group = ep.expert_group(table_axes[0], ep.whole_units(tables[0].shape[0], table_axes[0]), B * T, field)
   if group is None:
     return experts_fn(*flat, *tables).reshape(B, T, D)
   experts = PartitionSpec(group.unit_spec)

@@ -113,10 +113,9 @@ class Moe(nn.Module):
     expert_ids_BTA = tap(self, "expert_ids", expert_ids_BTA)
     weights_BTA = tap(self, "expert_weights", weights_BTA)
 
-    def table(name, shape, names):
-      return self.param(
-        name, nn.with_logical_partitioning(nn.initializers.normal(self.cfg.init_std), names), shape, param_dtype
-      )
+    def table(name, shape, names):  # the experts are the dispatcher's blocks (a device's own experts)
+      init = nn.initializers.normal(self.cfg.init_std)
+      return dispatch.table_param(self, name, init, shape, param_dtype, names, ("expert",))
 
     wi_gate = table("wi_gate", (E, D, F), TABLE_AXES)
     wi_up = table("wi_up", (E, D, F), TABLE_AXES)
