@@ -125,3 +125,28 @@ def tokenized_corpus(tmp_path_factory) -> pathlib.Path:
     "facts": {"train": corpus.fact_documents("train")[:3000], "validation": corpus.fact_documents("validation")},
   }
   return write_tokenized_corpus(tmp_path_factory.mktemp("tokenized"), documents)
+
+
+MICRO_TRAIN_FLAGS = [  # a micro dense model the multi-process and command-line training tests start quickly
+  "--config.model.d_model=64",
+  "--config.model.n_layers=2",
+  "--config.model.max_len=32",
+  "--config.model.dtype=float32",
+  "--config.data.seq_len=32",
+  "--config.data.global_batch_size=8",
+  "--config.data.eval_batch_size=8",
+]
+
+
+class RecordingCheckpointer:
+  """Stands in for checkpointing.Checkpointer in `loop.restore`: records which restore the loop chose (the data
+  state lives in `data_directory`)."""
+
+  def __init__(self, data_directory):
+    self.data_directory, self.calls = str(data_directory), []
+
+  def restore_state(self, step, abstract_state):
+    self.calls.append(("model", step))
+
+  def restore(self, step, abstract_state, data_iterator):
+    self.calls.append(("model and data", step))

@@ -16,19 +16,13 @@ import subprocess
 import sys
 
 import numpy as np
-from conftest import REPO, write_tokenized_corpus
+from conftest import MICRO_TRAIN_FLAGS, REPO, write_tokenized_corpus
 
 from sparsetx.data import corpus
 
 FLAGS = [
   "--config=configs/tiny.py:mlp",
-  "--config.model.d_model=64",
-  "--config.model.n_layers=2",
-  "--config.model.max_len=32",
-  "--config.model.dtype=float32",
-  "--config.data.seq_len=32",
-  "--config.data.global_batch_size=8",
-  "--config.data.eval_batch_size=8",
+  *MICRO_TRAIN_FLAGS,
   "--config.train.steps=4",
   "--config.train.warmup_steps=1",
   "--config.train.log_every=1",

@@ -8,7 +8,7 @@ import types
 import jax
 import numpy as np
 import pytest
-from conftest import load_config
+from conftest import RecordingCheckpointer, load_config
 
 from sparsetx import config as config_lib
 from sparsetx.data import global_stream, packing, pipeline, token_store
@@ -167,25 +167,12 @@ def test_tokenized_evaluation_is_one_ordered_pass_padded_alike_on_every_process(
     np.testing.assert_array_equal(np.concatenate([p["targets"] for p in parts]), batch["targets"])
 
 
-class _Checkpointer:
-  """Records which restore the loop chose (the data state lives in `data_directory`)."""
-
-  def __init__(self, data_directory):
-    self.data_directory, self.calls = str(data_directory), []
-
-  def restore_state(self, step, abstract_state):
-    self.calls.append(("model", step))
-
-  def restore(self, step, abstract_state, data_iterator):
-    self.calls.append(("model and data", step))
-
-
 def test_the_loop_restores_the_stream_and_refuses_a_changed_one(tokenized_corpus, tmp_path):
   from sparsetx.train import loop
 
   global_stream.GlobalStream(_config(tokenized_corpus), Block(0, 1), step=6).save(tmp_path / "6")
   stream = global_stream.GlobalStream(_config(tokenized_corpus), Block(1, 4))  # another process count
-  checkpointer = _Checkpointer(tmp_path)
+  checkpointer = RecordingCheckpointer(tmp_path)
   loop.restore(checkpointer, 6, None, stream)
   assert stream.step == 6 and checkpointer.calls == [("model", 6)]
   other = global_stream.GlobalStream(_config(tokenized_corpus, global_batch_size=16), Block(0, 1))
