@@ -4,8 +4,9 @@ Each step directory is written by an async `CheckpointManager` and becomes visib
 complete (orbax's atomic finalize), so a run killed mid-save resumes from the previous one. The
 data iterator's state (the tokenized stream's step and fingerprint, one JSON file written atomically by
 process 0, see sparsetx/data/global_stream.py; or a TensorFlow iterator checkpoint per process of the
-on-the-fly pipeline, see sparsetx/data/pipeline.py) is written synchronously to `<workdir>/data_state/<step>` *before* the model save starts, so every
-complete model checkpoint has its data state; data states of deleted steps are removed.
+on-the-fly pipeline, see sparsetx/data/pipeline.py) is written synchronously to `<workdir>/data_state/<step>`
+*before* the model save starts, so every complete model checkpoint has its data state; data states of deleted
+steps are removed.
 
 Opening a step checks that it can be read (`Checkpointer.verify`: every item, the arrays' metadata, for
 training the data state of every process), and a failed read of its arrays is reported the same way: one

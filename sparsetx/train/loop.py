@@ -3,8 +3,8 @@
 A run in a workdir that holds checkpoints resumes from the newest one (or config.checkpoint.restore_step,
 whose later steps are moved to <workdir>/superseded/), after checking that it can be read (model state,
 data position: with config.data.tokenized_dir a step number and fingerprint that resume on any number of
-processes, see sparsetx/data/global_stream.py); a step-0 checkpoint (sparsetx/tools/sparsify.py, HF import) gives only the parameters: the
-optimizer state and the data stream start fresh from this run's config.
+processes, see sparsetx/data/global_stream.py); a step-0 checkpoint (sparsetx/tools/sparsify.py, HF import)
+gives only the parameters: the optimizer state and the data stream start fresh from this run's config.
 SIGTERM saves the current step and returns normally. A non-finite loss stops the run
 before anything non-finite is saved.
 
