@@ -177,9 +177,6 @@ class Shard:
     hi = min(int(np.searchsorted(self._end_sample, stop, side="left")) * _END_SAMPLE + 1, self.n_documents)
     return Boundaries(self._ends[lo:hi].read() if hi > lo else None, start, stop)
 
-  def boundaries(self, start: int, stop: int) -> np.ndarray:
-    return self.read_boundaries(start, stop).result()
-
   def documents(self) -> Iterator[np.ndarray]:
     """Every document, in order (for detokenizing and checks; reads the shard whole)."""
     if not self.n_documents:  # a shard of a split with fewer documents than shards
