@@ -53,25 +53,28 @@ TASK = "bench"  # the benchmark's one task: the text files
 BPE_DOCUMENTS = 20_000  # documents a BPE trained here learns from
 TPU_CHIPS_PER_HOST = 4
 
-_FLAGS = dict(
-  path=flags.DEFINE_enum(
-    "path", "both", ["both", *PATHS, "step"], "Input paths to time (both: side by side), or step: pipeline vs step."
-  ),
-  input=flags.DEFINE_string("input", "", "Glob of text files, one document per line; empty: generate --megabytes."),
-  megabytes=flags.DEFINE_float("megabytes", 8.0, "Text generated from the embedded corpus when --input is empty."),
-  vocab=flags.DEFINE_string("vocab", "", "A GPT-2 BPE (vocab.json + merges.txt directory, or tokenizer.json)."),
-  vocab_size=flags.DEFINE_integer("vocab_size", 8192, "Ids of the BPE trained here when --vocab is empty."),
-  rows=flags.DEFINE_integer("rows", 0, "Rows per step this host reads; 0: the bar's rows per host."),
-  seq_len=flags.DEFINE_integer("seq_len", 0, "Tokens per row; 0: the bar's."),
-  bar=flags.DEFINE_string(
-    "bar", "configs/ladder.py:sgatlin,5,h100x8", "configs/ladder.py:FFN,SCALE,TARGET whose consumption is the bar."
-  ),
-  chips_per_host=flags.DEFINE_integer("chips_per_host", 0, "Chips one host feeds; 0: a GPU target's node, 4 on TPU."),
-  workers=flags.DEFINE_integer("workers", 1, "Tokenizer processes writing the pre-tokenized corpus."),
-  steps=flags.DEFINE_integer("steps", 20, "Batches timed per path (after two warm-up ones)."),
-  config=flags.DEFINE_string("config", "configs/tiny.py", "--path=step: config file, optionally with ':ARG'."),
-  train_steps=flags.DEFINE_integer("train_steps", 10, "--path=step: train steps timed."),
-)
+
+def define_flags() -> dict:
+  """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
+  return dict(
+    path=flags.DEFINE_enum(
+      "path", "both", ["both", *PATHS, "step"], "Input paths to time (both: side by side), or step: pipeline vs step."
+    ),
+    input=flags.DEFINE_string("input", "", "Glob of text files, one document per line; empty: generate --megabytes."),
+    megabytes=flags.DEFINE_float("megabytes", 8.0, "Text generated from the embedded corpus when --input is empty."),
+    vocab=flags.DEFINE_string("vocab", "", "A GPT-2 BPE (vocab.json + merges.txt directory, or tokenizer.json)."),
+    vocab_size=flags.DEFINE_integer("vocab_size", 8192, "Ids of the BPE trained here when --vocab is empty."),
+    rows=flags.DEFINE_integer("rows", 0, "Rows per step this host reads; 0: the bar's rows per host."),
+    seq_len=flags.DEFINE_integer("seq_len", 0, "Tokens per row; 0: the bar's."),
+    bar=flags.DEFINE_string(
+      "bar", "configs/ladder.py:sgatlin,5,h100x8", "configs/ladder.py:FFN,SCALE,TARGET whose consumption is the bar."
+    ),
+    chips_per_host=flags.DEFINE_integer("chips_per_host", 0, "Chips one host feeds; 0: a GPU target's node, 4 on TPU."),
+    workers=flags.DEFINE_integer("workers", 1, "Tokenizer processes writing the pre-tokenized corpus."),
+    steps=flags.DEFINE_integer("steps", 20, "Batches timed per path (after two warm-up ones)."),
+    config=flags.DEFINE_string("config", "configs/tiny.py", "--path=step: config file, optionally with ':ARG'."),
+    train_steps=flags.DEFINE_integer("train_steps", 10, "--path=step: train steps timed."),
+  )
 
 
 def config_from_file(spec: str) -> ml_collections.ConfigDict:
@@ -399,9 +402,9 @@ def compare_step(args: SimpleNamespace) -> None:
     print(f"{name:<36}{seconds * 1e3:>10.2f}{tokens / seconds:>14,.0f}{step_s / seconds:>14.1f}")
 
 
-def absl_main(argv) -> None:
+def absl_main(argv, holders: dict) -> None:
   del argv
-  args = SimpleNamespace(**{name: holder.value for name, holder in _FLAGS.items()})
+  args = SimpleNamespace(**{name: holder.value for name, holder in holders.items()})
   try:
     if args.path == "step":
       compare_step(args)
@@ -415,7 +418,8 @@ def absl_main(argv) -> None:
 
 def main():
   """The `sparsetx-bench-data` entry point."""
-  cli.run(absl_main)
+  holders = define_flags()
+  cli.run(lambda argv: absl_main(argv, holders))
 
 
 if __name__ == "__main__":
