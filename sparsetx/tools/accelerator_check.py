@@ -30,10 +30,14 @@ from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
 from sparsetx.parallel import hardware
 from sparsetx.train import timing as train_timing
 
-_SMALL = flags.DEFINE_bool("small", False, "Tiny shapes, kernels in interpret mode: the CPU form CI runs.")
 U32 = 2.0**-24  # float32 unit roundoff
 REASSOCIATION = 4  # a device may sum in another order (tree, split-k): the bound's allowance for it
 TRAIN_TYPES = ["mlp", "sgatlin", "fff", "moe"]
+
+
+def define_flags() -> dict:
+  """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
+  return dict(small=flags.DEFINE_bool("small", False, "Tiny shapes, kernels in interpret mode: the CPU form CI runs."))
 
 
 def kernel_case(small: bool):
@@ -158,9 +162,9 @@ def format_table(rows) -> str:
   return "\n".join(lines)
 
 
-def absl_main(argv):
+def absl_main(argv, holders: dict):
   del argv
-  small = _SMALL.value
+  small = holders["small"].value
   start = time.perf_counter()
   device = jax.devices()[0]
   rows = []
@@ -176,7 +180,8 @@ def absl_main(argv):
 
 def main():
   """The `sparsetx-accelerator-check` entry point."""
-  cli.run(absl_main)
+  holders = define_flags()
+  cli.run(lambda argv: absl_main(argv, holders))
 
 
 if __name__ == "__main__":

@@ -20,11 +20,14 @@ from sparsetx import cli
 from sparsetx.kernels import timing
 from sparsetx.parallel import hardware
 
-_FLAGS = dict(
-  small=flags.DEFINE_bool("small", False, "A tiny shape, kernels in interpret mode (a smoke check anywhere)."),
-  dtype=flags.DEFINE_string("dtype", "bfloat16", "Table and activation dtype."),
-  repeats=flags.DEFINE_integer("repeats", 20, "Timed calls per variant (median)."),
-)
+
+def define_flags() -> dict:
+  """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
+  return dict(
+    small=flags.DEFINE_bool("small", False, "A tiny shape, kernels in interpret mode (a smoke check anywhere)."),
+    dtype=flags.DEFINE_string("dtype", "bfloat16", "Table and activation dtype."),
+    repeats=flags.DEFINE_integer("repeats", 20, "Timed calls per variant (median)."),
+  )
 
 
 def format_rows(results, peak_bytes_per_s) -> str:
@@ -43,9 +46,9 @@ def hbm_peak() -> float | None:
   return chip.hbm_bandwidth if chip else None
 
 
-def absl_main(argv):
+def absl_main(argv, holders: dict):
   del argv
-  args = SimpleNamespace(**{name: holder.value for name, holder in _FLAGS.items()})
+  args = SimpleNamespace(**{name: holder.value for name, holder in holders.items()})
   peak = hbm_peak()
   print(
     f"jax {jax.__version__} on {jax.devices()[0].device_kind}; HBM peak {f'{peak / 1e9:,.0f} GB/s' if peak else 'unknown'}"
@@ -55,7 +58,8 @@ def absl_main(argv):
 
 def main():
   """The `sparsetx-bench-kernels` entry point."""
-  cli.run(absl_main)
+  holders = define_flags()
+  cli.run(lambda argv: absl_main(argv, holders))
 
 
 if __name__ == "__main__":

@@ -200,21 +200,23 @@ def plot(path, rungs, fff_rows, sweep_variants, n_keys_list):
   print(f"\nwrote {path}")
 
 
-_FLAGS = dict(
-  tokens=flags.DEFINE_integer("tokens", 2048, "Tokens per step (a multiple of 256)."),
-  dtype=flags.DEFINE_string("dtype", "float32", "Compute dtype (float32 is what a CPU runs fast)."),
-  scales=cli.define_integer_list("scales", [2, 4], "Ladder rungs (d_model = 128 * scale)."),
-  fff_depths=cli.define_integer_list("fff_depths", [4, 6, 8], "FFF tree depths."),
-  sweep_n_keys=cli.define_integer_list("sweep_n_keys", [32, 64, 128, 256, 512], "sgatlin n_keys of the d_ffw sweep."),
-  sweep_scale=flags.DEFINE_integer("sweep_scale", 1, "Ladder rung of the d_ffw sweep."),
-  rounds=flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds (median)."),
-  png=flags.DEFINE_string("png", None, "Write the plot to this PNG file."),
-)
+def define_flags() -> dict:
+  """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
+  return dict(
+    tokens=flags.DEFINE_integer("tokens", 2048, "Tokens per step (a multiple of 256)."),
+    dtype=flags.DEFINE_string("dtype", "float32", "Compute dtype (float32 is what a CPU runs fast)."),
+    scales=cli.define_integer_list("scales", [2, 4], "Ladder rungs (d_model = 128 * scale)."),
+    fff_depths=cli.define_integer_list("fff_depths", [4, 6, 8], "FFF tree depths."),
+    sweep_n_keys=cli.define_integer_list("sweep_n_keys", [32, 64, 128, 256, 512], "sgatlin n_keys of the d_ffw sweep."),
+    sweep_scale=flags.DEFINE_integer("sweep_scale", 1, "Ladder rung of the d_ffw sweep."),
+    rounds=flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds (median)."),
+    png=flags.DEFINE_string("png", None, "Write the plot to this PNG file."),
+  )
 
 
-def absl_main(argv):
+def absl_main(argv, holders: dict):
   del argv
-  args = SimpleNamespace(**{name: holder.value for name, holder in _FLAGS.items()})
+  args = SimpleNamespace(**{name: holder.value for name, holder in holders.items()})
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {jax.device_count()} device(s)")
   try:  # a flag giving an invalid layer (e.g. --sweep_n_keys at or below top_k) is one error line
     rungs = [(s, rung(s, args.tokens, args.dtype, args.rounds)) for s in args.scales]
@@ -228,7 +230,8 @@ def absl_main(argv):
 
 def main():
   """The `sparsetx-bench-layers` entry point."""
-  cli.run(absl_main)
+  holders = define_flags()
+  cli.run(lambda argv: absl_main(argv, holders))
 
 
 if __name__ == "__main__":

@@ -25,14 +25,17 @@ from sparsetx import config as config_lib
 from sparsetx.evaluate import sampling
 from sparsetx.models.transformer import Transformer
 
-_FLAGS = dict(
-  config=flags.DEFINE_string("config", "configs/tiny.py", "A config file taking the ffn type as its argument."),
-  ffn=flags.DEFINE_list("ffn", ["mlp", "sgatlin", "fff"], "Feed-forward types."),
-  dtype=flags.DEFINE_string("dtype", "float32", "config.model.dtype."),
-  batch=flags.DEFINE_integer("batch", 8, "Prompts per call."),
-  prompt=flags.DEFINE_integer("prompt", 64, "Tokens per prompt."),
-  new=flags.DEFINE_integer("new", 64, "Greedy tokens generated per prompt."),
-)
+
+def define_flags() -> dict:
+  """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
+  return dict(
+    config=flags.DEFINE_string("config", "configs/tiny.py", "A config file taking the ffn type as its argument."),
+    ffn=flags.DEFINE_list("ffn", ["mlp", "sgatlin", "fff"], "Feed-forward types."),
+    dtype=flags.DEFINE_string("dtype", "float32", "config.model.dtype."),
+    batch=flags.DEFINE_integer("batch", 8, "Prompts per call."),
+    prompt=flags.DEFINE_integer("prompt", 64, "Tokens per prompt."),
+    new=flags.DEFINE_integer("new", 64, "Greedy tokens generated per prompt."),
+  )
 
 
 def load_config(path: str, ffn: str, dtype: str) -> ml_collections.ConfigDict:
@@ -59,9 +62,9 @@ def seconds_per_call(sampler, prompts, new_tokens):
   return min(times), tokens
 
 
-def absl_main(argv):
+def absl_main(argv, holders: dict):
   del argv
-  args = SimpleNamespace(**{name: holder.value for name, holder in _FLAGS.items()})
+  args = SimpleNamespace(**{name: holder.value for name, holder in holders.items()})
   print(f"{args.config}, {args.dtype}, batch {args.batch}, prompt {args.prompt}, {args.new} new tokens (greedy)")
   print(f"{'ffn':<10}{'recompute s':>12}{'kv cache s':>12}{'speed-up':>10}{'same tokens':>13}")
   for ffn in args.ffn:
@@ -85,7 +88,8 @@ def absl_main(argv):
 
 def main():
   """The `sparsetx-bench-sampling` entry point."""
-  cli.run(absl_main)
+  holders = define_flags()
+  cli.run(lambda argv: absl_main(argv, holders))
 
 
 if __name__ == "__main__":

@@ -133,16 +133,18 @@ def full_table(s1, s2, rounds):
     )
 
 
-_FLAGS = dict(
-  tokens=flags.DEFINE_integer("tokens", 2048, "Tokens per step (a multiple of 2048)."),
-  scales=cli.define_integer_list("scales", [2, 4], "Ladder scales (n_keys 40, 64)."),
-  rounds=flags.DEFINE_integer("rounds", 15, "Interleaved timing rounds (median)."),
-)
+def define_flags() -> dict:
+  """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
+  return dict(
+    tokens=flags.DEFINE_integer("tokens", 2048, "Tokens per step (a multiple of 2048)."),
+    scales=cli.define_integer_list("scales", [2, 4], "Ladder scales (n_keys 40, 64)."),
+    rounds=flags.DEFINE_integer("rounds", 15, "Interleaved timing rounds (median)."),
+  )
 
 
-def absl_main(argv):
+def absl_main(argv, holders: dict):
   del argv
-  args = SimpleNamespace(**{name: holder.value for name, holder in _FLAGS.items()})
+  args = SimpleNamespace(**{name: holder.value for name, holder in holders.items()})
   if args.tokens % 2048:
     cli.fail(f"--tokens={args.tokens} must be a multiple of 2048 (the largest row chunk over 16 channels).")
   print(
@@ -161,7 +163,8 @@ def absl_main(argv):
 
 def main():
   """The `sparsetx-bench-top-k` entry point."""
-  cli.run(absl_main)
+  holders = define_flags()
+  cli.run(lambda argv: absl_main(argv, holders))
 
 
 if __name__ == "__main__":

@@ -22,21 +22,24 @@ from sparsetx import cli
 from sparsetx import config as config_lib
 from sparsetx.train import timing
 
-_FLAGS = dict(
-  types=flags.DEFINE_list("types", list(config_lib.FFN_TYPES), "Feed-forward types; the first one is the baseline."),
-  scale=flags.DEFINE_integer("scale", None, "Ladder rung (default 2; 1 with --small)."),
-  batch=flags.DEFINE_integer("batch", 8, "Sequences per step."),
-  seq_len=flags.DEFINE_integer("seq_len", None, "Default 512; 64 with --small."),
-  dtype=flags.DEFINE_string("dtype", None, "Default bfloat16; float32 with --small (what a CPU runs fast)."),
-  rounds=flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds (median)."),
-  small=flags.DEFINE_bool("small", False, "A CPU-sized shape: scale 1, 2 layers, vocab 512, 8 x 64."),
-  peak_tflops=flags.DEFINE_float("peak_tflops", None, "Peak bf16 TFLOP/s per device for MFU."),
-)
+
+def define_flags() -> dict:
+  """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
+  return dict(
+    types=flags.DEFINE_list("types", list(config_lib.FFN_TYPES), "Feed-forward types; the first one is the baseline."),
+    scale=flags.DEFINE_integer("scale", None, "Ladder rung (default 2; 1 with --small)."),
+    batch=flags.DEFINE_integer("batch", 8, "Sequences per step."),
+    seq_len=flags.DEFINE_integer("seq_len", None, "Default 512; 64 with --small."),
+    dtype=flags.DEFINE_string("dtype", None, "Default bfloat16; float32 with --small (what a CPU runs fast)."),
+    rounds=flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds (median)."),
+    small=flags.DEFINE_bool("small", False, "A CPU-sized shape: scale 1, 2 layers, vocab 512, 8 x 64."),
+    peak_tflops=flags.DEFINE_float("peak_tflops", None, "Peak bf16 TFLOP/s per device for MFU."),
+  )
 
 
-def absl_main(argv):
+def absl_main(argv, holders: dict):
   del argv
-  args = timing.with_defaults(SimpleNamespace(**{name: holder.value for name, holder in _FLAGS.items()}))
+  args = timing.with_defaults(SimpleNamespace(**{name: holder.value for name, holder in holders.items()}))
   devices = jax.devices()
   peak = timing.peak_flops(args, devices)
   print(
@@ -69,7 +72,8 @@ def absl_main(argv):
 
 def main():
   """The `sparsetx-bench-train-step` entry point."""
-  cli.run(absl_main)
+  holders = define_flags()
+  cli.run(lambda argv: absl_main(argv, holders))
 
 
 if __name__ == "__main__":
