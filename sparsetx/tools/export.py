@@ -15,38 +15,47 @@ damaged checkpoint) print one `error:` line; exit code 2.
 
 import json
 import os
+from types import SimpleNamespace
 
 from absl import flags
 
 from sparsetx import cli
 from sparsetx.config import ConfigError
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Export: the training run to read. Import: the new run directory.")
-_OUT = flags.DEFINE_string("out", None, "Export: the directory to write (must be new or empty, or --overwrite).")
-_STEP = flags.DEFINE_integer("step", None, "Export: the checkpoint step (default: the latest).")
-_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an earlier export (or imported workdir) at the target.")
-_KIND = flags.DEFINE_enum("kind", "auto", ["auto", "neox", "custom"], "Export: GPT-NeoX when exact (auto), or forced.")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Export: dtype of the saved weights.")
-_IMPORT_FROM = flags.DEFINE_string("import_from", None, "Import: an HF directory to convert into a checkpoint.")
-_CONFIG = cli.define_config_file("config", None, "Import: the training config (data, train) to continue with.")
+
+def define_flags() -> dict:
+  """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
+  return dict(
+    workdir=flags.DEFINE_string("workdir", None, "Export: the training run to read. Import: the new run directory."),
+    out=flags.DEFINE_string("out", None, "Export: the directory to write (must be new or empty, or --overwrite)."),
+    step=flags.DEFINE_integer("step", None, "Export: the checkpoint step (default: the latest)."),
+    overwrite=flags.DEFINE_bool("overwrite", False, "Replace an earlier export (or imported workdir) at the target."),
+    kind=flags.DEFINE_enum(
+      "kind", "auto", ["auto", "neox", "custom"], "Export: GPT-NeoX when exact (auto), or forced."
+    ),
+    dtype=flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Export: dtype of the saved weights."),
+    import_from=flags.DEFINE_string("import_from", None, "Import: an HF directory to convert into a checkpoint."),
+    config=cli.define_config_file("config", None, "Import: the training config (data, train) to continue with."),
+  )
 
 
-def absl_main(argv):
+def absl_main(argv, holders: dict):
   del argv
+  args = SimpleNamespace(**{name: holder.value for name, holder in holders.items()})
   from sparsetx.hf import export
 
   try:
-    if not _WORKDIR.value:
+    if not args.workdir:
       raise ConfigError("--workdir is required: the run to export, or the new run directory to import into.")
-    if _IMPORT_FROM.value:
-      if _OUT.value:
+    if args.import_from:
+      if args.out:
         raise ConfigError("--out and --import_from exclude each other: export writes --out, import writes --workdir.")
-      config = export.import_hf(_IMPORT_FROM.value, _WORKDIR.value, overwrite=_OVERWRITE.value, config=_CONFIG.value)
+      config = export.import_hf(args.import_from, args.workdir, overwrite=args.overwrite, config=args.config)
       print(
         json.dumps(
           dict(
-            imported=os.path.abspath(_IMPORT_FROM.value),
-            workdir=os.path.abspath(_WORKDIR.value),
+            imported=os.path.abspath(args.import_from),
+            workdir=os.path.abspath(args.workdir),
             step=0,
             model=config.model.to_dict(),
           ),
@@ -54,10 +63,10 @@ def absl_main(argv):
         )
       )
     else:
-      if not _OUT.value:
+      if not args.out:
         raise ConfigError("--out is required to export: the directory to write the Hugging Face files to.")
       summary = export.export(
-        _WORKDIR.value, _OUT.value, step=_STEP.value, overwrite=_OVERWRITE.value, kind=_KIND.value, dtype=_DTYPE.value
+        args.workdir, args.out, step=args.step, overwrite=args.overwrite, kind=args.kind, dtype=args.dtype
       )
       print(json.dumps(summary, indent=1))
   except ConfigError as error:
@@ -66,7 +75,8 @@ def absl_main(argv):
 
 def main():
   """The `sparsetx-export` entry point."""
-  cli.run(absl_main)
+  holders = define_flags()
+  cli.run(lambda argv: absl_main(argv, holders))
 
 
 if __name__ == "__main__":

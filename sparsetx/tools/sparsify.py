@@ -14,19 +14,28 @@ that the trainer starts from (fresh optimizer state and data stream; pass it the
 printed below) and sparsify.json, the parameters copied / new / dropped by group.
 """
 
+from types import SimpleNamespace
+
 from absl import flags
 
 from sparsetx import cli
 from sparsetx.config import ConfigError
 
-_CONFIG = cli.define_config_file(
-  "config", "configs/tiny.py:fff", "Target config file, optionally ':ARG'.", lock_config=True
-)
-_SOURCE = flags.DEFINE_string("source", None, "A sparsetx workdir holding the dense checkpoint to start from.")
-_FROM_HF = flags.DEFINE_string("from_hf", None, "Instead of --source: an HF GPT-NeoX (or sparsetx export) directory.")
-_SOURCE_STEP = flags.DEFINE_integer("source_step", None, "The source checkpoint's step (default: its latest).")
-_WORKDIR = flags.DEFINE_string("workdir", None, "The new workdir the step-0 checkpoint is written to.", required=True)
-_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a run already in --workdir (its checkpoints and metrics).")
+
+def define_flags() -> dict:
+  """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
+  return dict(
+    config=cli.define_config_file(
+      "config", "configs/tiny.py:fff", "Target config file, optionally ':ARG'.", lock_config=True
+    ),
+    source=flags.DEFINE_string("source", None, "A sparsetx workdir holding the dense checkpoint to start from."),
+    from_hf=flags.DEFINE_string("from_hf", None, "Instead of --source: an HF GPT-NeoX (or sparsetx export) directory."),
+    source_step=flags.DEFINE_integer("source_step", None, "The source checkpoint's step (default: its latest)."),
+    workdir=flags.DEFINE_string("workdir", None, "The new workdir the step-0 checkpoint is written to.", required=True),
+    overwrite=flags.DEFINE_bool(
+      "overwrite", False, "Replace a run already in --workdir (its checkpoints and metrics)."
+    ),
+  )
 
 
 def _dense_ffn_flags(wanted, given) -> list[str]:
@@ -38,38 +47,38 @@ def _dense_ffn_flags(wanted, given) -> list[str]:
   ]
 
 
-def absl_main(argv):
+def absl_main(argv, holders: dict):
   del argv
+  args = SimpleNamespace(**{name: holder.value for name, holder in holders.items()})
   from sparsetx import config as config_lib
   from sparsetx import sparsify
 
   try:
-    if bool(_SOURCE.value) == bool(_FROM_HF.value):
+    if bool(args.source) == bool(args.from_hf):
       raise ConfigError("give exactly one source: --source=WORKDIR (a sparsetx checkpoint) or --from_hf=DIR.")
-    given = _CONFIG.value
-    if _FROM_HF.value:
-      config, report = sparsify.sparsify_hf(_FROM_HF.value, given, _WORKDIR.value, _OVERWRITE.value)
+    given = args.config
+    if args.from_hf:
+      config, report = sparsify.sparsify_hf(args.from_hf, given, args.workdir, args.overwrite)
     else:
-      config, report = sparsify.sparsify_checkpoint(
-        _SOURCE.value, given, _WORKDIR.value, _OVERWRITE.value, _SOURCE_STEP.value
-      )
+      config, report = sparsify.sparsify_checkpoint(args.source, given, args.workdir, args.overwrite, args.source_step)
   except ConfigError as error:
     cli.fail(error)
   print(sparsify.format_report(report))
-  print(f"swapped layers: {report['swapped_layers']}; report: {_WORKDIR.value}/{sparsify.REPORT_FILE}")
+  print(f"swapped layers: {report['swapped_layers']}; report: {args.workdir}/{sparsify.REPORT_FILE}")
   extra = []
   if config_lib.is_mixed(config.model):
     extra = _dense_ffn_flags(config.model.dense_ffn.to_dict(), given.model.dense_ffn.to_dict())
   print(
     "Train on with the same --config and overrides"
     + (", plus " + " ".join(extra) if extra else "")
-    + f": python -m sparsetx.train --workdir={_WORKDIR.value} --config=... [--config.train.freeze_steps=N]"
+    + f": python -m sparsetx.train --workdir={args.workdir} --config=... [--config.train.freeze_steps=N]"
   )
 
 
 def main():
   """The `sparsetx-sparsify` entry point."""
-  cli.run(absl_main)
+  holders = define_flags()
+  cli.run(lambda argv: absl_main(argv, holders))
 
 
 if __name__ == "__main__":

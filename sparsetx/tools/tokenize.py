@@ -15,29 +15,38 @@ vocabulary, sources or input files) in DIR is an error unless --overwrite. Then 
 import os
 import signal
 import sys
+from types import SimpleNamespace
 
 from absl import flags, logging
 
 from sparsetx import cli
 from sparsetx.config import ConfigError
 
-_CONFIG = cli.define_config_file("config", "configs/tiny.py", "Config file, optionally with ':ARG'.", lock_config=True)
-_OUTPUT_DIR = flags.DEFINE_string(
-  "output_dir", None, "Directory of the tokenized corpus (local or gs://), new or one to finish.", required=True
-)
-_WORKERS = flags.DEFINE_integer(
-  "workers",
-  len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
-  "Worker processes tokenizing shards (default: this machine's CPUs; 1: in this process).",
-)
-_SHARDS = flags.DEFINE_integer("shards", 0, "Shards per split; 0: one per input file, at least --workers.")
-_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a corpus in --output_dir tokenized with another config.")
+
+def define_flags() -> dict:
+  """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
+  return dict(
+    config=cli.define_config_file(
+      "config", "configs/tiny.py", "Config file, optionally with ':ARG'.", lock_config=True
+    ),
+    output_dir=flags.DEFINE_string(
+      "output_dir", None, "Directory of the tokenized corpus (local or gs://), new or one to finish.", required=True
+    ),
+    workers=flags.DEFINE_integer(
+      "workers",
+      len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+      "Worker processes tokenizing shards (default: this machine's CPUs; 1: in this process).",
+    ),
+    shards=flags.DEFINE_integer("shards", 0, "Shards per split; 0: one per input file, at least --workers."),
+    overwrite=flags.DEFINE_bool("overwrite", False, "Replace a corpus in --output_dir tokenized with another config."),
+  )
 
 
 class ConsoleProgress:
   """One progress line: rewritten in place on a terminal, else logged every `interval` seconds and at the end."""
 
-  def __init__(self, interval: float = 10.0):
+  def __init__(self, output_dir: str, interval: float = 10.0):
+    self._output_dir = output_dir
     self._tty, self._interval, self._last = sys.stderr.isatty(), interval, -float("inf")
 
   def __call__(self, progress) -> None:
@@ -45,7 +54,7 @@ class ConsoleProgress:
       logging.info(
         "tokenizing %d shards into %s (%d already complete)",
         progress.shards_total - progress.shards_skipped,
-        _OUTPUT_DIR.value,
+        self._output_dir,
         progress.shards_skipped,
       )
       self._last = progress.seconds
@@ -66,36 +75,38 @@ def _stop(signum, frame) -> None:
   raise KeyboardInterrupt
 
 
-def absl_main(argv):
+def absl_main(argv, holders: dict):
   del argv  # words that are no flags: refused by cli.run
+  args = SimpleNamespace(**{name: holder.value for name, holder in holders.items()})
   if not flags.FLAGS["verbosity"].present:  # TensorFlow's C++ warnings repeat, with tracebacks, what fails here
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   from sparsetx.data import pretokenize
 
   signal.signal(signal.SIGTERM, _stop)  # the workers stop with this process; a rerun resumes
-  progress = ConsoleProgress()
+  progress = ConsoleProgress(args.output_dir)
   try:
     manifest = pretokenize.tokenize_corpus(
-      _CONFIG.value,
-      _OUTPUT_DIR.value,
-      workers=_WORKERS.value,
-      shards=_SHARDS.value,
-      overwrite=_OVERWRITE.value,
+      args.config,
+      args.output_dir,
+      workers=args.workers,
+      shards=args.shards,
+      overwrite=args.overwrite,
       progress=progress,
     )
   except (ConfigError, pretokenize.ShardError) as error:
     cli.fail(error)
   except KeyboardInterrupt:
-    cli.fail(f"interrupted; run the same command again to finish {_OUTPUT_DIR.value} (complete shards are kept).", 130)
+    cli.fail(f"interrupted; run the same command again to finish {args.output_dir} (complete shards are kept).", 130)
   counts = ", ".join(
     f"{task} ({', '.join(f'{s}: {n}' for s, n in splits.items())})" for task, splits in manifest["tasks"].items()
   )
-  logging.info("wrote %s: shards of %s", _OUTPUT_DIR.value, counts)
+  logging.info("wrote %s: shards of %s", args.output_dir, counts)
 
 
 def main():
   """The `sparsetx-tokenize` entry point."""
-  cli.run(absl_main)
+  holders = define_flags()
+  cli.run(lambda argv: absl_main(argv, holders))
 
 
 if __name__ == "__main__":
