@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 from absl import flags, logging  # noqa: F401  (logging defines --log_dir)
 
@@ -34,15 +35,19 @@ from sparsetx.config import ConfigError
 PREFIX = "launch_local:"
 
 
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes to start (N).")
-_DEVICES_PER_PROCESS = flags.DEFINE_integer("devices_per_process", 2, "Simulated CPU devices per process (M).")
-_PORT = flags.DEFINE_integer("port", 0, "Coordinator port on localhost (0: a free one).")
-_GRACE_PERIOD = flags.DEFINE_float(
-  "grace_period", 30.0, "Seconds the others get to stop on their own after one process fails."
-)
-# --log_dir (write process_<i>.log there instead of sharing this terminal) is absl.logging's own flag, read here:
-# the launcher itself logs nothing to files.
-_MODULE = flags.DEFINE_string("module", "sparsetx.train", "The Python module each process runs.")
+def define_flags() -> dict:
+  """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
+  return dict(
+    num_processes=flags.DEFINE_integer("num_processes", 2, "Processes to start (N)."),
+    devices_per_process=flags.DEFINE_integer("devices_per_process", 2, "Simulated CPU devices per process (M)."),
+    port=flags.DEFINE_integer("port", 0, "Coordinator port on localhost (0: a free one)."),
+    grace_period=flags.DEFINE_float(
+      "grace_period", 30.0, "Seconds the others get to stop on their own after one process fails."
+    ),
+    # --log_dir (write process_<i>.log there instead of sharing this terminal) is absl.logging's own flag, read
+    # here: the launcher itself logs nothing to files.
+    module=flags.DEFINE_string("module", "sparsetx.train", "The Python module each process runs."),
+  )
 
 
 def free_port() -> int:
@@ -71,20 +76,23 @@ def describe(returncode: int) -> str:
   return f"exited with code {returncode}"
 
 
-def start(forwarded) -> list[subprocess.Popen]:
-  port = _PORT.value or free_port()
-  env = child_env(_DEVICES_PER_PROCESS.value)
+def start(
+  forwarded: list[str], *, num_processes: int, devices_per_process: int, port: int, module: str
+) -> list[subprocess.Popen]:
+  """`num_processes` processes of `python -m module *forwarded`, joined at localhost:`port` (0: a free one)."""
+  port = port or free_port()
+  env = child_env(devices_per_process)
   processes = []
   where = f"in {flags.FLAGS.log_dir}/process_<i>.log" if flags.FLAGS.log_dir else "here, each line prefixed [i]"
-  say(f"{PREFIX} {_NUM_PROCESSES.value} processes x {_DEVICES_PER_PROCESS.value} CPU devices; their output {where}")
-  for i in range(_NUM_PROCESSES.value):
+  say(f"{PREFIX} {num_processes} processes x {devices_per_process} CPU devices; their output {where}")
+  for i in range(num_processes):
     command = [
       sys.executable,
       "-m",
-      _MODULE.value,
+      module,
       *forwarded,
       f"--coordinator_address=localhost:{port}",
-      f"--num_processes={_NUM_PROCESSES.value}",
+      f"--num_processes={num_processes}",
       f"--process_id={i}",
     ]
     if flags.FLAGS.log_dir:
@@ -154,16 +162,25 @@ def supervise(processes: list[subprocess.Popen], grace_period: float) -> int:
   return 0 if first_failure is None else exit_code(processes[first_failure].returncode)
 
 
-def absl_main(argv) -> int:
+def absl_main(argv, holders: dict) -> int:
   """argv: the program name, then what followed `--` (absl stops parsing its own flags there)."""
-  if _NUM_PROCESSES.value < 1 or _DEVICES_PER_PROCESS.value < 1:
+  args = SimpleNamespace(**{name: holder.value for name, holder in holders.items()})
+  if args.num_processes < 1 or args.devices_per_process < 1:
     cli.fail(ConfigError("--num_processes and --devices_per_process must be at least 1."))
-  return supervise(start(argv[1:]), _GRACE_PERIOD.value)
+  processes = start(
+    argv[1:],
+    num_processes=args.num_processes,
+    devices_per_process=args.devices_per_process,
+    port=args.port,
+    module=args.module,
+  )
+  return supervise(processes, args.grace_period)
 
 
 def main():
   """The `sparsetx-launch-local` entry point."""
-  cli.run(absl_main, forwards_after_dashdash=True)
+  holders = define_flags()
+  cli.run(lambda argv: absl_main(argv, holders), forwards_after_dashdash=True)
 
 
 if __name__ == "__main__":
