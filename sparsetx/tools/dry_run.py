@@ -60,6 +60,7 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import time  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 import jax  # noqa: E402
 from absl import flags  # noqa: E402
@@ -73,27 +74,33 @@ from sparsetx.parallel import mesh as mesh_lib  # noqa: E402
 from sparsetx.train import aot, layer_cost  # noqa: E402
 from sparsetx.train import state as state_lib  # noqa: E402
 
-_CONFIG = cli.define_config_file("config", "configs/tiny.py", "Config file, optionally with ':ARG'.")
-_DEVICES = flags.DEFINE_integer("devices", 8, "Simulated CPU devices (the mesh's size).")
-_SWEEP = flags.DEFINE_list("expert_sweep", [], "Expert-axis sizes for a per-device sparse-table bytes table.")
-_TARGET = flags.DEFINE_enum(
-  "target", "all", [*hardware.CHIPS, "all"], "Chip of the projected step time (roofline), or all of them."
-)
-_REMAT_SWEEP = flags.DEFINE_bool(
-  "remat_sweep", False, "Also compile the step with every config.model.remat policy and print its temp memory."
-)
-_PLATFORM = flags.DEFINE_enum(
-  "platform",
-  "cpu",
-  ["cpu", *aot.LOWERING_PLATFORMS],
-  "cpu: compile on the simulated devices and report; cuda | tpu: lower the train step for that target and list its custom calls.",
-)
-_CHIP = flags.DEFINE_string(
-  "chip", None, "With --platform=tpu: the chip to lower for (v4, v5e, v5p, v6e; default v5p)."
-)
-_SPLIT = flags.DEFINE_bool(
-  "split_d_model", False, "Split neuron tables by d_model over the expert axis (D_MODEL_SPLIT_RULES first)."
-)
+
+def define_flags() -> dict:
+  """The program's absl flags; defined only when run as a program, so tests import this module next to others.
+  (--devices is also read from sys.argv at import, above: the device count must be set before jax is imported.)"""
+  return dict(
+    config=cli.define_config_file("config", "configs/tiny.py", "Config file, optionally with ':ARG'."),
+    devices=flags.DEFINE_integer("devices", 8, "Simulated CPU devices (the mesh's size)."),
+    expert_sweep=flags.DEFINE_list("expert_sweep", [], "Expert-axis sizes for a per-device sparse-table bytes table."),
+    target=flags.DEFINE_enum(
+      "target", "all", [*hardware.CHIPS, "all"], "Chip of the projected step time (roofline), or all of them."
+    ),
+    remat_sweep=flags.DEFINE_bool(
+      "remat_sweep", False, "Also compile the step with every config.model.remat policy and print its temp memory."
+    ),
+    platform=flags.DEFINE_enum(
+      "platform",
+      "cpu",
+      ["cpu", *aot.LOWERING_PLATFORMS],
+      "cpu: compile on the simulated devices and report; cuda | tpu: lower the train step for that target and list its custom calls.",
+    ),
+    chip=flags.DEFINE_string(
+      "chip", None, "With --platform=tpu: the chip to lower for (v4, v5e, v5p, v6e; default v5p)."
+    ),
+    split_d_model=flags.DEFINE_bool(
+      "split_d_model", False, "Split neuron tables by d_model over the expert axis (D_MODEL_SPLIT_RULES first)."
+    ),
+  )
 
 
 def with_d_model_split(config):
@@ -151,35 +158,36 @@ def print_analytic(config, mesh, chips, report=None) -> None:
   print(roofline.format_projections(projections, title))
 
 
-def absl_main(argv):
+def absl_main(argv, holders: dict):
   del argv
-  config = with_d_model_split(_CONFIG.value) if _SPLIT.value else _CONFIG.value
+  args = SimpleNamespace(**{name: holder.value for name, holder in holders.items()})
+  config = with_d_model_split(args.config) if args.split_d_model else args.config
   try:
     check_files(config_lib.validate(config))
-    devices = jax.devices()[: _DEVICES.value]
+    devices = jax.devices()[: args.devices]
     granules = aot.dcn_granule_count(config)
     mesh = state_lib.checked_mesh(config, devices, granules)
     start = time.time()
-    if _PLATFORM.value != "cpu":
-      print_lowering(config, mesh, _PLATFORM.value, _CHIP.value)
+    if args.platform != "cpu":
+      print_lowering(config, mesh, args.platform, args.chip)
       print(f"lowered (not compiled) in {time.time() - start:.0f} s")
-      print_analytic(config, mesh, hardware.chips(_TARGET.value))
+      print_analytic(config, mesh, hardware.chips(args.target))
       return
     report = aot.dry_run(config, mesh, mesh_lib.granule_of(devices, granules))
   except config_lib.ConfigError as error:
     cli.fail(error)
   print(aot.format_report(report))
-  print(aot.format_device_memory(aot.device_memory(config, mesh, report), hardware.chips(_TARGET.value)))
+  print(aot.format_device_memory(aot.device_memory(config, mesh, report), hardware.chips(args.target)))
   print(f"lowered and compiled in {time.time() - start:.0f} s")
-  print(roofline.format_projections([roofline.project(report, chip) for chip in hardware.chips(_TARGET.value)]))
-  print_analytic(config, mesh, hardware.chips(_TARGET.value), report)
-  if _REMAT_SWEEP.value:
+  print(roofline.format_projections([roofline.project(report, chip) for chip in hardware.chips(args.target)]))
+  print_analytic(config, mesh, hardware.chips(args.target), report)
+  if args.remat_sweep:
     print_remat_rows(aot.remat_rows(config, mesh))
-  if _SWEEP.value:
+  if args.expert_sweep:
     print("sparse tables per device by expert-axis size (data takes the other devices):")
     print(f"  {'expert':>6}  {'bytes':>14}  {'x expert':>14}  split by")
     try:
-      rows = sweep_table_bytes(_CONFIG.value, devices, [int(e) for e in _SWEEP.value])
+      rows = sweep_table_bytes(args.config, devices, [int(e) for e in args.expert_sweep])
     except config_lib.ConfigError as error:
       cli.fail(error)
     for expert, nbytes, layout in rows:
@@ -188,7 +196,8 @@ def absl_main(argv):
 
 def main():
   """The `sparsetx-dry-run` entry point."""
-  cli.run(absl_main)
+  holders = define_flags()
+  cli.run(lambda argv: absl_main(argv, holders))
 
 
 if __name__ == "__main__":
