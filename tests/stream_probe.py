@@ -9,7 +9,6 @@ import hashlib
 import json
 import os
 
-from sparsetx import cli
 from sparsetx.data import global_stream, pipeline
 from sparsetx.train import __main__ as train_main
 
@@ -31,4 +30,4 @@ def _recording_next_local(self):
 global_stream.GlobalStream.next_local = _recording_next_local
 
 if __name__ == "__main__":
-  cli.run(train_main.main)
+  train_main.main()
