@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 
+from sparsetx import cli  # noqa: F401  (first: its quiet console filters TensorFlow's start-up notices)
 from sparsetx.data import global_stream, pipeline
 from sparsetx.train import __main__ as train_main
 
