@@ -36,6 +36,7 @@ from sparsetx.models.ffn.spec import Circuit, FfnSpec, Units, dense_width
 from sparsetx.parallel import dispatch
 
 TABLE_AXES = ("tree", "node", "embed")  # w_in, w_out [P, n_nodes, d_model]
+BIAS_AXES = ("tree", "node")  # b_in [P, n_nodes]
 
 
 def n_nodes(depth: int) -> int:
@@ -67,11 +68,13 @@ class Fff(nn.Module):
     P, L, D = ffn.n_trees, ffn.depth + 1, self.cfg.d_model
     Z = n_nodes(ffn.depth)
     dtype, param_dtype = jnp.dtype(self.cfg.dtype), jnp.dtype(self.cfg.param_dtype)
+    placement = dispatch.placement_of(ffn) if ffn.implementation == "sparse" else "expert"
+    table_names, bias_names = (dispatch.placed_names(n, placement) for n in (TABLE_AXES, BIAS_AXES))
     in_init = symmetric_uniform(1.0 / D**0.5)
-    w_in = self.param("w_in", nn.with_logical_partitioning(in_init, TABLE_AXES), (P, Z, D), param_dtype)
-    b_in = self.param("b_in", nn.with_logical_partitioning(in_init, ("tree", "node")), (P, Z), param_dtype)
+    w_in = self.param("w_in", nn.with_logical_partitioning(in_init, table_names), (P, Z, D), param_dtype)
+    b_in = self.param("b_in", nn.with_logical_partitioning(in_init, bias_names), (P, Z), param_dtype)
     out_init = symmetric_uniform(1.0 / (L * P) ** 0.5)
-    w_out = self.param("w_out", nn.with_logical_partitioning(out_init, TABLE_AXES), (P, Z, D), param_dtype)
+    w_out = self.param("w_out", nn.with_logical_partitioning(out_init, table_names), (P, Z, D), param_dtype)
     b_out = self.param("b_out", nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)), (D,), param_dtype)
 
     gelu = gelu_for(ffn)
@@ -79,7 +82,17 @@ class Fff(nn.Module):
     if ffn.implementation == "sparse":
       options = options_from_config(ffn.get("kernel"))
       y_BTD, path_BTPL, z_BTPL = dispatch.tree_walk(
-        x_BTD, w_in, b_in, w_out, ffn.depth, act, options, table_axes=TABLE_AXES, field="config.model.ffn.n_trees"
+        x_BTD,
+        w_in,
+        b_in,
+        w_out,
+        ffn.depth,
+        act,
+        options,
+        table_axes=TABLE_AXES,
+        field="config.model.ffn.n_trees",
+        placement=placement,
+        bias_axes=BIAS_AXES,
       )
     else:
       z_BTPZ, mask_BTPZ, path_BTPL = masked_dense_forward(x_BTD, w_in, b_in, ffn.depth)

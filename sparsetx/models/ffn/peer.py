@@ -33,7 +33,7 @@ class Peer(nn.Module):
   def __call__(self, x_BTD):
     ffn = self.cfg.ffn
     F, D = ffn.d_ffw, self.cfg.d_model
-    table = dispatch.NeuronTable(TABLE_AXES, None, 1, "config.model.ffn")
+    table = dispatch.NeuronTable(TABLE_AXES, None, 1, "config.model.ffn", dispatch.placement_of(ffn))
     x_BTD = dispatch.place_on_token_shards(x_BTD, table)
     scores_BTCK, idx_BTCK = make_router("peer", ffn, jnp.dtype(self.cfg.param_dtype))(x_BTD)
     scores_BTCK = dispatch.place_on_token_shards(scores_BTCK, table)
@@ -46,7 +46,7 @@ class Peer(nn.Module):
       "experts",
       nn.with_logical_partitioning(
         nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)),
-        TABLE_AXES,
+        table.stored_axes,
       ),
       (2, F, D),
       jnp.dtype(self.cfg.param_dtype),
