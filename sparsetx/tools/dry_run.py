@@ -143,6 +143,7 @@ def print_analytic(config, mesh, chips, report=None) -> None:
   move and compute, which the CPU-compiled program's counts cannot show. With a compiled `report`, its
   collectives outside the feed-forward layers join the projection."""
   mesh_shape = dict(mesh.shape)
+  print(layer_cost.format_placements(config, mesh_shape))
   print(layer_cost.format_config_layers(config, mesh_shape, chips))
   tokens = config.data.global_batch_size * config.data.seq_len
   model_flops = 3.0 * ladder.forward_flops_per_token(config.model, config.data.seq_len)["total"] * tokens
