@@ -435,13 +435,13 @@ def expert_dispatch(
   devices of its k experts and back (`all_to_all_experts`); an expert axis that does not split the batch holds the
   same tokens on every device, so each runs experts_fn on them for its own experts and the outputs are summed.
   Placements fsdp and data: every expert on every device (`on_own_tokens`), the tables stored with `table_names`
-  (each table's logical names as the layer gives them) as placed.
+  (each table's logical names as the layer gives them; default table_axes for each) as placed.
   """
   B, T, D = x_BTD.shape
   A = ids_BTA.shape[-1]
   flat = (x_BTD.reshape(B * T, D), ids_BTA.reshape(B * T, A), weights_BTA.reshape(B * T, A))
   if placement != "expert":
-    names = tuple(placed_names(n, placement) for n in table_names)
+    names = tuple(placed_names(n, placement) for n in (table_names or (table_axes,) * len(tables)))
     (y_ND,) = on_own_tokens(lambda *args: (experts_fn(*args),), flat, tuple(tables), names)
     return y_ND.reshape(B, T, D)
   group = ep.expert_group(table_axes[0], tables[0].shape[0], B * T, field)

@@ -30,7 +30,14 @@ matmul outputs, so only the non-matmul forward phases (kernels, top-k, sorts) an
 MoE assumes balanced routing (n k pairs per device on average, sent by ragged all-to-all; the dropless receive
 buffer holds all N k pairs of the group, which the receive sort and permutation touch).
 
-Not modeled: the tensor axis (assumed 1), micro-batches (one pass of the batch), norms, biases of dense layers,
+Table placements (dispatch.py): expert as above; fsdp and data run the kernels on the own tokens with whole tables
+(E = G = 1), fsdp gathering them over the batch shards and reduce-scattering their gradients, data all-reducing
+them. Micro-batches: the kernels and the tokens' collectives are one pass of the batch; a parameter's gather or
+gradient reduction inside the step's micro-batch loop runs once per micro-batch, except the reductions over the axes
+the loop runs per device along (once per step). `placement_options` compares the placements by the bytes each
+device sends (docs/expert_parallel.md, "Table placement").
+
+Not modeled: the tensor axis (assumed 1), norms, biases of dense layers,
 kernel tiling overheads and latencies (peak rates: a lower bound, like roofline.py), caches: every picked row is
 read from HBM, though a device's table slice can fit in a GPU's L2 at small scales (docs/kernels.md).
 

@@ -68,7 +68,7 @@ class Fff(nn.Module):
     P, L, D = ffn.n_trees, ffn.depth + 1, self.cfg.d_model
     Z = n_nodes(ffn.depth)
     dtype, param_dtype = jnp.dtype(self.cfg.dtype), jnp.dtype(self.cfg.param_dtype)
-    placement = dispatch.placement_of(ffn) if ffn.implementation == "sparse" else "expert"
+    placement = dispatch.placement_of(ffn)  # masked_dense: the compiler moves the tables as they are stored
     table_names, bias_names = (dispatch.placed_names(n, placement) for n in (TABLE_AXES, BIAS_AXES))
     in_init = symmetric_uniform(1.0 / D**0.5)
     w_in = self.param("w_in", nn.with_logical_partitioning(in_init, table_names), (P, Z, D), param_dtype)
