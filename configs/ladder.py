@@ -15,6 +15,8 @@ the compiled step (aot.device_memory). E.g.
   configs/ladder.py:sgatlin,8,h100x8x4  4 nodes: expert=8 on NVLink, data=4 over the DCN
   configs/ladder.py:sgatlin,2,v5p-64    a v5p slice of 32 chips: expert=16 (sgatlin's 16 channels), data=2
 Forms: h100xG[xN], h200xG[xN], v5p-C[xN] (C TensorCores, 2 per chip), v6e-C[xN] (C chips).
+A rung on a target trains from a pre-tokenized corpus (config.data.require_tokenized): sparsetx-tokenize
+--config=... --output_dir=DIR once, then train with --config.data.tokenized_dir=DIR (README, Data).
 """
 
 from sparsetx import config as config_lib
@@ -45,6 +47,9 @@ def get_config(arg: str = "sgatlin,2"):
     config.data.update(seq_len=ladder.LADDER_SEQ_LEN, global_batch_size=128, eval_batch_size=128)
     targets.apply(config, parts[2], units(config.model))
     config.model.remat = remat_for(config, targets.parse(parts[2]))
+    config.data.require_tokenized = (
+      True  # trains on --config.data.tokenized_dir (sparsetx-tokenize); a dry run needs no data
+    )
   return config
 
 

@@ -26,6 +26,7 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 from sparsetx import config as config_lib  # noqa: E402
 
@@ -89,3 +90,63 @@ MICRO_SGATLIN_FLAGS = (
   "--config.data.global_batch_size=8",
   "--config.data.eval_batch_size=8",
 )
+
+
+def write_tokenized_corpus(directory, documents: dict, shards: int = 2) -> pathlib.Path:
+  """A tokenized corpus of the embedded tasks (what sparsetx-tokenize writes for them): `documents` maps a task
+  to {split: texts}, each text encoded with seqio's ByteVocabulary plus EOS, train split over `shards` shards."""
+  import seqio
+
+  from sparsetx.data import token_store
+
+  vocabulary = seqio.ByteVocabulary()
+  tasks = {}
+  for task, splits in documents.items():
+    tasks[task] = {}
+    for split, texts in splits.items():
+      encoded = [np.array(vocabulary.encode(text) + [vocabulary.eos_id], np.int32) for text in texts if text]
+      count = shards if split == "train" else 1
+      for i in range(count):
+        path = token_store.split_dir(directory, task, split) / token_store.shard_name(i, count)
+        token_store.write_shard(path, encoded[i::count], vocabulary.vocab_size)
+      tasks[task][split] = count
+  vocab_record = {"kind": "byte", "path": "", "vocab_size": vocabulary.vocab_size, "eos_id": vocabulary.eos_id}
+  token_store.write_manifest(directory, vocab_record, tasks)
+  return pathlib.Path(directory)
+
+
+@pytest.fixture(scope="session")
+def tokenized_corpus(tmp_path_factory) -> pathlib.Path:
+  """The embedded corpus (a part of each train split, the whole validation splits), tokenized."""
+  from sparsetx.data import corpus
+
+  documents = {
+    "stories": {"train": corpus.stories("train")[:1500], "validation": corpus.stories("validation")[:100]},
+    "facts": {"train": corpus.fact_documents("train")[:3000], "validation": corpus.fact_documents("validation")},
+  }
+  return write_tokenized_corpus(tmp_path_factory.mktemp("tokenized"), documents)
+
+
+MICRO_TRAIN_FLAGS = [  # a micro dense model the multi-process and command-line training tests start quickly
+  "--config.model.d_model=64",
+  "--config.model.n_layers=2",
+  "--config.model.max_len=32",
+  "--config.model.dtype=float32",
+  "--config.data.seq_len=32",
+  "--config.data.global_batch_size=8",
+  "--config.data.eval_batch_size=8",
+]
+
+
+class RecordingCheckpointer:
+  """Stands in for checkpointing.Checkpointer in `loop.restore`: records which restore the loop chose (the data
+  state lives in `data_directory`)."""
+
+  def __init__(self, data_directory):
+    self.data_directory, self.calls = str(data_directory), []
+
+  def restore_state(self, step, abstract_state):
+    self.calls.append(("model", step))
+
+  def restore(self, step, abstract_state, data_iterator):
+    self.calls.append(("model and data", step))

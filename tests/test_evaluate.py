@@ -109,15 +109,26 @@ def test_cli_on_another_mesh_reports_trainer_eval_and_greedy_sample(workdir, res
   assert lines[-1] == f"sample (float32): {vocabulary.decode(want)!r}"  # --sample_dtype's default
 
 
-def test_cli_samples_in_the_dtype_asked_for(workdir, restored):
-  """--sample_dtype=bfloat16 samples with the model in bfloat16 (the same sampler, built here, agrees), and says so."""
-  config, _, _, params, _ = restored
+def test_cli_evaluates_and_samples_in_the_dtypes_asked_for(workdir, restored):
+  """--eval_dtype / --sample_dtype=bfloat16 run the model in bfloat16 (the same evaluation and sampler, built
+  here, agree), and the report says so."""
+  config, mesh, _, params, _ = restored
   result = run_cli(
-    f"--workdir={workdir}", "--noeval", "--prompt=The ball was", "--max_new_tokens=6", "--sample_dtype=bfloat16"
+    f"--workdir={workdir}",
+    "--eval_batches=1",
+    "--eval_dtype=bfloat16",
+    "--prompt=The ball was",
+    "--max_new_tokens=6",
+    "--sample_dtype=bfloat16",
   )
   assert result.returncode == 0, result.stderr[-3000:]
   bf16 = config.copy_and_resolve_references()
   bf16.model.dtype = "bfloat16"
+  lines = result.stdout.splitlines()
+  assert lines[1] == "loss computed in bfloat16"
+  (facts,) = [line.split() for line in lines if line.startswith("facts ")]
+  want_loss = perplexity.evaluate(bf16, mesh, state_lib.build_model(bf16), params, eval_batches=1)["eval/facts/loss"]
+  assert float(facts[1]) == pytest.approx(want_loss, abs=5e-7)  # the same program; printed to 6 decimals
   vocabulary = checkpoint_lib.vocabulary(config)
   prompt = checkpoint_lib.encode_prompt(vocabulary, "The ball was")
   sampler = sampling.Sampler(state_lib.build_model(bf16), params, config.model.max_len, 1, vocabulary.eos_id)

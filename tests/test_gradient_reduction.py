@@ -1,12 +1,14 @@
-"""One gradient reduction per step (issue 25 item 5): with microbatches, the compiled train step on a data x expert
-mesh sums the parameters' gradients over devices after the microbatch loop, not inside it
-(train/step.py `_per_device_accumulation`), and its gradients equal the single-microbatch step's."""
+"""One gradient reduction per step (issue 25 item 5): with microbatches, the compiled train step sums every parameter's
+gradient over the devices after the microbatch loop, not inside it (train/step.py `_per_device_accumulation`: the
+loop manual over every batch axis, the tables as each device's blocks, every other parameter gathered once before
+it), and its loss and gradients equal the single-microbatch step's."""
 
 import math
 import re
 
 import jax
 import numpy as np
+import pytest
 from conftest import load_config, synthetic_batch
 
 from sparsetx import config as config_lib
@@ -20,13 +22,20 @@ EPS32 = float(np.finfo(np.float32).eps)
 REDUCTIONS = re.compile(r"= (\(.*?\)|\S+) (all-reduce|reduce-scatter)(?:-start)?\(")
 
 
-def mesh_config(microbatches: int, ffn_type: str = "sgatlin"):
-  """Tiny sgatlin on data=2 x expert=4: each device holds one channel's tables and 1/8 of the tokens."""
+MESHES = {  # each device 1/8 of the tokens
+  "data2_expert4": dict(data=2, fsdp=1, tensor=1, expert=4),  # one channel's tables per device
+  "data2_fsdp2_expert2": dict(data=2, fsdp=2, tensor=1, expert=2),  # two channels' tables, half of d_model (d-split)
+}
+
+
+def mesh_config(microbatches: int, ffn_type: str = "sgatlin", mesh: str = "data2_expert4", placement="expert"):
+  """Tiny one-layer model on one of MESHES, its tables placed as given (config.model.ffn.placement)."""
   config = load_config("configs/tiny.py", ffn_type)
+  config.model.ffn.placement = placement
   config.model.update(n_layers=1, max_len=32, dtype="float32")  # float32: only the order of the sums differs
   config.data.update(seq_len=32, global_batch_size=16)
   config.train.microbatches = microbatches
-  config.mesh.ici.update(data=2, fsdp=1, tensor=1, expert=4)
+  config.mesh.ici.update(MESHES[mesh])
   return config_lib.validate(config)
 
 
@@ -89,7 +98,7 @@ def replica_groups(line: str) -> list:
 
 
 def gradient_reductions(hlo_text: str, param_shapes: set, trips: int):
-  """(inside, outside): (replica groups, line) of every all-reduce / reduce-scatter of a parameter-shaped value
+  """(inside, outside): (replica groups, result shapes, line) of every all-reduce / reduce-scatter of a parameter-shaped value
   run by the loop of `trips` trips (its body and all it calls), and of those elsewhere in the program."""
   loops = [line for line in hlo_text.splitlines() if f'"known_trip_count":{{"n":"{trips}"}}' in line]
   assert len(loops) == 1, f"expected one loop of {trips} trips, found {len(loops)}"
@@ -100,46 +109,76 @@ def gradient_reductions(hlo_text: str, param_shapes: set, trips: int):
     for line in lines:
       match = REDUCTIONS.search(line)
       if match and param_shapes & set(shapes(match[1])):
-        (inside if name in in_loop else outside).append((replica_groups(line), line.strip()[:160]))
+        found = (replica_groups(line), shapes(match[1]), line.strip()[:160])
+        (inside if name in in_loop else outside).append(found)
   return inside, outside
 
 
-def test_microbatch_loop_reduces_no_parameter_gradient_over_data():
-  """Inside the 2-trip microbatch loop no all-reduce or reduce-scatter of a parameter-shaped value (the whole
-  parameter or its per-device block) spans devices of different `data` coordinates: the data-parallel reduction
-  of every gradient, tables' included, runs once, after the loop (and such a reduction is found there). Before
-  the per-device loop every dense gradient was all-reduced over all 8 devices, and every table gradient over
-  `data` by the shard_maps' transposes, inside each microbatch. What stays in the loop is the compiler's
-  reduction over `expert` (4 devices of one data coordinate), which splits the tables as well as the tokens."""
-  config = mesh_config(microbatches=2)
+@pytest.mark.parametrize("mesh_name, placement", [(m, "expert") for m in MESHES] + [("data2_expert4", "fsdp")])
+def test_microbatch_loop_reduces_no_parameter_gradient(mesh_name, placement):
+  """Inside the 2-trip microbatch loop no all-reduce or reduce-scatter has a parameter-shaped result (the whole
+  parameter or its stored per-device block): every gradient, dense, FSDP-split and table, is reduced once, after
+  the loop, where such reductions are found, the table's block over `data` only (its expert group computed it
+  whole). The loop's own collectives are the layers' token movements (activations) and the taps' gathers.
+  Before this, the compiler all-reduced every dense gradient over `expert` (and reduce-scattered the FSDP ones
+  over `fsdp`) inside each microbatch. The fsdp placement's table, split over every batch axis, is gathered once
+  before the loop and its gradient reduce-scattered once after it, over all 8 devices."""
+  config = mesh_config(microbatches=2, mesh=mesh_name, placement=placement)
   mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:8])
   compiled, abstract = aot.compile_train_step(config, mesh)
   param_shapes = set()
   for leaf in jax.tree.leaves(abstract.params):
     param_shapes |= {tuple(leaf.shape), tuple(leaf.sharding.shard_shape(leaf.shape))}
   param_shapes.discard(())
-  # Logical device i of the program is mesh.devices.flat[i]; its data coordinate:
-  data_of = np.unravel_index(np.arange(mesh.size), mesh.devices.shape)[mesh.axis_names.index("data")]
-  spans_data = lambda groups: any(len({int(data_of[i]) for i in group}) > 1 for group in groups)  # noqa: E731
   inside, outside = gradient_reductions(compiled.as_text(), param_shapes, trips=2)
-  assert inside, "the loop reduces no gradient at all: the mesh no longer splits tables and tokens over expert"
-  assert not [line for groups, line in inside if spans_data(groups)], inside
-  assert [line for groups, line in outside if spans_data(groups)]
+  assert not inside, inside
+  reduced = {shape for _, result, _ in outside for shape in result}
+  # After the loop: the table's gradient block and the dense ones (the head's).
+  table = abstract.params["layers_0"]["mlp"]["experts"]
+  block = tuple(table.sharding.shard_shape(table.shape))
+  for leaf in (table, abstract.params["lm_head"]["kernel"]):
+    assert tuple(leaf.sharding.shard_shape(leaf.shape)) in reduced, sorted(reduced)
+  if placement == "fsdp":
+    table_groups = [groups for groups, result, _ in outside if block in result]
+    assert table_groups and all(len(group) == mesh.size for groups in table_groups for group in groups), table_groups
+    return
+  # The table's block is summed over `data` only: its devices' expert (and fsdp) coordinates agree in every group
+  # (logical device i of the program is mesh.devices.flat[i]).
+  coords = np.stack(np.unravel_index(np.arange(mesh.size), mesh.devices.shape), axis=1)
+  others = [i for i, name in enumerate(mesh.axis_names) if name != "data"]
+  table_groups = [groups for groups, result, _ in outside if block in result]
+  assert table_groups and all(
+    len({tuple(coords[d, others]) for d in group}) == 1 for groups in table_groups for group in groups
+  ), table_groups
 
 
-def test_per_device_accumulation_equals_one_microbatch():
+@pytest.mark.parametrize(
+  "ffn_type, mesh_name, placement",
+  [
+    ("sgatlin", "data2_expert4", "expert"),
+    ("sgatlin", "data2_fsdp2_expert2", "expert"),
+    ("peer", "data2_fsdp2_expert2", "expert"),  # the shared table's d-split over fsdp
+    ("fff", "data2_fsdp2_expert2", "expert"),  # trees as blocks, their d_model gathered like a dense weight's
+    ("sgatlin", "data2_expert4", "fsdp"),  # the table whole in the loop, gathered once before it
+    ("fff", "data2_fsdp2_expert2", "data"),  # replicated trees, their gradient all-reduced once
+  ],
+)
+def test_per_device_accumulation_equals_one_microbatch(ffn_type, mesh_name, placement):
   """loss_and_grads as the train step runs it (param_specs given): microbatches=2 (the per-device loop) equals
   microbatches=1 (one auto-sharded pass) on the same mesh, parameters and batch. The same tokens' terms are
   summed in another order (per device, then over devices once), so the loss is within 16 eps32 and each gradient
   leaf within 64 eps32 of its largest element; the token count is exact."""
-  config = mesh_config(microbatches=2)
+  config = mesh_config(microbatches=2, ffn_type=ffn_type, mesh=mesh_name, placement=placement)
   built = state_lib.setup(config, jax.devices()[:8])
   params = state_lib.create_state(config, built.shardings, built.model, built.tx).params
   batch = jax.device_put(synthetic_batch(config), built.batch_sharding)
   specs = jax.tree.map(lambda sharding: sharding.spec, built.shardings.params)
+  assert ep.per_device_axes(built.mesh, config.mesh.rules) == tuple(
+    a for a in ("data", "fsdp", "expert") if built.mesh.shape[a] > 1
+  )
   results = []
   for microbatches in (2, 1):
-    train = mesh_config(microbatches).train
+    train = mesh_config(microbatches, ffn_type, mesh_name, placement).train
     run = jax.jit(
       lambda p, b: step_lib.loss_and_grads(p, b, model=built.model, train=train, param_specs=specs)[:3],  # noqa: B023
       in_shardings=(built.shardings.params, built.batch_sharding),
@@ -155,7 +194,8 @@ def test_per_device_accumulation_equals_one_microbatch():
 
 def test_per_device_loop_equals_the_compiler_loop_with_moe_balancing_losses():
   """MoE with both balancing losses (nonlinear in the whole microbatch: the per-device loop computes them from the
-  taps all-gathered over `data`, each device adding 1/devices of them): loss, gradients and the sparse-layer stats
+  taps all-gathered over every batch axis, each device adding 1/devices of them; the experts are each device's
+  blocks, sent tokens by all-to-all inside the loop): loss, gradients and the sparse-layer stats
   of the per-device loop equal the compiler's loop (param_specs not given) at microbatches=2, to 64 eps32 of each
   leaf's largest element."""
   config = mesh_config(microbatches=2, ffn_type="moe")
@@ -164,7 +204,7 @@ def test_per_device_loop_equals_the_compiler_loop_with_moe_balancing_losses():
   params = state_lib.create_state(config, built.shardings, built.model, built.tx).params
   batch = jax.device_put(synthetic_batch(config), built.batch_sharding)
   specs = jax.tree.map(lambda sharding: sharding.spec, built.shardings.params)
-  assert ep.per_device_axes(built.mesh, config.mesh.rules, specs) == ("data",)
+  assert ep.per_device_axes(built.mesh, config.mesh.rules) == ("data", "expert")
   results = []
   for param_specs in (specs, None):
     run = jax.jit(

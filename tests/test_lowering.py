@@ -243,6 +243,26 @@ def test_train_step_lowers_on_a_mesh_with_each_device_on_its_tokens(ffn_type, ta
     assert any(tokens_per_device <= n < all_tokens for n in rows) and all_tokens not in rows, types
 
 
+@pytest.mark.parametrize(
+  "ffn_type, ici", [("sgatlin", dict(data=2, expert=4)), ("fff", dict(data=2, fsdp=2, expert=2))]
+)
+def test_per_device_microbatch_loop_lowers_for_tpu_with_its_kernels(ffn_type, ici):
+  """With microbatches the train step's loop is a shard_map manual over every batch axis (train/step.py), the
+  tables entering as each device's blocks; Pallas TPU lowers a kernel only where every mesh axis is manual: the
+  program lowers for TPU with one forward and one backward of kernels per layer, as without the loop."""
+  platform, chip, gpu_kernel = TARGETS["tpu-v5p"]
+  config = lowering_config(ffn_type, gpu_kernel)
+  config.data.global_batch_size = 16
+  config.train.microbatches = 2
+  config.model.attention = "xla"
+  config.mesh.ici.update(data=1, fsdp=1, tensor=1, expert=1)
+  config.mesh.ici.update(**ici)
+  text = aot.lower_train_step(config, platform, chip, mesh_lib.make_mesh(config.mesh, jax.devices()[:8]))
+  assert gather_kernels(text, "tpu-v5p") == expected_kernels(ffn_type, "tpu-v5p", "train")
+  manual = ", ".join(f'"{a}"' for a in ("data", "fsdp", "expert") if a in ici)
+  assert f"manual_axes={{{manual}}}" in text
+
+
 LOOP_TRIP_BOUND = 8  # the most trips any device loop of a sparse train step may run (here: none, or 1-trip scans)
 TOKENS_PER_DEVICE = (4096, 32768)
 

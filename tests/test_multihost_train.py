@@ -19,7 +19,7 @@ import types
 
 import numpy as np
 import seqio
-from conftest import REPO
+from conftest import MICRO_TRAIN_FLAGS, REPO, RecordingCheckpointer
 
 # micro_config("mlp") of tests/test_train.py as flags, with: no LR decay, so the schedule ignores
 # train.steps; the facts task alone, whose pipeline and validation split build in a fifth of the
@@ -28,13 +28,7 @@ from conftest import REPO
 MICRO = [
   "--config=configs/tiny.py:mlp",
   "--config.data.mixture=(('facts', 1.0),)",
-  "--config.model.d_model=64",
-  "--config.model.n_layers=2",
-  "--config.model.max_len=32",
-  "--config.model.dtype=float32",
-  "--config.data.seq_len=32",
-  "--config.data.global_batch_size=8",
-  "--config.data.eval_batch_size=8",
+  *MICRO_TRAIN_FLAGS,
   "--config.data.shuffle_buffer=64",
   "--config.train.warmup_steps=5",
   "--config.train.decay_fraction=0",
@@ -191,19 +185,6 @@ def test_two_processes_train_like_one_resume_in_one_and_stop_when_a_peer_dies(tm
   np.testing.assert_allclose([resumed[11], resumed[12]], [one[11], one[12]], rtol=1e-6, atol=0)
 
 
-class _Checkpointer:
-  """Records which restore the loop chose."""
-
-  def __init__(self, data_directory):
-    self.data_directory, self.calls = str(data_directory), []
-
-  def restore_state(self, step, abstract_state):
-    self.calls.append(("model", step))
-
-  def restore(self, step, abstract_state, data_iterator):
-    self.calls.append(("model and data", step))
-
-
 def test_a_checkpoint_of_another_process_count_resumes_the_model_and_restarts_the_data(tmp_path, caplog):
   from sparsetx.train import loop
 
@@ -211,7 +192,7 @@ def test_a_checkpoint_of_another_process_count_resumes_the_model_and_restarts_th
     shard = tmp_path / "10" / f"shard_{index:05d}_of_00002"
     shard.mkdir(parents=True)
     (shard / "data_state.json").write_text(json.dumps(dict(format=1, num_shards=2, shard_index=index, steps=10)))
-  one_process, same_sharding = _Checkpointer(tmp_path), _Checkpointer(tmp_path)
+  one_process, same_sharding = RecordingCheckpointer(tmp_path), RecordingCheckpointer(tmp_path)
   loop.restore(one_process, 10, None, types.SimpleNamespace(shard_info=seqio.ShardInfo(0, 1)))
   loop.restore(same_sharding, 10, None, types.SimpleNamespace(shard_info=seqio.ShardInfo(1, 2)))
   assert one_process.calls == [("model", 10)] and same_sharding.calls == [("model and data", 10)]

@@ -170,15 +170,15 @@ def sent(config):
 
 
 def test_placement_bytes_by_hand():
-  """remat=full (forward collectives twice), 2 micro-batches. The loop runs per device along `data` (it splits no
-  parameter: embed -> fsdp, vocab -> tensor; `expert` splits the channels' router keys), so a reduction over
-  data runs once a step and one over expert once a micro-batch. The table: 2 x 4 x 64 x 64 = 32,768 float32.
+  """remat=full (forward collectives twice), 2 micro-batches. The step's loop runs per device along every batch
+  axis (data, expert), so every gradient is reduced once a step and a gathered table is gathered once, before the
+  loop. The table: 2 x 4 x 64 x 64 = 32,768 float32.
 
   expert (E = 4, n = 256, b = 2): x all-gather 3/4 x 256 x 4 x 64 x 2 twice; indices and gates 3/4 x 256 x 4 x 2
   x 8 twice; y reduce-scatter 3 x 256 x 64 x 4 twice; dy 3/4 x 256 x 4 x 64 x 2; dx 3 x 256 x 64 x 4; gate
   gradients 3/4 x 256 x 4 x 2 x 4; the device's channel (8,192 float32) all-reduced over data's 2 once.
-  fsdp (8 shards): 7/8 of the table gathered twice (remat) per micro-batch, its gradient reduce-scattered (7 x
-  1/8 of it) per micro-batch. data: all-reduced over expert's 4 per micro-batch, over data's 2 once."""
+  fsdp (8 shards): 7/8 of the table gathered once, its gradient reduce-scattered (7 x 1/8 of it) once. data:
+  all-reduced over all 8 once (2 x 7/8 of it): it ties fsdp, which the tie order prefers."""
   table = 32768 * 4
   expert = (
     2 * 3 / 4 * 256 * 4 * 64 * 2
@@ -189,11 +189,16 @@ def test_placement_bytes_by_hand():
     + 3 / 4 * 256 * 4 * 2 * 4
     + 2 * 1 / 2 * 8192 * 4
   )
-  fsdp = 2 * 2 * 7 / 8 * table + 2 * 7 * table / 8
-  data = 2 * (2 * 3 / 4 * table) + 2 * 1 / 2 * table
-  assert (expert, fsdp, data) == (948224, 688128, 524288)
+  fsdp = 7 / 8 * table + 7 * table / 8
+  data = 2 * 7 / 8 * table
+  assert (expert, fsdp, data) == (948224, 229376, 229376)
   config = cost_config()
   assert sent(config) == pytest.approx(dict(expert=expert, fsdp=fsdp, data=data), rel=1e-12)
+  assert layer_cost.choose_placement(config, config.model.ffn, SHAPE)[0] == "fsdp"
+
+  # One micro-batch, remat=full: fsdp gathers inside the layer, again in the backward; data's all-reduce wins.
+  config = cost_config(microbatches=1)
+  assert sent(config)["fsdp"] == pytest.approx(2 * 7 / 8 * table + 7 * table / 8)
   assert layer_cost.choose_placement(config, config.model.ffn, SHAPE)[0] == "data"
 
   # remat=none and one micro-batch: every collective once; data's single all-reduce over all 8 (2 x 7/8) ties
@@ -206,17 +211,19 @@ def test_placement_bytes_by_hand():
 
 
 def test_the_config_overrides_auto_and_the_state_is_laid_out_as_chosen():
-  """auto resolves to data here (above); placement=expert keeps the channel split though it sends more. The
-  trainer's state (state_shardings) stores the table as resolved: replicated under auto (data), channels over
-  expert under expert. The dry run's table names each placement's bytes and the chosen one."""
+  """auto resolves to fsdp here (above); placement=expert keeps the channel split though it sends more. The
+  trainer's state (state_shardings) stores the table as resolved: d_model over every batch axis under auto
+  (fsdp), channels over expert under expert. The dry run's table names each placement's bytes and the chosen
+  one."""
   mesh = jax.sharding.AbstractMesh((2, 1, 1, 4), config_lib.MESH_AXES)
   config = cost_config()
-  assert layer_cost.resolve_placements(config, SHAPE).model.ffn.placement == "data"
+  assert layer_cost.resolve_placements(config, SHAPE).model.ffn.placement == "fsdp"
   assert config.model.ffn.placement == "auto"  # resolved on a copy
   _, shardings, _, _ = state_lib.state_shardings(config, mesh)
-  assert shardings.params["layers_0"]["mlp"]["experts"].spec == jax.sharding.PartitionSpec(None, None, None, None)
+  batch = ("data", "fsdp", "expert")
+  assert shardings.params["layers_0"]["mlp"]["experts"].spec == jax.sharding.PartitionSpec(None, None, None, batch)
   text = layer_cost.format_placements(config, SHAPE)
-  assert re.search(r"data\s+0\.5 MB  <- chosen \(auto: fewest bytes\)", text), text
+  assert re.search(r"fsdp\s+0\.2 MB  <- chosen \(auto: fewest bytes\)\n\s+data\s+0\.2 MB$", text), text
   assert re.search(r"expert\s+0\.9 MB\n", text), text
 
   config.model.ffn.placement = "expert"

@@ -10,7 +10,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, load_config, synthetic_batch
+from conftest import MICRO_TRAIN_FLAGS, REPO, load_config, synthetic_batch
 
 from sparsetx import config as config_lib
 from sparsetx.data import pipeline
@@ -106,13 +106,7 @@ def test_microbatches_equal_one_batch():
 def run_cli(workdir, *flags, ffn_type="sgatlin"):
   """Starts `python -m sparsetx.train` on the micro config."""
   overrides = [
-    "--config.model.d_model=64",
-    "--config.model.n_layers=2",
-    "--config.model.max_len=32",
-    "--config.model.dtype=float32",
-    "--config.data.seq_len=32",
-    "--config.data.global_batch_size=8",
-    "--config.data.eval_batch_size=8",
+    *MICRO_TRAIN_FLAGS,
     "--config.data.shuffle_buffer=64",
     "--config.train.steps=20",
     "--config.train.warmup_steps=5",

@@ -121,6 +121,16 @@ def validate_data(
     _positive_int(f"{prefix}.{field}", data[field])
   _require(isinstance(data.seed, int), f"{prefix}.seed={data.seed!r} must be an integer.")
   _require(isinstance(data.pack, bool), f"{prefix}.pack={data.pack!r} must be True or False.")
+  _require(
+    isinstance(data.tokenized_dir, str),
+    f"{prefix}.tokenized_dir={data.tokenized_dir!r} must be a path (a corpus written by sparsetx-tokenize) or ''.",
+  )
+  _require(
+    isinstance(data.accept_new_stream, bool), f"{prefix}.accept_new_stream={data.accept_new_stream!r} must be a bool."
+  )
+  _require(
+    isinstance(data.require_tokenized, bool), f"{prefix}.require_tokenized={data.require_tokenized!r} must be a bool."
+  )
   sources = data.sources or {}
   for name in sources:
     validate_source(name, sources[name], f"{prefix}.sources.{name}")

@@ -168,6 +168,15 @@ def data_defaults() -> ml_collections.ConfigDict:
       seed=0,  # shuffling and mixture sampling; the same seed gives the same stream
       shuffle_buffer=1024,  # examples per task held for shuffling (also sets resume-state size)
       pack=True,  # pack documents into rows with segment ids and positions
+      # A corpus written by sparsetx-tokenize (local or gs://); "" tokenizes the mixture's sources on the fly.
+      # Set, the batch of step s is a pure function of (this data config, seed, s): resumable on any host count.
+      tokenized_dir="",
+      # On resume, continue with this config's stream at the restored step even if the saved data fingerprint
+      # (config and shards) differs; False refuses a changed stream.
+      accept_new_stream=False,
+      # Training refuses tokenized_dir="" (pod-scale configs: configs/ladder.py rungs on a target); a dry run
+      # needs no data.
+      require_tokenized=False,
     )
   )
 

@@ -7,8 +7,14 @@ Files, one concern each:
   sources.py        config.data.sources -> seqio DataSource (text, jsonl, tfrecord, tfds; embedded)
   preprocessors.py  text extraction, blank-document filter, splitting documents into seq_len pieces
   tasks.py          registers tasks `sparsetx.<name>` and the mixture `sparsetx.mixture` with seqio
-  pipeline.py       `make_train_iterator`, `make_eval_iterator` / `EvalData`: global jax.Array batches
+  pipeline.py       `make_train_iterator`, `make_eval_iterator` / `EvalData`: global jax.Array batches (on the fly)
+  token_store.py    pre-tokenized corpora (sparsetx-tokenize): token shards read by row
+  packing.py        packed features of rows cut from a token stream
+  global_stream.py  the tokenized path: batch of step s = f(data config, seed, s), resumable on any process count;
+                    `make_train_data` / `make_eval_data` pick it when config.data.tokenized_dir is set
   file_checks.py    `check_files(config)`: the files config.data names exist (sources, TFDS data_dir, tokenizer)
+  pretokenize.py    `tokenize_corpus(config, output_dir, workers)`: the tasks' whole documents into token shards
+                    (sparsetx-tokenize; resumable, worker processes)
 
 Defaults need nothing outside the package: `config.data.mixture = (('stories', 0.7), ('facts', 0.3))`,
 byte vocabulary, seq_len 256, global batch 16, packing on.
@@ -38,7 +44,10 @@ GPT-2 BPE: `config.data.vocab = dict(kind="gpt2", path=DIR)` with DIR holding vo
 (GPT-2's own files: 50,258 ids after "!" moves off id 0, the padding id; `config.model.vocab_size=50304`),
 or your own: `python -m sparsetx.tools.build_vocab --kind=gpt2 --output=/data/bpe --vocab_size=8192 --input=...`.
 
-Resume: `iterator.save(dir)` / `iterator.restore(dir)` on every process (see pipeline.py). The state
+Pre-tokenized: `config.data.tokenized_dir = DIR` (written by sparsetx-tokenize) trains without a tokenizer; the
+data state is a step number and a fingerprint (see global_stream.py), restored on any number of processes.
+
+Resume (on the fly): `iterator.save(dir)` / `iterator.restore(dir)` on every process (see pipeline.py). The state
 is a tf.train.Checkpoint of the tf.data iterator (file offsets, sampler RNG, shuffle and packing
 buffers) plus data_state.json; restoring never re-reads consumed data. Its size is about
 shuffle_buffer pieces per task per process.
@@ -46,4 +55,4 @@ shuffle_buffer pieces per task per process.
 Importing this package is cheap; TensorFlow and seqio load with the modules that need them.
 """
 
-from sparsetx.data.file_checks import check_files  # noqa: F401  (light: no TensorFlow)
+from sparsetx.data.file_checks import check_files, check_training_files  # noqa: F401  (light: no TensorFlow)

@@ -310,6 +310,14 @@ def stories(split: str) -> tuple[str, ...]:
   return tuple(_story(rng) for _ in range(NUM_STORIES[split]))
 
 
+def story_stream(seed: int):
+  """Stories without end, drawn from `seed` as a split draws them from its own (the splits use 1 and 2): text of
+  any size, deterministic, for benchmarks (sparsetx/tools/bench_data.py)."""
+  rng = random.Random(seed)
+  while True:
+    yield _story(rng)
+
+
 @functools.cache
 def fact_documents(split: str) -> tuple[str, ...]:
   """Documents of 1-4 fact sentences (train), or every fact once in table order (validation)."""

@@ -66,10 +66,31 @@ def check_vocab_files(
       )
 
 
+def check_tokenized_dir(tokenized_dir: str) -> None:
+  """A tokenized corpus must have its manifest (written last by sparsetx-tokenize); its shards are checked where
+  they are opened."""
+  from sparsetx.data import token_store  # tensorstore, no TensorFlow
+
+  try:
+    token_store.read_manifest(tokenized_dir)
+  except token_store.CorpusError as error:
+    raise config_lib.ConfigError(f"config.data.tokenized_dir={tokenized_dir!r}: {error}") from None
+
+
 def check_files(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Checks every file config.data names (after `config_lib.validate`); returns the config unchanged."""
   sources = config.data.sources or {}
   for name in sources:
     check_source_files(sources[name], f"config.data.sources.{name}")
+  check_vocab_files(config.data, config.model)
+  return config
+
+
+def check_training_files(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The files training reads: with config.data.tokenized_dir that corpus and the vocabulary (the sources' files
+  need not be on a training host), else `check_files`. Returns the config unchanged."""
+  if not config.data.tokenized_dir:
+    return check_files(config)
+  check_tokenized_dir(config.data.tokenized_dir)
   check_vocab_files(config.data, config.model)
   return config

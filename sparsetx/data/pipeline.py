@@ -15,6 +15,11 @@ and `index` the block this process holds (= process_index / process_count when t
 is split over all processes), then `jax.make_array_from_process_local_data` assembles the global
 array without any cross-host copy.
 
+This is the on-the-fly path (config.data.tokenized_dir == ""), for small corpora: it tokenizes at train time, and
+its state resumes only on the same number of data shards (processes). A tokenized corpus (sparsetx-tokenize) is
+read by sparsetx/data/global_stream.py instead, whose batches are a pure function of the step and resume on any
+number of processes; `warn_if_pretokenizing_pays` says so once for a large corpus or several processes.
+
 Resume: `iterator.save(path)` writes the state of this process's tf.data iterator as a
 TensorFlow checkpoint (`tf.train.Checkpoint`, no pickle) plus a small JSON file, under
 `path/shard_<index>_of_<count>/`; `iterator.restore(path)` on a freshly built iterator continues
@@ -314,6 +319,40 @@ def check_saved_state(path: epath.PathLike) -> None:
       shard_dir = path / f"shard_{index:05d}_of_{count:05d}"
       if shard_dir.name not in names:
         raise ValueError(f"its data state lacks shard {index} of {count} ({shard_dir} is missing)")
+
+
+LARGE_CORPUS_BYTES = 1 << 30  # on-the-fly sources above this (1 GiB) are worth tokenizing once
+
+
+def _source_bytes(data: ml_collections.ConfigDict, limit: int) -> int:
+  """The size of the mixture's local source files, counted up to `limit` (TFDS and remote files count 0)."""
+  total = 0
+  for name, _ in data.mixture:
+    source = (data.sources or {}).get(name)
+    if source is None or source.get("kind") == "tfds":
+      continue
+    for key in ("train", "validation"):
+      for pattern in config_lib.source_patterns(source.get(key)):
+        for path in [] if "://" in pattern else tf.io.gfile.glob(pattern):
+          total += tf.io.gfile.stat(path).length
+          if total >= limit:
+            return total
+  return total
+
+
+def warn_if_pretokenizing_pays(config: ml_collections.ConfigDict) -> None:
+  """One warning line when the on-the-fly path is the wrong tool: several processes (a checkpoint then resumes
+  its data only on as many) or sources of a GiB or more (tokenized again by every run, under the GIL)."""
+  processes = jax.process_count()
+  if processes == 1 and _source_bytes(config.data, LARGE_CORPUS_BYTES) < LARGE_CORPUS_BYTES:
+    return
+  why = f"{processes} processes" if processes > 1 else "sources of 1 GiB or more"
+  absl_logging.warning(
+    "Tokenizing config.data.mixture on the fly with %s: run sparsetx-tokenize once and train with "
+    "--config.data.tokenized_dir=DIR (no tokenizer at train time; a checkpoint then resumes its data stream on any "
+    "number of processes).",
+    why,
+  )
 
 
 def make_train_iterator(

@@ -1,7 +1,8 @@
 """Registers config.data's tasks and mixture with seqio, under names other seqio tools can use.
 
 Every task runs the same chain after its source: text -> drop blank documents -> tokenize ->
-append EOS -> split into pieces of at most seq_len tokens. The registry is process-global and
+append EOS -> split into pieces of at most seq_len tokens. `document_task` is the same chain without the
+split (whole documents, what `sparsetx-tokenize` stores). The registry is process-global and
 the config is the source of truth, so registering replaces any earlier task of the same name
 (a dataset already built keeps the task it was built from).
 """
@@ -20,6 +21,11 @@ def task_name(name: str) -> str:
   return TASK_PREFIX + name
 
 
+def _document_preprocessors(to_targets: sources.Preprocessor) -> list:
+  """Source records -> whole tokenized documents, each ending in EOS."""
+  return [to_targets, preprocessors.drop_blank, seqio.preprocessors.tokenize, seqio.preprocessors.append_eos]
+
+
 def register_task(name: str, data: ml_collections.ConfigDict, vocabulary: seqio.Vocabulary) -> seqio.Task:
   data_source, to_targets = sources.make_source(name, (data.sources or {}).get(name))
   full_name = task_name(name)
@@ -27,15 +33,22 @@ def register_task(name: str, data: ml_collections.ConfigDict, vocabulary: seqio.
   return seqio.TaskRegistry.add(
     full_name,
     source=data_source,
-    preprocessors=[
-      to_targets,
-      preprocessors.drop_blank,
-      seqio.preprocessors.tokenize,
-      seqio.preprocessors.append_eos,
-      preprocessors.split_to_length,
-    ],
+    preprocessors=[*_document_preprocessors(to_targets), preprocessors.split_to_length],
     output_features={"targets": seqio.Feature(vocabulary, add_eos=True)},
     shuffle_buffer_size=data.shuffle_buffer,
+  )
+
+
+def document_task(name: str, data: ml_collections.ConfigDict, vocabulary: seqio.Vocabulary) -> seqio.Task:
+  """Task `name`'s source and chain up to EOS, without the split into seq_len pieces: whole documents, read
+  with `get_dataset(sequence_length=None, shuffle=False)`. Not registered (the trainer's task keeps its name)."""
+  data_source, to_targets = sources.make_source(name, (data.sources or {}).get(name))
+  return seqio.Task(
+    task_name(name) + ".documents",
+    source=data_source,
+    preprocessors=_document_preprocessors(to_targets),
+    output_features={"targets": seqio.Feature(vocabulary, add_eos=True)},
+    shuffle_buffer_size=None,
   )
 
 

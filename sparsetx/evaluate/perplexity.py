@@ -11,7 +11,7 @@ import jax
 import ml_collections
 
 from sparsetx import config as config_lib
-from sparsetx.data import pipeline, sources
+from sparsetx.data import global_stream, sources
 from sparsetx.parallel import expert_parallel
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import checkpointing, loop
@@ -70,6 +70,6 @@ def evaluate(config: ml_collections.ConfigDict, device_mesh, model, params, eval
     config.train.eval_batches = eval_batches
   batch_sharding = mesh_lib.batch_sharding(device_mesh, config.mesh.rules)
   eval_fn = step_lib.make_eval_step(model, jax.tree.map(lambda x: x.sharding, params), batch_sharding)
-  eval_data = pipeline.EvalData(config, batch_sharding, split="validation")
+  eval_data = global_stream.make_eval_data(config, batch_sharding, split="validation")
   with expert_parallel.activate(device_mesh, config.mesh.rules):  # as the trainer traces its eval
     return loop.evaluate(config, params, eval_fn, eval_data)

@@ -23,10 +23,13 @@ Each layer's tables have a placement (config.model.ffn.placement, resolved by tr
 docs/expert_parallel.md derives each form's collectives and their bytes and names the tests that check them.
 """
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
@@ -84,6 +87,37 @@ class NeuronTable:
     if self.placement != "expert":
       return None
     return ep.table_group(self.axes, self.unit_axis, self.n_units, n_tokens, self.field)
+
+
+_TABLES = contextvars.ContextVar("sparsetx_tables", default=None)  # {param path: (axes, local)} while recording
+
+
+def table_param(module, name: str, init, shape, dtype, axes: tuple, local: tuple, placement: str = "expert"):
+  """module.param(name, ...) for a table the dispatcher runs on: `shape` as stored, logical `axes` as the layer
+  gives them (stored as `placement` places them, `placed_names`); `local` names the dimensions the expert
+  placement's dispatcher takes as this device's block (units; a neuron table's d_model). Inside the step's
+  per-device microbatch loop (train/step.py), whose batch axes are manual, the table enters as that block
+  (`ep.block_shape`) and the dispatcher's body runs on it without opening a shard_map over those axes; the fsdp
+  and data placements' tables enter whole (gathered once, before the loop). `recording_tables` collects, by
+  parameter path, the tables declared this way."""
+  axes, local = placed_names(axes, placement), (tuple(local) if placement == "expert" else ())
+  recorded = _TABLES.get()
+  if recorded is not None:
+    recorded[tuple(module.scope.path) + (name,)] = (tuple(axes), tuple(local))
+  block = ep.block_shape(shape, axes, local, jax.sharding.get_abstract_mesh(), ep.active_rules())
+  return module.param(name, nn.with_logical_partitioning(init, axes), block, dtype)
+
+
+@contextlib.contextmanager
+def recording_tables():
+  """Yields a dict that `table_param` fills while in this context: {parameter path (tuple of names): (logical
+  axes, dimensions taken as blocks)} of every table the model declares (the train step traces the model's init
+  in it to learn which parameters enter its per-device loop as blocks)."""
+  token = _TABLES.set({})
+  try:
+    yield _TABLES.get()
+  finally:
+    _TABLES.reset(token)
 
 
 def place_on_token_shards(a_BT, table: NeuronTable):
@@ -220,12 +254,12 @@ def neuron_table_gather(
   as `table`'s layout under the active rules gives.
   """
   B, T, D = x_BTD.shape
-  U, F = experts_2UFD.shape[1:3]
-  K = idx_BTUK.shape[-1]
   if table.placement != "expert":
     return _whole_table_gather(
       table, x_BTD, experts_2UFD, idx_BTUK, gates_BTUK, activation, options, gate_inside_activation
     )
+  U, K = idx_BTUK.shape[2:]  # the units of the routing: the table may be this device's block (`table_param`)
+  F = experts_2UFD.shape[2]
   group = table.layout(B * T)
   if group is not None and group.split:
     x_ND, idx_NUK, gates_NUK = x_BTD.reshape(B * T, D), idx_BTUK.reshape(B * T, U, K), gates_BTUK.reshape(B * T, U, K)
@@ -279,8 +313,8 @@ def _whole_table_gather(table, x_BTD, experts_2UFD, idx_BTUK, gates_BTUK, activa
 def _unit_split_gather(group, x_BTD, experts_2UFD, idx_BTUK, gates_BTUK, activation, options):
   """The gated gather with its units (sgatlin's channels) split over the group: each device its own units."""
   B, T, D = x_BTD.shape
-  U, F = experts_2UFD.shape[1:3]
-  K = idx_BTUK.shape[-1]
+  U, K = idx_BTUK.shape[2:]
+  F = experts_2UFD.shape[2]
 
   def local(tokens_g, owned_g, tables_u):
     (x_gD,), (idx_guK, gates_guK), (experts_2uFD,) = tokens_g, owned_g, tables_u
@@ -383,9 +417,7 @@ def tree_walk(
   P, L = w_in_PZD.shape[0], depth + 1
   x_ND = x_BTD.reshape(B * T, D)
   if placement != "expert":
-    names = (placed_names(table_axes, placement), placed_names(bias_axes, placement)) + (
-      placed_names(table_axes, placement),
-    )
+    names = tuple(placed_names(n, placement) for n in (table_axes, bias_axes, table_axes))
     y_ND, path_NPL, z_NPL = on_own_tokens(
       lambda x_nD, *tables: sparse_forward(x_nD, *tables, depth, activation, options),
       (x_ND,),
@@ -393,6 +425,7 @@ def tree_walk(
       names,
     )
     return y_ND.reshape(B, T, D), path_NPL.reshape(B, T, P, L), z_NPL.reshape(B, T, P, L)
+  P = ep.whole_units(P, table_axes[0])  # the expert placement's tables may be blocks (`table_param`)
   group = ep.expert_group(table_axes[0], P, B * T, field)
   if group is None:
     y_ND, path_NPL, z_NPL = sparse_forward(x_ND, w_in_PZD, b_in_PZ, w_out_PZD, depth, activation, options)
@@ -444,7 +477,7 @@ def expert_dispatch(
     names = tuple(placed_names(n, placement) for n in (table_names or (table_axes,) * len(tables)))
     (y_ND,) = on_own_tokens(lambda *args: (experts_fn(*args),), flat, tuple(tables), names)
     return y_ND.reshape(B, T, D)
-  group = ep.expert_group(table_axes[0], tables[0].shape[0], B * T, field)
+  group = ep.expert_group(table_axes[0], ep.whole_units(tables[0].shape[0], table_axes[0]), B * T, field)
   if group is None:
     return experts_fn(*flat, *tables).reshape(B, T, D)
   experts = PartitionSpec(group.unit_spec)

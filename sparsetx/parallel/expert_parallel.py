@@ -53,17 +53,36 @@ def active_rules() -> tuple:
   return _RULES.get()
 
 
-def per_device_axes(mesh, rules, param_specs) -> tuple:
-  """The batch axes (size > 1) that split no parameter (`param_specs`: PartitionSpecs): the train step runs its
-  microbatch loop per device along them (train/step.py), the parameters being whole there. An axis that also
-  splits a parameter (`expert`'s tables, `fsdp`'s weights) stays with the compiler and the layers' shard_maps:
-  flax and the layers need each parameter whole along the axes the shard_maps do not take."""
-  used = {a for spec in jax.tree.leaves(param_specs, is_leaf=lambda s: isinstance(s, P)) for a in _spec_axes(spec)}
-  return tuple(a for a in sized_axes(mesh, rule_axes(rules, "batch")) if a not in used)
+def per_device_axes(mesh, rules) -> tuple:
+  """The batch axes (size > 1): the train step runs its microbatch loop per device along all of them
+  (train/step.py), so every gradient is reduced over them once per step, after the loop. Inside it the sparse
+  layers hold their tables' blocks along these axes (`block_shape`) and every other parameter whole."""
+  return sized_axes(mesh, rule_axes(rules, "batch"))
 
 
-def _spec_axes(spec: P) -> set:
-  return {a for entry in spec for a in ((entry,) if isinstance(entry, str) else tuple(entry or ()))}
+def block_shape(shape, names, local, mesh, rules) -> tuple:
+  """The shape of this device's block of a table with logical axes `names`, stored as the rules lay it out
+  (`table_spec`): each dimension named in `local` (those the dispatcher runs on as blocks: units, d_model of a
+  neuron table) divided by the already-manual mesh axes it is split over. `shape` itself outside the step's
+  per-device loop (no manual axes)."""
+  if mesh is None or mesh.empty:
+    return tuple(shape)
+  manual = manual_axes(mesh)
+  spec = table_spec(names, rules)
+  return tuple(
+    n // math.prod(mesh.shape[a] for a in sized_axes(mesh, entry) if a in manual) if name in local else n
+    for n, name, entry in zip(shape, names, spec)
+  )
+
+
+def whole_units(n_here: int, logical_name: str) -> int:
+  """The units of a table whose first dimension (named `logical_name`) holds `n_here` of them on this device:
+  n_here times the already-manual mesh axes it is split over (the table's block, `block_shape`)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return n_here
+  manual = manual_axes(mesh)
+  return n_here * math.prod(mesh.shape[a] for a in active_mesh_axes(mesh, logical_name) if a in manual)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,6 +67,16 @@ def mesh_axes(target: Target, units: int | None) -> dict:
   )
 
 
+def mesh_shape(mesh_config, target: Target) -> dict:
+  """{axis: size} of config.mesh on the target's devices (each axis's ici size times its dcn size, a -1 resolved as
+  mesh.make_mesh resolves it): the mesh a run there builds, known without its devices."""
+  from sparsetx.parallel import mesh as mesh_lib  # jax and flax: only for this
+
+  ici = mesh_lib.axis_sizes(dict(mesh_config.ici), target.per_granule, "ici")
+  dcn = mesh_lib.axis_sizes(dict(mesh_config.dcn), target.granules, "dcn")
+  return {axis: i * d for axis, i, d in zip(config_lib.MESH_AXES, ici, dcn)}
+
+
 def microbatches(global_batch: int, seq_len: int, target: Target, tokens: int) -> int:
   """The fewest micro-batches that leave at most `tokens` tokens per device at a time (at least one row), each
   micro-batch's rows still dividing over every device."""

@@ -1,17 +1,36 @@
-"""Input pipeline throughput against what a train step consumes, measured side by side.
+"""Input throughput per host: pre-tokenized rows against tokenizing on the fly, next to what training consumes.
 
-  python -m sparsetx.tools.bench_data [--config=configs/tiny.py] [--steps=200] [--train_steps=10]
+  python -m sparsetx.tools.bench_data [--path=both] [--input=GLOB] [--megabytes=8] [--vocab=DIR] [--steps=20]
+      [--rows=0] [--seq_len=0] [--bar=configs/ladder.py:sgatlin,5,h100x8] [--chips_per_host=0] [--workers=1]
+  python -m sparsetx.tools.bench_data --path=step [--config=configs/tiny.py] [--steps=200] [--train_steps=10]
 
-Prints one table: tokens/s of the pipeline (host batches, and global jax.Arrays on the mesh),
-the fraction of real (non-padding) tokens, and tokens/s of the train step as `make train` runs
-it (the config's mesh on this machine's devices, no simulated ones; the trainer's own jitted step,
-sparsetx/train/step.py), with their ratio. The goal is a pipeline at least 10x faster than the
-step, so input never limits training. The data seq_len is set to the model's max_len (the tiny
-model's context).
+--path=both (the default) times, in one run, the two ways a host feeds its accelerators packed rows of --seq_len
+tokens, --rows of them per step (0: the bar's, 2,048 tokens and the 128 rows one 8-GPU host reads per step):
+  pre-tokenized  GlobalStream.next_local (sparsetx/data/global_stream.py) over a corpus that sparsetx-tokenize's
+                 engine (pretokenize.tokenize_corpus, --workers) first writes into a temporary directory
+  on the fly     TrainIterator.next_local (sparsetx/data/pipeline.py): seqio reads the text, the BPE tokenizes it
+                 and seqio packs it, at train time
+(--path=tokenized or on_the_fly times one of them). Both read the same text with the same GPT-2 byte-level BPE:
+the files of --input (one document per line), else --megabytes of stories generated from the embedded corpus
+(corpus.story_stream, 1 to 8 stories a document, deterministic); --vocab (a directory with vocab.json and
+merges.txt, or a tokenizer.json), else a BPE of --vocab_size ids trained here on the first 20,000 documents
+(build_vocab.build_gpt2_bpe, seconds). Temporary files are removed at the end.
+
+The bar is what training consumes: the dry run's analytic projection of --bar's train step (layer_cost.
+project_step: no compile; overlapped, without the collectives outside the feed-forward layers, so an upper
+bound), its tokens/s per chip and per host of --chips_per_host chips (0: a GPU target's node, 4 on TPU). Each
+path's row gives its tokens/s per host and how many chips and hosts' worth that is.
+
+--path=step: the on-the-fly pipeline of --config (byte-level, embedded corpus) against the trainer's own jitted
+train step on this machine's devices, as `make train` runs them; seq_len is the model's max_len. The goal there:
+a pipeline at least 10x faster than the step.
 """
 
+import dataclasses
 import importlib.util
 import os
+import random
+import tempfile
 import time
 from types import SimpleNamespace
 
@@ -22,31 +41,306 @@ from absl import flags
 
 from sparsetx import cli
 from sparsetx import config as config_lib
-from sparsetx.data import pipeline
-from sparsetx.parallel import expert_parallel
+from sparsetx.data import corpus, global_stream, pipeline, pretokenize, token_store, vocab
+from sparsetx.parallel import expert_parallel, hardware, roofline, targets
+from sparsetx.train import layer_cost
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
 
-_FLAGS = dict(
-  config=flags.DEFINE_string("config", "configs/tiny.py", "Config file, optionally with ':ARG'."),
-  steps=flags.DEFINE_integer("steps", 200, "Pipeline batches timed."),
-  train_steps=flags.DEFINE_integer("train_steps", 10, "Train steps timed."),
-)
+PATHS = ("tokenized", "on_the_fly")
+PATH_NAMES = {"tokenized": "pre-tokenized (GlobalStream)", "on_the_fly": "on the fly (seqio + BPE)"}
+TASK = "bench"  # the benchmark's one task: the text files
+BPE_DOCUMENTS = 20_000  # documents a BPE trained here learns from
+TPU_CHIPS_PER_HOST = 4
 
 
-def load_config(spec: str) -> ml_collections.ConfigDict:
+def define_flags() -> dict:
+  """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
+  return dict(
+    path=flags.DEFINE_enum(
+      "path", "both", ["both", *PATHS, "step"], "Input paths to time (both: side by side), or step: pipeline vs step."
+    ),
+    input=flags.DEFINE_string("input", "", "Glob of text files, one document per line; empty: generate --megabytes."),
+    megabytes=flags.DEFINE_float("megabytes", 8.0, "Text generated from the embedded corpus when --input is empty."),
+    vocab=flags.DEFINE_string("vocab", "", "A GPT-2 BPE (vocab.json + merges.txt directory, or tokenizer.json)."),
+    vocab_size=flags.DEFINE_integer("vocab_size", 8192, "Ids of the BPE trained here when --vocab is empty."),
+    rows=flags.DEFINE_integer("rows", 0, "Rows per step this host reads; 0: the bar's rows per host."),
+    seq_len=flags.DEFINE_integer("seq_len", 0, "Tokens per row; 0: the bar's."),
+    bar=flags.DEFINE_string(
+      "bar", "configs/ladder.py:sgatlin,5,h100x8", "configs/ladder.py:FFN,SCALE,TARGET whose consumption is the bar."
+    ),
+    chips_per_host=flags.DEFINE_integer("chips_per_host", 0, "Chips one host feeds; 0: a GPU target's node, 4 on TPU."),
+    workers=flags.DEFINE_integer("workers", 1, "Tokenizer processes writing the pre-tokenized corpus."),
+    steps=flags.DEFINE_integer("steps", 20, "Batches timed per path (after two warm-up ones)."),
+    config=flags.DEFINE_string("config", "configs/tiny.py", "--path=step: config file, optionally with ':ARG'."),
+    train_steps=flags.DEFINE_integer("train_steps", 10, "--path=step: train steps timed."),
+  )
+
+
+def config_from_file(spec: str) -> ml_collections.ConfigDict:
   """get_config([ARG]) of the file 'path[:ARG]', a path relative to the working directory (the repository root)."""
   path, _, arg = spec.partition(":")
   if not os.path.isfile(path):
-    cli.fail(
-      f"--config={spec}: no such file (relative paths start from {os.getcwd()}); give one such as configs/tiny.py."
+    raise config_lib.ConfigError(
+      f"{spec}: no such file (relative paths start from {os.getcwd()}); give one such as configs/tiny.py."
     )
   module_spec = importlib.util.spec_from_file_location("bench_config", path)
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
-  config = module.get_config(arg) if arg else module.get_config()
+  return module.get_config(arg) if arg else module.get_config()
+
+
+def load_config(spec: str) -> ml_collections.ConfigDict:
+  """--path=step's config: the file's, with the data seq_len set to the model's max_len."""
+  config = config_from_file(spec)
   config.data.seq_len = config.model.max_len
   return config_lib.validate(config)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The bar: what training consumes
+
+
+@dataclasses.dataclass(frozen=True)
+class Bar:
+  spec: str
+  chip: hardware.Chip
+  devices: int  # chips of the run
+  chips_per_host: int
+  global_rows: int
+  seq_len: int
+  projection: roofline.Projection  # of the whole run's step
+
+  @property
+  def per_chip(self) -> float:
+    """Tokens/s one chip consumes."""
+    return self.projection.tokens_per_s_overlap / self.devices
+
+  @property
+  def per_host(self) -> float:
+    return self.per_chip * self.chips_per_host
+
+  @property
+  def host_rows(self) -> int:
+    """Rows of each step one host reads."""
+    return self.global_rows * self.chips_per_host // self.devices
+
+
+def training_bar(spec: str, chips_per_host: int = 0) -> Bar:
+  """The bar of `spec` ('configs/ladder.py:FFN,SCALE,TARGET'): its step as the dry run projects it analytically
+  (layer_cost.project_step on the target's mesh), per chip and per host."""
+  target_name = spec.partition(":")[2].split(",")[-1].strip()
+  if spec.partition(":")[2].count(",") != 2:
+    raise config_lib.ConfigError(
+      f"--bar={spec} must name a rung on a target, as configs/ladder.py:FFN,SCALE,TARGET (e.g. "
+      "configs/ladder.py:sgatlin,5,h100x8): the target gives the chips."
+    )
+  config = config_lib.validate(config_from_file(spec))
+  target = targets.parse(target_name)
+  if chips_per_host <= 0:
+    chips_per_host = target.per_granule if target.name.startswith(("h100", "h200")) else TPU_CHIPS_PER_HOST
+  chips_per_host = min(chips_per_host, target.devices)
+  if config.data.global_batch_size * chips_per_host % target.devices:
+    raise config_lib.ConfigError(
+      f"--chips_per_host={chips_per_host}: the {config.data.global_batch_size} rows of {spec} do not split evenly "
+      f"over hosts of that many of its {target.devices} chips."
+    )
+  shape = targets.mesh_shape(config.mesh, target)
+  projection = layer_cost.project_step(config, shape, target.chip)
+  return Bar(
+    spec, target.chip, target.devices, chips_per_host, config.data.global_batch_size, config.data.seq_len, projection
+  )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The text, the BPE and the two paths
+
+
+def generate_text(directory: str, megabytes: float, files: int = 4, seed: int = 3) -> list[str]:
+  """`files` text files of about `megabytes` MB in all, one document (1 to 8 stories) per line; the same bytes
+  for the same arguments."""
+  stream, rng = corpus.story_stream(seed), random.Random(seed)
+  os.makedirs(directory, exist_ok=True)
+  written = []
+  for i in range(files):
+    path = os.path.join(directory, f"text-{i:02d}-of-{files:02d}.txt")
+    size = 0
+    with open(path, "w", encoding="utf-8") as f:
+      while size < megabytes * 1e6 / files:
+        document = " ".join(next(stream) for _ in range(rng.randint(1, 8)))
+        f.write(document + "\n")
+        size += len(document.encode()) + 1
+    written.append(path)
+  return written
+
+
+def paths_config(text_glob: str, vocab_path: str, seq_len: int, rows: int) -> ml_collections.ConfigDict:
+  """The data config both paths read: one text task, the GPT-2 BPE, packed rows of seq_len, `rows` per step."""
+  config = config_lib.default_config()
+  data = config.data
+  data.sources = ml_collections.ConfigDict({TASK: dict(kind="text", train=text_glob)})
+  data.mixture = ((TASK, 1.0),)
+  data.vocab.kind, data.vocab.path = "gpt2", vocab_path
+  data.update(seq_len=seq_len, global_batch_size=rows, eval_batch_size=rows, pack=True)
+  config.model.max_len = max(config.model.max_len, seq_len)
+  config.model.vocab_size = -(-vocab.make_vocabulary(data).vocab_size // 128) * 128
+  return config_lib.validate(config)
+
+
+@dataclasses.dataclass
+class Inputs:
+  """What both paths read, and the pre-tokenized corpus written from it."""
+
+  files: list[str]
+  generated: bool
+  vocab_path: str
+  vocab_trained_s: float | None  # None: given
+  config: ml_collections.ConfigDict  # the on-the-fly path's
+  tokenized: ml_collections.ConfigDict  # the same, reading the corpus
+  tokenize_s: float
+  corpus_tokens: int
+  workers: int
+
+
+def prepare(
+  work_dir: str,
+  input_glob: str = "",
+  megabytes: float = 8.0,
+  vocab_path: str = "",
+  vocab_size: int = 8192,
+  seq_len: int = 2048,
+  rows: int = 128,
+  workers: int = 1,
+) -> Inputs:
+  """The text (given or generated), the BPE (given or trained) and the pre-tokenized corpus, under `work_dir`."""
+  from sparsetx.tools import build_vocab
+
+  generated = not input_glob
+  if generated:
+    files = generate_text(os.path.join(work_dir, "text"), megabytes)
+    input_glob = os.path.join(work_dir, "text", "text-*.txt")
+  else:
+    files = build_vocab.expand_inputs([input_glob])
+  trained_s = None
+  if not vocab_path:
+    start = time.perf_counter()
+    vocab_path = build_vocab.build_gpt2_bpe(
+      os.path.join(work_dir, "bpe"), vocab_size, inputs=files, max_documents=BPE_DOCUMENTS
+    )
+    trained_s = time.perf_counter() - start
+  config = paths_config(input_glob, vocab_path, seq_len, rows)
+  corpus_dir = os.path.join(work_dir, "tokens")
+  start = time.perf_counter()
+  pretokenize.tokenize_corpus(config, corpus_dir, workers=workers)
+  tokenize_s = time.perf_counter() - start
+  tokenized = config.copy_and_resolve_references()
+  tokenized.data.tokenized_dir = corpus_dir
+  tokens = token_store.TokenSplit(corpus_dir, TASK, "train").n_tokens
+  return Inputs(files, generated, vocab_path, trained_s, config, tokenized, tokenize_s, tokens, workers)
+
+
+def open_path(path: str, inputs: Inputs):
+  """The reader of `path` over this process's rows (one device's sharding: a host reads its whole share)."""
+  sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  if path == "tokenized":
+    return global_stream.GlobalStream(inputs.tokenized, sharding)
+  return pipeline.make_train_iterator(inputs.config, sharding)
+
+
+@dataclasses.dataclass(frozen=True)
+class PathTiming:
+  path: str
+  first_s: float  # from building the reader to its first batch
+  seconds: float  # per batch, after the warm-up
+  real_fraction: float  # of the rows' tokens: not padding
+  tokens: int  # per batch: rows x seq_len
+
+
+def time_path(path: str, inputs: Inputs, steps: int, warmup: int = 2) -> PathTiming:
+  """Seconds per `next_local` batch of `path`, after `warmup` batches."""
+  start = time.perf_counter()
+  reader = open_path(path, inputs)
+  try:
+    batch = reader.next_local()
+    first_s = time.perf_counter() - start
+    for _ in range(warmup - 1):
+      reader.next_local()
+    real = 0.0
+    start = time.perf_counter()
+    for _ in range(steps):
+      batch = reader.next_local()
+      real += float(np.mean(batch["loss_weights"]))
+    seconds = (time.perf_counter() - start) / steps
+  finally:
+    reader.close()
+  return PathTiming(path, first_s, seconds, real / steps, int(batch["targets"].size))
+
+
+def format_table(timings: list[PathTiming], bar: Bar) -> str:
+  """Tokens/s per host of each path, with how many of the bar's chips and hosts that feeds; the ratio."""
+  chip = bar.chip.name.split()[0]
+  lines = [
+    f"  {'path':<30}{'first s':>9}{'ms/batch':>10}{'tokens/s':>14}{'real':>8}"
+    f"{f'x 1 {chip}':>10}{f'x host of {bar.chips_per_host}':>13}"
+  ]
+  for t in timings:
+    rate = t.tokens / t.seconds
+    lines.append(
+      f"  {PATH_NAMES[t.path]:<30}{t.first_s:>9.1f}{t.seconds * 1e3:>10.1f}{rate:>14,.0f}{t.real_fraction:>8.1%}"
+      f"{rate / bar.per_chip:>10.2f}{rate / bar.per_host:>13.2f}"
+    )
+  lines.append(f"  {f'bar: one {bar.chip.name}':<57}{bar.per_chip:>14,.0f}{'':>8}{1:>10.2f}")
+  lines.append(f"  {f'bar: one host of {bar.chips_per_host} {bar.chip.name}':<57}{bar.per_host:>14,.0f}")
+  by_path = {t.path: t for t in timings}
+  if set(PATHS) <= set(by_path):
+    ratio = by_path["on_the_fly"].seconds / by_path["tokenized"].seconds
+    lines.append(f"  pre-tokenized / on the fly: {ratio:,.1f}x the tokens/s")
+  return "\n".join(lines)
+
+
+def describe(inputs: Inputs, bar: Bar, rows: int, seq_len: int, steps: int) -> str:
+  """The header: the bar, the text, the BPE, the tokenizing, this machine."""
+  data_bytes = sum(os.path.getsize(f) for f in inputs.files)
+  documents = 0
+  for path in inputs.files:
+    with open(path, encoding="utf-8") as f:
+      documents += sum(1 for line in f if line.strip())
+  vocabulary = vocab.make_vocabulary(inputs.config.data)
+  p = bar.projection
+  source = "generated: corpus.story_stream" if inputs.generated else "--input"
+  bpe = "given" if inputs.vocab_trained_s is None else f"trained here in {inputs.vocab_trained_s:.1f} s"
+  load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+  cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  return "\n".join(
+    [
+      f"bar: {bar.spec}, {bar.global_rows} x {bar.seq_len:,} tokens per step on {bar.devices} {bar.chip.name} in "
+      f"{p.step_overlap_s * 1e3:.0f} ms (the dry run's analytic projection, overlapped: layer_cost.project_step)",
+      f"  one {bar.chip.name} consumes {bar.per_chip:,.0f} tokens/s; one host of {bar.chips_per_host}: "
+      f"{bar.per_host:,.0f} tokens/s, {bar.host_rows} rows per step",
+      f"text: {len(inputs.files)} files, {data_bytes / 1e6:.1f} MB, {documents:,} documents ({source}); "
+      f"GPT-2 BPE of {vocabulary.vocab_size:,} ids ({bpe})",
+      f"pre-tokenized once: {inputs.corpus_tokens:,} tokens in {inputs.tokenize_s:.1f} s "
+      f"({inputs.corpus_tokens / inputs.tokenize_s:,.0f} tokens/s with TensorFlow's start, "
+      f"--workers={inputs.workers})",
+      f"this host: {cpus} CPUs, load average {load}; each path: {rows} rows x {seq_len:,} tokens per batch, "
+      f"{steps} batches timed after 2",
+    ]
+  )
+
+
+def compare_paths(args: SimpleNamespace) -> None:
+  bar = training_bar(args.bar, args.chips_per_host)
+  rows, seq_len = args.rows or bar.host_rows, args.seq_len or bar.seq_len
+  chosen = PATHS if args.path == "both" else (args.path,)
+  with tempfile.TemporaryDirectory(prefix="sparsetx-bench-data-") as work_dir:
+    inputs = prepare(work_dir, args.input, args.megabytes, args.vocab, args.vocab_size, seq_len, rows, args.workers)
+    timings = [time_path(path, inputs, args.steps) for path in chosen]
+    print(describe(inputs, bar, rows, seq_len, args.steps))
+    print(format_table(timings, bar))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --path=step: the pipeline against the trainer's step
 
 
 def time_pipeline(iterator, steps: int, global_arrays: bool) -> tuple[float, float]:
@@ -79,9 +373,7 @@ def time_train_step(config, built: state_lib.Setup, batch, steps: int) -> float:
   return (time.perf_counter() - start) / steps
 
 
-def absl_main(argv) -> None:
-  del argv
-  args = SimpleNamespace(**{name: holder.value for name, holder in _FLAGS.items()})
+def compare_step(args: SimpleNamespace) -> None:
   config = load_config(args.config)
   data = config.data
   built = state_lib.setup(config)  # the trainer's mesh on this machine's devices
@@ -93,6 +385,7 @@ def absl_main(argv) -> None:
   host_s, real_fraction = time_pipeline(iterator, args.steps, global_arrays=False)
   global_s, _ = time_pipeline(iterator, args.steps, global_arrays=True)
   step_s = time_train_step(config, built, next(iterator), args.train_steps)
+  iterator.close()
 
   print(
     f"config {args.config}  mixture {dict(data.mixture)}  batch {data.global_batch_size} x {data.seq_len}"
@@ -109,9 +402,24 @@ def absl_main(argv) -> None:
     print(f"{name:<36}{seconds * 1e3:>10.2f}{tokens / seconds:>14,.0f}{step_s / seconds:>14.1f}")
 
 
+def absl_main(argv, holders: dict) -> None:
+  del argv
+  args = SimpleNamespace(**{name: holder.value for name, holder in holders.items()})
+  try:
+    if args.path == "step":
+      compare_step(args)
+    else:
+      if args.steps < 1 or args.rows < 0 or args.seq_len < 0 or args.megabytes <= 0:
+        raise config_lib.ConfigError("--steps must be positive, --rows and --seq_len at least 0, --megabytes > 0.")
+      compare_paths(args)
+  except (config_lib.ConfigError, ValueError) as error:
+    cli.fail(error)
+
+
 def main():
   """The `sparsetx-bench-data` entry point."""
-  cli.run(absl_main)
+  holders = define_flags()
+  cli.run(lambda argv: absl_main(argv, holders))
 
 
 if __name__ == "__main__":

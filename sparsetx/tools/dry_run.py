@@ -67,7 +67,6 @@ from absl import flags  # noqa: E402
 from sparsetx import cli  # noqa: E402
 from sparsetx import config as config_lib  # noqa: E402
 from sparsetx.data import check_files  # noqa: E402
-from sparsetx.models import ladder  # noqa: E402
 from sparsetx.models.ffn.registry import SPECS  # noqa: E402
 from sparsetx.parallel import expert_parallel, hardware, roofline  # noqa: E402
 from sparsetx.parallel import mesh as mesh_lib  # noqa: E402
@@ -145,11 +144,8 @@ def print_analytic(config, mesh, chips, report=None) -> None:
   mesh_shape = dict(mesh.shape)
   print(layer_cost.format_placements(config, mesh_shape))
   print(layer_cost.format_config_layers(config, mesh_shape, chips))
-  tokens = config.data.global_batch_size * config.data.seq_len
-  model_flops = 3.0 * ladder.forward_flops_per_token(config.model, config.data.seq_len)["total"] * tokens
   rest = roofline.outside_ffn(report.collectives) if report is not None else ()
-  parts = layer_cost.step_parts(config, mesh_shape)
-  projections = [roofline.project_analytic(c, parts, tokens, model_flops, mesh.size, rest) for c in chips]
+  projections = [layer_cost.project_step(config, mesh_shape, chip, rest) for chip in chips]
   title = roofline.ANALYTIC_TITLE
   if report is None:
     title = title.replace(roofline.LOWERED_ONLY, roofline.LOWERED_ONLY_NOTE)

@@ -43,11 +43,11 @@ _HEARTBEAT = flags.DEFINE_integer(
 def main(argv):
   del argv
   from sparsetx import config as config_lib
-  from sparsetx.data import check_files
+  from sparsetx.data import check_training_files
   from sparsetx.parallel import distributed
 
   try:
-    check_files(
+    check_training_files(
       config_lib.validate(_CONFIG.value)
     )  # before joining peers: a bad value is reported by every process alike
     spec = distributed.detect(
@@ -64,11 +64,12 @@ def main(argv):
   except distributed.DistributedError as error:
     cli.fail(error, 4)
   # After joining (a missing peer is reported before the slow imports) and after flags (fast --help).
+  from sparsetx.data.token_store import CorpusError
   from sparsetx.train.loop import NonFiniteLossError, train
 
   try:
     train(_CONFIG.value, _WORKDIR.value)
-  except ConfigError as error:
+  except (ConfigError, CorpusError) as error:  # a missing or damaged tokenized shard: one line naming it
     cli.fail(error, 2)
   except NonFiniteLossError as error:
     cli.fail(error, 3)

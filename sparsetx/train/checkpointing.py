@@ -2,9 +2,11 @@
 
 Each step directory is written by an async `CheckpointManager` and becomes visible only once
 complete (orbax's atomic finalize), so a run killed mid-save resumes from the previous one. The
-data iterator's state (a TensorFlow iterator checkpoint per process, see sparsetx/data/pipeline.py)
-is written synchronously to `<workdir>/data_state/<step>` *before* the model save starts, so every
-complete model checkpoint has its data state; data states of deleted steps are removed.
+data iterator's state (the tokenized stream's step and fingerprint, one JSON file written atomically by
+process 0, see sparsetx/data/global_stream.py; or a TensorFlow iterator checkpoint per process of the
+on-the-fly pipeline, see sparsetx/data/pipeline.py) is written synchronously to `<workdir>/data_state/<step>`
+*before* the model save starts, so every complete model checkpoint has its data state; data states of deleted
+steps are removed.
 
 Opening a step checks that it can be read (`Checkpointer.verify`: every item, the arrays' metadata, for
 training the data state of every process), and a failed read of its arrays is reported the same way: one
@@ -29,7 +31,7 @@ from jax.experimental import multihost_utils
 from sparsetx import config as config_lib
 from sparsetx import paths
 from sparsetx.config import ConfigError
-from sparsetx.data import check_files
+from sparsetx.data import check_training_files
 from sparsetx.train import state as state_lib
 
 COMPUTE_ONLY = (
@@ -270,10 +272,13 @@ class Checkpointer:
     finally:
       handler.close()
     if data_state:
-      from sparsetx.data import pipeline  # TensorFlow: only where a data state is read
+      from sparsetx.data import global_stream, pipeline  # TensorFlow: only where a data state is read
 
       try:
-        pipeline.check_saved_state(self.data_directory / str(step))
+        if global_stream.has_state(self.data_directory / str(step)):  # the tokenized stream's step and fingerprint
+          global_stream.read_state(self.data_directory / str(step))
+        else:
+          pipeline.check_saved_state(self.data_directory / str(step))
       except ValueError as error:
         raise self.damaged(step, str(error)) from None
 
@@ -439,7 +444,7 @@ def load(
     config = checkpointer.saved_config(step)
     if adjust is not None:
       adjust(config)
-    check_files(config_lib.validate(config))
+    check_training_files(config_lib.validate(config))
     if mesh is None:
       mesh = state_lib.single_device_mesh(config)
     elif not isinstance(mesh, jax.sharding.Mesh | jax.sharding.AbstractMesh):  # (a Mesh is callable itself)

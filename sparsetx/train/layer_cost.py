@@ -32,10 +32,11 @@ buffer holds all N k pairs of the group, which the receive sort and permutation 
 
 Table placements (dispatch.py): expert as above; fsdp and data run the kernels on the own tokens with whole tables
 (E = G = 1), fsdp gathering them over the batch shards and reduce-scattering their gradients, data all-reducing
-them. Micro-batches: the kernels and the tokens' collectives are one pass of the batch; a parameter's gather or
-gradient reduction inside the step's micro-batch loop runs once per micro-batch, except the reductions over the axes
-the loop runs per device along (once per step). `placement_options` compares the placements by the bytes each
-device sends (docs/expert_parallel.md, "Table placement").
+them. Micro-batches: the kernels and the tokens' collectives are one pass of the batch; every gradient reduction
+runs once per step (the step's micro-batch loop runs per device along every batch axis, train/step.py), and with
+micro-batches a parameter gathered whole (FSDP) is gathered once, before the loop, so remat does not gather it
+again. `placement_options` compares the placements by the bytes each device sends (docs/expert_parallel.md,
+"Table placement").
 
 Not modeled: the tensor axis (assumed 1), norms, biases of dense layers,
 kernel tiling overheads and latencies (peak rates: a lower bound, like roofline.py), caches: every picked row is
@@ -146,13 +147,11 @@ def time_on(cost: LayerCost, chip: hardware.Chip) -> LayerTime:
 
 
 class _Builder:
-  """Collects phases and collectives, applying the remat policy's run counts, the table placement and the
-  micro-batches: a parameter collective inside the step's micro-batch loop runs once per micro-batch, a gradient
-  reduction over the axes the loop runs per device along (`once`: the product of their sizes) once per step."""
+  """Collects phases and collectives, applying the remat policy's run counts and the table placement."""
 
-  def __init__(self, remat: str, placement: str = "expert", microbatches: int = 1, once: int = 1, shards: int = 1):
+  def __init__(self, remat: str, placement: str = "expert", microbatches: int = 1, shards: int = 1):
     self.remat = remat
-    self.placement, self.microbatches, self.once, self.shards = placement, microbatches, once, shards
+    self.placement, self.microbatches, self.shards = placement, microbatches, shards
     self.phases, self.collectives = [], []
     self.table_bytes = 0.0
 
@@ -174,11 +173,10 @@ class _Builder:
       dw = m * k * a_bytes + m * n * out_bytes + k * n * F32
       self.add(f"{name} backward", dx + dw, 4 * m * k * n)
 
-  def collective(self, op, nbytes, group, what, forward=False, per_microbatch=False, placed=False):
-    """One collective; per_microbatch: a parameter's (its gather or gradient), run in each micro-batch."""
+  def collective(self, op, nbytes, group, what, forward=False, placed=False):
     if group <= 1 or nbytes <= 0:
       return
-    runs = (self.forward_runs(False) if forward else 1) * (self.microbatches if per_microbatch else 1)
+    runs = self.forward_runs(False) if forward else 1
     self.collectives.append(Collective(op, runs * nbytes, group, what, runs, placed))
 
   def cast(self, elements, b):
@@ -190,22 +188,15 @@ class _Builder:
     self.add("optimizer (AdamW)", elements * F32 * (ADAMW_READS + ADAMW_WRITES), elements * ADAMW_FLOPS)
 
   def grad_sync(self, elements, replicas, placed=False, what="gradients over replicas"):
-    """Gradient all-reduce over the devices holding the same shard of these parameters (data parallelism): with
-    micro-batches, over the loop's per-device axes once per step and over the rest once per micro-batch."""
-    if self.microbatches == 1:
-      self.collective("all-reduce", elements * F32, replicas, what, placed=placed)
-      return
-    once = math.gcd(self.once, replicas)
-    self.collective("all-reduce", elements * F32, replicas // once, what, per_microbatch=True, placed=placed)
-    self.collective("all-reduce", elements * F32, once, what + " (once per step)", placed=placed)
+    """Gradient all-reduce over the devices holding the same shard of these parameters (data parallelism)."""
+    self.collective("all-reduce", elements * F32, replicas, what, placed=placed)
 
   def fsdp(self, elements, group, what, placed=False):
     """Parameters split over `group` devices, gathered whole for the layer (float32, as stored: the kernels read
-    and cast them) and their gradient reduce-scattered back, in each micro-batch."""
-    self.collective("all-gather", elements * F32, group, what, forward=True, per_microbatch=True, placed=placed)
-    self.collective(
-      "reduce-scatter", elements * F32 / group, group, f"{what}: gradients", per_microbatch=True, placed=placed
-    )
+    and cast them) and their gradient reduce-scattered back. With micro-batches the gather runs once, before the
+    step's per-device loop; without, inside the layer, again in the backward under remat."""
+    self.collective("all-gather", elements * F32, group, what, forward=self.microbatches == 1, placed=placed)
+    self.collective("reduce-scatter", elements * F32 / group, group, f"{what}: gradients", placed=placed)
 
   def tables(self, elements, replicas):
     """A layer's tables of `elements` on the device, synced as placed: all-reduced over their replicas (expert,
@@ -424,7 +415,6 @@ def layer_cost(
   devices: int | None = None,
   placement: str = "expert",
   microbatches: int = 1,
-  once: int = 1,
 ):
   """The LayerCost of one feed-forward layer `ffn` of `model` per train step on one device.
 
@@ -433,8 +423,7 @@ def layer_cost(
   gather; others: FSDP); devices: the devices that train the model (data-parallel gradient sums; default E G),
   all of them holding other tokens. placement: the tables' (dispatch.py); under fsdp and data the kernels see the
   device's own tokens and whole tables (E = G = 1), fsdp gathering them from all `devices`. microbatches: the
-  step's micro-batch count; once: the product of the sizes of the batch axes the micro-batch loop runs per device
-  along (`once_per_step_axes`), whose gradient reductions run once per step.
+  step's micro-batch count.
   """
   if ffn.type not in _LAYERS:
     raise config_lib.ConfigError(f"no cost model for feed-forward type {ffn.type!r}; one of {', '.join(_LAYERS)}.")
@@ -442,7 +431,7 @@ def layer_cost(
   devices = devices or expert_group * d_group
   if placement != "expert":
     expert_group, d_group = 1, 1
-  bld = _Builder(config_lib.remat_policy(model), placement, microbatches, once, devices)
+  bld = _Builder(config_lib.remat_policy(model), placement, microbatches, devices)
   _LAYERS[ffn.type](bld, model, ffn, tokens, expert_group, d_group, b, devices)
   return bld.cost(ffn.type, tokens)
 
@@ -506,27 +495,9 @@ def batch_axes(config, mesh_shape: dict) -> tuple:
   return tuple(a for a in axes if mesh_shape.get(a, 1) > 1)
 
 
-def once_per_step_axes(config, ffn, mesh_shape: dict, placement: str) -> tuple:
-  """The batch axes the step's micro-batch loop runs per device along under `placement` (train/step.py,
-  expert_parallel.per_device_axes: those that split no parameter), from the rules' names: the dense weights'
-  (embed, vocab, heads, mlp, kv), the routers' (a neuron-table router's keys keep their `channel` split), and the
-  tables' as placed (expert: their names; fsdp: every batch axis; data: none)."""
-  spec, rules = SPECS[ffn.type], config.mesh.rules
-  names = ["embed", "vocab", "heads", "mlp", "kv"]
-  if spec.neuron_table is not None and spec.units is not None:
-    names.append(spec.units.name)
-  if placement == "expert":
-    names += [n for n in (spec.neuron_table or (spec.units.table_axes if spec.units else ())) if n]
-  used = {a for name in names for a in config_lib.rule_axes(rules, name)}
-  if placement == "fsdp":
-    return ()
-  return tuple(a for a in batch_axes(config, mesh_shape) if a not in used)
-
-
 def placed_cost(config, ffn, mesh_shape: dict, placement: str) -> LayerCost:
   """The LayerCost of `ffn` with its tables placed as given, at the config's tokens per device and micro-batches."""
   shards = math.prod(mesh_shape[a] for a in batch_axes(config, mesh_shape))
-  once = math.prod(mesh_shape[a] for a in once_per_step_axes(config, ffn, mesh_shape, placement))
   return layer_cost(
     config.model,
     ffn,
@@ -535,7 +506,6 @@ def placed_cost(config, ffn, mesh_shape: dict, placement: str) -> LayerCost:
     devices=shards,
     placement=placement,
     microbatches=config.train.microbatches,
-    once=once,
   )
 
 
@@ -711,6 +681,19 @@ def step_parts(config, mesh_shape: dict) -> list[tuple[int, LayerCost]]:
   parts."""
   parts = [(len(layers), cost) for layers, cost in config_layer_costs(config, mesh_shape)]
   return parts + [(1, remainder_cost(config, mesh_shape))]
+
+
+def project_step(config, mesh_shape: dict, chip: hardware.Chip, rest_collectives=()) -> roofline.Projection:
+  """The dry run's analytic projection of `config`'s train step on a mesh of `mesh_shape` `chip`s (roofline.
+  project_analytic over step_parts): tokens/s, step time and MFU without compiling. `rest_collectives`: the
+  compiled program's collectives outside the feed-forward layers; without them (none given) the step is faster
+  by their time, so what it consumes is an upper bound."""
+  from sparsetx.models import ladder
+
+  tokens = config.data.global_batch_size * config.data.seq_len
+  model_flops = 3.0 * ladder.forward_flops_per_token(config.model, config.data.seq_len)["total"] * tokens
+  devices = math.prod(mesh_shape.values())
+  return roofline.project_analytic(chip, step_parts(config, mesh_shape), tokens, model_flops, devices, rest_collectives)
 
 
 def format_config_layers(config, mesh_shape: dict, chips: list | None = None) -> str:

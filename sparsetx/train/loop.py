@@ -2,8 +2,9 @@
 
 A run in a workdir that holds checkpoints resumes from the newest one (or config.checkpoint.restore_step,
 whose later steps are moved to <workdir>/superseded/), after checking that it can be read (model state,
-data position); a step-0 checkpoint (sparsetx/tools/sparsify.py, HF import) gives only the parameters: the
-optimizer state and the data stream start fresh from this run's config.
+data position: with config.data.tokenized_dir a step number and fingerprint that resume on any number of
+processes, see sparsetx/data/global_stream.py); a step-0 checkpoint (sparsetx/tools/sparsify.py, HF import)
+gives only the parameters: the optimizer state and the data stream start fresh from this run's config.
 SIGTERM saves the current step and returns normally. A non-finite loss stops the run
 before anything non-finite is saved.
 
@@ -34,7 +35,7 @@ from jax.experimental import multihost_utils
 
 from sparsetx import config as config_lib
 from sparsetx import paths
-from sparsetx.data import check_files, pipeline
+from sparsetx.data import check_training_files, global_stream, pipeline
 from sparsetx.models import ladder
 from sparsetx.parallel import expert_parallel
 from sparsetx.train import checkpointing
@@ -220,7 +221,7 @@ class _Profiler:
       self._active = False
 
 
-def evaluate(config, params, eval_fn, eval_data: pipeline.EvalData) -> dict:
+def evaluate(config, params, eval_fn, eval_data) -> dict:
   """Loss and perplexity per validation task, each split read once (or eval_batches batches)."""
   results = {}
   for name in eval_data.task_names:
@@ -238,7 +239,13 @@ def evaluate(config, params, eval_fn, eval_data: pipeline.EvalData) -> dict:
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains to config.train.steps (or until SIGTERM); returns the last step's metrics."""
-  check_files(config_lib.validate(config))
+  check_training_files(config_lib.validate(config))
+  if config.data.require_tokenized and not config.data.tokenized_dir:
+    raise config_lib.ConfigError(
+      "config.data.tokenized_dir is empty, but this config trains from a pre-tokenized corpus "
+      "(config.data.require_tokenized): write one with sparsetx-tokenize (same --config), then train with "
+      "--config.data.tokenized_dir=DIR."
+    )
   check_workdir(workdir)
   built = state_lib.setup(config)
   with expert_parallel.activate(built.mesh, config.mesh.rules):  # sparse layers trace their expert-parallel form
@@ -253,13 +260,13 @@ def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup
   start = checkpointer.resume_step(config.checkpoint.get("restore_step"))  # verified: items, arrays' metadata, data
   if start is not None:
     checkpointer.check_compatible(start, config)
-  data_iterator = pipeline.make_train_iterator(config, batch_sharding)
+  data_iterator = global_stream.make_train_data(config, batch_sharding)
   if start == 0:  # a start written by sparsetx/tools/sparsify.py: its parameters, fresh optimizer state and data stream
     params = checkpointer.restore_params(0, abstract_state.params)
     state = state_lib.state_from_params(params, shardings, model, tx)
     logging.info("Starting from the step-0 parameters in %s.", checkpointer.directory)
   elif start is not None:
-    state = restore(checkpointer, start, abstract_state, data_iterator)
+    state = restore(checkpointer, start, abstract_state, data_iterator, config.data.accept_new_stream)
     logging.info("Resumed from %s at step %d.", checkpointer.directory, start)
   else:
     state = state_lib.create_state(config, shardings, model, tx)
@@ -269,7 +276,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup
 
   step_fn = step_lib.make_train_step(config, built)
   eval_fn = step_lib.make_eval_step(model, shardings.params, batch_sharding)
-  eval_data = pipeline.EvalData(config, batch_sharding, split="validation")
+  eval_data = global_stream.make_eval_data(config, batch_sharding, split="validation")
 
   writer = metrics_lib.make_writer(workdir, start)
   if start == 0 and jax.process_index() == 0:
@@ -326,13 +333,30 @@ def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup
   return reader.last
 
 
-def restore(checkpointer: checkpointing.Checkpointer, step: int, abstract_state, data_iterator):
-  """The state at `step`, and the data position when this run has the data sharding that saved it.
+def restore(
+  checkpointer: checkpointing.Checkpointer, step: int, abstract_state, data_iterator, accept_new_stream: bool = False
+):
+  """The state at `step`, and the data position.
 
-  A data state saved by another number of data shards (another process count) cannot be resharded:
-  the model state still restores (onto any mesh), and the data stream starts over, with a warning.
+  The tokenized stream (global_stream.GlobalStream) continues at the saved step on any number of processes; a
+  state of another stream is refused unless `accept_new_stream` (config.data.accept_new_stream). The on-the-fly
+  pipeline restores a data state saved by as many data shards (processes); one saved by another number cannot
+  be resharded: the model state still restores (onto any mesh), and the data stream starts over, with a warning.
   """
-  saved_shards = pipeline.saved_shard_counts(epath.Path(checkpointer.data_directory) / str(step))
+  path = epath.Path(checkpointer.data_directory) / str(step)
+  if isinstance(data_iterator, global_stream.GlobalStream):
+    data_iterator.restore(path, step)
+    return checkpointer.restore_state(step, abstract_state)
+  if global_stream.has_state(path):
+    if not accept_new_stream:
+      raise config_lib.ConfigError(
+        f"the data state of step {step} in {checkpointer.data_directory} was saved by the tokenized stream "
+        "(config.data.tokenized_dir); resume with the same tokenized_dir, or set config.data.accept_new_stream=True "
+        "to start this config's on-the-fly stream from its beginning."
+      )
+    logging.warning("config.data.accept_new_stream: the on-the-fly data stream starts from its beginning.")
+    return checkpointer.restore_state(step, abstract_state)
+  saved_shards = pipeline.saved_shard_counts(path)
   shards = data_iterator.shard_info.num_shards
   if saved_shards and shards not in saved_shards:
     logging.warning(

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparsetx.models import transformer
 from sparsetx.models.ffn import moe
+from sparsetx.parallel import dispatch
 from sparsetx.parallel import expert_parallel as ep
 from sparsetx.train.optimizer import learning_rate_schedule
 from sparsetx.train.sparse_stats import sparse_stats
@@ -116,8 +117,8 @@ def loss_and_grads(params, batch, *, model, train: ml_collections.ConfigDict, pa
   `microbatches` slices; the optimizer-free half of the step (tests compare it across meshes).
 
   With microbatches > 1 on a mesh and `param_specs` (the parameters' PartitionSpecs, as make_train_step passes
-  them) the loop runs per device along the data-parallel axes (`_per_device_accumulation`), so the gradients are
-  reduced over them once per step instead of once per microbatch."""
+  them) the loop runs per device along every batch axis (`_per_device_accumulation`), so every gradient is
+  reduced once per step instead of once per microbatch."""
   grad_fn = jax.value_and_grad(
     functools.partial(_summed_loss, model, train.z_loss, train.get("loss_chunks", 0)), has_aux=True
   )
@@ -125,9 +126,12 @@ def loss_and_grads(params, batch, *, model, train: ml_collections.ConfigDict, pa
   mesh = jax.sharding.get_abstract_mesh()
   axes = ()
   if m > 1 and param_specs is not None and mesh is not None and not mesh.empty:
-    axes = ep.per_device_axes(mesh, ep.active_rules(), param_specs)
+    axes = ep.per_device_axes(mesh, ep.active_rules())
+    # Each device takes its rows of every microbatch: they must split evenly, else the compiler's loop runs.
+    rows = jax.tree.leaves(batch)[0].shape[0] // m
+    axes = axes if rows % math.prod(mesh.shape[a] for a in axes) == 0 else ()
   if axes:
-    loss_sum, weight_sum, grads, stats = _per_device_accumulation(params, batch, model, train, mesh, axes)
+    loss_sum, weight_sum, grads, stats = _per_device_accumulation(params, batch, model, train, mesh, axes, param_specs)
   elif m == 1:
     (loss_sum, (weight_sum, intermediates)), grads = grad_fn(params, batch)
     stats = sparse_stats(model.cfg, intermediates, batch["loss_weights"])
@@ -148,23 +152,29 @@ def loss_and_grads(params, batch, *, model, train: ml_collections.ConfigDict, pa
   return loss_sum / denominator, grads, weight_sum, stats
 
 
-def _per_device_accumulation(params, batch, model, train, mesh, axes):
-  """The microbatch loop in a shard_map manual over the batch axes `axes` that split no parameter
-  (ep.per_device_axes: `data`, and `fsdp` / `expert` where they split none): each device accumulates the
-  gradients of its own tokens, and they are summed over `axes` once, after the loop. In the compiler's loop every
-  gradient is reduced over all the batch's devices inside each microbatch (it is added to a replicated carry),
-  and the expert-parallel shard_maps' transposes (check_vma off) sum the tables' gradients over `data` inside the
-  layer; here those shard_maps leave the manual axes out (ep.shard_map). Reductions over the axes that also split
-  parameters (an expert axis that splits the batch too, fsdp) stay in the loop: flax and the layers need the
-  parameters whole along the axes the compiler partitions.
+def _per_device_accumulation(params, batch, model, train, mesh, axes, param_specs):
+  """The microbatch loop in a shard_map manual over every batch axis `axes` (ep.per_device_axes: data, fsdp,
+  expert): each device accumulates the gradients of its own tokens, and every gradient is reduced once, after
+  the loop. In the compiler's loop every gradient is reduced over the batch's devices inside each microbatch (it
+  is added to a carry laid out like the parameter), and FSDP's gather-transpose reduce-scatters there too.
+
+  Parameters enter as `_loop_specs` gives: the sparse layers' tables (`dispatch.table_param`) as this device's
+  blocks along the axes their dispatcher splits them over (its collectives run inside the loop on the manual
+  axes, explicitly; the tables never move), every other parameter whole along `axes` (an FSDP- or expert-split
+  one all-gathered once, before the loop). After the loop each gradient is reduce-scattered over the manual
+  axes its stored layout splits it over (FSDP's reduce-scatter, once) and all-reduced over the rest but its
+  blocks' (a table's gradient is its own block's already over its expert group: summed over `data` only).
 
   check_vma is off, so every value is the device's own and the step's loss is the sum of the devices' losses.
   Terms that need the whole microbatch (the MoE balancing losses, the sparse-layer stats) read the per-token taps
   all-gathered over `axes`; each device adds 1/devices of the balancing term, whose gradient the all-gather's
-  transpose (a reduce-scatter) sums back to the devices' own tokens."""
+  transpose (a reduce-scatter of the taps, not of a gradient) sums back to the devices' own tokens."""
   m = train.microbatches
   n_devices = math.prod(mesh.shape[a] for a in axes)
   gather = functools.partial(jax.lax.all_gather, axis_name=axes, axis=0, tiled=True)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  stored = treedef.flatten_up_to(param_specs)
+  loop = _loop_specs(model, batch["inputs"].shape[1], leaves, stored, axes)
 
   def device_loss(params, microbatch):
     loss_BT, intermediates = token_losses(model, params, microbatch, train.z_loss, train.get("loss_chunks", 0))
@@ -190,21 +200,67 @@ def _per_device_accumulation(params, batch, model, train, mesh, axes):
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     (loss_sum, weight_sum, grads), stats = jax.lax.scan(accumulate, (0.0, 0.0, zeros), micro)
-    # The one reduction of the step over `axes` (the compiler's over the other axes happen in the loop).
-    loss_sum, weight_sum, grads = jax.lax.psum((loss_sum, weight_sum, grads), axes)
-    return loss_sum, weight_sum, grads, jax.tree.map(lambda s: s.mean(0), stats)
+    # The step's one reduction of each gradient, over every batch axis but its blocks'.
+    reduced = [_reduce_once(g, spec, block, axes) for g, spec, block in zip(jax.tree.leaves(grads), stored, loop)]
+    loss_sum, weight_sum = jax.lax.psum((loss_sum, weight_sum), axes)
+    return loss_sum, weight_sum, treedef.unflatten(reduced), jax.tree.map(lambda s: s.mean(0), stats)
 
   # The microbatches are the global batch's row blocks, as in the compiler's loop (the same tokens per microbatch,
   # so the same balancing losses and stats); each device takes its rows of each.
   micro = jax.tree.map(lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:]), batch)
+  grad_specs = treedef.unflatten([_manual_spec(spec, axes) for spec in stored])
   return jax.shard_map(
     per_device,
     mesh=mesh,
-    in_specs=(P(), P(None, axes)),  # parameters whole along `axes` (they split none), each microbatch's rows split
-    out_specs=P(),
+    in_specs=(treedef.unflatten(loop), P(None, axes)),
+    out_specs=(P(), P(), grad_specs, P()),
     axis_names=set(axes),
     check_vma=False,
   )(params, micro)
+
+
+def _entry_axes(entry) -> tuple:
+  return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def _manual_spec(spec: P, axes) -> P:
+  """`spec` restricted to the manual axes `axes` (what a shard_map manual over them may name)."""
+  return P(*(tuple(a for a in _entry_axes(entry) if a in axes) or None for entry in spec))
+
+
+def _loop_specs(model, seq_len: int, leaves, stored, axes) -> list:
+  """Each parameter's spec entering the per-device loop: a table's (`dispatch.table_param`, learned by tracing
+  the model's init under `dispatch.recording_tables`) keeps the manual axes of the dimensions its dispatcher
+  takes as blocks; every other parameter is whole along the manual axes."""
+  with dispatch.recording_tables() as tables:
+    jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, seq_len), jnp.int32)))
+  specs = []
+  for (path, leaf), spec in zip(leaves, stored):
+    names, local = tables.get(tuple(getattr(k, "key", k) for k in path), ((None,) * leaf.ndim, ()))
+    entries = tuple(spec) + (None,) * (leaf.ndim - len(spec))
+    specs.append(_manual_spec(P(*(e if name in local else None for e, name in zip(entries, names))), axes))
+  return specs
+
+
+def _reduce_once(g, spec: P, block: P, axes):
+  """A device's accumulated gradient of a parameter stored as `spec` that entered the loop as `block`, summed over
+  the devices of `axes`: reduce-scattered along each dimension the stored layout splits over manual axes the block
+  does not (so it leaves as stored), then all-reduced over the manual axes left; nothing over the block's axes."""
+  blocks = {a for entry in block for a in _entry_axes(entry)}
+  scatters = [
+    (dim, entry)
+    for dim, (entry, taken) in enumerate(zip(_manual_spec(spec, axes), tuple(block) + (None,) * len(spec)))
+    if entry and not taken
+  ]
+  rest = tuple(a for a in axes if a not in blocks and all(a not in entry for _, entry in scatters))
+  for dim, entry in scatters:
+    g = jax.lax.psum_scatter(g, entry, scatter_dimension=dim, tiled=True)
+  if scatters and rest:
+    # Scattered first, so the all-reduce moves 1/S of the gradient. The barrier keeps the two apart: without it the
+    # CPU program (jax 0.10.2) gave every block the sum of all blocks (the router keys' gradient on data=2 x
+    # expert=4, tests/test_gradient_reduction.py), though the HLO reads right.
+    g = jax.lax.optimization_barrier(g)
+  return jax.lax.psum(g, rest) if rest else g
 
 
 def train_step(state, batch, *, model, train: ml_collections.ConfigDict, schedule, param_specs=None):

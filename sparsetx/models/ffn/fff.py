@@ -21,6 +21,7 @@ b_out and the fff_post GELU apply after the sum over trees. sparsetx/parallel/di
 form; docs/expert_parallel.md has the collectives and their bytes.
 """
 
+import functools
 import math
 
 import flax.linen as nn
@@ -69,12 +70,15 @@ class Fff(nn.Module):
     Z = n_nodes(ffn.depth)
     dtype, param_dtype = jnp.dtype(self.cfg.dtype), jnp.dtype(self.cfg.param_dtype)
     placement = dispatch.placement_of(ffn)  # masked_dense: the compiler moves the tables as they are stored
-    table_names, bias_names = (dispatch.placed_names(n, placement) for n in (TABLE_AXES, BIAS_AXES))
     in_init = symmetric_uniform(1.0 / D**0.5)
-    w_in = self.param("w_in", nn.with_logical_partitioning(in_init, table_names), (P, Z, D), param_dtype)
-    b_in = self.param("b_in", nn.with_logical_partitioning(in_init, bias_names), (P, Z), param_dtype)
+    # The sparse walk's trees are the dispatcher's blocks (a device's own trees) under placement expert; d_model is
+    # gathered like any FSDP weight's. The masked dense forward reads the tables whole.
+    local = ("tree",) if ffn.implementation == "sparse" else ()
+    tree_table = functools.partial(dispatch.table_param, self, dtype=param_dtype, local=local, placement=placement)
+    w_in = tree_table("w_in", in_init, (P, Z, D), axes=TABLE_AXES)
+    b_in = tree_table("b_in", in_init, (P, Z), axes=BIAS_AXES)
     out_init = symmetric_uniform(1.0 / (L * P) ** 0.5)
-    w_out = self.param("w_out", nn.with_logical_partitioning(out_init, table_names), (P, Z, D), param_dtype)
+    w_out = tree_table("w_out", out_init, (P, Z, D), axes=TABLE_AXES)
     b_out = self.param("b_out", nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)), (D,), param_dtype)
 
     gelu = gelu_for(ffn)

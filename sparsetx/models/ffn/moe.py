@@ -116,11 +116,9 @@ class Moe(nn.Module):
 
     placement = dispatch.placement_of(ffn)
 
-    def table(name, shape, names):
-      names = dispatch.placed_names(names, placement)
-      return self.param(
-        name, nn.with_logical_partitioning(nn.initializers.normal(self.cfg.init_std), names), shape, param_dtype
-      )
+    def table(name, shape, names):  # the experts are the dispatcher's blocks (a device's own experts)
+      init = nn.initializers.normal(self.cfg.init_std)
+      return dispatch.table_param(self, name, init, shape, param_dtype, names, ("expert",), placement)
 
     wi_gate = table("wi_gate", (E, D, F), TABLE_AXES)
     wi_up = table("wi_up", (E, D, F), TABLE_AXES)

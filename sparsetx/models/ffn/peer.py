@@ -42,14 +42,15 @@ class Peer(nn.Module):
     idx_BTCK = tap(self, "gate_indices", idx_BTCK)
     gates_BTCK = tap(self, "gate_scores", gates_BTCK)
 
-    experts = self.param(
+    experts = dispatch.table_param(
+      self,
       "experts",
-      nn.with_logical_partitioning(
-        nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)),
-        table.stored_axes,
-      ),
+      nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)),
       (2, F, D),
       jnp.dtype(self.cfg.param_dtype),
+      TABLE_AXES,
+      ("embed",),  # the d-split's slices
+      table.placement,
     )
     B, T = idx_BTCK.shape[:2]
     return dispatch.neuron_table_gather(

@@ -60,11 +60,15 @@ class Sgatlin(nn.Module):
     idx_BTCK = tap(self, "gate_indices", idx_BTCK)
     gates_BTCK = tap(self, "gate_scores", gates_BTCK)
 
-    experts = self.param(
+    experts = dispatch.table_param(
+      self,
       "experts",
-      nn.with_logical_partitioning(table_init(F), table.stored_axes),
+      table_init(F),
       (2, C, F, D),
       jnp.dtype(self.cfg.param_dtype),
+      TABLE_AXES,
+      ("channel", "embed"),
+      table.placement,
     )
     return dispatch.neuron_table_gather(
       table, x_BTD, experts, idx_BTCK, gates_BTCK, activation_for(ffn), options_from_config(ffn.get("kernel"))

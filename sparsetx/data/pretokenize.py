@@ -1,0 +1,416 @@
+"""Writes a tokenized corpus (`sparsetx.data.token_store`) from config.data's tasks: what `sparsetx-tokenize` runs.
+
+Every task of config.data.mixture, and each split it has (train; validation where defined), goes through the
+task's own seqio source, preprocessors and vocabulary up to EOS (`tasks.document_task`: whole documents, not cut
+into seq_len pieces), one shard at a time. Shard i of n holds seqio's `ShardInfo(i, n)` of the split, read in
+order, so the n shards hold every document of the split exactly once. The shards are independent jobs: with more
+than one worker they run in spawned processes, each building its own task (TensorFlow imported there with the
+accelerators hidden, so a tokenizing host's GPUs or TPUs stay free).
+
+Shards per split, unless given: the number of the split's input files (seqio then hands each shard whole files),
+but at least the number of workers so that all of them work (with fewer files than shards, each shard reads the
+files and keeps every n-th document: the reading repeats, the tokenizing does not). Nothing at train time depends
+on the count: the trainer addresses rows by index.
+
+Resuming: `tokenize.json`, written before the first shard, records the plan (vocabulary, each task's source and
+input files, shard counts). A rerun of the same config keeps the plan's shard counts (whatever the workers),
+skips complete shards (`token_store.shard_complete`) and rewrites the others; a config whose vocabulary, sources,
+input files or explicit shard counts differ is a `ConfigError` unless `overwrite`, which first deletes the
+previous corpus's task directories. `manifest.json` is written last: its presence means the corpus is complete.
+"""
+
+import concurrent.futures
+import dataclasses
+import gc
+import json
+import multiprocessing
+import os
+import queue
+import time
+from collections.abc import Callable
+
+import ml_collections
+import numpy as np
+from etils import epath
+
+from sparsetx import config as config_lib
+from sparsetx import paths
+from sparsetx.data import token_store
+
+PLAN = "tokenize.json"
+SPLITS = ("train", "validation")
+
+
+class ShardError(ValueError):
+  """A shard could not be tokenized (its source holds bad input); the message names the shard and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardJob:
+  task: str
+  split: str
+  index: int
+  count: int
+  path: str
+
+  @property
+  def name(self) -> str:
+    return f"{self.task}/{self.split}/{token_store.shard_name(self.index, self.count)}"
+
+
+@dataclasses.dataclass
+class Progress:
+  """Where a run stands: shards complete (skipped ones included) and what this run has tokenized so far."""
+
+  shards_done: int
+  shards_total: int
+  shards_skipped: int
+  documents: int
+  tokens: int
+  seconds: float
+  final: bool = False
+
+  @property
+  def tokens_per_second(self) -> float:
+    return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def vocabulary_record(data: ml_collections.ConfigDict, vocabulary) -> dict:
+  """manifest["vocabulary"]: what the trainer compares with its own config.data.vocab."""
+  return {
+    "kind": data.vocab.kind,
+    "path": data.vocab.path,
+    "vocab_size": int(vocabulary.vocab_size),
+    "eos_id": int(vocabulary.eos_id),
+  }
+
+
+def source_record(data: ml_collections.ConfigDict, name: str) -> dict:
+  """The JSON view of config.data.sources.<name> ({} for a task of the embedded corpus)."""
+  source = (data.sources or {}).get(name)
+  return {} if source is None else json.loads(json.dumps(source.to_dict()))
+
+
+def make_plan(data: ml_collections.ConfigDict, workers: int, shards: int = 0) -> dict:
+  """The corpus to write: vocabulary, each mixture task's source, input files and shard count per split."""
+  from sparsetx.data import tasks, vocab  # TensorFlow and seqio: loaded when a corpus is planned, not on import
+
+  vocabulary = vocab.make_vocabulary(data)
+  plan = dict(format=token_store.FORMAT, vocabulary=vocabulary_record(data, vocabulary), sources={}, inputs={})
+  plan["tasks"] = {}
+  for name, _ in data.mixture:
+    task = tasks.document_task(name, data, vocabulary)
+    plan["sources"][name] = source_record(data, name)
+    inputs = {split: [str(f) for f in task.source.list_shards(split)] for split in SPLITS if split in task.splits}
+    plan["inputs"][name] = inputs
+    plan["tasks"][name] = {split: shards or max(len(files), workers) for split, files in inputs.items()}
+  return plan
+
+
+def read_previous(output_dir: epath.Path) -> dict | None:
+  """The plan of an earlier run into `output_dir` (or, without one, its manifest); None for a new corpus."""
+  for name in (PLAN, token_store.MANIFEST):
+    path = output_dir / name
+    try:
+      return json.loads(path.read_text())
+    except FileNotFoundError:
+      continue
+    except (OSError, ValueError) as error:
+      raise config_lib.ConfigError(
+        f"{path} is unreadable ({paths.reason(error)}); delete it or rerun with --overwrite."
+      ) from None
+  return None
+
+
+def reconcile(previous: dict | None, plan: dict, output_dir: epath.Path, shards_given: bool) -> dict:
+  """`plan`, resumed from `previous`: its shard counts kept (unless given), its tasks outside the mixture carried
+  over. A corpus tokenized differently is a `ConfigError` naming the differences."""
+  if previous is None:
+    return plan
+  differences = []
+  if previous.get("vocabulary") != plan["vocabulary"]:
+    differences.append(f"the vocabulary there is {previous.get('vocabulary')}, here {plan['vocabulary']}")
+  for name, counts in plan["tasks"].items():
+    before = previous.get("tasks", {}).get(name)
+    if before is None:
+      continue  # a task added to the corpus
+    source = previous.get("sources", {}).get(name, {})
+    if source != plan["sources"][name]:
+      differences.append(f"task {name!r} has source {source} there, {plan['sources'][name]} here")
+    elif "inputs" in previous and previous["inputs"].get(name) != plan["inputs"][name]:
+      differences.append(f"the input files of task {name!r} changed")
+    elif sorted(before) != sorted(counts) or (shards_given and before != counts):
+      differences.append(f"task {name!r} has shards {before} there, {counts} here")
+    else:
+      plan["tasks"][name] = dict(before)
+  if differences:
+    raise config_lib.ConfigError(
+      f"{output_dir} holds a corpus tokenized with another config ({'; '.join(differences)}); give another "
+      "--output_dir, or --overwrite to replace it."
+    )
+  for name, counts in previous.get("tasks", {}).items():
+    if name not in plan["tasks"]:
+      plan["tasks"][name] = counts
+      plan["sources"][name] = previous.get("sources", {}).get(name, {})
+      if "inputs" in previous and name in previous["inputs"]:
+        plan["inputs"][name] = previous["inputs"][name]
+  return plan
+
+
+def shard_jobs(tasks: dict[str, dict[str, int]], output_dir: epath.Path) -> list[ShardJob]:
+  """Every shard of `tasks` ({task: {split: shard count}}), in task, split, index order."""
+  return [
+    ShardJob(
+      name, split, i, count, str(token_store.split_dir(output_dir, name, split) / token_store.shard_name(i, count))
+    )
+    for name, counts in tasks.items()
+    for split, count in counts.items()
+    for i in range(count)
+  ]
+
+
+# --- one shard (in a worker process, or in this one with a single worker)
+
+_TASKS = {}  # (task name, data config JSON) -> seqio.Task: a worker builds each task once
+_PARENT = None  # the pid that spawned this worker; a worker whose parent died stops
+_QUEUE = None  # a worker's progress messages to the parent
+_BATCH = 256  # documents per step out of tf.data
+
+
+def document_stream(job: ShardJob, data: dict):
+  """(tokens of each document of the job's shard, in order, as numpy arrays; the vocabulary size)."""
+  import seqio
+  import tensorflow as tf
+
+  from sparsetx.data import tasks, vocab
+
+  key = (job.task, json.dumps(data, sort_keys=True, default=str))
+  if key not in _TASKS:
+    config_data = ml_collections.ConfigDict(data)
+    _TASKS[key] = tasks.document_task(job.task, config_data, vocab.make_vocabulary(config_data))
+  task = _TASKS[key]
+  dataset = task.get_dataset(
+    None,
+    split=job.split,
+    shuffle=False,
+    shard_info=seqio.ShardInfo(job.index, job.count),
+    num_epochs=1,
+    try_in_mem_cache=False,
+  )
+  options = tf.data.Options()
+  options.deterministic = True  # a rewritten shard equals the first write
+  batches = dataset.map(lambda example: example["targets"]).ragged_batch(_BATCH).with_options(options)
+
+  def documents():
+    for batch in batches:  # a batch per step out of tf.data: per-document steps cost more than byte tokenizing
+      yield from np.split(batch.flat_values.numpy(), batch.row_splits.numpy()[1:-1])
+
+  return documents(), task.output_features["targets"].vocabulary.vocab_size
+
+
+def _reason(error: Exception) -> str:
+  """The message a TensorFlow op error carries from the Python function that raised it (a JSONL parse)."""
+  text = getattr(error, "message", None) or str(error)
+  for line in text.splitlines():
+    for kind in ("ValueError: ", "UnicodeDecodeError: "):
+      if kind in line:
+        return line.split(kind, 1)[1].strip()
+  return text.strip().splitlines()[0] if text.strip() else type(error).__name__
+
+
+def write_one(job: ShardJob, data: dict, report: Callable[[ShardJob, int, int], None] | None = None) -> dict:
+  """Tokenizes the job's shard and writes it (token_store.write_shard); returns its record."""
+  import tensorflow as tf
+
+  counts = [0, 0, time.monotonic()]
+
+  def documents():
+    for tokens in stream:
+      counts[0] += 1
+      counts[1] += tokens.size
+      if counts[0] % 256 == 0:
+        if _PARENT is not None and os.getppid() != _PARENT:
+          os._exit(1)  # the tokenizer was killed: leave this shard incomplete, for the rerun
+        if report is not None and time.monotonic() - counts[2] > 0.5:
+          report(job, counts[0], counts[1])
+          counts[2] = time.monotonic()
+      yield tokens
+
+  try:
+    stream, vocab_size = document_stream(job, data)
+    return token_store.write_shard(job.path, documents(), vocab_size)
+  except (tf.errors.OpError, UnicodeDecodeError) as error:
+    raise ShardError(
+      f"shard {job.name} failed: {_reason(error)}; fix that input of config.data.sources.{job.task} and run the "
+      "same command again (complete shards are kept)."
+    ) from None
+
+
+def _queue_report(job: ShardJob, documents: int, tokens: int) -> None:
+  _QUEUE.put((job.name, documents, tokens))
+
+
+def _worker_write(job: ShardJob, data: dict) -> dict:
+  return write_one(job, data, _queue_report)
+
+
+def _init_worker(messages, parent: int) -> None:
+  """A worker: TensorFlow off the accelerators and quiet (only errors, which come back as exceptions)."""
+  global _QUEUE, _PARENT
+  _QUEUE, _PARENT = messages, parent
+  os.environ["CUDA_VISIBLE_DEVICES"] = ""
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  import logging
+
+  from sparsetx import cli  # noqa: F401  (its import hook: TensorFlow's start-up notices filtered, GPUs hidden)
+
+  logging.getLogger().setLevel(logging.ERROR)
+
+
+# --- a whole corpus
+
+
+def tokenize_corpus(
+  config: ml_collections.ConfigDict,
+  output_dir: epath.PathLike,
+  workers: int = 1,
+  shards: int = 0,
+  overwrite: bool = False,
+  progress: Callable[[Progress], None] | None = None,
+) -> dict:
+  """Writes (or finishes) the tokenized corpus of `config.data` in `output_dir`; returns its manifest record.
+
+  `workers` > 1 tokenizes shards in that many spawned processes; 1 runs them here. `shards` > 0 sets the shard
+  count of every split. Raises `ConfigError` for a bad config or a conflicting corpus, `ShardError` for bad input.
+  """
+  from sparsetx.data import check_files
+
+  check_files(config_lib.validate(config))
+  if workers < 1:
+    raise config_lib.ConfigError(f"--workers={workers} must be at least 1.")
+  if shards < 0:
+    raise config_lib.ConfigError(f"--shards={shards} must be 0 (one per input file) or positive.")
+  output_dir = paths.resolve(output_dir)
+  if output_dir.exists() and not output_dir.is_dir():
+    raise config_lib.ConfigError(f"--output_dir={output_dir} is a file; give a directory (new or a corpus to finish).")
+  data = config.data
+  plan = make_plan(data, workers, shards)
+  previous = read_previous(output_dir) if output_dir.exists() else None
+  if overwrite:
+    for name in {*plan["tasks"], *((previous or {}).get("tasks", {}))}:
+      if (output_dir / name).exists():
+        (output_dir / name).rmtree()
+    for name in (token_store.MANIFEST, PLAN):
+      (output_dir / name).unlink(missing_ok=True)
+    previous = None
+  plan = reconcile(previous, plan, output_dir, shards_given=shards > 0)
+  try:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    paths.write_text_atomically(output_dir / PLAN, json.dumps(plan, indent=1, sort_keys=True))
+  except OSError as error:
+    raise config_lib.ConfigError(
+      f"cannot write to --output_dir={output_dir} ({paths.reason(error)}); give a writable directory."
+    ) from None
+  mixture = {name: plan["tasks"][name] for name, _ in data.mixture}
+  jobs = shard_jobs(mixture, output_dir)
+  todo = [job for job in jobs if not token_store.shard_complete(job.path)]
+  if todo:  # the corpus is incomplete until every shard is written
+    (output_dir / token_store.MANIFEST).unlink(missing_ok=True)
+  _run_jobs(todo, len(jobs), data.to_dict(), workers, progress)
+  tasks = dict(mixture)
+  for name, counts in plan["tasks"].items():  # tasks of an earlier run, outside this mixture: listed if complete
+    if name not in tasks and all(token_store.shard_complete(j.path) for j in shard_jobs({name: counts}, output_dir)):
+      tasks[name] = counts
+  sources = {name: plan["sources"].get(name, {}) for name in tasks}
+  token_store.write_manifest(output_dir, plan["vocabulary"], tasks, sources=sources)
+  return token_store.read_manifest(output_dir)
+
+
+def _run_jobs(
+  todo: list[ShardJob], total: int, data: dict, workers: int, progress: Callable[[Progress], None] | None
+) -> None:
+  start = time.monotonic()
+  state = dict(done=total - len(todo), documents=0, tokens=0, partial={}, finished=set(), last=0.0)
+
+  def update(final: bool = False) -> None:
+    now = time.monotonic()
+    if progress is None or (not final and now - state["last"] < 0.25):
+      return
+    state["last"] = now
+    partial_documents = sum(d for d, _ in state["partial"].values())
+    partial_tokens = sum(t for _, t in state["partial"].values())
+    progress(
+      Progress(
+        shards_done=state["done"],
+        shards_total=total,
+        shards_skipped=total - len(todo),
+        documents=state["documents"] + partial_documents,
+        tokens=state["tokens"] + partial_tokens,
+        seconds=now - start,
+        final=final,
+      )
+    )
+
+  def partial(name: str, documents: int, tokens: int) -> None:
+    if name not in state["finished"]:  # a worker's last message may arrive after its shard's result
+      state["partial"][name] = (documents, tokens)
+      update()
+
+  def finished(job: ShardJob, record: dict) -> None:
+    state["partial"].pop(job.name, None)
+    state["finished"].add(job.name)
+    state["done"] += 1
+    state["documents"] += record["n_documents"]
+    state["tokens"] += record["n_tokens"]
+    update()
+
+  update()
+  if workers == 1 or len(todo) <= 1:
+    for job in todo:
+      finished(job, write_one(job, data, lambda j, d, t: partial(j.name, d, t)))
+  else:
+    _run_in_workers(todo, data, min(workers, len(todo)), partial, finished)
+  update(final=True)
+
+
+def _run_in_workers(todo, data, workers, partial, finished) -> None:
+  context = multiprocessing.get_context("spawn")
+  others = set(multiprocessing.active_children())
+  messages = context.Queue()
+  executor = concurrent.futures.ProcessPoolExecutor(
+    workers, mp_context=context, initializer=_init_worker, initargs=(messages, os.getpid())
+  )
+  futures = {}
+  try:
+    futures = {executor.submit(_worker_write, job, data): job for job in todo}
+    pending = set(futures)
+    while pending:
+      done, pending = concurrent.futures.wait(pending, timeout=0.2, return_when=concurrent.futures.FIRST_COMPLETED)
+      while True:
+        try:
+          name, documents, tokens = messages.get_nowait()
+        except queue.Empty:
+          break
+        partial(name, documents, tokens)
+      for future in done:
+        finished(futures[future], future.result())  # a worker's error is raised here
+  except concurrent.futures.process.BrokenProcessPool:
+    raise ShardError(
+      "a tokenizer worker process died (out of memory, or killed); run the same command again to resume."
+    ) from None
+  finally:
+    # Done, failed or interrupted (Ctrl-C, or SIGTERM through the program's handler): no worker outlives the run
+    # (one mid-shard leaves that shard incomplete, for the rerun), and the queues' semaphores are released here,
+    # since the program may end without the interpreter's teardown (cli.fail).
+    executor.shutdown(wait=False, cancel_futures=True)
+    workers = [process for process in multiprocessing.active_children() if process not in others]
+    for process in workers:
+      process.terminate()
+    for process in workers:
+      process.join(timeout=10)
+    executor.shutdown(wait=True)
+    messages.close()
+    messages.join_thread()
+    del executor, messages, futures
+    gc.collect()  # the executor's queues sit in reference cycles

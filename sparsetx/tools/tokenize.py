@@ -1,0 +1,102 @@
+"""Tokenizes config.data's tasks once into a pre-tokenized corpus that the trainer reads by row index.
+
+  sparsetx-tokenize --config=configs/tiny.py --output_dir=DIR [--workers=N] [--shards=N] [--overwrite]
+
+Every task of config.data.mixture and each split it has (train; validation where defined) runs through the task's
+own source, preprocessors and vocabulary (whole documents, each ending in EOS) and is written as token shards
+(sparsetx/data/token_store.py), then DIR/manifest.json. `--config.data....` overrides apply as in training, so the
+config that trains is the one that tokenizes. DIR may be local or gs://. Shards per split default to the number of
+input files, at least --workers (sparsetx/data/pretokenize.py says why). Interrupted, the same command finishes
+the corpus: complete shards are kept, incomplete ones rewritten. A corpus tokenized with another config (other
+vocabulary, sources or input files) in DIR is an error unless --overwrite. Then train on it with
+`--config.data.tokenized_dir=DIR`.
+"""
+
+import os
+import signal
+import sys
+
+from absl import flags, logging
+
+from sparsetx import cli
+from sparsetx.config import ConfigError
+
+_CONFIG = cli.define_config_file("config", "configs/tiny.py", "Config file, optionally with ':ARG'.", lock_config=True)
+_OUTPUT_DIR = flags.DEFINE_string(
+  "output_dir", None, "Directory of the tokenized corpus (local or gs://), new or one to finish.", required=True
+)
+_WORKERS = flags.DEFINE_integer(
+  "workers",
+  len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+  "Worker processes tokenizing shards (default: this machine's CPUs; 1: in this process).",
+)
+_SHARDS = flags.DEFINE_integer("shards", 0, "Shards per split; 0: one per input file, at least --workers.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a corpus in --output_dir tokenized with another config.")
+
+
+class ConsoleProgress:
+  """One progress line: rewritten in place on a terminal, else logged every `interval` seconds and at the end."""
+
+  def __init__(self, interval: float = 10.0):
+    self._tty, self._interval, self._last = sys.stderr.isatty(), interval, -float("inf")
+
+  def __call__(self, progress) -> None:
+    if self._last == -float("inf"):
+      logging.info(
+        "tokenizing %d shards into %s (%d already complete)",
+        progress.shards_total - progress.shards_skipped,
+        _OUTPUT_DIR.value,
+        progress.shards_skipped,
+      )
+      self._last = progress.seconds
+      return
+    line = (
+      f"shards {progress.shards_done}/{progress.shards_total}  documents {progress.documents:,}  "
+      f"tokens {progress.tokens:,}  {progress.tokens_per_second:,.0f} tokens/s"
+    )
+    if self._tty:
+      sys.stderr.write(f"\r{line}\033[K" + ("\n" if progress.final else ""))
+      sys.stderr.flush()
+    elif progress.final or progress.seconds - self._last >= self._interval:
+      self._last = progress.seconds
+      logging.info("%s", line)
+
+
+def _stop(signum, frame) -> None:
+  raise KeyboardInterrupt
+
+
+def absl_main(argv):
+  del argv  # words that are no flags: refused by cli.run
+  if not flags.FLAGS["verbosity"].present:  # TensorFlow's C++ warnings repeat, with tracebacks, what fails here
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  from sparsetx.data import pretokenize
+
+  signal.signal(signal.SIGTERM, _stop)  # the workers stop with this process; a rerun resumes
+  progress = ConsoleProgress()
+  try:
+    manifest = pretokenize.tokenize_corpus(
+      _CONFIG.value,
+      _OUTPUT_DIR.value,
+      workers=_WORKERS.value,
+      shards=_SHARDS.value,
+      overwrite=_OVERWRITE.value,
+      progress=progress,
+    )
+  except (ConfigError, pretokenize.ShardError) as error:
+    cli.fail(error)
+  except KeyboardInterrupt:
+    cli.fail(f"interrupted; run the same command again to finish {_OUTPUT_DIR.value} (complete shards are kept).", 130)
+  counts = ", ".join(
+    f"{task} ({', '.join(f'{s}: {n}' for s, n in splits.items())})" for task, splits in manifest["tasks"].items()
+  )
+  logging.info("wrote %s: shards of %s", _OUTPUT_DIR.value, counts)
+
+
+def main():
+  """The `sparsetx-tokenize` entry point."""
+  cli.run(absl_main)
+
+
+if __name__ == "__main__":
+  main()
