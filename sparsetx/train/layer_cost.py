@@ -516,10 +516,24 @@ def placement_bytes(cost: LayerCost) -> float:
 
 
 def table_mib(config, ffn) -> float:
-  """MiB of one layer's tables as stored (config.model.param_dtype): what the data placement replicates."""
+  """MiB of one layer's parameters as stored (its tables and router; config.model.param_dtype): what the data
+  placement replicates, at most."""
   spec = SPECS[ffn.type]
   total = spec.params(config.model, ffn)[0]
   return total * jnp.dtype(config.model.param_dtype).itemsize / 2**20
+
+
+# config.mesh.max_replicated_mib is 1/512 of the chip's HBM (parallel/targets.py sets it so), so it stands for HBM.
+HBM_PER_REPLICATED_LIMIT = 512
+
+
+def held_tables_gib(config, ffn) -> float:
+  """GiB one device holds during a step with micro-batches when `ffn`'s tables enter the per-device loop whole
+  (fsdp, data): every layer of that type's parameters (`table_mib`) as stored and two float32 gradient sums
+  (train/step.py)."""
+  n_layers = sum(len(layers) for f, layers, _ in distinct_ffns(config.model) if f is ffn) or config.model.n_layers
+  itemsize = jnp.dtype(config.model.param_dtype).itemsize
+  return n_layers * table_mib(config, ffn) * (itemsize + 2 * F32) / itemsize / 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -533,9 +547,12 @@ def placement_options(config, ffn, mesh_shape: dict) -> dict:
   """{placement: PlacementOption} for `ffn` on a mesh of mesh_shape, at the config's tokens per device.
 
   expert needs the units (and a neuron table's d_model) to split over their axes (models/ffn/placement.py); fsdp
-  d_model to split over the batch shards; data a table within config.mesh.max_replicated_mib (the replication
-  check refuses it otherwise). The bytes are given either way: what the placement would move."""
+  d_model to split over the batch shards, and with micro-batches (whose per-device loop holds the tables whole,
+  with their float32 gradient sums) those of all its layers within half the HBM the replication limit stands
+  for (`held_tables_gib`); data a table within config.mesh.max_replicated_mib (the replication check refuses it
+  otherwise). The bytes are given either way: what the placement would move."""
   shards = math.prod(mesh_shape[a] for a in batch_axes(config, mesh_shape))
+  held, budget = held_tables_gib(config, ffn), config.mesh.max_replicated_mib * HBM_PER_REPLICATED_LIMIT / 2 / 1024
   spec, (E, G) = SPECS[ffn.type], groups(config, ffn, mesh_shape)
   options = {}
   for placement in dispatch.PLACEMENTS:
@@ -546,6 +563,11 @@ def placement_options(config, ffn, mesh_shape: dict) -> dict:
       refused = f"d_model={config.model.d_model} does not split over {G} devices"
     elif placement == "fsdp" and config.model.d_model % shards:
       refused = f"d_model={config.model.d_model} does not split over the {shards} batch shards"
+    elif placement == "fsdp" and shards > 1 and config.train.microbatches > 1 and held > budget:
+      refused = (
+        f"the micro-batch loop would hold {held:.1f} GiB of whole tables and gradient sums, over half the HBM "
+        f"config.mesh.max_replicated_mib={config.mesh.max_replicated_mib:.0f} stands for ({budget:.1f} GiB)"
+      )
     elif placement == "data" and shards > 1 and table_mib(config, ffn) > config.mesh.max_replicated_mib:
       refused = (
         f"{table_mib(config, ffn):.0f} MiB replicated, over config.mesh.max_replicated_mib="
