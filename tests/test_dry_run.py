@@ -71,9 +71,14 @@ def test_dry_run_reports_the_compiled_step():
 
 
 def test_channels_that_do_not_split_over_expert_are_refused():
+  """Under placement expert; placement auto takes one that runs instead (fsdp or data: the channels stay whole)."""
   config = micro_config("sgatlin")
   config.model.ffn.n_channels = 4
   config.mesh.ici.update(data=1, expert=8)
+  abstract, _, _, _ = aot.abstract_state(config, mesh_lib.make_mesh(config.mesh))
+  specs = [leaf.sharding.spec for path, leaf in jax.tree.leaves_with_path(abstract.params) if "experts" in str(path)]
+  assert specs and all(spec[1] is None for spec in specs)
+  config.model.ffn.placement = "expert"
   with pytest.raises(
     config_lib.ConfigError,
     match=r"config.model.ffn.n_channels=4 is not divisible by the 8 devices"

@@ -28,9 +28,10 @@ MESHES = {  # each device 1/8 of the tokens
 }
 
 
-def mesh_config(microbatches: int, ffn_type: str = "sgatlin", mesh: str = "data2_expert4"):
-  """Tiny one-layer model on one of MESHES."""
+def mesh_config(microbatches: int, ffn_type: str = "sgatlin", mesh: str = "data2_expert4", placement="expert"):
+  """Tiny one-layer model on one of MESHES, its tables placed as given (config.model.ffn.placement)."""
   config = load_config("configs/tiny.py", ffn_type)
+  config.model.ffn.placement = placement
   config.model.update(n_layers=1, max_len=32, dtype="float32")  # float32: only the order of the sums differs
   config.data.update(seq_len=32, global_batch_size=16)
   config.train.microbatches = microbatches
@@ -113,15 +114,16 @@ def gradient_reductions(hlo_text: str, param_shapes: set, trips: int):
   return inside, outside
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
-def test_microbatch_loop_reduces_no_parameter_gradient(mesh_name):
+@pytest.mark.parametrize("mesh_name, placement", [(m, "expert") for m in MESHES] + [("data2_expert4", "fsdp")])
+def test_microbatch_loop_reduces_no_parameter_gradient(mesh_name, placement):
   """Inside the 2-trip microbatch loop no all-reduce or reduce-scatter has a parameter-shaped result (the whole
   parameter or its stored per-device block): every gradient, dense, FSDP-split and table, is reduced once, after
   the loop, where such reductions are found, the table's block over `data` only (its expert group computed it
   whole). The loop's own collectives are the layers' token movements (activations) and the taps' gathers.
   Before this, the compiler all-reduced every dense gradient over `expert` (and reduce-scattered the FSDP ones
-  over `fsdp`) inside each microbatch."""
-  config = mesh_config(microbatches=2, mesh=mesh_name)
+  over `fsdp`) inside each microbatch. The fsdp placement's table, split over every batch axis, is gathered once
+  before the loop and its gradient reduce-scattered once after it, over all 8 devices."""
+  config = mesh_config(microbatches=2, mesh=mesh_name, placement=placement)
   mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:8])
   compiled, abstract = aot.compile_train_step(config, mesh)
   param_shapes = set()
@@ -136,6 +138,10 @@ def test_microbatch_loop_reduces_no_parameter_gradient(mesh_name):
   block = tuple(table.sharding.shard_shape(table.shape))
   for leaf in (table, abstract.params["lm_head"]["kernel"]):
     assert tuple(leaf.sharding.shard_shape(leaf.shape)) in reduced, sorted(reduced)
+  if placement == "fsdp":
+    table_groups = [groups for groups, result, _ in outside if block in result]
+    assert table_groups and all(len(group) == mesh.size for groups in table_groups for group in groups), table_groups
+    return
   # The table's block is summed over `data` only: its devices' expert (and fsdp) coordinates agree in every group
   # (logical device i of the program is mesh.devices.flat[i]).
   coords = np.stack(np.unravel_index(np.arange(mesh.size), mesh.devices.shape), axis=1)
@@ -147,20 +153,22 @@ def test_microbatch_loop_reduces_no_parameter_gradient(mesh_name):
 
 
 @pytest.mark.parametrize(
-  "ffn_type, mesh_name",
+  "ffn_type, mesh_name, placement",
   [
-    ("sgatlin", "data2_expert4"),
-    ("sgatlin", "data2_fsdp2_expert2"),
-    ("peer", "data2_fsdp2_expert2"),  # the shared table's d-split over fsdp
-    ("fff", "data2_fsdp2_expert2"),  # trees as blocks, their d_model gathered like a dense weight's
+    ("sgatlin", "data2_expert4", "expert"),
+    ("sgatlin", "data2_fsdp2_expert2", "expert"),
+    ("peer", "data2_fsdp2_expert2", "expert"),  # the shared table's d-split over fsdp
+    ("fff", "data2_fsdp2_expert2", "expert"),  # trees as blocks, their d_model gathered like a dense weight's
+    ("sgatlin", "data2_expert4", "fsdp"),  # the table whole in the loop, gathered once before it
+    ("fff", "data2_fsdp2_expert2", "data"),  # replicated trees, their gradient all-reduced once
   ],
 )
-def test_per_device_accumulation_equals_one_microbatch(ffn_type, mesh_name):
+def test_per_device_accumulation_equals_one_microbatch(ffn_type, mesh_name, placement):
   """loss_and_grads as the train step runs it (param_specs given): microbatches=2 (the per-device loop) equals
   microbatches=1 (one auto-sharded pass) on the same mesh, parameters and batch. The same tokens' terms are
   summed in another order (per device, then over devices once), so the loss is within 16 eps32 and each gradient
   leaf within 64 eps32 of its largest element; the token count is exact."""
-  config = mesh_config(microbatches=2, ffn_type=ffn_type, mesh=mesh_name)
+  config = mesh_config(microbatches=2, ffn_type=ffn_type, mesh=mesh_name, placement=placement)
   built = state_lib.setup(config, jax.devices()[:8])
   params = state_lib.create_state(config, built.shardings, built.model, built.tx).params
   batch = jax.device_put(synthetic_batch(config), built.batch_sharding)
@@ -170,7 +178,7 @@ def test_per_device_accumulation_equals_one_microbatch(ffn_type, mesh_name):
   )
   results = []
   for microbatches in (2, 1):
-    train = mesh_config(microbatches, ffn_type, mesh_name).train
+    train = mesh_config(microbatches, ffn_type, mesh_name, placement).train
     run = jax.jit(
       lambda p, b: step_lib.loss_and_grads(p, b, model=built.model, train=train, param_specs=specs)[:3],  # noqa: B023
       in_shardings=(built.shardings.params, built.batch_sharding),
@@ -212,3 +220,20 @@ def test_per_device_loop_equals_the_compiler_loop_with_moe_balancing_losses():
     np.testing.assert_allclose(stats[name], want_stats[name], rtol=16 * EPS32, err_msg=name)
   for (path, g), want in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(g, want, atol=64 * EPS32 * float(np.abs(want).max()), rtol=0, err_msg=str(path))
+
+
+def test_loop_param_bytes_counts_the_tables_blocks_and_every_other_parameter_whole():
+  """What the device memory estimate reads (aot.device_memory): on data=2 x expert=4 with 2 microbatches the loop
+  holds sgatlin's table as its channel block (1/4: expert splits the channels, fsdp=1 leaves d_model whole) and
+  every other parameter whole, the vocabulary's too; without microbatches, the parameters as stored."""
+  config = mesh_config(microbatches=2)
+  built = state_lib.setup(config, jax.devices()[:8])
+  params = built.abstract_state.params
+  whole = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
+  table = params["layers_0"]["mlp"]["experts"]
+  assert table.sharding.spec[1] == "expert"
+  want = whole - table.size * table.dtype.itemsize * 3 // 4
+  assert step_lib.loop_param_bytes(config, built.model, params, built.mesh) == want
+  config.train.microbatches = 1
+  assert step_lib.loop_param_bytes(config, built.model, params, built.mesh) == aot.device_bytes(params)
+  assert aot.device_bytes(params) < want

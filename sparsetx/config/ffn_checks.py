@@ -12,6 +12,7 @@ import ml_collections
 from sparsetx.config.errors import one_of as _one_of
 from sparsetx.config.errors import positive_int as _positive_int
 from sparsetx.config.errors import require as _require
+from sparsetx.config.schema import TABLE_PLACEMENTS
 
 SGATLIN_ACTIVATIONS = ("identity", "relu", "gelu", "swish")
 SGATLIN_ROUTERS = ("product", "peer")
@@ -136,4 +137,5 @@ FFN_TYPES = tuple(FFN_CHECKS)
 
 def validate_ffn(ffn: ml_collections.ConfigDict, d_model: int, prefix: str = "config.model.ffn") -> None:
   _one_of(f"{prefix}.type", ffn.type, FFN_TYPES)
+  _one_of(f"{prefix}.placement", ffn.get("placement", "auto"), TABLE_PLACEMENTS)
   FFN_CHECKS[ffn.type](ffn, d_model, prefix)

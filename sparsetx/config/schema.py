@@ -17,6 +17,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash", "pallas")  # see sparsetx/models/attention.py
 # Rematerialization per block: none, full (recompute everything), or a jax.checkpoint_policies name (what is saved).
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+# Where a sparse layer's tables live on a mesh (sparsetx/parallel/dispatch.py): split over the units' axes with the
+# tokens moving (expert), split over the batch axes and gathered whole per call (fsdp), replicated (data), or the
+# one of those that moves the fewest bytes per step (auto: sparsetx/train/layer_cost.py, docs/expert_parallel.md).
+TABLE_PLACEMENTS = ("auto", "expert", "fsdp", "data")
 
 
 def ffn_defaults() -> ml_collections.ConfigDict:
@@ -45,6 +49,8 @@ def ffn_defaults() -> ml_collections.ConfigDict:
       n_trees=4,
       variant="fff",
       implementation="sparse",
+      # sparse types on a mesh: auto | expert | fsdp | data (TABLE_PLACEMENTS above; dense types ignore it)
+      placement="auto",
       # gated gather (sgatlin, peer, fff sparse): backend and block sizes
       kernel=ml_collections.ConfigDict(
         dict(

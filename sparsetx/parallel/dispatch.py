@@ -10,11 +10,17 @@ field to name in errors to one entry per sparse op; the entry reads the mesh and
   expert_dispatch        MoE's grouped matmuls, given as the layer's function; experts split over the group.
   place_on_token_shards  a router's inputs and outputs kept on the tokens' (batch) layout.
   where_tokens_are       per-token work (the routers' top-k) on each device's own tokens.
+  on_own_tokens          the fsdp and data placements: tables whole on every device, tokens stay.
 
-Every split form is one `token_parallel` shard_map: tokens of the expert group gathered, per-unit routing
-data sent to the units' owners, the local computation over the device's own units, partial outputs
-summed back to the tokens' owners. Tables never move. docs/expert_parallel.md derives each form's
-collectives and their bytes and names the tests that check them.
+Each layer's tables have a placement (config.model.ffn.placement, resolved by train/layer_cost.py):
+  expert  tables split over their units' mesh axes, tokens move: one `token_parallel` shard_map (tokens of the
+          expert group gathered, per-unit routing data sent to the units' owners, the local computation over the
+          device's own units, partial outputs summed back to the tokens' owners). Tables never move.
+  fsdp    tables stored split over the batch axes on their d_model dimension (`placed_names`), all-gathered whole
+          for the layer call, which runs the single-device kernels on the device's own tokens; the gradient is
+          reduce-scattered back (the all-gather's transpose).
+  data    tables replicated; the single-device layer on the device's own tokens; the gradient all-reduced.
+docs/expert_parallel.md derives each form's collectives and their bytes and names the tests that check them.
 """
 
 import contextlib
@@ -28,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from sparsetx.config import TABLE_PLACEMENTS
 from sparsetx.kernels import platform
 from sparsetx.kernels.gated_gather import gated_gather
 from sparsetx.kernels.reference import Gating
@@ -35,30 +42,65 @@ from sparsetx.kernels.sliced_gather import sliced_gated_gather
 from sparsetx.kernels.tree_route import sparse_forward
 from sparsetx.parallel import expert_parallel as ep
 
+# The logical name of a table's d_model dimension under the fsdp placement: the rules' `batch` axes, so the table is
+# split over every device that holds other tokens (ZeRO-3's layout) and gathered from all of them.
+FSDP_TABLE_AXIS = "batch"
+PLACEMENTS = tuple(p for p in TABLE_PLACEMENTS if p != "auto")  # what a layer runs: "auto" is resolved before
+
+
+def placement_of(ffn) -> str:
+  """The placement a layer with feed-forward sub-config `ffn` runs. "auto" is resolved for a mesh by
+  train/layer_cost.resolve_placements (the trainer's setup does); unresolved (a model built without a mesh in
+  view: evaluation, export) it runs "expert", the layout the rules give."""
+  placement = ffn.get("placement", "auto")
+  return "expert" if placement == "auto" else placement
+
+
+def placed_names(names: tuple, placement: str) -> tuple:
+  """The logical axis names a table is stored with under `placement`: as the layer gives them (expert), its
+  d_model (`embed`) dimension on the batch axes and nothing else split (fsdp), or nothing split (data)."""
+  if placement == "data":
+    return (None,) * len(names)
+  if placement == "fsdp":
+    return tuple(FSDP_TABLE_AXIS if name == "embed" else None for name in names)
+  return tuple(names)
+
 
 @dataclasses.dataclass(frozen=True)
 class NeuronTable:
   """A layer's neuron table as stored: its logical axes, which of them holds its units, their count, the field."""
 
-  axes: tuple  # logical axis names of the parameter, e.g. (None, "channel", "neuron", "embed")
+  axes: tuple  # logical axis names of the parameter as the layer gives them, e.g. (None, "channel", "neuron", "embed")
   unit_axis: str | None  # the units' logical name ("channel"); None for a table shared by every channel (PEER)
   n_units: int
   field: str  # the config field a ConfigError names when the units don't split over their devices
+  placement: str = "expert"  # one of PLACEMENTS
+
+  @property
+  def stored_axes(self) -> tuple:
+    """The logical names the parameter is declared with (its placement's)."""
+    return placed_names(self.axes, self.placement)
 
   def layout(self, n_tokens: int):
-    """The expert group this table's layout gives n_tokens tokens, or None for the plain computation."""
+    """The expert group this table's layout gives n_tokens tokens, or None for the plain computation (also for
+    the fsdp and data placements, whose tables are whole where the kernels run)."""
+    if self.placement != "expert":
+      return None
     return ep.table_group(self.axes, self.unit_axis, self.n_units, n_tokens, self.field)
 
 
 _TABLES = contextvars.ContextVar("sparsetx_tables", default=None)  # {param path: (axes, local)} while recording
 
 
-def table_param(module, name: str, init, shape, dtype, axes: tuple, local: tuple):
-  """module.param(name, ...) for a table the dispatcher runs on: `shape` as stored, logical `axes`; `local` names
-  the dimensions the dispatcher takes as this device's block (units; a neuron table's d_model). Inside the step's
+def table_param(module, name: str, init, shape, dtype, axes: tuple, local: tuple, placement: str = "expert"):
+  """module.param(name, ...) for a table the dispatcher runs on: `shape` as stored, logical `axes` as the layer
+  gives them (stored as `placement` places them, `placed_names`); `local` names the dimensions the expert
+  placement's dispatcher takes as this device's block (units; a neuron table's d_model). Inside the step's
   per-device microbatch loop (train/step.py), whose batch axes are manual, the table enters as that block
-  (`ep.block_shape`) and the dispatcher's body runs on it without opening a shard_map over those axes.
-  `recording_tables` collects, by parameter path, the tables declared this way."""
+  (`ep.block_shape`) and the dispatcher's body runs on it without opening a shard_map over those axes; the fsdp
+  and data placements' tables enter whole (gathered once, before the loop). `recording_tables` collects, by
+  parameter path, the tables declared this way."""
+  axes, local = placed_names(axes, placement), (tuple(local) if placement == "expert" else ())
   recorded = _TABLES.get()
   if recorded is not None:
     recorded[tuple(module.scope.path) + (name,)] = (tuple(axes), tuple(local))
@@ -79,10 +121,72 @@ def recording_tables():
 
 
 def place_on_token_shards(a_BT, table: NeuronTable):
-  """a [B, T, ...] kept on the tokens' layout when the table is split over devices, so its router runs where
-  the tokens are (else the compiler may follow the router's sharded keys and gather every score everywhere)."""
-  group = table.layout(a_BT.shape[0] * a_BT.shape[1])
+  """a [B, T, ...] kept on the tokens' layout when the layer runs on a mesh, so its router runs where the tokens
+  are (else the compiler may follow the router's sharded keys and gather every score everywhere)."""
+  n_tokens = a_BT.shape[0] * a_BT.shape[1]
+  if table.placement != "expert":
+    group = _token_group(n_tokens)
+  else:
+    group = table.layout(n_tokens)
   return a_BT if group is None else ep.on_token_shards(a_BT, group)
+
+
+def _token_group(n_tokens: int):
+  """An ExpertGroup of the batch axes alone (no units), or None with no mesh or tokens that don't split."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return None
+  group = ep.ExpertGroup(mesh, ep.active_mesh_axes(mesh, "batch"), ())
+  if not group.batch or n_tokens % group.n_token_shards:
+    return None
+  return group
+
+
+def on_own_tokens(fn, tokens, tables, table_names):
+  """fn(*tokens_n, *whole tables) on each device's own tokens: the fsdp and data placements, in one shard_map.
+
+  `tokens` are [N, ...] arrays split like the batch; `tables` are stored as their logical names `table_names`
+  give under the rules (`placed_names`): a dimension split over batch axes (fsdp) is all-gathered whole here,
+  minor axis first so the blocks land in order, and its gradient comes back by the transpose, a reduce-scatter;
+  a replicated table (data) enters as it is, and the shard_map's transpose all-reduces its gradient. fn returns
+  a tuple of [n, ...] arrays; they come back as [N, ...]. With no mesh, or tokens that don't split evenly over
+  the batch axes (a batch of 1 at init), fn runs on everything and the compiler gathers the tables.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return fn(*tokens, *tables)
+  rules, manual = ep.active_rules(), ep.manual_axes(mesh)
+  batch = tuple(a for a in ep.active_mesh_axes(mesh, "batch") if a not in manual)
+  split = [
+    [ep.sized_axes(mesh, entry) for entry in ep.free_spec(ep.table_spec(names, rules), mesh)] for names in table_names
+  ]
+  specs = [PartitionSpec(*(dims or None for dims in table_dims)) for table_dims in split]
+  axes = set(batch) | {a for dims in split for axis_tuple in dims for a in axis_tuple}
+  n_shards = math.prod(mesh.shape[a] for a in batch)
+  if not axes:
+    return fn(*tokens, *tables)
+  if tokens[0].shape[0] % n_shards:
+    return fn(*tokens, *tables)
+
+  def body(*args):
+    tokens_n, shards = args[: len(tokens)], args[len(tokens) :]
+    whole = []
+    for shard, dims in zip(shards, split):
+      for dim, dim_axes in enumerate(dims):
+        for axis in reversed(dim_axes):
+          shard = jax.lax.all_gather(shard, axis, axis=dim, tiled=True)
+      whole.append(shard)
+    return tuple(fn(*tokens_n, *whole))
+
+  token_spec = PartitionSpec(batch or None)
+  return jax.shard_map(
+    body,
+    mesh=mesh,
+    in_specs=(token_spec,) * len(tokens) + tuple(specs),
+    out_specs=token_spec,  # a prefix of fn's tuple: every output split like the tokens
+    axis_names=axes,
+    check_vma=False,
+  )(*tokens, *tables)
 
 
 def where_tokens_are(fn, *arrays_BT):
@@ -150,6 +254,10 @@ def neuron_table_gather(
   as `table`'s layout under the active rules gives.
   """
   B, T, D = x_BTD.shape
+  if table.placement != "expert":
+    return _whole_table_gather(
+      table, x_BTD, experts_2UFD, idx_BTUK, gates_BTUK, activation, options, gate_inside_activation
+    )
   U, K = idx_BTUK.shape[2:]  # the units of the routing: the table may be this device's block (`table_param`)
   F = experts_2UFD.shape[2]
   group = table.layout(B * T)
@@ -172,6 +280,34 @@ def neuron_table_gather(
     options=options,
     gate_inside_activation=gate_inside_activation,
   )
+
+
+def _whole_table_gather(table, x_BTD, experts_2UFD, idx_BTUK, gates_BTUK, activation, options, gate_inside_activation):
+  """The fsdp and data placements: the single-device gated gather on each device's own tokens, the table whole."""
+  B, T, D = x_BTD.shape
+  U, F = experts_2UFD.shape[1:3]
+  K = idx_BTUK.shape[-1]
+  names = table.stored_axes
+  if table.unit_axis is None:  # a shared table [2, F, D] enters as one unit [2, 1, F, D]
+    names = names[:1] + (None,) + names[1:]
+
+  def local(x_nD, idx_nUK, gates_nUK, experts):
+    rows_nS = (idx_nUK + F * jnp.arange(U, dtype=idx_nUK.dtype)[None, :, None]).reshape(-1, U * K)
+    y_nD = gated_gather(
+      x_nD,
+      experts[0].reshape(U * F, D),
+      experts[1].reshape(U * F, D),
+      rows_nS,
+      gates_nUK.reshape(rows_nS.shape),
+      activation,
+      options=options,
+      gate_inside_activation=gate_inside_activation,
+    )
+    return (y_nD,)
+
+  flat = (x_BTD.reshape(B * T, D), idx_BTUK.reshape(B * T, U, K), gates_BTUK.reshape(B * T, U, K))
+  (y_ND,) = on_own_tokens(local, flat, (experts_2UFD,), (names,))
+  return y_ND.reshape(B, T, D)
 
 
 def _unit_split_gather(group, x_BTD, experts_2UFD, idx_BTUK, gates_BTUK, activation, options):
@@ -256,16 +392,40 @@ def _gather_over_slices(a_g, group):
   return ep.all_gather(a_g, tuple(a for a in group.split if a in group.batch))
 
 
-def tree_walk(x_BTD, w_in_PZD, b_in_PZ, w_out_PZD, depth: int, activation, options, *, table_axes, field: str):
+def tree_walk(
+  x_BTD,
+  w_in_PZD,
+  b_in_PZ,
+  w_out_PZD,
+  depth: int,
+  activation,
+  options,
+  *,
+  table_axes,
+  field: str,
+  placement: str = "expert",
+  bias_axes=("tree", "node"),
+):
   """FFF's sparse forward: (y [B, T, D], path nodes [B, T, P, L], their logits [B, T, P, L]).
 
-  The trees (the tables' first dimension, logical name table_axes[0]) split over their expert group when the
-  mesh has one: each device walks its own trees for the group's tokens (routing never leaves a tree), y is
-  summed back to the tokens' owners in float32, the paths and logits return by all-to-all.
+  Placement expert: the trees (the tables' first dimension, logical name table_axes[0]) split over their expert
+  group when the mesh has one: each device walks its own trees for the group's tokens (routing never leaves a
+  tree), y is summed back to the tokens' owners in float32, the paths and logits return by all-to-all. fsdp and
+  data: every tree on every device (`on_own_tokens`), the tables (`table_axes`, b_in's `bias_axes`) as placed.
   """
   B, T, D = x_BTD.shape
-  P, L = ep.whole_units(w_in_PZD.shape[0], table_axes[0]), depth + 1  # the tables may be blocks (`table_param`)
+  P, L = w_in_PZD.shape[0], depth + 1
   x_ND = x_BTD.reshape(B * T, D)
+  if placement != "expert":
+    names = tuple(placed_names(n, placement) for n in (table_axes, bias_axes, table_axes))
+    y_ND, path_NPL, z_NPL = on_own_tokens(
+      lambda x_nD, *tables: sparse_forward(x_nD, *tables, depth, activation, options),
+      (x_ND,),
+      (w_in_PZD, b_in_PZ, w_out_PZD),
+      names,
+    )
+    return y_ND.reshape(B, T, D), path_NPL.reshape(B, T, P, L), z_NPL.reshape(B, T, P, L)
+  P = ep.whole_units(P, table_axes[0])  # the expert placement's tables may be blocks (`table_param`)
   group = ep.expert_group(table_axes[0], P, B * T, field)
   if group is None:
     y_ND, path_NPL, z_NPL = sparse_forward(x_ND, w_in_PZD, b_in_PZ, w_out_PZD, depth, activation, options)
@@ -286,7 +446,19 @@ def tree_walk(x_BTD, w_in_PZD, b_in_PZ, w_out_PZD, depth: int, activation, optio
   return y_ND.reshape(B, T, D), path_NPL.reshape(B, T, P, L), z_NPL.reshape(B, T, P, L)
 
 
-def expert_dispatch(experts_fn, sorted_fn, x_BTD, ids_BTA, weights_BTA, tables, *, table_axes, field: str):
+def expert_dispatch(
+  experts_fn,
+  sorted_fn,
+  x_BTD,
+  ids_BTA,
+  weights_BTA,
+  tables,
+  *,
+  table_axes,
+  field: str,
+  placement="expert",
+  table_names=None,
+):
   """y [B, T, D] (x's dtype): the experts over the tokens routed to each, the experts split over their group.
 
   experts_fn(x_ND, ids_NA, weights_NA, *tables, first_expert=0) -> y_ND computes the given experts (ids
@@ -295,10 +467,16 @@ def expert_dispatch(experts_fn, sorted_fn, x_BTD, ids_BTA, weights_BTA, tables, 
   experts first (logical name table_axes[0]). On a mesh whose expert axes split the batch, each token goes to the
   devices of its k experts and back (`all_to_all_experts`); an expert axis that does not split the batch holds the
   same tokens on every device, so each runs experts_fn on them for its own experts and the outputs are summed.
+  Placements fsdp and data: every expert on every device (`on_own_tokens`), the tables stored with `table_names`
+  (each table's logical names as the layer gives them; default table_axes for each) as placed.
   """
   B, T, D = x_BTD.shape
   A = ids_BTA.shape[-1]
   flat = (x_BTD.reshape(B * T, D), ids_BTA.reshape(B * T, A), weights_BTA.reshape(B * T, A))
+  if placement != "expert":
+    names = tuple(placed_names(n, placement) for n in (table_names or (table_axes,) * len(tables)))
+    (y_ND,) = on_own_tokens(lambda *args: (experts_fn(*args),), flat, tuple(tables), names)
+    return y_ND.reshape(B, T, D)
   group = ep.expert_group(table_axes[0], ep.whole_units(tables[0].shape[0], table_axes[0]), B * T, field)
   if group is None:
     return experts_fn(*flat, *tables).reshape(B, T, D)

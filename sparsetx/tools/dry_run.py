@@ -149,6 +149,7 @@ def print_analytic(config, mesh, chips, report=None) -> None:
   move and compute, which the CPU-compiled program's counts cannot show. With a compiled `report`, its
   collectives outside the feed-forward layers join the projection."""
   mesh_shape = dict(mesh.shape)
+  print(layer_cost.format_placements(config, mesh_shape))
   print(layer_cost.format_config_layers(config, mesh_shape, chips))
   rest = roofline.outside_ffn(report.collectives) if report is not None else ()
   projections = [layer_cost.project_step(config, mesh_shape, chip, rest) for chip in chips]

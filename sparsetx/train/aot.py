@@ -186,6 +186,7 @@ class Report:
   collectives: list  # Collective
   bytes_accessed: float = 0.0  # per step, one device's program (XLA cost analysis "bytes accessed")
   tokens_per_step: int = 0  # global batch x sequence length
+  loop_param_bytes: int = 0  # per device, the parameters as the per-device microbatch loop takes them (step.py)
 
 
 def abstract_state(config, mesh):
@@ -333,6 +334,7 @@ def dry_run(config: ml_collections.ConfigDict, mesh, granule_of: dict | None = N
   """Compiles the train step for `mesh` and reports it; `granule_of` (device id -> node / slice,
   mesh_lib.granule_of) marks the collectives that cross the DCN."""
   compiled, abstract = compile_train_step(config, mesh)
+  _, _, model, _ = abstract_state(config, mesh)
   memory = compiled.memory_analysis()
   memory = {
     name: int(getattr(memory, f"{name}_size_in_bytes", 0) or 0)
@@ -353,6 +355,7 @@ def dry_run(config: ml_collections.ConfigDict, mesh, granule_of: dict | None = N
     collectives=collectives(compiled.as_text(), dcn_granules(mesh, granule_of) if granule_of else None),
     bytes_accessed=float((cost or {}).get("bytes accessed", 0.0)),
     tokens_per_step=tokens,
+    loop_param_bytes=step_lib.loop_param_bytes(config, model, abstract.params, mesh),
   )
 
 
@@ -474,7 +477,8 @@ class DeviceMemory(NamedTuple):
 
   compiled: int  # the CPU program: arguments + outputs - aliased + temporaries (the compiler's memory analysis)
   state: int  # arguments + outputs - aliased: parameters, optimizer state, batch (the same on every backend)
-  gradients: int  # float32 parameter-sized gradients, twice with micro-batches (the running sum and one micro-batch's)
+  gradients: int  # float32 gradients as the loop holds them, twice with micro-batches (running sum, one micro-batch's)
+  gathered: int  # parameters held whole for the per-device microbatch loop, beyond their stored shards
   saved: int  # activations the forward keeps for the backward, all layers, under config.model.remat
   layer: int  # one block's recomputed forward and its cotangents during its backward (remat none: 0, in `saved`)
   head: int  # the LM head's float32 logits, their softmax and their cotangent over one micro-batch
@@ -482,7 +486,7 @@ class DeviceMemory(NamedTuple):
 
   @property
   def device(self) -> int:
-    return self.state + self.gradients + self.saved + self.layer + self.head
+    return self.state + self.gradients + self.gathered + self.saved + self.layer + self.head
 
 
 def _batch_shards(config, mesh) -> int:
@@ -545,7 +549,9 @@ def device_memory(config, mesh, report: Report) -> DeviceMemory:
     remat=none and 254 MiB under full at T=256), so its program keeps every layer's residuals; an accelerator
     keeps only what config.model.remat saves (layer_residual_bytes) and recomputes one block at a time.
   The device figure is: state (arguments + outputs - aliased, exact from the compile) + float32 gradients (the
-  parameters' per-device bytes in float32; twice with micro-batches, for the running sum) + every layer's saved
+  parameters' per-device bytes in float32 as the step holds them: with micro-batches, twice, for the running sum,
+  and as the per-device loop takes the parameters, whole but for the tables' blocks, `Report.loop_param_bytes`) +
+  the parameters that loop gathers whole beyond their stored shards + every layer's saved
   residuals for one micro-batch + one block's recomputed residuals and their cotangents (2x remat=none's, when
   remat is not none) + the LM head's [n, V] float32 logits, softmax and cotangent (3 x 4 n V bytes over the
   vocab's shards of the logits). It omits XLA's fusion scratch and fragmentation: a lower bound to leave
@@ -554,26 +560,33 @@ def device_memory(config, mesh, report: Report) -> DeviceMemory:
   memory = report.memory
   state = memory["argument"] + memory["output"] - memory["alias"]
   n = config.data.global_batch_size // config.train.microbatches // _batch_shards(config, mesh) * config.data.seq_len
-  n_params_device = report.param_bytes // jnp.dtype(config.model.param_dtype).itemsize
-  gradients = 4 * n_params_device * (2 if config.train.microbatches > 1 else 1)
+  loop_bytes = max(report.loop_param_bytes, report.param_bytes)
+  gradients = 4 * loop_bytes // jnp.dtype(config.model.param_dtype).itemsize
+  gradients *= 2 if config.train.microbatches > 1 else 1
   logits_spec = nn.logical_to_mesh_axes(("batch", "length", "vocab"), tuple(config.mesh.rules))[-1]
   vocab_axes = logits_spec if isinstance(logits_spec, tuple) else (logits_spec,) if logits_spec else ()
   vocab_shards = math.prod(mesh.shape[a] for a in vocab_axes)  # often 1: the batch takes `vocab`'s mesh axes
   saved, layer, head = activation_bytes(config, n, vocab_shards, mesh.shape["expert"])
-  return DeviceMemory(state + memory["temp"], state, gradients, saved, layer, head, n)
+  gathered = loop_bytes - report.param_bytes
+  return DeviceMemory(state + memory["temp"], state, gradients, gathered, saved, layer, head, n)
 
 
 def planned_device_bytes(config, devices: int, expert: int) -> int:
   """DeviceMemory.device before anything is built (a config file choosing remat and micro-batches): parameters
   from the ladder's count, the sparse tables and the vocabulary split over `expert`, the rest replicated; float32
-  Adam moments and gradients; the activations of activation_bytes with the batch over all `devices`."""
+  Adam moments; float32 gradients, with micro-batches twice and as the per-device loop holds them (the tables
+  split, the vocabulary gathered whole, as are its parameters); the activations of activation_bytes with the
+  batch over all `devices`. The tables are taken as placed `expert` (whole under fsdp and data in that loop)."""
   model = config.model
   counts = ladder.param_counts(model)
   embeddings = model.vocab_size * model.d_model * (1 if model.tie_embeddings else 2)
-  split = embeddings + (counts["ffn_total"] if SPECS[model.ffn.type].units is not None else 0)
-  params = split / expert + counts["total"] - split
+  tables = counts["ffn_total"] if SPECS[model.ffn.type].units is not None else 0
+  params = (embeddings + tables) / expert + counts["total"] - embeddings - tables
   itemsize = jnp.dtype(model.param_dtype).itemsize
-  state = params * (itemsize + 8 + 4 * (2 if config.train.microbatches > 1 else 1))
+  state = params * (itemsize + 8 + 4)
+  if config.train.microbatches > 1:
+    loop = tables / expert + counts["total"] - tables
+    state += loop * (4 * 2 + itemsize) - params * (4 + itemsize)
   tokens = config.data.global_batch_size // config.train.microbatches // devices * config.data.seq_len
   return int(state + sum(activation_bytes(config, tokens, expert=expert)))
 
@@ -584,7 +597,8 @@ def format_device_memory(memory: DeviceMemory, chips=()) -> str:
     f"per-device memory, compiled CPU program  {_size(memory.compiled)} (XLA attention, remat dropped)",
     f"per-device memory, device estimate        {_size(memory.device)} (fused attention, remat honoured;"
     " aot.device_memory)",
-    f"  state {_size(memory.state)}, gradients {_size(memory.gradients)}, saved activations {_size(memory.saved)},"
+    f"  state {_size(memory.state)}, gradients {_size(memory.gradients)}, parameters gathered for the loop"
+    f" {_size(memory.gathered)}, saved activations {_size(memory.saved)},"
     f" one block's backward {_size(memory.layer)}, LM head {_size(memory.head)} ({memory.tokens:,} tokens per"
     " micro-batch)",
   ]

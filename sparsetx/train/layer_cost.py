@@ -30,7 +30,15 @@ matmul outputs, so only the non-matmul forward phases (kernels, top-k, sorts) an
 MoE assumes balanced routing (n k pairs per device on average, sent by ragged all-to-all; the dropless receive
 buffer holds all N k pairs of the group, which the receive sort and permutation touch).
 
-Not modeled: the tensor axis (assumed 1), micro-batches (one pass of the batch), norms, biases of dense layers,
+Table placements (dispatch.py): expert as above; fsdp and data run the kernels on the own tokens with whole tables
+(E = G = 1), fsdp gathering them over the batch shards and reduce-scattering their gradients, data all-reducing
+them. Micro-batches: the kernels and the tokens' collectives are one pass of the batch; every gradient reduction
+runs once per step (the step's micro-batch loop runs per device along every batch axis, train/step.py), and with
+micro-batches a parameter gathered whole (FSDP) is gathered once, before the loop, so remat does not gather it
+again. `placement_options` compares the placements by the bytes each device sends (docs/expert_parallel.md,
+"Table placement").
+
+Not modeled: the tensor axis (assumed 1), norms, biases of dense layers,
 kernel tiling overheads and latencies (peak rates: a lower bound, like roofline.py), caches: every picked row is
 read from HBM, though a device's table slice can fit in a GPU's L2 at small scales (docs/kernels.md).
 
@@ -43,13 +51,14 @@ per device, expert group 8).
 
 import argparse
 import dataclasses
+import functools
 import math
 
 import jax.numpy as jnp
 
 from sparsetx import config as config_lib
 from sparsetx.models.ffn.registry import SPECS
-from sparsetx.parallel import expert_parallel, hardware, roofline
+from sparsetx.parallel import dispatch, expert_parallel, hardware, roofline
 
 F32 = 4  # bytes of float32 parameters, gradients, optimizer moments, scores and dots
 INDEX = 4  # bytes of an int32 row id, token id or sort key
@@ -75,6 +84,19 @@ class Collective:
   group: int
   what: str
   runs: int = 1
+  placed: bool = False  # moved because of where the layer's tables are (what the table placements are compared by)
+
+  @property
+  def sent(self) -> float:
+    """Bytes one device sends per step, by the ring algorithm roofline.collective_seconds times."""
+    return sent_bytes(self.op, self.nbytes, self.group)
+
+
+def sent_bytes(op: str, nbytes: float, group: int) -> float:
+  """Bytes one device sends in a ring collective whose result holds `nbytes` on each device (a reduce-scatter's
+  result is the device's shard: it sends group - 1 of them)."""
+  share = (group - 1) / group
+  return {"all-gather": share, "all-to-all": share, "reduce-scatter": group - 1, "all-reduce": 2 * share}[op] * nbytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,10 +147,11 @@ def time_on(cost: LayerCost, chip: hardware.Chip) -> LayerTime:
 
 
 class _Builder:
-  """Collects phases and collectives, applying the remat policy's run counts."""
+  """Collects phases and collectives, applying the remat policy's run counts and the table placement."""
 
-  def __init__(self, remat: str):
+  def __init__(self, remat: str, placement: str = "expert", microbatches: int = 1, shards: int = 1):
     self.remat = remat
+    self.placement, self.microbatches, self.shards = placement, microbatches, shards
     self.phases, self.collectives = [], []
     self.table_bytes = 0.0
 
@@ -150,11 +173,11 @@ class _Builder:
       dw = m * k * a_bytes + m * n * out_bytes + k * n * F32
       self.add(f"{name} backward", dx + dw, 4 * m * k * n)
 
-  def collective(self, op, nbytes, group, what, forward=False):
+  def collective(self, op, nbytes, group, what, forward=False, placed=False):
     if group <= 1 or nbytes <= 0:
       return
     runs = self.forward_runs(False) if forward else 1
-    self.collectives.append(Collective(op, runs * nbytes, group, what, runs))
+    self.collectives.append(Collective(op, runs * nbytes, group, what, runs, placed))
 
   def cast(self, elements, b):
     """The float32 parameters cast to a narrower compute dtype once per step."""
@@ -164,9 +187,26 @@ class _Builder:
   def optimizer(self, elements):
     self.add("optimizer (AdamW)", elements * F32 * (ADAMW_READS + ADAMW_WRITES), elements * ADAMW_FLOPS)
 
-  def grad_sync(self, elements, replicas):
+  def grad_sync(self, elements, replicas, placed=False, what="gradients over replicas"):
     """Gradient all-reduce over the devices holding the same shard of these parameters (data parallelism)."""
-    self.collective("all-reduce", elements * F32, replicas, "gradients over replicas")
+    self.collective("all-reduce", elements * F32, replicas, what, placed=placed)
+
+  def fsdp(self, elements, group, what, placed=False):
+    """Parameters split over `group` devices, gathered whole for the layer (float32, as stored: the kernels read
+    and cast them) and their gradient reduce-scattered back. With micro-batches the gather runs once, before the
+    step's per-device loop; without, inside the layer, again in the backward under remat."""
+    self.collective("all-gather", elements * F32, group, what, forward=self.microbatches == 1, placed=placed)
+    self.collective("reduce-scatter", elements * F32 / group, group, f"{what}: gradients", placed=placed)
+
+  def tables(self, elements, replicas):
+    """A layer's tables of `elements` on the device, synced as placed: all-reduced over their replicas (expert,
+    data), or gathered over the batch shards and reduce-scattered (fsdp). Returns the elements the optimizer
+    updates on the device."""
+    if self.placement == "fsdp":
+      self.fsdp(elements, self.shards, "tables gathered whole (fsdp placement)", placed=True)
+      return elements / self.shards
+    self.grad_sync(elements, replicas, placed=True, what="table gradients over replicas")
+    return elements
 
   def cost(self, name, tokens) -> LayerCost:
     return LayerCost(name, tokens, tuple(self.phases), tuple(self.collectives), self.table_bytes)
@@ -252,30 +292,30 @@ def _neuron_table(bld, model, ffn, n, E, G, b, devices):
     replicated, split = 0, (C * D * ffn.d_key + C * n_keys * ffn.d_key) // E
   else:  # the shared query everywhere, the keys split with the channels
     replicated, split = D * ffn.d_key, ffn.d_key * 2 * C * n_keys // E
-  bld.optimizer(2 * R * d + replicated + split)
-  bld.grad_sync(2 * R * d, devices // (E * G))
+  bld.optimizer(bld.tables(2 * R * d, devices // (E * G)) + replicated + split)
   bld.grad_sync(replicated, devices)
   bld.grad_sync(split, devices // E)
   # Unit split (docs/expert_parallel.md): tokens all-gathered, indices and gates to the owners, y reduce-scattered.
-  bld.collective("all-gather", n * E * D * b, E, "x to the expert group", forward=True)
-  bld.collective("all-to-all", n * C * k * (INDEX + F32), E, "indices and gates to owners", forward=True)
-  bld.collective("reduce-scatter", n * D * F32, E, "y partial sums (float32)", forward=True)
+  tokens = functools.partial(bld.collective, placed=True)
+  tokens("all-gather", n * E * D * b, E, "x to the expert group", forward=True)
+  tokens("all-to-all", n * C * k * (INDEX + F32), E, "indices and gates to owners", forward=True)
+  tokens("reduce-scatter", n * D * F32, E, "y partial sums (float32)", forward=True)
   if G == 1:  # y cast to b by the reduce-scatter (ep.scatter_back): its dy holds b values and moves in b
-    bld.collective("all-gather", n * E * D * b, E, "dy to the expert group")
+    tokens("all-gather", n * E * D * b, E, "dy to the expert group")
   else:
-    bld.collective("all-gather", n * E * D * F32, E, "dy to the expert group (float32)")
-  bld.collective("reduce-scatter", n * D * F32, E, "dx partial sums (float32)")
-  bld.collective("all-to-all", n * C * k * F32, E, "gate gradients back")
+    tokens("all-gather", n * E * D * F32, E, "dy to the expert group (float32)")
+  tokens("reduce-scatter", n * D * F32, E, "dx partial sums (float32)")
+  tokens("all-to-all", n * C * k * F32, E, "gate gradients back")
   # d-split (G > 1): x by d-slice, indices and gates all-gathered, partial dots all-reduced, y back.
   y_bytes = b if shared else F32
-  bld.collective("all-to-all", n * E * D * b, G, "x d-slices to the d-group", forward=True)
-  bld.collective("all-gather", G * n * C * k * (INDEX + F32), G, "indices and gates over the d-group", forward=True)
-  bld.collective("all-reduce", G * n * C * k * F32, G, "partial dots", forward=True)
-  bld.collective("all-to-all", n * E * D * y_bytes, G, "y d-slices back", forward=True)
-  bld.collective("all-to-all", n * E * D * b, G, "dy d-slices")
-  bld.collective("all-reduce", G * n * C * k * F32, G, "partial dot gradients")
-  bld.collective("all-to-all", n * E * D * y_bytes, G, "dx d-slices back")
-  bld.collective("reduce-scatter", n * C * k * F32, G, "gate gradients")
+  tokens("all-to-all", n * E * D * b, G, "x d-slices to the d-group", forward=True)
+  tokens("all-gather", G * n * C * k * (INDEX + F32), G, "indices and gates over the d-group", forward=True)
+  tokens("all-reduce", G * n * C * k * F32, G, "partial dots", forward=True)
+  tokens("all-to-all", n * E * D * y_bytes, G, "y d-slices back", forward=True)
+  tokens("all-to-all", n * E * D * b, G, "dy d-slices")
+  tokens("all-reduce", G * n * C * k * F32, G, "partial dot gradients")
+  tokens("all-to-all", n * E * D * y_bytes, G, "dx d-slices back")
+  tokens("reduce-scatter", n * C * k * F32, G, "gate gradients")
 
 
 def _fff(bld, model, ffn, n, E, G, b, devices):
@@ -290,8 +330,7 @@ def _fff(bld, model, ffn, n, E, G, b, devices):
   N, R = n * E, P * Z
   bld.cast(2 * R * D, b)
   bld.table_bytes = 2 * R * D * b
-  bld.collective("all-gather", R * 2 * D * F32, G, "tables over fsdp (FSDP)", forward=True)
-  bld.collective("reduce-scatter", R * 2 * D * F32 / G, G, "table gradients over fsdp (FSDP)")
+  bld.fsdp(R * 2 * D, G, "tables over fsdp (FSDP)", placed=True)
   if top:
     bld.matmul("top levels: logits (dense)", N, D, P * n_top, b, b, F32)
     bld.matmul("top levels: outputs (dense)", N, P * n_top, D, b, b, F32)
@@ -299,14 +338,15 @@ def _fff(bld, model, ffn, n, E, G, b, devices):
     level = N * P * D * b + N * D * b + 2 * N * P * INDEX + 2 * N * P * F32  # rows, x, node ids, b_in, z, next ids
     bld.add(f"walk: {deep} x row_dots (S={P})", deep * level, deep * 2 * N * P * D, forward=True)
     _gather(bld, N, P * deep, D, b, R, with_bias=True, forward_dots=False)
-  params = (R * 2 * D) / G + R + D
-  bld.optimizer(params)
-  bld.grad_sync(params, devices // (E * G))
-  bld.collective("all-gather", N * D * b, E, "x to the expert group", forward=True)
-  bld.collective("reduce-scatter", n * D * F32, E, "y partial sums (float32)", forward=True)
-  bld.collective("all-to-all", n * ffn.n_trees * L * (INDEX + F32), E, "path nodes and logits back", forward=True)
-  bld.collective("all-gather", N * D * F32, E, "dy to the expert group (float32)")
-  bld.collective("reduce-scatter", n * D * F32, E, "dx partial sums (float32)")
+  tables = bld.tables((R * 2 * D) / G, devices // (E * G))
+  bld.optimizer(tables + R + D)
+  bld.grad_sync(R + D, devices // (E * G))  # b_in, b_out
+  tokens = functools.partial(bld.collective, placed=True)
+  tokens("all-gather", N * D * b, E, "x to the expert group", forward=True)
+  tokens("reduce-scatter", n * D * F32, E, "y partial sums (float32)", forward=True)
+  tokens("all-to-all", n * ffn.n_trees * L * (INDEX + F32), E, "path nodes and logits back", forward=True)
+  tokens("all-gather", N * D * F32, E, "dy to the expert group (float32)")
+  tokens("reduce-scatter", n * D * F32, E, "dx partial sums (float32)")
 
 
 def _moe(bld, model, ffn, n, E, G, b, devices):
@@ -320,8 +360,7 @@ def _moe(bld, model, ffn, n, E, G, b, devices):
   bld.add("router top-k", n * X * F32 + n * A * (F32 + INDEX), n * X * TOP_K_OPS_PER_SCORE, forward=True)
   bld.cast(weights, b)
   bld.table_bytes = weights * b
-  bld.collective("all-gather", weights * F32, G, "expert weights over fsdp (FSDP)", forward=True)
-  bld.collective("reduce-scatter", weights * F32 / G, G, "expert weight gradients over fsdp (FSDP)")
+  bld.fsdp(weights, G, "expert weights over fsdp (FSDP)", placed=True)
   bld.add("dispatch: sort the group's pairs", RADIX_PASSES * pairs_all * RADIX_BYTES_PER_PAIR * 2, 0, forward=True)
   bld.add("dispatch: gather x rows of every pair", 2 * pairs_all * D * b, 0, forward=True)
   bld.matmul("experts: gate and up (grouped)", pairs, D, 2 * F, b, b, F32)  # the two [D, F] weights side by side
@@ -337,15 +376,15 @@ def _moe(bld, model, ffn, n, E, G, b, devices):
   bld.add("combine backward", N * D * b + pairs_all * F32 + 3 * pairs_all * D * F32, 2 * pairs_all * D)
   bld.add("dispatch backward: scatter-add dx rows", pairs_all * D * b + N * D * b, pairs_all * D)
   router = D * X + X
-  bld.optimizer(weights / G + router)
-  bld.grad_sync(weights / G, devices // (E * G))
+  bld.optimizer(bld.tables(weights / G, devices // (E * G)) + router)
   bld.grad_sync(router, devices)
   # dispatch.all_to_all_experts: ragged all-to-alls of the n k pairs' rows, in the compute dtype, each way
-  bld.collective("all-gather", E * X * INDEX, E, "per-expert pair counts (sizes and offsets)", forward=True)
-  bld.collective("all-to-all", pairs * D * b, E, "x rows to their experts' devices (ragged)", forward=True)
-  bld.collective("all-to-all", pairs * D * b, E, "expert outputs back (ragged)", forward=True)
-  bld.collective("all-to-all", pairs * D * b, E, "dy rows to the experts (ragged)")
-  bld.collective("all-to-all", pairs * D * b, E, "dx rows back (ragged)")
+  tokens = functools.partial(bld.collective, placed=True)
+  tokens("all-gather", E * X * INDEX, E, "per-expert pair counts (sizes and offsets)", forward=True)
+  tokens("all-to-all", pairs * D * b, E, "x rows to their experts' devices (ragged)", forward=True)
+  tokens("all-to-all", pairs * D * b, E, "expert outputs back (ragged)", forward=True)
+  tokens("all-to-all", pairs * D * b, E, "dy rows to the experts (ragged)")
+  tokens("all-to-all", pairs * D * b, E, "dx rows back (ragged)")
 
 
 def _dense(bld, model, ffn, n, E, G, b, devices):
@@ -355,8 +394,7 @@ def _dense(bld, model, ffn, n, E, G, b, devices):
   weights = (ins + 1) * D * F
   bld.cast(weights, b)
   bld.table_bytes = weights * b
-  bld.collective("all-gather", weights * F32, G, "weights over fsdp (FSDP)", forward=True)
-  bld.collective("reduce-scatter", weights * F32 / G, G, "weight gradients over fsdp (FSDP)")
+  bld.fsdp(weights, G, "weights over fsdp (FSDP)")
   bld.matmul("in projection" + ("s (gate, up)" if ins == 2 else ""), n, D, ins * F, b, b, b)
   bld.add("activation", (ins + 1) * n * F * b, 4 * n * F, forward=True)
   bld.add("activation backward", (2 * ins + 1) * n * F * b, 8 * n * F)
@@ -368,18 +406,32 @@ def _dense(bld, model, ffn, n, E, G, b, devices):
 _LAYERS = {"sgatlin": _neuron_table, "peer": _neuron_table, "fff": _fff, "moe": _moe, "mlp": _dense, "swiglu": _dense}
 
 
-def layer_cost(model, ffn, tokens: int, expert_group: int = 1, d_group: int = 1, devices: int | None = None):
+def layer_cost(
+  model,
+  ffn,
+  tokens: int,
+  expert_group: int = 1,
+  d_group: int = 1,
+  devices: int | None = None,
+  placement: str = "expert",
+  microbatches: int = 1,
+):
   """The LayerCost of one feed-forward layer `ffn` of `model` per train step on one device.
 
   tokens: own tokens per device; expert_group: E, the devices the layer's units are split over (sgatlin channels,
   FFF trees, MoE experts); d_group: G, the devices its tables' d_model is split over (sgatlin / PEER: the d-split
-  gather; others: FSDP); devices: the devices that train the model (data-parallel gradient sums; default E G).
+  gather; others: FSDP); devices: the devices that train the model (data-parallel gradient sums; default E G),
+  all of them holding other tokens. placement: the tables' (dispatch.py); under fsdp and data the kernels see the
+  device's own tokens and whole tables (E = G = 1), fsdp gathering them from all `devices`. microbatches: the
+  step's micro-batch count.
   """
   if ffn.type not in _LAYERS:
     raise config_lib.ConfigError(f"no cost model for feed-forward type {ffn.type!r}; one of {', '.join(_LAYERS)}.")
   b = jnp.dtype(model.dtype).itemsize
-  bld = _Builder(config_lib.remat_policy(model))
   devices = devices or expert_group * d_group
+  if placement != "expert":
+    expert_group, d_group = 1, 1
+  bld = _Builder(config_lib.remat_policy(model), placement, microbatches, devices)
   _LAYERS[ffn.type](bld, model, ffn, tokens, expert_group, d_group, b, devices)
   return bld.cost(ffn.type, tokens)
 
@@ -409,18 +461,174 @@ def tokens_per_device(config, mesh_shape: dict) -> int:
   return config.data.global_batch_size * config.data.seq_len // batch
 
 
-def config_layer_costs(config, mesh_shape: dict) -> list[tuple[tuple, LayerCost]]:
-  """(layer indices, LayerCost) per distinct feed-forward config of the model (one entry unless it is mixed)."""
-  model, devices = config.model, math.prod(mesh_shape.values())
+def distinct_ffns(model) -> list[tuple[object, tuple, str]]:
+  """(feed-forward sub-config, its layer indices, its config prefix) per distinct one (one unless mixed)."""
   by_ffn = {}
   for i in range(model.n_layers):
     ffn = config_lib.layer_ffn_config(model, i)
-    by_ffn.setdefault(id(ffn), (ffn, []))[1].append(i)
-  n = tokens_per_device(config, mesh_shape)
-  return [
-    (tuple(layers), layer_cost(model, ffn, n, *groups(config, ffn, mesh_shape), devices=devices))
-    for ffn, layers in by_ffn.values()
+    prefix = "config.model.ffn" if ffn is model.ffn else "config.model.dense_ffn"
+    by_ffn.setdefault(id(ffn), (ffn, [], prefix))[1].append(i)
+  return [(ffn, tuple(layers), prefix) for ffn, layers, prefix in by_ffn.values()]
+
+
+def config_layer_costs(config, mesh_shape: dict) -> list[tuple[tuple, LayerCost]]:
+  """(layer indices, LayerCost) per distinct feed-forward config of the model (one entry unless it is mixed), each
+  sparse layer at its placement (config.model.ffn.placement, "auto" resolved by `choose_placement`)."""
+  out = []
+  for ffn, layers, _ in distinct_ffns(config.model):
+    placement = choose_placement(config, ffn, mesh_shape)[0] if placeable(ffn) else "expert"
+    out.append((layers, placed_cost(config, ffn, mesh_shape, placement)))
+  return out
+
+
+# Table placement (dispatch.py; docs/expert_parallel.md "Table placement") ----------------------------------------
+
+
+def placeable(ffn) -> bool:
+  """Whether the layer type has tables a placement moves (the sparse types)."""
+  return SPECS[ffn.type].sparse
+
+
+def batch_axes(config, mesh_shape: dict) -> tuple:
+  """The mesh axes (size > 1) the batch is split over: the devices that hold other tokens."""
+  axes = config_lib.rule_axes(config.mesh.rules, "batch")
+  return tuple(a for a in axes if mesh_shape.get(a, 1) > 1)
+
+
+def placed_cost(config, ffn, mesh_shape: dict, placement: str) -> LayerCost:
+  """The LayerCost of `ffn` with its tables placed as given, at the config's tokens per device and micro-batches."""
+  shards = math.prod(mesh_shape[a] for a in batch_axes(config, mesh_shape))
+  return layer_cost(
+    config.model,
+    ffn,
+    tokens_per_device(config, mesh_shape),
+    *groups(config, ffn, mesh_shape),
+    devices=shards,
+    placement=placement,
+    microbatches=config.train.microbatches,
+  )
+
+
+def placement_bytes(cost: LayerCost) -> float:
+  """Bytes one device sends per step because of where the layer's tables are: the tokens' moves (expert), the
+  tables' gathers and gradient reduce-scatters (fsdp), the table gradients' all-reduce (all; data's only one)."""
+  return sum(c.sent for c in cost.collectives if c.placed)
+
+
+def table_mib(config, ffn) -> float:
+  """MiB of one layer's parameters as stored (its tables and router; config.model.param_dtype): what the data
+  placement replicates, at most."""
+  spec = SPECS[ffn.type]
+  total = spec.params(config.model, ffn)[0]
+  return total * jnp.dtype(config.model.param_dtype).itemsize / 2**20
+
+
+# config.mesh.max_replicated_mib is 1/512 of the chip's HBM (parallel/targets.py sets it so), so it stands for HBM.
+HBM_PER_REPLICATED_LIMIT = 512
+
+
+def held_tables_gib(config, ffn) -> float:
+  """GiB one device holds during a step with micro-batches when `ffn`'s tables enter the per-device loop whole
+  (fsdp, data): every layer of that type's parameters (`table_mib`) as stored and two float32 gradient sums
+  (train/step.py)."""
+  n_layers = sum(len(layers) for f, layers, _ in distinct_ffns(config.model) if f is ffn) or config.model.n_layers
+  itemsize = jnp.dtype(config.model.param_dtype).itemsize
+  return n_layers * table_mib(config, ffn) * (itemsize + 2 * F32) / itemsize / 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementOption:
+  placement: str
+  nbytes: float  # bytes one device sends per step for this layer with its tables so placed (placement_bytes)
+  refused: str = ""  # why the layer cannot run so on this mesh and config ("" when it can)
+
+
+def placement_options(config, ffn, mesh_shape: dict) -> dict:
+  """{placement: PlacementOption} for `ffn` on a mesh of mesh_shape, at the config's tokens per device.
+
+  expert needs the units (and a neuron table's d_model) to split over their axes (models/ffn/placement.py); fsdp
+  d_model to split over the batch shards, and with micro-batches (whose per-device loop holds the tables whole,
+  with their float32 gradient sums) those of all its layers within half the HBM the replication limit stands
+  for (`held_tables_gib`); data a table within config.mesh.max_replicated_mib (the replication check refuses it
+  otherwise). The bytes are given either way: what the placement would move."""
+  shards = math.prod(mesh_shape[a] for a in batch_axes(config, mesh_shape))
+  held, budget = held_tables_gib(config, ffn), config.mesh.max_replicated_mib * HBM_PER_REPLICATED_LIMIT / 2 / 1024
+  spec, (E, G) = SPECS[ffn.type], groups(config, ffn, mesh_shape)
+  options = {}
+  for placement in dispatch.PLACEMENTS:
+    refused = ""
+    if placement == "expert" and spec.units is not None and ffn[spec.units.field] % E:
+      refused = f"{spec.units.field}={ffn[spec.units.field]} does not split over {E} devices"
+    elif placement == "expert" and config.model.d_model % G:
+      refused = f"d_model={config.model.d_model} does not split over {G} devices"
+    elif placement == "fsdp" and config.model.d_model % shards:
+      refused = f"d_model={config.model.d_model} does not split over the {shards} batch shards"
+    elif placement == "fsdp" and shards > 1 and config.train.microbatches > 1 and held > budget:
+      refused = (
+        f"the micro-batch loop would hold {held:.1f} GiB of whole tables and gradient sums, over half the HBM "
+        f"config.mesh.max_replicated_mib={config.mesh.max_replicated_mib:.0f} stands for ({budget:.1f} GiB)"
+      )
+    elif placement == "data" and shards > 1 and table_mib(config, ffn) > config.mesh.max_replicated_mib:
+      refused = (
+        f"{table_mib(config, ffn):.0f} MiB replicated, over config.mesh.max_replicated_mib="
+        f"{config.mesh.max_replicated_mib:.0f}"
+      )
+    nbytes = placement_bytes(placed_cost(config, ffn, mesh_shape, placement))
+    options[placement] = PlacementOption(placement, nbytes, refused)
+  return options
+
+
+def choose_placement(config, ffn, mesh_shape: dict) -> tuple[str, dict]:
+  """(the placement `ffn` runs, placement_options): its config value, or under "auto" the runnable one that sends
+  the fewest bytes per device and step (ties: expert, then fsdp, then data, the order of dispatch.PLACEMENTS;
+  expert when none can run, whose error then names the field)."""
+  options = placement_options(config, ffn, mesh_shape)
+  wanted = ffn.get("placement", "auto")
+  if wanted != "auto":
+    return wanted, options
+  runnable = [p for p in dispatch.PLACEMENTS if not options[p].refused]
+  return (min(runnable, key=lambda p: options[p].nbytes) if runnable else "expert"), options
+
+
+def resolve_placements(config, mesh_shape: dict):
+  """config with each sparse feed-forward sub-config's placement "auto" replaced by `choose_placement`'s (a copy;
+  config itself when nothing is "auto"), for the model the trainer builds on this mesh."""
+  auto = [
+    prefix
+    for ffn, _, prefix in distinct_ffns(config.model)
+    if placeable(ffn) and ffn.get("placement", "auto") == "auto"
   ]
+  if not auto:
+    return config
+  resolved = config.copy_and_resolve_references()
+  for ffn, _, prefix in distinct_ffns(resolved.model):
+    if prefix in auto:
+      with ffn.unlocked():
+        ffn.placement = choose_placement(resolved, ffn, mesh_shape)[0]
+  return resolved
+
+
+def format_placements(config, mesh_shape: dict) -> str:
+  """The dry run's placement table: per sparse layer, the bytes each placement sends per device and step, and the
+  one chosen."""
+  lines = []
+  for ffn, layers, prefix in distinct_ffns(config.model):
+    if not placeable(ffn):
+      continue
+    chosen, options = choose_placement(config, ffn, mesh_shape)
+    span = f"layers {layers[0]}..{layers[-1]}" if len(layers) > 1 else f"layer {layers[0]}"
+    how = "auto: fewest bytes" if ffn.get("placement", "auto") == "auto" else f"{prefix}.placement"
+    lines.append(
+      f"{ffn.type} table placement ({span}; bytes each device sends per step and layer, "
+      f"{tokens_per_device(config, mesh_shape):,} tokens, {config.train.microbatches} micro-batches; "
+      "docs/expert_parallel.md):"
+    )
+    for placement in dispatch.PLACEMENTS:
+      option = options[placement]
+      mark = f"  <- chosen ({how})" if placement == chosen else ""
+      refused = f"  (cannot run: {option.refused})" if option.refused else ""
+      lines.append(f"  {placement:<8}{option.nbytes / 1e6:>12,.1f} MB{mark}{refused}")
+  return "\n".join(lines)
 
 
 def remainder_cost(config, mesh_shape: dict) -> LayerCost:

@@ -125,11 +125,8 @@ def loss_and_grads(params, batch, *, model, train: ml_collections.ConfigDict, pa
   m = train.microbatches
   mesh = jax.sharding.get_abstract_mesh()
   axes = ()
-  if m > 1 and param_specs is not None and mesh is not None and not mesh.empty:
-    axes = ep.per_device_axes(mesh, ep.active_rules())
-    # Each device takes its rows of every microbatch: they must split evenly, else the compiler's loop runs.
-    rows = jax.tree.leaves(batch)[0].shape[0] // m
-    axes = axes if rows % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+  if param_specs is not None:
+    axes = per_device_loop_axes(m, jax.tree.leaves(batch)[0].shape[0], mesh, ep.active_rules())
   if axes:
     loss_sum, weight_sum, grads, stats = _per_device_accumulation(params, batch, model, train, mesh, axes, param_specs)
   elif m == 1:
@@ -217,6 +214,33 @@ def _per_device_accumulation(params, batch, model, train, mesh, axes, param_spec
     axis_names=set(axes),
     check_vma=False,
   )(params, micro)
+
+
+def per_device_loop_axes(microbatches: int, rows: int, mesh, rules) -> tuple:
+  """The batch axes the step's microbatch loop runs per device along (`_per_device_accumulation`): every batch
+  axis with microbatches > 1 on a mesh; none (the compiler's loop) when each microbatch's `rows` of the global
+  batch do not split evenly over their devices."""
+  if microbatches == 1 or mesh is None or mesh.empty:
+    return ()
+  axes = ep.per_device_axes(mesh, rules)
+  return axes if (rows // microbatches) % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+
+
+def loop_param_bytes(config, model, abstract_params, mesh) -> int:
+  """Bytes one device holds of the parameters as the per-device microbatch loop takes them (`_loop_specs`: the
+  tables' blocks, every other parameter whole along the batch axes), or as stored without that loop. Its
+  gradient sum has this size too: the device memory estimate (train/aot.py) counts both."""
+  axes = per_device_loop_axes(config.train.microbatches, config.data.global_batch_size, mesh, config.mesh.rules)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
+  stored = [leaf.sharding.spec for _, leaf in leaves]
+  loop = _loop_specs(model, config.data.seq_len, leaves, stored, axes) if axes else stored
+  total = 0
+  for (_, leaf), spec, block in zip(leaves, stored, loop):
+    kept = [{a for a in _entry_axes(entry) if a not in axes} for entry in spec]  # the axes the loop leaves auto
+    kept = [k | set(_entry_axes(b)) for k, b in zip(kept, tuple(block) + (None,) * len(kept))]
+    shape = [n // math.prod(mesh.shape[a] for a in k) for n, k in zip(leaf.shape, kept + [set()] * leaf.ndim)]
+    total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+  return total
 
 
 def _entry_axes(entry) -> tuple:

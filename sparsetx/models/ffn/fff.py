@@ -37,6 +37,7 @@ from sparsetx.models.ffn.spec import Circuit, FfnSpec, Units, dense_width
 from sparsetx.parallel import dispatch
 
 TABLE_AXES = ("tree", "node", "embed")  # w_in, w_out [P, n_nodes, d_model]
+BIAS_AXES = ("tree", "node")  # b_in [P, n_nodes]
 
 
 def n_nodes(depth: int) -> int:
@@ -68,13 +69,14 @@ class Fff(nn.Module):
     P, L, D = ffn.n_trees, ffn.depth + 1, self.cfg.d_model
     Z = n_nodes(ffn.depth)
     dtype, param_dtype = jnp.dtype(self.cfg.dtype), jnp.dtype(self.cfg.param_dtype)
+    placement = dispatch.placement_of(ffn)  # masked_dense: the compiler moves the tables as they are stored
     in_init = symmetric_uniform(1.0 / D**0.5)
-    # The sparse walk's trees are the dispatcher's blocks (a device's own trees); d_model is gathered like any
-    # FSDP weight's. The masked dense forward reads the tables whole.
+    # The sparse walk's trees are the dispatcher's blocks (a device's own trees) under placement expert; d_model is
+    # gathered like any FSDP weight's. The masked dense forward reads the tables whole.
     local = ("tree",) if ffn.implementation == "sparse" else ()
-    tree_table = functools.partial(dispatch.table_param, self, dtype=param_dtype, local=local)
+    tree_table = functools.partial(dispatch.table_param, self, dtype=param_dtype, local=local, placement=placement)
     w_in = tree_table("w_in", in_init, (P, Z, D), axes=TABLE_AXES)
-    b_in = tree_table("b_in", in_init, (P, Z), axes=("tree", "node"))
+    b_in = tree_table("b_in", in_init, (P, Z), axes=BIAS_AXES)
     out_init = symmetric_uniform(1.0 / (L * P) ** 0.5)
     w_out = tree_table("w_out", out_init, (P, Z, D), axes=TABLE_AXES)
     b_out = self.param("b_out", nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)), (D,), param_dtype)
@@ -84,7 +86,17 @@ class Fff(nn.Module):
     if ffn.implementation == "sparse":
       options = options_from_config(ffn.get("kernel"))
       y_BTD, path_BTPL, z_BTPL = dispatch.tree_walk(
-        x_BTD, w_in, b_in, w_out, ffn.depth, act, options, table_axes=TABLE_AXES, field="config.model.ffn.n_trees"
+        x_BTD,
+        w_in,
+        b_in,
+        w_out,
+        ffn.depth,
+        act,
+        options,
+        table_axes=TABLE_AXES,
+        field="config.model.ffn.n_trees",
+        placement=placement,
+        bias_axes=BIAS_AXES,
       )
     else:
       z_BTPZ, mask_BTPZ, path_BTPL = masked_dense_forward(x_BTD, w_in, b_in, ffn.depth)

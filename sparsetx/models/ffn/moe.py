@@ -30,7 +30,8 @@ from sparsetx.models.ffn.spec import Circuit, FfnSpec, Units
 from sparsetx.models.taps import tap
 from sparsetx.parallel import dispatch
 
-TABLE_AXES = ("expert", "embed", "mlp")  # wi_gate, wi_up [E, d_model, d_ffw]; wo has ("expert", "mlp", "embed")
+TABLE_AXES = ("expert", "embed", "mlp")  # wi_gate, wi_up [E, d_model, d_ffw]
+OUT_AXES = ("expert", "mlp", "embed")  # wo [E, d_ffw, d_model]
 
 
 def balance_losses(n_experts: int, logits_BTE, expert_ids_BTA, token_weights_BT) -> dict:
@@ -113,13 +114,15 @@ class Moe(nn.Module):
     expert_ids_BTA = tap(self, "expert_ids", expert_ids_BTA)
     weights_BTA = tap(self, "expert_weights", weights_BTA)
 
+    placement = dispatch.placement_of(ffn)
+
     def table(name, shape, names):  # the experts are the dispatcher's blocks (a device's own experts)
       init = nn.initializers.normal(self.cfg.init_std)
-      return dispatch.table_param(self, name, init, shape, param_dtype, names, ("expert",))
+      return dispatch.table_param(self, name, init, shape, param_dtype, names, ("expert",), placement)
 
     wi_gate = table("wi_gate", (E, D, F), TABLE_AXES)
     wi_up = table("wi_up", (E, D, F), TABLE_AXES)
-    wo = table("wo", (E, F, D), ("expert", "mlp", "embed"))
+    wo = table("wo", (E, F, D), OUT_AXES)
     return dispatch.expert_dispatch(
       dispatch_experts,
       sorted_experts,
@@ -129,6 +132,8 @@ class Moe(nn.Module):
       (wi_gate, wi_up, wo),
       table_axes=TABLE_AXES,
       field="config.model.ffn.n_experts",
+      placement=placement,
+      table_names=(TABLE_AXES, TABLE_AXES, OUT_AXES),
     )
 
 

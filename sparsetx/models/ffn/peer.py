@@ -33,7 +33,7 @@ class Peer(nn.Module):
   def __call__(self, x_BTD):
     ffn = self.cfg.ffn
     F, D = ffn.d_ffw, self.cfg.d_model
-    table = dispatch.NeuronTable(TABLE_AXES, None, 1, "config.model.ffn")
+    table = dispatch.NeuronTable(TABLE_AXES, None, 1, "config.model.ffn", dispatch.placement_of(ffn))
     x_BTD = dispatch.place_on_token_shards(x_BTD, table)
     scores_BTCK, idx_BTCK = make_router("peer", ffn, jnp.dtype(self.cfg.param_dtype))(x_BTD)
     scores_BTCK = dispatch.place_on_token_shards(scores_BTCK, table)
@@ -50,6 +50,7 @@ class Peer(nn.Module):
       jnp.dtype(self.cfg.param_dtype),
       TABLE_AXES,
       ("embed",),  # the d-split's slices
+      table.placement,
     )
     B, T = idx_BTCK.shape[:2]
     return dispatch.neuron_table_gather(

@@ -8,6 +8,7 @@ import math
 
 from sparsetx import config as config_lib
 from sparsetx.models.ffn.registry import SPECS
+from sparsetx.parallel.dispatch import FSDP_TABLE_AXIS, placement_of
 from sparsetx.parallel.expert_parallel import D_MODEL_SPLIT_RULES, sized_axes, table_spec
 
 
@@ -25,6 +26,19 @@ def check_units_divide(config, mesh) -> None:
 
 def _check_layer_units(config, mesh, ffn, prefix: str) -> None:
   spec = SPECS[ffn.type]
+  placement = placement_of(ffn) if spec.sparse else "expert"
+  if placement == "data":  # replicated: nothing to divide
+    return
+  if placement == "fsdp":  # d_model split over the batch axes (dispatch.placed_names)
+    axes = sized_axes(mesh, config_lib.rule_axes(config.mesh.rules, FSDP_TABLE_AXIS))
+    shards = math.prod(mesh.shape[a] for a in axes)
+    if config.model.d_model % shards:
+      raise config_lib.ConfigError(
+        f"{prefix}.placement='fsdp' splits the tables' d_model={config.model.d_model} over the {shards} batch shards "
+        f"({' x '.join(f'{a}={mesh.shape[a]}' for a in axes)}), which do not divide it; use placement 'expert' or "
+        "'data', or a d_model that is a multiple of the batch shards."
+      )
+    return
   if spec.neuron_table is not None:
     names = spec.neuron_table
     axes = sized_axes(mesh, table_spec(names, config.mesh.rules)[-1])

@@ -51,7 +51,7 @@ class Sgatlin(nn.Module):
   def __call__(self, x_BTD):
     ffn = self.cfg.ffn
     C, F, D = ffn.n_channels, ffn.d_ffw, self.cfg.d_model
-    table = dispatch.NeuronTable(TABLE_AXES, "channel", C, "config.model.ffn.n_channels")
+    table = dispatch.NeuronTable(TABLE_AXES, "channel", C, "config.model.ffn.n_channels", dispatch.placement_of(ffn))
     x_BTD = dispatch.place_on_token_shards(x_BTD, table)
     scores_BTCK, idx_BTCK = make_router(ffn.router, ffn, jnp.dtype(self.cfg.param_dtype))(x_BTD)
     scores_BTCK = dispatch.place_on_token_shards(scores_BTCK, table)
@@ -61,7 +61,14 @@ class Sgatlin(nn.Module):
     gates_BTCK = tap(self, "gate_scores", gates_BTCK)
 
     experts = dispatch.table_param(
-      self, "experts", table_init(F), (2, C, F, D), jnp.dtype(self.cfg.param_dtype), TABLE_AXES, ("channel", "embed")
+      self,
+      "experts",
+      table_init(F),
+      (2, C, F, D),
+      jnp.dtype(self.cfg.param_dtype),
+      TABLE_AXES,
+      ("channel", "embed"),
+      table.placement,
     )
     return dispatch.neuron_table_gather(
       table, x_BTD, experts, idx_BTCK, gates_BTCK, activation_for(ffn), options_from_config(ffn.get("kernel"))
