@@ -285,51 +285,45 @@ def neuron_table_gather(
 def _whole_table_gather(table, x_BTD, experts_2UFD, idx_BTUK, gates_BTUK, activation, options, gate_inside_activation):
   """The fsdp and data placements: the single-device gated gather on each device's own tokens, the table whole."""
   B, T, D = x_BTD.shape
-  U, F = experts_2UFD.shape[1:3]
-  K = idx_BTUK.shape[-1]
+  U, K = idx_BTUK.shape[2:]
   names = table.stored_axes
   if table.unit_axis is None:  # a shared table [2, F, D] enters as one unit [2, 1, F, D]
     names = names[:1] + (None,) + names[1:]
 
-  def local(x_nD, idx_nUK, gates_nUK, experts):
-    rows_nS = (idx_nUK + F * jnp.arange(U, dtype=idx_nUK.dtype)[None, :, None]).reshape(-1, U * K)
-    y_nD = gated_gather(
-      x_nD,
-      experts[0].reshape(U * F, D),
-      experts[1].reshape(U * F, D),
-      rows_nS,
-      gates_nUK.reshape(rows_nS.shape),
-      activation,
-      options=options,
-      gate_inside_activation=gate_inside_activation,
-    )
-    return (y_nD,)
+  def local(x_nD, idx_nUK, gates_nUK, experts_2UFD):
+    return (_own_units_gather(x_nD, idx_nUK, gates_nUK, experts_2UFD, activation, options, gate_inside_activation),)
 
   flat = (x_BTD.reshape(B * T, D), idx_BTUK.reshape(B * T, U, K), gates_BTUK.reshape(B * T, U, K))
   (y_ND,) = on_own_tokens(local, flat, (experts_2UFD,), (names,))
   return y_ND.reshape(B, T, D)
 
 
+def _own_units_gather(x_nD, idx_nuK, gates_nuK, experts_2uFD, activation, options, gate_inside_activation=True):
+  """The single-device gated gather over the u units a device holds (experts [2, u, F, D]): unit j's neurons are
+  rows j F .. (j + 1) F - 1 of the units' tables stacked."""
+  u, F, D = experts_2uFD.shape[1:]
+  K = idx_nuK.shape[-1]
+  rows_nS = (idx_nuK + F * jnp.arange(u, dtype=idx_nuK.dtype)[None, :, None]).reshape(-1, u * K)
+  return gated_gather(
+    x_nD,
+    experts_2uFD[0].reshape(u * F, D),
+    experts_2uFD[1].reshape(u * F, D),
+    rows_nS,
+    gates_nuK.reshape(rows_nS.shape),
+    activation,
+    options=options,
+    gate_inside_activation=gate_inside_activation,
+  )
+
+
 def _unit_split_gather(group, x_BTD, experts_2UFD, idx_BTUK, gates_BTUK, activation, options):
   """The gated gather with its units (sgatlin's channels) split over the group: each device its own units."""
   B, T, D = x_BTD.shape
   U, K = idx_BTUK.shape[2:]
-  F = experts_2UFD.shape[2]
 
   def local(tokens_g, owned_g, tables_u):
     (x_gD,), (idx_guK, gates_guK), (experts_2uFD,) = tokens_g, owned_g, tables_u
-    u = experts_2uFD.shape[1]
-    rows_gS = (idx_guK + F * jnp.arange(u, dtype=idx_guK.dtype)[None, :, None]).reshape(-1, u * K)
-    y_gD = gated_gather(
-      x_gD,
-      experts_2uFD[0].reshape(u * F, D),
-      experts_2uFD[1].reshape(u * F, D),
-      rows_gS,
-      gates_guK.reshape(rows_gS.shape),
-      activation,
-      options=options,
-    )
-    return (y_gD,)
+    return (_own_units_gather(x_gD, idx_guK, gates_guK, experts_2uFD, activation, options),)
 
   (y_ND,) = token_parallel(
     group,
