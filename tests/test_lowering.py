@@ -244,14 +244,22 @@ def test_train_step_lowers_on_a_mesh_with_each_device_on_its_tokens(ffn_type, ta
 
 
 @pytest.mark.parametrize(
-  "ffn_type, ici", [("sgatlin", dict(data=2, expert=4)), ("fff", dict(data=2, fsdp=2, expert=2))]
+  "ffn_type, ici, placement",
+  [
+    ("sgatlin", dict(data=2, expert=4), "expert"),
+    ("fff", dict(data=2, fsdp=2, expert=2), "expert"),
+    ("sgatlin", dict(data=2, expert=4), "fsdp"),
+    ("fff", dict(data=2, fsdp=2, expert=2), "data"),
+  ],
 )
-def test_per_device_microbatch_loop_lowers_for_tpu_with_its_kernels(ffn_type, ici):
+def test_per_device_microbatch_loop_lowers_for_tpu_with_its_kernels(ffn_type, ici, placement):
   """With microbatches the train step's loop is a shard_map manual over every batch axis (train/step.py), the
-  tables entering as each device's blocks; Pallas TPU lowers a kernel only where every mesh axis is manual: the
-  program lowers for TPU with one forward and one backward of kernels per layer, as without the loop."""
+  tables entering as each device's blocks (placement expert) or whole (fsdp, data: config.model.ffn.placement);
+  Pallas TPU lowers a kernel only where every mesh axis is manual: the program lowers for TPU with one forward
+  and one backward of kernels per layer, as without the loop, and the kernels read bf16 rows."""
   platform, chip, gpu_kernel = TARGETS["tpu-v5p"]
   config = lowering_config(ffn_type, gpu_kernel)
+  config.model.ffn.placement = placement
   config.data.global_batch_size = 16
   config.train.microbatches = 2
   config.model.attention = "xla"
@@ -261,6 +269,8 @@ def test_per_device_microbatch_loop_lowers_for_tpu_with_its_kernels(ffn_type, ic
   assert gather_kernels(text, "tpu-v5p") == expected_kernels(ffn_type, "tpu-v5p", "train")
   manual = ", ".join(f'"{a}"' for a in ("data", "fsdp", "expert") if a in ici)
   assert f"manual_axes={{{manual}}}" in text
+  row_operands = [t for types in kernel_operands(text) for t in types if re.fullmatch(r"\d+x128x\w+", t)]
+  assert row_operands and all(t.endswith("xbf16") for t in row_operands), row_operands
 
 
 LOOP_TRIP_BOUND = 8  # the most trips any device loop of a sparse train step may run (here: none, or 1-trip scans)
