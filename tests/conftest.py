@@ -77,6 +77,15 @@ def synthetic_batch(config, seed=0):
 
 
 # A two-layer sgatlin small enough for the dry-run program to build in seconds (configs/tiny.py:sgatlin overrides).
+# Each sparse type at d_model 16 with 8 units (channels, trees, experts), so they split over 8 devices: the
+# multi-device layer tests (expert parallelism, table placement).
+SPARSE_LAYERS_OF_8 = {
+  "sgatlin": dict(n_channels=8, d_ffw=36, top_k=2, d_key=8),
+  "peer": dict(n_channels=8, d_ffw=36, top_k=2, d_key=8),
+  "fff": dict(n_trees=8, depth=2),
+  "moe": dict(n_experts=8, experts_per_token=2, d_ffw=8),
+}
+
 MICRO_SGATLIN_FLAGS = (
   "--config.model.d_model=32",
   "--config.model.n_layers=2",

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import official_refs as official
 import pytest
-from conftest import init_params, layer_model_config
+from conftest import SPARSE_LAYERS_OF_8, init_params, layer_model_config
 
 from sparsetx import config as config_lib
 from sparsetx.models.ffn import moe
@@ -23,10 +23,7 @@ from sparsetx.train import aot
 
 D = 16
 LAYERS = {
-  "sgatlin": dict(n_channels=8, d_ffw=36, top_k=2, d_key=8),
-  "peer": dict(n_channels=8, d_ffw=36, top_k=2, d_key=8),
-  "fff": dict(n_trees=8, depth=2),
-  "moe": dict(n_experts=8, experts_per_token=2, d_ffw=8),
+  **SPARSE_LAYERS_OF_8,
   "sgatlin_c4": dict(n_channels=4, d_ffw=36, top_k=2, d_key=8),  # fewer channels than devices
 }
 MESHES = {

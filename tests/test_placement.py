@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from conftest import init_params
+from conftest import SPARSE_LAYERS_OF_8, init_params
 
 from sparsetx import config as config_lib
 from sparsetx.models.ffn.registry import FFN_LAYERS
@@ -22,12 +22,7 @@ from sparsetx.train import layer_cost
 from sparsetx.train import state as state_lib
 
 D = 16
-LAYERS = {
-  "sgatlin": dict(n_channels=8, d_ffw=36, top_k=2, d_key=8),
-  "peer": dict(n_channels=8, d_ffw=36, top_k=2, d_key=8),
-  "fff": dict(n_trees=8, depth=2),
-  "moe": dict(n_experts=8, experts_per_token=2, d_ffw=8),
-}
+LAYERS = SPARSE_LAYERS_OF_8
 TABLE = {"sgatlin": ("experts",), "peer": ("experts",), "fff": ("w_in", "w_out"), "moe": ("wi_gate", "wi_up", "wo")}
 
 

@@ -124,10 +124,7 @@ def place_on_token_shards(a_BT, table: NeuronTable):
   """a [B, T, ...] kept on the tokens' layout when the layer runs on a mesh, so its router runs where the tokens
   are (else the compiler may follow the router's sharded keys and gather every score everywhere)."""
   n_tokens = a_BT.shape[0] * a_BT.shape[1]
-  if table.placement != "expert":
-    group = _token_group(n_tokens)
-  else:
-    group = table.layout(n_tokens)
+  group = table.layout(n_tokens) if table.placement == "expert" else _token_group(n_tokens)
   return a_BT if group is None else ep.on_token_shards(a_BT, group)
 
 
@@ -162,10 +159,7 @@ def on_own_tokens(fn, tokens, tables, table_names):
   ]
   specs = [PartitionSpec(*(dims or None for dims in table_dims)) for table_dims in split]
   axes = set(batch) | {a for dims in split for axis_tuple in dims for a in axis_tuple}
-  n_shards = math.prod(mesh.shape[a] for a in batch)
-  if not axes:
-    return fn(*tokens, *tables)
-  if tokens[0].shape[0] % n_shards:
+  if not axes or tokens[0].shape[0] % math.prod(mesh.shape[a] for a in batch):
     return fn(*tokens, *tables)
 
   def body(*args):

@@ -77,19 +77,20 @@ def collective_seconds(op: str, nbytes: float, group: int, chip: hardware.Chip, 
     )
   if group <= 1:
     return 0.0
-  bw = link_bandwidth(chip, group)
+  return ring_bytes(op, nbytes, group) / link_bandwidth(chip, group)
+
+
+def ring_bytes(op: str, nbytes: float, group: int) -> float:
+  """Bytes one device sends in a ring collective of `group` devices whose result holds `nbytes` on each: (g-1)/g
+  of it for an all-gather or all-to-all, g-1 times it for a reduce-scatter (the result is the device's shard),
+  twice (g-1)/g for an all-reduce, all of it for a collective-permute."""
   share = (group - 1) / group
-  if op == "all-gather":
-    return nbytes * share / bw
-  if op == "reduce-scatter":
-    return nbytes * group * share / bw
-  if op == "all-reduce":
-    return 2 * nbytes * share / bw
-  if op == "all-to-all":
-    return nbytes * share / bw
+  factors = {"all-gather": share, "reduce-scatter": group - 1, "all-reduce": 2 * share, "all-to-all": share}
   if op == "collective-permute":
-    return nbytes / bw
-  raise ValueError(f"unknown collective {op!r}")
+    return nbytes
+  if op not in factors:
+    raise ValueError(f"unknown collective {op!r}")
+  return factors[op] * nbytes
 
 
 def project(report, chip: hardware.Chip) -> Projection:

@@ -196,18 +196,24 @@ def abstract_state(config, mesh):
 
 
 def _trace_train_step(config: ml_collections.ConfigDict, mesh):
-  """(the train step jitted as the trainer jits it, traced on abstract inputs; the abstract state)."""
+  """(the train step jitted as the trainer jits it, traced on abstract inputs; the state_lib.Setup)."""
   built = state_lib.setup(config, mesh=mesh)
   jitted = step_lib.make_train_step(config, built)
-  return jitted.trace(built.abstract_state, abstract_batch(config, built.batch_sharding)), built.abstract_state
+  return jitted.trace(built.abstract_state, abstract_batch(config, built.batch_sharding)), built
 
 
 def compile_train_step(config: ml_collections.ConfigDict, mesh):
   """Lowers and compiles the train step for `mesh` from abstract inputs; returns (compiled, state)."""
+  compiled, built = _compile_with_setup(config, mesh)
+  return compiled, built.abstract_state
+
+
+def _compile_with_setup(config, mesh):
+  """(the compiled train step, the state_lib.Setup it was built from)."""
   with expert_parallel.activate(mesh, config.mesh.rules):
-    traced, abstract = _trace_train_step(config, mesh)
+    traced, built = _trace_train_step(config, mesh)
     compiled = traced.lower().compile()
-  return compiled, abstract
+  return compiled, built
 
 
 # Lowering for an accelerator this machine does not have ------------------------------------------------------
@@ -333,8 +339,8 @@ def format_custom_calls(calls: collections.Counter) -> str:
 def dry_run(config: ml_collections.ConfigDict, mesh, granule_of: dict | None = None) -> Report:
   """Compiles the train step for `mesh` and reports it; `granule_of` (device id -> node / slice,
   mesh_lib.granule_of) marks the collectives that cross the DCN."""
-  compiled, abstract = compile_train_step(config, mesh)
-  _, _, model, _ = abstract_state(config, mesh)
+  compiled, built = _compile_with_setup(config, mesh)
+  abstract = built.abstract_state
   memory = compiled.memory_analysis()
   memory = {
     name: int(getattr(memory, f"{name}_size_in_bytes", 0) or 0)
@@ -355,7 +361,7 @@ def dry_run(config: ml_collections.ConfigDict, mesh, granule_of: dict | None = N
     collectives=collectives(compiled.as_text(), dcn_granules(mesh, granule_of) if granule_of else None),
     bytes_accessed=float((cost or {}).get("bytes accessed", 0.0)),
     tokens_per_step=tokens,
-    loop_param_bytes=step_lib.loop_param_bytes(config, model, abstract.params, mesh),
+    loop_param_bytes=step_lib.loop_param_bytes(config, built.model, abstract.params, mesh),
   )
 
 
@@ -583,10 +589,11 @@ def planned_device_bytes(config, devices: int, expert: int) -> int:
   tables = counts["ffn_total"] if SPECS[model.ffn.type].units is not None else 0
   params = (embeddings + tables) / expert + counts["total"] - embeddings - tables
   itemsize = jnp.dtype(model.param_dtype).itemsize
-  state = params * (itemsize + 8 + 4)
-  if config.train.microbatches > 1:
+  gradients = 4 * params
+  if config.train.microbatches > 1:  # two float32 sums of the loop's parameters, and those gathered whole for it
     loop = tables / expert + counts["total"] - tables
-    state += loop * (4 * 2 + itemsize) - params * (4 + itemsize)
+    gradients = 2 * 4 * loop + (loop - params) * itemsize
+  state = params * (itemsize + 8) + gradients
   tokens = config.data.global_batch_size // config.train.microbatches // devices * config.data.seq_len
   return int(state + sum(activation_bytes(config, tokens, expert=expert)))
 

@@ -89,14 +89,7 @@ class Collective:
   @property
   def sent(self) -> float:
     """Bytes one device sends per step, by the ring algorithm roofline.collective_seconds times."""
-    return sent_bytes(self.op, self.nbytes, self.group)
-
-
-def sent_bytes(op: str, nbytes: float, group: int) -> float:
-  """Bytes one device sends in a ring collective whose result holds `nbytes` on each device (a reduce-scatter's
-  result is the device's shard: it sends group - 1 of them)."""
-  share = (group - 1) / group
-  return {"all-gather": share, "all-to-all": share, "reduce-scatter": group - 1, "all-reduce": 2 * share}[op] * nbytes
+    return roofline.ring_bytes(self.op, self.nbytes, self.group)
 
 
 @dataclasses.dataclass(frozen=True)

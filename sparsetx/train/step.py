@@ -231,15 +231,20 @@ def loop_param_bytes(config, model, abstract_params, mesh) -> int:
   tables' blocks, every other parameter whole along the batch axes), or as stored without that loop. Its
   gradient sum has this size too: the device memory estimate (train/aot.py) counts both."""
   axes = per_device_loop_axes(config.train.microbatches, config.data.global_batch_size, mesh, config.mesh.rules)
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
+  leaves = jax.tree_util.tree_leaves_with_path(abstract_params)
   stored = [leaf.sharding.spec for _, leaf in leaves]
   loop = _loop_specs(model, config.data.seq_len, leaves, stored, axes) if axes else stored
   total = 0
   for (_, leaf), spec, block in zip(leaves, stored, loop):
-    kept = [{a for a in _entry_axes(entry) if a not in axes} for entry in spec]  # the axes the loop leaves auto
-    kept = [k | set(_entry_axes(b)) for k, b in zip(kept, tuple(block) + (None,) * len(kept))]
-    shape = [n // math.prod(mesh.shape[a] for a in k) for n, k in zip(leaf.shape, kept + [set()] * leaf.ndim)]
-    total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+    pad = (None,) * leaf.ndim
+    # Split along a dimension: the axes the loop leaves to the compiler, and the block's manual ones.
+    split = [
+      {a for a in _entry_axes(e) if a not in axes} | set(_entry_axes(b))
+      for e, b in zip(tuple(spec) + pad, tuple(block) + pad)
+    ]
+    total += (
+      math.prod(n // math.prod(mesh.shape[a] for a in s) for n, s in zip(leaf.shape, split)) * leaf.dtype.itemsize
+    )
   return total
 
 
