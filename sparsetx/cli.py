@@ -30,6 +30,7 @@ import re
 import sys
 import tempfile
 import traceback
+from types import SimpleNamespace
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -61,6 +62,11 @@ def fail(error, code: int = USAGE_EXIT_CODE):
     os.close(devnull)
     sys.stderr = open(os.devnull, "w")  # noqa: SIM115  (the process ends in a moment)
   sys.exit(code)
+
+
+def flag_values(holders: dict) -> SimpleNamespace:
+  """The parsed values of a program's flags ({name: FlagHolder}, as its define_flags returns) as attributes."""
+  return SimpleNamespace(**{name: holder.value for name, holder in holders.items()})
 
 
 def run(main, *, forwards_after_dashdash: bool = False) -> None:

@@ -87,7 +87,7 @@ def run(args: SimpleNamespace) -> str:
 
 def absl_main(argv, holders: dict):
   del argv
-  args = SimpleNamespace(**{name: holder.value for name, holder in holders.items()})
+  args = cli.flag_values(holders)
   try:
     if not (paths.resolve(args.workdir) / "checkpoints").is_dir():  # before the slow imports (local or gs://)
       raise ConfigError(

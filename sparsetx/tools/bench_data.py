@@ -404,7 +404,7 @@ def compare_step(args: SimpleNamespace) -> None:
 
 def absl_main(argv, holders: dict) -> None:
   del argv
-  args = SimpleNamespace(**{name: holder.value for name, holder in holders.items()})
+  args = cli.flag_values(holders)
   try:
     if args.path == "step":
       compare_step(args)

@@ -11,8 +11,6 @@ kernels in interpret mode: it shows the program works anywhere, its times mean n
   .venv/bin/python -m sparsetx.tools.bench_kernels --small    # anywhere
 """
 
-from types import SimpleNamespace
-
 import jax
 from absl import flags
 
@@ -48,7 +46,7 @@ def hbm_peak() -> float | None:
 
 def absl_main(argv, holders: dict):
   del argv
-  args = SimpleNamespace(**{name: holder.value for name, holder in holders.items()})
+  args = cli.flag_values(holders)
   peak = hbm_peak()
   print(
     f"jax {jax.__version__} on {jax.devices()[0].device_kind}; HBM peak {f'{peak / 1e9:,.0f} GB/s' if peak else 'unknown'}"

@@ -13,7 +13,6 @@ sgatlin forward time against the number of neurons. Writes a PNG with --png.
 import contextlib
 import statistics
 import time
-from types import SimpleNamespace
 from unittest import mock
 
 import jax
@@ -216,7 +215,7 @@ def define_flags() -> dict:
 
 def absl_main(argv, holders: dict):
   del argv
-  args = SimpleNamespace(**{name: holder.value for name, holder in holders.items()})
+  args = cli.flag_values(holders)
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {jax.device_count()} device(s)")
   try:  # a flag giving an invalid layer (e.g. --sweep_n_keys at or below top_k) is one error line
     rungs = [(s, rung(s, args.tokens, args.dtype, args.rounds)) for s in args.scales]

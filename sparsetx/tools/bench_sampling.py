@@ -11,7 +11,6 @@ after compiling) with `kv_cache=False` and `kv_cache=True`, their ratio, and whe
 import importlib.util
 import os
 import time
-from types import SimpleNamespace
 
 import flax.linen as nn
 import jax
@@ -64,7 +63,7 @@ def seconds_per_call(sampler, prompts, new_tokens):
 
 def absl_main(argv, holders: dict):
   del argv
-  args = SimpleNamespace(**{name: holder.value for name, holder in holders.items()})
+  args = cli.flag_values(holders)
   print(f"{args.config}, {args.dtype}, batch {args.batch}, prompt {args.prompt}, {args.new} new tokens (greedy)")
   print(f"{'ffn':<10}{'recompute s':>12}{'kv cache s':>12}{'speed-up':>10}{'same tokens':>13}")
   for ffn in args.ffn:

@@ -16,7 +16,6 @@ ratio to the first row.
 
 import statistics
 import time
-from types import SimpleNamespace
 from unittest import mock
 
 import jax
@@ -144,7 +143,7 @@ def define_flags() -> dict:
 
 def absl_main(argv, holders: dict):
   del argv
-  args = SimpleNamespace(**{name: holder.value for name, holder in holders.items()})
+  args = cli.flag_values(holders)
   if args.tokens % 2048:
     cli.fail(f"--tokens={args.tokens} must be a multiple of 2048 (the largest row chunk over 16 channels).")
   print(

@@ -13,8 +13,6 @@ does not hold (a CPU) MFU is n/a unless --peak_tflops gives the peak.
   .venv/bin/python -m sparsetx.tools.bench_train_step --types=mlp,sgatlin,fff --scale=4 --batch=32 --seq_len=2048
 """
 
-from types import SimpleNamespace
-
 import jax
 from absl import flags
 
@@ -39,7 +37,7 @@ def define_flags() -> dict:
 
 def absl_main(argv, holders: dict):
   del argv
-  args = timing.with_defaults(SimpleNamespace(**{name: holder.value for name, holder in holders.items()}))
+  args = timing.with_defaults(cli.flag_values(holders))
   devices = jax.devices()
   peak = timing.peak_flops(args, devices)
   print(

@@ -168,7 +168,7 @@ def define_flags() -> dict:
 
 def absl_main(argv: list[str], flag_values: dict) -> int:
   del argv  # words that are no flags: refused by cli.run
-  args = SimpleNamespace(**{name: holder.value for name, holder in flag_values.items()})
+  args = cli.flag_values(flag_values)
   if args.kind == "gpt2":
     return main_gpt2(args)
   if args.vocab_size <= 259:

@@ -20,7 +20,6 @@ layers only, each under its own index in the model; --layer must name one of the
 
 import json
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 from absl import flags
@@ -223,7 +222,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> dict:
 
 def absl_main(argv: list[str], flag_values: dict) -> int:
   del argv  # words that are no flags: refused by cli.run
-  args = SimpleNamespace(**{name: holder.value for name, holder in flag_values.items()})
+  args = cli.flag_values(flag_values)
   try:
     analyse(args)
   except (ConfigError, ValueError) as error:

@@ -60,7 +60,6 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import time  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
 
 import jax  # noqa: E402
 from absl import flags  # noqa: E402
@@ -161,7 +160,7 @@ def print_analytic(config, mesh, chips, report=None) -> None:
 
 def absl_main(argv, holders: dict):
   del argv
-  args = SimpleNamespace(**{name: holder.value for name, holder in holders.items()})
+  args = cli.flag_values(holders)
   config = with_d_model_split(args.config) if args.split_d_model else args.config
   try:
     check_files(config_lib.validate(config))

@@ -15,7 +15,6 @@ damaged checkpoint) print one `error:` line; exit code 2.
 
 import json
 import os
-from types import SimpleNamespace
 
 from absl import flags
 
@@ -41,7 +40,7 @@ def define_flags() -> dict:
 
 def absl_main(argv, holders: dict):
   del argv
-  args = SimpleNamespace(**{name: holder.value for name, holder in holders.items()})
+  args = cli.flag_values(holders)
   from sparsetx.hf import export
 
   try:

@@ -25,7 +25,6 @@ import subprocess
 import sys
 import threading
 import time
-from types import SimpleNamespace
 
 from absl import flags, logging  # noqa: F401  (logging defines --log_dir)
 
@@ -164,7 +163,7 @@ def supervise(processes: list[subprocess.Popen], grace_period: float) -> int:
 
 def absl_main(argv, holders: dict) -> int:
   """argv: the program name, then what followed `--` (absl stops parsing its own flags there)."""
-  args = SimpleNamespace(**{name: holder.value for name, holder in holders.items()})
+  args = cli.flag_values(holders)
   if args.num_processes < 1 or args.devices_per_process < 1:
     cli.fail(ConfigError("--num_processes and --devices_per_process must be at least 1."))
   processes = start(

@@ -14,8 +14,6 @@ that the trainer starts from (fresh optimizer state and data stream; pass it the
 printed below) and sparsify.json, the parameters copied / new / dropped by group.
 """
 
-from types import SimpleNamespace
-
 from absl import flags
 
 from sparsetx import cli
@@ -49,7 +47,7 @@ def _dense_ffn_flags(wanted, given) -> list[str]:
 
 def absl_main(argv, holders: dict):
   del argv
-  args = SimpleNamespace(**{name: holder.value for name, holder in holders.items()})
+  args = cli.flag_values(holders)
   from sparsetx import config as config_lib
   from sparsetx import sparsify
 

@@ -15,7 +15,6 @@ vocabulary, sources or input files) in DIR is an error unless --overwrite. Then 
 import os
 import signal
 import sys
-from types import SimpleNamespace
 
 from absl import flags, logging
 
@@ -77,7 +76,7 @@ def _stop(signum, frame) -> None:
 
 def absl_main(argv, holders: dict):
   del argv  # words that are no flags: refused by cli.run
-  args = SimpleNamespace(**{name: holder.value for name, holder in holders.items()})
+  args = cli.flag_values(holders)
   if not flags.FLAGS["verbosity"].present:  # TensorFlow's C++ warnings repeat, with tracebacks, what fails here
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   from sparsetx.data import pretokenize

@@ -10,7 +10,6 @@ override it; a run whose peers do not all connect ends with exit code 4.
 """
 
 import os
-from types import SimpleNamespace
 
 from absl import flags, logging
 
@@ -50,7 +49,7 @@ def define_flags() -> dict:
 
 def absl_main(argv, holders: dict):
   del argv
-  args = SimpleNamespace(**{name: holder.value for name, holder in holders.items()})
+  args = cli.flag_values(holders)
   from sparsetx import config as config_lib
   from sparsetx.data import check_training_files
   from sparsetx.parallel import distributed
