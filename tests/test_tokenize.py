@@ -171,7 +171,11 @@ def test_interrupted_run_finishes_on_a_rerun_with_the_same_shards(tmp_path):
     time.sleep(0.02)
   process.send_signal(signal.SIGTERM)
   _, err = process.communicate(timeout=60)
-  assert process.returncode == 130 and err.strip().splitlines()[-1].startswith("error: interrupted; run the same"), err
+  # One error line. It need not be the last: multiprocessing's resource tracker, a process of its own started
+  # with the original stderr, may warn of a queue semaphore after the program has ended (seen once in CI-like runs).
+  errors = [line for line in err.splitlines() if line.startswith("error: ")]
+  assert process.returncode == 130 and len(errors) == 1, err
+  assert errors[0].startswith("error: interrupted; run the same"), err
   assert not (out / token_store.MANIFEST).exists()
   complete = [i for i in range(12) if token_store.shard_complete(split_dir / token_store.shard_name(i, 12))]
   assert 1 <= len(complete) < 12, complete
