@@ -55,7 +55,9 @@ def cast_bound(out_dtype, reference, bound):
 # two; the first case's 128-lane d chunks (3 of D = 384), the second's 260 tokens span two token groups on two cores.
 ROW_CASES = [
   (13, 6, 40, 384, jnp.float32, jnp.float32, 8 * 6 * 128 * 4),
-  (260, 3, 50, 64, jnp.bfloat16, jnp.float32, pallas_tpu.SLOT_BYTES),
+  (260, 3, 50, 64, jnp.bfloat16, jnp.float32, pallas_tpu.INTERPRET_SLOT_BYTES),
+  (21, 5, 30, 640, jnp.bfloat16, jnp.bfloat16, 8 * 5 * 128 * 4),  # bf16 rows as uint32 words: 3 chunks of 128 words
+  (9, 4, 20, 192, jnp.float32, jnp.bfloat16, pallas_tpu.INTERPRET_SLOT_BYTES),  # 96 words padded to 128
 ]
 
 
@@ -69,7 +71,7 @@ def row_case(seed, n_tokens, n_slots, n_rows, d_model, dtype, table_dtype):
 
 @pytest.mark.parametrize("n_tokens, n_slots, n_rows, d_model, dtype, table_dtype, slot_bytes", ROW_CASES)
 def test_row_dots_equals_float64_dots(monkeypatch, n_tokens, n_slots, n_rows, d_model, dtype, table_dtype, slot_bytes):
-  monkeypatch.setattr(pallas_tpu, "SLOT_BYTES", slot_bytes)
+  monkeypatch.setattr(pallas_tpu, "INTERPRET_SLOT_BYTES", slot_bytes)
   rng, table, rows = row_case(1, n_tokens, n_slots, n_rows, d_model, dtype, table_dtype)
   lhs = rng.standard_normal((n_tokens, d_model)).astype(dtype)
   dots = pallas_tpu.row_dots(jnp.asarray(lhs), jnp.asarray(table), jnp.asarray(rows), OPTIONS)
@@ -83,7 +85,7 @@ def test_row_dots_equals_float64_dots(monkeypatch, n_tokens, n_slots, n_rows, d_
 def test_row_accumulate_equals_float64_sums(
   monkeypatch, n_tokens, n_slots, n_rows, d_model, dtype, table_dtype, slot_bytes
 ):
-  monkeypatch.setattr(pallas_tpu, "SLOT_BYTES", slot_bytes)
+  monkeypatch.setattr(pallas_tpu, "INTERPRET_SLOT_BYTES", slot_bytes)
   rng, table, rows = row_case(2, n_tokens, n_slots, n_rows, d_model, dtype, table_dtype)
   coef = rng.standard_normal((n_slots, n_tokens)).astype(np.float32)
   out = pallas_tpu.row_accumulate(jnp.asarray(coef), jnp.asarray(table), jnp.asarray(rows), dtype, OPTIONS)
@@ -95,7 +97,7 @@ def test_row_accumulate_equals_float64_sums(
 
 
 # (tokens N, rows R, d_model D, values dtype, with_coef_sums): R ragged over two 128-row tiles.
-SEGMENT_CASES = [(11, 150, 384, jnp.float32, True), (7, 150, 128, jnp.bfloat16, False)]
+SEGMENT_CASES = [(11, 150, 384, jnp.float32, True), (7, 150, 128, jnp.bfloat16, False), (5, 150, 2304, jnp.bfloat16, True)]
 
 
 @pytest.mark.parametrize("n_tokens, n_rows, d_model, dtype, with_coef_sums", SEGMENT_CASES)

@@ -25,39 +25,82 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from sparsetx.kernels import platform
+
 
 def _interpret(options):
-  if jax.default_backend() == "tpu" and not options.interpret:
-    return False
-  return pltpu.InterpretParams()
+  return pltpu.InterpretParams() if platform.interpret_off("tpu", options) else False
 
 
 ROW_BLOCK = 8  # tokens per step of the row kernels: the sublane tile of their [tokens, D] blocks
 TOKEN_GROUP = 128  # tokens of one lane-dense [S, 128] block of row_dots' output / row_accumulate's coefficients
-SLOT_BYTES = 2 * 1024 * 1024  # VMEM for one step's gathered rows; two slots, well under 16 MiB of scoped VMEM
+LANES = 128  # a d-chunk is a multiple of the 128 lanes (or a whole row)
+
+
+INTERPRET_SLOT_BYTES = 2 * 1024 * 1024  # interpret mode (tests shrink it to take the chunked paths)
+
+
+def slot_bytes(interpret):
+  """VMEM for one step's gathered rows (one of two slots), by generation: 1/32 of the core's VMEM (4 MiB of the
+  128 MiB of v5e and v6e, 3 MiB of v5p's 95 MiB), so both slots and the token blocks fit the scoped default."""
+  return INTERPRET_SLOT_BYTES if interpret else pltpu.get_tpu_info().vmem_capacity_bytes // 32
 
 
 def _cores(interpret):
   """TensorCores per chip (the leading parallel grid axis): 2 off TPU, to exercise the split in interpret mode."""
-  return 2 if interpret else pltpu.get_tpu_info().num_cores
+  return 2 if interpret else platform.target().num_cores or 1
 
 
-def _d_chunk(d_model, n_rows, itemsize, budget):
-  """The largest chunk of d_model (all of it, or a multiple of 128 dividing it) whose n_rows copies fit budget."""
-  if d_model % 128:
-    return d_model  # small power-of-two d_model (64 in tiny models): one chunk
-  fits = [c for c in range(128, d_model + 1, 128) if d_model % c == 0 and n_rows * c * itemsize <= budget]
-  return fits[-1] if fits else 128
+def as_words(a_ND, width: int):
+  """[N, width] 32-bit words of a [N, D] array, and the columns each word holds: a 32-bit array as is (1), a
+  16-bit one as pairs of columns in uint32 words (2; column 2w in the low half of word w), zero-padded to `width`
+  words. One row DMA'd into VMEM fills a row of 32-bit sublanes; a lone 16-bit row would fill half of a packed
+  sublane pair, a slice Mosaic refuses (its tile is 16 rows of bf16). The words cost no extra pass: the float32
+  tables are cast to bf16 once per call anyway (gated_gather.py), and the bitcast fuses with that cast."""
+  n, d = a_ND.shape
+  per_word = 4 // a_ND.dtype.itemsize
+  if per_word not in (1, 2):
+    raise ValueError(f"Pallas TPU row kernels take 32- or 16-bit arrays, not {a_ND.dtype}.")
+  a_ND = jnp.pad(a_ND, [(0, 0), (0, width * per_word - d)])
+  if per_word == 1:
+    return a_ND, 1
+  return jax.lax.bitcast_convert_type(a_ND.reshape(n, width, 2), jnp.uint32), 2
+
+
+def _columns(words, per_word):
+  """The float32 values of a block of words: [all columns] (32-bit) or [even columns, odd columns] (16-bit: a
+  bf16 is the high half of the float32 it rounds from, so the shifted and masked words are exact)."""
+  if per_word == 1:
+    return [words.astype(jnp.float32)]
+  even = pltpu.bitcast(jax.lax.shift_left(words, jnp.uint32(16)), jnp.float32)
+  odd = pltpu.bitcast(jax.lax.bitwise_and(words, jnp.uint32(0xFFFF0000)), jnp.float32)
+  return [even, odd]
+
+
+def _split_columns(a_ND, per_word, width):
+  """[N, D] -> per_word arrays [N, width]: the columns the words' halves hold (all of them when per_word is 1)."""
+  n, d = a_ND.shape
+  a_ND = jnp.pad(a_ND, [(0, 0), (0, width * per_word - d)])
+  return [a_ND] if per_word == 1 else [a_ND[:, i::2] for i in range(2)]
+
+
+def _word_layout(d_model, itemsize, n_rows, budget):
+  """(words per row, d-chunk in words): a row is whole 128-lane tiles of 32-bit words (zero-padded: Mosaic slices
+  and copies a row of VMEM only at tile boundaries), and the chunk is the whole row when n_rows rows of it fit
+  `budget` bytes, else the largest multiple of 128 lanes that divides the row and fits."""
+  words = -(-d_model * itemsize // (4 * LANES)) * LANES
+  fits = [c for c in range(LANES, words + 1, LANES) if words % c == 0 and n_rows * c * 4 <= budget]
+  return words, fits[-1] if fits else LANES
 
 
 class _Steps:
   """The row kernels' grid: (cores, steps per core), step q = core * per_core + j visits token block q // n_dc
   and d chunk q % n_dc. Tokens are padded to whole token groups per core, so no group spans two cores."""
 
-  def __init__(self, n_tokens, d_model, dc, cores):
+  def __init__(self, n_tokens, words, dc, cores):
     per_core_tokens = -(-n_tokens // (TOKEN_GROUP * cores)) * TOKEN_GROUP
     self.n_padded = per_core_tokens * cores
-    self.n_dc = d_model // dc
+    self.n_dc = words // dc
     self.per_core = per_core_tokens // ROW_BLOCK * self.n_dc
     self.total = self.per_core * cores
     self.grid = (cores, self.per_core)
@@ -126,19 +169,27 @@ def _double_buffered_rows(steps, n_tokens, n_slots, dc, table_hbm, this_rows, ne
   return q, slot
 
 
+def _row_layout(n_tokens, d_model, n_slots, table_RD, interpret):
+  words, dc = _word_layout(d_model, table_RD.dtype.itemsize, ROW_BLOCK * n_slots, slot_bytes(interpret))
+  table_RW, per_word = as_words(table_RD, words)
+  return table_RW, per_word, words, dc, _Steps(n_tokens, words, dc, _cores(interpret))
+
+
 def row_dots(lhs_ND, table_RD, rows_SN, options):
   """dots [S, N] float32: <lhs[t], table[rows[s, t]]>, table rows rounded to lhs's dtype, summed in float32."""
   n_tokens, d_model = lhs_ND.shape
   n_slots = rows_SN.shape[0]
   dtype = lhs_ND.dtype
   interpret = _interpret(options)
-  dc = _d_chunk(d_model, ROW_BLOCK * n_slots, table_RD.dtype.itemsize, SLOT_BYTES)
-  steps = _Steps(n_tokens, d_model, dc, _cores(interpret))
-  lhs_pD = jnp.pad(lhs_ND, [(0, steps.n_padded - n_tokens), (0, 0)])
+  table_RW, per_word, words, dc, steps = _row_layout(n_tokens, d_model, n_slots, table_RD, interpret)
+  lhs_parts = [
+    jnp.pad(part, [(0, steps.n_padded - n_tokens), (0, 0)]) for part in _split_columns(lhs_ND, per_word, words)
+  ]
   rows_pS = jnp.pad(rows_SN.T.astype(jnp.int32), [(0, steps.n_padded - n_tokens), (0, 0)])
   per_group = TOKEN_GROUP // ROW_BLOCK
 
-  def kernel(this_rows, next_rows, lhs_ref, table_hbm, dots_ref, buf, sem):
+  def kernel(this_rows, next_rows, *refs):
+    *lhs_refs, table_hbm, dots_ref, buf, sem = refs
     q, slot = _double_buffered_rows(steps, n_tokens, n_slots, dc, table_hbm, this_rows, next_rows, buf, sem)
     b, c = steps.block(q), steps.chunk(q)
 
@@ -151,11 +202,14 @@ def row_dots(lhs_ND, table_RD, rows_SN, options):
       lane = jax.lax.broadcasted_iota(jnp.int32, (n_slots, TOKEN_GROUP), 1)
       sublane = jax.lax.broadcasted_iota(jnp.int32, (ROW_BLOCK, dc), 0)
       first = (b % per_group) * ROW_BLOCK
-      lhs_bD = lhs_ref[...].astype(jnp.float32)
+      lhs_bW = [ref[...].astype(jnp.float32) for ref in lhs_refs]
 
       def token(t, dots):
-        lhs_1D = jnp.sum(jnp.where(sublane == t, lhs_bD, 0.0), axis=0, keepdims=True)  # row t, exactly
-        dots_S1 = jnp.sum(buf[slot, t].astype(dtype).astype(jnp.float32) * lhs_1D, axis=1, keepdims=True)
+        dots_S1 = jnp.zeros((n_slots, 1), jnp.float32)
+        for lhs, rows_SW in zip(lhs_bW, _columns(buf[slot, t], per_word)):
+          lhs_1W = jnp.sum(jnp.where(sublane == t, lhs, 0.0), axis=0, keepdims=True)  # row t, exactly
+          rows_SW = rows_SW.astype(dtype).astype(jnp.float32) if per_word == 1 else rows_SW
+          dots_S1 = dots_S1 + jnp.sum(rows_SW * lhs_1W, axis=1, keepdims=True)
         return dots + jnp.where(lane == first + t, dots_S1, 0.0)
 
       dots_ref[...] = jax.lax.fori_loop(0, ROW_BLOCK, token, dots_ref[...])
@@ -163,14 +217,18 @@ def row_dots(lhs_ND, table_RD, rows_SN, options):
   dots_SN = pl.pallas_call(
     kernel,
     grid=steps.grid,
-    in_specs=[*steps.rows_specs(n_slots), steps.token_spec(dc), pl.BlockSpec(memory_space=pl.ANY)],
+    in_specs=[
+      *steps.rows_specs(n_slots),
+      *[steps.token_spec(dc)] * per_word,
+      pl.BlockSpec(memory_space=pl.ANY),
+    ],
     out_specs=steps.group_spec(n_slots),
     out_shape=jax.ShapeDtypeStruct((n_slots, steps.n_padded), jnp.float32),
-    scratch_shapes=[pltpu.VMEM((2, ROW_BLOCK, n_slots, dc), table_RD.dtype), pltpu.SemaphoreType.DMA((2,))],
+    scratch_shapes=[pltpu.VMEM((2, ROW_BLOCK, n_slots, dc), table_RW.dtype), pltpu.SemaphoreType.DMA((2,))],
     compiler_params=steps.params(),
     interpret=interpret,
     name="row_dots",
-  )(rows_pS, rows_pS, lhs_pD, table_RD)
+  )(rows_pS, rows_pS, *lhs_parts, table_RW)
   return dots_SN[:, :n_tokens]
 
 
@@ -180,13 +238,13 @@ def row_accumulate(coef_SN, table_RD, rows_SN, out_dtype, options):
   d_model = table_RD.shape[1]
   out_dtype = jnp.dtype(out_dtype)
   interpret = _interpret(options)
-  dc = _d_chunk(d_model, ROW_BLOCK * n_slots, table_RD.dtype.itemsize, SLOT_BYTES)
-  steps = _Steps(n_tokens, d_model, dc, _cores(interpret))
+  table_RW, per_word, words, dc, steps = _row_layout(n_tokens, d_model, n_slots, table_RD, interpret)
   coef_Sp = jnp.pad(coef_SN.astype(jnp.float32), [(0, 0), (0, steps.n_padded - n_tokens)])
   rows_pS = jnp.pad(rows_SN.T.astype(jnp.int32), [(0, steps.n_padded - n_tokens), (0, 0)])
   per_group = TOKEN_GROUP // ROW_BLOCK
 
-  def kernel(this_rows, next_rows, coef_ref, table_hbm, out_ref, buf, sem):
+  def kernel(this_rows, next_rows, coef_ref, table_hbm, *refs):
+    *out_refs, buf, sem = refs
     q, slot = _double_buffered_rows(steps, n_tokens, n_slots, dc, table_hbm, this_rows, next_rows, buf, sem)
     b = steps.block(q)
 
@@ -197,31 +255,38 @@ def row_accumulate(coef_SN, table_RD, rows_SN, out_dtype, options):
       first = (b % per_group) * ROW_BLOCK
       coef_SG = coef_ref[...]
 
-      def token(t, out):
+      def token(t, outs):
         coef_S1 = jnp.sum(jnp.where(lane == first + t, coef_SG, 0.0), axis=1, keepdims=True)  # column t, exactly
-        table_SD = buf[slot, t].astype(out_dtype).astype(jnp.float32)
-        return jnp.where(sublane == t, jnp.sum(coef_S1 * table_SD, axis=0, keepdims=True), out)
+        new = []
+        for out, rows_SW in zip(outs, _columns(buf[slot, t], per_word)):
+          rows_SW = rows_SW.astype(out_dtype).astype(jnp.float32) if per_word == 1 else rows_SW
+          new.append(jnp.where(sublane == t, jnp.sum(coef_S1 * rows_SW, axis=0, keepdims=True), out))
+        return tuple(new)
 
-      out = jax.lax.fori_loop(0, ROW_BLOCK, token, jnp.zeros((ROW_BLOCK, dc), jnp.float32))
-      out_ref[...] = out.astype(out_dtype)
+      zeros = (jnp.zeros((ROW_BLOCK, dc), jnp.float32),) * per_word
+      for out_ref, out in zip(out_refs, jax.lax.fori_loop(0, ROW_BLOCK, token, zeros)):
+        out_ref[...] = out.astype(out_dtype)
 
-  out_pD = pl.pallas_call(
+  parts = pl.pallas_call(
     kernel,
     grid=steps.grid,
     in_specs=[*steps.rows_specs(n_slots), steps.group_spec(n_slots), pl.BlockSpec(memory_space=pl.ANY)],
-    out_specs=steps.token_spec(dc),
-    out_shape=jax.ShapeDtypeStruct((steps.n_padded, d_model), out_dtype),
-    scratch_shapes=[pltpu.VMEM((2, ROW_BLOCK, n_slots, dc), table_RD.dtype), pltpu.SemaphoreType.DMA((2,))],
+    out_specs=[steps.token_spec(dc)] * per_word,
+    out_shape=[jax.ShapeDtypeStruct((steps.n_padded, words), out_dtype)] * per_word,
+    scratch_shapes=[pltpu.VMEM((2, ROW_BLOCK, n_slots, dc), table_RW.dtype), pltpu.SemaphoreType.DMA((2,))],
     compiler_params=steps.params(),
     interpret=interpret,
     name="row_accumulate",
-  )(rows_pS, rows_pS, coef_Sp, table_RD)
-  return out_pD[:n_tokens]
+  )(rows_pS, rows_pS, coef_Sp, table_RW)
+  out_pD = parts[0] if per_word == 1 else jnp.stack(parts, axis=-1).reshape(steps.n_padded, 2 * words)
+  return out_pD[:n_tokens, :d_model]
 
 
 SEGMENT_ROWS = 128  # output rows per program (16 tiles of 8 sublanes); a power-of-two rank-1 SMEM block of starts
 SEGMENT_RING = 256  # row copies in flight ahead of the sums (a single row copy is latency-bound)
-PAIR_WINDOW = 1024  # pairs per SMEM window step of token ids and coefficients (a window holds PAIR_WINDOW + ring)
+PAIR_WINDOW = 1024  # pairs per SMEM window step of token ids and coefficients
+SEGMENT_CHUNK_BYTES = 4096  # one pair's row chunk (1,024 words): the ring is 1 MiB of VMEM
+PAIR_ALIGN = 128  # a 1-D HBM array is tiled by 128 elements: every window copy starts at a multiple of it
 
 
 def segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sums=False):
@@ -230,10 +295,11 @@ def segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sum
   n_rows = starts_R1.shape[0] - 1
   d_model = values_ND.shape[1]
   interpret = _interpret(options)
-  dc = d_model if d_model <= 1024 or d_model % 128 else _d_chunk(d_model, 1, 1, 1024)
+  words, dc = _word_layout(d_model, values_ND.dtype.itemsize, 1, SEGMENT_CHUNK_BYTES)
+  values_NW, per_word = as_words(values_ND, words)
   ring, step = SEGMENT_RING, PAIR_WINDOW
-  window = step + ring
-  n_pairs = max(tokens_P.shape[0], window)  # short pair lists are padded so a window always fits
+  window = step + ring + PAIR_ALIGN
+  n_pairs = max(-(-tokens_P.shape[0] // PAIR_ALIGN) * PAIR_ALIGN, window)  # whole tiles; a window always fits
   tokens_P = jnp.pad(tokens_P.astype(jnp.int32), (0, n_pairs - tokens_P.shape[0]))
   coefs_P = jnp.pad(coefs_P.astype(jnp.float32), (0, n_pairs - coefs_P.shape[0]))
   n_tiles = -(-n_rows // SEGMENT_ROWS)
@@ -241,15 +307,17 @@ def segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sum
   pad = (0, n_tiles * SEGMENT_ROWS - n_rows)
   lo, hi = (jnp.pad(s, pad, constant_values=starts[-1]) for s in (starts[:-1], starts[1:]))  # padding rows: empty
 
-  def kernel(lo_ref, hi_ref, values_hbm, tokens_hbm, coefs_hbm, sums_ref, *rest):
-    coef_sums_ref = rest[0] if with_coef_sums else None
-    buf, tokens_w, coefs_w, row_sem, window_sem = rest[-5:]
+  def kernel(lo_ref, hi_ref, values_hbm, tokens_hbm, coefs_hbm, *refs):
+    sums_refs = refs[:per_word]
+    coef_sums_ref = refs[per_word] if with_coef_sums else None
+    buf, tokens_w, coefs_w, row_sem, window_sem = refs[-5:]
     c = pl.program_id(1)
     first = lo_ref[0]
     n = hi_ref[SEGMENT_ROWS - 1] - first  # the tile's pairs: [first, first + n)
 
-    def base(j):  # window j holds pairs first + [j * step, j * step + window), clamped inside the arrays
-      return jnp.minimum(first + j * step, n_pairs - window)
+    def base(j):  # window j holds pairs [base, base + window) from the tile boundary at or before first + j * step
+      aligned = (first + j * step) // PAIR_ALIGN * PAIR_ALIGN
+      return pl.multiple_of(jnp.minimum(aligned, n_pairs - window), PAIR_ALIGN)
 
     def window_copies(j):
       at = pl.ds(base(j), window)
@@ -284,7 +352,7 @@ def segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sum
       row_copy(q, 0).start()
 
     def pair(q, carry):
-      sum_1D, coef_sum = carry
+      sums, coef_sum = carry
       j = q // step
 
       @pl.when(jnp.logical_and(q % step == 0, q > 0))
@@ -299,43 +367,44 @@ def segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sum
 
       wait_row(q)
       coef = coefs_w[j % 2, first + q - base(j)]
-      sum_1D = sum_1D + buf[q % ring].astype(jnp.float32) * coef
+      sums = tuple(total + column * coef for total, column in zip(sums, _columns(buf[q % ring], per_word)))
 
       @pl.when(q + ring < n)
       def _():
         row_copy(q + ring, j).start()  # into the slot just read
 
-      return sum_1D, coef_sum + coef
+      return sums, coef_sum + coef
 
     sublane = jax.lax.broadcasted_iota(jnp.int32, (8, dc), 0)
 
     @pl.loop(0, SEGMENT_ROWS // 8)
     def _(g):
-      tile = jnp.zeros((8, dc), jnp.float32)
+      tiles = [jnp.zeros((8, dc), jnp.float32)] * per_word
       for i in range(8):
         r = g * 8 + i
-        zero = (jnp.zeros((1, dc), jnp.float32), jnp.float32(0))
-        sum_1D, coef_sum = jax.lax.fori_loop(lo_ref[r] - first, hi_ref[r] - first, pair, zero)
-        tile = jnp.where(sublane == i, sum_1D, tile)
+        zero = ((jnp.zeros((1, dc), jnp.float32),) * per_word, jnp.float32(0))
+        sums, coef_sum = jax.lax.fori_loop(lo_ref[r] - first, hi_ref[r] - first, pair, zero)
+        tiles = [jnp.where(sublane == i, total, tile) for total, tile in zip(sums, tiles)]
         if with_coef_sums:
           coef_sums_ref[r] = coef_sum
-      sums_ref[pl.ds(pl.multiple_of(g * 8, 8), 8), :] = tile
+      for sums_ref, tile in zip(sums_refs, tiles):
+        sums_ref[pl.ds(pl.multiple_of(g * 8, 8), 8), :] = tile
 
   starts_spec = pl.BlockSpec((SEGMENT_ROWS,), lambda i, c: (i,), memory_space=pltpu.SMEM)
   hbm = pl.BlockSpec(memory_space=pl.ANY)
-  out_specs = [pl.BlockSpec((SEGMENT_ROWS, dc), lambda i, c: (i, c))]
-  out_shape = [jax.ShapeDtypeStruct((n_rows, d_model), jnp.float32)]
+  out_specs = [pl.BlockSpec((SEGMENT_ROWS, dc), lambda i, c: (i, c))] * per_word
+  out_shape = [jax.ShapeDtypeStruct((n_rows, words), jnp.float32)] * per_word
   if with_coef_sums:
     out_specs.append(pl.BlockSpec((SEGMENT_ROWS,), lambda i, c: (i,), memory_space=pltpu.SMEM))
     out_shape.append(jax.ShapeDtypeStruct((n_tiles * SEGMENT_ROWS,), jnp.float32))
   outs = pl.pallas_call(
     kernel,
-    grid=(n_tiles, d_model // dc),
+    grid=(n_tiles, words // dc),
     in_specs=[starts_spec, starts_spec, hbm, hbm, hbm],
     out_specs=out_specs,
     out_shape=out_shape,
     scratch_shapes=[
-      pltpu.VMEM((ring, 1, dc), values_ND.dtype),
+      pltpu.VMEM((ring, 1, dc), values_NW.dtype),
       pltpu.SMEM((2, window), jnp.int32),
       pltpu.SMEM((2, window), jnp.float32),
       pltpu.SemaphoreType.DMA((ring,)),
@@ -344,5 +413,6 @@ def segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sum
     compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
     interpret=interpret,
     name="segment_sums",
-  )(lo, hi, values_ND, tokens_P, coefs_P)
-  return outs[0], (outs[1][:n_rows] if with_coef_sums else None)
+  )(lo, hi, values_NW, tokens_P, coefs_P)
+  sums = outs[0] if per_word == 1 else jnp.stack(outs[:2], axis=-1).reshape(n_rows, 2 * words)
+  return sums[:, :d_model], (outs[per_word][:n_rows] if with_coef_sums else None)

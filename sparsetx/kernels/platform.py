@@ -1,4 +1,9 @@
-"""The one place that decides, by platform, which program the sparse layers become.
+"""The one place that decides, by the target device, which program the sparse layers become.
+
+The target is the device the program being traced is for: the active mesh's (`jax.set_mesh`), whose devices may
+be a topology's (a TPU pod or GPU node this machine only compiles for), else this process's first device. No
+kernel or layer reads `jax.default_backend()`: a program compiled here for a v5p or an H100 takes that
+machine's kernels.
 
 A GPU or TPU runs the row kernels (row_dots, row_accumulate, segment_sums) of one backend module: Mosaic GPU
 on Hopper and newer, the Triton lowering on older GPUs, Pallas TPU on TPU. Everything a sparse layer does
@@ -10,14 +15,35 @@ Those loop sizes come from `cpu_chunk` alone, which on any other platform answer
 GPU/TPU program that takes the XLA path (`kernel.implementation=xla`) never inherits a cache-sized loop.
 """
 
+import re
+from typing import NamedTuple
+
 import jax
 
 from sparsetx.kernels.options import GPU_KERNELS, IMPLEMENTATIONS, KernelOptions
 
+# Hopper (H100, H200, H800, H20, GH200) and Blackwell (B200, GB200) parts: compute capability 9.0 and newer.
+_HOPPER_OR_NEWER = re.compile(r"\b(G?H\d{2,3}|G?B\d{3})\b")
+
+
+class Target(NamedTuple):
+  platform: str  # cpu | gpu | tpu
+  device_kind: str  # 'TPU v5', 'NVIDIA H100 80GB HBM3', 'cpu'
+  num_cores: int | None  # TensorCores per TPU chip; SMs of a GPU (None where unknown)
+
+
+def target() -> Target:
+  """The device the program being traced is for: the active mesh's devices, else this process's first."""
+  device = jax.sharding.get_abstract_mesh().abstract_device
+  if device is not None:
+    return Target(device.platform, device.device_kind, device.num_cores)
+  device = jax.devices()[0]
+  return Target(device.platform, device.device_kind, getattr(device, "num_cores", None))
+
 
 def on_cpu() -> bool:
-  """Whether the program being traced is for a CPU (tools lowering for cuda/tpu patch jax.default_backend)."""
-  return jax.default_backend() == "cpu"
+  """Whether the program being traced is for a CPU."""
+  return target().platform == "cpu"
 
 
 def cpu_chunk(size: int, n: int) -> int:
@@ -30,16 +56,16 @@ def kernel_backend(options: KernelOptions):
   implementation = options.implementation
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"kernel implementation={implementation!r} is unknown; use one of {IMPLEMENTATIONS}.")
-  platform = jax.default_backend()
+  device = target()
   if implementation == "auto":
-    implementation = "pallas" if platform in ("gpu", "tpu") else "xla"
+    implementation = "pallas" if device.platform in ("gpu", "tpu") else "xla"
   if implementation == "xla":
     return None
-  if platform == "tpu":
+  if device.platform == "tpu":
     from sparsetx.kernels import pallas_tpu
 
     return pallas_tpu
-  if gpu_kernel(options, platform) == "mosaic":
+  if gpu_kernel(options, device) == "mosaic":
     from sparsetx.kernels import mosaic_gpu
 
     return mosaic_gpu
@@ -48,7 +74,12 @@ def kernel_backend(options: KernelOptions):
   return pallas_gpu
 
 
-def gpu_kernel(options: KernelOptions, platform: str) -> str:
+def hopper_or_newer(device_kind: str) -> bool:
+  """Whether a GPU's device kind names a Hopper or newer part (sm_90+), where Mosaic GPU runs."""
+  return bool(_HOPPER_OR_NEWER.search(device_kind))
+
+
+def gpu_kernel(options: KernelOptions, device: Target) -> str:
   """mosaic on Hopper and newer (sm_90+); triton on older GPUs and, by default, in interpret mode off GPU
   (the generic interpreter is much faster than Mosaic GPU's simulation of TMA and barriers)."""
   choice = options.gpu_kernel
@@ -56,7 +87,10 @@ def gpu_kernel(options: KernelOptions, platform: str) -> str:
     raise ValueError(f"kernel gpu_kernel={choice!r} is unknown; use one of {GPU_KERNELS}.")
   if choice != "auto":
     return choice
-  if platform != "gpu":
-    return "triton"
-  capability = getattr(jax.devices()[0], "compute_capability", "0")
-  return "mosaic" if float(capability) >= 9.0 else "triton"
+  return "mosaic" if device.platform == "gpu" and hopper_or_newer(device.device_kind) else "triton"
+
+
+def interpret_off(native: str, options: KernelOptions) -> bool:
+  """Whether a kernel meant for `native` (gpu | tpu) runs in interpret mode: asked for, or traced for another
+  platform (tests on the CPU)."""
+  return options.interpret or target().platform != native

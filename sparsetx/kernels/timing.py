@@ -19,7 +19,7 @@ SMALL_SHAPES = [(64, 2, 2, 16**2, 128)]
 
 def backends(small: bool) -> list:
   """(name, KernelOptions) of every kernel backend this platform runs; in interpret mode with --small."""
-  names = {"gpu": ["mosaic", "triton"], "tpu": ["tpu"]}.get(jax.default_backend(), ["triton"])
+  names = {"gpu": ["mosaic", "triton"], "tpu": ["tpu"]}.get(platform.target().platform, ["triton"])
   return [
     (name, KernelOptions("pallas", gpu_kernel="auto" if name == "tpu" else name, interpret=small)) for name in names
   ]
