@@ -22,6 +22,7 @@ filtered out and with the GPUs hidden from it (so it takes no accelerator memory
 
 import contextlib
 import difflib
+import glob
 import importlib.abc
 import importlib.util
 import logging as py_logging
@@ -418,7 +419,21 @@ class _QuietTensorFlowImport(importlib.abc.MetaPathFinder):
     return spec
 
 
+def present_platforms() -> str:
+  """The JAX platforms this machine has, for JAX_PLATFORMS when it is unset: a TPU where the kernel exposes its
+  chips (/dev/accel*, /dev/vfio), a GPU where the NVIDIA driver is loaded, then the CPU. The test extras install
+  libtpu and the CUDA plugin (to compile for those targets); initializing them on a machine without the chips
+  would print their start-up failures (and make libtpu ask the cloud's metadata server)."""
+  found = []
+  if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+    found.append("tpu")
+  if os.path.exists("/proc/driver/nvidia/version"):
+    found.append("cuda")
+  return ",".join([*found, "cpu"])
+
+
 def _quiet_console() -> None:
+  os.environ.setdefault("JAX_PLATFORMS", present_platforms())
   absl_logging.get_absl_handler().addFilter(_LibraryInfoFilter())
   if "tensorflow" not in sys.modules and not any(isinstance(f, _QuietTensorFlowImport) for f in sys.meta_path):
     sys.meta_path.insert(0, _QuietTensorFlowImport())

@@ -45,7 +45,7 @@ def make_mesh(mesh_config: ml_collections.ConfigDict, devices=None, granules: in
     blocks[:] = meshes
     array = np.block(blocks.reshape(dcn).tolist())
   elif n_slices > 1:
-    granule_is_process = not hasattr(devices[0], "slice_index")
+    granule_is_process = devices[0].platform != "tpu"
     array = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=granule_is_process)
   else:
     array = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
@@ -58,14 +58,19 @@ def granule_of(devices, granules: int | None = None) -> dict:
   if granules:
     per = len(devices) // granules
     return {d.id: i // per for i, d in enumerate(devices)}
-  return {d.id: getattr(d, "slice_index", d.process_index) for d in devices}
+  return {d.id: _granule(d) for d in devices}
+
+
+def _granule(device) -> int:
+  """A TPU chip's slice (the hosts of one slice share its ICI: a topology's chips carry no slice index and are
+  one slice); a GPU's or CPU's process (the hosts of a multi-node GPU job are joined by the DCN)."""
+  if device.platform == "tpu":
+    return getattr(device, "slice_index", 0)
+  return device.process_index
 
 
 def _slice_count(devices) -> int:
-  """Slices on TPU; processes elsewhere (hosts of a multi-node GPU job are the DCN granules)."""
-  if hasattr(devices[0], "slice_index"):
-    return len({d.slice_index for d in devices})
-  return len({d.process_index for d in devices})
+  return len({_granule(d) for d in devices})
 
 
 def logical_sharding(logical_specs, mesh: Mesh, rules) -> object:

@@ -46,7 +46,7 @@ def state_shardings(config: ml_collections.ConfigDict, mesh):
   config = layer_cost.resolve_placements(config, dict(mesh.shape))
   model, tx = build_model(config), make_optimizer(config.train, config.model)
   init = functools.partial(_init, model, tx, config.data.seq_len)
-  boxed = jax.eval_shape(init, jax.random.key(0))
+  boxed = jax.eval_shape(lambda: init(jax.random.key(0)))  # the key inside: nothing runs eagerly
   shardings = mesh_lib.logical_sharding(nn.get_partition_spec(boxed), mesh, config.mesh.rules)
   abstract = jax.tree.map(
     lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), nn.unbox(boxed), shardings
