@@ -18,8 +18,9 @@ document (segment id), softmax statistics (max, sum, logsumexp) in float32, outp
 The Pallas kernels run in interpret mode off their target (how the tests check them on CPU). They need the
 length in whole blocks: rows are padded at the end, which is exact for causal attention (no real query
 reads a later key) and the padded queries, which read themselves, are sliced off.
-Under a mesh (`expert_parallel.activate`) the Pallas kernels run on each device's rows and heads
-(sparsetx/parallel/attention_placement.py: they have no partitioning rule of their own); cuDNN's call carries its own.
+Under a mesh (`expert_parallel.activate`) every fused kernel runs on each device's rows and heads
+(sparsetx/parallel/attention_placement.py): the Pallas kernels have no partitioning rule of their own, and cuDNN's
+rule fails inside the train step's per-device micro-batch loop.
 """
 
 import math
@@ -31,6 +32,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from sparsetx import config as config_lib
+from sparsetx.kernels import platform
 from sparsetx.parallel import attention_placement
 
 IMPLEMENTATIONS = config_lib.ATTENTION_IMPLEMENTATIONS
@@ -42,7 +44,7 @@ def resolve(implementation: str, dtype) -> str:
   """The implementation `auto` stands for on this backend (others are returned as given)."""
   if implementation != "auto":
     return implementation
-  backend = jax.default_backend()
+  backend = platform.target().platform
   if backend == "gpu":
     return "cudnn" if jnp.dtype(dtype) in map(jnp.dtype, CUDNN_DTYPES) else "xla"
   return "splash" if backend == "tpu" else "xla"
@@ -72,11 +74,13 @@ def fused_attention(implementation: str, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)
   """Causal self-attention within segments by a fused kernel (cudnn | splash | pallas): out [B,T,H,K]."""
   _check_backend(implementation, q_BTHK.dtype)
   if implementation == "cudnn":
-    return cudnn_attention(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)
-  interpret = jax.default_backend() != _TARGET[implementation]
-  kernel = splash_attention if implementation == "splash" else pallas_attention
+    kernel = cudnn_attention
+  else:
+    interpret = platform.target().platform != _TARGET[implementation]
+    fused = splash_attention if implementation == "splash" else pallas_attention
+    kernel = lambda q, k, v, s: fused(q, k, v, s, interpret=interpret)  # noqa: E731
   return attention_placement.per_device(
-    lambda q, k, v, s: kernel(q, k, v, s, interpret=interpret), q_BTHK, k_BTHK, v_BTHK, segment_ids_BT
+    kernel, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT
   )
 
 
@@ -130,7 +134,7 @@ def _pad_length(a_BT, length: int):
 
 
 def _check_backend(implementation: str, dtype) -> None:
-  backend = jax.default_backend()
+  backend = platform.target().platform
   if implementation == "cudnn":
     if backend != "gpu":
       raise config_lib.ConfigError(

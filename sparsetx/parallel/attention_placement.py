@@ -3,7 +3,10 @@
 The Pallas kernels (splash on TPU, the Triton flash attention on GPU) have no partitioning rule, so under a mesh
 the compiler would gather every row onto every device; `per_device` runs them in a shard_map over the mesh axes
 of the logical `batch` and `heads` axes instead (sparsetx/models/attention.py calls it, so the model knows no
-mesh). cuDNN's call carries its own partitioning rule and does not come here.
+mesh). cuDNN's call has a partitioning rule, but it fails (an AssertionError in XLA's GPU compile) inside the
+train step's micro-batch loop, a region already manual over the batch axes; it comes here too. Inside such a
+region every remaining axis is made manual, even with nothing to split: Mosaic kernels refuse a partially
+manual region, and partitioning rules are not run there.
 """
 
 import math
@@ -28,7 +31,7 @@ def per_device(fn, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT):
 
   batch, heads = dividing("batch", B), dividing("heads", H)
   heads = tuple(a for a in heads if a not in batch)
-  if not batch and not heads:
+  if not batch and not heads and not mesh.manual_axes:
     return fn(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)
   spec_BTHK, spec_BT = P(batch or None, None, heads or None, None), P(batch or None, None)
   return jax.shard_map(
