@@ -1,5 +1,5 @@
 """Ahead-of-time lowering of the sampler's cached decoding for an accelerator this machine does not have
-(sparsetx/tools/dry_run.py --lower, tests/test_lowering.py); the train and eval steps lower in sparsetx/train/aot.py."""
+(tests/test_lowering.py); the train and eval steps lower in sparsetx/train/aot.py."""
 
 import functools
 
@@ -10,13 +10,12 @@ import ml_collections
 
 from sparsetx.evaluate import sampling
 from sparsetx.train import state as state_lib
-from sparsetx.train.aot import target_platform
+from sparsetx.train.aot import on_topology
 
 
 def lower_generate(
   config: ml_collections.ConfigDict,
-  platform: str,
-  chip: str | None = None,
+  topology_name: str,
   batch_size: int = 8,
   prefill_len: int | None = None,
 ) -> str:
@@ -26,10 +25,8 @@ def lower_generate(
   model = state_lib.build_model(config)
   B, T = batch_size, config.model.max_len
   prefill_len = prefill_len or sampling.prefill_length(T // 2, T)
-  with target_platform(platform, chip):
-    params = jax.eval_shape(
-      lambda rng: nn.unbox(model.init(rng, jnp.zeros((1, T), jnp.int32)))["params"], jax.random.key(0)
-    )
+  with on_topology(topology_name):
+    params = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, T), jnp.int32)))["params"])
     spec = jax.ShapeDtypeStruct
     args = (
       params,
@@ -42,4 +39,4 @@ def lower_generate(
       jax.eval_shape(jax.random.key, 0),
     )
     jitted = jax.jit(functools.partial(sampling.generate_cached, model), static_argnums=(0, 1))
-    return jitted.trace(0, prefill_len, *args).lower(lowering_platforms=(platform,)).as_text()
+    return jitted.trace(0, prefill_len, *args).lower().as_text()

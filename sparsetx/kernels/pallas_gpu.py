@@ -38,8 +38,6 @@ def _next_pow2(n):
   return 1 << max(0, (n - 1).bit_length())
 
 
-
-
 SEGMENT_ROWS = 16  # segment_sums: table rows one program owns (a power of two)
 
 

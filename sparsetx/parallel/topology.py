@@ -13,6 +13,7 @@ device for the scratch size of CUB's radix sort, so sorts are compiled as XLA's 
 """
 
 import importlib.resources
+import importlib.util
 import os
 import re
 
@@ -68,7 +69,9 @@ def devices(name: str) -> list:
   try:
     return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
   except Exception as error:  # libtpu's own words for a name it does not know
-    raise ConfigError(f"libtpu knows no TPU topology {name!r} ({_first_line(error)}); try v5p:2x2x1 or v6e:2x2.")
+    raise ConfigError(
+      f"libtpu knows no TPU topology {name!r} ({_first_line(error)}); try v5p:2x2x1 or v6e:2x2."
+    ) from None
 
 
 def platform_of(name: str) -> str:

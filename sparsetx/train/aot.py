@@ -17,21 +17,18 @@ import dataclasses
 import math
 import re
 from typing import NamedTuple
-from unittest import mock
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from jax._src.cudnn import fused_attention_stablehlo  # cuDNN's version check (no public API)
-from jax._src.pallas.mosaic import tpu_info  # the chip Pallas TPU lowers for (no public API)
 
 from sparsetx import config as config_lib
 from sparsetx.models import ladder
 from sparsetx.models.ffn import placement
 from sparsetx.models.ffn.registry import SPECS
-from sparsetx.parallel import expert_parallel, roofline
+from sparsetx.parallel import expert_parallel, roofline, topology
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
@@ -216,77 +213,128 @@ def _compile_with_setup(config, mesh):
   return compiled, built
 
 
-# Lowering for an accelerator this machine does not have ------------------------------------------------------
+# Compiling for a machine this one does not have -----------------------------------------------------------
 
-LOWERING_PLATFORMS = ("cuda", "tpu")
-LOWERING_CUDNN_VERSION = 91000  # cuDNN 9.10
-_BACKEND_OF_PLATFORM = {"cuda": "gpu", "tpu": "tpu"}
+
+def topology_mesh(config: ml_collections.ConfigDict, topology_name: str):
+  """config.mesh over the devices of a TPU topology or GPU node (parallel/topology.py), checked as the trainer
+  checks its mesh; the hosts of a GPU node count as its DCN granules, a TPU slice's as one."""
+  return state_lib.checked_mesh(config, topology.devices(topology_name))
+
+
+def compile_for_topology(config: ml_collections.ConfigDict, topology_name: str):
+  """(compiled train step, state_lib.Setup, mesh): the step as the trainer jits it, compiled by the target's own
+  compiler (libtpu's, or XLA's GPU compiler with Triton, Mosaic GPU, ptxas and cuDNN) on this machine."""
+  mesh = topology_mesh(config, topology_name)
+  compiled, built = _compile_with_setup(config, mesh)
+  return compiled, built, mesh
+
+
+_INSTRUCTION_RE = re.compile(
+  r"^\s*(?:ROOT )?%(?P<instruction>[\w-]+)[\w.-]* = .*?custom_call_target=\"(?P<target>[^\"]+)\""
+)
+_PALLAS_NAME_RE = re.compile(r'op_name="[^"]*/(\w+)/pallas_call"')
+
+
+def compiled_kernels(hlo_text: str) -> collections.Counter:
+  """{(custom-call target, kernel name): count} of a compiled program: the Pallas kernel's name (from its op
+  name, or a Mosaic TPU call's instruction name, which libtpu takes from the kernel); '' for other calls."""
+  found = collections.Counter()
+  for line in hlo_text.splitlines():
+    call = _INSTRUCTION_RE.match(line)
+    if call:
+      name = _PALLAS_NAME_RE.search(line)
+      name = name[1] if name else call["instruction"] if call["target"] == "tpu_custom_call" else ""
+      found[call["target"], name] += 1
+  return found
+
+
+_COMPUTATION_RE = re.compile(r"^(?:ENTRY )?%([\w.-]+) .*\{$")
+_WHILE_RE = re.compile(r" while\(.*condition=%([\w.-]+), body=%([\w.-]+)")
+_TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_S32_CONSTANT_RE = re.compile(r"= s32\[\](?:\{[^}]*\})? constant\((\d+)\)")
+
+
+def computations(hlo_text: str) -> dict:
+  """{computation name: its instruction lines} of a compiled HLO module's text."""
+  blocks, name = {}, None
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION_RE.match(line)
+    if header:
+      name = header[1]
+      blocks[name] = []
+    elif line == "}":
+      name = None
+    elif name is not None:
+      blocks[name].append(line)
+  return blocks
+
+
+class Loop(NamedTuple):
+  body: str  # the body computation's name
+  trips: int | None  # the known trip count, or the constant the condition compares with; None if neither
+
+
+def compiled_loops(hlo_text: str) -> list:
+  """A Loop for each `while` of a compiled program: what the device runs in sequence."""
+  blocks = computations(hlo_text)
+  loops = []
+  for lines in blocks.values():
+    for line in lines:
+      found = _WHILE_RE.search(line)
+      if not found:
+        continue
+      trips = _TRIP_RE.search(line)
+      if trips is None:
+        constants = [int(c) for c in _S32_CONSTANT_RE.findall("\n".join(blocks.get(found[1], [])))]
+        trips = max(constants) if constants else None
+      else:
+        trips = int(trips[1])
+      loops.append(Loop(found[2], trips))
+  return loops
+
+
+def collectives_by_computation(hlo_text: str) -> dict:
+  """{computation name: [Collective]} of a compiled program (where each collective sits: a loop body's run every
+  trip)."""
+  return {name: collectives("\n".join(lines)) for name, lines in computations(hlo_text).items()}
+
+
+# Lowering for a machine this one does not have -------------------------------------------------------------
+
 _CUSTOM_CALL_RE = re.compile(r"stablehlo\.custom_call @([\w$.]+)")
 # The kernel's name: Pallas TPU's kernel_name, Triton's name in its backend config (pallas_call(name=...)).
 _KERNEL_NAME_RE = re.compile(r'\b(?:kernel_)?name = "([^"]*)"')
 
 
-def tpu_device_kind(chip: str) -> str:
-  """The device_kind Pallas TPU expects for a chip name: 'v5p' -> 'TPU v5p' ('TPU v6 lite' passes as is)."""
-  kind = chip if chip.startswith("TPU") else f"TPU {chip}"
-  if tpu_info.chip_version_from_device_kind(kind) is None:
-    raise config_lib.ConfigError(f"TPU chip {chip!r} is unknown to Pallas TPU; use e.g. v4, v5e, v5p or v6e.")
-  return kind
-
-
 @contextlib.contextmanager
-def target_platform(platform: str, chip: str | None = None):
-  """Inside it, tracing takes `platform`'s code paths on a CPU-only machine, for lowering (not running).
-
-  The stack picks its kernels by jax.default_backend() (gated gather, attention, product keys), so that
-  answers the target's backend ('gpu' for cuda); Pallas TPU sizes its kernels by the chip it asks
-  tpu_info for, which answers `chip` (default v5p; its cached answer is dropped on entry and exit).
-  On cuda, kernel.gpu_kernel=auto finds no compute capability and takes the Triton kernels (pre-Hopper), and
-  cuDNN's attention is lowered for cuDNN LOWERING_CUDNN_VERSION (its version check needs the library).
-  """
-  if platform not in LOWERING_PLATFORMS:
-    raise config_lib.ConfigError(f"platform {platform!r} cannot be lowered for; use one of {LOWERING_PLATFORMS}.")
-  patches = [mock.patch.object(jax, "default_backend", lambda: _BACKEND_OF_PLATFORM[platform])]
-  if platform == "tpu":
-    kind = tpu_device_kind(chip or "v5p")
-    cores = tpu_info.chip_version_from_device_kind(kind).num_physical_tensor_cores_per_chip
-    patches += [
-      mock.patch.object(tpu_info, "get_device_kind", lambda: kind),
-      mock.patch.object(tpu_info, "get_num_device_cores", lambda: cores),
-    ]
-  elif chip is not None:
-    raise config_lib.ConfigError(f"chip={chip!r} is for platform tpu; cuda takes its kernel from kernel.gpu_kernel.")
-  else:  # cuDNN's fused attention asks the library's version while tracing; there is no library here
-    patches.append(mock.patch.object(fused_attention_stablehlo, "check_cudnn_version", lambda: LOWERING_CUDNN_VERSION))
-  with contextlib.ExitStack() as stack:
-    for patch in patches:
-      stack.enter_context(patch)
-    tpu_info.get_tpu_info.cache_clear()
-    stack.callback(tpu_info.get_tpu_info.cache_clear)
-    yield
+def on_topology(topology_name: str, n_devices: int = 1):
+  """Inside it, programs are traced for the first `n_devices` devices of a topology (parallel/topology.py): the
+  kernels and layers take that machine's paths (kernels/platform.target reads the mesh's devices). Yields the
+  1-D mesh ('devices') over them."""
+  devices = topology.devices(topology_name)[:n_devices]
+  mesh = jax.sharding.Mesh(np.array(devices), ("devices",))
+  with jax.set_mesh(mesh):
+    yield mesh
 
 
-def _lowering_mesh(config, mesh):
-  return mesh if mesh is not None else mesh_lib.make_mesh(config.mesh, jax.devices()[:1])
-
-
-def lower_train_step(config: ml_collections.ConfigDict, platform: str, chip: str | None = None, mesh=None) -> str:
-  """StableHLO text of the train step, as the trainer jits it, lowered for `platform` (cuda | tpu; `chip`
-  for TPU) from abstract inputs on this machine; `mesh` defaults to one device. Nothing is compiled."""
-  mesh = _lowering_mesh(config, mesh)
-  with target_platform(platform, chip), expert_parallel.activate(mesh, config.mesh.rules):
+def lower_train_step(config: ml_collections.ConfigDict, topology_name: str, n_devices: int = 1) -> str:
+  """StableHLO text of the train step, as the trainer jits it, lowered for the first `n_devices` devices of a
+  topology (config.mesh over them) from abstract inputs. Nothing is compiled: compile_for_topology compiles."""
+  mesh = state_lib.checked_mesh(config, topology.devices(topology_name)[:n_devices])
+  with expert_parallel.activate(mesh, config.mesh.rules):
     traced, _ = _trace_train_step(config, mesh)
-    return traced.lower(lowering_platforms=(platform,)).as_text()
+    return traced.lower().as_text()
 
 
-def lower_eval_step(config: ml_collections.ConfigDict, platform: str, chip: str | None = None, mesh=None) -> str:
+def lower_eval_step(config: ml_collections.ConfigDict, topology_name: str, n_devices: int = 1) -> str:
   """StableHLO text of the evaluation step (summed loss of a batch), lowered like lower_train_step."""
-  mesh = _lowering_mesh(config, mesh)
-  with target_platform(platform, chip), expert_parallel.activate(mesh, config.mesh.rules):
+  mesh = state_lib.checked_mesh(config, topology.devices(topology_name)[:n_devices])
+  with expert_parallel.activate(mesh, config.mesh.rules):
     built = state_lib.setup(config, mesh=mesh)
     jitted = step_lib.make_eval_step(built.model, built.shardings.params, built.batch_sharding)
     traced = jitted.trace(built.abstract_state.params, abstract_batch(config, built.batch_sharding))
-    return traced.lower(lowering_platforms=(platform,)).as_text()
+    return traced.lower().as_text()
 
 
 def custom_calls(lowered_text: str) -> collections.Counter:
@@ -466,7 +514,10 @@ __all__ = [
   "device_bytes",
   "collectives",
   "table_bytes_by_expert",
-  "target_platform",
+  "on_topology",
+  "compile_for_topology",
+  "compiled_kernels",
+  "compiled_loops",
   "lower_train_step",
   "lower_eval_step",
   "custom_calls",
