@@ -97,7 +97,11 @@ def test_row_accumulate_equals_float64_sums(
 
 
 # (tokens N, rows R, d_model D, values dtype, with_coef_sums): R ragged over two 128-row tiles.
-SEGMENT_CASES = [(11, 150, 384, jnp.float32, True), (7, 150, 128, jnp.bfloat16, False), (5, 150, 2304, jnp.bfloat16, True)]
+SEGMENT_CASES = [
+  (11, 150, 384, jnp.float32, True),
+  (7, 150, 128, jnp.bfloat16, False),
+  (5, 150, 2304, jnp.bfloat16, True),
+]
 
 
 @pytest.mark.parametrize("n_tokens, n_rows, d_model, dtype, with_coef_sums", SEGMENT_CASES)

@@ -27,6 +27,7 @@ GPU_COMPILE_NOTE = "GPU compiled with no device: XLA's default tilings (no autot
 # libtpu's start-up asks the cloud metadata server what it runs on, and prints warnings when there is none; a
 # topology needs none of that.
 _LIBTPU_QUIET = {
+  "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",  # test workers each load it; without this the second one fails on a lockfile
   "TPU_SKIP_MDS_QUERY": "1",
   "TPU_ACCELERATOR_TYPE": "v5p-8",
   "TPU_WORKER_ID": "0",

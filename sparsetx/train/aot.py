@@ -33,7 +33,7 @@ from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
 
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "ragged-all-to-all", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {
   "pred": 1,
   "s8": 1,
@@ -92,6 +92,7 @@ class Collective(NamedTuple):
   shape: str
   source: str  # the jax op_name it came from (jvp(...) forward, transpose(...) backward)
   granules: int = 1  # nodes / slices its largest replica group spans (> 1: part of it crosses the DCN)
+  elements: int = 0  # the result's elements on one device (all arrays of a combined collective)
 
 
 def collectives(hlo_text: str, granule_of_id=None) -> list:
@@ -102,16 +103,22 @@ def collectives(hlo_text: str, granule_of_id=None) -> list:
     match = _COLLECTIVE_RE.search(line)
     if not match:
       continue
-    nbytes = sum(
-      _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-      for dtype, dims in _ARRAY_RE.findall(match["shape"])
-    )
+    arrays = [
+      (dtype, math.prod(int(d) for d in dims.split(",") if d)) for dtype, dims in _ARRAY_RE.findall(match["shape"])
+    ]
+    nbytes = sum(_DTYPE_BYTES[dtype] * n for dtype, n in arrays)
     source = re.search(r'op_name="([^"]*)"', line)
     groups = replica_groups(line) if granule_of_id else None
     spans = max((len({granule_of_id[i] for i in group}) for group in groups), default=1) if groups else 1
     found.append(
       Collective(
-        match["op"], nbytes, _group_size(line), match["shape"].split("{")[0], source[1] if source else "", spans
+        match["op"],
+        nbytes,
+        _group_size(line),
+        match["shape"].split("{")[0],
+        source[1] if source else "",
+        spans,
+        sum(n for _, n in arrays),
       )
     )
   return found

@@ -1,0 +1,193 @@
+"""The train step compiled by each target's real compiler on this CPU-only machine (aot.compile_for_topology):
+libtpu for TPU v5p and v6e, XLA's GPU compiler (Triton, Mosaic GPU, ptxas, cuDNN) for H100 and A100, over the
+devices of a topology (parallel/topology.py). Lowering is not compiling: Mosaic checks a Pallas TPU kernel's tiling
+and VMEM only here, and the compiler decides the loops, fusions and collectives a device runs.
+
+Every feed-forward type compiles on every target with data=4, and each placement it supports (tables split by
+expert, the d-split, fsdp, MoE by ragged all-to-all) and micro-batches compile on a TPU and a GPU. Each compiled
+program is read for: the kernels it launches, its loops and their trip counts, where the gradient reductions sit
+(each parameter's gradient reduced once per step, none inside the micro-batch loop), MoE's ragged all-to-alls and
+their bytes, and bf16 payloads on the wire. Shapes are the smallest that take each kernel path (d_model 128, 128
+tokens a row), with config.train.loss_chunks at its default; a compile takes 5 to 15 s.
+"""
+
+import math
+import re
+
+import jax
+import pytest
+from conftest import load_config
+
+from sparsetx import config as config_lib
+from sparsetx.kernels import tree_route
+from sparsetx.models.ffn.registry import SPECS
+from sparsetx.parallel import expert_parallel
+from sparsetx.train import aot
+
+TOPOLOGIES = {"v5p": "v5p:2x2x1", "v6e": "v6e:2x2", "h100": "h100:1x1x4", "a100": "a100:1x1x4"}
+FFN_TYPES = ("mlp", "swiglu", "moe", "peer", "sgatlin", "fff")
+GATHER_TYPES = ("peer", "sgatlin", "fff")
+ROW_KERNELS = {"row_dots", "row_accumulate", "segment_sums"}
+LOOP_TRIP_BOUND = 8  # the vocabulary tiles of the chunked loss; micro-batches; no loop grows with tokens
+REDUCTIONS = ("all-reduce", "reduce-scatter")
+
+
+def compile_config(ffn_type: str, **ici):
+  config = load_config("configs/tiny.py", ffn_type)
+  config.model.update(d_model=128, n_layers=2, head_dim=64, max_len=128, dtype="bfloat16")
+  config.data.update(seq_len=128, global_batch_size=8, eval_batch_size=8)
+  config.mesh.ici.update(data=1, fsdp=1, tensor=1, expert=1)
+  config.mesh.ici.update(**(ici or dict(data=4)))
+  return config
+
+
+def compiled(config, target):
+  program, built, mesh = aot.compile_for_topology(config_lib.validate(config), TOPOLOGIES[target])
+  return program.as_text(), built
+
+
+def kernels(text) -> dict:
+  """{kernel: count} the program launches: Pallas kernels by name ('mosaic_gpu' for Mosaic GPU's unnamed calls),
+  'cudnn' for cuDNN's fused attention."""
+  found = {}
+  for (target, name), count in aot.compiled_kernels(text).items():
+    key = "mosaic_gpu" if target.startswith("mosaic_gpu") else "cudnn" if target.startswith("__cudnn") else name
+    if target.startswith(("tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu", "__cudnn")):
+      found[key] = found.get(key, 0) + count
+  return found
+
+
+def reduced_elements(text) -> tuple[int, int]:
+  """(gradient-like elements reduced per step, those reduced inside the micro-batch loop): every reduction counted
+  once per trip of the loops around it (a loop body's collectives run every trip)."""
+  loops = aot.compiled_loops(text)
+  trips = {loop.body: loop.trips or 1 for loop in loops}
+  per_step = in_microbatch_loop = 0
+  for name, found in aot.collectives_by_computation(text).items():
+    for c in found:
+      if c.op not in REDUCTIONS:
+        continue
+      n = c.elements * (c.group if c.op == "reduce-scatter" else 1)  # a reduce-scatter's input
+      per_step += n * trips.get(name, 1)
+      in_microbatch_loop += n if trips.get(name) == 2 else 0
+  return per_step, in_microbatch_loop
+
+
+SCALARS = 64  # the loss and token sums and the layers' scalar statistics
+
+
+def reduction_budget(built) -> tuple[int, int]:
+  """(parameters, the most elements beyond them a step may reduce): each gradient once, plus the scalars, the
+  sparse layers' usage counts (sparse_stats.py, one per unit and layer) and, for FFF, its dense top levels' weight
+  gradients a second time. Those levels (tree_route.DENSE_LEVELS) are a bf16 einsum over the device's tokens: the
+  compiler reduces their bf16 gradient [P, 2**top - 1, D] first, then the whole float32 table gradient, whose top
+  rows the deep levels' segment sums leave zero (7 of 31 nodes of each table at depth 4: a known double cost)."""
+  model_cfg = built.model.cfg
+  n_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(built.abstract_state.params))
+  ffn = model_cfg.ffn
+  spec = SPECS[ffn.type]
+  extra = SCALARS + (model_cfg.n_layers * spec.circuit.usage_units(ffn) if spec.circuit is not None else 0)
+  if ffn.type == "fff":
+    top = 2 ** min(tree_route.DENSE_LEVELS, ffn.depth + 1) - 1
+    extra += model_cfg.n_layers * 2 * ffn.n_trees * top * model_cfg.d_model
+  return n_params, extra
+
+
+def expected_attention(target) -> set:
+  return {"cudnn"} if target in ("h100", "a100") else {"splash_mha_fwd_segmented_residuals"}
+
+
+def assert_sparse_kernels(found: dict, ffn_type: str, target: str):
+  if ffn_type not in GATHER_TYPES:
+    assert not ROW_KERNELS & set(found) and "mosaic_gpu" not in found, found
+  elif target == "h100":  # Hopper: Mosaic GPU (kernel.gpu_kernel=auto, from the topology's device)
+    assert found.get("mosaic_gpu", 0) >= 12, found
+  else:  # Triton on A100, Mosaic TPU on TPU
+    assert ROW_KERNELS <= set(found), found
+
+
+def assert_loops_bounded(text):
+  loops = aot.compiled_loops(text)
+  assert all(loop.trips is not None and loop.trips <= LOOP_TRIP_BOUND for loop in loops), loops
+
+
+@pytest.mark.parametrize("target", list(TOPOLOGIES))
+@pytest.mark.parametrize("ffn_type", FFN_TYPES)
+def test_train_step_compiles_with_its_kernels_and_one_gradient_reduction(ffn_type, target):
+  """data=4: every parameter is replicated, so each step reduces exactly its parameters' gradient elements once
+  (how the compiler combines or reshapes them does not matter), plus a few scalars (loss, token count).
+
+  Not MoE: with expert=1 its dispatch sorts the pairs of the whole batch, so the compiler all-reduces the gathered
+  rows (forward and backward) and every device then computes every pair, its expert gradients whole (no
+  reduction). That is the cost the grouped-matmul issue (#35) removes; MoE's placement case below holds the
+  expert-parallel form."""
+  text, built = compiled(compile_config(ffn_type), target)
+  found = kernels(text)
+  assert_sparse_kernels(found, ffn_type, target)
+  assert expected_attention(target) <= set(found), found
+  assert_loops_bounded(text)
+  if ffn_type == "moe":
+    return
+  per_step, _ = reduced_elements(text)
+  n_params, extra = reduction_budget(built)
+  assert n_params <= per_step <= n_params + extra, (per_step, n_params, extra)
+
+
+PLACEMENTS = [  # (ffn type, mesh, placement, d-split rules)
+  ("sgatlin", dict(data=1, expert=4), "expert", False),
+  ("sgatlin", dict(data=2, fsdp=2), "fsdp", False),
+  ("sgatlin", dict(data=1, expert=4), "expert", True),
+  ("fff", dict(data=1, expert=4), "expert", False),
+  ("moe", dict(data=1, expert=4), "auto", False),
+]
+
+
+@pytest.mark.parametrize("target", ["v5p", "h100"])
+@pytest.mark.parametrize("ffn_type, ici, placement, d_split", PLACEMENTS)
+def test_each_placement_compiles_with_bf16_on_the_wire(ffn_type, ici, placement, d_split, target):
+  config = compile_config(ffn_type, **ici)
+  if ffn_type != "moe":
+    config.model.ffn.placement = placement
+  if d_split:  # two channels over expert=4: the tables split by d_model (expert_parallel.D_MODEL_SPLIT_RULES)
+    config.model.ffn.n_channels = 2
+    config.model.d_model = 512  # 128 columns a device: a Mosaic GPU chunk spans 128 threads
+    config.mesh.rules = expert_parallel.D_MODEL_SPLIT_RULES + tuple(tuple(r) for r in config.mesh.rules)
+  text, _ = compiled(config, target)
+  assert_sparse_kernels(kernels(text), ffn_type, target)
+  assert_loops_bounded(text)
+  moved = [c for c in aot.collectives(text) if c.op in ("all-gather", "all-to-all", "ragged-all-to-all")]
+  # The feed-forward layers' rows of d_model values on the wire (tokens, MoE's pairs, dy) travel as bf16.
+  ours = [c for c in moved if "/mlp/" in c.source or c.op == "ragged-all-to-all"]
+  token_rows = [
+    c.shape.lstrip("(") for c in ours if re.fullmatch(r"(bf16|f16|f32)\[[\d,]*,\d*(128|256|512)\]", c.shape.lstrip("("))
+  ]
+  assert all(shape.startswith("bf16") for shape in token_rows), token_rows
+  assert token_rows or placement == "fsdp", [c.shape for c in moved]  # fsdp moves the tables, not the tokens
+  if ffn_type == "moe":
+    ragged = [c for c in aot.collectives(text) if c.op == "ragged-all-to-all"]
+    # Per layer: the rows out and back, forward and backward; a send buffer holds the device's n * k pairs of
+    # bf16 rows (k * D * 2 bytes a token), of which (E - 1) / E leave the device on average.
+    n, k, D = 8 * 128 // 4, config.model.ffn.experts_per_token, config.model.d_model
+    assert len(ragged) == 4 * config.model.n_layers, ragged
+    first = [re.match(r"\(*(\w+)\[(\d+),", c.shape).groups() for c in ragged]  # the payload: [rows, ...]
+    assert {(dtype, int(rows)) for dtype, rows in first} == {("bf16", n * k), ("bf16", 4 * n * k)}, ragged
+
+
+@pytest.mark.parametrize("target", ["v5p", "h100"])
+@pytest.mark.parametrize("ffn_type", ["mlp", "sgatlin", "moe"])
+def test_micro_batches_compile_with_the_gradient_reduced_after_the_loop(ffn_type, target):
+  """train.microbatches=2: the per-device loop (train/step.py) runs 2 trips with the fused attention and the row
+  kernels inside it, and no gradient is reduced inside it."""
+  config = compile_config(ffn_type)
+  config.train.microbatches = 2
+  text, built = compiled(config, target)
+  found = kernels(text)
+  assert_sparse_kernels(found, ffn_type, target)
+  assert expected_attention(target) <= set(found), found
+  assert_loops_bounded(text)
+  assert 2 in [loop.trips for loop in aot.compiled_loops(text)]
+  per_step, inside = reduced_elements(text)
+  assert inside == 0, inside
+  if ffn_type != "moe":  # MoE: see the data=4 test
+    n_params, extra = reduction_budget(built)
+    assert n_params <= per_step <= n_params + extra, (per_step, n_params, extra)
