@@ -1,13 +1,13 @@
-"""The programs the stack runs on accelerators lower for them on this CPU-only machine (aot.lower_*): the train
-step of every feed-forward type and both block kinds, the evaluation step and the sampler's cached decoding,
-for CUDA (the Triton kernels of pre-Hopper GPUs and the Mosaic GPU kernels of Hopper) and TPU (v5p, v6e).
+"""The programs the stack runs on accelerators, lowered for a topology's devices on this CPU-only machine
+(aot.lower_*, parallel/topology.py): the train step with the parallel block, the evaluation step and the
+sampler's cached decoding, for A100 (Triton), H100 (Mosaic GPU) and TPU (v5p, v6e), and the train step at ladder
+token counts. tests/test_compile.py compiles the train step itself; these cases hold what lowering alone shows
+cheaply (a few tenths of a second a program): the kernels' count per program, their operand dtypes and the loops.
 
-These are the regression tests for hardware no CI machine has. Each counts the sparse layers' row kernels in the
-lowered program (kernels/row_gather.py: row_dots, row_accumulate, segment_sums): Triton and TPU kernels by their
-names, Mosaic GPU kernels by their custom-call target; the dense types have none. The structural test holds the
-shape of what a device runs: no loop that grows with tokens, bf16 tables into the kernels of a bf16 run. Only
-lowering runs (no compilation): a few tenths of a second per program. Shapes satisfy Mosaic GPU: d_model 128 in bf16 is one 256-byte row chunk, and 2 x 64
-tokens fill its 64-token blocks.
+Each counts the sparse layers' row kernels in the lowered program (kernels/row_gather.py: row_dots,
+row_accumulate, segment_sums): Triton and TPU kernels by their names, Mosaic GPU kernels by their custom-call
+target; the dense types have none. Shapes satisfy Mosaic GPU: d_model 128 in bf16 is one 256-byte row chunk, and
+2 x 64 tokens fill its 64-token blocks.
 """
 
 import collections
@@ -17,23 +17,22 @@ import jax
 import jax.numpy as jnp
 import pytest
 from conftest import load_config
-from jax._src.pallas.mosaic import tpu_info
 
 from sparsetx import config as config_lib
 from sparsetx.evaluate import aot as decoding_aot
+from sparsetx.kernels import platform
 from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
 from sparsetx.models.ffn.common import ACTIVATIONS
-from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import aot
 
 FFN_TYPES = ("mlp", "swiglu", "moe", "peer", "sgatlin", "fff")
 GATHER_TYPES = ("peer", "sgatlin", "fff")
 N_LAYERS = 2
-TARGETS = {  # name: (lowering platform, TPU chip, kernel.gpu_kernel)
-  "cuda-triton": ("cuda", None, "triton"),
-  "cuda-mosaic": ("cuda", None, "mosaic"),
-  "tpu-v5p": ("tpu", "v5p", "auto"),
-  "tpu-v6e": ("tpu", "v6e", "auto"),
+TARGETS = {  # name: (topology of 8 devices, kernel.gpu_kernel)
+  "cuda-triton": ("a100:1x1x8", "auto"),
+  "cuda-mosaic": ("h100:1x1x8", "auto"),
+  "tpu-v5p": ("v5p:2x2x2", "auto"),
+  "tpu-v6e": ("v6e:2x4", "auto"),
 }
 TRITON, TPU = "__gpu$xla.gpu.triton", "tpu_custom_call"
 
@@ -103,20 +102,20 @@ def cases(targets):
   return [(t, target) for t in FFN_TYPES for target in targets if t in GATHER_TYPES or target != "cuda-mosaic"]
 
 
-@pytest.mark.parametrize("block", ["sequential", "parallel"])
 @pytest.mark.parametrize("ffn_type, target", cases(TARGETS))
-def test_train_step_lowers_with_the_gated_gather_kernels(ffn_type, target, block):
-  platform, chip, gpu_kernel = TARGETS[target]
-  text = aot.lower_train_step(lowering_config(ffn_type, gpu_kernel, block), platform, chip)
+def test_train_step_with_the_parallel_block_lowers_with_the_gated_gather_kernels(ffn_type, target):
+  """The parallel block (attention and feed-forward side by side); the sequential one: tests/test_compile.py."""
+  topology, gpu_kernel = TARGETS[target]
+  text = aot.lower_train_step(lowering_config(ffn_type, gpu_kernel, "parallel"), topology)
   assert gather_kernels(text, target) == expected_kernels(ffn_type, target, "train")
 
 
 @pytest.mark.parametrize("program", ["eval", "generate"])
 @pytest.mark.parametrize("ffn_type, target", cases(["cuda-triton", "cuda-mosaic", "tpu-v5p"]))
 def test_eval_and_decoding_lower_with_the_gated_gather_kernels(ffn_type, target, program):
-  platform, chip, gpu_kernel = TARGETS[target]
+  topology, gpu_kernel = TARGETS[target]
   lower = aot.lower_eval_step if program == "eval" else decoding_aot.lower_generate
-  text = lower(lowering_config(ffn_type, gpu_kernel), platform, chip)
+  text = lower(lowering_config(ffn_type, gpu_kernel), topology)
   assert gather_kernels(text, target) == expected_kernels(ffn_type, target, program)
 
 
@@ -125,7 +124,7 @@ def test_eval_and_decoding_lower_with_the_gated_gather_kernels(ffn_type, target,
 @pytest.mark.parametrize("target", ["cuda-triton", "tpu-v5p"])
 def test_kernels_lower_with_every_activation(target, activation, gate_inside):
   """Every activation and gate position lowers around the row kernels (the per-slot arithmetic stays in XLA)."""
-  platform, chip, gpu_kernel = TARGETS[target]
+  topology, gpu_kernel = TARGETS[target]
   act = (lambda h: jax.nn.gelu(h, approximate=True)) if activation == "gelu_tanh" else ACTIVATIONS[activation]
   options = KernelOptions("pallas", gpu_kernel=gpu_kernel)
   spec = jax.ShapeDtypeStruct
@@ -140,77 +139,43 @@ def test_kernels_lower_with_every_activation(target, activation, gate_inside):
       ** 2
     )
 
-  with aot.target_platform(platform, chip):
+  with aot.on_topology(topology):
     traced = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))).trace(x, table, table, gates, bias, rows)
-    text = traced.lower(lowering_platforms=(platform,)).as_text()
+    text = traced.lower().as_text()
   assert gather_kernels(text, target) == {"row_dots": 2, "row_accumulate": 2, "segment_sums": 2}
 
 
 @pytest.mark.parametrize(
-  "chip, version", [("v5p", tpu_info.ChipVersion.TPU_V5P), ("v6e", tpu_info.ChipVersion.TPU_V6E)]
+  "topology, device",
+  [
+    ("v5p:2x2x1", platform.Target("tpu", "TPU v5", 2)),
+    ("v6e:2x2", platform.Target("tpu", "TPU v6 lite", 1)),
+    ("h100:1x1x4", platform.Target("gpu", "NVIDIA H100 80GB HBM3", 132)),
+    ("a100:1x1x4", platform.Target("gpu", "NVIDIA A100-SXM4-80GB", 108)),
+  ],
 )
-def test_target_platform_reports_the_target_and_restores_this_machine(chip, version):
-  with aot.target_platform("tpu", chip):
-    assert jax.default_backend() == "tpu"
-    assert tpu_info.get_tpu_info().chip_version == version  # what Pallas TPU lowers for
-  assert jax.default_backend() == "cpu"
-  with aot.target_platform("cuda"):
-    assert jax.default_backend() == "gpu"
-  assert jax.default_backend() == "cpu"
+def test_programs_traced_on_a_topology_take_its_device(topology, device):
+  """kernels/platform.target reads the active mesh's devices: the chip and its cores for Pallas TPU, Mosaic GPU
+  from Hopper on (kernel.gpu_kernel=auto); outside, this machine's CPU again."""
+  with aot.on_topology(topology):
+    assert platform.target() == device
+    assert platform.gpu_kernel(KernelOptions(), platform.target()) == (
+      "mosaic" if "H100" in device.device_kind else "triton"
+    )
+  assert platform.target().platform == "cpu"
 
 
-def test_unknown_targets_are_refused():
-  with pytest.raises(config_lib.ConfigError, match="platform 'rocm' cannot be lowered for; use one of"):
-    with aot.target_platform("rocm"):
-      pass
-  with pytest.raises(config_lib.ConfigError, match="TPU chip 'v9' is unknown to Pallas TPU"):
-    with aot.target_platform("tpu", "v9"):
-      pass
-  with pytest.raises(config_lib.ConfigError, match="chip='v5p' is for platform tpu"):
-    with aot.target_platform("cuda", "v5p"):
-      pass
-
-
-def test_dry_run_tool_lowers_for_a_platform_and_lists_the_kernels():
-  """python -m sparsetx.tools.dry_run --platform=tpu --chip=v6e: one row per custom call, FFF's row kernels per layer."""
-  import subprocess
-  import sys
-
-  from conftest import REPO
-
-  small = [
-    "--config.model.n_layers=2",
-    "--config.model.ffn.kernel.implementation=pallas",
-    "--config.data.seq_len=64",
-    "--config.model.max_len=64",
-    "--config.data.global_batch_size=2",
-  ]
-  result = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "sparsetx.tools.dry_run",
-      "--config=configs/tiny.py:fff",
-      "--devices=1",
-      "--platform=tpu",
-      "--chip=v6e",
-      *small,
-    ],
-    cwd=REPO,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert result.returncode == 0, result.stderr
-  assert "train step lowered for tpu (TPU v6e)" in result.stdout
-  rows = {
-    tuple(line.split()[:2]): int(line.split()[-1])
-    for line in result.stdout.splitlines()
-    if line.startswith("  tpu_custom_call")
-  }
-  expected = expected_kernels("fff", "tpu-v6e", "train")
-  assert {name: rows[("tpu_custom_call", name)] for name in ROW_KERNELS} == expected
-  assert "compiler memory analysis" not in result.stdout  # lowered only
+def test_unknown_topologies_are_refused_in_one_line():
+  with pytest.raises(config_lib.ConfigError, match="topology 'rocm:1x1x8' is neither a TPU topology"):
+    aot.topology_mesh(lowering_config("mlp"), "rocm:1x1x8")
+  with pytest.raises(config_lib.ConfigError, match="GPU target 'b200' is not described; use one of h100, a100"):
+    aot.topology_mesh(lowering_config("mlp"), "b200:1x1x8")
+  with pytest.raises(config_lib.ConfigError, match="libtpu knows no TPU topology 'v9:2x2'"):
+    aot.topology_mesh(lowering_config("mlp"), "v9:2x2")
+  config = lowering_config("mlp")
+  config.mesh.ici.update(data=3)
+  with pytest.raises(config_lib.ConfigError, match="does not divide 4 devices"):
+    aot.topology_mesh(config, "v5p:2x2x1")
 
 
 def test_custom_calls_table():
@@ -227,13 +192,13 @@ def test_custom_calls_table():
 @pytest.mark.parametrize("ffn_type, target", [("sgatlin", "tpu-v5p"), ("fff", "tpu-v6e"), ("peer", "cuda-triton")])
 def test_train_step_lowers_on_a_mesh_with_each_device_on_its_tokens(ffn_type, target, ici):
   """On a mesh the kernels sit in a shard_map (Pallas TPU lowers nothing else) and see one device's tokens."""
-  platform, chip, gpu_kernel = TARGETS[target]
+  topology, gpu_kernel = TARGETS[target]
   config = lowering_config(ffn_type, gpu_kernel)
-  config.data.global_batch_size = 8
+  config.data.update(global_batch_size=8, eval_batch_size=8)
   config.model.attention = "xla"  # the subject is the gated gather; fused attention on a mesh: test_attention.py
   config.mesh.ici.update(data=1, fsdp=1, tensor=1, expert=1)
   config.mesh.ici.update(**ici)
-  text = aot.lower_train_step(config, platform, chip, mesh_lib.make_mesh(config.mesh, jax.devices()[:8]))
+  text = aot.lower_train_step(config, topology, 8)
   assert gather_kernels(text, target) == expected_kernels(ffn_type, target, "train")
   tokens_per_device, all_tokens = 8 * 64 // ici["data"], 8 * 64
   # Each row_dots call takes an lhs [n, D] (bf16, D = 128) of this device's tokens, padded to the kernel's blocks
@@ -257,22 +222,24 @@ def test_per_device_microbatch_loop_lowers_for_tpu_with_its_kernels(ffn_type, ic
   tables entering as each device's blocks (placement expert) or whole (fsdp, data: config.model.ffn.placement);
   Pallas TPU lowers a kernel only where every mesh axis is manual: the program lowers for TPU with one forward
   and one backward of kernels per layer, as without the loop, and the kernels read bf16 rows."""
-  platform, chip, gpu_kernel = TARGETS["tpu-v5p"]
+  topology, gpu_kernel = TARGETS["tpu-v5p"]
   config = lowering_config(ffn_type, gpu_kernel)
   config.model.ffn.placement = placement
-  config.data.global_batch_size = 16
+  config.data.update(global_batch_size=16, eval_batch_size=16)
   config.train.microbatches = 2
   config.model.attention = "xla"
   config.mesh.ici.update(data=1, fsdp=1, tensor=1, expert=1)
   config.mesh.ici.update(**ici)
-  text = aot.lower_train_step(config, platform, chip, mesh_lib.make_mesh(config.mesh, jax.devices()[:8]))
+  text = aot.lower_train_step(config, topology, 8)
   assert gather_kernels(text, "tpu-v5p") == expected_kernels(ffn_type, "tpu-v5p", "train")
   manual = ", ".join(f'"{a}"' for a in ("data", "fsdp", "expert") if a in ici)
   assert f"manual_axes={{{manual}}}" in text
   row_operands = [t for types in kernel_operands(text) for t in types if re.fullmatch(r"\d+x128x\w+", t)]
-  assert row_operands and all(t.endswith("xbf16") for t in row_operands), row_operands
+  assert row_operands and all(t.endswith(BF16_ROWS) for t in row_operands), row_operands
 
 
+# bf16 rows: as bf16, or on TPU as uint32 words of bf16 pairs (pallas_tpu.as_words; a float32 table stays f32)
+BF16_ROWS = ("xbf16", "xui32")
 LOOP_TRIP_BOUND = 8  # the most trips any device loop of a sparse train step may run (here: none, or 1-trip scans)
 TOKENS_PER_DEVICE = (4096, 32768)
 
@@ -283,39 +250,17 @@ def test_sparse_train_step_has_no_loop_that_grows_with_tokens_and_streams_bf16_t
   """What the device runs: at 4,096 and 32,768 tokens the train step has the same loops, none longer than
   LOOP_TRIP_BOUND trips (the CPU's cache-sized scans stay on the CPU), and a bf16 run hands the kernels bf16
   operands only: tables, tokens and gradients (every [rows, d_model] operand is bf16)."""
-  platform, chip, gpu_kernel = TARGETS[target]
+  topology, gpu_kernel = TARGETS[target]
   loops = {}
   for tokens in TOKENS_PER_DEVICE:
     config = lowering_config(ffn_type, gpu_kernel)
     config.data.update(seq_len=512, global_batch_size=tokens // 512)
     config.model.max_len = 512
-    text = aot.lower_train_step(config_lib.validate(config), platform, chip)
+    text = aot.lower_train_step(config_lib.validate(config), topology)
     loops[tokens] = aot.while_loops(text)
     operands = kernel_operands(text)
     assert gather_kernels(text, target) == expected_kernels(ffn_type, target, "train")
     row_operands = [t for types in operands for t in types if re.fullmatch(r"\d+x128x\w+", t)]
-    assert row_operands and all(t.endswith("xbf16") for t in row_operands), row_operands
+    assert row_operands and all(t.endswith(BF16_ROWS) for t in row_operands), row_operands
   assert loops[TOKENS_PER_DEVICE[0]] == loops[TOKENS_PER_DEVICE[1]]
   assert all(trips is not None and trips <= LOOP_TRIP_BOUND for trips in loops[TOKENS_PER_DEVICE[1]]), loops
-
-
-@pytest.mark.parametrize("target", ["tpu-v5p", "cuda-triton"])
-def test_moe_train_step_lowers_with_ragged_all_to_alls(target):
-  """MoE on data=2 x expert=4 sends each token's pairs to its experts' devices by `ragged_all_to_all`, the op the
-  CPU lacks: per layer the x rows out and the outputs back, and their transposes, in bf16 (n = 64 tokens per
-  device, k = 2: send buffers of n·k = 128 rows, receive buffers of 4·n·k); the only all-gather is the counts."""
-  import re
-
-  platform, chip, gpu_kernel = TARGETS[target]
-  config = lowering_config("moe", gpu_kernel)
-  config.data.global_batch_size = 8
-  config.model.attention = "xla"
-  config.mesh.ici.update(data=2, fsdp=1, tensor=1, expert=4)
-  text = aot.lower_train_step(config, platform, chip, mesh_lib.make_mesh(config.mesh, jax.devices()[:8]))
-  ragged = re.findall(r"custom_call @ragged_all_to_all\(.*\) -> tensor<(\w+)>", text)
-  n, k, D = 64, config.model.ffn.experts_per_token, config.model.d_model
-  assert collections.Counter(ragged) == {f"{n * k}x{D}xbf16": 2 * N_LAYERS, f"{4 * n * k}x{D}xbf16": 2 * N_LAYERS}
-  assert (
-    re.findall(r"stablehlo.all_gather.*-> tensor<([^>]*)>", text) == [f"4x{config.model.ffn.n_experts}xi32"] * N_LAYERS
-  )
-  assert "reduce_scatter" not in text
