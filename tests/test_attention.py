@@ -184,14 +184,17 @@ def test_decoding_with_a_fused_attention_config_equals_the_full_forward():
   np.testing.assert_allclose(jnp.concatenate(logits, axis=1), full, atol=1e-5, rtol=1e-5)
 
 
-def test_auto_picks_cudnn_on_gpu_splash_on_tpu_xla_on_cpu(monkeypatch):
+def test_auto_picks_cudnn_on_gpu_splash_on_tpu_xla_on_cpu():
+  """By the device the program is for (a topology's, kernels/platform.target)."""
+  from sparsetx.train import aot
+
   assert attention_lib.resolve("auto", jnp.bfloat16) == "xla"
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  assert attention_lib.resolve("auto", jnp.bfloat16) == "cudnn"
-  assert attention_lib.resolve("auto", jnp.float32) == "xla"  # cuDNN has no float32 kernel
-  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-  assert attention_lib.resolve("auto", jnp.float32) == "splash"
-  assert attention_lib.resolve("pallas", jnp.float32) == "pallas"
+  with aot.on_topology("h100:1x1x1"):
+    assert attention_lib.resolve("auto", jnp.bfloat16) == "cudnn"
+    assert attention_lib.resolve("auto", jnp.float32) == "xla"  # cuDNN has no float32 kernel
+  with aot.on_topology("v5p:2x2x1"):
+    assert attention_lib.resolve("auto", jnp.float32) == "splash"
+    assert attention_lib.resolve("pallas", jnp.float32) == "pallas"
 
 
 @pytest.mark.parametrize(
@@ -227,41 +230,36 @@ def logits_shape() -> str:
   return f"tensor<2x{config.d_model // config.head_dim}x256x256xf32>"
 
 
-def lowered_train_grads(monkeypatch, platform: str, attention: str) -> str:
-  """StableHLO of the loss gradients of a bf16 model at T = 256, lowered for `platform` on this CPU machine."""
-  backend = {"cuda": "gpu", "tpu": "tpu"}[platform]
-  monkeypatch.setattr(jax, "default_backend", lambda: backend)
-  if platform == "cuda":
-    from jax._src.cudnn import fused_attention_stablehlo
+TOPOLOGIES = {"cuda": "h100:1x1x1", "tpu": "v5p:2x2x1"}
 
-    # Lowering needs only cuDNN's version number (no library on a CPU machine): 9.10.
-    monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
-  else:
-    from jax._src.pallas.mosaic import tpu_info
 
-    monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5p")
+def lowered_train_grads(platform: str, attention: str) -> str:
+  """StableHLO of the loss gradients of a bf16 model at T = 256, lowered for one H100 or v5p on this CPU machine."""
+  from sparsetx.train import aot
+
   model = Transformer(model_config(attention, dtype="bfloat16", max_len=256))
   tokens = jax.ShapeDtypeStruct((2, 256), jnp.int32)
   variables = jax.eval_shape(model.init, jax.random.key(0), tokens)
   loss = lambda v, t, s: model.apply(v, t, None, s).mean()  # noqa: E731
-  return jax.jit(jax.grad(loss)).trace(variables, tokens, tokens).lower(lowering_platforms=(platform,)).as_text()
+  with aot.on_topology(TOPOLOGIES[platform]):
+    return jax.jit(jax.grad(loss)).trace(variables, tokens, tokens).lower().as_text()
 
 
 def test_cuda_lowering_runs_cudnn_flash_attention_forward_and_backward(monkeypatch):
-  assert logits_shape() in lowered_train_grads(monkeypatch, "cuda", "xla")  # the reference materializes them
-  text = lowered_train_grads(monkeypatch, "cuda", "auto")
+  assert logits_shape() in lowered_train_grads("cuda", "xla")  # the reference materializes them
+  text = lowered_train_grads("cuda", "auto")
   calls = set(re.findall(r"__cudnn\$fmha\w+", text))
   assert calls == {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"}, calls
   assert logits_shape() not in text  # cuDNN does not
 
 
 def test_cuda_lowering_of_pallas_attention_is_triton(monkeypatch):
-  text = lowered_train_grads(monkeypatch, "cuda", "pallas")
+  text = lowered_train_grads("cuda", "pallas")
   assert "__gpu$xla.gpu.triton" in text and "mha_forward" in text and "mosaic_gpu" not in text
 
 
 def test_tpu_lowering_runs_splash_attention_forward_and_backward(monkeypatch):
-  text = lowered_train_grads(monkeypatch, "tpu", "auto")
+  text = lowered_train_grads("tpu", "auto")
   assert text.count("tpu_custom_call") >= 3  # forward, dq and dkv kernels
   assert "splash_mha_fwd" in text and "splash_mha_dq" in text and "splash_mha_dkv" in text
   assert logits_shape() not in text
@@ -281,18 +279,15 @@ def test_tpu_lowering_runs_splash_attention_forward_and_backward(monkeypatch):
     ),
   ],
 )
-def test_train_step_lowers_with_the_fused_attention_by_default(monkeypatch, platform, calls):
+def test_train_step_lowers_with_the_fused_attention_by_default(platform, calls):
   """The whole train step (bf16, attention=auto) lowered as the trainer jits it: the fused calls, no XLA logits."""
-  from jax._src.cudnn import fused_attention_stablehlo
-
   from sparsetx.train import aot
 
-  monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)  # see lowered_train_grads
   config = load_config("configs/tiny.py", "mlp")
   config.model.update(max_len=256, n_layers=2)
   config.data.update(seq_len=256, global_batch_size=2)
   config_lib.validate(config)
-  text = aot.lower_train_step(config, platform)
+  text = aot.lower_train_step(config, TOPOLOGIES[platform])
   assert calls <= {name or target for target, name in aot.custom_calls(text)}
   assert logits_shape() not in text
 
@@ -300,15 +295,14 @@ def test_train_step_lowers_with_the_fused_attention_by_default(monkeypatch, plat
 @pytest.mark.parametrize("ici", [dict(data=8), dict(data=4, tensor=2)])
 def test_splash_train_step_lowers_on_a_tpu_mesh(ici):
   """On a mesh splash runs in a shard_map over every free axis (Pallas TPU refuses a partially manual region)."""
-  from sparsetx.parallel import mesh as mesh_lib
   from sparsetx.train import aot
 
   config = load_config("configs/tiny.py", "mlp")
   config.model.update(max_len=256, n_layers=1)
-  config.data.update(seq_len=256, global_batch_size=8)
+  config.data.update(seq_len=256, global_batch_size=8, eval_batch_size=8)
   config.mesh.ici.update(data=1, fsdp=1, tensor=1, expert=1)
   config.mesh.ici.update(**ici)
   config_lib.validate(config)
-  text = aot.lower_train_step(config, "tpu", "v5p", mesh_lib.make_mesh(config.mesh, jax.devices()[:8]))
+  text = aot.lower_train_step(config, "v5p:2x2x2", 8)
   names = {name for _, name in aot.custom_calls(text)}
   assert {"splash_mha_fwd_segmented_residuals", "splash_mha_dkv_segmented_no_residuals"} <= names

@@ -166,8 +166,9 @@ def test_each_placement_compiles_with_bf16_on_the_wire(ffn_type, ici, placement,
   if ffn_type == "moe":
     ragged = [c for c in aot.collectives(text) if c.op == "ragged-all-to-all"]
     # Per layer: the rows out and back, forward and backward; a send buffer holds the device's n * k pairs of
-    # bf16 rows (k * D * 2 bytes a token), of which (E - 1) / E leave the device on average.
-    n, k, D = 8 * 128 // 4, config.model.ffn.experts_per_token, config.model.d_model
+    # bf16 rows (k * D * 2 bytes a token), of which (E - 1) / E leave the device on average; a receive buffer the
+    # expert group's G * n * k.
+    n, k = 8 * 128 // 4, config.model.ffn.experts_per_token
     assert len(ragged) == 4 * config.model.n_layers, ragged
     first = [re.match(r"\(*(\w+)\[(\d+),", c.shape).groups() for c in ragged]  # the payload: [rows, ...]
     assert {(dtype, int(rows)) for dtype, rows in first} == {("bf16", n * k), ("bf16", 4 * n * k)}, ragged

@@ -16,7 +16,7 @@ from conftest import SPARSE_LAYERS_OF_8, init_params, layer_model_config
 from sparsetx import config as config_lib
 from sparsetx.models.ffn import moe
 from sparsetx.models.ffn.registry import FFN_LAYERS
-from sparsetx.parallel import dispatch
+from sparsetx.parallel import dispatch, topology
 from sparsetx.parallel import expert_parallel as ep
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import aot
@@ -33,11 +33,27 @@ MESHES = {
 }
 
 
-def make_mesh(**axes):
+def make_mesh(devices=None, **axes):
   config = config_lib.default_config().mesh
   config.ici.update(data=1, fsdp=1, tensor=1, expert=1)
   config.ici.update(axes)
-  return mesh_lib.make_mesh(config)
+  return mesh_lib.make_mesh(config, devices)
+
+
+def lowered_for_h100(fn, args, mesh):
+  """fn's program for 8 H100s (a topology's devices, parallel/topology.py) laid out as `args` are on `mesh`:
+  lowered, not run (XLA:CPU widens bf16 collectives to float32 and has no ragged all-to-all)."""
+  gpu_mesh = make_mesh(topology.devices("h100:1x1x8"), **dict(mesh.shape))
+  abstract = jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(
+      a.shape,
+      a.dtype,
+      sharding=jax.sharding.NamedSharding(gpu_mesh, getattr(a.sharding, "spec", jax.sharding.PartitionSpec())),
+    ),
+    args,
+  )
+  with ep.activate(gpu_mesh):
+    return jax.jit(fn).trace(*abstract).lower()
 
 
 # sgatlin's ablation activation per (layer, mesh): each of identity, relu, gelu, swish on a channel split
@@ -221,8 +237,7 @@ def test_moe_sends_each_token_only_to_its_experts(mesh_name):
   loss = lambda p, x: jnp.sum(jnp.sin(layer.apply({"params": p}, x)) * probe)  # noqa: E731
   with ep.activate(mesh):
     compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, x).compile()
-    with aot.target_platform("cuda"):  # a fresh jit: the trace takes the accelerator's path
-      lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(params, x).lower(lowering_platforms=("cuda",))
+  lowered = lowered_for_h100(jax.value_and_grad(loss, argnums=(0, 1)), (params, x), mesh)
   moe = [c for c in aot.collectives(compiled.as_text()) if "Moe" in c.source and "/router/" not in c.source]
   table_grads = [c for c in moe if c.op == "all-reduce"]  # the expert tables' gradients summed over `data`
   assert all(c.group == mesh.shape["data"] for c in table_grads)
@@ -279,8 +294,7 @@ def test_moe_rows_travel_in_bf16_and_the_owner_sums_them_in_float32():
   loss = lambda p, x: jnp.sum(layer.apply({"params": p}, x).astype(jnp.float32))  # noqa: E731
   with ep.activate(mesh):
     y = jax.jit(layer_apply(layer))(params, x_sharded)
-    with aot.target_platform("cuda"):  # XLA:CPU widens bf16 collectives to float32; the accelerator's program
-      text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(params, x_sharded).lower(lowering_platforms=("cuda",))
+  text = lowered_for_h100(jax.grad(loss, argnums=(0, 1)), (params, x_sharded), mesh)
   payload = re.findall(r"custom_call @ragged_all_to_all\(.*\) -> tensor<\d+x\d+x(\w+)>", text.as_text())
   assert payload == ["bf16"] * 4
   difference = np.abs(np.asarray(y, np.float32) - np.asarray(single, np.float32)).reshape(N, D)

@@ -93,8 +93,8 @@ def test_segment_sums_lower_for_cuda_at_a_ladder_shape(with_coef_sums):
     spec((n_rows + 1,), jnp.int32),
   )
   f = lambda *a: mosaic_gpu.segment_sums(*a, KernelOptions(), with_coef_sums=with_coef_sums)
-  with aot.target_platform("cuda"):
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  with aot.on_topology("h100:1x1x1"):
+    text = jax.jit(f).trace(*args).lower().as_text()
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
 
 
@@ -105,8 +105,9 @@ def test_segment_sums_shapes_and_checks():
     values, tokens[:0], coefs[:0], jnp.zeros((3,), jnp.int32), KernelOptions(), True
   )
   assert sums.shape == (2, 64) and not np.any(sums) and coef_sums.shape == (2,) and not np.any(coef_sums)
+  starts = jnp.array([0, 5], jnp.int32)
   with (
-    aot.target_platform("cuda"),
+    aot.on_topology("h100:1x1x1"),
     pytest.raises(ValueError, match="d_model=64 has no chunk .* multiple of 128 values"),
   ):
-    mosaic_gpu.segment_sums(values, tokens, coefs, jnp.array([0, 5], jnp.int32), KernelOptions())
+    jax.jit(lambda *a: mosaic_gpu.segment_sums(*a, KernelOptions())).trace(values, tokens, coefs, starts)

@@ -9,6 +9,7 @@ from kernel_cases import gather_case, value_and_grads
 from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
 from sparsetx.kernels.reference import Gating
 from sparsetx.models.ffn.common import ACTIVATIONS
+from sparsetx.train import aot
 
 
 def assert_same_loss_and_grads(result, expected, rtol):
@@ -120,9 +121,8 @@ def test_mosaic_gpu_forward_from_given_pre_activations_equals_xla_path():
   "n_slots, block_d, stages",
   [(128, 128, 3), (300, 64, 2)],  # sgatlin's C*K (defaults); more than one 256-slot box
 )
-def test_mosaic_gpu_kernels_lower_for_cuda(monkeypatch, n_slots, block_d, stages):
-  """Lowering for CUDA on CPU runs Mosaic GPU's own checks (register layouts, transfer plans, TMA boxes)."""
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+def test_mosaic_gpu_kernels_lower_for_cuda(n_slots, block_d, stages):
+  """Lowering for an H100 on CPU runs Mosaic GPU's own checks (register layouts, transfer plans, TMA boxes)."""
   options = KernelOptions("pallas", gpu_kernel="mosaic", block_d=block_d, stages=stages)
   n_tokens, n_rows, d_model = 2048, 4096, 768
   spec = jax.ShapeDtypeStruct
@@ -130,8 +130,9 @@ def test_mosaic_gpu_kernels_lower_for_cuda(monkeypatch, n_slots, block_d, stages
   rows, gates = spec((n_tokens, n_slots), jnp.int32), spec((n_tokens, n_slots), jnp.float32)
   loss = lambda x, w_in, w_out, gates: jnp.sum(gated_gather(x, w_in, w_out, rows_, gates, options=options) ** 2)
   rows_ = jnp.zeros(rows.shape, rows.dtype)
-  lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).trace(x, table, table, gates)
-  text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+  with aot.on_topology("h100:1x1x1"):
+    lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).trace(x, table, table, gates)
+    text = lowered.lower().as_text()
   assert (
     text.count("stablehlo.custom_call @mosaic_gpu") == 6
   )  # row_dots and row_accumulate (forward, backward), two segment_sums
@@ -148,9 +149,12 @@ def test_mosaic_gpu_kernel_options_are_checked():
     mosaic_gpu.row_dots(x, table, rows.T, KernelOptions(block_d=1024, stages=8))
   with pytest.raises(ValueError, match="blocks of 64"):
     mosaic_gpu.row_accumulate(jnp.zeros((2, 10)), table, rows[:10].T, jnp.float32, KernelOptions())
-  assert platform.gpu_kernel(KernelOptions(), "cpu") == "triton"  # off GPU, auto interprets the faster Triton path
+  cpu, a100 = platform.Target("cpu", "cpu", None), platform.Target("gpu", "NVIDIA A100-SXM4-80GB", 108)
+  assert platform.gpu_kernel(KernelOptions(), cpu) == "triton"  # off GPU, auto interprets the faster Triton path
+  assert platform.gpu_kernel(KernelOptions(), a100) == "triton"  # before Hopper
+  assert platform.gpu_kernel(KernelOptions(), platform.Target("gpu", "NVIDIA H200", 132)) == "mosaic"
   with pytest.raises(ValueError, match="gpu_kernel='cuda' is unknown"):
-    platform.gpu_kernel(KernelOptions(gpu_kernel="cuda"), "gpu")
+    platform.gpu_kernel(KernelOptions(gpu_kernel="cuda"), a100)
 
 
 def test_bf16_run_streams_bf16_tables_with_float32_table_gradients():

@@ -166,6 +166,60 @@ def mosaic_modules(lowered_text):
 N, S, D, R = 4096, 128, 640, 16 * 5776
 
 
+TOPOLOGY = {"v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
+
+
+def kernel_programs(n_tokens, n_slots, d_model, n_rows, dtype):
+  """{name: (fn, *abstract args)} of the three row kernels at a shape, tables and tokens in `dtype`."""
+  spec = jax.ShapeDtypeStruct
+  options = KernelOptions("pallas")
+  rows, table = spec((n_slots, n_tokens), jnp.int32), spec((n_rows, d_model), dtype)
+  return {
+    "row_dots": (lambda x, w, r: pallas_tpu.row_dots(x, w, r, options), spec((n_tokens, d_model), dtype), table, rows),
+    "row_accumulate": (
+      lambda c, w, r: pallas_tpu.row_accumulate(c, w, r, dtype, options),
+      spec((n_slots, n_tokens), jnp.float32),
+      table,
+      rows,
+    ),
+    "segment_sums": (
+      lambda v, t, c, s: pallas_tpu.segment_sums(v, t, c, s, options, with_coef_sums=True),
+      spec((n_tokens, d_model), dtype),
+      spec((n_tokens * n_slots,), jnp.int32),
+      spec((n_tokens * n_slots,), jnp.float32),
+      spec((n_rows + 1,), jnp.int32),
+    ),
+  }
+
+
+# Every layout _word_layout makes: rows of 1 to 64 lane tiles, whole or in chunks, bf16 pairs and float32 words.
+D_MODELS = (128, 384, 1152, 4224, 8192)
+
+
+@pytest.mark.parametrize("chip", list(TOPOLOGY))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_row_kernels_compile_for_tpu_at_every_d_model(chip, dtype):
+  """Mosaic checks a kernel only when libtpu compiles it: tile-aligned slices of VMEM (8 rows of 32 bits, 16 of
+  bf16, 128 lanes), 1-D HBM windows on 128-element tiles, buffers within scoped VMEM. 1,000 tokens (not a whole
+  block), sgatlin's 128 slots, each d_model of D_MODELS, on a 2-core v5p and a 1-core v6e. d_model only changes
+  the row layout (_word_layout), which test_row_layouts_are_whole_lane_tiles_within_the_slot_budget checks for
+  every multiple of 128 up to 8,192."""
+  with aot.on_topology(TOPOLOGY[chip]):
+    for d_model in D_MODELS:
+      for f, *args in kernel_programs(1000, 128, d_model, 4096, dtype).values():
+        jax.jit(f).trace(*args).lower().compile()  # raises on Mosaic's refusal
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+@pytest.mark.parametrize("budget", [2 * 2**20, 4 * 2**20])  # the slot bytes of v5p (64 MiB / 32) and v6e
+def test_row_layouts_are_whole_lane_tiles_within_the_slot_budget(itemsize, budget):
+  for d_model in range(128, 8192 + 1, 128):
+    words, dc = pallas_tpu._word_layout(d_model, itemsize, pallas_tpu.ROW_BLOCK * 128, budget)
+    assert words % pallas_tpu.LANES == 0 and words * 4 >= d_model * itemsize
+    assert dc % pallas_tpu.LANES == 0 and words % dc == 0
+    assert pallas_tpu.ROW_BLOCK * 128 * dc * 4 <= budget or dc == pallas_tpu.LANES, (d_model, dc)
+
+
 @pytest.mark.parametrize("chip, cores", [("v5p", 2), ("v6e", 1)])
 def test_row_kernels_lower_for_tpu_with_a_sequential_double_buffered_grid(chip, cores):
   """Each kernel is one tpu_custom_call; the row kernels' grid is (cores, steps) with the steps in order
@@ -189,10 +243,8 @@ def test_row_kernels_lower_for_tpu_with_a_sequential_double_buffered_grid(chip, 
       spec((R + 1,), jnp.int32),
     ),
   }
-  with aot.target_platform("tpu", chip):
-    texts = {
-      name: jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text() for name, (f, *args) in kernels.items()
-    }
+  with aot.on_topology(TOPOLOGY[chip]):
+    texts = {name: jax.jit(f).trace(*args).lower().as_text() for name, (f, *args) in kernels.items()}
   for name, text in texts.items():
     assert aot.custom_calls(text) == {("tpu_custom_call", name): 1}
     module = mosaic_modules(text)[name]
@@ -203,5 +255,6 @@ def test_row_kernels_lower_for_tpu_with_a_sequential_double_buffered_grid(chip, 
       assert bounds == [-(-R // pallas_tpu.SEGMENT_ROWS), 1]  # 128-row tiles, all of d_model per program
     else:
       assert bounds == [cores, N // cores // pallas_tpu.ROW_BLOCK]  # 8-token steps, d_model = 640 in one chunk
-      buffers = re.search(r"memref<2x8x128x640xbf16, #tpu.memory_space<vmem>>", module)
-      assert buffers, name  # two slots of a step's rows: 2.5 MiB of VMEM
+      # Two slots of a step's rows, each row 640 bf16 = 320 words padded to 384 (3 lane tiles): 3 MiB of VMEM.
+      buffers = re.search(r"memref<2x8x128x384xi32, #tpu.memory_space<vmem>>", module)
+      assert buffers, (name, re.findall(r"memref<2x8[^>]*>", module))

@@ -177,8 +177,8 @@ def test_row_kernels_lower_for_cuda_at_ladder_shapes(d):
     spec((n * s,), jnp.float32),
     spec((r + 1,), jnp.int32),
   ]
-  with aot.target_platform("cuda"), mock.patch.object(triton_lowering, "lower_jaxpr_to_triton_module", verified):
-    text = jax.jit(kernels).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  with aot.on_topology("a100:1x1x1"), mock.patch.object(triton_lowering, "lower_jaxpr_to_triton_module", verified):
+    text = jax.jit(kernels).trace(*args).lower().as_text()
   calls = {name: count for (call, name), count in aot.custom_calls(text).items() if call == "__gpu$xla.gpu.triton"}
   assert calls == {"row_dots": 1, "row_accumulate": 1, "segment_sums": 1}
   assert sorted(modules) == sorted(calls)
