@@ -269,6 +269,9 @@ def mesh_defaults() -> ml_collections.ConfigDict:
       rules=DEFAULT_RULES,
       # Refuse a parameter larger than this that ends up fully replicated on a multi-device mesh.
       max_replicated_mib=64.0,
+      # The machine the config is sized for (parallel/targets.py: h100x8, v5p-64, ...; set by configs/ladder.py's
+      # TARGET); the dry run compiles for its topology. "": none.
+      target="",
     )
   )
 

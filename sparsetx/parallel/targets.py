@@ -101,6 +101,27 @@ def vocab_split_rules(rules) -> tuple:
   return tuple(("vocab", ("tensor", "expert")) if name == "vocab" else (name, axes) for name, axes in rules)
 
 
+_V5P_TORUS = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "4x4x2", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8", 512: "8x8x8"}
+_V6E_GRID = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+_GPU_FILES = {"h100": "h100", "h200": "h200"}
+
+
+def topology_name(name: str) -> str:
+  """The topology (parallel/topology.py) of a target's machine, for compiling its programs here: one slice of a
+  TPU pod (`v5p-64` -> `v5p:4x4x2`), or the nodes of GPUs (`h100x8x4` -> `h100:1x4x8`)."""
+  target = parse(name)
+  chip = name.split("-")[0].split("x")[0]
+  if chip in _GPU_FILES:
+    return f"{_GPU_FILES[chip]}:1x{target.granules}x{target.per_granule}"
+  shapes = _V5P_TORUS if chip == "v5p" else _V6E_GRID
+  if target.granules > 1 or target.per_granule not in shapes:
+    raise config_lib.ConfigError(
+      f"target {name!r} has no single-slice topology to compile for; compile one slice with --topology "
+      f"({chip}:{next(iter(shapes.values()))}, ...)."
+    )
+  return f"{chip}:{shapes[target.per_granule]}"
+
+
 def apply(config, name: str, units: int | None):
   """config sized for the target `name` in place (mesh, rules, micro-batches, replication limit); returns it.
 
@@ -108,6 +129,7 @@ def apply(config, name: str, units: int | None):
   for a dense layer. A parameter may stay replicated up to 1/512 of the chip's HBM (config.mesh.max_replicated_mib:
   160 MB on an H100; the FFF rungs whose tree count leaves `expert` at 2 replicate half the embedding)."""
   target = parse(name)
+  config.mesh.target = name
   config.mesh.update(mesh_axes(target, units))
   config.mesh.rules = vocab_split_rules(config.mesh.rules)
   config.mesh.max_replicated_mib = max(config.mesh.max_replicated_mib, target.chip.hbm_bytes / 512 / 2**20)

@@ -19,7 +19,7 @@ import re
 
 from sparsetx.config import ConfigError
 
-GPU_TARGETS = ("h100", "a100")
+GPU_TARGETS = ("h100", "h200", "a100")
 _GPU_RE = re.compile(r"^(?P<chip>[a-z]\d+):(?P<shape>\d+x\d+x\d+)$")
 _TPU_RE = re.compile(r"^v\d+\w*:\d+(x\d+)*$")
 GPU_COMPILE_FLAGS = "--xla_gpu_enable_cub_radix_sort=false"

@@ -31,11 +31,16 @@ Both modes then print each feed-forward layer's analytic cost per train step and
 layer_cost.py: bytes and FLOPs per phase, time on each chip, HBM-bound share) and the step projected from it
 (roofline.project_analytic).
 
-`--platform=cuda|tpu` (with `--chip=v5p|v6e|...` for TPU) instead lowers the train step for that accelerator,
-on the same mesh, without compiling it (aot.lower_train_step), and lists its custom calls: the kernels it
-would launch (gated gather, fused attention), e.g. the Triton kernels of a pre-Hopper GPU:
-  .venv/bin/python -m sparsetx.tools.dry_run --config=configs/ladder.py:sgatlin,2 --platform=cuda \\
-      --config.model.ffn.kernel.implementation=pallas --config.model.ffn.kernel.gpu_kernel=triton
+`--topology=T` compiles the step with the real compiler of the machine T (parallel/topology.py; no accelerator
+needed): a TPU topology libtpu knows, or a GPU node described by a shipped target file. It prints the compiler's
+per-device memory (arguments, temporaries, outputs, aliased, the peak against the chip's HBM) beside the analytic
+estimate, FLOPs, the collectives, the loops and their trips, the kernels the step launches, and the projected step
+time; it exits 0 only if the compiler accepts the step, and a rejection is one `error:` line naming the layer and
+kernel. A config sized for a target (configs/ladder.py:TYPE,SCALE,TARGET) compiles for that target's topology
+with no flag (`--topology=auto`); `--topology=cpu` keeps the simulated CPU devices. E.g. 4 H100s, and one v5p slice:
+  .venv/bin/python -m sparsetx.tools.dry_run --config=configs/ladder.py:sgatlin,2 --topology=h100:1x1x4 \\
+      --config.mesh.ici.data=4
+  .venv/bin/python -m sparsetx.tools.dry_run --config=configs/ladder.py:sgatlin,5,v5p-64
 """
 
 import os
@@ -68,7 +73,7 @@ from sparsetx import cli  # noqa: E402
 from sparsetx import config as config_lib  # noqa: E402
 from sparsetx.data import check_files  # noqa: E402
 from sparsetx.models.ffn.registry import SPECS  # noqa: E402
-from sparsetx.parallel import expert_parallel, hardware, roofline  # noqa: E402
+from sparsetx.parallel import expert_parallel, hardware, roofline, targets, topology  # noqa: E402
 from sparsetx.parallel import mesh as mesh_lib  # noqa: E402
 from sparsetx.train import aot, layer_cost  # noqa: E402
 from sparsetx.train import state as state_lib  # noqa: E402
@@ -87,14 +92,12 @@ def define_flags() -> dict:
     remat_sweep=flags.DEFINE_bool(
       "remat_sweep", False, "Also compile the step with every config.model.remat policy and print its temp memory."
     ),
-    platform=flags.DEFINE_enum(
-      "platform",
-      "cpu",
-      ["cpu", *aot.LOWERING_PLATFORMS],
-      "cpu: compile on the simulated devices and report; cuda | tpu: lower the train step for that target and list its custom calls.",
-    ),
-    chip=flags.DEFINE_string(
-      "chip", None, "With --platform=tpu: the chip to lower for (v4, v5e, v5p, v6e; default v5p)."
+    topology=flags.DEFINE_string(
+      "topology",
+      "auto",
+      "Compile with the target's own compiler for a TPU topology (v5p:2x2x1, v6e:2x2, v5p:4x4x2) or GPU node "
+      "(h100:1x1x8, h200:1x1x8, a100:1x2x8: slices x hosts x GPUs); auto: the config's target "
+      "(configs/ladder.py:TYPE,SCALE,TARGET), else cpu; cpu: the simulated CPU devices of --devices.",
     ),
     split_d_model=flags.DEFINE_bool(
       "split_d_model", False, "Split neuron tables by d_model over the expert axis (D_MODEL_SPLIT_RULES first)."
@@ -135,12 +138,39 @@ def print_remat_rows(rows) -> None:
     )
 
 
-def print_lowering(config, mesh, platform: str, chip) -> None:
-  """The custom calls of the train step lowered for `platform` (the kernels a run there would launch)."""
-  text = aot.lower_train_step(config, platform, chip, mesh)
-  target = f"tpu ({aot.tpu_device_kind(chip or 'v5p')})" if platform == "tpu" else platform
-  print(f"train step lowered for {target}, {len(text):,} characters of StableHLO; custom calls:")
-  print(aot.format_custom_calls(aot.custom_calls(text)))
+def resolve_topology(flag: str, config) -> str:
+  """The topology to compile for: the flag's, or with auto the config's target's (cpu when it has none)."""
+  if flag != "auto":
+    return flag
+  target = config.mesh.get("target", "")
+  return targets.topology_name(target) if target else "cpu"
+
+
+def compile_on_topology(config, name: str) -> None:
+  """Compiles the step for a topology's devices with its compiler and prints what the compiler decided: memory,
+  FLOPs, collectives, loops, kernels, and the step projected on its chip. A rejection is one `error:` line."""
+  devices = topology.devices(name)
+  mesh = state_lib.checked_mesh(config, devices)
+  start = time.time()
+  try:
+    report = aot.dry_run(config, mesh, mesh_lib.granule_of(devices))
+  except config_lib.ConfigError:
+    raise
+  except Exception as error:  # the compiler's refusal: Mosaic, Triton, ptxas or XLA itself
+    cli.fail(aot.describe_rejection(error, name))
+  chip = hardware.chip_of(devices[0].device_kind)
+  print(aot.format_report(report))
+  print(aot.format_compiled_memory(report, chip))
+  estimate = aot.device_memory(config, mesh, report).device
+  print(
+    f"  analytic estimate {aot.format_bytes(estimate)} ({estimate / max(report.peak_bytes, 1):.2f} x the compiled peak)"
+  )
+  print(aot.format_program(report))
+  print(f"compiled for {name} ({devices[0].device_kind}, {len(devices)} devices) in {time.time() - start:.0f} s")
+  if topology.is_gpu(name):
+    print(topology.GPU_COMPILE_NOTE)
+  if chip is not None:
+    print(roofline.format_projections([roofline.project(report, chip)]))
 
 
 def print_analytic(config, mesh, chips, report=None) -> None:
@@ -164,15 +194,14 @@ def absl_main(argv, holders: dict):
   config = with_d_model_split(args.config) if args.split_d_model else args.config
   try:
     check_files(config_lib.validate(config))
+    name = resolve_topology(args.topology, config)
+    if name != "cpu":
+      compile_on_topology(config, name)
+      return
     devices = jax.devices()[: args.devices]
     granules = aot.dcn_granule_count(config)
     mesh = state_lib.checked_mesh(config, devices, granules)
     start = time.time()
-    if args.platform != "cpu":
-      print_lowering(config, mesh, args.platform, args.chip)
-      print(f"lowered (not compiled) in {time.time() - start:.0f} s")
-      print_analytic(config, mesh, hardware.chips(args.target))
-      return
     report = aot.dry_run(config, mesh, mesh_lib.granule_of(devices, granules))
   except config_lib.ConfigError as error:
     cli.fail(error)

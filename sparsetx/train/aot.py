@@ -191,6 +191,13 @@ class Report:
   bytes_accessed: float = 0.0  # per step, one device's program (XLA cost analysis "bytes accessed")
   tokens_per_step: int = 0  # global batch x sequence length
   loop_param_bytes: int = 0  # per device, the parameters as the per-device microbatch loop takes them (step.py)
+  loops: list = dataclasses.field(default_factory=list)  # Loop: each `while` of the compiled program, its trips
+  kernels: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # compiled_kernels
+
+  @property
+  def peak_bytes(self) -> int:
+    """What one device holds at the step's peak: arguments + outputs - aliased (donated) + temporaries."""
+    return self.memory["argument"] + self.memory["output"] - self.memory["alias"] + self.memory["temp"]
 
 
 def abstract_state(config, mesh):
@@ -404,6 +411,7 @@ def dry_run(config: ml_collections.ConfigDict, mesh, granule_of: dict | None = N
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   tokens = config.data.global_batch_size * config.data.seq_len
+  text = compiled.as_text()
   return Report(
     mesh_shape=dict(mesh.shape),
     n_params=sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract.params)),
@@ -413,11 +421,54 @@ def dry_run(config: ml_collections.ConfigDict, mesh, granule_of: dict | None = N
     memory=memory,
     model_flops=3.0 * ladder.forward_flops_per_token(config.model, config.data.seq_len)["total"] * tokens,
     compiled_flops=float((cost or {}).get("flops", 0.0)),
-    collectives=collectives(compiled.as_text(), dcn_granules(mesh, granule_of) if granule_of else None),
+    collectives=collectives(text, dcn_granules(mesh, granule_of) if granule_of else None),
     bytes_accessed=float((cost or {}).get("bytes accessed", 0.0)),
     tokens_per_step=tokens,
     loop_param_bytes=step_lib.loop_param_bytes(config, built.model, abstract.params, mesh),
+    loops=compiled_loops(text),
+    kernels=compiled_kernels(text),
   )
+
+
+_REJECTED_AT_RE = re.compile(r"(layers_\d+)/(?:[\w()]+/)*?(\w+)/pallas_call")
+
+
+def describe_rejection(error: BaseException, topology_name: str) -> str:
+  """One line for a compiler's refusal of the step: the layer and kernel it names (from the op name in its
+  message, where it gives one) and the compiler's own first line."""
+  message = str(error)
+  first = next((line.strip() for line in message.splitlines() if line.strip()), type(error).__name__)
+  where = _REJECTED_AT_RE.search(message)
+  at = f" at {where[1]}'s {where[2]} kernel" if where else ""
+  return f"the compiler for {topology_name} rejected the train step{at}: {first}"
+
+
+def format_compiled_memory(report: Report, chip=None) -> str:
+  """The compiler's per-device memory of the step, and its peak against the chip's HBM."""
+  memory = report.memory
+  lines = [
+    "per-device memory, as compiled for the target (its compiler's memory analysis):",
+    f"  arguments {format_bytes(memory['argument'])}, temporaries {format_bytes(memory['temp'])}, outputs "
+    f"{format_bytes(memory['output'])}, aliased {format_bytes(memory['alias'])}",
+  ]
+  peak = f"  peak {format_bytes(report.peak_bytes)}"
+  if chip is not None and chip.hbm_bytes:
+    peak += f" of {chip.name}'s {format_bytes(chip.hbm_bytes)} HBM ({report.peak_bytes / chip.hbm_bytes:.0%})"
+  return "\n".join([*lines, peak])
+
+
+def format_program(report: Report) -> str:
+  """The compiled program's loops (trip counts) and the kernels it launches."""
+  trips = ", ".join(str(loop.trips) if loop.trips is not None else "?" for loop in report.loops) or "none"
+  lines = [f"loops of the compiled program (trips): {trips}", "kernels the step launches:"]
+  calls = collections.Counter()
+  for (target, name), count in report.kernels.items():
+    if target.startswith(("tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu", "__cudnn")):
+      calls[target, name] += count
+  lines += [f"  {target:<40}{name or '-':<40}{count:>5}" for (target, name), count in sorted(calls.items())]
+  if not calls:
+    lines.append("  (none: XLA's own code)")
+  return "\n".join(lines)
 
 
 def remat_rows(config: ml_collections.ConfigDict, mesh, policies=config_lib.REMAT_POLICIES) -> list:
@@ -434,7 +485,7 @@ def remat_rows(config: ml_collections.ConfigDict, mesh, policies=config_lib.REMA
   return rows
 
 
-def _size(nbytes: float) -> str:
+def format_bytes(nbytes: float) -> str:
   for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
     if abs(nbytes) < 1024 or unit == "TiB":
       return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
@@ -447,12 +498,12 @@ def format_report(report: Report) -> str:
     f"mesh                      {mesh} ({math.prod(report.mesh_shape.values())} devices)",
     f"parameters                {report.n_params:,} ({report.n_params / 1e9:.2f} B)",
     "per device:",
-    f"  parameters              {_size(report.param_bytes)}",
-    f"  optimizer state         {_size(report.optimizer_bytes)}",
-    f"  sparse tables           {_size(report.table_bytes)}",
+    f"  parameters              {format_bytes(report.param_bytes)}",
+    f"  optimizer state         {format_bytes(report.optimizer_bytes)}",
+    f"  sparse tables           {format_bytes(report.table_bytes)}",
     "compiler memory analysis (per device):",
   ]
-  lines += [f"  {name:<22}  {_size(value)}" for name, value in report.memory.items()]
+  lines += [f"  {name:<22}  {format_bytes(value)}" for name, value in report.memory.items()]
   lines += [
     f"model FLOPs per step      {report.model_flops:.3e} (ladder accounting, forward + backward)",
     f"compiled FLOPs per device {report.compiled_flops:.3e} (XLA cost analysis, one device; a loop body such as micro-batches counts once)",
@@ -466,7 +517,7 @@ def format_report(report: Report) -> str:
     if op in by_op:
       sizes = [b for b, _ in by_op[op]]
       groups = ",".join(str(g) for g in sorted({g for _, g in by_op[op]}))
-      lines.append(f"  {op:<20}{len(sizes):>7}{_size(sum(sizes)):>14}{_size(max(sizes)):>12}  {groups}")
+      lines.append(f"  {op:<20}{len(sizes):>7}{format_bytes(sum(sizes)):>14}{format_bytes(max(sizes)):>12}  {groups}")
   if not by_op:
     lines.append("  (none)")
   crossing = [c for c in report.collectives if c.granules > 1]
@@ -474,7 +525,7 @@ def format_report(report: Report) -> str:
     sent = sum(roofline.dcn_bytes(c.op, c.nbytes, c.group, c.granules) for c in crossing)
     spans = ",".join(str(k) for k in sorted({c.granules for c in crossing}))
     lines.append(
-      f"  over the DCN: {len(crossing)} of them span {spans} nodes / slices; {_size(sent)} sent per device over"
+      f"  over the DCN: {len(crossing)} of them span {spans} nodes / slices; {format_bytes(sent)} sent per device over"
       " the DCN (hierarchical, roofline.dcn_bytes)"
     )
   return "\n".join(lines)
@@ -659,13 +710,15 @@ def planned_device_bytes(config, devices: int, expert: int) -> int:
 def format_device_memory(memory: DeviceMemory, chips=()) -> str:
   """The compiled (CPU) figure, the device estimate by term, and its share of each chip's HBM."""
   lines = [
-    f"per-device memory, compiled CPU program  {_size(memory.compiled)} (XLA attention, remat dropped)",
-    f"per-device memory, device estimate        {_size(memory.device)} (fused attention, remat honoured;"
+    f"per-device memory, compiled CPU program  {format_bytes(memory.compiled)} (XLA attention, remat dropped)",
+    f"per-device memory, device estimate        {format_bytes(memory.device)} (fused attention, remat honoured;"
     " aot.device_memory)",
-    f"  state {_size(memory.state)}, gradients {_size(memory.gradients)}, parameters gathered for the loop"
-    f" {_size(memory.gathered)}, saved activations {_size(memory.saved)},"
-    f" one block's backward {_size(memory.layer)}, LM head {_size(memory.head)} ({memory.tokens:,} tokens per"
+    f"  state {format_bytes(memory.state)}, gradients {format_bytes(memory.gradients)}, parameters gathered for the loop"
+    f" {format_bytes(memory.gathered)}, saved activations {format_bytes(memory.saved)},"
+    f" one block's backward {format_bytes(memory.layer)}, LM head {format_bytes(memory.head)} ({memory.tokens:,} tokens per"
     " micro-batch)",
   ]
-  lines += [f"  of {chip.name} HBM ({_size(chip.hbm_bytes)}): {memory.device / chip.hbm_bytes:.0%}" for chip in chips]
+  lines += [
+    f"  of {chip.name} HBM ({format_bytes(chip.hbm_bytes)}): {memory.device / chip.hbm_bytes:.0%}" for chip in chips
+  ]
   return "\n".join(lines)
