@@ -1,6 +1,7 @@
 """Dry run (sparsetx/train/aot.py, sparsetx/tools/dry_run.py): per-device bytes, compiled step report, large configs."""
 
 import math
+import re
 
 import jax
 import pytest
@@ -166,3 +167,82 @@ def test_remat_sweep_full_remat_recomputes_the_forward():
   assert all(temp > 0 for _, temp, _ in rows)
   # full remat runs each block's forward twice: more FLOPs than none, at most one more forward (1/3 of a step)
   assert flops["none"] < flops["full"] <= flops["none"] * (1 + 1 / 3) * 1.05
+
+
+def run_dry_run(*args):
+  import subprocess
+  import sys
+
+  from conftest import REPO
+
+  return subprocess.run(
+    [sys.executable, "-m", "sparsetx.tools.dry_run", *args], cwd=REPO, capture_output=True, text=True, timeout=600
+  )
+
+
+TINY_ON_4 = [
+  "--config.model.n_layers=2",
+  "--config.data.seq_len=128",
+  "--config.model.max_len=128",
+  "--config.data.global_batch_size=8",
+  "--config.data.eval_batch_size=8",
+  "--config.model.dtype=bfloat16",
+  "--config.mesh.ici.data=4",
+]
+
+
+def test_dry_run_compiles_for_a_topology_with_its_compiler():
+  """--topology=v6e:2x2: libtpu compiles the tiny FFF step; the compiler's memory, the loops and the kernels."""
+  result = run_dry_run("--config=configs/tiny.py:fff", "--topology=v6e:2x2", *TINY_ON_4)
+  assert result.returncode == 0, result.stderr
+  out = result.stdout
+  assert "compiled for v6e:2x2 (TPU v6 lite, 4 devices)" in out
+  assert re.search(r"peak [\d.]+ [KMG]iB of TPU v6e's [\d.]+ GiB HBM", out), out
+  assert re.search(r"analytic estimate [\d.]+ [KMG]iB \([\d.]+ x the compiled peak\)", out), out
+  kernels = {line.split()[1] for line in out.splitlines() if line.startswith("  tpu_custom_call")}
+  assert {"row_dots", "row_accumulate", "segment_sums", "splash_mha_fwd_segmented_residuals"} <= kernels
+  assert "loops of the compiled program (trips): 8, 8" in out  # the chunked loss's forward and backward
+
+
+@pytest.mark.parametrize(
+  "topology, message",
+  [
+    ("rocm:1x1x8", "is neither a TPU topology"),
+    ("v5p:3x3x3", "libtpu knows no TPU topology 'v5p:3x3x3'"),
+    ("b200:1x1x8", "GPU target 'b200' is not described"),
+  ],
+)
+def test_dry_run_refuses_an_unknown_topology_in_one_line(topology, message):
+  result = run_dry_run("--config=configs/tiny.py:fff", f"--topology={topology}")
+  assert result.returncode == 2
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and message in errors[0], result.stderr
+
+
+def test_a_missing_compiler_is_named_with_what_to_install(monkeypatch):
+  import importlib.util
+
+  from sparsetx.parallel import topology
+
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a))
+  with pytest.raises(config_lib.ConfigError, match=r"needs libtpu: pip install 'jax\[tpu\]'"):
+    topology.devices("v5p:2x2x1")
+
+
+def test_a_refused_kernel_is_named_with_its_layer(monkeypatch):
+  """A Mosaic refusal (here a 1-D window copy off the 128-element tiles of HBM, which PAIR_ALIGN prevents) is
+  reported at the kernel and layer the compiler refused, found by compiling each kernel of the step alone."""
+  from sparsetx.kernels import pallas_tpu
+
+  config = load_config("configs/tiny.py", "sgatlin")
+  config.model.update(d_model=128, n_layers=2, head_dim=64, max_len=128, dtype="bfloat16")
+  config.data.update(seq_len=128, global_batch_size=8, eval_batch_size=8)
+  config.mesh.ici.update(data=4)
+  monkeypatch.setattr(pallas_tpu, "PAIR_ALIGN", 8)
+  mesh = aot.topology_mesh(config_lib.validate(config), "v5p:2x2x1")
+  with pytest.raises(Exception) as refused:
+    aot.compile_for_topology(config, "v5p:2x2x1")
+  line = aot.describe_rejection(refused.value, "v5p:2x2x1", aot.rejected_kernel(config, mesh))
+  assert re.match(r"the compiler for v5p:2x2x1 rejected the train step at layers_\d's segment_sums kernel: ", line)
+  assert "Mosaic failed to compile TPU kernel" in line and "\n" not in line

@@ -157,7 +157,7 @@ def compile_on_topology(config, name: str) -> None:
   except config_lib.ConfigError:
     raise
   except Exception as error:  # the compiler's refusal: Mosaic, Triton, ptxas or XLA itself
-    cli.fail(aot.describe_rejection(error, name))
+    cli.fail(aot.describe_rejection(error, name, aot.rejected_kernel(config, mesh)))
   chip = hardware.chip_of(devices[0].device_kind)
   print(aot.format_report(report))
   print(aot.format_compiled_memory(report, chip))

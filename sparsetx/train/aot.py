@@ -430,17 +430,51 @@ def dry_run(config: ml_collections.ConfigDict, mesh, granule_of: dict | None = N
   )
 
 
-_REJECTED_AT_RE = re.compile(r"(layers_\d+)/(?:[\w()]+/)*?(\w+)/pallas_call")
+def _pallas_calls(jaxpr, scope: str = ""):
+  """(equation, its name scope) of every pallas_call of a jaxpr and the jaxprs nested in it (shard_map bodies,
+  loops, checkpoints); a nested jaxpr's scopes are relative to its equation's."""
+  for eqn in jaxpr.eqns:
+    here = f"{scope}/{eqn.source_info.name_stack}"
+    if eqn.primitive.name == "pallas_call":
+      yield eqn, here
+      continue
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _pallas_calls(inner, here)
 
 
-def describe_rejection(error: BaseException, topology_name: str) -> str:
-  """One line for a compiler's refusal of the step: the layer and kernel it names (from the op name in its
-  message, where it gives one) and the compiler's own first line."""
+def rejected_kernel(config: ml_collections.ConfigDict, mesh) -> tuple[str, str] | None:
+  """(layer, kernel) of the first Pallas kernel of the step that the target's compiler refuses on its own, each
+  compiled at the shapes one device sees; None when every kernel compiles (the refusal is elsewhere)."""
+  with expert_parallel.activate(mesh, config.mesh.rules):
+    traced, _ = _trace_train_step(config, mesh)
+  one_device = jax.sharding.Mesh(np.array(mesh.devices.flat[:1]), ("devices",))
+  seen = set()
+  for eqn, scope in _pallas_calls(traced.jaxpr.jaxpr):
+    name = eqn.params["name"]
+    shapes = tuple((v.aval.shape, v.aval.dtype) for v in eqn.invars)
+    if (name, shapes) in seen:
+      continue
+    seen.add((name, shapes))
+    layer = next((part for part in scope.split("/") if part.startswith("layers_")), "")
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+    try:
+      with jax.set_mesh(one_device):
+        jax.jit(lambda *a, eqn=eqn: eqn.primitive.bind(*a, **eqn.params)).trace(*args).lower().compile()
+    except Exception:  # noqa: BLE001  (this kernel is the one refused)
+      return layer or "the model", name
+  return None
+
+
+def describe_rejection(error: BaseException, topology_name: str, at: tuple[str, str] | None = None) -> str:
+  """One line for a compiler's refusal of the step: the layer and kernel refused (rejected_kernel) and the
+  compiler's own first line."""
   message = str(error)
   first = next((line.strip() for line in message.splitlines() if line.strip()), type(error).__name__)
-  where = _REJECTED_AT_RE.search(message)
-  at = f" at {where[1]}'s {where[2]} kernel" if where else ""
-  return f"the compiler for {topology_name} rejected the train step{at}: {first}"
+  where = f" at {at[0]}'s {at[1]} kernel" if at else ""
+  return f"the compiler for {topology_name} rejected the train step{where}: {first}"
 
 
 def format_compiled_memory(report: Report, chip=None) -> str:
