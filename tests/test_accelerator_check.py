@@ -4,6 +4,7 @@ import subprocess
 import sys
 import types
 
+import numpy as np
 from conftest import REPO
 
 from sparsetx.kernels import pallas_gpu
@@ -29,19 +30,31 @@ def test_small_form_prints_one_table_of_passing_checks_and_every_part():
 
 
 def test_a_wrong_kernel_fails_its_check(monkeypatch):
-  """A row_dots 1% off fails its check (its bound is about D float32 roundings); the correct kernels pass."""
+  """A row_dots 1% off fails its check (its bound is about D float32 roundings) and the whole op's against the XLA
+  path, which runs for real; the correct kernels pass."""
   wrong = types.SimpleNamespace(
     row_dots=lambda *a: pallas_gpu.row_dots(*a) * 1.01,
     row_accumulate=pallas_gpu.row_accumulate,
     segment_sums=pallas_gpu.segment_sums,
   )
-  monkeypatch.setattr(accelerator_check.platform, "kernel_backend", lambda options: wrong)
-  monkeypatch.setattr(accelerator_check, "_op_versus_xla", lambda *a: ("skipped", None))
+  real = accelerator_check.platform.kernel_backend
+  monkeypatch.setattr(
+    accelerator_check.platform, "kernel_backend", lambda o: wrong if o.implementation == "pallas" else real(o)
+  )
   rows = accelerator_check.check_kernels("triton", KernelOptions("pallas", interpret=True), small=True)
   verdicts = {what: verdict for _, what, _, verdict in rows}
   assert verdicts == {
     "triton row_dots": False,
     "triton row_accumulate": True,
     "triton segment_sums": True,
-    "triton gated gather + grads": None,
+    "triton gated gather + grads": False,
   }
+
+
+def test_each_element_is_bounded_by_its_own_summation_length():
+  """An error twice a 1-term sum's bound fails there, though a 40-term neighbour's bound would admit it."""
+  want, scale = np.ones(2), np.ones(2)
+  bound_1 = accelerator_check.REASSOCIATION * 1 * accelerator_check.U32 + accelerator_check.U32
+  got = want + np.array([2 * bound_1, 0.0])
+  assert not accelerator_check.within_bound(got, want, scale, np.array([1, 40]))[1]
+  assert accelerator_check.within_bound(got, want, scale, 40)[1]

@@ -13,6 +13,7 @@ tokens a row), with config.train.loss_chunks at its default; a compile takes 5 t
 
 import math
 import re
+from typing import NamedTuple
 
 import jax
 import pytest
@@ -41,9 +42,17 @@ def compile_config(ffn_type: str, **ici):
   return config
 
 
-def compiled(config, target):
+class Compiled(NamedTuple):
+  text: str  # the optimized program
+  built: object  # state_lib.Setup
+  report: aot.Report
+  mesh: object
+  config: object
+
+
+def compiled(config, target) -> Compiled:
   program, built, mesh = aot.compile_for_topology(config_lib.validate(config), TOPOLOGIES[target])
-  return program.as_text(), built
+  return Compiled(program.as_text(), built, aot.report_of(program, built, config, mesh), mesh, config)
 
 
 def kernels(text) -> dict:
@@ -93,6 +102,18 @@ def reduction_budget(built) -> tuple[int, int]:
   return n_params, extra
 
 
+ANALYTIC_RATIO = (0.5, 2.5)  # the analytic device estimate over the compiler's peak, on every compiled case
+
+
+def assert_analytic_memory_near_the_compilers(step: Compiled):
+  """The planner's analytic estimate (aot.device_memory: state, gradients, saved activations, one block's
+  backward, one vocabulary tile of the loss) stays within ANALYTIC_RATIO of the compiled program's peak; it omits
+  the compiler's fusion scratch and counts residuals the compiler may rematerialize, so neither side bounds the
+  other exactly."""
+  ratio = aot.device_memory(step.config, step.mesh, step.report).device / step.report.peak_bytes
+  assert ANALYTIC_RATIO[0] <= ratio <= ANALYTIC_RATIO[1], (ratio, step.report.memory)
+
+
 def expected_attention(target) -> set:
   return {"cudnn"} if target in ("h100", "a100") else {"splash_mha_fwd_segmented_residuals"}
 
@@ -121,11 +142,13 @@ def test_train_step_compiles_with_its_kernels_and_one_gradient_reduction(ffn_typ
   rows (forward and backward) and every device then computes every pair, its expert gradients whole (no
   reduction). That is the cost the grouped-matmul issue (#35) removes; MoE's placement case below holds the
   expert-parallel form."""
-  text, built = compiled(compile_config(ffn_type), target)
+  step = compiled(compile_config(ffn_type), target)
+  text, built = step.text, step.built
   found = kernels(text)
   assert_sparse_kernels(found, ffn_type, target)
   assert expected_attention(target) <= set(found), found
   assert_loops_bounded(text)
+  assert_analytic_memory_near_the_compilers(step)
   if ffn_type == "moe":
     return
   per_step, _ = reduced_elements(text)
@@ -152,7 +175,7 @@ def test_each_placement_compiles_with_bf16_on_the_wire(ffn_type, ici, placement,
     config.model.ffn.n_channels = 2
     config.model.d_model = 512  # 128 columns a device: a Mosaic GPU chunk spans 128 threads
     config.mesh.rules = expert_parallel.D_MODEL_SPLIT_RULES + tuple(tuple(r) for r in config.mesh.rules)
-  text, _ = compiled(config, target)
+  text = compiled(config, target).text
   assert_sparse_kernels(kernels(text), ffn_type, target)
   assert_loops_bounded(text)
   moved = [c for c in aot.collectives(text) if c.op in ("all-gather", "all-to-all", "ragged-all-to-all")]
@@ -181,12 +204,14 @@ def test_micro_batches_compile_with_the_gradient_reduced_after_the_loop(ffn_type
   kernels inside it, and no gradient is reduced inside it."""
   config = compile_config(ffn_type)
   config.train.microbatches = 2
-  text, built = compiled(config, target)
+  step = compiled(config, target)
+  text, built = step.text, step.built
   found = kernels(text)
   assert_sparse_kernels(found, ffn_type, target)
   assert expected_attention(target) <= set(found), found
   assert_loops_bounded(text)
   assert 2 in [loop.trips for loop in aot.compiled_loops(text)]
+  assert_analytic_memory_near_the_compilers(step)
   per_step, inside = reduced_elements(text)
   assert inside == 0, inside
   if ffn_type != "moe":  # MoE: see the data=4 test

@@ -51,8 +51,9 @@ def kernel_case(small: bool):
   return lhs, table, rows_NS, coef_NS
 
 
-def _within(got, want, scale, n) -> tuple:
-  """(max |got - want| / bound, passed) with bound = n * U32 * scale * REASSOCIATION (+ a float32 ulp of want)."""
+def within_bound(got, want, scale, n) -> tuple:
+  """(max |got - want| / bound, passed) with bound = n * U32 * scale * REASSOCIATION (+ a float32 ulp of want),
+  elementwise: `n` is each element's own summation length (an array broadcast against `want`, or one number)."""
   bound = REASSOCIATION * n * U32 * scale + np.abs(want) * U32 + np.finfo(np.float32).tiny
   ratio = float(np.max(np.abs(np.asarray(got, np.float64) - want) / bound))
   return ratio, ratio <= 1.0
@@ -69,11 +70,11 @@ def check_kernels(name, options, small) -> list:
   rows = []
   dots = jax.jit(lambda *a: row_gather.dots(backend, *a, options))(lhs, table, rows_NS)
   want = np.einsum("nd,nsd->ns", x64, t64[r])
-  ratio, ok = _within(dots, want, np.einsum("nd,nsd->ns", np.abs(x64), np.abs(t64[r])), D)
+  ratio, ok = within_bound(dots, want, np.einsum("nd,nsd->ns", np.abs(x64), np.abs(t64[r])), D)
   rows.append(("kernels", f"{name} row_dots", f"err/bound {ratio:.3f}", ok))
   acc = jax.jit(lambda *a: row_gather.accumulate(backend, *a, jnp.float32, options))(coef_NS, table, rows_NS)
   want = np.einsum("ns,nsd->nd", c64, t64[r])
-  ratio, ok = _within(acc, want, np.einsum("ns,nsd->nd", np.abs(c64), np.abs(t64[r])), S)
+  ratio, ok = within_bound(acc, want, np.einsum("ns,nsd->nd", np.abs(c64), np.abs(t64[r])), S)
   rows.append(("kernels", f"{name} row_accumulate", f"err/bound {ratio:.3f}", ok))
   order_P, sorted_rows_P = segment_grads.sort_pairs(rows_NS.reshape(-1), R)
   starts = segment_grads.row_starts(sorted_rows_P, R)
@@ -85,9 +86,9 @@ def check_kernels(name, options, small) -> list:
   np.add.at(want, r.reshape(-1), c64.reshape(-1, 1) * x64[np.arange(N).repeat(S)])
   np.add.at(scale, r.reshape(-1), np.abs(c64.reshape(-1, 1) * x64[np.arange(N).repeat(S)]))
   np.add.at(want_c, r.reshape(-1), c64.reshape(-1))
-  longest = int(np.bincount(r.reshape(-1), minlength=R).max())
-  ratio, ok = _within(sums, want, scale, longest)
-  ratio_c, ok_c = _within(coef_sums, want_c, np.bincount(r.reshape(-1), np.abs(c64.reshape(-1)), R), longest)
+  pairs_R = np.bincount(r.reshape(-1), minlength=R)  # each row's own sum length, not the hottest row's
+  ratio, ok = within_bound(sums, want, scale, pairs_R[:, None])
+  ratio_c, ok_c = within_bound(coef_sums, want_c, np.bincount(r.reshape(-1), np.abs(c64.reshape(-1)), R), pairs_R)
   rows.append(("kernels", f"{name} segment_sums", f"err/bound {max(ratio, ratio_c):.3f}", ok and ok_c))
   rows.append(("kernels", f"{name} gated gather + grads", *_op_versus_xla(options, lhs, table, rows_NS, coef_NS)))
   return rows
@@ -96,10 +97,11 @@ def check_kernels(name, options, small) -> list:
 def _op_versus_xla(options, lhs, table, rows_NS, gates_NS) -> tuple:
   """The op's value and gradients (x, both tables, gates) against the XLA path, both float32 at highest precision.
 
-  Each gradient is a float32 sum (of at most n terms: D, S or the longest row's pairs) of products that are
-  themselves such sums, so two float32 evaluations differ by at most about 2 n u sum|terms|; with sum|terms|
-  taken as at most n times the output's largest magnitude (terms of one scale, as these random inputs give),
-  the allowance is 2 n^2 u max|output|, times the reassociation factor.
+  Each element is a float32 sum of n terms that are themselves sums of at most n (n: that element's own lengths,
+  the larger of D and the slots S for x and the gates, of D and its row's pairs for a table row), so two float32
+  evaluations differ by at most about 2 n u sum|terms|; with sum|terms| taken as at most n times the output's
+  largest magnitude (terms of one scale, as these random inputs give), the allowance is 2 n^2 u max|output|,
+  times the reassociation factor.
   """
   dy = jnp.cos(lhs)
 
@@ -111,12 +113,15 @@ def _op_versus_xla(options, lhs, table, rows_NS, gates_NS) -> tuple:
     grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), static_argnums=4)
     got = grad(lhs, table, table, gates_NS, options)
     want = grad(lhs, table, table, gates_NS, KernelOptions("xla", row_sorted=False))
-  n = max(lhs.shape[1], rows_NS.shape[1], int(np.bincount(np.asarray(rows_NS).reshape(-1)).max()))
+  D, S = lhs.shape[1], rows_NS.shape[1]
+  pairs_R = np.bincount(np.asarray(rows_NS).reshape(-1), minlength=table.shape[0])
+  table_n = np.maximum(pairs_R, D)[:, None]
+  lengths = [max(D, S), max(D, S), table_n, table_n, max(D, S)]  # loss, x, w_in, w_out, gates
   worst = 0.0
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+  for a, b, n in zip(jax.tree.leaves(got), jax.tree.leaves(want), lengths):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     scale = max(float(np.abs(b).max()), np.finfo(np.float32).tiny)
-    worst = max(worst, float(np.abs(a - b).max()) / (2 * REASSOCIATION * n * n * U32 * scale))
+    worst = max(worst, float(np.max(np.abs(a - b) / (2 * REASSOCIATION * n * n * U32 * scale))))
   return f"err/bound {worst:.3f}", worst <= 1.0
 
 

@@ -402,6 +402,12 @@ def dry_run(config: ml_collections.ConfigDict, mesh, granule_of: dict | None = N
   """Compiles the train step for `mesh` and reports it; `granule_of` (device id -> node / slice,
   mesh_lib.granule_of) marks the collectives that cross the DCN."""
   compiled, built = _compile_with_setup(config, mesh)
+  return report_of(compiled, built, config, mesh, granule_of)
+
+
+def report_of(compiled, built, config: ml_collections.ConfigDict, mesh, granule_of: dict | None = None) -> Report:
+  """The Report of a compiled train step (its compiler's memory and cost analyses, its program) and the
+  state_lib.Setup it was built from."""
   abstract = built.abstract_state
   memory = compiled.memory_analysis()
   memory = {
@@ -650,7 +656,7 @@ def layer_residual_bytes(config, tokens: int, policy: str, expert: int = 1) -> i
   full: the block's input [n, D]. none: the inputs of its matmuls and nonlinearities: both norms' outputs
   (2 nD), q, k, v and the attention output (4 n H K), the flash kernel's logsumexp (n H float32), the residual
   stream after attention (nD), and the feed-forward layer's: mlp/swiglu the hidden (2 or 3 nF), moe its experts'
-  hidden (k 2 nF), sgatlin/peer the selected slots' scores and indices (n C k, float32 and int32) and the
+  hidden and its dispatch's sorted rows and outputs (k (2 nF + 2 nD)), sgatlin/peer the selected slots' scores and indices (n C k, float32 and int32) and the
   gated pre-activations (n C k) and the product-key router's scores (2 n C sqrt(F) float32), fff the visited nodes
   (n trees (depth+1), float32 and int32); a sparse layer on `expert` > 1 devices also keeps the expert group's
   gathered tokens (expert n D).
@@ -666,8 +672,8 @@ def layer_residual_bytes(config, tokens: int, policy: str, expert: int = 1) -> i
   ffn = model.ffn
   if ffn.type in ("mlp", "swiglu"):
     feed_forward = tokens * ffn.d_ffw * (2 if ffn.type == "mlp" else 3) * itemsize
-  elif ffn.type == "moe":
-    feed_forward = tokens * ffn.experts_per_token * 2 * ffn.d_ffw * itemsize
+  elif ffn.type == "moe":  # the experts' hidden, and the dispatch's sorted rows in and outputs out (k rows of D each)
+    feed_forward = tokens * ffn.experts_per_token * (2 * ffn.d_ffw + 2 * D) * itemsize
   elif ffn.type in ("sgatlin", "peer"):
     router = 2 * ffn.n_channels * math.isqrt(ffn.d_ffw) * 4
     feed_forward = tokens * (ffn.n_channels * ffn.top_k * (4 + 4 + itemsize) + router)
@@ -683,7 +689,9 @@ def activation_bytes(config, tokens: int, vocab_shards: int = 1, expert: int = 1
   policy = config_lib.remat_policy(config.model)
   saved = config.model.n_layers * layer_residual_bytes(config, tokens, policy, expert)
   layer = 0 if policy == "none" else 2 * layer_residual_bytes(config, tokens, "none", expert)
-  head = 3 * 4 * tokens * config.model.vocab_size // vocab_shards
+  # The LM head's float32 logits, softmax and cotangent: one vocabulary tile at a time under the chunked loss.
+  tiles = step_lib.loss_chunk_count(config.model.vocab_size, config.train.get("loss_chunks", 0))
+  head = 3 * 4 * tokens * -(-config.model.vocab_size // tiles) // vocab_shards
   return saved, layer, head
 
 
@@ -702,8 +710,8 @@ def device_memory(config, mesh, report: Report) -> DeviceMemory:
   and as the per-device loop takes the parameters, whole but for the tables' blocks, `Report.loop_param_bytes`) +
   the parameters that loop gathers whole beyond their stored shards + every layer's saved
   residuals for one micro-batch + one block's recomputed residuals and their cotangents (2x remat=none's, when
-  remat is not none) + the LM head's [n, V] float32 logits, softmax and cotangent (3 x 4 n V bytes over the
-  vocab's shards of the logits). It omits XLA's fusion scratch and fragmentation: a lower bound to leave
+  remat is not none) + the LM head's float32 logits, softmax and cotangent over one vocabulary tile of the chunked
+  loss (3 x 4 n V / loss_chunks bytes over the vocab's shards of the logits). It omits XLA's fusion scratch and fragmentation: a lower bound to leave
   headroom above (the accelerator's allocator reserves some of the HBM too).
   """
   memory = report.memory
