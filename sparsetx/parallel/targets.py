@@ -123,12 +123,14 @@ def topology_name(name: str) -> str:
 
 
 def apply(config, name: str, units: int | None):
-  """config sized for the target `name` in place (mesh, rules, micro-batches, replication limit); returns it.
+  """config sized for the target `name` in place (mesh, rules, batch, micro-batches, replication limit); returns it.
 
   `units`: the sparse layer's count of what `expert` splits (config.model.ffn's channels, trees or experts), None
   for a dense layer. A parameter may stay replicated up to 1/512 of the chip's HBM (config.mesh.max_replicated_mib:
   160 MB on an H100; the FFF rungs whose tree count leaves `expert` at 2 replicate half the embedding)."""
   target = parse(name)
+  for field in ("global_batch_size", "eval_batch_size"):  # whole rows on every device (v6e-256: 256 rows, not 128)
+    config.data[field] = -(-config.data[field] // target.devices) * target.devices
   config.mesh.target = name
   config.mesh.update(mesh_axes(target, units))
   config.mesh.rules = vocab_split_rules(config.mesh.rules)
