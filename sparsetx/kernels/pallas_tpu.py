@@ -16,6 +16,12 @@ results are built in [S, 128]-token blocks that stay in VMEM over a token group'
 transpose). segment_sums walks each row's pair range with a dynamic-bound loop; a ring of row copies runs
 ahead of the sums, and the pairs' token ids and coefficients come through two SMEM windows.
 
+Mosaic accepts a slice of VMEM only on tile boundaries (8 rows of 32 bits, 16 of bf16; 128 lanes) and copies 1-D
+HBM arrays in 128-element tiles, so rows travel as 32-bit words in whole 128-lane tiles (bf16 as uint32 pairs:
+as_words), d-chunks are multiples of 128 lanes, and segment_sums' pair windows start on 128-element boundaries;
+a step's two row slots take 1/32 of the core's VMEM (slot_bytes). tests/test_kernels_tpu_rows.py compiles the
+kernels with libtpu for v5p and v6e.
+
 Off TPU every kernel runs in TPU interpret mode. No activation runs inside a kernel (Pallas TPU lowers no erf):
 the per-slot arithmetic between the kernels is XLA's.
 """
