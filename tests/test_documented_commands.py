@@ -350,6 +350,13 @@ def check(item):
       config = sys.modules["sparsetx.tools.dry_run"].with_d_model_split(config)
     from sparsetx.train import aot
 
+    topology = sys.modules["sparsetx.tools.dry_run"].resolve_topology(FLAGS.topology, config)
+    if topology != "cpu":  # compiled for a machine's topology: its devices, as the dry run lays the state out
+      from sparsetx import config as config_lib
+      from sparsetx.train import state as state_lib
+      config = config_lib.validate(config.copy_and_resolve_references())
+      state_lib.setup(config, mesh=aot.topology_mesh(config, topology))
+      return
     granules = aot.dcn_granule_count(config) or 1  # the dry run simulates a dcn mesh's nodes on its devices
     mesh_fits(config, granules, FLAGS.devices // granules)
   elif module_name == "sparsetx.evaluate":

@@ -168,7 +168,7 @@ def test_programs_traced_on_a_topology_take_its_device(topology, device):
 def test_unknown_topologies_are_refused_in_one_line():
   with pytest.raises(config_lib.ConfigError, match="topology 'rocm:1x1x8' is neither a TPU topology"):
     aot.topology_mesh(lowering_config("mlp"), "rocm:1x1x8")
-  with pytest.raises(config_lib.ConfigError, match="GPU target 'b200' is not described; use one of h100, a100"):
+  with pytest.raises(config_lib.ConfigError, match="GPU target 'b200' is not described; use one of h100, h200, a100"):
     aot.topology_mesh(lowering_config("mlp"), "b200:1x1x8")
   with pytest.raises(config_lib.ConfigError, match="libtpu knows no TPU topology 'v9:2x2'"):
     aot.topology_mesh(lowering_config("mlp"), "v9:2x2")

@@ -43,7 +43,7 @@ from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from sparsetx.kernels import platform
+from sparsetx.kernels import device
 
 BLOCK_TOKENS = 64  # rows of a WGMMA-layout register tile: one warpgroup's token block
 BLOCK_ROWS = 64  # segment_sums: table rows per program, and pairs per gathered tile
@@ -111,7 +111,7 @@ def _copy_token_block(src_SN_gmem, dst_SB_smem, t0, barrier):
 
 
 def _interpret_params(options):
-  if platform.interpret_off("gpu", options):
+  if device.interpret_off("gpu", options):
     return InterpretGPUParams(detect_races=True)  # tests read the verdict: races_found()
   return None
 

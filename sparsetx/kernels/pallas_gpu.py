@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from sparsetx.kernels import platform
+from sparsetx.kernels import device
 
 
 def _next_pow2(n):
@@ -92,7 +92,7 @@ def row_dots(lhs_ND, table_RD, rows_SN, options):
     ],
     out_specs=pl.BlockSpec((n_slots, bt), lambda i: (0, i)),
     out_shape=jax.ShapeDtypeStruct((n_slots, n_padded), jnp.float32),
-    interpret=platform.interpret_off("gpu", options),
+    interpret=device.interpret_off("gpu", options),
     compiler_params=pltriton.CompilerParams(),
     name="row_dots",
   )(lhs_pD, rows_Sp, table_RD)
@@ -123,7 +123,7 @@ def row_accumulate(coef_SN, table_RD, rows_SN, out_dtype, options):
     in_specs=[slot_block, slot_block, pl.BlockSpec((n_rows, chunk), lambda i, j: (0, j))],
     out_specs=pl.BlockSpec((bt, chunk), lambda i, j: (i, j)),
     out_shape=jax.ShapeDtypeStruct((n_padded, d_model), out_dtype),
-    interpret=platform.interpret_off("gpu", options),
+    interpret=device.interpret_off("gpu", options),
     compiler_params=pltriton.CompilerParams(),
     name="row_accumulate",
   )(coef_Sp, rows_Sp, table_RD)
@@ -181,7 +181,7 @@ def segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sum
     in_specs=[row_block, row_block, whole_pairs, whole_pairs, pl.BlockSpec((n_tokens, chunk), lambda i, j: (0, j))],
     out_specs=out_specs,
     out_shape=out_shape,
-    interpret=platform.interpret_off("gpu", options),
+    interpret=device.interpret_off("gpu", options),
     compiler_params=pltriton.CompilerParams(),
     name="segment_sums",
   )(begins_R, ends_R, tokens_P, coefs_P, values_ND)

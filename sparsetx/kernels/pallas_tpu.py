@@ -31,11 +31,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sparsetx.kernels import platform
+from sparsetx.kernels import device
 
 
 def _interpret(options):
-  return pltpu.InterpretParams() if platform.interpret_off("tpu", options) else False
+  return pltpu.InterpretParams() if device.interpret_off("tpu", options) else False
 
 
 ROW_BLOCK = 8  # tokens per step of the row kernels: the sublane tile of their [tokens, D] blocks
@@ -54,7 +54,7 @@ def slot_bytes(interpret):
 
 def _cores(interpret):
   """TensorCores per chip (the leading parallel grid axis): 2 off TPU, to exercise the split in interpret mode."""
-  return 2 if interpret else platform.target().num_cores or 1
+  return 2 if interpret else device.target().num_cores or 1
 
 
 def as_words(a_ND, width: int):

@@ -16,29 +16,12 @@ GPU/TPU program that takes the XLA path (`kernel.implementation=xla`) never inhe
 """
 
 import re
-from typing import NamedTuple
 
-import jax
-
+from sparsetx.kernels.device import Target, target
 from sparsetx.kernels.options import GPU_KERNELS, IMPLEMENTATIONS, KernelOptions
 
 # Hopper (H100, H200, H800, H20, GH200) and Blackwell (B200, GB200) parts: compute capability 9.0 and newer.
 _HOPPER_OR_NEWER = re.compile(r"\b(G?H\d{2,3}|G?B\d{3})\b")
-
-
-class Target(NamedTuple):
-  platform: str  # cpu | gpu | tpu
-  device_kind: str  # 'TPU v5', 'NVIDIA H100 80GB HBM3', 'cpu'
-  num_cores: int | None  # TensorCores per TPU chip; SMs of a GPU (None where unknown)
-
-
-def target() -> Target:
-  """The device the program being traced is for: the active mesh's devices, else this process's first."""
-  device = jax.sharding.get_abstract_mesh().abstract_device
-  if device is not None:
-    return Target(device.platform, device.device_kind, device.num_cores)
-  device = jax.devices()[0]
-  return Target(device.platform, device.device_kind, getattr(device, "num_cores", None))
 
 
 def on_cpu() -> bool:
@@ -88,9 +71,3 @@ def gpu_kernel(options: KernelOptions, device: Target) -> str:
   if choice != "auto":
     return choice
   return "mosaic" if device.platform == "gpu" and hopper_or_newer(device.device_kind) else "triton"
-
-
-def interpret_off(native: str, options: KernelOptions) -> bool:
-  """Whether a kernel meant for `native` (gpu | tpu) runs in interpret mode: asked for, or traced for another
-  platform (tests on the CPU)."""
-  return options.interpret or target().platform != native

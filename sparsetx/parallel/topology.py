@@ -8,10 +8,11 @@ A mesh over these devices is an ordinary `jax.sharding.Mesh`; `jit(...).trace(..
 runs the target's compiler (Mosaic TPU, Triton, Mosaic GPU, ptxas, cuDNN), whose memory analysis and optimized
 program are the target's own. Nothing may run eagerly under such a mesh: there is no device to run on.
 
-Two limits of the deviceless GPU compile: autotuning needs a GPU (tilings are XLA's defaults), and XLA asks a
-device for the scratch size of CUB's radix sort, so sorts are compiled as XLA's own (`GPU_COMPILE_FLAGS`).
+Two limits of the deviceless GPU compile: autotuning needs a GPU (tilings are XLA's defaults), and CUB's radix sort
+needs a device to size its scratch, so the pinned XLA compiles its own sort instead (and logs a warning saying so).
 """
 
+import contextlib
 import importlib.resources
 import importlib.util
 import os
@@ -22,7 +23,6 @@ from sparsetx.config import ConfigError
 GPU_TARGETS = ("h100", "h200", "a100")
 _GPU_RE = re.compile(r"^(?P<chip>[a-z]\d+):(?P<shape>\d+x\d+x\d+)$")
 _TPU_RE = re.compile(r"^v\d+\w*:\d+(x\d+)*$")
-GPU_COMPILE_FLAGS = "--xla_gpu_enable_cub_radix_sort=false"
 GPU_COMPILE_NOTE = "GPU compiled with no device: XLA's default tilings (no autotuning) and XLA's sort in place of CUB's"
 # libtpu's start-up asks the cloud metadata server what it runs on, and prints warnings when there is none; a
 # topology needs none of that.
@@ -57,7 +57,6 @@ def devices(name: str) -> list:
   if gpu:
     config = gpu_target_config(gpu["chip"])
     _require("jax_cuda12_plugin", "the CUDA plugin", "jax[cuda12]")
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {GPU_COMPILE_FLAGS}".strip()
     return list(topologies.get_topology_desc(platform="cuda", target_config=config, topology=gpu["shape"]).devices)
   if not _TPU_RE.match(name):
     raise ConfigError(
@@ -65,18 +64,25 @@ def devices(name: str) -> list:
       f"({', '.join(f'{c}:1x1x8' for c in GPU_TARGETS)}: slices x hosts x GPUs)."
     )
   _require("libtpu", "libtpu", "jax[tpu]")
-  for key, value in _LIBTPU_QUIET.items():
-    os.environ.setdefault(key, value)
   try:
-    return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+    with _environment(_LIBTPU_QUIET):  # only while libtpu starts: a child process must not think it is on a TPU VM
+      return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
   except Exception as error:  # libtpu's own words for a name it does not know
     raise ConfigError(
       f"libtpu knows no TPU topology {name!r} ({_first_line(error)}); try v5p:2x2x1 or v6e:2x2."
     ) from None
 
 
-def platform_of(name: str) -> str:
-  return "gpu" if is_gpu(name) else "tpu"
+@contextlib.contextmanager
+def _environment(values: dict):
+  """os.environ with `values` set where unset, restored on exit."""
+  added = {key: value for key, value in values.items() if key not in os.environ}
+  os.environ.update(added)
+  try:
+    yield
+  finally:
+    for key in added:
+      os.environ.pop(key, None)
 
 
 def _require(module: str, what: str, extra: str) -> None:

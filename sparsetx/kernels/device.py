@@ -1,0 +1,30 @@
+"""The device the program being traced is for (a leaf: the platform switch and every kernel backend read it).
+
+The active mesh's devices (`jax.set_mesh`), whose devices may be a topology's (a TPU pod or GPU node this machine
+only compiles for, parallel/topology.py), else this process's first device.
+"""
+
+from typing import NamedTuple
+
+import jax
+
+
+class Target(NamedTuple):
+  platform: str  # cpu | gpu | tpu
+  device_kind: str  # 'TPU v5', 'NVIDIA H100 80GB HBM3', 'cpu'
+  num_cores: int | None  # TensorCores per TPU chip; SMs of a GPU (None where unknown)
+
+
+def target() -> Target:
+  """The device the program being traced is for: the active mesh's devices, else this process's first."""
+  device = jax.sharding.get_abstract_mesh().abstract_device
+  if device is not None:
+    return Target(device.platform, device.device_kind, device.num_cores)
+  device = jax.devices()[0]
+  return Target(device.platform, device.device_kind, getattr(device, "num_cores", None))
+
+
+def interpret_off(native: str, options) -> bool:
+  """Whether a kernel meant for `native` (gpu | tpu) runs in interpret mode: asked for (options.interpret), or
+  traced for another platform (tests on the CPU)."""
+  return options.interpret or target().platform != native
