@@ -64,6 +64,7 @@ def dcn_bytes(op: str, nbytes: float, group: int, granules: int) -> float:
     "reduce-scatter": nbytes * (k - 1),
     "all-reduce": 2 * nbytes / local * share,
     "all-to-all": nbytes * share,
+    "ragged-all-to-all": nbytes * share,
     "collective-permute": nbytes,
   }[op]
 
@@ -83,9 +84,16 @@ def collective_seconds(op: str, nbytes: float, group: int, chip: hardware.Chip, 
 def ring_bytes(op: str, nbytes: float, group: int) -> float:
   """Bytes one device sends in a ring collective of `group` devices whose result holds `nbytes` on each: (g-1)/g
   of it for an all-gather or all-to-all, g-1 times it for a reduce-scatter (the result is the device's shard),
-  twice (g-1)/g for an all-reduce, all of it for a collective-permute."""
+  twice (g-1)/g for an all-reduce, all of it for a collective-permute. A ragged all-to-all (MoE's rows) is priced
+  as an all-to-all of its result buffer, which is sized for the worst routing: an upper bound of what it sends."""
   share = (group - 1) / group
-  factors = {"all-gather": share, "reduce-scatter": group - 1, "all-reduce": 2 * share, "all-to-all": share}
+  factors = {
+    "all-gather": share,
+    "reduce-scatter": group - 1,
+    "all-reduce": 2 * share,
+    "all-to-all": share,
+    "ragged-all-to-all": share,
+  }
   if op == "collective-permute":
     return nbytes
   if op not in factors:
