@@ -22,7 +22,7 @@ from conftest import load_config
 from sparsetx import config as config_lib
 from sparsetx.kernels import tree_route
 from sparsetx.models.ffn.registry import SPECS
-from sparsetx.parallel import expert_parallel
+from sparsetx.parallel import expert_parallel, hardware, roofline
 from sparsetx.train import aot
 
 TOPOLOGIES = {"v5p": "v5p:2x2x1", "v6e": "v6e:2x2", "h100": "h100:1x1x4", "a100": "a100:1x1x4"}
@@ -179,8 +179,10 @@ def test_each_placement_compiles_with_bf16_on_the_wire(ffn_type, ici, placement,
     config.model.ffn.n_channels = 2
     config.model.d_model = 512  # 128 columns a device: a Mosaic GPU chunk spans 128 threads
     config.mesh.rules = expert_parallel.D_MODEL_SPLIT_RULES + tuple(tuple(r) for r in config.mesh.rules)
-  text = compiled(config, target).text
+  step = compiled(config, target)
+  text = step.text
   assert_sparse_kernels(kernels(text), ffn_type, target)
+  assert roofline.project(step.report, hardware.CHIPS["h100"]).step_overlap_s > 0  # every collective priced
   assert_loops_bounded(text)
   moved = [c for c in aot.collectives(text) if c.op in ("all-gather", "all-to-all", "ragged-all-to-all")]
   # The feed-forward layers' rows of d_model values on the wire (tokens, MoE's pairs, dy) travel as bf16.
