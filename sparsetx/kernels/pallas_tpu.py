@@ -47,8 +47,8 @@ INTERPRET_SLOT_BYTES = 2 * 1024 * 1024  # interpret mode (tests shrink it to tak
 
 
 def slot_bytes(interpret):
-  """VMEM for one step's gathered rows (one of two slots), by generation: 1/32 of the core's VMEM (4 MiB of the
-  128 MiB of v5e and v6e, 3 MiB of v5p's 95 MiB), so both slots and the token blocks fit the scoped default."""
+  """VMEM for one step's gathered rows (one of two slots), by generation: 1/32 of the core's VMEM (4 MiB of v5e's
+  and v6e's 128 MiB, 2 MiB of v5p's 64 MiB), so both slots and the token blocks fit the scoped default."""
   return INTERPRET_SLOT_BYTES if interpret else pltpu.get_tpu_info().vmem_capacity_bytes // 32
 
 
@@ -61,8 +61,9 @@ def as_words(a_ND, width: int):
   """[N, width] 32-bit words of a [N, D] array, and the columns each word holds: a 32-bit array as is (1), a
   16-bit one as pairs of columns in uint32 words (2; column 2w in the low half of word w), zero-padded to `width`
   words. One row DMA'd into VMEM fills a row of 32-bit sublanes; a lone 16-bit row would fill half of a packed
-  sublane pair, a slice Mosaic refuses (its tile is 16 rows of bf16). The words cost no extra pass: the float32
-  tables are cast to bf16 once per call anyway (gated_gather.py), and the bitcast fuses with that cast."""
+  sublane pair, a slice Mosaic refuses (its tile is 16 rows of bf16). The pairing is elementwise, so XLA can fuse
+  it into the per-call cast of the float32 tables to bf16 (gated_gather.py); the words are a table-sized temporary
+  per kernel call that XLA does not share (the analytic memory model omits them: tests/test_compile.py)."""
   n, d = a_ND.shape
   per_word = 4 // a_ND.dtype.itemsize
   if per_word not in (1, 2):
