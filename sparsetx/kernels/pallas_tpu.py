@@ -63,7 +63,7 @@ def as_words(a_ND, width: int):
   words. One row DMA'd into VMEM fills a row of 32-bit sublanes; a lone 16-bit row would fill half of a packed
   sublane pair, a slice Mosaic refuses (its tile is 16 rows of bf16). The pairing is elementwise, so XLA can fuse
   it into the per-call cast of the float32 tables to bf16 (gated_gather.py); the words are a table-sized temporary
-  per kernel call that XLA does not share (the analytic memory model omits them: tests/test_compile.py)."""
+  per kernel call unless XLA shares them (the analytic memory model omits them: tests/test_compile.py)."""
   n, d = a_ND.shape
   per_word = 4 // a_ND.dtype.itemsize
   if per_word not in (1, 2):
