@@ -281,21 +281,21 @@ def test_tpu_lowering_runs_splash_attention_forward_and_backward(monkeypatch):
 )
 def test_train_step_lowers_with_the_fused_attention_by_default(platform, calls):
   """The whole train step (bf16, attention=auto) lowered as the trainer jits it: the fused calls, no XLA logits."""
-  from sparsetx.train import aot
+  from sparsetx.train import aot, hlo_text
 
   config = load_config("configs/tiny.py", "mlp")
   config.model.update(max_len=256, n_layers=2)
   config.data.update(seq_len=256, global_batch_size=2)
   config_lib.validate(config)
   text = aot.lower_train_step(config, TOPOLOGIES[platform])
-  assert calls <= {name or target for target, name in aot.custom_calls(text)}
+  assert calls <= {name or target for target, name in hlo_text.custom_calls(text)}
   assert logits_shape() not in text
 
 
 @pytest.mark.parametrize("ici", [dict(data=8), dict(data=4, tensor=2)])
 def test_splash_train_step_lowers_on_a_tpu_mesh(ici):
   """On a mesh splash runs in a shard_map over every free axis (Pallas TPU refuses a partially manual region)."""
-  from sparsetx.train import aot
+  from sparsetx.train import aot, hlo_text
 
   config = load_config("configs/tiny.py", "mlp")
   config.model.update(max_len=256, n_layers=1)
@@ -304,5 +304,5 @@ def test_splash_train_step_lowers_on_a_tpu_mesh(ici):
   config.mesh.ici.update(**ici)
   config_lib.validate(config)
   text = aot.lower_train_step(config, "v5p:2x2x2", 8)
-  names = {name for _, name in aot.custom_calls(text)}
+  names = {name for _, name in hlo_text.custom_calls(text)}
   assert {"splash_mha_fwd_segmented_residuals", "splash_mha_dkv_segmented_no_residuals"} <= names

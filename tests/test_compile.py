@@ -23,7 +23,7 @@ from sparsetx import config as config_lib
 from sparsetx.kernels import tree_route
 from sparsetx.models.ffn.registry import SPECS
 from sparsetx.parallel import expert_parallel, hardware, roofline
-from sparsetx.train import aot
+from sparsetx.train import aot, hlo_text
 
 TOPOLOGIES = {"v5p": "v5p:2x2x1", "v6e": "v6e:2x2", "h100": "h100:1x1x4", "a100": "a100:1x1x4"}
 FFN_TYPES = ("mlp", "swiglu", "moe", "peer", "sgatlin", "fff")
@@ -59,7 +59,7 @@ def kernels(text) -> dict:
   """{kernel: count} the program launches: Pallas kernels by name ('mosaic_gpu' for Mosaic GPU's unnamed calls),
   'cudnn' for cuDNN's fused attention."""
   found = {}
-  for (target, name), count in aot.compiled_kernels(text).items():
+  for (target, name), count in hlo_text.compiled_kernels(text).items():
     key = "mosaic_gpu" if target.startswith("mosaic_gpu") else "cudnn" if target.startswith("__cudnn") else name
     if target.startswith(("tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu", "__cudnn")):
       found[key] = found.get(key, 0) + count
@@ -69,10 +69,10 @@ def kernels(text) -> dict:
 def reduced_elements(text) -> tuple[int, int]:
   """(gradient-like elements reduced per step, those reduced inside the micro-batch loop): every reduction counted
   once per trip of the loops around it (a loop body's collectives run every trip)."""
-  loops = aot.compiled_loops(text)
+  loops = hlo_text.compiled_loops(text)
   trips = {loop.body: loop.trips or 1 for loop in loops}
   per_step = in_microbatch_loop = 0
-  for name, found in aot.collectives_by_computation(text).items():
+  for name, found in hlo_text.collectives_by_computation(text).items():
     for c in found:
       if c.op not in REDUCTIONS:
         continue
@@ -132,7 +132,7 @@ def assert_sparse_kernels(found: dict, ffn_type: str, target: str):
 
 
 def assert_loops_bounded(text):
-  loops = aot.compiled_loops(text)
+  loops = hlo_text.compiled_loops(text)
   assert all(loop.trips is not None and loop.trips <= LOOP_TRIP_BOUND for loop in loops), loops
 
 
@@ -184,7 +184,7 @@ def test_each_placement_compiles_with_bf16_on_the_wire(ffn_type, ici, placement,
   assert_sparse_kernels(kernels(text), ffn_type, target)
   assert roofline.project(step.report, hardware.CHIPS["h100"]).step_overlap_s > 0  # every collective priced
   assert_loops_bounded(text)
-  moved = [c for c in aot.collectives(text) if c.op in ("all-gather", "all-to-all", "ragged-all-to-all")]
+  moved = [c for c in hlo_text.collectives(text) if c.op in ("all-gather", "all-to-all", "ragged-all-to-all")]
   # The feed-forward layers' rows of d_model values on the wire (tokens, MoE's pairs, dy) travel as bf16.
   ours = [c for c in moved if "/mlp/" in c.source or c.op == "ragged-all-to-all"]
   token_rows = [
@@ -193,7 +193,7 @@ def test_each_placement_compiles_with_bf16_on_the_wire(ffn_type, ici, placement,
   assert all(shape.startswith("bf16") for shape in token_rows), token_rows
   assert token_rows or placement == "fsdp", [c.shape for c in moved]  # fsdp moves the tables, not the tokens
   if ffn_type == "moe":
-    ragged = [c for c in aot.collectives(text) if c.op == "ragged-all-to-all"]
+    ragged = [c for c in hlo_text.collectives(text) if c.op == "ragged-all-to-all"]
     # Per layer: the rows out and back, forward and backward; a send buffer holds the device's n * k pairs of
     # bf16 rows (k * D * 2 bytes a token), of which (E - 1) / E leave the device on average; a receive buffer the
     # expert group's G * n * k.
@@ -216,7 +216,7 @@ def test_micro_batches_compile_with_the_gradient_reduced_after_the_loop(ffn_type
   assert_sparse_kernels(found, ffn_type, target)
   assert expected_attention(target) <= set(found), found
   assert_loops_bounded(text)
-  assert 2 in [loop.trips for loop in aot.compiled_loops(text)]
+  assert 2 in [loop.trips for loop in hlo_text.compiled_loops(text)]
   assert_analytic_memory_near_the_compilers(step)
   per_step, inside = reduced_elements(text)
   assert inside == 0, inside

@@ -19,7 +19,7 @@ from sparsetx.models.ffn.registry import FFN_LAYERS
 from sparsetx.parallel import dispatch, topology
 from sparsetx.parallel import expert_parallel as ep
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import aot
+from sparsetx.train import hlo_text
 
 D = 16
 LAYERS = {
@@ -238,7 +238,7 @@ def test_moe_sends_each_token_only_to_its_experts(mesh_name):
   with ep.activate(mesh):
     compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, x).compile()
   lowered = lowered_for_h100(jax.value_and_grad(loss, argnums=(0, 1)), (params, x), mesh)
-  moe = [c for c in aot.collectives(compiled.as_text()) if "Moe" in c.source and "/router/" not in c.source]
+  moe = [c for c in hlo_text.collectives(compiled.as_text()) if "Moe" in c.source and "/router/" not in c.source]
   table_grads = [c for c in moe if c.op == "all-reduce"]  # the expert tables' gradients summed over `data`
   assert all(c.group == mesh.shape["data"] for c in table_grads)
   moe = [c for c in moe if c.op != "all-reduce"]

@@ -27,7 +27,7 @@ from jax._src.tpu_custom_call import tpu as tpu_dialect
 
 from sparsetx.kernels import pallas_tpu
 from sparsetx.kernels.options import KernelOptions
-from sparsetx.train import aot
+from sparsetx.train import aot, hlo_text
 
 EPS32 = 2.0**-24
 EPS_BF16 = 2.0**-8
@@ -246,7 +246,7 @@ def test_row_kernels_lower_for_tpu_with_a_sequential_double_buffered_grid(chip, 
   with aot.on_topology(TOPOLOGY[chip]):
     texts = {name: jax.jit(f).trace(*args).lower().as_text() for name, (f, *args) in kernels.items()}
   for name, text in texts.items():
-    assert aot.custom_calls(text) == {("tpu_custom_call", name): 1}
+    assert hlo_text.custom_calls(text) == {("tpu_custom_call", name): 1}
     module = mosaic_modules(text)[name]
     semantics = re.search(r"dimension_semantics = \[(.*?)\]", module)[1]
     assert semantics == "#tpu.dimension_semantics<parallel>, #tpu.dimension_semantics<arbitrary>", name

@@ -17,7 +17,7 @@ from jax._src.pallas.triton import lowering as triton_lowering  # the Triton mod
 
 from sparsetx.kernels import pallas_gpu
 from sparsetx.kernels.options import KernelOptions
-from sparsetx.train import aot
+from sparsetx.train import aot, hlo_text
 
 U32, U64 = 2.0**-24, 2.0**-53
 UNIT = {np.dtype(np.float32): U32, np.dtype(ml_dtypes.bfloat16): 2.0**-8}
@@ -179,7 +179,7 @@ def test_row_kernels_lower_for_cuda_at_ladder_shapes(d):
   ]
   with aot.on_topology("a100:1x1x1"), mock.patch.object(triton_lowering, "lower_jaxpr_to_triton_module", verified):
     text = jax.jit(kernels).trace(*args).lower().as_text()
-  calls = {name: count for (call, name), count in aot.custom_calls(text).items() if call == "__gpu$xla.gpu.triton"}
+  calls = {name: count for (call, name), count in hlo_text.custom_calls(text).items() if call == "__gpu$xla.gpu.triton"}
   assert calls == {"row_dots": 1, "row_accumulate": 1, "segment_sums": 1}
   assert sorted(modules) == sorted(calls)
   assert "atomic" not in modules["segment_sums"]

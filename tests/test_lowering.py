@@ -23,7 +23,7 @@ from sparsetx.evaluate import aot as decoding_aot
 from sparsetx.kernels import platform
 from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
 from sparsetx.models.ffn.common import ACTIVATIONS
-from sparsetx.train import aot
+from sparsetx.train import aot, hlo_text
 
 FFN_TYPES = ("mlp", "swiglu", "moe", "peer", "sgatlin", "fff")
 GATHER_TYPES = ("peer", "sgatlin", "fff")
@@ -54,7 +54,7 @@ FFF_DEPTH = 4  # configs/tiny.py: 5 levels, the top 3 dense (tree_route.DENSE_LE
 def gather_kernels(lowered_text: str, target: str) -> dict:
   """The sparse layers' kernel calls in a lowered program: {kernel name: count} (Mosaic GPU: {'mosaic_gpu': count})."""
   found = collections.Counter()
-  for (call, name), count in aot.custom_calls(lowered_text).items():
+  for (call, name), count in hlo_text.custom_calls(lowered_text).items():
     if call.startswith("mosaic_gpu"):
       found["mosaic_gpu"] += count
     elif call in (TRITON, TPU) and name in ROW_KERNELS:
@@ -180,12 +180,12 @@ def test_unknown_topologies_are_refused_in_one_line():
 
 def test_custom_calls_table():
   calls = collections.Counter({("tpu_custom_call", "row_dots"): 2, ("mosaic_gpu_v2", ""): 4})
-  lines = aot.format_custom_calls(calls).splitlines()
+  lines = hlo_text.format_custom_calls(calls).splitlines()
   assert [line.split() for line in lines[1:]] == [
     ["mosaic_gpu_v2", "-", "4"],
     ["tpu_custom_call", "row_dots", "2"],
   ]
-  assert "(none" in aot.format_custom_calls(collections.Counter())
+  assert "(none" in hlo_text.format_custom_calls(collections.Counter())
 
 
 @pytest.mark.parametrize("ici", [dict(data=8), dict(data=4, tensor=2)])
@@ -257,7 +257,7 @@ def test_sparse_train_step_has_no_loop_that_grows_with_tokens_and_streams_bf16_t
     config.data.update(seq_len=512, global_batch_size=tokens // 512)
     config.model.max_len = 512
     text = aot.lower_train_step(config_lib.validate(config), topology)
-    loops[tokens] = aot.while_loops(text)
+    loops[tokens] = hlo_text.while_loops(text)
     operands = kernel_operands(text)
     assert gather_kernels(text, target) == expected_kernels(ffn_type, target, "train")
     row_operands = [t for types in operands for t in types if re.fullmatch(r"\d+x128x\w+", t)]

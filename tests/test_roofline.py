@@ -3,7 +3,7 @@
 import pytest
 
 from sparsetx.parallel import hardware, roofline
-from sparsetx.train import aot
+from sparsetx.train import aot, hlo_text
 
 MB = 1e6
 
@@ -19,7 +19,7 @@ def synthetic_report(collectives, compiled_flops=9.89e12, bytes_accessed=6.7e10)
     memory={},
     model_flops=8 * 9.89e12 / 2,
     compiled_flops=compiled_flops,
-    collectives=[aot.Collective(op, nbytes, group, "", "") for op, nbytes, group in collectives],
+    collectives=[hlo_text.Collective(op, nbytes, group, "", "") for op, nbytes, group in collectives],
     bytes_accessed=bytes_accessed,
     tokens_per_step=1_000_000,
   )
@@ -90,8 +90,8 @@ def test_analytic_projection_sums_phase_maxima_and_keeps_the_rest_collectives():
     (layer_cost.Collective("all-gather", 450 * MB, 4, "x"),),  # 0.75 ms
   )
   compiled = [
-    aot.Collective("all-reduce", 90 * MB, 2, "", "jit(train_step)/attention/out"),  # 0.2 ms
-    aot.Collective("all-gather", 450 * MB, 4, "", "jit(train_step)/jvp(layers_0)/mlp/gather"),
+    hlo_text.Collective("all-reduce", 90 * MB, 2, "", "jit(train_step)/attention/out"),  # 0.2 ms
+    hlo_text.Collective("all-gather", 450 * MB, 4, "", "jit(train_step)/jvp(layers_0)/mlp/gather"),
   ]
   rest = roofline.outside_ffn(compiled)
   assert rest == compiled[:1]

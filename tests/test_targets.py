@@ -13,7 +13,7 @@ from sparsetx.models import ladder
 from sparsetx.models.ffn import placement
 from sparsetx.parallel import hardware, roofline, targets
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import aot
+from sparsetx.train import aot, hlo_text
 from sparsetx.train import state as state_lib
 
 TARGETS = ("h100x8", "h200x8", "h100x8x4", "v5p-64")
@@ -108,22 +108,25 @@ def test_simulated_nodes_are_consecutive_devices_on_the_outer_axis():
   mesh = mesh_lib.make_mesh(config.mesh, jax.devices(), granules=2)
   ids = [[d.id for d in row.flat] for row in mesh.devices]  # data (the DCN) outermost
   assert ids == [[0, 1, 2, 3], [4, 5, 6, 7]]
-  granule = aot.dcn_granules(mesh, mesh_lib.granule_of(jax.devices(), 2))
+  granule = hlo_text.dcn_granules(mesh, mesh_lib.granule_of(jax.devices(), 2))
   assert [granule[i] for i in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
 def test_replica_groups_in_each_printed_form():
   """The forms XLA prints (mesh with and without device ids, iota, explicit, permute pairs) give the same groups
   as the arange/transpose they stand for."""
-  assert aot.replica_groups("all-reduce(%a), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, use") == [
+  assert hlo_text.replica_groups("all-reduce(%a), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, use") == [
     [0, 1, 2, 3],
     [4, 5, 6, 7],
   ]
   line = "all-gather(%g), replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_1'}, dims"
-  assert aot.replica_groups(line) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-  assert aot.replica_groups("all-reduce(%g), replica_groups=[2,4]<=[4,2]T(1,0), use") == [[0, 2, 4, 6], [1, 3, 5, 7]]
-  assert aot.replica_groups("all-reduce(%g), replica_groups={{0,1},{2,3}}, use") == [[0, 1], [2, 3]]
-  assert aot.replica_groups("collective-permute(%g), source_target_pairs={{0,4},{1,5}}, m") == [[0, 4], [1, 5]]
+  assert hlo_text.replica_groups(line) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+  assert hlo_text.replica_groups("all-reduce(%g), replica_groups=[2,4]<=[4,2]T(1,0), use") == [
+    [0, 2, 4, 6],
+    [1, 3, 5, 7],
+  ]
+  assert hlo_text.replica_groups("all-reduce(%g), replica_groups={{0,1},{2,3}}, use") == [[0, 1], [2, 3]]
+  assert hlo_text.replica_groups("collective-permute(%g), source_target_pairs={{0,4},{1,5}}, m") == [[0, 4], [1, 5]]
 
 
 def test_a_collective_across_nodes_is_priced_hierarchically():

@@ -137,7 +137,7 @@ def project_analytic(
   chip: hardware.Chip, parts, tokens_per_step: int, model_flops: float, devices: int, rest_collectives=()
 ) -> Projection:
   """The step as analytic parts: `parts` = [(times per step, layer_cost.LayerCost)] (each feed-forward layer and
-  the remainder), `rest_collectives` the compiled collectives outside the feed-forward layers (aot.Collective).
+  the remainder), `rest_collectives` the compiled collectives outside the feed-forward layers (hlo_text.Collective).
 
   compute / memory are the parts' total FLOPs / peak and bytes / bandwidth; the step is the sum over phases of the
   slower of the two (overlap: max of that and the communication; serial: their sum).

@@ -15,7 +15,6 @@ import collections
 import contextlib
 import dataclasses
 import math
-import re
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -32,25 +31,7 @@ from sparsetx.parallel import expert_parallel, roofline, topology
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
-
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "ragged-all-to-all", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {
-  "pred": 1,
-  "s8": 1,
-  "u8": 1,
-  "s16": 2,
-  "u16": 2,
-  "bf16": 2,
-  "f16": 2,
-  "s32": 4,
-  "u32": 4,
-  "f32": 4,
-  "s64": 8,
-  "u64": 8,
-  "f64": 8,
-}
-_COLLECTIVE_RE = re.compile(r"=\s*(?P<shape>.*?)\s+(?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
-_ARRAY_RE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+from sparsetx.train.hlo_text import COLLECTIVES, collectives, compiled_kernels, compiled_loops, dcn_granules
 
 
 def device_bytes(abstract_tree) -> int:
@@ -83,98 +64,6 @@ def abstract_batch(config, sharding) -> dict:
     positions=spec(jnp.int32),
     loss_weights=spec(jnp.float32),
   )
-
-
-class Collective(NamedTuple):
-  op: str
-  nbytes: int  # the result's bytes on one device
-  group: int  # devices per replica group
-  shape: str
-  source: str  # the jax op_name it came from (jvp(...) forward, transpose(...) backward)
-  granules: int = 1  # nodes / slices its largest replica group spans (> 1: part of it crosses the DCN)
-  elements: int = 0  # the result's elements on one device (all arrays of a combined collective)
-
-
-def collectives(hlo_text: str, granule_of_id=None) -> list:
-  """A Collective for each collective instruction in a compiled HLO text. `granule_of_id` maps a replica-group
-  id (a position in the program's device assignment) to its node / slice (dcn_granules); None: all one."""
-  found = []
-  for line in hlo_text.splitlines():
-    match = _COLLECTIVE_RE.search(line)
-    if not match:
-      continue
-    arrays = [
-      (dtype, math.prod(int(d) for d in dims.split(",") if d)) for dtype, dims in _ARRAY_RE.findall(match["shape"])
-    ]
-    nbytes = sum(_DTYPE_BYTES[dtype] * n for dtype, n in arrays)
-    source = re.search(r'op_name="([^"]*)"', line)
-    groups = replica_groups(line) if granule_of_id else None
-    spans = max((len({granule_of_id[i] for i in group}) for group in groups), default=1) if groups else 1
-    found.append(
-      Collective(
-        match["op"],
-        nbytes,
-        _group_size(line),
-        match["shape"].split("{")[0],
-        source[1] if source else "",
-        spans,
-        sum(n for _, n in arrays),
-      )
-    )
-  return found
-
-
-def _iota(dims: str, perm: str | None) -> np.ndarray:
-  """XLA's iota tile assignment: arange reshaped to `dims`, transposed by `perm`."""
-  shape = [int(d) for d in dims.split(",")]
-  ids = np.arange(math.prod(shape)).reshape(shape)
-  return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
-
-
-def replica_groups(line: str) -> list | None:
-  """The device ids of each replica group of a collective instruction (mesh, iota or explicit form; a
-  collective-permute's source-target pairs as groups of two); None when the line has none of them."""
-  mesh = re.search(
-    r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]*)\](?:T\(([\d,]*)\))?\))? \{([^}]*)\}", line
-  )
-  if mesh:
-    names = re.findall(r"'(\w+)'=(\d+)", mesh[1])
-    sizes = [int(size) for _, size in names]
-    ids = _iota(mesh[2], mesh[3]) if mesh[2] else np.arange(math.prod(sizes))
-    ids = ids.reshape(sizes)
-    grouped = [i for i, (name, _) in enumerate(names) if f"'{name}'" in mesh[4]]
-    rest = [i for i in range(len(names)) if i not in grouped]
-    size = math.prod(sizes[i] for i in grouped)
-    return ids.transpose(rest + grouped).reshape(-1, size).tolist()
-  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]*)\](?:T\(([\d,]*)\))?", line)
-  if iota:
-    return _iota(iota[3], iota[4]).reshape(int(iota[1]), int(iota[2])).tolist()
-  explicit = re.search(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
-  if explicit:
-    return [[int(i) for i in group.split(",") if i] for group in re.findall(r"\{([\d,]*)\}", explicit[1])]
-  return None
-
-
-def dcn_granules(mesh, granule_of: dict) -> dict:
-  """Replica-group id -> node / slice: the ids index the program's device assignment, the mesh's devices in
-  order; `granule_of` maps a device id to its granule (mesh_lib.granule_of)."""
-  return {i: granule_of[d.id] for i, d in enumerate(mesh.devices.flat)}
-
-
-def _group_size(line: str) -> int:
-  """Devices per group, from the iota ([groups,size]), explicit ({{..}}) or mesh-axes replica groups."""
-  mesh = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", line)
-  if mesh:
-    sizes = dict(re.findall(r"'(\w+)'=(\d+)", mesh[1]))
-    return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", mesh[2]))
-  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
-  if iota:
-    return int(iota[2])
-  explicit = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
-  if explicit:
-    return len(explicit[1].split(","))
-  pairs = re.search(r"source_target_pairs=\{(.*?)\}\}?", line)
-  return 2 if pairs else 0
 
 
 @dataclasses.dataclass
@@ -244,81 +133,7 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology_name: str):
   return compiled, built, mesh
 
 
-_INSTRUCTION_RE = re.compile(
-  r"^\s*(?:ROOT )?%(?P<instruction>[\w-]+)[\w.-]* = .*?custom_call_target=\"(?P<target>[^\"]+)\""
-)
-_PALLAS_NAME_RE = re.compile(r'op_name="[^"]*/(\w+)/pallas_call"')
-
-
-def compiled_kernels(hlo_text: str) -> collections.Counter:
-  """{(custom-call target, kernel name): count} of a compiled program: the Pallas kernel's name (from its op
-  name, or a Mosaic TPU call's instruction name, which libtpu takes from the kernel); '' for other calls."""
-  found = collections.Counter()
-  for line in hlo_text.splitlines():
-    call = _INSTRUCTION_RE.match(line)
-    if call:
-      name = _PALLAS_NAME_RE.search(line)
-      name = name[1] if name else call["instruction"] if call["target"] == "tpu_custom_call" else ""
-      found[call["target"], name] += 1
-  return found
-
-
-_COMPUTATION_RE = re.compile(r"^(?:ENTRY )?%([\w.-]+) .*\{$")
-_WHILE_RE = re.compile(r" while\(.*condition=%([\w.-]+), body=%([\w.-]+)")
-_TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_S32_CONSTANT_RE = re.compile(r"= s32\[\](?:\{[^}]*\})? constant\((\d+)\)")
-
-
-def computations(hlo_text: str) -> dict:
-  """{computation name: its instruction lines} of a compiled HLO module's text."""
-  blocks, name = {}, None
-  for line in hlo_text.splitlines():
-    header = _COMPUTATION_RE.match(line)
-    if header:
-      name = header[1]
-      blocks[name] = []
-    elif line == "}":
-      name = None
-    elif name is not None:
-      blocks[name].append(line)
-  return blocks
-
-
-class Loop(NamedTuple):
-  body: str  # the body computation's name
-  trips: int | None  # the known trip count, or the constant the condition compares with; None if neither
-
-
-def compiled_loops(hlo_text: str) -> list:
-  """A Loop for each `while` of a compiled program: what the device runs in sequence."""
-  blocks = computations(hlo_text)
-  loops = []
-  for lines in blocks.values():
-    for line in lines:
-      found = _WHILE_RE.search(line)
-      if not found:
-        continue
-      trips = _TRIP_RE.search(line)
-      if trips is None:
-        constants = [int(c) for c in _S32_CONSTANT_RE.findall("\n".join(blocks.get(found[1], [])))]
-        trips = max(constants) if constants else None
-      else:
-        trips = int(trips[1])
-      loops.append(Loop(found[2], trips))
-  return loops
-
-
-def collectives_by_computation(hlo_text: str) -> dict:
-  """{computation name: [Collective]} of a compiled program (where each collective sits: a loop body's run every
-  trip)."""
-  return {name: collectives("\n".join(lines)) for name, lines in computations(hlo_text).items()}
-
-
 # Lowering for a machine this one does not have -------------------------------------------------------------
-
-_CUSTOM_CALL_RE = re.compile(r"stablehlo\.custom_call @([\w$.]+)")
-# The kernel's name: Pallas TPU's kernel_name, Triton's name in its backend config (pallas_call(name=...)).
-_KERNEL_NAME_RE = re.compile(r'\b(?:kernel_)?name = "([^"]*)"')
 
 
 @contextlib.contextmanager
@@ -349,53 +164,6 @@ def lower_eval_step(config: ml_collections.ConfigDict, topology_name: str, n_dev
     jitted = step_lib.make_eval_step(built.model, built.shardings.params, built.batch_sharding)
     traced = jitted.trace(built.abstract_state.params, abstract_batch(config, built.batch_sharding))
     return traced.lower().as_text()
-
-
-def custom_calls(lowered_text: str) -> collections.Counter:
-  """How often each (custom-call target, kernel name) appears in a lowered (StableHLO) program's text.
-
-  The name is the Pallas kernel's for TPU (tpu_custom_call) and Triton (__gpu$xla.gpu.triton) calls, ''
-  where the call carries none (Mosaic GPU, cuDNN, XLA's own)."""
-  found = collections.Counter()
-  for line in lowered_text.splitlines():
-    target = _CUSTOM_CALL_RE.search(line)
-    if target:
-      name = _KERNEL_NAME_RE.search(line, target.end())
-      found[target[1], name[1] if name else ""] += 1
-  return found
-
-
-_CONSTANT_RE = re.compile(r"(%[\w#]+) = stablehlo\.constant dense<(-?\d+)> : tensor<i\d+>")
-_COMPARE_RE = re.compile(r"stablehlo\.compare\s+LT, %[\w#]+, (%[\w#]+)")
-
-
-def while_loops(lowered_text: str) -> list:
-  """The trip count of each `stablehlo.while` in a lowered program, in program order (None where the bound is
-  not a constant): what a device would run sequentially. A scan lowers to a loop whose condition compares its
-  counter (from 0) with a constant; that constant is the count."""
-  lines = lowered_text.splitlines()
-  trips = []
-  for i, line in enumerate(lines):
-    if "stablehlo.while" not in line:
-      continue
-    found = next(((j, m) for j, m in enumerate(map(_COMPARE_RE.search, lines[i : i + 40]), i) if m), None)
-    bound = None
-    if found:
-      j, compare = found
-      for earlier in reversed(lines[:j]):
-        constant = _CONSTANT_RE.search(earlier)
-        if constant and constant[1] == compare[1]:
-          bound = int(constant[2])
-          break
-    trips.append(bound)
-  return trips
-
-
-def format_custom_calls(calls: collections.Counter) -> str:
-  """A table of custom_calls(...): target, kernel name, count (the kernels the lowered program would launch)."""
-  lines = [f"  {'custom-call target':<30}{'kernel':<42}{'count':>6}"]
-  lines += [f"  {target:<30}{name or '-':<42}{count:>6}" for (target, name), count in sorted(calls.items())]
-  return "\n".join(lines if calls else lines + ["  (none: XLA's own code only)"])
 
 
 def dry_run(config: ml_collections.ConfigDict, mesh, granule_of: dict | None = None) -> Report:
@@ -610,17 +378,11 @@ __all__ = [
   "dry_run",
   "format_report",
   "device_bytes",
-  "collectives",
   "table_bytes_by_expert",
   "on_topology",
   "compile_for_topology",
-  "compiled_kernels",
-  "compiled_loops",
   "lower_train_step",
   "lower_eval_step",
-  "custom_calls",
-  "while_loops",
-  "format_custom_calls",
 ]
 
 
