@@ -66,6 +66,11 @@ def _check_kernel(ffn, prefix: str) -> None:
   for field in ("token_chunk", "pair_chunk", "block_tokens", "block_d", "stages"):
     _positive_int(f"{prefix}.kernel.{field}", ffn.kernel[field])
   _one_of(f"{prefix}.kernel.gpu_kernel", ffn.kernel.gpu_kernel, GPU_KERNELS)
+  rows = ffn.kernel.get("group_rows", 128)
+  _require(
+    isinstance(rows, int) and rows >= 16 and rows & (rows - 1) == 0,
+    f"{prefix}.kernel.group_rows={rows!r} must be a power of two >= 16 (a grouped-matmul tile); 128 is the default.",
+  )
 
 
 def check_mlp(ffn: ml_collections.ConfigDict, d_model: int, prefix: str) -> None:
@@ -88,6 +93,7 @@ def check_moe(ffn: ml_collections.ConfigDict, d_model: int, prefix: str) -> None
     f"{prefix}.experts_per_token={ffn.experts_per_token} exceeds {prefix}.n_experts={ffn.n_experts}; "
     "route each token to at most n_experts experts.",
   )
+  _check_kernel(ffn, prefix)
   for field in ("aux_loss", "router_z_loss"):
     value = ffn.get(field, 0.0)
     _require(

@@ -51,7 +51,7 @@ def ffn_defaults() -> ml_collections.ConfigDict:
       implementation="sparse",
       # sparse types on a mesh: auto | expert | fsdp | data (TABLE_PLACEMENTS above; dense types ignore it)
       placement="auto",
-      # gated gather (sgatlin, peer, fff sparse): backend and block sizes
+      # gated gather (sgatlin, peer, fff sparse) and moe's grouped matmul: backend and block sizes
       kernel=ml_collections.ConfigDict(
         dict(
           implementation="auto",  # xla | pallas | auto (pallas on GPU/TPU, xla on CPU)
@@ -62,6 +62,7 @@ def ffn_defaults() -> ml_collections.ConfigDict:
           stages=3,  # pallas (mosaic gpu): gathered [64, block_d] tiles in flight
           gpu_kernel="auto",  # pallas on GPU: mosaic | triton | auto (mosaic on sm_90+, triton before)
           row_sorted=True,  # xla on CPU: training walks (token, slot) pairs in table-row order (kernels/xla_gather.py)
+          group_rows=128,  # moe: rows of one expert per grouped-matmul tile (a power of two >= 16; Mosaic GPU: >= 64)
         )
       ),
     )

@@ -2,8 +2,9 @@
 selected logits as mixing weights, SwiGLU experts.
 
 Dispatch is dropless and real: the (token, slot) pairs are sorted by expert and every expert runs
-one grouped matmul (`jax.lax.ragged_dot`) over exactly the tokens routed to it. No expert sees a
-token it was not chosen for, and no token is dropped for capacity.
+one grouped matmul (sparsetx/kernels/grouped_matmul.py: Mosaic GPU or Triton kernels on a GPU, the native ragged
+dot on TPU) over exactly the tokens routed to it. No expert sees a token it was not chosen for, and no token is
+dropped for capacity.
 
 Over several devices the experts are split over the expert axis and tokens move instead of experts: each token goes
 to the devices owning its k experts (a ragged all-to-all), each device runs `sorted_experts` for its own experts over
@@ -19,12 +20,16 @@ tokens (loss weight > 0) of a batch, summed over the MoE layers and added to the
 (sparsetx/train/step.py); their unweighted values are reported per layer (sparse_stats).
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from sparsetx import config as config_lib
 from sparsetx.config import ffn_checks
+from sparsetx.kernels.grouped_matmul import grouped_matmul
+from sparsetx.kernels.options import options_from_config
 from sparsetx.models.ffn.common import dense_init
 from sparsetx.models.ffn.spec import Circuit, FfnSpec, Units
 from sparsetx.models.taps import tap
@@ -62,7 +67,7 @@ def balance_loss(model_cfg, intermediates: dict, token_weights_BT):
   return total
 
 
-def dispatch_experts(x_ND, expert_ids_NA, weights_NA, wi_gate_EDF, wi_up_EDF, wo_EFD, first_expert=0):
+def dispatch_experts(options, x_ND, expert_ids_NA, weights_NA, wi_gate_EDF, wi_up_EDF, wo_EFD, first_expert=0):
   """sum_k weights[n, k] * SwiGLU_{expert_ids[n, k]}(x[n]), computing only the routed pairs.
 
   The E experts given are ids first_expert .. first_expert + E - 1; pairs routed elsewhere sort
@@ -75,21 +80,20 @@ def dispatch_experts(x_ND, expert_ids_NA, weights_NA, wi_gate_EDF, wi_up_EDF, wo
   expert_of_slot = local_NA.reshape(N * A)
   order = jnp.argsort(expert_of_slot, stable=True)
   group_sizes_E = jnp.bincount(expert_of_slot, length=E).astype(jnp.int32)
-  y_SD = sorted_experts(x_ND[order // A], group_sizes_E, wi_gate_EDF, wi_up_EDF, wo_EFD)
+  y_SD = sorted_experts(options, x_ND[order // A], group_sizes_E, wi_gate_EDF, wi_up_EDF, wo_EFD)
   y_NAD = y_SD[jnp.argsort(order)].reshape(N, A, -1)
   return jnp.einsum("nad,na->nd", y_NAD, weights_NA.astype(jnp.float32)).astype(x_ND.dtype)
 
 
-def sorted_experts(x_SD, group_sizes_E, wi_gate_EDF, wi_up_EDF, wo_EFD):
-  """y [S, D] float32: SwiGLU_e(x[s]) for rows sorted by expert, group_sizes_E[e] rows for expert e, by grouped
-  matmuls (`jax.lax.ragged_dot`); rows after the last group are computed by no expert (zeros)."""
-  dtype = x_SD.dtype
+def sorted_experts(options, x_SD, group_sizes_E, wi_gate_EDF, wi_up_EDF, wo_EFD):
+  """y [S, D] in x's dtype: SwiGLU_e(x[s]) for rows sorted by expert, group_sizes_E[e] rows for expert e, by grouped
+  matmuls (float32 sums); rows after the last group are computed by no expert (zeros)."""
 
   def grouped(lhs, rhs):
-    return jax.lax.ragged_dot(lhs, rhs.astype(dtype), group_sizes_E, preferred_element_type=jnp.float32)
+    return grouped_matmul(lhs, rhs, group_sizes_E, options).astype(jnp.float32)
 
-  h_SF = (jax.nn.silu(grouped(x_SD, wi_gate_EDF)) * grouped(x_SD, wi_up_EDF)).astype(dtype)
-  return grouped(h_SF, wo_EFD)
+  h_SF = (jax.nn.silu(grouped(x_SD, wi_gate_EDF)) * grouped(x_SD, wi_up_EDF)).astype(x_SD.dtype)
+  return grouped_matmul(h_SF, wo_EFD, group_sizes_E, options)
 
 
 class Moe(nn.Module):
@@ -123,9 +127,10 @@ class Moe(nn.Module):
     wi_gate = table("wi_gate", (E, D, F), TABLE_AXES)
     wi_up = table("wi_up", (E, D, F), TABLE_AXES)
     wo = table("wo", (E, F, D), OUT_AXES)
+    options = options_from_config(ffn.get("kernel"))
     return dispatch.expert_dispatch(
-      dispatch_experts,
-      sorted_experts,
+      functools.partial(dispatch_experts, options),
+      functools.partial(sorted_experts, options),
       x_BTD,
       expert_ids_BTA,
       weights_BTA,
