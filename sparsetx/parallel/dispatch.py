@@ -455,19 +455,20 @@ def expert_dispatch(
   experts first (logical name table_axes[0]). On a mesh whose expert axes split the batch, each token goes to the
   devices of its k experts and back (`all_to_all_experts`); an expert axis that does not split the batch holds the
   same tokens on every device, so each runs experts_fn on them for its own experts and the outputs are summed.
-  Placements fsdp and data: every expert on every device (`on_own_tokens`), the tables stored with `table_names`
-  (each table's logical names as the layer gives them; default table_axes for each) as placed.
+  Placements fsdp and data, and an expert axis of one device: every expert on every device (`on_own_tokens`), the
+  tables stored with `table_names` (each table's logical names as the layer gives them; default table_axes for
+  each) as placed, so each device sorts and computes only its own tokens' pairs.
   """
   B, T, D = x_BTD.shape
   A = ids_BTA.shape[-1]
   flat = (x_BTD.reshape(B * T, D), ids_BTA.reshape(B * T, A), weights_BTA.reshape(B * T, A))
-  if placement != "expert":
+  group = None
+  if placement == "expert":
+    group = ep.expert_group(table_axes[0], ep.whole_units(tables[0].shape[0], table_axes[0]), B * T, field)
+  if group is None:  # every expert on every device: each sorts and computes its own tokens' pairs
     names = tuple(placed_names(n, placement) for n in (table_names or (table_axes,) * len(tables)))
     (y_ND,) = on_own_tokens(lambda *args: (experts_fn(*args),), flat, tuple(tables), names)
     return y_ND.reshape(B, T, D)
-  group = ep.expert_group(table_axes[0], ep.whole_units(tables[0].shape[0], table_axes[0]), B * T, field)
-  if group is None:
-    return experts_fn(*flat, *tables).reshape(B, T, D)
   experts = PartitionSpec(group.unit_spec)
   if all(a in group.batch for a in group.units):
     y_ND = ep.shard_map(
