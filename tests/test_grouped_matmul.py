@@ -1,7 +1,9 @@
 """MoE's grouped matmul (kernels/grouped_matmul.py) against its definition: out[s] = lhs[s] @ rhs[g(s)] over rows
 sorted by group, dlhs[s] = dout[s] @ rhs[g(s)].T and drhs[e] = sum_{s in e} outer(lhs[s], dout[s]), computed in
-float64 with numpy. Each backend that runs on a CPU is checked: the XLA tile loop (the CPU's path) and the
-Triton kernels in interpret mode (A100s, and 32-bit operands on any GPU).
+float64 with numpy. Each backend that runs on a CPU is checked: the XLA tile loop (the CPU's path), the Triton
+kernels in interpret mode (A100s, and 32-bit operands on any GPU) and the TPU's (ragged_dot, and megablox's tgmm
+in interpret mode). The Hopper forward is the pinned JAX's Mosaic GPU ragged dot, which has no interpret mode:
+test_compile.py compiles it.
 
 Bounds follow from the arithmetic: every operand is a value of the operands' dtype, so the products are exact
 in float64 and the only errors are the float32 sums (at most n * 2^-24 * sum |terms| over n terms) and one
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 
 from sparsetx.kernels import grouped_matmul as gm
-from sparsetx.kernels import grouped_triton, grouped_xla
+from sparsetx.kernels import grouped_tpu, grouped_triton, grouped_xla
 from sparsetx.kernels.group_tiles import n_tiles, row_tiles
 from sparsetx.kernels.options import KernelOptions
 
@@ -23,6 +25,7 @@ HALF_ULP = {jnp.dtype(jnp.bfloat16): 2.0**-8, jnp.dtype(jnp.float32): 2.0**-24}
 BACKENDS = {
   "xla": ((grouped_xla.gmm, grouped_xla.tgmm), KernelOptions(implementation="xla", group_rows=32)),
   "triton": ((grouped_triton.gmm, grouped_triton.tgmm), KernelOptions(group_rows=32, interpret=True)),
+  "tpu": ((grouped_tpu.gmm, grouped_tpu.tgmm), KernelOptions(interpret=True)),  # ragged_dot, megablox tgmm
 }
 
 # (group sizes, rows): empty groups, one group taking every row, sizes off the 32-row tile, padding rows at the end

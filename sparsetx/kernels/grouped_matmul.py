@@ -5,12 +5,13 @@ its two gradients, each computed only over the rows routed to each group.
   tgmm:  drhs[e] = sum_{s in e} outer(lhs[s], dout[s])           (the weights' gradient)
 
 Backends (the target device decides, as for the row kernels: platform.py):
-  TPU          `jax.lax.ragged_dot`: XLA:TPU lowers it to native grouped matmuls, gradients included.
+  TPU          XLA:TPU's native ragged dot, megablox tgmm (grouped_tpu.py).
   Hopper+ GPU  Mosaic GPU gmm (grouped_mosaic.py), Triton tgmm.
   older GPU    Triton gmm and tgmm (grouped_triton.py); also 32-bit operands and widths Mosaic does not take.
   CPU          a loop over row tiles (grouped_xla.py).
-`kernel.implementation=xla` on a GPU keeps `jax.lax.ragged_dot`, which XLA:GPU in the pinned JAX rolls out
-densely (every group over every row): the form the kernels replace, kept for comparison. Outputs and gradients
+`kernel.implementation=xla` on a GPU or TPU keeps `jax.lax.ragged_dot` with its own gradients, which the pinned
+JAX's XLA rolls out densely (every group over every row: on GPU all three matmuls, on TPU the weights'
+gradient): the form the kernels replace, kept for comparison. Outputs and gradients
 are float32 sums rounded to lhs's dtype; rows after the last group are zeros.
 """
 
@@ -31,13 +32,17 @@ def ragged_dot(lhs_SK, rhs_EKN, group_sizes_E):
 
 
 def kernels(options: KernelOptions, lhs_SK, rhs_EKN):
-  """(gmm, tgmm) of the backend that runs this call, or None where `ragged_dot` is the op (TPU; xla on a GPU)."""
+  """(gmm, tgmm) of the backend that runs this call, or None where `ragged_dot` is the op (xla on a GPU or TPU)."""
   device = target()
   implementation = options.implementation
   if implementation == "auto":
     implementation = "xla" if device.platform == "cpu" else "pallas"
-  if device.platform == "tpu" or (implementation == "xla" and device.platform == "gpu"):
+  if implementation == "xla" and device.platform != "cpu":
     return None
+  if device.platform == "tpu":
+    from sparsetx.kernels import grouped_tpu
+
+    return grouped_tpu.gmm, grouped_tpu.tgmm
   if implementation == "xla":
     from sparsetx.kernels import grouped_xla
 
