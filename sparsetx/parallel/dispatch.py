@@ -178,7 +178,7 @@ def on_own_tokens(fn, tokens, tables, table_names):
     mesh=mesh,
     in_specs=(token_spec,) * len(tokens) + tuple(specs),
     out_specs=token_spec,  # a prefix of fn's tuple: every output split like the tokens
-    axis_names=axes,
+    axis_names=set(mesh.axis_names) - set(manual),  # all free axes: Mosaic kernels refuse a partly manual region
     check_vma=False,
   )(*tokens, *tables)
 

@@ -124,7 +124,7 @@ def _group_size(line: str) -> int:
 _INSTRUCTION_RE = re.compile(
   r"^\s*(?:ROOT )?%(?P<instruction>[\w-]+)[\w.-]* = .*?custom_call_target=\"(?P<target>[^\"]+)\""
 )
-_PALLAS_NAME_RE = re.compile(r'op_name="[^"]*/(\w+)/pallas_call"')
+_PALLAS_NAME_RE = re.compile(r'op_name="[^"]*/(?:\w+\()*(\w+)\)*/pallas_call"')  # .../transpose(jvp(name))/pallas_call
 
 
 def compiled_kernels(hlo_text: str) -> collections.Counter:

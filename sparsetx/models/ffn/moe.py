@@ -46,8 +46,9 @@ def balance_losses(n_experts: int, logits_BTE, expert_ids_BTA, token_weights_BT)
   n_real = jnp.maximum(real_BT.sum(), 1.0)
   probs_BTE = jax.nn.softmax(logits_BTE.astype(jnp.float32), axis=-1)
   p_E = (probs_BTE * real_BT[:, :, None]).sum((0, 1)) / n_real
-  picks_BTAE = jax.nn.one_hot(expert_ids_BTA, n_experts, dtype=jnp.float32) * real_BT[:, :, None, None]
-  f_E = jax.lax.stop_gradient(picks_BTAE.sum((0, 1, 2)) / jnp.maximum(picks_BTAE.sum(), 1.0))
+  real_BTA = jnp.broadcast_to(real_BT[:, :, None], expert_ids_BTA.shape)  # counted by id: no [pairs, E] one-hot
+  picks_E = jax.ops.segment_sum(real_BTA.reshape(-1), expert_ids_BTA.reshape(-1), num_segments=n_experts)
+  f_E = jax.lax.stop_gradient(picks_E / jnp.maximum(picks_E.sum(), 1.0))
   z_BT = jax.nn.logsumexp(logits_BTE.astype(jnp.float32), axis=-1)
   return dict(aux_loss=n_experts * jnp.sum(f_E * p_E), router_z_loss=(z_BT**2 * real_BT).sum() / n_real)
 
