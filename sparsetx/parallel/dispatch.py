@@ -159,8 +159,9 @@ def on_own_tokens(fn, tokens, tables, table_names):
   ]
   specs = [PartitionSpec(*(dims or None for dims in table_dims)) for table_dims in split]
   axes = set(batch) | {a for dims in split for axis_tuple in dims for a in axis_tuple}
-  if not axes or tokens[0].shape[0] % math.prod(mesh.shape[a] for a in batch):
-    return fn(*tokens, *tables)
+  free = set(mesh.axis_names) - set(manual)
+  if not free or not (axes or manual) or tokens[0].shape[0] % math.prod(mesh.shape[a] for a in batch):
+    return fn(*tokens, *tables)  # (inside a manual region, the free axes are still made manual below)
 
   def body(*args):
     tokens_n, shards = args[: len(tokens)], args[len(tokens) :]
@@ -178,7 +179,7 @@ def on_own_tokens(fn, tokens, tables, table_names):
     mesh=mesh,
     in_specs=(token_spec,) * len(tokens) + tuple(specs),
     out_specs=token_spec,  # a prefix of fn's tuple: every output split like the tokens
-    axis_names=set(mesh.axis_names) - set(manual),  # all free axes: Mosaic kernels refuse a partly manual region
+    axis_names=free,  # every free axis: Mosaic kernels refuse a partly manual region
     check_vma=False,
   )(*tokens, *tables)
 
@@ -476,6 +477,7 @@ def expert_dispatch(
       group,
       in_specs=(group.token_spec,) * 3 + (experts,) * len(tables),
       out_specs=group.token_spec,
+      every_axis=True,
     )(*flat, *tables)
     return y_ND.reshape(B, T, D)
 

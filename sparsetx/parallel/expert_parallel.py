@@ -338,8 +338,9 @@ def unit_index(group: ExpertGroup):
   return index
 
 
-def shard_map(fn, group: ExpertGroup, in_specs, out_specs):
-  """jax.shard_map over the group's token and unit axes; the other mesh axes stay with the compiler.
+def shard_map(fn, group: ExpertGroup, in_specs, out_specs, every_axis: bool = False):
+  """jax.shard_map over the group's token and unit axes; the other mesh axes stay with the compiler, or with
+  every_axis are manual too (replicated): a Mosaic kernel inside (megablox) refuses a partly manual region.
 
   check_vma is off: the kernels' scans start float32 accumulators from zeros, which the varying-
   axes check rejects inside a shard_map. The tests compare values and gradients with the
@@ -355,6 +356,8 @@ def shard_map(fn, group: ExpertGroup, in_specs, out_specs):
   axes = set(group.batch + group.units + group.split) - manual
   if not axes:
     return fn
+  if every_axis:
+    axes = set(group.mesh.axis_names) - manual
   return jax.shard_map(
     fn,
     mesh=group.mesh,
