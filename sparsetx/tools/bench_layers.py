@@ -2,7 +2,9 @@
 
 For each ladder rung (d_model = 128 * scale) it times forward and forward+backward of: sgatlin
 through the gated gather op; sgatlin as Listing 1 writes it (gather rows, two einsums); the dense
-MLP and SwiGLU of the same rung; and FFF sparse vs masked-dense at several depths. All variants of
+MLP and SwiGLU of the same rung; MoE by grouped matmuls against the dense rollout of `jax.lax.ragged_dot`
+(every expert over every routed pair, what XLA:GPU and XLA:CPU compile it to) and against a SwiGLU of the
+same active FLOPs; and FFF sparse vs masked-dense at several depths. All variants of
 a table are timed in interleaved rounds in one process (median per variant) and printed as ratios;
 peak memory is XLA's temp allocation of the compiled step. A second table sweeps d_ffw to show
 sgatlin forward time against the number of neurons. Writes a PNG with --png.
@@ -23,6 +25,8 @@ from absl import flags
 from sparsetx import cli
 from sparsetx.config import ConfigError, default_config, validate
 from sparsetx.kernels import gated_gather as gg
+from sparsetx.kernels import grouped_matmul
+from sparsetx.models.ffn import moe
 from sparsetx.models.ffn.dense import Mlp, SwiGlu
 from sparsetx.models.ffn.fff import Fff
 from sparsetx.models.ffn.sgatlin import Sgatlin
@@ -35,6 +39,12 @@ def papers_gather(x, w_in, w_out, rows, gates, activation=gg.identity, options=N
   return gg.gated_gather_reference(
     x, w_in, w_out, rows, gates, activation, gate_inside_activation=gate_inside_activation
   )
+
+
+def rolled_out(lhs, rhs, group_sizes, options=None):
+  """MoE's grouped matmul as `jax.lax.ragged_dot` with its own gradients, in place of the kernels the layer calls."""
+  del options
+  return grouped_matmul.ragged_dot(lhs, rhs, group_sizes)
 
 
 def layer_config(d_model, dtype, **ffn):
@@ -50,9 +60,13 @@ def layer_config(d_model, dtype, **ffn):
 class Variant:
   """A layer, its params and input, compiled forward and forward+backward, with temp bytes."""
 
-  def __init__(self, name, module, d_model, tokens, dtype, papers=False):
+  def __init__(self, name, module, d_model, tokens, dtype, papers=False, rollout=False):
     self.name = name
-    patch = mock.patch.object(dispatch, "gated_gather", papers_gather) if papers else contextlib.nullcontext()
+    patch = contextlib.nullcontext()
+    if papers:
+      patch = mock.patch.object(dispatch, "gated_gather", papers_gather)
+    if rollout:
+      patch = mock.patch.object(moe, "grouped_matmul", rolled_out)
     x = jax.random.normal(jax.random.key(0), (tokens // 256, 256, d_model), jnp.dtype(dtype))
     with patch:
       params = jax.jit(module.init)(jax.random.key(1), x)
@@ -116,6 +130,32 @@ def rung(scale, tokens, dtype, rounds):
   ours, papers = variants[2], variants[3]
   print(
     f"  sgatlin speed-up over Listing 1: fwd {papers.ms('fwd') / ours.ms('fwd'):.2f}x, fwd+bwd {papers.ms('fwd+bwd') / ours.ms('fwd+bwd'):.2f}x"
+  )
+  return variants
+
+
+def moe_table(scale, tokens, dtype, rounds, n_experts=16, experts_per_token=2):
+  """The ladder's MoE rung (16 experts, top-2, d_ffw = d_model) by grouped matmuls, rolled out, and a SwiGLU of
+  k * d_ffw neurons: the same expert FLOPs per token, no router and no dispatch."""
+  d = 128 * scale
+  moe_cfg = layer_config(d, dtype, type="moe", d_ffw=d, n_experts=n_experts, experts_per_token=experts_per_token)
+  swiglu_cfg = layer_config(d, dtype, type="swiglu", d_ffw=experts_per_token * d)
+  variants = [
+    Variant(f"swiglu d_ffw={experts_per_token * d}", SwiGlu(swiglu_cfg), d, tokens, dtype),
+    Variant("moe (grouped matmuls)", moe.Moe(moe_cfg), d, tokens, dtype),
+    Variant("moe (ragged_dot rolled out)", moe.Moe(moe_cfg), d, tokens, dtype, rollout=True),
+  ]
+  run_rounds(variants, rounds)
+  print_table(
+    f"MoE at ladder scale {scale}: d_model={d}, {n_experts} experts of d_ffw={d}, top-{experts_per_token}, {tokens} "
+    f"tokens, {dtype}; against a SwiGLU of the same active FLOPs",
+    variants,
+    variants[0],
+  )
+  grouped, dense = variants[1], variants[2]
+  print(
+    f"  grouped speed-up over the rollout: fwd {dense.ms('fwd') / grouped.ms('fwd'):.2f}x, "
+    f"fwd+bwd {dense.ms('fwd+bwd') / grouped.ms('fwd+bwd'):.2f}x"
   )
   return variants
 
@@ -205,6 +245,7 @@ def define_flags() -> dict:
     tokens=flags.DEFINE_integer("tokens", 2048, "Tokens per step (a multiple of 256)."),
     dtype=flags.DEFINE_string("dtype", "float32", "Compute dtype (float32 is what a CPU runs fast)."),
     scales=cli.define_integer_list("scales", [2, 4], "Ladder rungs (d_model = 128 * scale)."),
+    moe_scales=cli.define_integer_list("moe_scales", [2, 4], "Ladder rungs of the MoE table."),
     fff_depths=cli.define_integer_list("fff_depths", [4, 6, 8], "FFF tree depths."),
     sweep_n_keys=cli.define_integer_list("sweep_n_keys", [32, 64, 128, 256, 512], "sgatlin n_keys of the d_ffw sweep."),
     sweep_scale=flags.DEFINE_integer("sweep_scale", 1, "Ladder rung of the d_ffw sweep."),
@@ -219,6 +260,8 @@ def absl_main(argv, holders: dict):
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {jax.device_count()} device(s)")
   try:  # a flag giving an invalid layer (e.g. --sweep_n_keys at or below top_k) is one error line
     rungs = [(s, rung(s, args.tokens, args.dtype, args.rounds)) for s in args.scales]
+    for s in args.moe_scales:
+      moe_table(s, args.tokens, args.dtype, args.rounds)
     fff_rows = fff_table(args.fff_depths, args.tokens, args.dtype, args.rounds)
     sweep_variants = sweep(args.sweep_n_keys, args.sweep_scale, args.tokens, args.dtype, args.rounds)
   except ConfigError as error:
