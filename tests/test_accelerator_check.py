@@ -23,8 +23,10 @@ def test_small_form_prints_one_table_of_passing_checks_and_every_part():
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   lines = result.stdout.splitlines()
   kernel_rows = [line for line in lines if line.startswith("kernels ")]
-  assert len(kernel_rows) == 4 and all(line.rstrip().endswith("ok") for line in kernel_rows), kernel_rows
+  assert len(kernel_rows) == 5 and all(line.rstrip().endswith("ok") for line in kernel_rows), kernel_rows
+  assert any("grouped matmul + grads" in line for line in kernel_rows), kernel_rows
   assert sum(line.startswith("kernel bench ") and "GB/s" in line for line in lines) == 7
+  assert sum(line.startswith("moe bench ") and "faster than rollout" in line for line in lines) == 1
   trained = [line.split()[2] for line in lines if line.startswith("train step ")]
   assert trained == accelerator_check.TRAIN_TYPES
 
@@ -49,6 +51,15 @@ def test_a_wrong_kernel_fails_its_check(monkeypatch):
     "triton segment_sums": True,
     "triton gated gather + grads": False,
   }
+
+
+def test_a_wrong_grouped_matmul_fails_its_check(monkeypatch):
+  """A grouped matmul whose output is 1% off fails (its bound is float32 sums plus one bf16 rounding, 0.4%)."""
+  real = accelerator_check.grouped_matmul
+  options = KernelOptions("pallas", interpret=True)
+  assert accelerator_check.check_grouped("triton", options, small=True)[-1]
+  monkeypatch.setattr(accelerator_check, "grouped_matmul", lambda *a: real(*a) * 1.01)
+  assert not accelerator_check.check_grouped("triton", options, small=True)[-1]
 
 
 def test_each_element_is_bounded_by_its_own_summation_length():

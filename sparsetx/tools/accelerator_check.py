@@ -1,12 +1,15 @@
 """The accelerator acceptance check: on one GPU or TPU, in a few minutes, one table that says the sparse path works.
 
-Three parts, each a set of rows of one table:
+Four parts, each a set of rows of one table:
   1. kernels: each row kernel of each backend this platform runs (kernels/platform.py), compiled for the device
      (not interpret mode), against float64 NumPy on the same inputs, within the float32 summation bound
      n * 2**-24 * sum|terms| (n: the longest sum; x4 for the device's reassociation), and the whole gated
-     gather's value and every gradient against the XLA path at matmul precision "highest";
+     gather's value and every gradient against the XLA path at matmul precision "highest"; MoE's grouped matmul
+     and both its gradients (kernels/grouped_matmul.py) against float64 NumPy in the same way;
   2. kernel bench: bench_kernels' (kernels/timing.py) ms, GB/s and % of HBM peak per kernel, forward and backward;
-  3. train step: bench_train_step's (train/timing.py) step at ladder scale 2 in bf16 for mlp, sgatlin, fff and moe (tokens/s, MFU).
+  3. moe bench: bench_layers' MoE rung by grouped matmuls, by ragged_dot rolled out, and a SwiGLU of the same
+     active FLOPs (forward + backward ms);
+  4. train step: bench_train_step's (train/timing.py) step at ladder scale 2 in bf16 for mlp, sgatlin, fff and moe (tokens/s, MFU).
 Exits 1 when a check fails. `--small` runs the same program on a CPU (kernels in interpret mode, tiny shapes,
 bench_train_step --small): what CI runs to keep the script working.
 
@@ -27,7 +30,9 @@ from sparsetx import cli
 from sparsetx.kernels import platform, row_gather, segment_grads
 from sparsetx.kernels import timing as kernel_timing
 from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
+from sparsetx.kernels.grouped_matmul import grouped_matmul
 from sparsetx.parallel import hardware
+from sparsetx.tools import bench_layers
 from sparsetx.train import timing as train_timing
 
 U32 = 2.0**-24  # float32 unit roundoff
@@ -125,6 +130,59 @@ def _op_versus_xla(options, lhs, table, rows_NS, gates_NS) -> tuple:
   return f"err/bound {worst:.3f}", worst <= 1.0
 
 
+def check_grouped(name, options, small) -> tuple:
+  """A row for MoE's grouped matmul on one backend: bf16 rows, float32 weights read as bf16, uneven groups with an
+  empty one, padding rows at the end. Each output is a float32 sum (n terms: K, N, or the group's rows) rounded
+  once to bf16 (half an ulp: 2^-8 relative)."""
+  S, K, N, E = (200, 64, 128, 5) if small else (8192, 1024, 2048, 16)
+  k = jax.random.split(jax.random.key(2), 4)
+  cuts = np.sort(np.asarray(jax.random.randint(k[3], (E - 1,), 0, S - S // 8)))
+  sizes = np.diff(np.concatenate([[0], cuts, [S - S // 8]])).astype(np.int32)
+  sizes[1] += sizes[0]
+  sizes[0] = 0  # an empty group; the last S // 8 rows are padding
+  lhs = jax.random.normal(k[0], (S, K), jnp.float32).astype(jnp.bfloat16)
+  rhs = jax.random.normal(k[1], (E, K, N), jnp.float32)
+  dout = jax.random.normal(k[2], (S, N), jnp.float32).astype(jnp.bfloat16)
+
+  def loss(l, r):
+    return jnp.sum(grouped_matmul(l, r, jnp.asarray(sizes), options).astype(jnp.float32) * dout.astype(jnp.float32))
+
+  out = jax.jit(lambda l, r: grouped_matmul(l, r, jnp.asarray(sizes), options))(lhs, rhs)
+  dlhs, drhs = jax.jit(jax.grad(loss, argnums=(0, 1)))(lhs, rhs)
+  group = np.repeat(np.arange(E), sizes)
+  l64, d64 = (np.asarray(a, np.float64) for a in (lhs, dout))
+  r64 = np.asarray(rhs.astype(jnp.bfloat16), np.float64)
+  routed = len(group)
+  worst = 0.0
+  for got, want, scale, n in (
+    (out[:routed], np.einsum("sk,skn->sn", l64[:routed], r64[group]), None, K),
+    (dlhs[:routed], np.einsum("sn,skn->sk", d64[:routed], r64[group]), None, N),
+    (drhs, np.stack([l64[:routed][group == e].T @ d64[:routed][group == e] for e in range(E)]), None, sizes.max()),
+  ):
+    magnitude = np.abs(want).max()
+    bound = REASSOCIATION * n * U32 * n * magnitude + 2.0**-8 * np.abs(want) + np.finfo(np.float32).tiny
+    worst = max(worst, float(np.max(np.abs(np.asarray(got, np.float64) - want) / bound)))
+  padding_zero = not np.any(np.asarray(out[routed:], np.float64)) and not np.any(np.asarray(drhs[0], np.float64))
+  return ("kernels", f"{name} grouped matmul + grads", f"err/bound {worst:.3f}", worst <= 1.0 and padding_zero)
+
+
+def moe_bench_rows(small) -> list:
+  """MoE's layer forward + backward by grouped matmuls and rolled out, and a SwiGLU of the same active FLOPs."""
+  d_model, tokens = (64, 512) if small else (256, 16384)
+  moe_cfg = bench_layers.layer_config(d_model, "bfloat16", type="moe", d_ffw=d_model, n_experts=16, experts_per_token=2)
+  swiglu_cfg = bench_layers.layer_config(d_model, "bfloat16", type="swiglu", d_ffw=2 * d_model)
+  variants = [
+    bench_layers.Variant("swiglu", bench_layers.SwiGlu(swiglu_cfg), d_model, tokens, "bfloat16"),
+    bench_layers.Variant("grouped", bench_layers.moe.Moe(moe_cfg), d_model, tokens, "bfloat16"),
+    bench_layers.Variant("rolled out", bench_layers.moe.Moe(moe_cfg), d_model, tokens, "bfloat16", rollout=True),
+  ]
+  bench_layers.run_rounds(variants, 1 if small else 5, kinds=("fwd+bwd",))
+  swiglu, grouped, rolled = (v.ms("fwd+bwd") for v in variants)
+  what = f"moe D={d_model} E=16 k=2 {tokens} tokens fwd+bwd"
+  value = f"{grouped:.2f} ms ({grouped / swiglu:.2f}x swiglu, {rolled / grouped:.1f}x faster than rollout)"
+  return [("moe bench", what, value, None)]
+
+
 def bench_rows(small) -> list:
   chip = hardware.chip_of(jax.devices()[0].device_kind)
   peak = chip.hbm_bandwidth if chip else None
@@ -175,7 +233,9 @@ def absl_main(argv, holders: dict):
   rows = []
   for name, options in kernel_timing.backends(small):
     rows += check_kernels(name, options, small)
+    rows.append(check_grouped(name, options, small))
   rows += bench_rows(small)
+  rows += moe_bench_rows(small)
   rows += train_rows(small)
   print(f"accelerator check on {device.device_kind} (jax {jax.__version__}), {time.perf_counter() - start:.0f} s")
   print(format_table(rows))
