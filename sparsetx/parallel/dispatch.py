@@ -174,14 +174,11 @@ def on_own_tokens(fn, tokens, tables, table_names):
     return tuple(fn(*tokens_n, *whole))
 
   token_spec = PartitionSpec(batch or None)
-  return jax.shard_map(
-    body,
-    mesh=mesh,
-    in_specs=(token_spec,) * len(tokens) + tuple(specs),
-    out_specs=token_spec,  # a prefix of fn's tuple: every output split like the tokens
-    axis_names=free,  # every free axis: Mosaic kernels refuse a partly manual region
-    check_vma=False,
-  )(*tokens, *tables)
+  # out_specs: a prefix of fn's tuple, every output split like the tokens
+  free, in_specs, out_spec = ep.every_axis_manual(mesh, axes, (token_spec,) * len(tokens) + tuple(specs), token_spec)
+  return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec, axis_names=free, check_vma=False)(
+    *tokens, *tables
+  )
 
 
 def where_tokens_are(fn, *arrays_BT):

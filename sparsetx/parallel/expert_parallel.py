@@ -209,6 +209,27 @@ def free_spec(spec: P, mesh) -> P:
   return P(*(entry(axes) for axes in spec))
 
 
+def every_axis_manual(mesh, used: set, in_specs, out_specs):
+  """(axis_names, in_specs, out_specs) of a shard_map that makes every free mesh axis manual, as a Mosaic kernel
+  inside requires (it refuses a partly manual region). The free axes of size 1 that split nothing here are named on
+  each array's first dimension: splitting by them changes nothing, and a shard_map transposes an axis its specs do
+  not name into a sum over it (a no-op all-reduce per gradient, inside a micro-batch loop too)."""
+  free = set(mesh.axis_names) - manual_axes(mesh)
+  idle = tuple(a for a in mesh.axis_names if a in free and a not in used and mesh.shape[a] == 1)
+
+  def named(spec):
+    if not idle:
+      return spec
+    first = spec[0] if len(spec) else None
+    first = () if first is None else (first,) if isinstance(first, str) else tuple(first)
+    return P(first + idle, *spec[1:])
+
+  def each(specs):
+    return jax.tree.map(named, specs, is_leaf=lambda s: isinstance(s, P))
+
+  return free, each(in_specs), each(out_specs)
+
+
 def on_token_shards(a_BT, group: ExpertGroup):
   """Constrains a [B, T, ...] array to the batch layout, so the router runs where the tokens are.
 
@@ -356,13 +377,8 @@ def shard_map(fn, group: ExpertGroup, in_specs, out_specs, every_axis: bool = Fa
   axes = set(group.batch + group.units + group.split) - manual
   if not axes:
     return fn
+  in_specs = jax.tree.map(lambda s: free_spec(s, group.mesh), in_specs, is_leaf=lambda s: isinstance(s, P))
+  out_specs = jax.tree.map(lambda s: free_spec(s, group.mesh), out_specs, is_leaf=lambda s: isinstance(s, P))
   if every_axis:
-    axes = set(group.mesh.axis_names) - manual
-  return jax.shard_map(
-    fn,
-    mesh=group.mesh,
-    in_specs=jax.tree.map(lambda s: free_spec(s, group.mesh), in_specs, is_leaf=lambda s: isinstance(s, P)),
-    out_specs=jax.tree.map(lambda s: free_spec(s, group.mesh), out_specs, is_leaf=lambda s: isinstance(s, P)),
-    axis_names=axes,
-    check_vma=False,
-  )
+    axes, in_specs, out_specs = every_axis_manual(group.mesh, axes, in_specs, out_specs)
+  return jax.shard_map(fn, mesh=group.mesh, in_specs=in_specs, out_specs=out_specs, axis_names=axes, check_vma=False)
