@@ -433,7 +433,9 @@ def present_platforms() -> str:
 
 
 def _quiet_console() -> None:
-  os.environ.setdefault("JAX_PLATFORMS", present_platforms())
+  platforms = os.environ.setdefault("JAX_PLATFORMS", present_platforms())
+  if "jax" in sys.modules:  # a program that imported jax first: jax read the variable (unset) at its import
+    sys.modules["jax"].config.update("jax_platforms", platforms)
   absl_logging.get_absl_handler().addFilter(_LibraryInfoFilter())
   if "tensorflow" not in sys.modules and not any(isinstance(f, _QuietTensorFlowImport) for f in sys.meta_path):
     sys.meta_path.insert(0, _QuietTensorFlowImport())

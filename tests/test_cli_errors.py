@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 from absl import flags
 from conftest import REPO
@@ -216,3 +217,16 @@ def test_stderr_without_drops_only_the_noise_lines(capfd):
     os.write(2, b"a real problem\n")
     os.write(2, b"I0000 port.cc:153] oneDNN custom operations are on. You may see ...\n")
   assert capfd.readouterr().err == "a real problem\n"
+
+
+def test_a_program_that_imports_jax_first_initializes_only_the_present_platforms():
+  """A tool imports jax before sparsetx.cli (import order); with JAX_PLATFORMS unset, jax read it at its import, so
+  cli sets jax's config too: on a machine without a GPU or TPU the CUDA plugin and libtpu never start (they would
+  print their start-up failures)."""
+  env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+  code = "import jax\nfrom sparsetx import cli\nprint(jax.config.jax_platforms, jax.devices()[0].platform)"
+  result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.split() == [cli.present_platforms(), jax.devices()[0].platform], result.stdout
+  if cli.present_platforms() == "cpu":
+    assert "cuInit" not in result.stderr and "libtpu" not in result.stderr, result.stderr[-2000:]
