@@ -146,7 +146,8 @@ def on_own_tokens(fn, tokens, tables, table_names):
   give under the rules (`placed_names`): a dimension split over batch axes (fsdp) is all-gathered whole here,
   minor axis first so the blocks land in order, and its gradient comes back by the transpose, a reduce-scatter;
   a replicated table (data) enters as it is, and the shard_map's transpose all-reduces its gradient. fn returns
-  a tuple of [n, ...] arrays; they come back as [N, ...]. With no mesh, or tokens that don't split evenly over
+  a tuple of [n, ...] arrays; they come back as [N, ...]. Every free mesh axis is manual inside
+  (`ep.every_axis_manual`: MoE's kernels may be Mosaic's). With no mesh, or tokens that don't split evenly over
   the batch axes (a batch of 1 at init), fn runs on everything and the compiler gathers the tables.
   """
   mesh = jax.sharding.get_abstract_mesh()
@@ -160,8 +161,9 @@ def on_own_tokens(fn, tokens, tables, table_names):
   specs = [PartitionSpec(*(dims or None for dims in table_dims)) for table_dims in split]
   axes = set(batch) | {a for dims in split for axis_tuple in dims for a in axis_tuple}
   free = set(mesh.axis_names) - set(manual)
+  # Nothing to split and no manual region around (inside one, a Mosaic kernel still needs every axis manual).
   if not free or not (axes or manual) or tokens[0].shape[0] % math.prod(mesh.shape[a] for a in batch):
-    return fn(*tokens, *tables)  # (inside a manual region, the free axes are still made manual below)
+    return fn(*tokens, *tables)
 
   def body(*args):
     tokens_n, shards = args[: len(tokens)], args[len(tokens) :]
