@@ -112,9 +112,9 @@ def reduction_budget(built) -> tuple[int, int]:
 
 
 # The analytic device estimate over the compiler's peak, on every compiled case. Measured 2026-12-04 at these shapes
-# (peaks of 7 to 99 MiB): 0.70-1.02 on H100 and A100 but for MoE, 0.24-0.87 on TPU (the sparse kernels' padded
-# 128-token groups per core and their uint32 copies of the bf16 tables are not in the model), MoE 0.18-0.64 (its
-# expert=1 dispatch computes every pair of the batch on every device; the grouped-matmul issue #35).
+# (peaks of 7 to 99 MiB): 0.70-1.02 on H100 and A100, 0.24-0.87 on TPU (the sparse kernels' padded 128-token groups
+# per core and their uint32 copies of the bf16 tables are not in the model); MoE by grouped matmuls 0.92-1.02 on
+# the GPUs and 0.46-0.72 on TPU (before them, with every pair of the batch on every device: 0.18-0.64).
 ANALYTIC_RATIO = (0.15, 1.5)
 
 
