@@ -187,7 +187,9 @@ def test_moe_compiles_at_the_routed_cost():
     step = compiled(config, target)
     assert_data_parallel_step(step, "moe", target)
     pairs = str(MOE_TOKENS_PER_DEVICE * MOE_SHAPE["experts_per_token"])
-    rolled_out = {d for d in re.findall(r"\[([\d,]+)\]", step.text) if {str(MOE_SHAPE["n_experts"]), pairs} <= set(d.split(","))}
+    rolled_out = {
+      d for d in re.findall(r"\[([\d,]+)\]", step.text) if {str(MOE_SHAPE["n_experts"]), pairs} <= set(d.split(","))
+    }
     assert not rolled_out, (target, rolled_out)
     temps[target] = step.report.memory["temp"]
   for gpu in ("h100", "a100"):
@@ -204,13 +206,16 @@ def test_grouped_matmul_compiles_to_the_routed_flops(target):
   spec = jax.ShapeDtypeStruct
 
   def loss_and_grads(lhs, rhs, sizes):
-    loss = lambda l, r: jnp.sum(grouped_matmul(l, r, sizes, KernelOptions()).astype(jnp.float32))  # noqa: E731
+    loss = lambda x, w: jnp.sum(grouped_matmul(x, w, sizes, KernelOptions()).astype(jnp.float32))  # noqa: E731
     return jax.value_and_grad(loss, argnums=(0, 1))(lhs, rhs)
 
   with aot.on_topology(TOPOLOGIES[target]):
-    program = jax.jit(loss_and_grads).trace(
-      spec((S, K), jnp.bfloat16), spec((E, K, N), jnp.float32), spec((E,), jnp.int32)
-    ).lower().compile()
+    program = (
+      jax.jit(loss_and_grads)
+      .trace(spec((S, K), jnp.bfloat16), spec((E, K, N), jnp.float32), spec((E,), jnp.int32))
+      .lower()
+      .compile()
+    )
   text = program.as_text()
   assert GROUPED_KERNELS[target] <= set(kernels(text)), kernels(text)
   assert not [d for d in re.findall(r"\[([\d,]+)\]", text) if {str(E), str(S)} <= set(d.split(","))]

@@ -287,7 +287,9 @@ def test_moe_rows_travel_in_bf16_and_the_owner_sums_them_in_float32():
   for j in range(k):
     order = jnp.argsort(ids[:, j])
     sizes = jnp.bincount(ids[:, j], length=LAYERS["moe"]["n_experts"]).astype(jnp.int32)
-    y_j = moe.sorted_experts(KernelOptions(), x_ND[order], sizes, params["wi_gate"], params["wi_up"], params["wo"])[jnp.argsort(order)]
+    y_j = moe.sorted_experts(KernelOptions(), x_ND[order], sizes, params["wi_gate"], params["wi_up"], params["wo"])[
+      jnp.argsort(order)
+    ]
     terms = terms + weights[:, j : j + 1] * jnp.abs(y_j)
   mesh = make_mesh(**MESHES["expert8"])
   batch = mesh_lib.batch_sharding(mesh, config_lib.DEFAULT_RULES)

@@ -58,22 +58,24 @@ def case(sizes, n_rows, K, N, dtype, seed=0):
 def reference(lhs, rhs, dout, sizes, n_rows):
   """float64 (out, dlhs, drhs, and the sums of |terms| each bound scales with)."""
   groups = group_of_rows(np.asarray(sizes), n_rows)
-  l, r, d = as64(lhs), as64(jnp.asarray(rhs).astype(lhs.dtype)), as64(dout)
+  x, r, d = as64(lhs), as64(jnp.asarray(rhs).astype(lhs.dtype)), as64(dout)
   r_of_row = np.where(groups[:, None, None] >= 0, r[np.maximum(groups, 0)], 0.0)  # [S, K, N]
-  out = np.einsum("sk,skn->sn", l, r_of_row)
-  out_abs = np.einsum("sk,skn->sn", np.abs(l), np.abs(r_of_row))
+  out = np.einsum("sk,skn->sn", x, r_of_row)
+  out_abs = np.einsum("sk,skn->sn", np.abs(x), np.abs(r_of_row))
   dlhs = np.einsum("sn,skn->sk", d, r_of_row)
   dlhs_abs = np.einsum("sn,skn->sk", np.abs(d), np.abs(r_of_row))
   member = (groups[None, :] == np.arange(len(sizes))[:, None]).astype(np.float64)  # [E, S]
-  drhs = np.einsum("es,sk,sn->ekn", member, l, d)
-  drhs_abs = np.einsum("es,sk,sn->ekn", member, np.abs(l), np.abs(d))
+  drhs = np.einsum("es,sk,sn->ekn", member, x, d)
+  drhs_abs = np.einsum("es,sk,sn->ekn", member, np.abs(x), np.abs(d))
   return (out, out_abs), (dlhs, dlhs_abs), (drhs, drhs_abs)
 
 
 def assert_within(result, expected, abs_terms, n_terms, half_ulp, name):
   bound = n_terms * F32_U * abs_terms + half_ulp * (np.abs(expected) + n_terms * F32_U * abs_terms)
   error = np.abs(as64(result) - expected)
-  assert np.all(error <= bound), f"{name}: worst error {error.max()} where the bound is {bound.flat[np.argmax(error - bound)]}"
+  assert np.all(error <= bound), (
+    f"{name}: worst error {error.max()} where the bound is {bound.flat[np.argmax(error - bound)]}"
+  )
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
@@ -85,7 +87,7 @@ def test_grouped_matmul_and_gradients_equal_float64(backend, sizes_name, dtype):
   sizes, n_rows = SIZES[sizes_name]
   K, N = 48, 40
   lhs, rhs, dout, sizes_E = case(sizes, n_rows, K, N, dtype)
-  out, vjp = jax.vjp(lambda l, r: gm._grouped(kernels, options, l, r, sizes_E), lhs, rhs)
+  out, vjp = jax.vjp(lambda x, w: gm._grouped(kernels, options, x, w, sizes_E), lhs, rhs)
   dlhs, drhs = vjp(dout)
   (ref_out, out_abs), (ref_dlhs, dlhs_abs), (ref_drhs, drhs_abs) = reference(lhs, rhs, dout, sizes, n_rows)
   half_ulp = HALF_ULP[jnp.dtype(dtype)]

@@ -144,20 +144,23 @@ def check_grouped(name, options, small) -> tuple:
   rhs = jax.random.normal(k[1], (E, K, N), jnp.float32)
   dout = jax.random.normal(k[2], (S, N), jnp.float32).astype(jnp.bfloat16)
 
-  def loss(l, r):
-    return jnp.sum(grouped_matmul(l, r, jnp.asarray(sizes), options).astype(jnp.float32) * dout.astype(jnp.float32))
+  def grouped(x, w):
+    return grouped_matmul(x, w, jnp.asarray(sizes), options)
 
-  out = jax.jit(lambda l, r: grouped_matmul(l, r, jnp.asarray(sizes), options))(lhs, rhs)
+  def loss(x, w):
+    return jnp.sum(grouped(x, w).astype(jnp.float32) * dout.astype(jnp.float32))
+
+  out = jax.jit(grouped)(lhs, rhs)
   dlhs, drhs = jax.jit(jax.grad(loss, argnums=(0, 1)))(lhs, rhs)
   group = np.repeat(np.arange(E), sizes)
   l64, d64 = (np.asarray(a, np.float64) for a in (lhs, dout))
   r64 = np.asarray(rhs.astype(jnp.bfloat16), np.float64)
   routed = len(group)
   worst = 0.0
-  for got, want, scale, n in (
-    (out[:routed], np.einsum("sk,skn->sn", l64[:routed], r64[group]), None, K),
-    (dlhs[:routed], np.einsum("sn,skn->sk", d64[:routed], r64[group]), None, N),
-    (drhs, np.stack([l64[:routed][group == e].T @ d64[:routed][group == e] for e in range(E)]), None, sizes.max()),
+  for got, want, n in (
+    (out[:routed], np.einsum("sk,skn->sn", l64[:routed], r64[group]), K),
+    (dlhs[:routed], np.einsum("sn,skn->sk", d64[:routed], r64[group]), N),
+    (drhs, np.stack([l64[:routed][group == e].T @ d64[:routed][group == e] for e in range(E)]), sizes.max()),
   ):
     magnitude = np.abs(want).max()
     bound = REASSOCIATION * n * U32 * n * magnitude + 2.0**-8 * np.abs(want) + np.finfo(np.float32).tiny
