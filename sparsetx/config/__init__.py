@@ -64,6 +64,7 @@ from sparsetx.config.schema import (
   remat_policy,
   rule_axes,
   source_patterns,
+  tokenize_only,
   train_defaults,
 )
 
@@ -109,6 +110,7 @@ __all__ = [
   "remat_policy",
   "require",
   "source_patterns",
+  "tokenize_only",
   "train_defaults",
   "validate",
   "validate_attention",

@@ -4,7 +4,8 @@ Files, one concern each:
   corpus.py         the embedded corpus (stories, facts), generated deterministically; `facts()`, `characters()`
   vocab.py          `make_vocabulary(config.data, model_vocab_size)`: byte (default), SentencePiece or GPT-2 BPE
   bpe_vocab.py      reading a GPT-2 byte-level BPE from local files (vocab.json + merges.txt, or tokenizer.json)
-  sources.py        config.data.sources -> seqio DataSource (text, jsonl, tfrecord, tfds; embedded)
+  sources.py        config.data.sources -> seqio DataSource (text, jsonl, tfrecord, tfds, parquet, datasets; embedded)
+  documents.py      streamed documents of corpora as they ship: parquet, JSON lines (.gz, .zst), datasets folders
   preprocessors.py  text extraction, blank-document filter, splitting documents into seq_len pieces
   tasks.py          registers tasks `sparsetx.<name>` and the mixture `sparsetx.mixture` with seqio
   pipeline.py       `make_train_iterator`, `make_eval_iterator` / `EvalData`: global jax.Array batches (on the fly)
@@ -27,11 +28,14 @@ where an example is a document piece of at most seq_len tokens):
   config.data.mixture = (("web", 0.9), ("facts", 0.1))
 
   kind="text"      one document per line; blank lines are skipped
-  kind="jsonl"     one JSON object per line; `text_field` holds the document
+  kind="jsonl"     one JSON object per line; `text_field` holds the document; .gz and .zst files decompressed
+  kind="parquet"   parquet files; the string column `text_field` holds the document (read by row group)
+  kind="datasets"  a folder written by datasets' save_to_disk (one split's folder), column `text_field`
   kind="tfrecord"  tf.train.Example records with a bytes feature `text_field`
   kind="tfds"      a prepared TFDS dataset: tfds_name="name:1.0.0", data_dir=..., train/validation are
                    TFDS split names (e.g. "train", "validation[:5%]"); read-only, nothing is downloaded
   train / validation are a path, a glob or a tuple of them (validation optional).
+  parquet, datasets and compressed JSON lines are read by sparsetx-tokenize only; train on the tokenized corpus.
 
 Write at least as many files per split as there are processes (seqio then gives each process whole
 files); otherwise every process reads everything and keeps every n-th document.

@@ -38,6 +38,15 @@ def check_source_files(source: ml_collections.ConfigDict, prefix: str) -> None:
       bool(data_dir) and ("://" in data_dir or os.path.isdir(data_dir)),
       f"{prefix}.data_dir={data_dir!r} is not a directory; point it at the prepared TFDS data (nothing is downloaded).",
     )
+  elif source.get("kind") == "datasets":
+    from sparsetx.data import documents  # pyarrow, no TensorFlow
+
+    for key in ("train", "validation"):
+      for folder in config_lib.source_patterns(source.get(key)):
+        try:
+          check_patterns(f"{prefix}.{key}", tuple(documents.datasets_files(folder)))
+        except documents.DocumentError as error:
+          raise config_lib.ConfigError(f"{prefix}.{key}: {error}") from None
   else:
     check_patterns(f"{prefix}.train", config_lib.source_patterns(source.get("train")))
     check_patterns(f"{prefix}.validation", config_lib.source_patterns(source.get("validation")))
@@ -90,6 +99,13 @@ def check_training_files(config: ml_collections.ConfigDict) -> ml_collections.Co
   """The files training reads: with config.data.tokenized_dir that corpus and the vocabulary (the sources' files
   need not be on a training host), else `check_files`. Returns the config unchanged."""
   if not config.data.tokenized_dir:
+    sources = config.data.sources or {}
+    for name in sources:
+      config_lib.require(
+        not config_lib.tokenize_only(sources[name]),
+        f"config.data.sources.{name} ({sources[name].kind} files) is read by sparsetx-tokenize only; tokenize it "
+        "first (sparsetx-tokenize --config=... --output_dir=DIR) and train with --config.data.tokenized_dir=DIR.",
+      )
     return check_files(config)
   check_tokenized_dir(config.data.tokenized_dir)
   check_vocab_files(config.data, config.model)

@@ -212,7 +212,7 @@ def _reason(error: Exception) -> str:
   """The message a TensorFlow op error carries from the Python function that raised it (a JSONL parse)."""
   text = getattr(error, "message", None) or str(error)
   for line in text.splitlines():
-    for kind in ("ValueError: ", "UnicodeDecodeError: "):
+    for kind in ("DocumentError: ", "ValueError: ", "UnicodeDecodeError: "):
       if kind in line:
         return line.split(kind, 1)[1].strip()
   return text.strip().splitlines()[0] if text.strip() else type(error).__name__

@@ -2,8 +2,11 @@
 
 Kinds (config.data.sources.<name>.kind): `text` (one document per line), `jsonl` (a string
 field per line), `tfrecord` (tf.train.Example with a bytes feature), `tfds` (a prepared TFDS
-dataset in `data_dir`; read-only, nothing is downloaded). `stories` and `facts` are the
-embedded corpus (sparsetx.data.corpus) and need no files.
+dataset in `data_dir`; read-only, nothing is downloaded), `parquet` (a string column) and `datasets`
+(a folder written by save_to_disk). `stories` and `facts` are the embedded corpus (sparsetx.data.corpus)
+and need no files. Parquet, datasets folders and JSON lines ending in .gz or .zst stream through
+sparsetx/data/documents.py (Python readers in a tf.data generator, which tf.data cannot checkpoint): they
+are sources for sparsetx-tokenize, and training reads them from the tokenized corpus.
 
 Sharding: seqio gives each process whole files when a split has at least as many files as
 processes, and otherwise every process reads the files and keeps every n-th example. For a large
@@ -18,7 +21,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from sparsetx import config as config_lib
-from sparsetx.data import corpus, preprocessors
+from sparsetx.data import corpus, documents, preprocessors
 
 Preprocessor = Callable[[tf.data.Dataset], tf.data.Dataset]
 
@@ -65,6 +68,17 @@ def _check_prepared_tfds(
       ) from error
 
 
+def _streamed_source(split_files: dict, read, field: str) -> seqio.DataSource:
+  """A file source whose files are read by `read(path, field)` (documents.py), each document one string."""
+
+  def read_file(path: tf.Tensor) -> tf.data.Dataset:
+    return tf.data.Dataset.from_generator(
+      lambda p: read(p.decode(), field), args=(path,), output_signature=tf.TensorSpec((), tf.string)
+    )
+
+  return seqio.FileDataSource(read_file_fn=read_file, split_to_filepattern=split_files)
+
+
 def _embedded_source(name: str) -> seqio.DataSource:
   documents = corpus.DOCUMENTS[name]
 
@@ -96,10 +110,21 @@ def make_source(name: str, source: ml_collections.ConfigDict | None) -> tuple[se
     )
     _check_prepared_tfds(prefix, source, data_source, splits)
     return data_source, preprocessors.field_to_targets(field)
+  if kind == "datasets":  # a folder per split: its data files, in order
+    split_files = {
+      key: [path for folder in config_lib.source_patterns(source.get(key)) for path in documents.datasets_files(folder)]
+      for key in ("train", "validation")
+      if source.get(key)
+    }
+    return _streamed_source(split_files, documents.arrow_documents, field), preprocessors.text_line_to_targets
   split_files = {"train": _files(f"{prefix}.train", config_lib.source_patterns(source.train))}
   validation = config_lib.source_patterns(source.get("validation"))
   if validation:
     split_files["validation"] = _files(f"{prefix}.validation", validation)
+  if kind == "parquet":
+    return _streamed_source(split_files, documents.parquet_documents, field), preprocessors.text_line_to_targets
+  if kind == "jsonl" and config_lib.tokenize_only(source):
+    return _streamed_source(split_files, documents.jsonl_documents, field), preprocessors.text_line_to_targets
   if kind == "text":
     return seqio.TextLineDataSource(split_files), preprocessors.text_line_to_targets
   if kind == "jsonl":

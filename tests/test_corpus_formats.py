@@ -1,0 +1,152 @@
+"""Corpora as they ship (sparsetx/data/documents.py): parquet files, JSON lines plain, .gz and .zst, and `datasets`
+folders tokenize into a corpus whose documents equal the source texts (as multisets: none lost or doubled); a bad
+file is one error naming the file and the row or byte offset, shards already written stay valid, and the same
+command finishes the corpus once the file is fixed; these sources train only through the tokenized corpus."""
+
+import collections
+import gzip
+import json
+
+import datasets
+import ml_collections
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+from test_tokenize import decoded
+
+from sparsetx import config as config_lib
+from sparsetx.data import documents, file_checks, pretokenize, token_store
+
+DOCS = [f"document {i}: naïve café ☕ {'x' * (i % 7)}" for i in range(40)] + ["line\nbreak \"quoted\"", "  "]
+
+
+def non_blank(texts):
+  return collections.Counter(t for t in texts if t.strip())
+
+
+def write_parquet(path, texts, row_group_size=7, field="text"):
+  pq.write_table(pa.table({field: texts, "id": list(range(len(texts)))}), path, row_group_size=row_group_size)
+
+
+def jsonl_bytes(texts, field="text"):
+  return "".join(json.dumps({field: t, "n": i}) + "\n" for i, t in enumerate(texts)).encode()
+
+
+def write_zst(path, texts, frames=2):
+  """A .zst file of `frames` concatenated frames (as pzstd and Dolma's writers make)."""
+  data = jsonl_bytes(texts)
+  cut = len(data) // frames
+  parts = [data[i * cut : (i + 1) * cut if i < frames - 1 else None] for i in range(frames)]
+  path.write_bytes(b"".join(zstandard.ZstdCompressor().compress(p) for p in parts))
+
+
+def source_config(kind, train, field="text"):
+  config = config_lib.default_config()
+  config.data.sources.web = ml_collections.ConfigDict(dict(kind=kind, train=train, text_field=field))
+  config.data.mixture = (("web", 1.0),)
+  return config
+
+
+@pytest.mark.parametrize("kind", ["parquet", "jsonl.zst", "jsonl.gz", "datasets"])
+def test_each_format_tokenizes_every_document_once(tmp_path, kind):
+  src = tmp_path / "src"
+  src.mkdir()
+  halves = (DOCS[:25], DOCS[25:])
+  if kind == "parquet":
+    for i, half in enumerate(halves):
+      write_parquet(src / f"part-{i}.parquet", half)
+    train = str(src / "*.parquet")
+  elif kind == "jsonl.zst":
+    for i, half in enumerate(halves):
+      write_zst(src / f"part-{i}.jsonl.zst", half)
+    train = str(src / "*.jsonl.zst")
+  elif kind == "jsonl.gz":
+    for i, half in enumerate(halves):
+      (src / f"part-{i}.jsonl.gz").write_bytes(gzip.compress(jsonl_bytes(half)))
+    train = str(src / "*.jsonl.gz")
+  else:
+    datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(str(src / "saved"), num_shards=2)
+    train = str(src / "saved")
+  config = source_config(kind.split(".")[0], train)
+  file_checks.check_files(config)
+  manifest = pretokenize.tokenize_corpus(config, tmp_path / "corpus", workers=1)
+  assert manifest["tasks"]["web"] == {"train": 2}  # one shard per file
+  assert collections.Counter(decoded(tmp_path / "corpus", "web", "train")) == non_blank(DOCS)
+
+
+def test_streaming_readers_read_what_the_files_hold(tmp_path):
+  write_parquet(tmp_path / "a.parquet", DOCS, row_group_size=5)
+  write_zst(tmp_path / "a.jsonl.zst", DOCS, frames=3)
+  (tmp_path / "a.jsonl").write_bytes(jsonl_bytes(DOCS))
+  assert list(documents.parquet_documents(str(tmp_path / "a.parquet"))) == DOCS
+  assert list(documents.jsonl_documents(str(tmp_path / "a.jsonl.zst"))) == DOCS
+  assert list(documents.jsonl_documents(str(tmp_path / "a.jsonl"))) == DOCS
+
+
+def bad_files(tmp_path):
+  """{name: (path, field, the message's pattern)} of each kind of bad input."""
+  write_parquet(tmp_path / "good.parquet", DOCS)
+  damaged = (tmp_path / "good.parquet").read_bytes()
+  (tmp_path / "damaged.parquet").write_bytes(damaged[: len(damaged) // 2])
+  write_parquet(tmp_path / "title.parquet", DOCS, field="title")
+  whole_gz = gzip.compress(jsonl_bytes(DOCS))
+  (tmp_path / "cut.jsonl.gz").write_bytes(whole_gz[: len(whole_gz) // 2])
+  write_zst(tmp_path / "whole.jsonl.zst", DOCS, frames=1)
+  whole_zst = (tmp_path / "whole.jsonl.zst").read_bytes()
+  (tmp_path / "cut.jsonl.zst").write_bytes(whole_zst[: len(whole_zst) // 2])
+  (tmp_path / "notjson.jsonl").write_bytes(b'{"text": "fine"}\nnot json\n')
+  (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+  return {
+    "damaged parquet": (tmp_path / "damaged.parquet", "text", r"damaged\.parquet is not a readable parquet file"),
+    "missing column": (tmp_path / "title.parquet", "text", r"title\.parquet has no column 'text' \(it has title, id\)"),
+    "truncated gz": (tmp_path / "cut.jsonl.gz", "text", r"cut\.jsonl\.gz: the compressed stream breaks after byte \d+"),
+    "truncated zst": (tmp_path / "cut.jsonl.zst", "text", r"cut\.jsonl\.zst: the compressed stream breaks after byte"),
+    "not json": (tmp_path / "notjson.jsonl", "text", r"notjson\.jsonl: line 2 \(byte 17\) is not JSON"),
+    "not utf-8": (tmp_path / "latin1.jsonl", "text", r"latin1\.jsonl: line 2 \(byte 17\) is not UTF-8"),
+    "missing field": (tmp_path / "notjson.jsonl", "body", r"notjson\.jsonl: line 1 \(byte 0\) has no string field"),
+  }
+
+
+def test_bad_input_is_one_error_naming_the_file_and_where(tmp_path):
+  for name, (path, field, pattern) in bad_files(tmp_path).items():
+    read = documents.parquet_documents if path.suffix == ".parquet" else documents.jsonl_documents
+    with pytest.raises(documents.DocumentError, match=pattern):
+      list(read(str(path), field))
+    assert "\n" not in str(pytest.raises(documents.DocumentError, lambda: list(read(str(path), field))).value), name
+
+
+def test_a_bad_file_stops_its_shard_keeps_the_others_and_the_rerun_finishes(tmp_path):
+  src = tmp_path / "src"
+  src.mkdir()
+  write_zst(src / "a.jsonl.zst", DOCS[:25])
+  whole = gzip.compress(jsonl_bytes(DOCS[25:]))
+  (src / "b.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+  config = source_config("jsonl", (str(src / "a.jsonl.zst"), str(src / "b.jsonl.gz")))
+  out, progress = tmp_path / "corpus", []
+  with pytest.raises(
+    pretokenize.ShardError, match=r"web/train/shard_00001_of_00002 failed: .*b\.jsonl\.gz: the compressed"
+  ):
+    pretokenize.tokenize_corpus(config, out, workers=1)
+  assert not (out / "manifest.json").exists()
+  first = token_store.split_dir(out, "web", "train") / token_store.shard_name(0, 2)
+  assert token_store.shard_complete(first)
+  (src / "b.jsonl.gz").write_bytes(whole)  # the file fixed: the same command finishes the corpus
+  pretokenize.tokenize_corpus(config, out, workers=1, progress=lambda p: progress.append(p))
+  assert progress[-1].shards_skipped == 1  # the complete shard was kept
+  assert collections.Counter(decoded(out, "web", "train")) == non_blank(DOCS)
+
+
+def test_these_sources_train_only_from_the_tokenized_corpus(tmp_path):
+  write_parquet(tmp_path / "a.parquet", DOCS)
+  config = source_config("parquet", str(tmp_path / "a.parquet"))
+  with pytest.raises(
+    config_lib.ConfigError, match=r"config.data.sources.web \(parquet files\) is read by sparsetx-tokenize only"
+  ):
+    file_checks.check_training_files(config)
+  datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": DOCS})}).save_to_disk(str(tmp_path / "dict"))
+  config = source_config("datasets", str(tmp_path / "dict"))
+  with pytest.raises(
+    config_lib.ConfigError, match=r"holds a DatasetDict: point at one split's folder, e\.g\. .*dict/train"
+  ):
+    file_checks.check_files(config)
