@@ -115,3 +115,67 @@ def test_recipes_set_the_maxtext_xla_flags_and_the_pinned_jaxlib_accepts_them():
       timeout=120,
     )
     assert (result.returncode == 0) == ok, result.stderr[-500:]
+
+
+FAKE_SRUN = r"""#!/bin/bash
+# SLURM's srun, simulated: its options dropped, the command started as 2 tasks of 2 nodes on this machine.
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for i in 0 1; do
+  SLURM_PROCID=$i SLURM_LOCALID=0 SLURM_NTASKS=2 SLURM_STEP_NUM_NODES=2 SLURM_STEP_NODELIST=localhost \
+    "$@" > "$SRUN_LOGS/task_$i.log" 2>&1 &
+  pids+=($!)
+done
+rc=0
+for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+exit $rc
+"""
+
+
+def test_sbatch_script_tokenizes_then_trains_under_a_simulated_slurm(tmp_path):
+  """The sbatch script as written, with SLURM's environment simulated: its tokenize step writes the corpus of the
+  config (the embedded one), then srun's 2 tasks (2 CPU devices each, gloo) train from it to the last step and
+  checkpoint; run again, the tokenize step finds the corpus complete and the tasks resume from that checkpoint."""
+  from conftest import MICRO_TRAIN_FLAGS
+
+  bin_dir, logs = tmp_path / "bin", tmp_path / "logs"
+  bin_dir.mkdir()
+  logs.mkdir()
+  (bin_dir / "srun").write_text(FAKE_SRUN)
+  (bin_dir / "srun").chmod(0o755)
+  env = {
+    **{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+    "PATH": f"{bin_dir}:{os.environ['PATH']}",
+    "SRUN_LOGS": str(logs),
+    "SLURM_SUBMIT_DIR": str(REPO),
+    "SLURM_JOB_NAME": "sparsetx",
+    "SLURM_JOB_ID": str(4096 + os.getpid() % 4096),  # the coordinator's port comes from it
+    "SLURM_CPUS_PER_TASK": "1",
+    "PYTHON": sys.executable,
+    "CONFIG": "configs/tiny.py:mlp",
+    "WORKDIR": str(tmp_path / "run"),
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    "JAX_PLATFORMS": "cpu",
+  }
+  flags = [
+    *MICRO_TRAIN_FLAGS,
+    "--config.data.mixture=(('facts', 1.0),)",
+    "--config.train.eval_every=1000",
+    "--config.checkpoint.every=2",
+  ]
+  for steps in (2, 4):
+    result = subprocess.run(
+      ["bash", str(REPO / "deploy/slurm/train.sbatch"), *flags, f"--config.train.steps={steps}"],
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+    )
+    tasks = "\n".join(
+      (logs / f"task_{i}.log").read_text()[-1500:] for i in range(2) if (logs / f"task_{i}.log").exists()
+    )
+    assert result.returncode == 0, result.stderr[-2000:] + tasks
+    assert (tmp_path / "run/tokenized/manifest.json").exists()
+    assert str(steps) in os.listdir(tmp_path / "run/checkpoints"), os.listdir(tmp_path / "run")
+    resumed = ["Resumed from" in (logs / f"task_{i}.log").read_text() and "at step 2." in tasks for i in range(2)]
+    assert resumed == [steps == 4] * 2, tasks

@@ -14,6 +14,7 @@ PROJECT=${PROJECT:-$(gcloud config get-value project 2>/dev/null)}
 REPO=${REPO:-\$HOME/sparsetx}                          # the checkout on each worker (see deploy/README.md)
 CONFIG=${CONFIG:-configs/ladder.py:sgatlin,4}
 WORKDIR=${WORKDIR:?set WORKDIR to a directory every worker shares (NFS / Filestore / gcsfuse mount)}
+TOKENIZED_DIR=${TOKENIZED_DIR:-$WORKDIR/tokenized}      # shared too: the corpus CONFIG's data is tokenized into
 
 # The libtpu flags MaxText trains with: asynchronous, fused collectives overlapped with compute and the
 # data-parallel all-reduce optimization. LIBTPU_INIT_ARGS set here before the call replaces them.
@@ -26,7 +27,18 @@ LIBTPU_INIT_ARGS=${LIBTPU_INIT_ARGS:-"--xla_tpu_enable_data_parallel_all_reduce_
  --xla_enable_async_all_gather=true"}
 
 FLAGS=""
+CONFIG_FLAGS=""
 if [ $# -gt 0 ]; then printf -v FLAGS ' %q' "$@"; fi   # extra train flags, quoted for the remote shell
+for arg in "$@"; do
+  case "$arg" in --config.*) printf -v CONFIG_FLAGS '%s %q' "$CONFIG_FLAGS" "$arg" ;; esac
+done
+# The corpus the run trains on, tokenized on worker 0's CPUs before training starts on any worker:
+# sparsetx-tokenize finishes a partial corpus and checks a complete one against CONFIG in seconds; a corpus of
+# another config there is one error line, and nothing is launched.
+gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --project="$PROJECT" --worker=0 --command="
+  cd $REPO && JAX_PLATFORMS=cpu .venv/bin/python -m sparsetx.tools.tokenize --config=$CONFIG --output_dir=$TOKENIZED_DIR ${CONFIG_FLAGS}
+"
 gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --project="$PROJECT" --worker=all --command="
-  cd $REPO && LIBTPU_INIT_ARGS='$LIBTPU_INIT_ARGS' .venv/bin/python -m sparsetx.train --config=$CONFIG --workdir=$WORKDIR ${FLAGS}
+  cd $REPO && LIBTPU_INIT_ARGS='$LIBTPU_INIT_ARGS' .venv/bin/python -m sparsetx.train --config=$CONFIG --workdir=$WORKDIR \
+    --config.data.tokenized_dir=$TOKENIZED_DIR ${FLAGS}
 "
