@@ -30,7 +30,7 @@ from sparsetx.train import state as state_lib
 # defines the copied parameters and must equal the source's.
 FREE_FIELDS = ("ffn", "ffn_layers", "dense_ffn", "dtype", "remat", "attention", "max_len", "init_std")
 REPORT_FILE = "sparsify.json"
-TRAINER_OUTPUTS = ("checkpoints", "data_state", "tensorboard", "metrics.jsonl", REPORT_FILE)
+TRAINER_OUTPUTS = ("checkpoints", "tokenized", "tensorboard", "metrics.jsonl", REPORT_FILE)
 
 
 def load_checkpoint(workdir: str, mesh, step: int | None = None):
@@ -135,13 +135,6 @@ def sparsify(source_config, source_params, config: ml_collections.ConfigDict, me
   return config, fresh.replace(params=params), report
 
 
-class _StreamStart:
-  """The data position of a sparsified start: none, so the trainer starts the stream at its beginning."""
-
-  def save(self, path: str) -> None:
-    del path
-
-
 def check_target_workdir(workdir: str, overwrite: bool) -> list[str]:
   """The trainer's outputs already in `workdir`; refuses them unless `overwrite`."""
   existing = [name for name in TRAINER_OUTPUTS if (paths.resolve(workdir) / name).exists()]  # local or gs://
@@ -165,7 +158,7 @@ def write_start(workdir: str, config: ml_collections.ConfigDict, state, report: 
   paths.resolve(workdir).mkdir(parents=True, exist_ok=True)
   checkpointer = checkpointing.Checkpointer(workdir, config.checkpoint)
   try:
-    checkpointer.save(0, state, config, _StreamStart())
+    checkpointer.save(0, state, config, data_state=None)  # the trainer starts the stream at its beginning
     checkpointer.wait()
   finally:
     checkpointer.close()

@@ -64,7 +64,6 @@ from sparsetx.config.schema import (
   remat_policy,
   rule_axes,
   source_patterns,
-  tokenize_only,
   train_defaults,
 )
 
@@ -110,7 +109,6 @@ __all__ = [
   "remat_policy",
   "require",
   "source_patterns",
-  "tokenize_only",
   "train_defaults",
   "validate",
   "validate_attention",

@@ -1,23 +1,27 @@
-"""Documents from corpus files as they ship, streamed in pure Python (no TensorFlow): parquet files by row group
-(FineWeb), JSON lines plain, gzip or zstd (Dolma, C4, the Pile), and `datasets` folders written by `save_to_disk`
-(Arrow stream files, by record batch). Memory stays at one row group, one record batch or one 1 MiB chunk,
-whatever the file size.
+"""Documents from corpus files as they ship, streamed in pure Python (no TensorFlow): text lines, parquet files by
+row group (FineWeb), JSON lines plain, gzip or zstd (Dolma, C4, the Pile), and `datasets` folders written by
+`save_to_disk` (Arrow stream files, by record batch). Memory stays at one row group, one record batch or one 1 MiB
+chunk, whatever the file size; `shard_documents` splits a split's files into shards as seqio does.
 
 A bad file (damaged parquet, a truncated .gz or .zst, a line that is not JSON, a missing text column, text that is
 not UTF-8) is a `DocumentError` naming the file, the row or byte offset, and the fix.
 """
 
 import gzip
+import itertools
 import json
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
+from etils import epath
 
 CHUNK_BYTES = 1 << 20
+COMPRESSED = (".gz", ".zst")  # JSON lines and text files decompressed by suffix
+BLANK = " \t\n\v\f\r"  # what TensorFlow's strip (the seqio task's blank filter) removes
 FIELD_FIX = "set config.data.sources.<name>.text_field to the column that holds the text"
 
 
@@ -110,7 +114,7 @@ def _zstd_chunks(f) -> Iterator[bytes]:
 
 
 def _chunks(path: str) -> Iterator[bytes]:
-  with open(path, "rb") as f:
+  with epath.Path(path).open("rb") as f:  # local, or a URL such as gs://bucket/file (through TensorFlow's gfile)
     if path.endswith(".zst"):
       yield from _zstd_chunks(f)
     elif path.endswith(".gz"):
@@ -149,7 +153,7 @@ def jsonl_documents(path: str, field: str = "text") -> Iterator[str]:
       text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
       raise DocumentError(f"{where} is not UTF-8 ({error.reason}); re-encode the file as UTF-8.") from None
-    if not text.strip():
+    if not text.strip(BLANK):
       continue
     try:
       record = json.loads(text)
@@ -159,3 +163,31 @@ def jsonl_documents(path: str, field: str = "text") -> Iterator[str]:
     if not isinstance(value, str):
       raise DocumentError(f"{where} has no string field {field!r}; {FIELD_FIX}.")
     yield value
+
+
+def text_documents(path: str, field: str = "") -> Iterator[str]:
+  """The lines of a text file, plain, .gz or .zst (by its suffix), one document each; blank lines are skipped."""
+  del field  # a line is the document
+  for number, offset, raw in _lines(path):
+    try:
+      text = raw.removesuffix(b"\r").decode("utf-8")  # a CRLF line, as TensorFlow's line reader gives it
+    except UnicodeDecodeError as error:
+      raise DocumentError(
+        f"{path}: line {number} (byte {offset}) is not UTF-8 ({error.reason}); re-encode the file as UTF-8."
+      ) from None
+    if text.strip(BLANK):
+      yield text
+
+
+READERS = {"text": text_documents, "jsonl": jsonl_documents, "parquet": parquet_documents, "datasets": arrow_documents}
+
+
+def shard_documents(files: list[str], read: Callable[[str], Iterator[str]], index: int, count: int) -> Iterator[str]:
+  """Shard `index` of `count` of the documents of `files`, as seqio shards a file source: whole files
+  (files[index::count], each read in order) when there are at least `count` files, else every count-th document
+  of all of them. The `count` shards hold every document exactly once."""
+  if len(files) >= count:
+    for path in files[index::count]:
+      yield from read(path)
+  else:
+    yield from itertools.islice(itertools.chain.from_iterable(map(read, files)), index, None, count)

@@ -20,7 +20,7 @@ def check_patterns(field: str, patterns: tuple) -> None:
       isinstance(pattern, str) and pattern, f"{field}={patterns!r} holds an empty path; give a file path or glob."
     )
     if "://" in pattern:
-      continue  # remote (gs://, s3://): checked by the pipeline when it lists the files
+      continue  # remote (gs://, s3://): checked when the tokenize job lists the files
     files = sorted(glob.glob(os.path.expanduser(pattern)))
     config_lib.require(bool(files), f"{field}: no file matches {pattern!r}; check the path or create the file.")
     for path in files:
@@ -97,15 +97,8 @@ def check_files(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 def check_training_files(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """The files training reads: with config.data.tokenized_dir that corpus and the vocabulary (the sources' files
-  need not be on a training host), else `check_files`. Returns the config unchanged."""
+  need not be on a training host), else `check_files` (the trainer tokenizes them first). Returns the config."""
   if not config.data.tokenized_dir:
-    sources = config.data.sources or {}
-    for name in sources:
-      config_lib.require(
-        not config_lib.tokenize_only(sources[name]),
-        f"config.data.sources.{name} ({sources[name].kind} files) is read by sparsetx-tokenize only; tokenize it "
-        "first (sparsetx-tokenize --config=... --output_dir=DIR) and train with --config.data.tokenized_dir=DIR.",
-      )
     return check_files(config)
   check_tokenized_dir(config.data.tokenized_dir)
   check_vocab_files(config.data, config.model)

@@ -15,12 +15,12 @@ Step s (0-based: the batch that trains step s + 1) of B = config.data.global_bat
             for any R_t.
 
 Every process computes that mapping for the whole batch (about a millisecond) and reads only the rows of its
-devices (`pipeline.data_shard`), through TensorStore (C++ threads, no GIL), one step ahead in a background
+devices (`batches.data_shard`), through TensorStore (C++ threads, no GIL), one step ahead in a background
 thread, so the reads of step s + 1 overlap step s. Rows are packed features (`packing.packed_features`).
 
 The data state is the step number plus a fingerprint of what fixes the stream (mixture, seq_len,
-global_batch_size, seed, the corpus's vocabulary and the sha256 of each task's train split): one small JSON
-file written by process 0 and read by any number of processes. A different fingerprint on restore is one
+global_batch_size, seed, the corpus's vocabulary and the sha256 of each task's train split): a small JSON item of
+each checkpoint step, read by any number of processes. A different fingerprint on restore is one
 ConfigError naming what changed, unless config.data.accept_new_stream continues the new stream at that step.
 """
 
@@ -35,14 +35,11 @@ import jax
 import ml_collections
 import numpy as np
 from absl import logging
-from etils import epath
 
 from sparsetx import config as config_lib
-from sparsetx import paths
-from sparsetx.data import packing, pipeline, token_store
+from sparsetx.data import batches, packing, token_store
 
 STATE_FORMAT = 1
-STATE_JSON = "stream_state.json"  # <workdir>/data_state/<step>/stream_state.json
 _ROUNDS = 6
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -203,7 +200,7 @@ class GlobalStream:
     self.group_steps = self.apportionment.group_steps(self.global_rows)
     self.fields = stream_fields(config, vocabulary, {n: s.sha256 for n, s in zip(self.tasks, self.splits)})
     self.fingerprint = fingerprint(self.fields)
-    shard_info, self.local_rows = pipeline.data_shard(batch_sharding, self.global_rows)
+    shard_info, self.local_rows = batches.data_shard(batch_sharding, self.global_rows)
     self.first_row = shard_info.index * self.local_rows
     self.step = step  # the next step to yield: batches yielded since the stream's start
     self._seed = data.seed
@@ -268,51 +265,38 @@ class GlobalStream:
     return self
 
   def __next__(self) -> dict[str, jax.Array]:
-    return pipeline._global_batch(self.next_local(), self._sharding, self.global_rows)
+    return batches.global_batch(self.next_local(), self._sharding, self.global_rows)
 
   def close(self) -> None:
     self._pending = None
     self._executor.shutdown(wait=True, cancel_futures=True)
 
-  # State.
+  # State: an item of the same checkpoint step (train/checkpointing.py).
 
-  def save(self, path: epath.PathLike) -> epath.Path:
-    """Process 0 writes the step and the fingerprint to `path`/stream_state.json (atomically); returns the file."""
-    state_file = paths.resolve(path) / STATE_JSON
-    if jax.process_index() == 0:
-      state = dict(format=STATE_FORMAT, step=self.step, fingerprint=self.fingerprint, fields=self.fields)
-      state_file.parent.mkdir(parents=True, exist_ok=True)
-      paths.write_text_atomically(state_file, json.dumps(state, indent=1, sort_keys=True))
-    return state_file
+  def state(self) -> dict:
+    """The stream's position, as JSON: the next step and the fingerprint of what fixes the stream."""
+    return dict(format=STATE_FORMAT, step=self.step, fingerprint=self.fingerprint, fields=self.fields)
 
-  def restore(self, path: epath.PathLike, step: int | None = None) -> None:
-    """Continues at the saved step. A state of another stream (fingerprint) is a ConfigError naming what changed,
-    unless config.data.accept_new_stream: then this config's stream continues at the saved step. A directory
-    without this state (the on-the-fly pipeline saved it) counts as another stream, at `step`."""
-    path = paths.resolve(path)
-    state = read_state(path) if (path / STATE_JSON).exists() else None
-    saved_step = state["step"] if state else step
-    if state is None or state["fingerprint"] != self.fingerprint:
-      if state is None:
-        change = "config.data.tokenized_dir='' (the on-the-fly seqio pipeline)"
-      else:
-        change = changed_fields(state["fields"], self.fields)
+  def restore(self, state: dict, where: str) -> None:
+    """Continues at the saved step (`state` from a checkpoint at `where`, checked by `check_state`). A state of
+    another stream (fingerprint) is a ConfigError naming what changed, unless config.data.accept_new_stream: then
+    this config's stream continues at the saved step."""
+    if state["fingerprint"] != self.fingerprint:
+      change = changed_fields(state["fields"], self.fields)
       if not self._accept_new:
         raise config_lib.ConfigError(
-          f"the data state at {str(path)!r} (step {saved_step}) was saved with {change}; resume with the same data "
+          f"the data state of {where} (step {state['step']}) was saved with {change}; resume with the same data "
           "config and corpus, or set config.data.accept_new_stream=True to continue this config's stream at that "
           "step."
         )
       logging.warning(
-        "The data state at %s was saved with %s; config.data.accept_new_stream: continuing this config's stream "
+        "The data state of %s was saved with %s; config.data.accept_new_stream: continuing this config's stream "
         "at step %d.",
-        path,
+        where,
         change,
-        saved_step,
+        state["step"],
       )
-    if saved_step is None:
-      raise ValueError(f"no data state at {str(path)!r} and no step to continue at")
-    self.step = int(saved_step)
+    self.step = int(state["step"])
     self._pending = None
 
 
@@ -330,25 +314,19 @@ def changed_fields(saved: dict, current: dict) -> str:
   return ", ".join(changes) or "another fingerprint"
 
 
-def read_state(path: epath.PathLike) -> dict:
-  """The stream state under `path`; ValueError naming the file when it is missing or unreadable."""
-  state_file = paths.resolve(path) / STATE_JSON
+def check_state(state) -> dict:
+  """A saved stream state, checked; ValueError saying what is wrong with it."""
+  if not isinstance(state, dict):
+    raise ValueError(f"its data state is not a JSON object ({type(state).__name__})")
+  if state.get("format") != STATE_FORMAT:
+    raise ValueError(f"its data state has format {state.get('format')!r}; this code reads {STATE_FORMAT}")
   try:
-    state = json.loads(state_file.read_text())
-    if state.get("format") != STATE_FORMAT:
-      raise ValueError(f"format {state.get('format')!r}, this code reads {STATE_FORMAT}")
-    state["step"] = int(state["step"])
-    if not isinstance(state["fingerprint"], str) or not isinstance(state["fields"], dict):
-      raise TypeError("fingerprint or fields of the wrong type")
-  except FileNotFoundError:
-    raise ValueError(f"its data state file {state_file} is missing") from None
-  except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-    raise ValueError(f"its data state file {state_file} is unreadable ({paths.reason(error)})") from None
+    state = dict(state, step=int(state["step"]))
+  except (KeyError, TypeError, ValueError):
+    raise ValueError("its data state has no integer step") from None
+  if not isinstance(state.get("fingerprint"), str) or not isinstance(state.get("fields"), dict):
+    raise ValueError("its data state's fingerprint or fields are missing or of the wrong type")
   return state
-
-
-def has_state(path: epath.PathLike) -> bool:
-  return (paths.resolve(path) / STATE_JSON).exists()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -368,14 +346,20 @@ class TokenizedEvalData:
     self._sharding, self._global_rows, self._seq_len = batch_sharding, data.eval_batch_size, data.seq_len
     manifest = token_store.read_manifest(data.tokenized_dir)
     check_vocabulary(config, manifest, data.tokenized_dir)
-    names = [name for name, _ in data.mixture if split in manifest["tasks"].get(name, {})]
+    absent = [name for name, _ in data.mixture if name not in manifest["tasks"]]
+    if absent:
+      raise config_lib.ConfigError(
+        f"task {absent[0]!r} is not in config.data.tokenized_dir={data.tokenized_dir!r} (it holds "
+        f"{', '.join(manifest['tasks'])}); tokenize it there with sparsetx-tokenize, or leave it out."
+      )
+    names = [name for name, _ in data.mixture if split in manifest["tasks"][name]]
     if not names:
       raise config_lib.ConfigError(
         f"no task of config.data.mixture has a {split!r} split in config.data.tokenized_dir={data.tokenized_dir!r}; "
         "tokenize one (config.data.sources.<name>.validation), or evaluate another split."
       )
     self.splits = {name: token_store.TokenSplit(data.tokenized_dir, name, split) for name in names}
-    shard_info, self._local_rows = pipeline.data_shard(batch_sharding, self._global_rows)
+    shard_info, self._local_rows = batches.data_shard(batch_sharding, self._global_rows)
     self._first = shard_info.index * self._local_rows
 
   @property
@@ -390,31 +374,16 @@ class TokenizedEvalData:
     features = packing.packed_features(split.rows(ids[real], self._seq_len))
     return {k: np.concatenate([v, np.zeros((int((~real).sum()), self._seq_len), v.dtype)]) for k, v in features.items()}
 
-  def task_iterator(self, name: str):
+  def local_batches(self, name: str):
+    """This process's rows of each batch of task `name`, as numpy."""
     count = self.splits[name].row_count(self._seq_len)
     for index in range(-(-count // self._global_rows)):
-      yield pipeline._global_batch(self.local_batch(name, index), self._sharding, self._global_rows)
+      yield self.local_batch(name, index)
+
+  def task_iterator(self, name: str):
+    for local in self.local_batches(name):
+      yield batches.global_batch(local, self._sharding, self._global_rows)
 
   def __iter__(self):
     for name in self.splits:
       yield from self.task_iterator(name)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# What the trainer reads
-
-
-def make_train_data(config: ml_collections.ConfigDict, batch_sharding: jax.sharding.Sharding):
-  """The train batches: this stream when config.data.tokenized_dir is set, else the on-the-fly seqio pipeline."""
-  if config.data.tokenized_dir:
-    return GlobalStream(config, batch_sharding)
-  pipeline.warn_if_pretokenizing_pays(config)
-  return pipeline.make_train_iterator(config, batch_sharding)
-
-
-def make_eval_data(config: ml_collections.ConfigDict, batch_sharding: jax.sharding.Sharding, split="validation"):
-  """The validation batches (task_names, task_iterator(name)): tokenized splits when config.data.tokenized_dir is
-  set (no tokenizer runs), else pipeline.EvalData."""
-  if config.data.tokenized_dir:
-    return TokenizedEvalData(config, batch_sharding, split)
-  return pipeline.EvalData(config, batch_sharding, split)

@@ -12,7 +12,7 @@ from sparsetx.data import token_store
 
 
 def packed_features(rows: token_store.Rows) -> dict[str, np.ndarray]:
-  """The FEATURES of sparsetx.data.pipeline for `rows`, each [N, T]."""
+  """The FEATURES of sparsetx.data.batches for `rows`, each [N, T]."""
   targets_NT, starts_NT = rows.tokens_NT, rows.starts_NT
   n, t = targets_NT.shape
   index_NT = np.broadcast_to(np.arange(t, dtype=np.int32), (n, t))

@@ -33,9 +33,9 @@ def field_to_targets(field: str):
 def jsonl_to_targets(field: str):
   """Parses each JSON line and keeps the string `field`.
 
-  JSON has no TensorFlow parser, so this runs `json.loads` in a `tf.py_function`. The function is
-  pure, so the pipeline marks it safe to checkpoint (see pipeline.py, external state policy).
-  A line that is not JSON, or lacks the field, stops the pipeline with its text and the fix.
+  JSON has no TensorFlow parser, so this runs `json.loads` in a `tf.py_function` (the seqio task other tools
+  read; the tokenize job reads JSON lines in Python, documents.py). A line that is not JSON, or lacks the field,
+  stops the dataset with its text and the fix.
   """
 
   def parse(line: tf.Tensor) -> bytes:

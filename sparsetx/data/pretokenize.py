@@ -1,8 +1,8 @@
 """Writes a tokenized corpus (`sparsetx.data.token_store`) from config.data's tasks: what `sparsetx-tokenize` runs.
 
 Every task of config.data.mixture, and each split it has (train; validation where defined), goes through the
-task's own seqio source, preprocessors and vocabulary up to EOS (`tasks.document_task`: whole documents, not cut
-into seq_len pieces), one shard at a time. Shard i of n holds seqio's `ShardInfo(i, n)` of the split, read in
+task's own seqio source and text preprocessors (`tasks.text_task`: whole documents, not cut into seq_len pieces),
+then the vocabulary's native batch encoder with EOS appended (`encoders.py`), one shard at a time. Shard i of n holds seqio's `ShardInfo(i, n)` of the split, read in
 order, so the n shards hold every document of the split exactly once. The shards are independent jobs: with more
 than one worker they run in spawned processes, each building its own task (TensorFlow imported there with the
 accelerators hidden, so a tokenizing host's GPUs or TPUs stay free).
@@ -21,7 +21,9 @@ previous corpus's task directories. `manifest.json` is written last: its presenc
 
 import concurrent.futures
 import dataclasses
+import functools
 import gc
+import itertools
 import json
 import multiprocessing
 import os
@@ -30,14 +32,17 @@ import time
 from collections.abc import Callable
 
 import ml_collections
-import numpy as np
 from etils import epath
 
 from sparsetx import config as config_lib
 from sparsetx import paths
+from sparsetx.data import documents as documents_lib
 from sparsetx.data import token_store
 
 PLAN = "tokenize.json"
+WORKDIR_CORPUS = "tokenized"  # <workdir>/tokenized: what a run without config.data.tokenized_dir trains on
+OUTPUT_DIR_FIX = "give another --output_dir, or --overwrite to replace it."
+WORKDIR_FIX = "set config.data back to what this run trained on, or start over in a new --workdir."
 SPLITS = ("train", "validation")
 
 
@@ -52,6 +57,7 @@ class ShardJob:
   index: int
   count: int
   path: str
+  inputs: tuple[str, ...] = ()  # the split's input files (the plan's), which the shards divide
 
   @property
   def name(self) -> str:
@@ -99,7 +105,7 @@ def make_plan(data: ml_collections.ConfigDict, workers: int, shards: int = 0) ->
   plan = dict(format=token_store.FORMAT, vocabulary=vocabulary_record(data, vocabulary), sources={}, inputs={})
   plan["tasks"] = {}
   for name, _ in data.mixture:
-    task = tasks.document_task(name, data, vocabulary)
+    task = tasks.text_task(name, data)
     plan["sources"][name] = source_record(data, name)
     inputs = {split: [str(f) for f in task.source.list_shards(split)] for split in SPLITS if split in task.splits}
     plan["inputs"][name] = inputs
@@ -122,7 +128,9 @@ def read_previous(output_dir: epath.Path) -> dict | None:
   return None
 
 
-def reconcile(previous: dict | None, plan: dict, output_dir: epath.Path, shards_given: bool) -> dict:
+def reconcile(
+  previous: dict | None, plan: dict, output_dir: epath.Path, shards_given: bool, fix: str = OUTPUT_DIR_FIX
+) -> dict:
   """`plan`, resumed from `previous`: its shard counts kept (unless given), its tasks outside the mixture carried
   over. A corpus tokenized differently is a `ConfigError` naming the differences."""
   if previous is None:
@@ -145,8 +153,7 @@ def reconcile(previous: dict | None, plan: dict, output_dir: epath.Path, shards_
       plan["tasks"][name] = dict(before)
   if differences:
     raise config_lib.ConfigError(
-      f"{output_dir} holds a corpus tokenized with another config ({'; '.join(differences)}); give another "
-      "--output_dir, or --overwrite to replace it."
+      f"{output_dir} holds a corpus tokenized with another config ({'; '.join(differences)}); {fix}"
     )
   for name, counts in previous.get("tasks", {}).items():
     if name not in plan["tasks"]:
@@ -157,11 +164,18 @@ def reconcile(previous: dict | None, plan: dict, output_dir: epath.Path, shards_
   return plan
 
 
-def shard_jobs(tasks: dict[str, dict[str, int]], output_dir: epath.Path) -> list[ShardJob]:
-  """Every shard of `tasks` ({task: {split: shard count}}), in task, split, index order."""
+def shard_jobs(tasks: dict[str, dict[str, int]], output_dir: epath.Path, inputs: dict | None = None) -> list[ShardJob]:
+  """Every shard of `tasks` ({task: {split: shard count}}), in task, split, index order; `inputs` is the plan's
+  {task: {split: input files}}."""
+  inputs = inputs or {}
   return [
     ShardJob(
-      name, split, i, count, str(token_store.split_dir(output_dir, name, split) / token_store.shard_name(i, count))
+      name,
+      split,
+      i,
+      count,
+      str(token_store.split_dir(output_dir, name, split) / token_store.shard_name(i, count)),
+      tuple(inputs.get(name, {}).get(split, ())),
     )
     for name, counts in tasks.items()
     for split, count in counts.items()
@@ -171,25 +185,37 @@ def shard_jobs(tasks: dict[str, dict[str, int]], output_dir: epath.Path) -> list
 
 # --- one shard (in a worker process, or in this one with a single worker)
 
-_TASKS = {}  # (task name, data config JSON) -> seqio.Task: a worker builds each task once
+_ENCODERS = {}  # data config JSON -> (batch encoder, vocab size): a worker loads its vocabulary once
 _PARENT = None  # the pid that spawned this worker; a worker whose parent died stops
 _QUEUE = None  # a worker's progress messages to the parent
-_BATCH = 256  # documents per step out of tf.data
+_BATCH = 1024  # documents per batch out of tf.data, encoded in one call of the native tokenizer
 
 
-def document_stream(job: ShardJob, data: dict):
-  """(tokens of each document of the job's shard, in order, as numpy arrays; the vocabulary size)."""
+def _text_batches(job: ShardJob, config_data: ml_collections.ConfigDict):
+  """Lists of the shard's documents (text), _BATCH at a time: read in Python (documents.py, corpus.py), or through
+  TensorFlow for TFRecord and TFDS sources (the seqio task's reader, one batch ahead)."""
   import seqio
   import tensorflow as tf
 
-  from sparsetx.data import tasks, vocab
+  from sparsetx.data import corpus, documents, tasks
 
-  key = (job.task, json.dumps(data, sort_keys=True, default=str))
-  if key not in _TASKS:
-    config_data = ml_collections.ConfigDict(data)
-    _TASKS[key] = tasks.document_task(job.task, config_data, vocab.make_vocabulary(config_data))
-  task = _TASKS[key]
-  dataset = task.get_dataset(
+  source = (config_data.sources or {}).get(job.task)
+  if source is None or source.kind in documents.READERS:
+    if source is None:  # the embedded corpus: one in-memory "file" per split
+      texts = (t for t in corpus.DOCUMENTS[job.task](job.split) if t.strip(documents.BLANK))
+      texts = itertools.islice(texts, job.index, None, job.count)
+    else:
+      read = functools.partial(documents.READERS[source.kind], field=source.get("text_field", "text"))
+      texts = documents.shard_documents(list(job.inputs), read, job.index, job.count)
+    while batch := list(itertools.islice(texts, _BATCH)):
+      yield batch
+    return
+  try:  # TensorFlow reads files only: the accelerators stay the trainer's (tokenizing in the trainer's process)
+    tf.config.set_visible_devices([], "GPU")
+    tf.config.set_visible_devices([], "TPU")
+  except (RuntimeError, ValueError):  # already initialized, or no such device type
+    pass
+  dataset = tasks.text_task(job.task, config_data).get_dataset(
     None,
     split=job.split,
     shuffle=False,
@@ -199,13 +225,30 @@ def document_stream(job: ShardJob, data: dict):
   )
   options = tf.data.Options()
   options.deterministic = True  # a rewritten shard equals the first write
-  batches = dataset.map(lambda example: example["targets"]).ragged_batch(_BATCH).with_options(options)
+  batches = dataset.map(lambda example: example["targets"]).batch(_BATCH).prefetch(1).with_options(options)
+  try:
+    for texts in batches.as_numpy_iterator():
+      yield [text.decode("utf-8") for text in texts]
+  except (tf.errors.OpError, UnicodeDecodeError) as error:  # a record TensorFlow cannot read, or not UTF-8 text
+    raise documents.DocumentError(_reason(error)) from None
+
+
+def document_stream(job: ShardJob, data: dict):
+  """(tokens of each document of the job's shard, in order, as numpy arrays; the vocabulary size). Each batch of
+  texts is encoded in the vocabulary's native library (encoders.py)."""
+  from sparsetx.data import encoders, vocab
+
+  key = json.dumps(data, sort_keys=True, default=str)
+  if key not in _ENCODERS:
+    vocabulary = vocab.make_vocabulary(ml_collections.ConfigDict(data))
+    _ENCODERS[key] = encoders.batch_encoder(vocabulary), vocabulary.vocab_size
+  encode, vocab_size = _ENCODERS[key]
 
   def documents():
-    for batch in batches:  # a batch per step out of tf.data: per-document steps cost more than byte tokenizing
-      yield from np.split(batch.flat_values.numpy(), batch.row_splits.numpy()[1:-1])
+    for texts in _text_batches(job, ml_collections.ConfigDict(data)):
+      yield from encode(texts)
 
-  return documents(), task.output_features["targets"].vocabulary.vocab_size
+  return documents(), vocab_size
 
 
 def _reason(error: Exception) -> str:
@@ -220,8 +263,6 @@ def _reason(error: Exception) -> str:
 
 def write_one(job: ShardJob, data: dict, report: Callable[[ShardJob, int, int], None] | None = None) -> dict:
   """Tokenizes the job's shard and writes it (token_store.write_shard); returns its record."""
-  import tensorflow as tf
-
   counts = [0, 0, time.monotonic()]
 
   def documents():
@@ -239,9 +280,9 @@ def write_one(job: ShardJob, data: dict, report: Callable[[ShardJob, int, int], 
   try:
     stream, vocab_size = document_stream(job, data)
     return token_store.write_shard(job.path, documents(), vocab_size)
-  except (tf.errors.OpError, UnicodeDecodeError) as error:
+  except documents_lib.DocumentError as error:
     raise ShardError(
-      f"shard {job.name} failed: {_reason(error)}; fix that input of config.data.sources.{job.task} and run the "
+      f"shard {job.name} failed: {error}; fix that input of config.data.sources.{job.task} and run the "
       "same command again (complete shards are kept)."
     ) from None
 
@@ -278,6 +319,7 @@ def tokenize_corpus(
   shards: int = 0,
   overwrite: bool = False,
   progress: Callable[[Progress], None] | None = None,
+  mismatch_fix: str = OUTPUT_DIR_FIX,
 ) -> dict:
   """Writes (or finishes) the tokenized corpus of `config.data` in `output_dir`; returns its manifest record.
 
@@ -304,7 +346,7 @@ def tokenize_corpus(
     for name in (token_store.MANIFEST, PLAN):
       (output_dir / name).unlink(missing_ok=True)
     previous = None
-  plan = reconcile(previous, plan, output_dir, shards_given=shards > 0)
+  plan = reconcile(previous, plan, output_dir, shards_given=shards > 0, fix=mismatch_fix)
   try:
     output_dir.mkdir(parents=True, exist_ok=True)
     paths.write_text_atomically(output_dir / PLAN, json.dumps(plan, indent=1, sort_keys=True))
@@ -313,7 +355,7 @@ def tokenize_corpus(
       f"cannot write to --output_dir={output_dir} ({paths.reason(error)}); give a writable directory."
     ) from None
   mixture = {name: plan["tasks"][name] for name, _ in data.mixture}
-  jobs = shard_jobs(mixture, output_dir)
+  jobs = shard_jobs(mixture, output_dir, plan["inputs"])
   todo = [job for job in jobs if not token_store.shard_complete(job.path)]
   if todo:  # the corpus is incomplete until every shard is written
     (output_dir / token_store.MANIFEST).unlink(missing_ok=True)
@@ -325,6 +367,32 @@ def tokenize_corpus(
   sources = {name: plan["sources"].get(name, {}) for name in tasks}
   token_store.write_manifest(output_dir, plan["vocabulary"], tasks, sources=sources)
   return token_store.read_manifest(output_dir)
+
+
+def train_corpus(config: ml_collections.ConfigDict, workdir: str) -> ml_collections.ConfigDict:
+  """`config` with the corpus it trains on in config.data.tokenized_dir: as given, or else <workdir>/tokenized,
+  written here from config.data's tasks on the first run (by process 0, the others wait) and reused after. The
+  embedded corpus takes seconds; a real corpus is tokenized once with sparsetx-tokenize (workers, one shard per
+  file) and named by tokenized_dir, which the target rungs require (config.data.require_tokenized)."""
+  import jax
+  from jax.experimental import multihost_utils
+
+  if config.data.tokenized_dir:
+    return config
+  if config.data.require_tokenized:
+    raise config_lib.ConfigError(
+      "config.data.tokenized_dir is empty, but this config trains from a pre-tokenized corpus "
+      "(config.data.require_tokenized): write one with sparsetx-tokenize (same --config), then train with "
+      "--config.data.tokenized_dir=DIR."
+    )
+  corpus_dir = paths.resolve(workdir) / WORKDIR_CORPUS
+  if jax.process_index() == 0:
+    tokenize_corpus(config, corpus_dir, mismatch_fix=WORKDIR_FIX)
+  if jax.process_count() > 1:  # written before any process reads it
+    multihost_utils.sync_global_devices("train_corpus")
+  config = config.copy_and_resolve_references()
+  config.data.tokenized_dir = str(corpus_dir)
+  return config
 
 
 def _run_jobs(

@@ -5,8 +5,8 @@ field per line), `tfrecord` (tf.train.Example with a bytes feature), `tfds` (a p
 dataset in `data_dir`; read-only, nothing is downloaded), `parquet` (a string column) and `datasets`
 (a folder written by save_to_disk). `stories` and `facts` are the embedded corpus (sparsetx.data.corpus)
 and need no files. Parquet, datasets folders and JSON lines ending in .gz or .zst stream through
-sparsetx/data/documents.py (Python readers in a tf.data generator, which tf.data cannot checkpoint): they
-are sources for sparsetx-tokenize, and training reads them from the tokenized corpus.
+sparsetx/data/documents.py (Python readers in a tf.data generator). The tokenize job reads every kind but
+TFRecord and TFDS with those Python readers directly (pretokenize.py).
 
 Sharding: seqio gives each process whole files when a split has at least as many files as
 processes, and otherwise every process reads the files and keeps every n-th example. For a large
@@ -79,6 +79,10 @@ def _streamed_source(split_files: dict, read, field: str) -> seqio.DataSource:
   return seqio.FileDataSource(read_file_fn=read_file, split_to_filepattern=split_files)
 
 
+def _patterns(source: ml_collections.ConfigDict) -> tuple:
+  return config_lib.source_patterns(source.get("train")) + config_lib.source_patterns(source.get("validation"))
+
+
 def _embedded_source(name: str) -> seqio.DataSource:
   documents = corpus.DOCUMENTS[name]
 
@@ -123,7 +127,7 @@ def make_source(name: str, source: ml_collections.ConfigDict | None) -> tuple[se
     split_files["validation"] = _files(f"{prefix}.validation", validation)
   if kind == "parquet":
     return _streamed_source(split_files, documents.parquet_documents, field), preprocessors.text_line_to_targets
-  if kind == "jsonl" and config_lib.tokenize_only(source):
+  if kind == "jsonl" and any(p.endswith(documents.COMPRESSED) for p in _patterns(source)):
     return _streamed_source(split_files, documents.jsonl_documents, field), preprocessors.text_line_to_targets
   if kind == "text":
     return seqio.TextLineDataSource(split_files), preprocessors.text_line_to_targets

@@ -1,14 +1,15 @@
 """Registers config.data's tasks and mixture with seqio, under names other seqio tools can use.
 
 Every task runs the same chain after its source: text -> drop blank documents -> tokenize ->
-append EOS -> split into pieces of at most seq_len tokens. `document_task` is the same chain without the
-split (whole documents, what `sparsetx-tokenize` stores). The registry is process-global and
+append EOS -> split into pieces of at most seq_len tokens. `text_task` stops before tokenizing (whole documents as text,
+which `sparsetx-tokenize` encodes in batches and stores). The registry is process-global and
 the config is the source of truth, so registering replaces any earlier task of the same name
 (a dataset already built keeps the task it was built from).
 """
 
 import ml_collections
 import seqio
+import tensorflow as tf
 
 from sparsetx.data import preprocessors, sources
 
@@ -39,15 +40,16 @@ def register_task(name: str, data: ml_collections.ConfigDict, vocabulary: seqio.
   )
 
 
-def document_task(name: str, data: ml_collections.ConfigDict, vocabulary: seqio.Vocabulary) -> seqio.Task:
-  """Task `name`'s source and chain up to EOS, without the split into seq_len pieces: whole documents, read
-  with `get_dataset(sequence_length=None, shuffle=False)`. Not registered (the trainer's task keeps its name)."""
+def text_task(name: str, data: ml_collections.ConfigDict) -> seqio.Task:
+  """Task `name`'s source and text extraction, blank documents dropped: the whole documents as text, which the
+  tokenize job encodes in batches (encoders.py). Not registered (the trainer's task keeps its name)."""
   data_source, to_targets = sources.make_source(name, (data.sources or {}).get(name))
+  text = seqio.Feature(seqio.PassThroughVocabulary(0), dtype=tf.string, rank=0, add_eos=False)
   return seqio.Task(
-    task_name(name) + ".documents",
+    task_name(name) + ".text",
     source=data_source,
-    preprocessors=_document_preprocessors(to_targets),
-    output_features={"targets": seqio.Feature(vocabulary, add_eos=True)},
+    preprocessors=[to_targets, preprocessors.drop_blank],
+    output_features={"targets": text},
     shuffle_buffer_size=None,
   )
 

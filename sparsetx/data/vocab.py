@@ -21,8 +21,8 @@ class Gpt2BpeVocabulary(seqio.Vocabulary):
   """A GPT-2 byte-level BPE from local files (see sparsetx.data.bpe_vocab for the files and ids).
 
   TensorFlow has no byte-level BPE op (tensorflow_text offers SentencePiece and WordPiece only), so the
-  tf.data path calls the `tokenizers` library through `tf.numpy_function`: a pure function, which the
-  pipeline's iterator checkpoints around (see pipeline._with_options).
+  seqio task's tf.data path calls the `tokenizers` library through `tf.numpy_function`. The tokenize job
+  encodes in batches instead (encoders.py).
   """
 
   def __init__(self, path: str, field: str = "config.data.vocab.path"):

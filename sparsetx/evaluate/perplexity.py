@@ -11,7 +11,7 @@ import jax
 import ml_collections
 
 from sparsetx import config as config_lib
-from sparsetx.data import global_stream, sources
+from sparsetx.data import global_stream, pretokenize, sources
 from sparsetx.parallel import expert_parallel
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import checkpointing, loop
@@ -57,6 +57,7 @@ def restore(workdir: str, step: int | None = None, mesh: str = "one", tasks: lis
     return state_lib.checked_mesh(config, jax.devices()[:1] if mesh == "one" else None)
 
   config, params, step = checkpointing.load(workdir, step, device_mesh, adjust=adjust, full_state=True)
+  config = pretokenize.train_corpus(config, workdir)  # the run's corpus (a run saved without one: written now)
   return config, jax.tree.leaves(params)[0].sharding.mesh, state_lib.build_model(config), params, step
 
 
@@ -70,6 +71,6 @@ def evaluate(config: ml_collections.ConfigDict, device_mesh, model, params, eval
     config.train.eval_batches = eval_batches
   batch_sharding = mesh_lib.batch_sharding(device_mesh, config.mesh.rules)
   eval_fn = step_lib.make_eval_step(model, jax.tree.map(lambda x: x.sharding, params), batch_sharding)
-  eval_data = global_stream.make_eval_data(config, batch_sharding, split="validation")
+  eval_data = global_stream.TokenizedEvalData(config, batch_sharding, split="validation")
   with expert_parallel.activate(device_mesh, config.mesh.rules):  # as the trainer traces its eval
     return loop.evaluate(config, params, eval_fn, eval_data)

@@ -313,11 +313,10 @@ def import_hf(
 
   `config` (optional) is the training config to continue with: its data, train, checkpoint and mesh
   sections are kept and its model section is replaced by the imported one (its compute dtype and
-  remat are kept). The step-0 checkpoint holds the params, a fresh optimizer state and the data
-  stream's start, so `python -m sparsetx.train --workdir=WORKDIR` with a config of the same model
+  remat are kept). The step-0 checkpoint holds the params, a fresh optimizer state and no data
+  position (the stream starts at its beginning), so `python -m sparsetx.train --workdir=WORKDIR` with a config of the same model
   resumes there like any other run.
   """
-  from sparsetx.data import pipeline
   from sparsetx.parallel import mesh as mesh_lib
 
   _check_target(workdir, overwrite, "--workdir", "checkpoints")
@@ -338,10 +337,9 @@ def import_hf(
     state = jax.jit(
       lambda p: state_lib.TrainState.create(apply_fn=model.apply, params=p, tx=tx), out_shardings=shardings
     )(jax.device_put(params, shardings.params))
-    data_iterator = pipeline.make_train_iterator(config, mesh_lib.batch_sharding(mesh, config.mesh.rules))
     checkpointer = checkpointing.Checkpointer(staged.path, config.checkpoint)
     try:
-      checkpointer.save(0, state, config, data_iterator)
+      checkpointer.save(0, state, config, data_state=None)  # the stream starts at its beginning
       checkpointer.wait()
     finally:
       checkpointer.close()

@@ -9,7 +9,7 @@ several tokens (one per byte + 3).
 import ml_collections
 import numpy as np
 
-from sparsetx.data import pipeline, vocab
+from sparsetx.data import global_stream, pretokenize, vocab
 from sparsetx.interp.trace import StandardizedTransformer
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import checkpointing
@@ -25,6 +25,7 @@ def load(workdir: str, step: int | None = None):
     config.model.dtype = "float32"  # analysis compares values exactly; compute-only, the params are float32
 
   config, params, step = checkpointing.load(workdir, step, adjust=float32)
+  config = pretokenize.train_corpus(config, workdir)  # the run's corpus (a run saved without one: written now)
   return config, StandardizedTransformer(config.model, params), step
 
 
@@ -48,10 +49,10 @@ def validation_rows(config: ml_collections.ConfigDict, max_rows: int, task: str 
   """Up to `max_rows` packed validation rows (numpy: inputs, targets, positions, segment_ids,
   loss_weights) from the mixture's tasks in order, or from `task` only; padding rows dropped."""
   mesh = state_lib.single_device_mesh(config)
-  data = pipeline.EvalData(config, mesh_lib.batch_sharding(mesh, config.mesh.rules), split="validation")
+  data = global_stream.TokenizedEvalData(config, mesh_lib.batch_sharding(mesh, config.mesh.rules), "validation")
   rows = {}
   for name in [task] if task else data.task_names:
-    for batch in data.batches[name]:
+    for batch in data.local_batches(name):
       for key, value in batch.items():
         rows.setdefault(key, []).append(value)
   rows = {key: np.concatenate(values) for key, values in rows.items()}

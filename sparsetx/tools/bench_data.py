@@ -1,29 +1,27 @@
-"""Input throughput per host: pre-tokenized rows against tokenizing on the fly, next to what training consumes.
+"""Input throughput per host: the tokenize job against its tokenizer, and the token store against what training
+consumes.
 
-  python -m sparsetx.tools.bench_data [--path=both] [--input=GLOB] [--megabytes=8] [--vocab=DIR] [--steps=20]
-      [--rows=0] [--seq_len=0] [--bar=configs/ladder.py:sgatlin,5,h100x8] [--chips_per_host=0] [--workers=1]
+  python -m sparsetx.tools.bench_data [--input=GLOB] [--megabytes=8] [--vocab=DIR] [--steps=20] [--rows=0]
+      [--seq_len=0] [--bar=configs/ladder.py:sgatlin,5,h100x8] [--chips_per_host=0] [--workers=1]
   python -m sparsetx.tools.bench_data --path=step [--config=configs/tiny.py] [--steps=200] [--train_steps=10]
 
---path=both (the default) times, in one run, the two ways a host feeds its accelerators packed rows of --seq_len
-tokens, --rows of them per step (0: the bar's, 2,048 tokens and the 128 rows one 8-GPU host reads per step):
-  pre-tokenized  GlobalStream.next_local (sparsetx/data/global_stream.py) over a corpus that sparsetx-tokenize's
-                 engine (pretokenize.tokenize_corpus, --workers) first writes into a temporary directory
-  on the fly     TrainIterator.next_local (sparsetx/data/pipeline.py): seqio reads the text, the BPE tokenizes it
-                 and seqio packs it, at train time
-(--path=tokenized or on_the_fly times one of them). Both read the same text with the same GPT-2 byte-level BPE:
-the files of --input (one document per line), else --megabytes of stories generated from the embedded corpus
-(corpus.story_stream, 1 to 8 stories a document, deterministic); --vocab (a directory with vocab.json and
-merges.txt, or a tokenizer.json), else a BPE of --vocab_size ids trained here on the first 20,000 documents
-(build_vocab.build_gpt2_bpe, seconds). Temporary files are removed at the end.
+The default run reads one text with one GPT-2 byte-level BPE: the files of --input (one document per line), else
+--megabytes of stories generated from the embedded corpus (corpus.story_stream, 1 to 8 stories a document,
+deterministic); --vocab (a directory with vocab.json and merges.txt, or a tokenizer.json), else a BPE of
+--vocab_size ids trained here on the first 20,000 documents (build_vocab.build_gpt2_bpe, seconds). It prints:
+  tokenize  the tokenize job (pretokenize.tokenize_corpus, --workers) writing the text's token store, against the
+            raw tokenizer's `encode_batch` on the same documents, tokens/s side by side and their ratio; and the
+            job's peak resident memory against the size of the text (memory is bounded: far below it).
+  read      GlobalStream.next_local (sparsetx/data/global_stream.py) over that store, --rows packed rows of
+            --seq_len tokens per step (0: the bar's, 2,048 tokens and the 128 rows one 8-GPU host reads per step),
+            against the bar: what training consumes, the dry run's analytic projection of --bar's train step
+            (layer_cost.project_step: no compile; overlapped, so an upper bound), per chip and per host of
+            --chips_per_host chips (0: a GPU target's node, 4 on TPU).
+Temporary files are removed at the end.
 
-The bar is what training consumes: the dry run's analytic projection of --bar's train step (layer_cost.
-project_step: no compile; overlapped, without the collectives outside the feed-forward layers, so an upper
-bound), its tokens/s per chip and per host of --chips_per_host chips (0: a GPU target's node, 4 on TPU). Each
-path's row gives its tokens/s per host and how many chips and hosts' worth that is.
-
---path=step: the on-the-fly pipeline of --config (byte-level, embedded corpus) against the trainer's own jitted
-train step on this machine's devices, as `make train` runs them; seq_len is the model's max_len. The goal there:
-a pipeline at least 10x faster than the step.
+--path=step: the stream of --config (the embedded corpus, tokenized first as the trainer does) against the
+trainer's own jitted train step on this machine's devices, as `make train` runs them; seq_len is the model's
+max_len. The goal there: a stream at least 10x faster than the step.
 """
 
 import dataclasses
@@ -31,6 +29,7 @@ import importlib.util
 import os
 import random
 import tempfile
+import threading
 import time
 from types import SimpleNamespace
 
@@ -41,14 +40,13 @@ from absl import flags
 
 from sparsetx import cli
 from sparsetx import config as config_lib
-from sparsetx.data import corpus, global_stream, pipeline, pretokenize, token_store, vocab
+from sparsetx.data import bpe_vocab, corpus, global_stream, pretokenize, token_store, vocab
 from sparsetx.parallel import expert_parallel, hardware, roofline, targets
 from sparsetx.train import layer_cost
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
 
-PATHS = ("tokenized", "on_the_fly")
-PATH_NAMES = {"tokenized": "pre-tokenized (GlobalStream)", "on_the_fly": "on the fly (seqio + BPE)"}
+ENCODE_BATCH = 1024  # documents per encode_batch call: the tokenize job's batch (pretokenize._BATCH)
 TASK = "bench"  # the benchmark's one task: the text files
 BPE_DOCUMENTS = 20_000  # documents a BPE trained here learns from
 TPU_CHIPS_PER_HOST = 4
@@ -58,7 +56,7 @@ def define_flags() -> dict:
   """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
   return dict(
     path=flags.DEFINE_enum(
-      "path", "both", ["both", *PATHS, "step"], "Input paths to time (both: side by side), or step: pipeline vs step."
+      "path", "store", ["store", "step"], "store: tokenize and read the token store; step: stream vs train step."
     ),
     input=flags.DEFINE_string("input", "", "Glob of text files, one document per line; empty: generate --megabytes."),
     megabytes=flags.DEFINE_float("megabytes", 8.0, "Text generated from the embedded corpus when --input is empty."),
@@ -70,7 +68,7 @@ def define_flags() -> dict:
       "bar", "configs/ladder.py:sgatlin,5,h100x8", "configs/ladder.py:FFN,SCALE,TARGET whose consumption is the bar."
     ),
     chips_per_host=flags.DEFINE_integer("chips_per_host", 0, "Chips one host feeds; 0: a GPU target's node, 4 on TPU."),
-    workers=flags.DEFINE_integer("workers", 1, "Tokenizer processes writing the pre-tokenized corpus."),
+    workers=flags.DEFINE_integer("workers", 1, "Tokenizer processes of the tokenize job."),
     steps=flags.DEFINE_integer("steps", 20, "Batches timed per path (after two warm-up ones)."),
     config=flags.DEFINE_string("config", "configs/tiny.py", "--path=step: config file, optionally with ':ARG'."),
     train_steps=flags.DEFINE_integer("train_steps", 10, "--path=step: train steps timed."),
@@ -195,11 +193,13 @@ class Inputs:
   generated: bool
   vocab_path: str
   vocab_trained_s: float | None  # None: given
-  config: ml_collections.ConfigDict  # the on-the-fly path's
+  config: ml_collections.ConfigDict  # the tokenize job's
   tokenized: ml_collections.ConfigDict  # the same, reading the corpus
   tokenize_s: float
   corpus_tokens: int
   workers: int
+  peak_rss_bytes: int  # of the tokenize job: this process's (--workers=1), else the largest worker's
+  base_rss_bytes: int  # this process's, before the job
 
 
 def prepare(
@@ -230,36 +230,118 @@ def prepare(
     trained_s = time.perf_counter() - start
   config = paths_config(input_glob, vocab_path, seq_len, rows)
   corpus_dir = os.path.join(work_dir, "tokens")
-  start = time.perf_counter()
-  pretokenize.tokenize_corpus(config, corpus_dir, workers=workers)
-  tokenize_s = time.perf_counter() - start
+  import seqio  # noqa: F401  (imported, with TensorFlow, before the clock starts: a job's start, not its rate)
+
+  with PeakMemory() as memory:
+    start = time.perf_counter()
+    pretokenize.tokenize_corpus(config, corpus_dir, workers=workers)
+    tokenize_s = time.perf_counter() - start
   tokenized = config.copy_and_resolve_references()
   tokenized.data.tokenized_dir = corpus_dir
   tokens = token_store.TokenSplit(corpus_dir, TASK, "train").n_tokens
-  return Inputs(files, generated, vocab_path, trained_s, config, tokenized, tokenize_s, tokens, workers)
+  peak = memory.peak if workers == 1 else memory.children_peak()
+  return Inputs(
+    files, generated, vocab_path, trained_s, config, tokenized, tokenize_s, tokens, workers, peak, memory.base
+  )
 
 
-def open_path(path: str, inputs: Inputs):
-  """The reader of `path` over this process's rows (one device's sharding: a host reads its whole share)."""
-  sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  if path == "tokenized":
-    return global_stream.GlobalStream(inputs.tokenized, sharding)
-  return pipeline.make_train_iterator(inputs.config, sharding)
+def _rss_bytes() -> int:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakMemory:
+  """The largest resident set of this process while the block runs (sampled every 5 ms), and of its children."""
+
+  def __init__(self):
+    self.base = self.peak = _rss_bytes()
+    self._done = threading.Event()
+    self._thread = threading.Thread(target=self._sample, daemon=True)
+
+  def _sample(self) -> None:
+    while not self._done.wait(0.005):
+      self.peak = max(self.peak, _rss_bytes())
+
+  def __enter__(self) -> "PeakMemory":
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self._done.set()
+    self._thread.join()
+    self.peak = max(self.peak, _rss_bytes())
+
+  @staticmethod
+  def children_peak() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # kilobytes on Linux
+
+
+def read_documents(files: list[str]) -> list[str]:
+  """The documents of the text files (non-blank lines, as the text source reads them)."""
+  documents = []
+  for path in files:
+    with open(path, encoding="utf-8") as f:
+      documents.extend(line.rstrip("\n") for line in f if line.strip())
+  return documents
 
 
 @dataclasses.dataclass(frozen=True)
-class PathTiming:
-  path: str
+class EncodeTiming:
+  documents: int
+  tokens: int  # ids the tokenizer returned, without EOS
+  seconds: float
+
+
+def time_encode_batch(inputs: Inputs) -> EncodeTiming:
+  """The raw tokenizer on the same documents, in memory: `encode_batch` on batches of ENCODE_BATCH documents."""
+  tokenizer = bpe_vocab.load(inputs.vocab_path).tokenizer
+  documents = read_documents(inputs.files)
+  tokens = 0
+  start = time.perf_counter()
+  for first in range(0, len(documents), ENCODE_BATCH):
+    encodings = tokenizer.encode_batch_fast(documents[first : first + ENCODE_BATCH], add_special_tokens=False)
+    tokens += sum(len(e.ids) for e in encodings)
+  return EncodeTiming(len(documents), tokens, time.perf_counter() - start)
+
+
+def format_tokenize_table(inputs: Inputs, raw: EncodeTiming) -> str:
+  """The tokenize job's tokens/s against encode_batch's, their ratio, and the job's peak memory."""
+  job_tokens = inputs.corpus_tokens - raw.documents  # the store holds an EOS per document
+  job_rate, raw_rate = job_tokens / inputs.tokenize_s, raw.tokens / raw.seconds
+  text_bytes = sum(os.path.getsize(f) for f in inputs.files)
+  whose = "this process" if inputs.workers == 1 else "the largest worker"
+  return "\n".join(
+    [
+      f"  {'tokenize':<44}{'s':>8}{'tokens':>14}{'tokens/s':>14}",
+      f"  {f'the job (tokenize_corpus, --workers={inputs.workers})':<44}{inputs.tokenize_s:>8.2f}{job_tokens:>14,}"
+      f"{job_rate:>14,.0f}",
+      f"  {'encode_batch (tokenizers, in memory)':<44}{raw.seconds:>8.2f}{raw.tokens:>14,}{raw_rate:>14,.0f}",
+      f"  tokenize job / encode_batch: {job_rate / raw_rate:.2f} of its tokens/s (goal: at least 0.8)",
+      f"  peak resident memory of the job ({whose}): {inputs.peak_rss_bytes / 2**20:,.0f} MiB (before it: "
+      f"{inputs.base_rss_bytes / 2**20:,.0f} MiB), tokenizing {text_bytes / 2**20:,.1f} MiB of text",
+    ]
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadTiming:
   first_s: float  # from building the reader to its first batch
   seconds: float  # per batch, after the warm-up
   real_fraction: float  # of the rows' tokens: not padding
   tokens: int  # per batch: rows x seq_len
 
 
-def time_path(path: str, inputs: Inputs, steps: int, warmup: int = 2) -> PathTiming:
-  """Seconds per `next_local` batch of `path`, after `warmup` batches."""
+def open_stream(inputs: Inputs) -> global_stream.GlobalStream:
+  """The stream over this process's rows (one device's sharding: a host reads its whole share)."""
+  return global_stream.GlobalStream(inputs.tokenized, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+
+
+def time_reads(inputs: Inputs, steps: int, warmup: int = 2) -> ReadTiming:
+  """Seconds per `next_local` batch of the stream, after `warmup` batches."""
   start = time.perf_counter()
-  reader = open_path(path, inputs)
+  reader = open_stream(inputs)
   try:
     batch = reader.next_local()
     first_s = time.perf_counter() - start
@@ -273,29 +355,23 @@ def time_path(path: str, inputs: Inputs, steps: int, warmup: int = 2) -> PathTim
     seconds = (time.perf_counter() - start) / steps
   finally:
     reader.close()
-  return PathTiming(path, first_s, seconds, real / steps, int(batch["targets"].size))
+  return ReadTiming(first_s, seconds, real / steps, int(batch["targets"].size))
 
 
-def format_table(timings: list[PathTiming], bar: Bar) -> str:
-  """Tokens/s per host of each path, with how many of the bar's chips and hosts that feeds; the ratio."""
+def format_read_table(t: ReadTiming, bar: Bar) -> str:
+  """Tokens/s per host of the stream, with how many of the bar's chips and hosts that feeds."""
   chip = bar.chip.name.split()[0]
-  lines = [
-    f"  {'path':<30}{'first s':>9}{'ms/batch':>10}{'tokens/s':>14}{'real':>8}"
-    f"{f'x 1 {chip}':>10}{f'x host of {bar.chips_per_host}':>13}"
-  ]
-  for t in timings:
-    rate = t.tokens / t.seconds
-    lines.append(
-      f"  {PATH_NAMES[t.path]:<30}{t.first_s:>9.1f}{t.seconds * 1e3:>10.1f}{rate:>14,.0f}{t.real_fraction:>8.1%}"
-      f"{rate / bar.per_chip:>10.2f}{rate / bar.per_host:>13.2f}"
-    )
-  lines.append(f"  {f'bar: one {bar.chip.name}':<57}{bar.per_chip:>14,.0f}{'':>8}{1:>10.2f}")
-  lines.append(f"  {f'bar: one host of {bar.chips_per_host} {bar.chip.name}':<57}{bar.per_host:>14,.0f}")
-  by_path = {t.path: t for t in timings}
-  if set(PATHS) <= set(by_path):
-    ratio = by_path["on_the_fly"].seconds / by_path["tokenized"].seconds
-    lines.append(f"  pre-tokenized / on the fly: {ratio:,.1f}x the tokens/s")
-  return "\n".join(lines)
+  rate = t.tokens / t.seconds
+  return "\n".join(
+    [
+      f"  {'read':<30}{'first s':>9}{'ms/batch':>10}{'tokens/s':>14}{'real':>8}"
+      f"{f'x 1 {chip}':>10}{f'x host of {bar.chips_per_host}':>13}",
+      f"  {'token store (GlobalStream)':<30}{t.first_s:>9.1f}{t.seconds * 1e3:>10.1f}{rate:>14,.0f}"
+      f"{t.real_fraction:>8.1%}{rate / bar.per_chip:>10.2f}{rate / bar.per_host:>13.2f}",
+      f"  {f'bar: one {bar.chip.name}':<57}{bar.per_chip:>14,.0f}{'':>8}{1:>10.2f}",
+      f"  {f'bar: one host of {bar.chips_per_host} {bar.chip.name}':<57}{bar.per_host:>14,.0f}",
+    ]
+  )
 
 
 def describe(inputs: Inputs, bar: Bar, rows: int, seq_len: int, steps: int) -> str:
@@ -319,28 +395,26 @@ def describe(inputs: Inputs, bar: Bar, rows: int, seq_len: int, steps: int) -> s
       f"{bar.per_host:,.0f} tokens/s, {bar.host_rows} rows per step",
       f"text: {len(inputs.files)} files, {data_bytes / 1e6:.1f} MB, {documents:,} documents ({source}); "
       f"GPT-2 BPE of {vocabulary.vocab_size:,} ids ({bpe})",
-      f"pre-tokenized once: {inputs.corpus_tokens:,} tokens in {inputs.tokenize_s:.1f} s "
-      f"({inputs.corpus_tokens / inputs.tokenize_s:,.0f} tokens/s with TensorFlow's start, "
-      f"--workers={inputs.workers})",
-      f"this host: {cpus} CPUs, load average {load}; each path: {rows} rows x {seq_len:,} tokens per batch, "
+      f"this host: {cpus} CPUs, load average {load}; reads: {rows} rows x {seq_len:,} tokens per batch, "
       f"{steps} batches timed after 2",
     ]
   )
 
 
-def compare_paths(args: SimpleNamespace) -> None:
+def compare_store(args: SimpleNamespace) -> None:
   bar = training_bar(args.bar, args.chips_per_host)
   rows, seq_len = args.rows or bar.host_rows, args.seq_len or bar.seq_len
-  chosen = PATHS if args.path == "both" else (args.path,)
   with tempfile.TemporaryDirectory(prefix="sparsetx-bench-data-") as work_dir:
     inputs = prepare(work_dir, args.input, args.megabytes, args.vocab, args.vocab_size, seq_len, rows, args.workers)
-    timings = [time_path(path, inputs, args.steps) for path in chosen]
+    raw = time_encode_batch(inputs)
+    reads = time_reads(inputs, args.steps)
     print(describe(inputs, bar, rows, seq_len, args.steps))
-    print(format_table(timings, bar))
+    print(format_tokenize_table(inputs, raw))
+    print(format_read_table(reads, bar))
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# --path=step: the pipeline against the trainer's step
+# --path=step: the stream against the trainer's step
 
 
 def time_pipeline(iterator, steps: int, global_arrays: bool) -> tuple[float, float]:
@@ -379,23 +453,25 @@ def compare_step(args: SimpleNamespace) -> None:
   built = state_lib.setup(config)  # the trainer's mesh on this machine's devices
   tokens = data.global_batch_size * data.seq_len
 
-  start = time.perf_counter()
-  iterator = pipeline.make_train_iterator(config, built.batch_sharding)
-  build_s = time.perf_counter() - start
-  host_s, real_fraction = time_pipeline(iterator, args.steps, global_arrays=False)
-  global_s, _ = time_pipeline(iterator, args.steps, global_arrays=True)
-  step_s = time_train_step(config, built, next(iterator), args.train_steps)
-  iterator.close()
+  with tempfile.TemporaryDirectory(prefix="sparsetx-bench-data-") as work_dir:
+    start = time.perf_counter()
+    config = pretokenize.train_corpus(config, work_dir)  # as the trainer does: the corpus tokenized first
+    iterator = global_stream.GlobalStream(config, built.batch_sharding)
+    build_s = time.perf_counter() - start
+    host_s, real_fraction = time_pipeline(iterator, args.steps, global_arrays=False)
+    global_s, _ = time_pipeline(iterator, args.steps, global_arrays=True)
+    step_s = time_train_step(config, built, next(iterator), args.train_steps)
+    iterator.close()
 
   print(
     f"config {args.config}  mixture {dict(data.mixture)}  batch {data.global_batch_size} x {data.seq_len}"
     f"  ffn {config.model.ffn.type}  devices {jax.device_count()} x {jax.devices()[0].platform}"
   )
-  print(f"pipeline built in {build_s:.1f} s; real (non-padding) tokens: {real_fraction:.1%}")
+  print(f"corpus tokenized and stream opened in {build_s:.1f} s; real (non-padding) tokens: {real_fraction:.1%}")
   print(f"{'stage':<36}{'ms/batch':>10}{'tokens/s':>14}{'x train step':>14}")
   rows = (
-    ("pipeline, host batches", host_s),
-    ("pipeline, global jax.Arrays", global_s),
+    ("stream, host batches", host_s),
+    ("stream, global jax.Arrays", global_s),
     ("train step (as the trainer runs it)", step_s),
   )
   for name, seconds in rows:
@@ -411,7 +487,7 @@ def absl_main(argv, holders: dict) -> None:
     else:
       if args.steps < 1 or args.rows < 0 or args.seq_len < 0 or args.megabytes <= 0:
         raise config_lib.ConfigError("--steps must be positive, --rows and --seq_len at least 0, --megabytes > 0.")
-      compare_paths(args)
+      compare_store(args)
   except (config_lib.ConfigError, ValueError) as error:
     cli.fail(error)
 

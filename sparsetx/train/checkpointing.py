@@ -1,12 +1,9 @@
-"""Orbax checkpoints of the train state, the config and the data iterator's position.
+"""Orbax checkpoints of the train state, the config and the data stream's position, three items of one step.
 
 Each step directory is written by an async `CheckpointManager` and becomes visible only once
-complete (orbax's atomic finalize), so a run killed mid-save resumes from the previous one. The
-data iterator's state (the tokenized stream's step and fingerprint, one JSON file written atomically by
-process 0, see sparsetx/data/global_stream.py; or a TensorFlow iterator checkpoint per process of the
-on-the-fly pipeline, see sparsetx/data/pipeline.py) is written synchronously to `<workdir>/data_state/<step>`
-*before* the model save starts, so every complete model checkpoint has its data state; data states of deleted
-steps are removed.
+complete (orbax's atomic finalize), so a run killed mid-save resumes from the previous one, and every complete
+step has its data position (`data`: the stream's step and fingerprint, see sparsetx/data/global_stream.py).
+A step-0 start (sparsify, HF import) has none: its stream starts at the beginning.
 
 Opening a step checks that it can be read (`Checkpointer.verify`: every item, the arrays' metadata, for
 training the data state of every process), and a failed read of its arrays is reported the same way: one
@@ -31,7 +28,7 @@ from jax.experimental import multihost_utils
 from sparsetx import config as config_lib
 from sparsetx import paths
 from sparsetx.config import ConfigError
-from sparsetx.data import check_training_files
+from sparsetx.data import check_training_files, global_stream
 from sparsetx.train import state as state_lib
 
 COMPUTE_ONLY = (
@@ -44,7 +41,7 @@ COMPUTE_ONLY = (
   "aux_loss",
   "router_z_loss",
 )  # may change on resume (MoE balancing weights: the loss, not the parameters)
-ITEMS = ("state", "config")
+ITEMS = ("state", "config")  # in every step; `data` in every step a run saved (all but step-0 starts)
 SUPERSEDED = "superseded"  # <workdir>/superseded/<time>/: the steps after a restore_step, set aside
 # Status codes of tensorstore / TensorFlow read failures (a damaged file), as opposed to a structure mismatch.
 _READ_FAILURE = re.compile(r"\b(NOT_FOUND|DATA_LOSS|OUT_OF_RANGE|FAILED_PRECONDITION|PERMISSION_DENIED|UNAVAILABLE)\b")
@@ -77,7 +74,11 @@ def _item_handlers(state_handler=None) -> dict:
   """The handler of each item, given to the manager up front: a manager that learns them only from the first
   save or restore warns, for every item it reads metadata of before that, that the item 'was found in the
   checkpoint, but could not be restored'."""
-  return {"state": state_handler or ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
+  return {
+    "state": state_handler or ocp.StandardCheckpointHandler(),
+    "config": ocp.JsonCheckpointHandler(),
+    "data": ocp.JsonCheckpointHandler(),
+  }
 
 
 class _HeldWarnings(logging_std.Filter):
@@ -130,7 +131,6 @@ def _read_failure(error: BaseException) -> str | None:
     if (
       isinstance(error, (OSError, json.JSONDecodeError))
       or _READ_FAILURE.search(text)
-      or type(error).__module__.startswith("tensorflow")  # tf.errors.OpError: a data state that does not read
       or "Encountered error while reading" in text
     ):
       return _reason(error)
@@ -199,7 +199,6 @@ class Checkpointer:
   ):
     self.step_flag = step_flag
     self.directory = paths.resolve(workdir) / "checkpoints"  # local, or a URL such as gs://bucket/run
-    self.data_directory = paths.resolve(workdir) / "data_state"
     options = ocp.CheckpointManagerOptions(
       max_to_keep=checkpoint.keep,
       keep_period=checkpoint.keep_period or None,
@@ -272,15 +271,20 @@ class Checkpointer:
     finally:
       handler.close()
     if data_state:
-      from sparsetx.data import global_stream, pipeline  # TensorFlow: only where a data state is read
+      if "data" not in items:
+        raise self.damaged(step, f"its 'data' item ({step_dir / 'data'}), the data stream's position, is missing")
+      self.data_state(step)
 
-      try:
-        if global_stream.has_state(self.data_directory / str(step)):  # the tokenized stream's step and fingerprint
-          global_stream.read_state(self.data_directory / str(step))
-        else:
-          pipeline.check_saved_state(self.data_directory / str(step))
-      except ValueError as error:
-        raise self.damaged(step, str(error)) from None
+  def data_state(self, step: int) -> dict:
+    """The data stream's position saved with `step` (global_stream.check_state)."""
+    try:
+      saved = self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
+    except Exception as error:  # noqa: BLE001  (a missing, truncated or garbled item)
+      raise self.damaged(step, f"its data state is unreadable ({_reason(error)})") from None
+    try:
+      return global_stream.check_state(saved)
+    except ValueError as error:
+      raise self.damaged(step, str(error)) from None
 
   def damaged(self, step: int, problem: str) -> CheckpointError:
     """The one-line error for an unreadable `step`: what is wrong, the other saved steps, the flag to pick one."""
@@ -297,18 +301,16 @@ class Checkpointer:
     return CheckpointError(f"checkpoint step {step} in {self.directory} cannot be read: {problem}; {way}")
 
   def set_aside_after(self, step: int) -> list[int]:
-    """Moves the saved steps after `step` (and their data states) to <workdir>/superseded/<time>/, so a run
+    """Moves the saved steps after `step` to <workdir>/superseded/<time>/checkpoints/, so a run
     resumed from an older `restore_step` saves its own steps there; returns the steps moved."""
     if jax.process_count() > 1:  # every process lists the steps before process 0 moves any
       multihost_utils.sync_global_devices("checkpoint_set_aside_list")
     later = [s for s in self.manager.all_steps() if s > step]
     if later and jax.process_index() == 0:
       target = self.directory.parent / SUPERSEDED / time.strftime("%Y%m%d-%H%M%S")
+      (target / "checkpoints").mkdir(parents=True, exist_ok=True)
       for s in later:
-        for source, kind in ((self.directory, "checkpoints"), (self.data_directory, "data_state")):
-          if (source / str(s)).exists():
-            (target / kind).mkdir(parents=True, exist_ok=True)
-            (source / str(s)).rename(target / kind / str(s))
+        (self.directory / str(s)).rename(target / "checkpoints" / str(s))
       logging.warning("Resuming from step %d: the later steps %s were moved to %s.", step, later, target)
     if jax.process_count() > 1:  # moved before any process saves
       multihost_utils.sync_global_devices("checkpoint_set_aside")
@@ -326,14 +328,12 @@ class Checkpointer:
       raise self.damaged(step, f"its saved config is not a JSON object ({type(saved).__name__})")
     return config_from_saved(saved)
 
-  def save(self, step: int, state, config: ml_collections.ConfigDict, data_iterator) -> None:
-    data_iterator.save(self.data_directory / str(step))
-    self.manager.save(
-      step,
-      args=ocp.args.Composite(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict())),
-      force=True,
-    )
-    self._remove_orphan_data_states()
+  def save(self, step: int, state, config: ml_collections.ConfigDict, data_state: dict | None) -> None:
+    """Saves `step` (asynchronously with config.checkpoint.async_save); `data_state` None for a step-0 start."""
+    items = dict(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict()))
+    if data_state is not None:
+      items["data"] = ocp.args.JsonSave(data_state)
+    self.manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   def restore_state(self, step: int, abstract_state):
     """The state at `step`, laid out as `abstract_state`'s shardings: restoring onto any mesh reshards."""
@@ -371,12 +371,6 @@ class Checkpointer:
     finally:
       reader.close()
 
-  def restore(self, step: int, abstract_state, data_iterator):
-    """The state at `step` and the data iterator's position."""
-    with self._reading(step):
-      data_iterator.restore(self.data_directory / str(step))
-    return self.restore_state(step, abstract_state)
-
   def check_compatible(self, step: int, config: ml_collections.ConfigDict) -> None:
     """Refuses to resume a workdir whose checkpoint holds a different model, naming the most basic field that
     differs (see `_model_fields`: `ffn.type` before `ffn.d_ffw`).
@@ -397,14 +391,6 @@ class Checkpointer:
   def close(self) -> None:
     self._held.release()
     self.manager.close()
-
-  def _remove_orphan_data_states(self) -> None:
-    if jax.process_index() != 0 or not self.data_directory.is_dir():
-      return
-    kept = set(self.manager.all_steps())
-    for path in self.data_directory.iterdir():
-      if path.name.isdigit() and int(path.name) not in kept and int(path.name) < max(kept, default=0):
-        path.rmtree(missing_ok=True)
 
 
 def open_read_only(workdir: str, workdir_flag: str = "--workdir", step_flag: str = "--step") -> Checkpointer:

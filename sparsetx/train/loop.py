@@ -1,9 +1,9 @@
 """The training loop: mesh -> sharded state -> data -> jitted steps -> metrics, evals, checkpoints.
 
 A run in a workdir that holds checkpoints resumes from the newest one (or config.checkpoint.restore_step,
-whose later steps are moved to <workdir>/superseded/), after checking that it can be read (model state,
-data position: with config.data.tokenized_dir a step number and fingerprint that resume on any number of
-processes, see sparsetx/data/global_stream.py); a step-0 checkpoint (sparsetx/tools/sparsify.py, HF import)
+whose later steps are moved to <workdir>/superseded/), after checking that it can be read (model state, and
+the data position: a step number and fingerprint that resume on any number of processes, see
+sparsetx/data/global_stream.py); a step-0 checkpoint (sparsetx/tools/sparsify.py, HF import)
 gives only the parameters: the optimizer state and the data stream start fresh from this run's config.
 SIGTERM saves the current step and returns normally. A non-finite loss stops the run
 before anything non-finite is saved.
@@ -35,7 +35,7 @@ from jax.experimental import multihost_utils
 
 from sparsetx import config as config_lib
 from sparsetx import paths
-from sparsetx.data import check_training_files, global_stream, pipeline
+from sparsetx.data import check_training_files, global_stream, pretokenize
 from sparsetx.models import ladder
 from sparsetx.parallel import expert_parallel
 from sparsetx.train import checkpointing
@@ -87,6 +87,11 @@ def check_workdir(workdir: str) -> None:
     raise config_lib.ConfigError(
       f"--workdir={workdir} is not writable ({paths.reason(error)}); choose a directory you can write to."
     ) from None
+  if (path / "data_state").is_dir():  # sparsetx before the data state became an item of each checkpoint step
+    raise config_lib.ConfigError(
+      f"--workdir={workdir} holds a run started by an older sparsetx (its data state is in {path / 'data_state'}), "
+      "which this version cannot resume; start over with a new --workdir (or delete this one)."
+    )
 
 
 class _StepReader:
@@ -240,14 +245,9 @@ def evaluate(config, params, eval_fn, eval_data) -> dict:
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains to config.train.steps (or until SIGTERM); returns the last step's metrics."""
   check_training_files(config_lib.validate(config))
-  if config.data.require_tokenized and not config.data.tokenized_dir:
-    raise config_lib.ConfigError(
-      "config.data.tokenized_dir is empty, but this config trains from a pre-tokenized corpus "
-      "(config.data.require_tokenized): write one with sparsetx-tokenize (same --config), then train with "
-      "--config.data.tokenized_dir=DIR."
-    )
   check_workdir(workdir)
   built = state_lib.setup(config)
+  config = pretokenize.train_corpus(config, workdir)  # the corpus the stream reads: given, or written in workdir
   with expert_parallel.activate(built.mesh, config.mesh.rules):  # sparse layers trace their expert-parallel form
     return _run(config, workdir, built)
 
@@ -260,13 +260,14 @@ def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup
   start = checkpointer.resume_step(config.checkpoint.get("restore_step"))  # verified: items, arrays' metadata, data
   if start is not None:
     checkpointer.check_compatible(start, config)
-  data_iterator = global_stream.make_train_data(config, batch_sharding)
+  data_iterator = global_stream.GlobalStream(config, batch_sharding)
   if start == 0:  # a start written by sparsetx/tools/sparsify.py: its parameters, fresh optimizer state and data stream
     params = checkpointer.restore_params(0, abstract_state.params)
     state = state_lib.state_from_params(params, shardings, model, tx)
     logging.info("Starting from the step-0 parameters in %s.", checkpointer.directory)
   elif start is not None:
-    state = restore(checkpointer, start, abstract_state, data_iterator, config.data.accept_new_stream)
+    data_iterator.restore(checkpointer.data_state(start), f"step {start} in {checkpointer.directory}")
+    state = checkpointer.restore_state(start, abstract_state)
     logging.info("Resumed from %s at step %d.", checkpointer.directory, start)
   else:
     state = state_lib.create_state(config, shardings, model, tx)
@@ -276,7 +277,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup
 
   step_fn = step_lib.make_train_step(config, built)
   eval_fn = step_lib.make_eval_step(model, shardings.params, batch_sharding)
-  eval_data = global_stream.make_eval_data(config, batch_sharding, split="validation")
+  eval_data = global_stream.TokenizedEvalData(config, batch_sharding, split="validation")
 
   writer = metrics_lib.make_writer(workdir, start)
   if start == 0 and jax.process_index() == 0:
@@ -314,7 +315,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup
       if step % config.checkpoint.every == 0 or step == config.train.steps:
         reader.read()  # waits for `step`: save only a state known finite, before step + 1 takes its buffers
         started = time.time()
-        checkpointer.save(step, state, config, data_iterator)
+        checkpointer.save(step, state, config, data_iterator.state())
         reader.exclude(time.time() - started)
         saved_step = reader.saved_step = step
       if step == config.train.steps or sigterm.agreed(step, every=config.train.log_every):
@@ -322,7 +323,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup
       batch = next(data_iterator)  # read and placed on the devices while they run `step`
     reader.read()
     if step != saved_step:  # stopped by SIGTERM (agreed by all processes) between checkpoints
-      checkpointer.save(step, state, config, data_iterator)
+      checkpointer.save(step, state, config, data_iterator.state())
   finally:
     profiler.close()
     sigterm.restore()
@@ -331,44 +332,6 @@ def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup
     writer.flush()
     data_iterator.close()
   return reader.last
-
-
-def restore(
-  checkpointer: checkpointing.Checkpointer, step: int, abstract_state, data_iterator, accept_new_stream: bool = False
-):
-  """The state at `step`, and the data position.
-
-  The tokenized stream (global_stream.GlobalStream) continues at the saved step on any number of processes; a
-  state of another stream is refused unless `accept_new_stream` (config.data.accept_new_stream). The on-the-fly
-  pipeline restores a data state saved by as many data shards (processes); one saved by another number cannot
-  be resharded: the model state still restores (onto any mesh), and the data stream starts over, with a warning.
-  """
-  path = epath.Path(checkpointer.data_directory) / str(step)
-  if isinstance(data_iterator, global_stream.GlobalStream):
-    data_iterator.restore(path, step)
-    return checkpointer.restore_state(step, abstract_state)
-  if global_stream.has_state(path):
-    if not accept_new_stream:
-      raise config_lib.ConfigError(
-        f"the data state of step {step} in {checkpointer.data_directory} was saved by the tokenized stream "
-        "(config.data.tokenized_dir); resume with the same tokenized_dir, or set config.data.accept_new_stream=True "
-        "to start this config's on-the-fly stream from its beginning."
-      )
-    logging.warning("config.data.accept_new_stream: the on-the-fly data stream starts from its beginning.")
-    return checkpointer.restore_state(step, abstract_state)
-  saved_shards = pipeline.saved_shard_counts(path)
-  shards = data_iterator.shard_info.num_shards
-  if saved_shards and shards not in saved_shards:
-    logging.warning(
-      "The data state of step %d was saved by %s data shard(s) (processes); this run reads %d, so the data "
-      "stream starts over from its beginning. The model and optimizer state resume at step %d.",
-      step,
-      "/".join(map(str, sorted(saved_shards))),
-      shards,
-      step,
-    )
-    return checkpointer.restore_state(step, abstract_state)
-  return checkpointer.restore(step, abstract_state, data_iterator)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
