@@ -1,7 +1,7 @@
 """Corpora as they ship (sparsetx/data/documents.py): parquet files, JSON lines plain, .gz and .zst, and `datasets`
 folders tokenize into a corpus whose documents equal the source texts (as multisets: none lost or doubled); a bad
 file is one error naming the file and the row or byte offset, shards already written stay valid, and the same
-command finishes the corpus once the file is fixed; these sources train only through the tokenized corpus."""
+command finishes the corpus once the file is fixed; the trainer tokenizes these sources into its workdir."""
 
 import collections
 import gzip
@@ -9,14 +9,17 @@ import json
 
 import datasets
 import ml_collections
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
+from conftest import load_config
 from test_tokenize import decoded
 
 from sparsetx import config as config_lib
 from sparsetx.data import documents, file_checks, pretokenize, token_store
+from sparsetx.train import loop
 
 DOCS = [f"document {i}: naïve café ☕ {'x' * (i % 7)}" for i in range(40)] + ["line\nbreak \"quoted\"", "  "]
 
@@ -137,13 +140,37 @@ def test_a_bad_file_stops_its_shard_keeps_the_others_and_the_rerun_finishes(tmp_
   assert collections.Counter(decoded(out, "web", "train")) == non_blank(DOCS)
 
 
-def test_these_sources_train_only_from_the_tokenized_corpus(tmp_path):
-  write_parquet(tmp_path / "a.parquet", DOCS)
-  config = source_config("parquet", str(tmp_path / "a.parquet"))
-  with pytest.raises(
-    config_lib.ConfigError, match=r"config.data.sources.web \(parquet files\) is read by sparsetx-tokenize only"
-  ):
-    file_checks.check_training_files(config)
+def test_the_trainer_tokenizes_these_sources_into_its_workdir_and_trains_on_them(tmp_path):
+  """A mixture of a parquet directory, a .jsonl.zst directory and a datasets folder, given to the trainer as
+  sources: it writes their corpus into <workdir>/tokenized (every document once) and trains from it."""
+  src = tmp_path / "src"
+  (src / "parquet").mkdir(parents=True)
+  (src / "zst").mkdir()
+  for i, half in enumerate((DOCS[:25], DOCS[25:])):
+    write_parquet(src / "parquet" / f"part-{i}.parquet", half)
+    write_zst(src / "zst" / f"part-{i}.jsonl.zst", half)
+  datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(str(src / "saved"))
+  config = load_config("configs/tiny.py", "mlp")
+  config.model.update(d_model=32, n_layers=1, head_dim=16, max_len=16, dtype="float32")
+  config.model.ffn.d_ffw = 64
+  config.data.update(seq_len=16, global_batch_size=8, eval_batch_size=8)
+  config.data.sources = ml_collections.ConfigDict(
+    dict(
+      pq=dict(kind="parquet", train=str(src / "parquet" / "*.parquet")),
+      zst=dict(kind="jsonl", train=str(src / "zst" / "*.jsonl.zst")),
+      saved=dict(kind="datasets", train=str(src / "saved")),
+    )
+  )
+  config.data.mixture = (("pq", 1.0), ("zst", 1.0), ("saved", 1.0))
+  config.train.update(steps=2, warmup_steps=1, log_every=1, eval_every=1000)
+  metrics = loop.train(config, str(tmp_path / "run"))
+  assert np.isfinite(metrics["loss"])
+  corpus = tmp_path / "run" / pretokenize.WORKDIR_CORPUS
+  for task in ("pq", "zst", "saved"):
+    assert collections.Counter(decoded(corpus, task, "train")) == non_blank(DOCS), task
+
+
+def test_a_datasets_dict_folder_names_the_split_folder(tmp_path):
   datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": DOCS})}).save_to_disk(str(tmp_path / "dict"))
   config = source_config("datasets", str(tmp_path / "dict"))
   with pytest.raises(

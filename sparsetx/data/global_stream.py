@@ -340,7 +340,10 @@ class TokenizedEvalData:
   so every process yields the same number of batches, ceil(rows / B), with no collective. A shard's last
   < seq_len tokens are left out, as in training."""
 
-  def __init__(self, config: ml_collections.ConfigDict, batch_sharding: jax.sharding.Sharding, split="validation"):
+  def __init__(
+    self, config: ml_collections.ConfigDict, batch_sharding: jax.sharding.Sharding, split="validation", required=True
+  ):
+    """`required` False: a corpus without the split gives no batches (training without evaluation)."""
     _require_packing(config)
     data = config.data
     self._sharding, self._global_rows, self._seq_len = batch_sharding, data.eval_batch_size, data.seq_len
@@ -353,7 +356,7 @@ class TokenizedEvalData:
         f"{', '.join(manifest['tasks'])}); tokenize it there with sparsetx-tokenize, or leave it out."
       )
     names = [name for name, _ in data.mixture if split in manifest["tasks"][name]]
-    if not names:
+    if not names and required:
       raise config_lib.ConfigError(
         f"no task of config.data.mixture has a {split!r} split in config.data.tokenized_dir={data.tokenized_dir!r}; "
         "tokenize one (config.data.sources.<name>.validation), or evaluate another split."

@@ -202,11 +202,11 @@ def _text_batches(job: ShardJob, config_data: ml_collections.ConfigDict):
   source = (config_data.sources or {}).get(job.task)
   if source is None or source.kind in documents.READERS:
     if source is None:  # the embedded corpus: one in-memory "file" per split
-      texts = (t for t in corpus.DOCUMENTS[job.task](job.split) if t.strip(documents.BLANK))
-      texts = itertools.islice(texts, job.index, None, job.count)
+      texts = itertools.islice(corpus.DOCUMENTS[job.task](job.split), job.index, None, job.count)
     else:
       read = functools.partial(documents.READERS[source.kind], field=source.get("text_field", "text"))
       texts = documents.shard_documents(list(job.inputs), read, job.index, job.count)
+    texts = (text for text in texts if text.strip(documents.BLANK))  # the task's blank-document filter
     while batch := list(itertools.islice(texts, _BATCH)):
       yield batch
     return
@@ -230,7 +230,7 @@ def _text_batches(job: ShardJob, config_data: ml_collections.ConfigDict):
     for texts in batches.as_numpy_iterator():
       yield [text.decode("utf-8") for text in texts]
   except (tf.errors.OpError, UnicodeDecodeError) as error:  # a record TensorFlow cannot read, or not UTF-8 text
-    raise documents.DocumentError(_reason(error)) from None
+    raise documents.DocumentError(f"{_reason(error)}; fix that input of config.data.sources.{job.task}.") from None
 
 
 def document_stream(job: ShardJob, data: dict):
@@ -282,8 +282,8 @@ def write_one(job: ShardJob, data: dict, report: Callable[[ShardJob, int, int], 
     return token_store.write_shard(job.path, documents(), vocab_size)
   except documents_lib.DocumentError as error:
     raise ShardError(
-      f"shard {job.name} failed: {error}; fix that input of config.data.sources.{job.task} and run the "
-      "same command again (complete shards are kept)."
+      f"shard {job.name} failed: {str(error).rstrip('.')}; then run the same command again (complete shards are "
+      "kept)."
     ) from None
 
 

@@ -277,7 +277,9 @@ def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup
 
   step_fn = step_lib.make_train_step(config, built)
   eval_fn = step_lib.make_eval_step(model, shardings.params, batch_sharding)
-  eval_data = global_stream.TokenizedEvalData(config, batch_sharding, split="validation")
+  eval_data = global_stream.TokenizedEvalData(config, batch_sharding, split="validation", required=False)
+  if not eval_data.task_names:
+    logging.warning("No task of config.data.mixture has a validation split: this run evaluates nothing.")
 
   writer = metrics_lib.make_writer(workdir, start)
   if start == 0 and jax.process_index() == 0:
@@ -301,7 +303,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup
       step += 1
       profiler.after(step, step_metrics)
       reader.dispatched(step, step_metrics)  # reads step - 1's metrics: the devices still run `step`
-      if step % config.train.eval_every == 0 or step == config.train.steps:
+      if eval_data.task_names and (step % config.train.eval_every == 0 or step == config.train.steps):
         reader.read()  # waits for `step`: evaluate only a state known finite
         started = time.time()
         results = evaluate(config, state.params, eval_fn, eval_data)
