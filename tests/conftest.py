@@ -145,17 +145,3 @@ MICRO_TRAIN_FLAGS = [  # a micro dense model the multi-process and command-line 
   "--config.data.global_batch_size=8",
   "--config.data.eval_batch_size=8",
 ]
-
-
-class RecordingCheckpointer:
-  """Stands in for checkpointing.Checkpointer in `loop.restore`: records which restore the loop chose (the data
-  state lives in `data_directory`)."""
-
-  def __init__(self, data_directory):
-    self.data_directory, self.calls = str(data_directory), []
-
-  def restore_state(self, step, abstract_state):
-    self.calls.append(("model", step))
-
-  def restore(self, step, abstract_state, data_iterator):
-    self.calls.append(("model and data", step))

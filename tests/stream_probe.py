@@ -10,7 +10,8 @@ import json
 import os
 
 from sparsetx import cli  # noqa: F401  (first: its quiet console filters TensorFlow's start-up notices)
-from sparsetx.data import global_stream, pipeline
+from sparsetx.data import global_stream
+from sparsetx.data.batches import FEATURES
 from sparsetx.train import __main__ as train_main
 
 _next_local = global_stream.GlobalStream.next_local
@@ -20,7 +21,7 @@ def _recording_next_local(self):
   step = self.step
   local = _next_local(self)
   digests = [
-    hashlib.sha256(b"".join(local[k][n].tobytes() for k in pipeline.FEATURES)).hexdigest()
+    hashlib.sha256(b"".join(local[k][n].tobytes() for k in FEATURES)).hexdigest()
     for n in range(local["targets"].shape[0])
   ]
   with open(os.path.join(os.environ["STREAM_PROBE_DIR"], f"rows_{os.getpid()}.jsonl"), "a") as f:

@@ -1,7 +1,6 @@
-"""sparsetx-bench-data: both input paths read the benchmark's text (a pre-tokenized row is a stretch of one input
-file, an on-the-fly segment a piece of one document), in batches of the same shape; the table has a row per path
-and the bar's rows; the bar is the dry run's analytic projection on the mesh the target builds. No timing is
-asserted."""
+"""sparsetx-bench-data: the store holds the benchmark's text (a row is a stretch of one input file), the raw
+tokenizer encodes the documents the job stored, the tables give the tokenize ratio and the read rate against the
+bar; the bar is the dry run's analytic projection on the mesh the target builds. No timing is asserted."""
 
 import jax
 import numpy as np
@@ -37,40 +36,46 @@ def pieces(vocabulary, tokens) -> list[tuple[str, bool]]:
   return [(vocabulary.decode(p[p != eos].tolist()), p[-1] == eos) for p in cut if p.size]
 
 
-def test_both_paths_read_the_text_in_batches_of_the_same_shape(inputs):
+def test_the_store_holds_the_text_and_reads_in_batches_of_the_bars_shape(inputs):
   texts = [open(f, encoding="utf-8").read() for f in inputs.files]
   assert inputs.generated and len(texts) == 4 and sum(map(len, texts)) >= 50_000
   vocabulary = vocab.make_vocabulary(inputs.config.data)
-  batches = {}
-  for path in bench_data.PATHS:
-    reader = bench_data.open_path(path, inputs)
-    batches[path] = reader.next_local()
-    reader.close()
-    assert {k: v.shape for k, v in batches[path].items()} == {k: (ROWS, SEQ_LEN) for k in batches[path]}
-  tokenized = batches["tokenized"]
-  assert (tokenized["targets"] > 0).all() and (tokenized["loss_weights"] == 1).all()  # rows cut from a stream
-  for row in tokenized["targets"]:  # a row lies in one shard, one input file here: a stretch of its lines
+  reader = bench_data.open_stream(inputs)
+  batch = reader.next_local()
+  reader.close()
+  assert {k: v.shape for k, v in batch.items()} == {k: (ROWS, SEQ_LEN) for k in batch}
+  assert (batch["targets"] > 0).all() and (batch["loss_weights"] == 1).all()  # rows cut from a stream
+  for row in batch["targets"]:  # a row lies in one shard, one input file here: a stretch of its lines
     text = "".join(piece + ("\n" if ends else "") for piece, ends in pieces(vocabulary, row))
     assert sum(text in t for t in texts) >= 1, text
-  on_the_fly = batches["on_the_fly"]
-  for targets_T, segments_T in zip(on_the_fly["targets"], on_the_fly["segment_ids"]):
-    for segment in np.unique(segments_T[segments_T > 0]):
-      ((piece, ends),) = pieces(vocabulary, targets_T[segments_T == segment])  # one piece of one document
-      assert any((piece + "\n" if ends else piece) in t for t in texts), piece
 
 
-def test_the_table_has_each_path_and_the_bar(inputs, bar):
-  timings = [bench_data.time_path(path, inputs, steps=2) for path in bench_data.PATHS]
-  assert [t.tokens for t in timings] == [ROWS * SEQ_LEN] * 2
-  table = bench_data.format_table(timings, bar).splitlines()
-  assert [line.split()[0] for line in table] == ["path", "pre-tokenized", "on", "bar:", "bar:", "pre-tokenized"]
+def test_the_raw_tokenizer_encodes_what_the_job_stored(inputs):
+  raw = bench_data.time_encode_batch(inputs)
+  documents = bench_data.read_documents(inputs.files)
+  lines = [line for f in inputs.files for line in open(f, encoding="utf-8").read().splitlines()]
+  assert raw.documents == len(documents) == len(lines) and documents == lines  # no blank lines: every line
+  assert raw.tokens + raw.documents == inputs.corpus_tokens  # the same ids, plus one EOS per document
+  assert inputs.peak_rss_bytes >= inputs.base_rss_bytes > 0
+
+
+def test_the_tables_give_the_ratio_and_each_rate_against_the_bar(inputs, bar):
+  raw = bench_data.time_encode_batch(inputs)
+  table = bench_data.format_tokenize_table(inputs, raw).splitlines()
+  job_rate = (inputs.corpus_tokens - raw.documents) / inputs.tokenize_s
+  assert table[1].split()[-1] == f"{job_rate:,.0f}" and table[2].split()[-1] == f"{raw.tokens / raw.seconds:,.0f}"
+  assert f"tokenize job / encode_batch: {job_rate / (raw.tokens / raw.seconds):.2f} of its tokens/s" in table[3]
+  assert table[4].startswith("  peak resident memory of the job (this process): ")
+  t = bench_data.time_reads(inputs, steps=2)
+  assert t.tokens == ROWS * SEQ_LEN
+  table = bench_data.format_read_table(t, bar).splitlines()
+  assert [line.split()[0] for line in table] == ["read", "token", "bar:", "bar:"]
   assert table[0].endswith("x 1 H100  x host of 8")
-  for line, t in zip(table[1:3], timings):  # tokens/s, then the multiples of one chip and one host
-    rate, per_chip, per_host = (float(line.split()[i].replace(",", "")) for i in (-4, -2, -1))
-    assert rate == pytest.approx(t.tokens / t.seconds, abs=1)
-    assert per_chip == pytest.approx(t.tokens / t.seconds / bar.per_chip, abs=0.006)
-    assert per_host == pytest.approx(t.tokens / t.seconds / bar.per_host, abs=0.006)
-  assert table[4].split()[-1] == f"{bar.per_host:,.0f}"
+  rate, per_chip, per_host = (float(table[1].split()[i].replace(",", "")) for i in (-4, -2, -1))
+  assert rate == pytest.approx(t.tokens / t.seconds, abs=1)
+  assert per_chip == pytest.approx(t.tokens / t.seconds / bar.per_chip, abs=0.006)
+  assert per_host == pytest.approx(t.tokens / t.seconds / bar.per_host, abs=0.006)
+  assert table[3].split()[-1] == f"{bar.per_host:,.0f}"
   assert f"one host of 8: {bar.per_host:,.0f} tokens/s" in bench_data.describe(inputs, bar, ROWS, SEQ_LEN, 2)
 
 

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import seqio
 import tensorflow_datasets as tfds
+from test_tokenize import decoded
 
 from sparsetx import config as config_lib
-from sparsetx.data import check_files, pipeline, sources, tasks
+from sparsetx.data import check_files, pretokenize, sources, tasks
 
 NAME = "sparsetx_tiny_texts"
 TEXTS = {
@@ -69,31 +70,13 @@ def make_config(data_dir: str, **source) -> ml_collections.ConfigDict:
   return check_files(config_lib.validate(config))
 
 
-def documents(batches) -> list[str]:
-  """The text of every packed segment (EOS removed) of numpy batches."""
-  out = []
-  for batch in batches:
-    for targets, segment_ids in zip(batch["targets"], batch["segment_ids"]):
-      for s in range(1, segment_ids.max() + 1):
-        ids = targets[segment_ids == s].tolist()
-        assert ids[-1] == BYTES.eos_id  # a whole document ends each segment
-        out.append(BYTES.decode(ids[:-1]))
-  return out
-
-
-@pytest.mark.parametrize("split", ["train", "validation"])
-def test_one_pass_over_a_tfds_split_reads_exactly_the_texts_written(data_dir, split):
+@pytest.mark.parametrize("shards", [1, 2])
+def test_the_tokenize_job_reads_each_tfds_split_exactly(data_dir, tmp_path, shards):
+  """TFDS goes through the seqio task's TensorFlow reader: every text of each split is in the corpus once."""
   config = make_config(data_dir)
-  tasks.register_mixture(config.data, BYTES)
-  batches = pipeline.local_eval_batches(config, "tiny", split, seqio.ShardInfo(0, 1), local_rows=8)
-  assert collections.Counter(documents(batches)) == collections.Counter(TEXTS[split])
-
-
-def test_train_stream_from_tfds_holds_only_written_texts(data_dir):
-  config = make_config(data_dir)
-  dataset = pipeline.local_train_dataset(config, seqio.ShardInfo(0, 1), local_rows=8)
-  read = documents(batch for batch in dataset.take(3).as_numpy_iterator())
-  assert len(read) >= 24 and set(read) <= set(TEXTS["train"])
+  pretokenize.tokenize_corpus(config, tmp_path / "corpus", shards=shards)
+  for split in ("train", "validation"):
+    assert collections.Counter(decoded(tmp_path / "corpus", "tiny", split)) == collections.Counter(TEXTS[split])
 
 
 def test_missing_data_dir_is_one_clear_error(tmp_path):

@@ -13,7 +13,7 @@ import tensorflow as tf
 import tokenizers
 
 from sparsetx import config as config_lib
-from sparsetx.data import check_files, corpus, pipeline, vocab
+from sparsetx.data import check_files, corpus, encoders, vocab
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TEXTS = (
@@ -180,22 +180,28 @@ def test_gpt2_files_without_a_pad_token_move_id_0_out_of_padding(gpt2_dir, tmp_p
   assert [from_json.encode(t) for t in GPT2_TEXTS] == [vocabulary.encode(t) for t in GPT2_TEXTS]
 
 
-def test_gpt2_pipeline_batch_holds_corpus_text_within_the_vocabulary(gpt2_dir):
-  config = config_lib.default_config()
-  config.data.update(
-    dict(vocab=dict(kind="gpt2", path=str(gpt2_dir)), seq_len=32, global_batch_size=8, shuffle_buffer=64)
-  )
-  vocabulary = vocab.make_vocabulary(config.data)
-  batch = next(pipeline.local_train_dataset(config, seqio.ShardInfo(0, 1), local_rows=8).as_numpy_iterator())
-  assert batch["targets"].shape == (8, 32)
-  assert batch["targets"].min() >= 0 and batch["targets"].max() < vocabulary.vocab_size <= config.model.vocab_size
-  np.testing.assert_array_equal(batch["loss_weights"], (batch["targets"] != 0).astype(np.float32))
-  assert batch["loss_weights"].mean() > 0.5  # packed: rows hold several documents, mostly full
-  corpus_text = "\n".join(list(corpus.stories("train")) + list(corpus.fact_documents("train")))
-  for targets, segment_ids in zip(batch["targets"], batch["segment_ids"]):
-    for s in range(1, segment_ids.max() + 1):
-      piece = vocabulary.decode(targets[segment_ids == s])  # up to an EOS, if the piece ends a document
-      assert piece and piece in corpus_text
+def moved_id_0_files(gpt2_dir, directory):
+  """GPT-2's own layout: id 0 is '!', not padding (the vocabulary moves it)."""
+  table = json.loads((gpt2_dir / "vocab.json").read_text())
+  table["<pad>"], table["!"] = table["!"], 0
+  directory.mkdir()
+  (directory / "vocab.json").write_text(json.dumps(table))
+  (directory / "merges.txt").write_text((gpt2_dir / "merges.txt").read_text())
+  return directory
+
+
+def test_each_batch_encoder_gives_the_vocabularys_ids_and_eos(gpt2_dir, spm_model, tmp_path):
+  """The tokenize job's native batch encoders (encoders.py) against each vocabulary's own one-text encode."""
+  texts = [*TEXTS, *GPT2_TEXTS, "", "!!! ! !", *corpus.stories("validation")[:50]]
+  datas = [config_lib.default_config().data, gpt2_data(gpt2_dir), gpt2_data(moved_id_0_files(gpt2_dir, tmp_path / "g"))]
+  datas.append(config_lib.default_config().data)
+  datas[-1].vocab = dict(kind="sentencepiece", path=spm_model)
+  for data in datas:
+    vocabulary = vocab.make_vocabulary(data)
+    encoded = encoders.batch_encoder(vocabulary)(texts)
+    assert [ids.dtype for ids in encoded] == [np.int32] * len(texts)
+    assert [ids.tolist() for ids in encoded] == [[*vocabulary.encode(t), vocabulary.eos_id] for t in texts], data.vocab
+  assert encoders.batch_encoder(vocabulary)([]) == []
 
 
 @pytest.mark.parametrize("present,missing", [("vocab.json", "merges.txt"), ("merges.txt", "vocab.json")])

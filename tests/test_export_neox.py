@@ -17,13 +17,12 @@ import seqio
 from conftest import init_params, load_config
 
 from sparsetx import config as config_lib
-from sparsetx.data import pipeline
 from sparsetx.data import vocab as vocab_lib
 from sparsetx.hf import export, neox, tokenizer_files
 from sparsetx.models.transformer import Transformer
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.tools import build_vocab
-from sparsetx.train import checkpointing, loop
+from sparsetx.train import checkpointing
 from sparsetx.train import state as state_lib
 
 torch = pytest.importorskip("torch")
@@ -176,15 +175,17 @@ def test_import_checkpoint_export_round_trip_and_trainer_resume(exported, tmp_pa
   assert summary["step"] == 0 and summary["kind"] == "hf_neox"
   _, again = export.load_hf(str(tmp_path / "again"))
   assert_same_params(params, again)
-  # The trainer's own resume path accepts the workdir: same model, a data state for step 0, the state.
+  # The trainer's own resume path accepts the workdir: a step-0 start of the same model (no data position: the
+  # stream starts at its beginning), the state.
   checkpointer = checkpointing.Checkpointer(str(workdir), config.checkpoint)
+  assert checkpointer.resume_step() == 0
   checkpointer.check_compatible(0, config)
+  assert not (workdir / "checkpoints" / "0" / "data").exists()
   mesh = mesh_lib.make_mesh(config.mesh)
   abstract, _, _, _ = state_lib.state_shardings(config, mesh)
-  data_iterator = pipeline.make_train_iterator(config, mesh_lib.batch_sharding(mesh, config.mesh.rules))
-  state = loop.restore(checkpointer, checkpointer.latest_step(), abstract, data_iterator)
+  state = checkpointer.restore_state(0, abstract)
   checkpointer.close()
-  assert int(state.step) == 0 and data_iterator.steps == 0
+  assert int(state.step) == 0
   assert_same_params(params, jax.device_get(state.params))
   assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(jax.device_get(state.opt_state)) if np.ndim(x) > 0)
 

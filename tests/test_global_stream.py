@@ -3,15 +3,15 @@ rates within one row, the row permutations are bijections, rows are the corpus's
 restore (or continued with accept_new_stream), and tokenized evaluation goes once over each validation split."""
 
 import json
-import types
 
 import jax
 import numpy as np
 import pytest
-from conftest import RecordingCheckpointer, load_config
+from conftest import load_config
 
 from sparsetx import config as config_lib
-from sparsetx.data import global_stream, packing, pipeline, token_store
+from sparsetx.data import global_stream, packing, token_store
+from sparsetx.data.batches import FEATURES
 from sparsetx.parallel import mesh as mesh_lib
 
 
@@ -70,7 +70,7 @@ def test_the_batch_does_not_depend_on_the_process_count(tokenized_corpus):
     parts = [global_stream.GlobalStream(config, Block(i, count)) for i in range(count)]
     for step in range(6):
       local = [part.next_local() for part in parts]
-      for k in pipeline.FEATURES:
+      for k in FEATURES:
         np.testing.assert_array_equal(np.concatenate([part[k] for part in local]), batches[step][k])
     for part in parts:
       part.close()
@@ -101,7 +101,7 @@ def test_global_batches_on_a_mesh(tokenized_corpus):
   for _ in range(2):
     batch, expected = next(stream), reference.next_local()
     assert batch["targets"].shape == (8, 32) and len(batch["targets"].sharding.device_set) == 8
-    for k in pipeline.FEATURES:
+    for k in FEATURES:
       np.testing.assert_array_equal(jax.device_get(batch[k]), expected[k])
   stream.close()
   reference.close()
@@ -122,22 +122,27 @@ def test_every_row_of_an_epoch_is_read_once(tmp_path):
   stream.close()
 
 
-def test_a_changed_stream_is_refused_on_restore_unless_accepted(tokenized_corpus, tmp_path):
+def test_a_changed_stream_is_refused_on_restore_unless_accepted(tokenized_corpus):
   stream = global_stream.GlobalStream(_config(tokenized_corpus), Block(0, 1), step=5)
-  stream.save(tmp_path / "5")
-  assert json.loads((tmp_path / "5" / global_stream.STATE_JSON).read_text())["step"] == 5
+  state = json.loads(json.dumps(stream.state()))  # what the checkpoint item holds
+  assert global_stream.check_state(state)["step"] == 5
   same = global_stream.GlobalStream(_config(tokenized_corpus), Block(0, 1))
-  same.restore(tmp_path / "5")
+  same.restore(state, "step 5")
   assert same.step == 5
   changed = global_stream.GlobalStream(_config(tokenized_corpus, seed=1), Block(0, 1))
   with pytest.raises(config_lib.ConfigError, match=r"saved with config.data.seed=0 \(now 1\); .*accept_new_stream"):
-    changed.restore(tmp_path / "5")
+    changed.restore(state, "step 5")
   accepted = global_stream.GlobalStream(_config(tokenized_corpus, seed=1, accept_new_stream=True), Block(0, 1))
-  accepted.restore(tmp_path / "5")
+  accepted.restore(state, "step 5")
   assert accepted.step == 5
-  (tmp_path / "5" / global_stream.STATE_JSON).write_text('{"format": 1, "step": "x"')
-  with pytest.raises(ValueError, match=r"its data state file .*stream_state.json is unreadable"):
-    global_stream.read_state(tmp_path / "5")
+  for bad, problem in (
+    ([1], "not a JSON object"),
+    (dict(state, format=0), "format 0"),
+    (dict(state, step="x"), "no integer step"),
+    (dict(state, fields=None), "fingerprint or fields"),
+  ):
+    with pytest.raises(ValueError, match=problem):
+      global_stream.check_state(bad)
   for s in (stream, same, changed, accepted):
     s.close()
 
@@ -157,7 +162,7 @@ def test_tokenized_evaluation_is_one_ordered_pass_padded_alike_on_every_process(
   count = split.row_count(32)
   batches = [whole.local_batch("facts", i) for i in range(-(-count // 16))]
   expected = packing.packed_features(split.rows(np.arange(count), 32))
-  for k in pipeline.FEATURES:
+  for k in FEATURES:
     got = np.concatenate([b[k] for b in batches])
     np.testing.assert_array_equal(got[:count], expected[k])
     assert not got[count:].any()  # padding: loss weight 0
@@ -167,67 +172,41 @@ def test_tokenized_evaluation_is_one_ordered_pass_padded_alike_on_every_process(
     np.testing.assert_array_equal(np.concatenate([p["targets"] for p in parts]), batch["targets"])
 
 
-def test_the_loop_restores_the_stream_and_refuses_a_changed_one(tokenized_corpus, tmp_path):
-  from sparsetx.train import loop
-
-  global_stream.GlobalStream(_config(tokenized_corpus), Block(0, 1), step=6).save(tmp_path / "6")
-  stream = global_stream.GlobalStream(_config(tokenized_corpus), Block(1, 4))  # another process count
-  checkpointer = RecordingCheckpointer(tmp_path)
-  loop.restore(checkpointer, 6, None, stream)
-  assert stream.step == 6 and checkpointer.calls == [("model", 6)]
-  other = global_stream.GlobalStream(_config(tokenized_corpus, global_batch_size=16), Block(0, 1))
-  with pytest.raises(config_lib.ConfigError, match=r"config.data.global_batch_size=8 \(now 16\)"):
-    loop.restore(checkpointer, 6, None, other)
-  on_the_fly = types.SimpleNamespace(shard_info=None)  # the seqio pipeline cannot continue the tokenized stream
-  with pytest.raises(config_lib.ConfigError, match=r"saved by the tokenized stream .*accept_new_stream=True"):
-    loop.restore(checkpointer, 6, None, on_the_fly)
-  loop.restore(checkpointer, 6, None, on_the_fly, accept_new_stream=True)
-  assert checkpointer.calls[-1] == ("model", 6)
-  # A state the on-the-fly pipeline saved (no stream state): another stream, refused unless accepted.
-  (tmp_path / "8" / "shard_00000_of_00001").mkdir(parents=True)
-  with pytest.raises(config_lib.ConfigError, match=r"saved with config.data.tokenized_dir='' \(the on-the-fly"):
-    loop.restore(checkpointer, 8, None, stream)
-  accepted = global_stream.GlobalStream(_config(tokenized_corpus, accept_new_stream=True), Block(0, 1))
-  loop.restore(checkpointer, 8, None, accepted)
-  assert accepted.step == 8
-  accepted.close()
-  for s in (stream, other):
-    s.close()
-
-
-def test_a_damaged_stream_state_is_one_checkpoint_error_and_a_good_one_verifies(tokenized_corpus, tmp_path):
+def test_the_stream_state_is_an_item_of_the_checkpoint_step_read_on_any_process_count(tokenized_corpus, tmp_path):
   from sparsetx.train import checkpointing
 
   config = _config(tokenized_corpus)
   config.checkpoint.update(async_save=False)
   stream = global_stream.GlobalStream(config, Block(0, 1), step=3)
   checkpointer = checkpointing.Checkpointer(str(tmp_path), config.checkpoint)
-  checkpointer.save(3, {"w": np.ones(2, np.float32)}, config, stream)
+  checkpointer.save(3, {"w": np.ones(2, np.float32)}, config, stream.state())
   checkpointer.wait()
   assert checkpointer.resume_step() == 3  # verified with its data state
-  state_file = tmp_path / "data_state" / "3" / global_stream.STATE_JSON
-  state_file.write_text(state_file.read_text()[:20])
-  with pytest.raises(checkpointing.CheckpointError, match=r"step 3 .*its data state file .*stream_state.json is unr"):
+  other = global_stream.GlobalStream(config, Block(1, 4))  # another process count
+  other.restore(checkpointer.data_state(3), "step 3")
+  assert other.step == 3
+  np.testing.assert_array_equal(other.next_local()["targets"], stream.read_rows(3, 2, 2)["targets"])
+  item = tmp_path / "checkpoints" / "3" / "data" / "metadata"
+  item.write_text(item.read_text()[:20])
+  with pytest.raises(checkpointing.CheckpointError, match=r"step 3 .*its data state is unreadable"):
     checkpointer.resume_step()
-  state_file.unlink()
-  with pytest.raises(checkpointing.CheckpointError, match=r"step 3 .*its data state .*missing"):
+  item.write_text(json.dumps(dict(stream.state(), format=7)))
+  with pytest.raises(checkpointing.CheckpointError, match=r"step 3 .*its data state has format 7"):
+    checkpointer.resume_step()
+  (tmp_path / "checkpoints" / "3" / "data").rename(tmp_path / "set_aside")
+  with pytest.raises(checkpointing.CheckpointError, match=r"step 3 .*its 'data' item .*is missing"):
     checkpointer.resume_step()
   checkpointer.close()
-  stream.close()
+  for s in (stream, other):
+    s.close()
 
 
-def test_the_on_the_fly_path_suggests_pretokenizing_a_large_corpus_once(tmp_path, caplog, monkeypatch):
-  text = tmp_path / "web.txt"
-  text.write_text("a document\n" * 100)
-  config = load_config("configs/tiny.py")
-  pipeline.warn_if_pretokenizing_pays(config)  # the embedded corpus, one process: quiet
-  config.data.sources.web = dict(kind="text", train=str(text))
-  config.data.mixture = (("web", 1.0),)
-  pipeline.warn_if_pretokenizing_pays(config)  # 1.1 kB: quiet
-  assert "sparsetx-tokenize" not in caplog.text
-  monkeypatch.setattr(pipeline, "LARGE_CORPUS_BYTES", 1000)
-  pipeline.warn_if_pretokenizing_pays(config)
-  assert caplog.text.count("run sparsetx-tokenize once and train with --config.data.tokenized_dir=DIR") == 1
+def test_a_run_of_the_older_data_state_layout_is_told_to_start_over(tmp_path):
+  from sparsetx.train import loop
+
+  (tmp_path / "data_state" / "10").mkdir(parents=True)
+  with pytest.raises(config_lib.ConfigError, match=r"started by an older sparsetx .*start over with a new --workdir"):
+    loop.train(load_config("configs/tiny.py"), str(tmp_path))
 
 
 def test_a_ladder_rung_on_a_target_trains_only_from_a_tokenized_corpus(tmp_path):

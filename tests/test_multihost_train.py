@@ -1,11 +1,11 @@
-"""Two processes x 2 devices (sparsetx/tools/launch_local.py) train like one process x 4 devices (to float32
-rounding); their checkpoint resumes in one process; a killed process stops the other instead of
-hanging it; a checkpoint of another process count resumes the model and restarts the data stream.
+"""Two processes x 2 devices (sparsetx/tools/launch_local.py) train the default config like one process x 4 devices
+(to float32 rounding); their checkpoint resumes in one process, data position included, with no warning; a killed
+process stops the other instead of hanging it.
 
-One scenario, because starting trainers is what costs time: the two-process run trains past its
-step-10 checkpoint, then process 1 is killed. Meanwhile a single-process driver trains the reference
-on the same global batches (both processes' data shards, read in one process), then resumes the
-two-process step-10 checkpoint and continues.
+One scenario, because starting trainers is what costs time: the two-process run (configs/tiny.py, no hand
+tokenizing: process 0 writes <workdir>/tokenized while process 1 waits) trains past its step-8 checkpoint, then
+process 1 is killed. Meanwhile a single-process driver trains the reference (the same global batches: the stream
+does not depend on the process count), then resumes the two-process step-8 checkpoint and continues.
 """
 
 import json
@@ -15,31 +15,24 @@ import signal
 import subprocess
 import sys
 import time
-import types
 
 import numpy as np
-import seqio
-from conftest import MICRO_TRAIN_FLAGS, REPO, RecordingCheckpointer
+from conftest import MICRO_TRAIN_FLAGS, REPO
 
-# micro_config("mlp") of tests/test_train.py as flags, with: no LR decay, so the schedule ignores
-# train.steps; the facts task alone, whose pipeline and validation split build in a fifth of the
-# default mixture's time; the dense MLP, whose step compiles in half of sgatlin's time (this tests
-# the multi-host machinery; the layers' sharded equivalence is tests/test_train.py's).
+# configs/tiny.py (sgatlin, the default mixture) at a micro size, with no LR decay, so the schedule ignores
+# train.steps.
 MICRO = [
-  "--config=configs/tiny.py:mlp",
-  "--config.data.mixture=(('facts', 1.0),)",
+  "--config=configs/tiny.py",
   *MICRO_TRAIN_FLAGS,
-  "--config.data.shuffle_buffer=64",
   "--config.train.warmup_steps=5",
   "--config.train.decay_fraction=0",
   "--config.train.log_every=1",
   "--config.train.eval_every=1000",
   "--config.train.eval_batches=1",
-  "--config.checkpoint.every=10",
+  "--config.checkpoint.every=8",
 ]
 
-# One process x 4 devices. The loop's data iterator is replaced by one that reads data shards 0 and 1
-# of 2 (what processes 0 and 1 read) and concatenates them: the two-process run's global batch.
+# One process x 4 devices: the reference run, then a resume of the two-process run's step 8.
 DRIVER = r"""
 import json, os, shutil, sys, time
 from absl import flags
@@ -49,43 +42,14 @@ config_flag = config_flags.DEFINE_config_file("config")
 sys.argv = ["driver", *overrides]  # config_flags reads the overrides from sys.argv
 flags.FLAGS(sys.argv)
 config = config_flag.value
-import jax, numpy as np
-from sparsetx.data import pipeline
+import jax
 from sparsetx.train import loop
 
-class HalfRows:
-  # A batch sharding as process `index` of 2 sees it: its devices hold one contiguous half of the rows.
-  def __init__(self, index, rows):
-    self.rows = slice(index * rows // 2, (index + 1) * rows // 2)
-  def addressable_devices_indices_map(self, shape):
-    return {"device": (self.rows,)}
-
-class TwoProcessStreams:
-  def __init__(self, config, sharding):
-    self.parts = [pipeline.TrainIterator(config, HalfRows(i, config.data.global_batch_size)) for i in range(2)]
-    self.shard_info, self.sharding = self.parts[0].shard_info, sharding
-  def __iter__(self):
-    return self
-  def __next__(self):
-    local = [part.next_local() for part in self.parts]
-    return {k: jax.device_put(np.concatenate([l[k] for l in local]), self.sharding) for k in local[0]}
-  def save(self, path):
-    for part in self.parts:
-      part.save(path)
-  def restore(self, path):
-    for part in self.parts:
-      part.restore(path)
-  def close(self):
-    for part in self.parts:
-      part.close()
-
 assert jax.process_count() == 1 and jax.device_count() == 4
-pipeline.make_train_iterator = TwoProcessStreams
 loop.train(config, out + "/reference")
-while not os.path.exists(out + "/checkpoint_10_done"):
+while not os.path.exists(out + "/checkpoint_8_done"):
   time.sleep(0.1)
-for item in ("checkpoints/10", "data_state/10"):  # complete and never rewritten, while that run goes on
-  shutil.copytree(f"{multi}/{item}", f"{out}/resumed/{item}")
+shutil.copytree(f"{multi}/checkpoints/8", f"{out}/resumed/checkpoints/8")  # complete and never rewritten
 loop.train(config, out + "/resumed")
 """
 
@@ -132,16 +96,16 @@ def test_two_processes_train_like_one_resume_in_one_and_stop_when_a_peer_dies(tm
   driver_env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
   driver_log = open(tmp_path / "driver.log", "w+")
   driver = subprocess.Popen(
-    [sys.executable, "-c", DRIVER, str(tmp_path), str(multi), json.dumps(MICRO + ["--config.train.steps=12"])],
+    [sys.executable, "-c", DRIVER, str(tmp_path), str(multi), json.dumps(MICRO + ["--config.train.steps=10"])],
     cwd=REPO,
     env=driver_env,
     stdout=driver_log,
     stderr=subprocess.STDOUT,
   )
   try:
-    # Checkpoint 10 is complete once orbax has renamed its directory into place.
-    wait_until(lambda: (multi / "checkpoints" / "10").is_dir(), [launcher], 240, "two-process checkpoint 10")
-    (tmp_path / "checkpoint_10_done").touch()
+    # Checkpoint 8 is complete once orbax has renamed its directory into place.
+    wait_until(lambda: (multi / "checkpoints" / "8").is_dir(), [launcher], 300, "two-process checkpoint 8")
+    (tmp_path / "checkpoint_8_done").touch()
     pids = [int(p) for p in re.findall(r"process \d pid (\d+)", (tmp_path / "launcher.log").read_text())]
     os.kill(pids[1], signal.SIGKILL)
     killed_at = time.time()
@@ -173,27 +137,16 @@ def test_two_processes_train_like_one_resume_in_one_and_stop_when_a_peer_dies(tm
         process.kill()
 
   two, one = losses(multi), losses(tmp_path / "reference")
-  # Same batches, same float32 math; only the cross-process all-reduce (gloo) sums the 4 devices'
-  # partial losses and gradients in another order than one process does: measured differences are
-  # 0-2 ulps (<= 1e-6 absolute at loss ~6); rtol 1e-6 allows ~10 ulps and nothing a real bug makes.
-  np.testing.assert_allclose([two[s] for s in range(1, 11)], [one[s] for s in range(1, 11)], rtol=1e-6, atol=0)
-  assert one[10] < one[1] - 0.05  # it trained: equal losses are not equal constants
-  # One process restores the two-process checkpoint (model, optimizer, both data positions) and
-  # continues as the single-process run that never stopped (its parameters carry the same ulps).
+  # Same batches, same float32 math; only the cross-process all-reduce (gloo) sums the 4 devices' partial losses
+  # and gradients in another order than one process does: a few ulps, which sgatlin's top-k can turn into a
+  # different pick of a near-tie; 1e-4 relative (the issue's bound) is far below what a wrong batch makes.
+  np.testing.assert_allclose([two[s] for s in range(1, 9)], [one[s] for s in range(1, 9)], rtol=1e-4, atol=0)
+  assert one[8] < one[1] - 0.05  # it trained: equal losses are not equal constants
+  # One process restores the two-process checkpoint (model, optimizer, the stream's step) and continues as the
+  # single-process run that never stopped, without any warning about the stream.
   resumed = losses(tmp_path / "resumed")
-  assert sorted(resumed) == [11, 12]
-  np.testing.assert_allclose([resumed[11], resumed[12]], [one[11], one[12]], rtol=1e-6, atol=0)
-
-
-def test_a_checkpoint_of_another_process_count_resumes_the_model_and_restarts_the_data(tmp_path, caplog):
-  from sparsetx.train import loop
-
-  for index in range(2):  # what two processes save (sparsetx/data/pipeline.py, TrainIterator.save)
-    shard = tmp_path / "10" / f"shard_{index:05d}_of_00002"
-    shard.mkdir(parents=True)
-    (shard / "data_state.json").write_text(json.dumps(dict(format=1, num_shards=2, shard_index=index, steps=10)))
-  one_process, same_sharding = RecordingCheckpointer(tmp_path), RecordingCheckpointer(tmp_path)
-  loop.restore(one_process, 10, None, types.SimpleNamespace(shard_info=seqio.ShardInfo(0, 1)))
-  loop.restore(same_sharding, 10, None, types.SimpleNamespace(shard_info=seqio.ShardInfo(1, 2)))
-  assert one_process.calls == [("model", 10)] and same_sharding.calls == [("model and data", 10)]
-  assert "saved by 2 data shard(s) (processes); this run reads 1, so the data stream starts over" in caplog.text
+  assert sorted(resumed) == [9, 10]
+  np.testing.assert_allclose([resumed[9], resumed[10]], [one[9], one[10]], rtol=1e-4, atol=0)
+  driver_log.seek(0)
+  output = driver_log.read()
+  assert "data state" not in output and "starts over" not in output, output[-3000:]

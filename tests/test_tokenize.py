@@ -121,7 +121,9 @@ def test_changed_config_bad_input_and_damaged_shards_are_one_clear_error(tmp_pat
 
   (tmp_path / "src/web.jsonl").write_text('{"body": "fine"}\nnot json\n')
   bad = tmp_path / "bad"
-  with pytest.raises(pretokenize.ShardError, match=r"web/train/shard_00000_of_00001 failed: .*web\.jsonl: line 2 \(byte 17\) is not JSON"):
+  with pytest.raises(
+    pretokenize.ShardError, match=r"web/train/shard_00000_of_00001 failed: .*web\.jsonl: line 2 \(byte 17\) is not JSON"
+  ):
     pretokenize.tokenize_corpus(config, bad, workers=1)
 
   split_dir = token_store.split_dir(out, "notes", "train")

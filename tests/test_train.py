@@ -13,7 +13,7 @@ import pytest
 from conftest import MICRO_TRAIN_FLAGS, REPO, load_config, synthetic_batch
 
 from sparsetx import config as config_lib
-from sparsetx.data import pipeline
+from sparsetx.data import global_stream, pretokenize
 from sparsetx.parallel import expert_parallel
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import checkpointing, loop
@@ -218,12 +218,14 @@ def test_divergence_stops_with_the_step_and_saves_nothing_non_finite(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def pipeline_batches():
+def pipeline_batches(tmp_path_factory):
   """20 real batches of the micro config's data, read once for every feed-forward type."""
-  config = micro_config()
+  config = pretokenize.train_corpus(micro_config(), str(tmp_path_factory.mktemp("run")))
   mesh = mesh_lib.make_mesh(config.mesh)
-  iterator = pipeline.make_train_iterator(config, mesh_lib.batch_sharding(mesh, config.mesh.rules))
-  return [iterator.next_local() for _ in range(20)]
+  stream = global_stream.GlobalStream(config, mesh_lib.batch_sharding(mesh, config.mesh.rules))
+  batches = [stream.next_local() for _ in range(20)]
+  stream.close()
+  return batches
 
 
 @pytest.mark.parametrize("ffn_type", config_lib.FFN_TYPES)

@@ -11,7 +11,7 @@ from test_train import micro_config
 
 from sparsetx import config as config_lib
 from sparsetx import paths
-from sparsetx.data import pipeline
+from sparsetx.data import global_stream
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import checkpointing, loop
 from sparsetx.train import metrics as metrics_lib
@@ -32,18 +32,16 @@ class _Recorded:
 
   def __next__(self):
     batch = next(self._inner)
-    self._events.append(("batch", self._inner.steps))
-    if self._inner.steps == self._nan_at:  # a NaN loss weight makes this step's loss and update NaN
+    self._events.append(("batch", self._inner.step))
+    if self._inner.step == self._nan_at:  # a NaN loss weight makes this step's loss and update NaN
       batch = dict(batch, loss_weights=batch["loss_weights"] * np.float32(np.nan))
     return batch
 
 
 def _record(monkeypatch, nan_at=None):
   events = []
-  make_iterator, make_writer = pipeline.make_train_iterator, metrics_lib.make_writer
-  monkeypatch.setattr(
-    pipeline, "make_train_iterator", lambda *a, **k: _Recorded(make_iterator(*a, **k), events, nan_at)
-  )
+  make_stream, make_writer = global_stream.GlobalStream, metrics_lib.make_writer
+  monkeypatch.setattr(global_stream, "GlobalStream", lambda *a, **k: _Recorded(make_stream(*a, **k), events, nan_at))
 
   def writer(*args, **kwargs):
     real = make_writer(*args, **kwargs)

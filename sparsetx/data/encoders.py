@@ -16,13 +16,13 @@ BatchEncoder = Callable[[list[str]], list[np.ndarray]]
 
 
 def _split(flat_ids: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
-  return np.split(flat_ids, np.cumsum(lengths)[:-1]) if lengths else []
+  return np.split(flat_ids, np.cumsum(lengths, dtype=np.int64)[:-1]) if lengths else []
 
 
 def _with_eos(ids_per_document: list[list[int]], eos_id: int) -> list[np.ndarray]:
   lengths = [len(ids) for ids in ids_per_document]
   flat = np.fromiter(itertools.chain.from_iterable(ids_per_document), np.int32, count=sum(lengths))
-  flat = np.insert(flat, np.cumsum(lengths), eos_id)
+  flat = np.insert(flat, np.cumsum(lengths, dtype=np.int64), eos_id)
   return _split(flat, [n + 1 for n in lengths])
 
 
@@ -32,7 +32,7 @@ def _byte_encoder(vocabulary: seqio.ByteVocabulary) -> BatchEncoder:
   def encode(texts: list[str]) -> list[np.ndarray]:
     encoded = [text.encode("utf-8") + b"\0" for text in texts]  # "\0" marks each EOS
     ids = np.frombuffer(b"".join(encoded), np.uint8).astype(np.int32) + offset
-    ids[np.cumsum([len(e) for e in encoded]) - 1] = eos_id
+    ids[np.cumsum([len(e) for e in encoded], dtype=np.int64) - 1] = eos_id
     return _split(ids, [len(e) for e in encoded])
 
   return encode

@@ -246,8 +246,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains to config.train.steps (or until SIGTERM); returns the last step's metrics."""
   check_training_files(config_lib.validate(config))
   check_workdir(workdir)
-  built = state_lib.setup(config)
   config = pretokenize.train_corpus(config, workdir)  # the corpus the stream reads: given, or written in workdir
+  built = state_lib.setup(config)
   with expert_parallel.activate(built.mesh, config.mesh.rules):  # sparse layers trace their expert-parallel form
     return _run(config, workdir, built)
 
