@@ -75,7 +75,6 @@ def empty_step(step_dir: str) -> None:
 
 
 STEP = "{w}/checkpoints/4"
-DATA = "{w}/data_state/4/shard_00000_of_00001"
 DAMAGES = {  # name: (damage of the newest step, what the message says is wrong)
   "config JSON cut short": (
     lambda w: truncate(f"{STEP.format(w=w)}/config/metadata"),
@@ -93,14 +92,10 @@ DAMAGES = {  # name: (damage of the newest step, what the message says is wrong)
   "array chunks deleted": (lambda w: delete(f"{STEP.format(w=w)}/state/ocdbt.process_0/d/*"), "reading it failed"),
   "state item deleted": (lambda w: shutil.rmtree(f"{STEP.format(w=w)}/state"), "its 'state' item"),
   "empty step directory": (lambda w: empty_step(STEP.format(w=w)), "holds no checkpoint items"),
-  "data state missing": (lambda w: shutil.rmtree(f"{w}/data_state/4"), "its data state"),
+  "data item deleted": (lambda w: shutil.rmtree(f"{STEP.format(w=w)}/data"), "its 'data' item"),
   "data state JSON garbage": (
-    lambda w: open(f"{DATA.format(w=w)}/data_state.json", "w").write("garbage"),
-    "data_state.json is unreadable",
-  ),
-  "data iterator garbage": (
-    lambda w: open(f"{DATA.format(w=w)}/iterator.index", "w").write("garbage"),
-    "its data iterator checkpoint",
+    lambda w: open(f"{STEP.format(w=w)}/data/metadata", "w").write("garbage"),
+    "its data state is unreadable",
   ),
 }
 READER_SEES = ("config", "array", "state item", "empty")  # the readers need no data state
@@ -135,7 +130,7 @@ def test_resume_from_an_older_step_reproduces_the_damaged_one(trained, copy):
   loop.train(config, copy)
   superseded = glob.glob(f"{copy}/{checkpointing.SUPERSEDED}/*/checkpoints/4")
   assert len(superseded) == 1 and tree(superseded[0]) == damaged  # set aside as it was, not deleted
-  assert os.path.isdir(os.path.join(os.path.dirname(os.path.dirname(superseded[0])), "data_state", "4"))
+  assert os.path.isdir(os.path.join(superseded[0], "data"))  # its data position with it
   _, model, step = interp_checkpoint.load(copy)
   _, want, _ = interp_checkpoint.load(trained)
   assert step == 4

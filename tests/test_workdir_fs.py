@@ -22,6 +22,7 @@ from tensorboard.backend.event_processing import plugin_event_accumulator
 from test_train import micro_config
 
 from sparsetx import paths
+from sparsetx.data import token_store
 from sparsetx.evaluate import perplexity
 from sparsetx.hf import export
 from sparsetx.parallel import mesh as mesh_lib
@@ -107,6 +108,12 @@ def fake_gcs(tmp_path, monkeypatch):
   monkeypatch.setattr(gpath, "_GCS_BACKENDS", frozenset({fake}))  # a copy between local and gs:// takes the fake
   monkeypatch.setattr(gcs_utils, "get_kvstore_for_gcs", lambda path: {"driver": "file", "path": fake.local(path)})
   monkeypatch.setattr(gcs_utils, "is_hierarchical_namespace_enabled", lambda path: False)
+  kvstore = token_store._kvstore  # noqa: SLF001  (the token store's TensorStore opens gs:// as orbax's does)
+  monkeypatch.setattr(
+    token_store,
+    "_kvstore",
+    lambda path: {"driver": "file", "path": fake.local(str(path))} if str(path).startswith("gs://") else kvstore(path),
+  )
   tensorboard_writer = metrics_lib.tensorboard_writer
   monkeypatch.setattr(
     metrics_lib, "tensorboard_writer", lambda logdir, step: tensorboard_writer(fake.local(logdir), step)
@@ -132,7 +139,8 @@ def test_gs_workdir_resumes_like_the_uninterrupted_run_with_one_metrics_row_per_
   loop.train(config, workdir)  # uninterrupted: saves steps 4 and 6
   assert paths.is_remote(workdir)
   assert (run / "checkpoints" / "6" / "commit_success.txt").exists()  # orbax's gs:// commit, not a rename
-  assert (run / "data_state" / "4" / "shard_00000_of_00001" / "data_state.json").exists()
+  assert (run / "checkpoints" / "4" / "data" / "metadata").exists()  # the data position: an item of the step
+  assert (run / "tokenized" / "manifest.json").exists()  # the config's corpus, tokenized into the workdir
   abstract, _, _, _ = state_lib.state_shardings(config, mesh_lib.make_mesh(config.mesh))
   manager = checkpointing.Checkpointer(workdir, config.checkpoint)
   uninterrupted = manager.restore_state(6, abstract)

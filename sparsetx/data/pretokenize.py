@@ -1,11 +1,12 @@
 """Writes a tokenized corpus (`sparsetx.data.token_store`) from config.data's tasks: what `sparsetx-tokenize` runs.
 
-Every task of config.data.mixture, and each split it has (train; validation where defined), goes through the
-task's own seqio source and text preprocessors (`tasks.text_task`: whole documents, not cut into seq_len pieces),
-then the vocabulary's native batch encoder with EOS appended (`encoders.py`), one shard at a time. Shard i of n holds seqio's `ShardInfo(i, n)` of the split, read in
-order, so the n shards hold every document of the split exactly once. The shards are independent jobs: with more
-than one worker they run in spawned processes, each building its own task (TensorFlow imported there with the
-accelerators hidden, so a tokenizing host's GPUs or TPUs stay free).
+Every task of config.data.mixture, and each split it has (train; validation where defined), is read as whole
+documents (text, JSON lines, parquet and datasets folders in Python, documents.py; TFRecord and TFDS through the
+seqio task's reader, `tasks.text_task`), and each batch of documents is encoded by the vocabulary's native library
+with EOS appended (encoders.py). Shard i of n holds the i-th of n parts of the split, as seqio shards it (whole
+files when there are enough), so the n shards hold every document of the split exactly once. The shards are
+independent jobs: with more than one worker they run as a Ray Data pipeline (tokenize_ray.py), locally or on a
+cluster, with the accelerators hidden from the workers.
 
 Shards per split, unless given: the number of the split's input files (seqio then hands each shard whole files),
 but at least the number of workers so that all of them work (with fewer files than shards, each shard reads the
@@ -19,15 +20,10 @@ input files or explicit shard counts differ is a `ConfigError` unless `overwrite
 previous corpus's task directories. `manifest.json` is written last: its presence means the corpus is complete.
 """
 
-import concurrent.futures
 import dataclasses
 import functools
-import gc
 import itertools
 import json
-import multiprocessing
-import os
-import queue
 import time
 from collections.abc import Callable
 
@@ -186,8 +182,6 @@ def shard_jobs(tasks: dict[str, dict[str, int]], output_dir: epath.Path, inputs:
 # --- one shard (in a worker process, or in this one with a single worker)
 
 _ENCODERS = {}  # data config JSON -> (batch encoder, vocab size): a worker loads its vocabulary once
-_PARENT = None  # the pid that spawned this worker; a worker whose parent died stops
-_QUEUE = None  # a worker's progress messages to the parent
 _BATCH = 1024  # documents per batch out of tf.data, encoded in one call of the native tokenizer
 
 
@@ -270,8 +264,6 @@ def write_one(job: ShardJob, data: dict, report: Callable[[ShardJob, int, int], 
       counts[0] += 1
       counts[1] += tokens.size
       if counts[0] % 256 == 0:
-        if _PARENT is not None and os.getppid() != _PARENT:
-          os._exit(1)  # the tokenizer was killed: leave this shard incomplete, for the rerun
         if report is not None and time.monotonic() - counts[2] > 0.5:
           report(job, counts[0], counts[1])
           counts[2] = time.monotonic()
@@ -282,31 +274,8 @@ def write_one(job: ShardJob, data: dict, report: Callable[[ShardJob, int, int], 
     return token_store.write_shard(job.path, documents(), vocab_size)
   except documents_lib.DocumentError as error:
     raise ShardError(
-      f"shard {job.name} failed: {str(error).rstrip('.')}; then run the same command again (complete shards are "
-      "kept)."
+      f"shard {job.name} failed: {str(error).rstrip('.')}; then run the same command again (complete shards are kept)."
     ) from None
-
-
-def _queue_report(job: ShardJob, documents: int, tokens: int) -> None:
-  _QUEUE.put((job.name, documents, tokens))
-
-
-def _worker_write(job: ShardJob, data: dict) -> dict:
-  return write_one(job, data, _queue_report)
-
-
-def _init_worker(messages, parent: int) -> None:
-  """A worker: TensorFlow off the accelerators and quiet (only errors, which come back as exceptions)."""
-  global _QUEUE, _PARENT
-  _QUEUE, _PARENT = messages, parent
-  os.environ["CUDA_VISIBLE_DEVICES"] = ""
-  os.environ["JAX_PLATFORMS"] = "cpu"
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  import logging
-
-  from sparsetx import cli  # noqa: F401  (its import hook: TensorFlow's start-up notices filtered, GPUs hidden)
-
-  logging.getLogger().setLevel(logging.ERROR)
 
 
 # --- a whole corpus
@@ -320,11 +289,12 @@ def tokenize_corpus(
   overwrite: bool = False,
   progress: Callable[[Progress], None] | None = None,
   mismatch_fix: str = OUTPUT_DIR_FIX,
+  ray_address: str = "",
 ) -> dict:
   """Writes (or finishes) the tokenized corpus of `config.data` in `output_dir`; returns its manifest record.
 
-  `workers` > 1 tokenizes shards in that many spawned processes; 1 runs them here. `shards` > 0 sets the shard
-  count of every split. Raises `ConfigError` for a bad config or a conflicting corpus, `ShardError` for bad input.
+  `workers` > 1 tokenizes that many shards at a time on a local Ray runner (tokenize_ray.py), or on the Ray
+  cluster at `ray_address`; 1 (and no address) runs them here. `shards` > 0 sets the shard count of every split. Raises `ConfigError` for a bad config or a conflicting corpus, `ShardError` for bad input.
   """
   from sparsetx.data import check_files
 
@@ -359,7 +329,7 @@ def tokenize_corpus(
   todo = [job for job in jobs if not token_store.shard_complete(job.path)]
   if todo:  # the corpus is incomplete until every shard is written
     (output_dir / token_store.MANIFEST).unlink(missing_ok=True)
-  _run_jobs(todo, len(jobs), data.to_dict(), workers, progress)
+  _run_jobs(todo, len(jobs), data.to_dict(), workers, progress, ray_address)
   tasks = dict(mixture)
   for name, counts in plan["tasks"].items():  # tasks of an earlier run, outside this mixture: listed if complete
     if name not in tasks and all(token_store.shard_complete(j.path) for j in shard_jobs({name: counts}, output_dir)):
@@ -396,7 +366,12 @@ def train_corpus(config: ml_collections.ConfigDict, workdir: str) -> ml_collecti
 
 
 def _run_jobs(
-  todo: list[ShardJob], total: int, data: dict, workers: int, progress: Callable[[Progress], None] | None
+  todo: list[ShardJob],
+  total: int,
+  data: dict,
+  workers: int,
+  progress: Callable[[Progress], None] | None,
+  ray_address: str = "",
 ) -> None:
   start = time.monotonic()
   state = dict(done=total - len(todo), documents=0, tokens=0, partial={}, finished=set(), last=0.0)
@@ -434,51 +409,11 @@ def _run_jobs(
     update()
 
   update()
-  if workers == 1 or len(todo) <= 1:
+  if not ray_address and (workers == 1 or len(todo) <= 1):
     for job in todo:
       finished(job, write_one(job, data, lambda j, d, t: partial(j.name, d, t)))
   else:
-    _run_in_workers(todo, data, min(workers, len(todo)), partial, finished)
+    from sparsetx.data import tokenize_ray
+
+    tokenize_ray.run(todo, data, min(workers, len(todo)), ray_address, finished)
   update(final=True)
-
-
-def _run_in_workers(todo, data, workers, partial, finished) -> None:
-  context = multiprocessing.get_context("spawn")
-  others = set(multiprocessing.active_children())
-  messages = context.Queue()
-  executor = concurrent.futures.ProcessPoolExecutor(
-    workers, mp_context=context, initializer=_init_worker, initargs=(messages, os.getpid())
-  )
-  futures = {}
-  try:
-    futures = {executor.submit(_worker_write, job, data): job for job in todo}
-    pending = set(futures)
-    while pending:
-      done, pending = concurrent.futures.wait(pending, timeout=0.2, return_when=concurrent.futures.FIRST_COMPLETED)
-      while True:
-        try:
-          name, documents, tokens = messages.get_nowait()
-        except queue.Empty:
-          break
-        partial(name, documents, tokens)
-      for future in done:
-        finished(futures[future], future.result())  # a worker's error is raised here
-  except concurrent.futures.process.BrokenProcessPool:
-    raise ShardError(
-      "a tokenizer worker process died (out of memory, or killed); run the same command again to resume."
-    ) from None
-  finally:
-    # Done, failed or interrupted (Ctrl-C, or SIGTERM through the program's handler): no worker outlives the run
-    # (one mid-shard leaves that shard incomplete, for the rerun), and the queues' semaphores are released here,
-    # since the program may end without the interpreter's teardown (cli.fail).
-    executor.shutdown(wait=False, cancel_futures=True)
-    workers = [process for process in multiprocessing.active_children() if process not in others]
-    for process in workers:
-      process.terminate()
-    for process in workers:
-      process.join(timeout=10)
-    executor.shutdown(wait=True)
-    messages.close()
-    messages.join_thread()
-    del executor, messages, futures
-    gc.collect()  # the executor's queues sit in reference cycles

@@ -1,6 +1,10 @@
-"""Tokenizes config.data's tasks once into a pre-tokenized corpus that the trainer reads by row index.
+"""Tokenizes config.data's tasks once into a token store that the trainer reads by row index.
 
   sparsetx-tokenize --config=configs/tiny.py --output_dir=DIR [--workers=N] [--shards=N] [--overwrite]
+      [--ray_address=auto]
+
+Shards run as a Ray Data pipeline (sparsetx/data/tokenize_ray.py): a local runner of --workers CPUs, or the cluster
+at --ray_address, the only flag that changes between the two.
 
 Every task of config.data.mixture and each split it has (train; validation where defined) runs through the task's
 own source, preprocessors and vocabulary (whole documents, each ending in EOS) and is written as token shards
@@ -34,7 +38,10 @@ def define_flags() -> dict:
     workers=flags.DEFINE_integer(
       "workers",
       len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
-      "Worker processes tokenizing shards (default: this machine's CPUs; 1: in this process).",
+      "Shards tokenized at a time, by Ray workers (default: this machine's CPUs; 1: in this process).",
+    ),
+    ray_address=flags.DEFINE_string(
+      "ray_address", "", "A Ray cluster to run on ('auto', 'ray://HEAD:10001'); empty: a local Ray runner."
     ),
     shards=flags.DEFINE_integer("shards", 0, "Shards per split; 0: one per input file, at least --workers."),
     overwrite=flags.DEFINE_bool("overwrite", False, "Replace a corpus in --output_dir tokenized with another config."),
@@ -91,6 +98,7 @@ def absl_main(argv, holders: dict):
       shards=args.shards,
       overwrite=args.overwrite,
       progress=progress,
+      ray_address=args.ray_address,
     )
   except (ConfigError, pretokenize.ShardError) as error:
     cli.fail(error)
