@@ -3,17 +3,19 @@
 Ray, not Beam: Levanter builds its token caches with it, it installs here without moving any pinned library
 (Beam would move protobuf and pyarrow under TensorFlow and orbax), and a cluster (KubeRay, `ray up`, SLURM) is
 one address away. Each shard is one row of the dataset and one task running `pretokenize.write_one`, the function
-the single-process job runs, so the corpus is byte-identical to that job's. Ray retries a task whose worker died;
-the retry rewrites its shard from the start (`token_store.write_shard` removes the shard's completion record first
-and writes it last), so no row is written twice.
+the single-process job runs, so the corpus is byte-identical to that job's. Ray Data retries a task whose worker or
+node died (an error in the data is not retried: it is one error line); the retry rewrites its shard from the start
+(`token_store.write_shard` removes the shard's completion record first and writes it last), so no row is written
+twice.
 """
 
 import dataclasses
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Callable
 
-MAX_RETRIES = 3  # per shard, for a worker or node that died (an error in the data is not retried)
 _WORKER_ENV = {"CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "2"}  # CPU work only
 
 
@@ -25,15 +27,12 @@ def _write_row(row: dict, data: dict) -> dict:
 
 
 def _shard_error(error: BaseException):
-  """The ShardError a failed task raised, out of Ray's wrappers (its message is the task's last line); or None."""
+  """The ShardError a failed task raised, read from Ray's wrapper (which carries the task's traceback); or None."""
   from sparsetx.data import pretokenize
 
-  seen = set()
-  while error is not None and id(error) not in seen:
-    seen.add(id(error))
-    if isinstance(error, pretokenize.ShardError):
-      return pretokenize.ShardError(str(error).strip().splitlines()[-1].split("ShardError: ")[-1])
-    error = error.__cause__ or getattr(error, "cause", None) or error.__context__
+  for line in str(error).splitlines():
+    if "ShardError: " in line:
+      return pretokenize.ShardError(line.split("ShardError: ", 1)[1].strip())
   return None
 
 
@@ -41,16 +40,24 @@ def run(jobs: list, data: dict, workers: int, address: str, finished: Callable[[
   """Writes every shard of `jobs` (pretokenize.ShardJob) on Ray, at most `workers` at a time, calling
   `finished(job, record)` as each completes. `address` "" starts a local runner of `workers` CPUs, removed at the
   end; otherwise it names a running cluster (`auto`, `ray://HEAD:10001`) whose nodes have sparsetx installed."""
+  import logging
+
   import ray
 
   temp_dir = None if address else tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths
   where = dict(address=address) if address else dict(num_cpus=workers, include_dashboard=False, _temp_dir=temp_dir)
+  on_sigterm = signal.getsignal(signal.SIGTERM)
   ray.init(runtime_env={"env_vars": _WORKER_ENV}, log_to_driver=False, configure_logging=False, **where)
+  if on_sigterm is not None and threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGTERM, on_sigterm)  # Ray's own handler aborts; the program's stops and cleans up
+  context = ray.data.DataContext.get_current()
+  context.enable_progress_bars = context.print_on_execution_start = context.enable_auto_log_stats = False
+  logging.getLogger("ray.data").setLevel(logging.WARNING)  # the program's progress line says how far it is
   try:
     by_name = {job.name: job for job in jobs}
     dataset = ray.data.from_items([dataclasses.asdict(job) for job in jobs], override_num_blocks=len(jobs))
     dataset = dataset.map(
-      _write_row, fn_kwargs=dict(data=data), num_cpus=1, concurrency=workers, max_retries=MAX_RETRIES
+      _write_row, fn_kwargs=dict(data=data), num_cpus=1, compute=ray.data.TaskPoolStrategy(size=workers)
     )
     try:
       for row in dataset.iter_rows():
