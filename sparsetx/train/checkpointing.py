@@ -243,7 +243,7 @@ class Checkpointer:
   def verify(self, step: int, data_state: bool = False) -> None:
     """Refuses a step that cannot be read, before anything is built: an item missing (an empty step
     directory included), a config or array metadata that does not parse or whose files are gone, and with
-    `data_state` a missing or unreadable data state of any process. Array contents are read (and their
+    `data_state` a missing or unreadable `data` item (the stream position). Array contents are read (and their
     failures reported the same way) by the restore itself."""
     with _warnings_held_back() as held:
       self._verify(step, data_state)
