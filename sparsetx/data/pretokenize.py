@@ -188,10 +188,7 @@ _BATCH = 1024  # documents per batch out of tf.data, encoded in one call of the 
 def _text_batches(job: ShardJob, config_data: ml_collections.ConfigDict):
   """Lists of the shard's documents (text), _BATCH at a time: read in Python (documents.py, corpus.py), or through
   TensorFlow for TFRecord and TFDS sources (the seqio task's reader, one batch ahead)."""
-  import seqio
-  import tensorflow as tf
-
-  from sparsetx.data import corpus, documents, tasks
+  from sparsetx.data import corpus, documents
 
   source = (config_data.sources or {}).get(job.task)
   if source is None or source.kind in documents.READERS:
@@ -204,6 +201,11 @@ def _text_batches(job: ShardJob, config_data: ml_collections.ConfigDict):
     while batch := list(itertools.islice(texts, _BATCH)):
       yield batch
     return
+  import seqio
+  import tensorflow as tf
+
+  from sparsetx.data import tasks
+
   try:  # TensorFlow reads files only: the accelerators stay the trainer's (tokenizing in the trainer's process)
     tf.config.set_visible_devices([], "GPU")
     tf.config.set_visible_devices([], "TPU")
