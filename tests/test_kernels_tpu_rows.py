@@ -1,4 +1,4 @@
-"""The Pallas TPU row kernels (row_dots, row_accumulate, segment_sums; KERNEL_API.md) equal NumPy float64
+"""The Pallas TPU row kernels (row_dots, row_accumulate, segment_sums; docs/kernels.md) equal NumPy float64
 references in TPU interpret mode, and lower for TPU v5p and v6e at a ladder-like shape.
 
 Tolerances follow from the arithmetic: n float32 roundings (n - 1 additions and the product's) over terms t_i

@@ -1,8 +1,9 @@
 """Pallas TPU (Mosaic) row kernels of the sparse layers, composed in row_gather.py (the gated gather's passes,
 FFF's walk levels, the d-split's partial dots) and segment_grads.py (the table gradients).
 
-The row kernels (KERNEL_API.md) gather table rows by id with one DMA per row from HBM into VMEM (Mosaic TPU has
-no gather load) and do the float32 arithmetic on the VPU; the MXU would need a new weight tile per token:
+The row kernels (docs/kernels.md, "The accelerator program") gather table rows by id with one DMA per row from HBM
+into VMEM (Mosaic TPU has no gather load) and do the float32 arithmetic on the VPU; the MXU would need a new weight
+tile per token:
   row_dots:        dots[s, t] = <lhs[t], table[rows[s, t]]>          [S, N] float32
   row_accumulate:  out[t]     = sum_s coef[s, t] * table[rows[s, t]]  [N, D]
   segment_sums:    sums[r]    = sum_{p in row r} coefs[p] * values[tokens[p]], pairs sorted by row (no atomics)

@@ -1,7 +1,7 @@
 """Hugging Face config of an exported sparsetx model (copied into the export directory as remote code).
 
 The full sparsetx model config travels as the `sparsetx_model` dict (the same fields as config.model in
-sparsetx/config.py); the usual Hugging Face fields are derived from it at export so tools that read
+sparsetx/config/schema.py); the usual Hugging Face fields are derived from it at export so tools that read
 them (vocab size, width, depth, special ids) work unchanged. Standalone: imports transformers only.
 """
 
