@@ -43,45 +43,23 @@ with no flag (`--topology=auto`); `--topology=cpu` keeps the simulated CPU devic
   .venv/bin/python -m sparsetx.tools.dry_run --config=configs/ladder.py:sgatlin,5,v5p-64
 """
 
-import os
-import sys
+import time
 
+import jax
+from absl import flags
 
-def _devices_from_argv(argv) -> int:
-  for i, arg in enumerate(argv):
-    if arg.startswith("--devices="):
-      return int(arg.split("=", 1)[1])
-    if arg == "--devices" and i + 1 < len(argv):
-      return int(argv[i + 1])
-  return 8
-
-
-# The simulated device count must be fixed before jax is imported, so it is read from the command line here, at
-# import, above the imports of jax and of sparsetx (`python -m sparsetx.tools.dry_run` and the `sparsetx-dry-run`
-# script both import this module with sys.argv already the program's).
-os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_devices_from_argv(sys.argv)}"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import time  # noqa: E402
-
-import jax  # noqa: E402
-from absl import flags  # noqa: E402
-
-from sparsetx import cli  # noqa: E402
-from sparsetx import config as config_lib  # noqa: E402
-from sparsetx.data import check_files  # noqa: E402
-from sparsetx.models.ffn.registry import SPECS  # noqa: E402
-from sparsetx.parallel import expert_parallel, hardware, roofline, targets, topology  # noqa: E402
-from sparsetx.parallel import mesh as mesh_lib  # noqa: E402
-from sparsetx.train import aot, layer_cost  # noqa: E402
-from sparsetx.train import state as state_lib  # noqa: E402
+from sparsetx import cli
+from sparsetx import config as config_lib
+from sparsetx.data import check_files
+from sparsetx.models.ffn.registry import SPECS
+from sparsetx.parallel import expert_parallel, hardware, roofline, targets, topology
+from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.train import aot, layer_cost
+from sparsetx.train import state as state_lib
 
 
 def define_flags() -> dict:
-  """The program's absl flags; defined only when run as a program, so tests import this module next to others.
-  (--devices is also read from sys.argv at import, above: the device count must be set before jax is imported.)"""
+  """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
   return dict(
     config=cli.define_config_file("config", "configs/tiny.py", "Config file, optionally with ':ARG'."),
     devices=flags.DEFINE_integer("devices", 8, "Simulated CPU devices (the mesh's size)."),
@@ -191,6 +169,8 @@ def print_analytic(config, mesh, chips, report=None) -> None:
 def absl_main(argv, holders: dict):
   del argv
   args = cli.flag_values(holders)
+  jax.config.update("jax_platforms", "cpu")  # simulated CPU devices; a topology compiles without its chips
+  jax.config.update("jax_num_cpu_devices", args.devices)  # set before anything starts the backend
   config = with_d_model_split(args.config) if args.split_d_model else args.config
   try:
     check_files(config_lib.validate(config))
