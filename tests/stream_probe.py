@@ -12,7 +12,7 @@ import os
 from sparsetx import cli  # noqa: F401  (first: its quiet console filters TensorFlow's start-up notices)
 from sparsetx.data import global_stream
 from sparsetx.data.batches import FEATURES
-from sparsetx.train import __main__ as train_main
+from sparsetx.tools import train as train_main
 
 _next_local = global_stream.GlobalStream.next_local
 

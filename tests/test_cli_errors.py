@@ -185,7 +185,7 @@ def test_stray_words_are_one_line_and_exit_2(command, line):
   [
     ("sparsetx.tools.bench_top_k", "--scales"),  # defined with cli.define_integer_list
     ("sparsetx.tools.dry_run", "--config"),  # cli.define_config_file
-    ("sparsetx.tools.train", "--workdir"),  # the script's main lives in sparsetx.train.__main__
+    ("sparsetx.tools.train", "--workdir"),  # `python -m sparsetx.train` runs this program
   ],
 )
 def test_help_lists_the_programs_own_flags(module, flag):

@@ -239,7 +239,7 @@ from absl import app, flags, logging  # noqa: F401  (their flags are everyone's:
 
 FLAGS = flags.FLAGS
 BASE = set(FLAGS)
-MODULE_FILES = {"sparsetx.train": "sparsetx.train.__main__", "sparsetx.evaluate": "sparsetx.evaluate.__main__"}
+MODULE_FILES = {"sparsetx.train": "sparsetx.tools.train", "sparsetx.evaluate": "sparsetx.tools.evaluate"}
 
 
 def load(module_name):

@@ -60,7 +60,11 @@ def _graph() -> dict[str, set[str]]:
 
 
 def _room(module: str) -> str | None:
+  """The module's package under sparsetx/; a package's `__main__` (`python -m sparsetx.train`) is the alias of its
+  program in tools/, so it sits with the programs."""
   parts = module.split(".")
+  if parts[-1] == "__main__":
+    return "tools"
   return parts[1] if len(parts) > 1 else None
 
 

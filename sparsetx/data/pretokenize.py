@@ -417,5 +417,6 @@ def _run_jobs(
   else:
     from sparsetx.data import tokenize_ray
 
-    tokenize_ray.run(todo, data, min(workers, len(todo)), ray_address, finished)
+    write = functools.partial(write_one, data=data)
+    tokenize_ray.run(todo, write, min(workers, len(todo)), ray_address, finished, error_type=ShardError)
   update(final=True)

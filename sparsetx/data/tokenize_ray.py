@@ -2,14 +2,13 @@
 
 Ray, not Beam: Levanter builds its token caches with it, it installs here without moving any pinned library
 (Beam would move protobuf and pyarrow under TensorFlow and orbax), and a cluster (KubeRay, `ray up`, SLURM) is
-one address away. Each shard is one row of the dataset and one task running `pretokenize.write_one`, the function
-the single-process job runs, so the corpus is byte-identical to that job's. Ray Data retries a task whose worker or
+one address away. Each shard is one row of the dataset and one task running the function the single-process job
+runs (`pretokenize.write_one`), so the corpus is byte-identical to that job's. Ray Data retries a task whose worker or
 node died (an error in the data is not retried: it is one error line); the retry rewrites its shard from the start
 (`token_store.write_shard` removes the shard's completion record first and writes it last), so no row is written
 twice.
 """
 
-import dataclasses
 import shutil
 import signal
 import tempfile
@@ -19,27 +18,31 @@ from collections.abc import Callable
 _WORKER_ENV = {"CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "2"}  # CPU work only
 
 
-def _write_row(row: dict, data: dict) -> dict:
-  from sparsetx.data import pretokenize
-
-  job = pretokenize.ShardJob(**{**row, "inputs": tuple(row["inputs"])})
-  return dict(name=job.name, **pretokenize.write_one(job, data))
+def _write_row(row: dict, jobs: list, write: Callable) -> dict:
+  return dict(id=row["id"], **write(jobs[row["id"]]))
 
 
-def _shard_error(error: BaseException):
-  """The ShardError a failed task raised, read from Ray's wrapper (which carries the task's traceback); or None."""
-  from sparsetx.data import pretokenize
-
+def _task_error(error: BaseException, error_type: type) -> BaseException | None:
+  """The `error_type` error a failed task raised, read from Ray's wrapper (which carries the task's traceback)."""
+  marker = f"{error_type.__name__}: "
   for line in str(error).splitlines():
-    if "ShardError: " in line:
-      return pretokenize.ShardError(line.split("ShardError: ", 1)[1].strip())
+    if marker in line:
+      return error_type(line.split(marker, 1)[1].strip())
   return None
 
 
-def run(jobs: list, data: dict, workers: int, address: str, finished: Callable[[object, dict], None]) -> None:
-  """Writes every shard of `jobs` (pretokenize.ShardJob) on Ray, at most `workers` at a time, calling
-  `finished(job, record)` as each completes. `address` "" starts a local runner of `workers` CPUs, removed at the
-  end; otherwise it names a running cluster (`auto`, `ray://HEAD:10001`) whose nodes have sparsetx installed."""
+def run(
+  jobs: list,
+  write: Callable,
+  workers: int,
+  address: str,
+  finished: Callable[[object, dict], None],
+  error_type: type = ValueError,
+) -> None:
+  """Runs `write(job)` (a module-level function, or a partial of one) for every job on Ray, at most `workers` at a
+  time, calling `finished(job, record)` as each completes; a task's `error_type` error is raised here as itself.
+  `address` "" starts a local runner of `workers` CPUs, removed at the end; otherwise it names a running cluster
+  (`auto`, `ray://HEAD:10001`) whose nodes have sparsetx installed."""
   import logging
 
   import ray
@@ -54,20 +57,19 @@ def run(jobs: list, data: dict, workers: int, address: str, finished: Callable[[
   context.enable_progress_bars = context.print_on_execution_start = context.enable_auto_log_stats = False
   logging.getLogger("ray.data").setLevel(logging.WARNING)  # the program's progress line says how far it is
   try:
-    by_name = {job.name: job for job in jobs}
-    dataset = ray.data.from_items([dataclasses.asdict(job) for job in jobs], override_num_blocks=len(jobs))
+    dataset = ray.data.from_items([dict(id=i) for i in range(len(jobs))], override_num_blocks=len(jobs))
     dataset = dataset.map(
-      _write_row, fn_kwargs=dict(data=data), num_cpus=1, compute=ray.data.TaskPoolStrategy(size=workers)
+      _write_row, fn_kwargs=dict(jobs=jobs, write=write), num_cpus=1, compute=ray.data.TaskPoolStrategy(size=workers)
     )
     try:
       for row in dataset.iter_rows():
         record = dict(row)
-        finished(by_name[record.pop("name")], record)
+        finished(jobs[record.pop("id")], record)
     except Exception as error:  # noqa: BLE001  (Ray's wrappers of a task's error)
-      shard_error = _shard_error(error)
-      if shard_error is None:
+      task_error = _task_error(error, error_type)
+      if task_error is None:
         raise
-      raise shard_error from None
+      raise task_error from None
   finally:
     ray.shutdown()
     if temp_dir:

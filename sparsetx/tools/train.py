@@ -1,11 +1,94 @@
-"""`sparsetx-train`: `python -m sparsetx.train` as an installed command (same flags; see sparsetx/train/__main__.py)."""
+"""`python -m sparsetx.train --config=configs/tiny.py --workdir=DIR [--config.train.steps=200 ...]`.
 
-from sparsetx.train import __main__ as train_main
+Every config field can be overridden on the command line (ml_collections config_flags). A bad
+config file, override, mesh, batch size, workdir or checkpoint ends the run with one `error:` line
+naming the file or field and exit code 2 (sparsetx/cli.py); a damaged newest checkpoint names the
+older steps to resume from with --config.checkpoint.restore_step=N.
+Multi-host: the process joins the run its environment describes (SLURM, JobSet, TPU VM pod; see
+sparsetx/parallel/distributed.py), the flags --coordinator_address, --num_processes, --process_id
+override it; a run whose peers do not all connect ends with exit code 4.
+"""
+
+import os
+
+from absl import flags, logging
+
+from sparsetx import cli
+from sparsetx.config import ConfigError
+
+
+def define_flags() -> dict:
+  """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
+  return dict(
+    config=cli.define_config_file(
+      "config", "configs/tiny.py", "Config file, optionally with ':ARG'.", lock_config=True
+    ),
+    workdir=flags.DEFINE_string(
+      "workdir", None, "Directory for checkpoints, metrics and TensorBoard logs.", required=True
+    ),
+    coordinator_address=flags.DEFINE_string(
+      "coordinator_address", None, "Multi-host: HOST:PORT of process 0 (overrides the environment)."
+    ),
+    num_processes=flags.DEFINE_integer(
+      "num_processes", None, "Multi-host: number of processes (overrides the environment)."
+    ),
+    process_id=flags.DEFINE_integer(
+      "process_id", None, "Multi-host: this process's index, 0-based (overrides the environment)."
+    ),
+    local_device_ids=flags.DEFINE_list(
+      "local_device_ids", None, "Multi-host: the local GPU ids this process uses, e.g. 0,1."
+    ),
+    distributed_timeout=flags.DEFINE_integer(
+      "distributed_timeout", 300, "Multi-host: seconds to wait for all processes to connect."
+    ),
+    heartbeat_timeout=flags.DEFINE_integer(
+      "heartbeat_timeout", 100, "Multi-host: seconds without a heartbeat before a peer counts as dead."
+    ),
+  )
+
+
+def absl_main(argv, holders: dict):
+  del argv
+  args = cli.flag_values(holders)
+  from sparsetx import config as config_lib
+  from sparsetx.data import check_training_files
+  from sparsetx.parallel import distributed
+
+  try:
+    check_training_files(
+      config_lib.validate(args.config)
+    )  # before joining peers: a bad value is reported by every process alike
+    spec = distributed.detect(
+      os.environ,
+      coordinator_address=args.coordinator_address,
+      num_processes=args.num_processes,
+      process_id=args.process_id,
+      local_device_ids=[int(i) for i in args.local_device_ids or []],
+      tpu_present=distributed.tpu_vm_present(),
+    )
+    distributed.initialize(spec, timeout_s=args.distributed_timeout, heartbeat_timeout_s=args.heartbeat_timeout)
+  except ConfigError as error:
+    cli.fail(error, 2)
+  except distributed.DistributedError as error:
+    cli.fail(error, 4)
+  # After joining (a missing peer is reported before the slow imports) and after flags (fast --help).
+  from sparsetx.data.token_store import CorpusError
+  from sparsetx.train.loop import NonFiniteLossError, train
+
+  try:
+    train(args.config, args.workdir)
+  except (ConfigError, CorpusError) as error:  # a missing or damaged tokenized shard: one line naming it
+    cli.fail(error, 2)
+  except NonFiniteLossError as error:
+    cli.fail(error, 3)
+  distributed.shutdown()
+  logging.info("Done. Checkpoints: %s/checkpoints, TensorBoard: %s/tensorboard", args.workdir, args.workdir)
 
 
 def main():
-  """The `sparsetx-train` entry point."""
-  train_main.main()
+  """`python -m sparsetx.train` and the `sparsetx-train` script."""
+  holders = define_flags()
+  cli.run(lambda argv: absl_main(argv, holders))
 
 
 if __name__ == "__main__":
