@@ -1,10 +1,13 @@
 """The scaling ladder: Listing 2, parameter counts against the built models, FLOPs by hand."""
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import ml_collections
 import pytest
-from conftest import load_config
+from conftest import REPO, load_config
 
 from sparsetx import config as config_lib
 from sparsetx.models import ladder
@@ -98,9 +101,16 @@ def test_sparse_layers_are_mostly_inactive():
   assert fff["ffn_active"] / fff["ffn_total"] == pytest.approx(7 / 127, rel=1e-2)
 
 
-def test_ladder_cli_prints_every_rung(capsys):
-  ladder.main(["--budget", "6e18"])
-  lines = capsys.readouterr().out.strip().splitlines()
+def test_ladder_program_prints_every_rung():
+  result = subprocess.run(
+    [sys.executable, "-m", "sparsetx.tools.ladder", "--budget=6e18"],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  lines = result.stdout.strip().splitlines()
   assert len(lines) == 2 + len(config_lib.FFN_TYPES) * len(ladder.SCALES)
   assert "tokens @ 6e+18" in lines[0]
 

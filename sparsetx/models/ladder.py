@@ -21,10 +21,8 @@ Each type's FfnSpec (sparsetx/models/ffn/spec.py) holds its sizing rule (`ladder
 (`params`, `flops`). Norms, biases, softmax, activations and the top-k selections are not counted. Training costs
 3 x forward (forward + backward), so a budget of F FLOPs buys F / (3 * forward FLOPs) tokens.
 
-`python -m sparsetx.models.ladder [--budget 1e18] [--seq_len 2048]` prints the table for scales 2..8.
+`sparsetx-ladder [--budget=1e18] [--seq_len=2048]` (sparsetx/tools/ladder.py) prints the table for scales 2..8.
 """
-
-import argparse
 
 import ml_collections
 
@@ -160,17 +158,3 @@ def format_table(rows: list[dict], flop_budget: float) -> str:
       f"{r['tokens'] / 1e9:>17.2f}B"
     )
   return "\n".join(lines)
-
-
-def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--budget", type=float, default=1e18, help="training FLOP budget for the token column")
-  parser.add_argument("--seq_len", type=int, default=LADDER_SEQ_LEN, help="context length for attention FLOPs")
-  args = parser.parse_args(argv)
-  if args.budget <= 0 or args.seq_len <= 0:
-    parser.error("--budget and --seq_len must be positive.")
-  print(format_table(ladder_table(args.budget, args.seq_len), args.budget))
-
-
-if __name__ == "__main__":
-  main()

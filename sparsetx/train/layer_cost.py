@@ -45,11 +45,10 @@ read from HBM, though a device's table slice can fit in a GPU's L2 at small scal
 `remainder_cost` models the rest of the step the same way (attention, head, embedding, their optimizer), so
 roofline.project_analytic can project a whole step without the CPU-compiled program's counts.
 
-`python -m sparsetx.train.layer_cost` prints docs/kernels.md's table (ladder scales 2, 5, 8; 32,768 tokens
-per device, expert group 8).
+`sparsetx-layer-cost` (sparsetx/tools/layer_cost.py) prints docs/kernels.md's table (ladder scales 2, 5, 8;
+32,768 tokens per device, expert group 8).
 """
 
-import argparse
 import dataclasses
 import functools
 import math
@@ -754,22 +753,3 @@ def format_ladder(rows) -> str:
       f" | {cells} |"
     )
   return "\n".join(lines)
-
-
-def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description="Per-layer analytic cost at ladder rungs (docs/kernels.md's table).")
-  parser.add_argument("--scales", default="2,5,8", help="ladder scales")
-  parser.add_argument("--types", default="sgatlin,fff,moe,mlp", help="feed-forward types")
-  parser.add_argument("--tokens", type=int, default=PAPER_TOKENS_PER_DEVICE, help="own tokens per device")
-  parser.add_argument("--phases", action="store_true", help="also print each layer's phase table")
-  args = parser.parse_args(argv)
-  rows = ladder_rows(tuple(int(s) for s in args.scales.split(",")), tuple(args.types.split(",")), args.tokens)
-  print(format_ladder(rows))
-  if args.phases:
-    for _ffn_type, scale, E, cost, _ in rows:
-      print(f"\nscale {scale}, expert group {E}:")
-      print(format_layer((0,), cost, list(hardware.CHIPS.values())))
-
-
-if __name__ == "__main__":
-  main()
