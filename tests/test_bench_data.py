@@ -11,8 +11,8 @@ from sparsetx import config as config_lib
 from sparsetx.data import vocab
 from sparsetx.parallel import hardware, targets
 from sparsetx.tools import bench_data
-from sparsetx.train import layer_cost
 from sparsetx.train import state as state_lib
+from sparsetx.train import step_cost
 
 BAR = f"{REPO}/configs/ladder.py:sgatlin,5,h100x8"
 ROWS, SEQ_LEN = 8, 64
@@ -83,7 +83,7 @@ def test_the_bar_is_the_dry_runs_analytic_projection_on_the_targets_mesh(bar):
   config = bench_data.config_from_file(BAR)
   mesh = state_lib.checked_mesh(config, jax.devices()[:8])  # the mesh the dry run compiles on
   assert targets.mesh_shape(config.mesh, targets.parse("h100x8")) == dict(mesh.shape)
-  assert bar.projection == layer_cost.project_step(config, dict(mesh.shape), hardware.CHIPS["h100"])
+  assert bar.projection == step_cost.project_step(config, dict(mesh.shape), hardware.CHIPS["h100"])
   assert bar.per_chip == pytest.approx(128 * 2048 / bar.projection.step_overlap_s / 8)
   assert bar.per_host == pytest.approx(8 * bar.per_chip) and bar.host_rows == 128 and bar.seq_len == 2048
   with pytest.raises(config_lib.ConfigError, match="must name a rung on a target"):

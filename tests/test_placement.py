@@ -18,8 +18,8 @@ from sparsetx import config as config_lib
 from sparsetx.models.ffn.registry import FFN_LAYERS
 from sparsetx.parallel import expert_parallel as ep
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import layer_cost
 from sparsetx.train import state as state_lib
+from sparsetx.train import step_cost
 
 D = 16
 LAYERS = SPARSE_LAYERS_OF_8
@@ -161,7 +161,7 @@ SHAPE = dict(data=2, fsdp=1, tensor=1, expert=4)
 
 
 def sent(config):
-  return {p: o.nbytes for p, o in layer_cost.placement_options(config, config.model.ffn, SHAPE).items()}
+  return {p: o.nbytes for p, o in step_cost.placement_options(config, config.model.ffn, SHAPE).items()}
 
 
 def test_placement_bytes_by_hand():
@@ -189,12 +189,12 @@ def test_placement_bytes_by_hand():
   assert (expert, fsdp, data) == (948224, 229376, 229376)
   config = cost_config()
   assert sent(config) == pytest.approx(dict(expert=expert, fsdp=fsdp, data=data), rel=1e-12)
-  assert layer_cost.choose_placement(config, config.model.ffn, SHAPE)[0] == "fsdp"
+  assert step_cost.choose_placement(config, config.model.ffn, SHAPE)[0] == "fsdp"
 
   # One micro-batch, remat=full: fsdp gathers inside the layer, again in the backward; data's all-reduce wins.
   config = cost_config(microbatches=1)
   assert sent(config)["fsdp"] == pytest.approx(2 * 7 / 8 * table + 7 * table / 8)
-  assert layer_cost.choose_placement(config, config.model.ffn, SHAPE)[0] == "data"
+  assert step_cost.choose_placement(config, config.model.ffn, SHAPE)[0] == "data"
 
   # remat=none and one micro-batch: every collective once; data's single all-reduce over all 8 (2 x 7/8) ties
   # fsdp's gather and reduce-scatter (7/8 each), and expert leads the ties, then fsdp.
@@ -202,7 +202,7 @@ def test_placement_bytes_by_hand():
   one_pass = 3 / 4 * 256 * 4 * 64 * 2 + 3 / 4 * 256 * 4 * 2 * 8 + 3 * 256 * 64 * 4
   one_pass += 3 / 4 * 256 * 4 * 64 * 2 + 3 * 256 * 64 * 4 + 3 / 4 * 256 * 4 * 2 * 4 + 2 * 1 / 2 * 8192 * 4
   assert sent(config) == pytest.approx(dict(expert=one_pass, fsdp=2 * 7 / 8 * table, data=2 * 7 / 8 * table))
-  assert layer_cost.choose_placement(config, config.model.ffn, SHAPE)[0] == "fsdp"
+  assert step_cost.choose_placement(config, config.model.ffn, SHAPE)[0] == "fsdp"
 
 
 def test_the_config_overrides_auto_and_the_state_is_laid_out_as_chosen():
@@ -212,20 +212,20 @@ def test_the_config_overrides_auto_and_the_state_is_laid_out_as_chosen():
   one."""
   mesh = jax.sharding.AbstractMesh((2, 1, 1, 4), config_lib.MESH_AXES)
   config = cost_config()
-  assert layer_cost.resolve_placements(config, SHAPE).model.ffn.placement == "fsdp"
+  assert step_cost.resolve_placements(config, SHAPE).model.ffn.placement == "fsdp"
   assert config.model.ffn.placement == "auto"  # resolved on a copy
   _, shardings, _, _ = state_lib.state_shardings(config, mesh)
   batch = ("data", "fsdp", "expert")
   assert shardings.params["layers_0"]["mlp"]["experts"].spec == jax.sharding.PartitionSpec(None, None, None, batch)
-  text = layer_cost.format_placements(config, SHAPE)
+  text = step_cost.format_placements(config, SHAPE)
   assert re.search(r"fsdp\s+0\.2 MB  <- chosen \(auto: fewest bytes\)\n\s+data\s+0\.2 MB$", text), text
   assert re.search(r"expert\s+0\.9 MB\n", text), text
 
   config.model.ffn.placement = "expert"
-  assert layer_cost.choose_placement(config, config.model.ffn, SHAPE)[0] == "expert"
+  assert step_cost.choose_placement(config, config.model.ffn, SHAPE)[0] == "expert"
   _, shardings, _, _ = state_lib.state_shardings(config, mesh)
   assert shardings.params["layers_0"]["mlp"]["experts"].spec == jax.sharding.PartitionSpec(None, "expert", None, "fsdp")
-  assert "<- chosen (config.model.ffn.placement)" in layer_cost.format_placements(config, SHAPE)
+  assert "<- chosen (config.model.ffn.placement)" in step_cost.format_placements(config, SHAPE)
 
 
 def test_bad_placements_are_refused_in_one_sentence():
@@ -244,16 +244,16 @@ def test_bad_placements_are_refused_in_one_sentence():
 
 def test_fsdp_is_refused_when_the_loop_would_hold_too_much_of_the_tables():
   """With micro-batches the per-device loop holds each table whole with two float32 gradient sums. Counted by the
-  layer's parameters (layer_cost.table_mib: the table 2 x 4 x 64 x 64 and the router's query 64 x 16 and keys
+  layer's parameters (step_cost.table_mib: the table 2 x 4 x 64 x 64 and the router's query 64 x 16 and keys
   16 x 2 x 4 x 8 float32): 4 layers x 34,816 x 12 bytes = 1.59375 MiB here, against half the HBM the replication
   limit stands for (512 x the limit / 2). At a limit of 1/200 MiB (1.28 MiB of budget) auto falls back from fsdp
   to expert; one micro-batch (no such loop) lifts the refusal."""
   config = cost_config()
   config.mesh.max_replicated_mib = 1 / 200
   assert config.model.n_layers == 4
-  assert layer_cost.held_tables_gib(config, config.model.ffn) * 1024 == pytest.approx(1.59375)
-  options = layer_cost.placement_options(config, config.model.ffn, SHAPE)
+  assert step_cost.held_tables_gib(config, config.model.ffn) * 1024 == pytest.approx(1.59375)
+  options = step_cost.placement_options(config, config.model.ffn, SHAPE)
   assert options["fsdp"].refused.startswith("the micro-batch loop would hold 0.0 GiB of whole tables"), options
-  assert layer_cost.choose_placement(config, config.model.ffn, SHAPE)[0] == "expert"
+  assert step_cost.choose_placement(config, config.model.ffn, SHAPE)[0] == "expert"
   config.train.microbatches = 1
-  assert not layer_cost.placement_options(config, config.model.ffn, SHAPE)["fsdp"].refused
+  assert not step_cost.placement_options(config, config.model.ffn, SHAPE)["fsdp"].refused

@@ -5,25 +5,12 @@ rewritten with no row doubled; a bad file is still one error line."""
 import os
 import runpy
 import signal
-import subprocess
-import sys
 import time
 
-from conftest import REPO
+from test_tokenize import tool
 
 from sparsetx.data import pretokenize, token_store
 from sparsetx.tools import bench_data, build_vocab
-
-
-def tool(*args: str) -> subprocess.Popen:
-  return subprocess.Popen(
-    [sys.executable, "-m", "sparsetx.tools.tokenize", *args],
-    cwd=REPO,
-    stdout=subprocess.PIPE,
-    stderr=subprocess.PIPE,
-    text=True,
-    env={**os.environ, "JAX_PLATFORMS": "cpu"},
-  )
 
 
 def write_config(path, source: str, vocab_dir: str = "") -> None:

@@ -17,7 +17,7 @@ tokens/s = tokens per step / step; MFU = the model's FLOPs per step (ladder acco
 devices x peak). A lower bound on step time: it assumes peak rates, and XLA prints a loop body
 (micro-batch scan, layer scan) once, so work inside loops is counted once.
 
-`project_analytic` replaces the compiled counts with sparsetx/train/layer_cost.py's: the feed-forward layers
+`project_analytic` replaces the compiled counts with sparsetx/train/step_cost.py's (layer_cost.py per layer): the feed-forward layers
 (every layer, by its kernels' bytes and FLOPs) plus an analytic remainder (attention, head, embedding,
 optimizer), because XLA's cost analysis gives one total for the whole program and the feed-forward layers' share
 of it cannot be identified and subtracted. Only the collectives separate: the compiled ones whose op_name lies

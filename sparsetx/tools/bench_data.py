@@ -15,7 +15,7 @@ deterministic); --vocab (a directory with vocab.json and merges.txt, or a tokeni
   read      GlobalStream.next_local (sparsetx/data/global_stream.py) over that store, --rows packed rows of
             --seq_len tokens per step (0: the bar's, 2,048 tokens and the 128 rows one 8-GPU host reads per step),
             against the bar: what training consumes, the dry run's analytic projection of --bar's train step
-            (layer_cost.project_step: no compile; overlapped, so an upper bound), per chip and per host of
+            (step_cost.project_step: no compile; overlapped, so an upper bound), per chip and per host of
             --chips_per_host chips (0: a GPU target's node, 4 on TPU).
 Temporary files are removed at the end.
 
@@ -42,9 +42,9 @@ from sparsetx import cli
 from sparsetx import config as config_lib
 from sparsetx.data import bpe_vocab, corpus, global_stream, pretokenize, token_store, vocab
 from sparsetx.parallel import expert_parallel, hardware, roofline, targets
-from sparsetx.train import layer_cost
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
+from sparsetx.train import step_cost
 
 ENCODE_BATCH = 1024  # documents per encode_batch call: the tokenize job's batch (pretokenize._BATCH)
 TASK = "bench"  # the benchmark's one task: the text files
@@ -126,7 +126,7 @@ class Bar:
 
 def training_bar(spec: str, chips_per_host: int = 0) -> Bar:
   """The bar of `spec` ('configs/ladder.py:FFN,SCALE,TARGET'): its step as the dry run projects it analytically
-  (layer_cost.project_step on the target's mesh), per chip and per host."""
+  (step_cost.project_step on the target's mesh), per chip and per host."""
   target_name = spec.partition(":")[2].split(",")[-1].strip()
   if spec.partition(":")[2].count(",") != 2:
     raise config_lib.ConfigError(
@@ -144,7 +144,7 @@ def training_bar(spec: str, chips_per_host: int = 0) -> Bar:
       f"over hosts of that many of its {target.devices} chips."
     )
   shape = targets.mesh_shape(config.mesh, target)
-  projection = layer_cost.project_step(config, shape, target.chip)
+  projection = step_cost.project_step(config, shape, target.chip)
   return Bar(
     spec, target.chip, target.devices, chips_per_host, config.data.global_batch_size, config.data.seq_len, projection
   )
@@ -390,7 +390,7 @@ def describe(inputs: Inputs, bar: Bar, rows: int, seq_len: int, steps: int) -> s
   return "\n".join(
     [
       f"bar: {bar.spec}, {bar.global_rows} x {bar.seq_len:,} tokens per step on {bar.devices} {bar.chip.name} in "
-      f"{p.step_overlap_s * 1e3:.0f} ms (the dry run's analytic projection, overlapped: layer_cost.project_step)",
+      f"{p.step_overlap_s * 1e3:.0f} ms (the dry run's analytic projection, overlapped: step_cost.project_step)",
       f"  one {bar.chip.name} consumes {bar.per_chip:,.0f} tokens/s; one host of {bar.chips_per_host}: "
       f"{bar.per_host:,.0f} tokens/s, {bar.host_rows} rows per step",
       f"text: {len(inputs.files)} files, {data_bytes / 1e6:.1f} MB, {documents:,} documents ({source}); "

@@ -54,7 +54,7 @@ from sparsetx.data import check_files
 from sparsetx.models.ffn.registry import SPECS
 from sparsetx.parallel import expert_parallel, hardware, roofline, targets, topology
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import aot, layer_cost
+from sparsetx.train import aot, step_cost
 from sparsetx.train import state as state_lib
 
 
@@ -156,10 +156,10 @@ def print_analytic(config, mesh, chips, report=None) -> None:
   move and compute, which the CPU-compiled program's counts cannot show. With a compiled `report`, its
   collectives outside the feed-forward layers join the projection."""
   mesh_shape = dict(mesh.shape)
-  print(layer_cost.format_placements(config, mesh_shape))
-  print(layer_cost.format_config_layers(config, mesh_shape, chips))
+  print(step_cost.format_placements(config, mesh_shape))
+  print(step_cost.format_config_layers(config, mesh_shape, chips))
   rest = roofline.outside_ffn(report.collectives) if report is not None else ()
-  projections = [layer_cost.project_step(config, mesh_shape, chip, rest) for chip in chips]
+  projections = [step_cost.project_step(config, mesh_shape, chip, rest) for chip in chips]
   title = roofline.ANALYTIC_TITLE
   if report is None:
     title = title.replace(roofline.LOWERED_ONLY, roofline.LOWERED_ONLY_NOTE)

@@ -21,7 +21,7 @@ from sparsetx import config as config_lib
 from sparsetx.models.ffn import placement
 from sparsetx.models.transformer import Transformer
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import layer_cost
+from sparsetx.train import step_cost
 from sparsetx.train.optimizer import make_optimizer
 
 
@@ -41,9 +41,9 @@ def _init(model, tx, seq_len, rng):
 
 def state_shardings(config: ml_collections.ConfigDict, mesh):
   """(abstract unboxed state with shardings, its NamedShardings, model, optimizer). The model's sparse tables are
-  placed for this mesh (config.model.ffn.placement "auto": layer_cost.resolve_placements), so every program that
+  placed for this mesh (config.model.ffn.placement "auto": step_cost.resolve_placements), so every program that
   lays out a state for a mesh lays it out alike."""
-  config = layer_cost.resolve_placements(config, dict(mesh.shape))
+  config = step_cost.resolve_placements(config, dict(mesh.shape))
   model, tx = build_model(config), make_optimizer(config.train, config.model)
   init = functools.partial(_init, model, tx, config.data.seq_len)
   boxed = jax.eval_shape(lambda: init(jax.random.key(0)))  # the key inside: nothing runs eagerly
@@ -101,7 +101,7 @@ def checked_mesh(config: ml_collections.ConfigDict, devices=None, granules: int 
   refused in one sentence when the batch or the sparse layers' units do not divide over it."""
   mesh = mesh_lib.make_mesh(config.mesh, devices, granules)
   check_batch_divides(config, mesh)
-  placement.check_units_divide(layer_cost.resolve_placements(config, dict(mesh.shape)), mesh)
+  placement.check_units_divide(step_cost.resolve_placements(config, dict(mesh.shape)), mesh)
   return mesh
 
 
@@ -121,6 +121,6 @@ def setup(config: ml_collections.ConfigDict, devices=None, mesh=None) -> Setup:
   if mesh is None:
     mesh = checked_mesh(config, devices)
   else:
-    placement.check_units_divide(layer_cost.resolve_placements(config, dict(mesh.shape)), mesh)
+    placement.check_units_divide(step_cost.resolve_placements(config, dict(mesh.shape)), mesh)
   abstract, shardings, model, tx = state_shardings(config, mesh)
   return Setup(mesh, model, tx, abstract, shardings, mesh_lib.batch_sharding(mesh, config.mesh.rules))
