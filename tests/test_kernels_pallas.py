@@ -133,9 +133,8 @@ def test_mosaic_gpu_kernels_lower_for_cuda(n_slots, block_d, stages):
   with aot.on_topology("h100:1x1x1"):
     lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).trace(x, table, table, gates)
     text = lowered.lower().as_text()
-  assert (
-    text.count("stablehlo.custom_call @mosaic_gpu") == 6
-  )  # row_dots and row_accumulate (forward, backward), two segment_sums
+  # row_dots and row_accumulate (forward, backward), and per table segment_sums over the rows' chunks and the combine
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 8
 
 
 def test_mosaic_gpu_kernel_options_are_checked():

@@ -66,6 +66,11 @@ def _check_kernel(ffn, prefix: str) -> None:
   for field in ("token_chunk", "pair_chunk", "block_tokens", "block_d", "stages"):
     _positive_int(f"{prefix}.kernel.{field}", ffn.kernel[field])
   _one_of(f"{prefix}.kernel.gpu_kernel", ffn.kernel.gpu_kernel, GPU_KERNELS)
+  chunk = ffn.kernel.get("segment_chunk", 64)
+  _require(
+    isinstance(chunk, int) and chunk >= 0,
+    f"{prefix}.kernel.segment_chunk={chunk!r} must be a whole number of pairs >= 0 (0 keeps every row whole).",
+  )
   rows = ffn.kernel.get("group_rows", 128)
   _require(
     isinstance(rows, int) and rows >= 16 and rows & (rows - 1) == 0,

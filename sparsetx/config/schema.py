@@ -62,6 +62,7 @@ def ffn_defaults() -> ml_collections.ConfigDict:
           stages=3,  # pallas (mosaic gpu): gathered [64, block_d] tiles in flight
           gpu_kernel="auto",  # pallas on GPU: mosaic | triton | auto (mosaic on sm_90+, triton before)
           row_sorted=True,  # xla on CPU: training walks (token, slot) pairs in table-row order (kernels/xla_gather.py)
+          segment_chunk=64,  # pallas, table gradients: pairs per segment; a hot row is cut and combined (0: never)
           group_rows=128,  # moe: rows of one expert per grouped-matmul tile (a power of two >= 16; Mosaic GPU: >= 64)
         )
       ),

@@ -22,6 +22,7 @@ class KernelOptions(NamedTuple):
   gpu_kernel: str = "auto"  # pallas on GPU: mosaic (Hopper and newer) | triton | auto (mosaic from sm_90)
   interpret: bool = False  # pallas: run the kernels in interpret mode (tests on CPU)
   row_sorted: bool = True  # xla on CPU, with gradients: one row-order sort and walk (xla_gather.row_sorted_*)
+  segment_chunk: int = 64  # pallas, table gradients: a row's pairs per segment; longer rows are cut (0: never)
   group_rows: int = 128  # moe's grouped matmul: rows of one expert per tile (a power of two; Mosaic GPU: >= 64)
 
 
@@ -39,4 +40,5 @@ def options_from_config(kernel_cfg) -> KernelOptions:
     stages=kernel_cfg.get("stages", KernelOptions._field_defaults["stages"]),
     gpu_kernel=kernel_cfg.get("gpu_kernel", KernelOptions._field_defaults["gpu_kernel"]),
     group_rows=kernel_cfg.get("group_rows", KernelOptions._field_defaults["group_rows"]),
+    segment_chunk=kernel_cfg.get("segment_chunk", KernelOptions._field_defaults["segment_chunk"]),
   )

@@ -16,7 +16,7 @@ embedding backward).
 import jax
 import jax.numpy as jnp
 
-from sparsetx.kernels import platform, token_shards
+from sparsetx.kernels import platform, row_chunks, token_shards
 
 _INT32_LIMIT = 2**31 - 1
 
@@ -59,8 +59,14 @@ def table_grads(x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS, n_rows, options, 
   def kernel_sums(x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS):
     sorted_rows_P, token_P, coef_in_P, coef_out_P = _sorted(rows_NS, coef_in_NS, coef_out_NS, n_rows)
     starts_R1 = row_starts(sorted_rows_P, n_rows)
-    dw_in, dbias = backend.segment_sums(x_ND, token_P, coef_in_P, starts_R1, options, with_coef_sums=with_bias)
-    dw_out, _ = backend.segment_sums(dy_ND, token_P, coef_out_P, starts_R1, options)
+    chunks = None
+    if row_chunks.tail_segments(sorted_rows_P.shape[0], n_rows, options.segment_chunk):
+      chunks = row_chunks.plan(sorted_rows_P, starts_R1, options.segment_chunk)  # one plan for both tables
+    sums = lambda values, coefs, with_coef_sums: row_chunks.segment_sums(  # noqa: E731
+      backend, values, token_P, coefs, sorted_rows_P, starts_R1, options, with_coef_sums, chunks
+    )
+    dw_in, dbias = sums(x_ND, coef_in_P, with_bias)
+    dw_out, _ = sums(dy_ND, coef_out_P, False)
     return dw_in, dw_out, dbias
 
   # On a mesh each device sorts and sums its own tokens' pairs; the partial tables are summed over the devices.

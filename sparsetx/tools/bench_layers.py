@@ -20,13 +20,16 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from absl import flags
 
 from sparsetx import cli
 from sparsetx.config import ConfigError, default_config, validate
 from sparsetx.kernels import gated_gather as gg
-from sparsetx.kernels import grouped_matmul
+from sparsetx.kernels import grouped_matmul, platform, segment_grads
+from sparsetx.kernels.options import KernelOptions
 from sparsetx.models.ffn import moe
+from sparsetx.models.ffn.common import gini
 from sparsetx.models.ffn.dense import Mlp, SwiGlu
 from sparsetx.models.ffn.fff import Fff
 from sparsetx.models.ffn.sgatlin import Sgatlin
@@ -204,6 +207,89 @@ def sweep(n_keys_list, scale, tokens, dtype, rounds):
   return variants
 
 
+def zipf_exponent(n_rows, target_gini):
+  """The exponent a whose row probabilities (i + 1) ** -a over n_rows rows have the target Gini (bisection)."""
+  lo, hi = 0.0, 4.0
+  for _ in range(50):
+    a = (lo + hi) / 2
+    lo, hi = (a, hi) if float(gini(jnp.asarray(np.arange(1, n_rows + 1) ** -a))) < target_gini else (lo, a)
+  return (lo + hi) / 2
+
+
+def table_grad_rows(tokens, n_channels, top_k, d_ffw, exponent, seed=0):
+  """[tokens, C * k] table rows, channel c's picks in [c * d_ffw, (c + 1) * d_ffw): uniform (exponent 0) or
+  Zipf-skewed, each channel's hot rows at their own random ids."""
+  rng = np.random.default_rng(seed)
+  p = np.arange(1, d_ffw + 1) ** -exponent
+  local = np.stack(
+    [rng.permutation(d_ffw)[rng.choice(d_ffw, (tokens, top_k), p=p / p.sum())] for _ in range(n_channels)], axis=1
+  )
+  return jnp.asarray((local + d_ffw * np.arange(n_channels)[:, None]).reshape(tokens, -1), jnp.int32)
+
+
+class TableGrads:
+  """The table gradients of sgatlin's gated gather (both tables) alone, compiled, for one row distribution."""
+
+  def __init__(self, name, rows, d_model, n_rows, dtype, options):
+    self.name = name
+    k = jax.random.split(jax.random.key(2), 4)
+    tokens = rows.shape[0]
+    x, dy = (jax.random.normal(key, (tokens, d_model), jnp.dtype(dtype)) for key in k[:2])
+    coef_in, coef_out = (jax.random.normal(key, rows.shape, jnp.float32) for key in k[2:])
+    step = lambda *a: segment_grads.table_grads(*a, n_rows, options, with_bias=False)[:2]  # noqa: E731
+    self.args = (x, dy, rows, coef_in, coef_out)
+    self.step = jax.jit(step).lower(*self.args).compile()
+    self.times = []
+    jax.block_until_ready(self.step(*self.args))
+
+  def time_once(self):
+    start = time.perf_counter()
+    jax.block_until_ready(self.step(*self.args))
+    self.times.append(time.perf_counter() - start)
+
+  def ms(self):
+    return 1e3 * statistics.median(self.times)
+
+
+def table_grads_table(scale, tokens, dtype, rounds, target_gini, chunks):
+  """sgatlin's table-gradient time with uniform and skewed rows, with whole rows and with rows cut into chunks."""
+  d, n_keys, n_channels, top_k = 128 * scale, 16 + 12 * scale, 16, 8
+  d_ffw = n_keys**2
+  exponent = zipf_exponent(d_ffw, target_gini)
+  dists = {"uniform": table_grad_rows(tokens, n_channels, top_k, d_ffw, 0.0)}
+  dists["skewed"] = table_grad_rows(tokens, n_channels, top_k, d_ffw, exponent)
+  backend = platform.kernel_backend(KernelOptions())
+  path = "the XLA path: no row kernel, chunks do not apply" if backend is None else backend.__name__.split(".")[-1]
+  variants = {
+    (dist, chunk): TableGrads(
+      f"{dist} chunk {chunk}", rows, d, n_channels * d_ffw, dtype, KernelOptions(segment_chunk=chunk)
+    )
+    for dist, rows in dists.items()
+    for chunk in chunks
+  }
+  for _ in range(rounds):
+    for v in variants.values():
+      v.time_once()
+  print(
+    f"\nsgatlin table gradients at ladder scale {scale}: d_model={d}, {n_channels} x {d_ffw} rows, top-{top_k}, "
+    f"{tokens} tokens, {dtype}, {path}"
+  )
+  print(
+    f"{'rows':>10s}{'gini':>8s}{'max pairs':>11s}"
+    + "".join(f"{'chunk ' + str(c) + ' ms':>16s}" for c in chunks)
+    + "".join(f"{'x chunk ' + str(chunks[0]):>16s}" for c in chunks[1:])
+  )
+  for dist, rows in dists.items():
+    counts = jnp.bincount(rows.reshape(-1), length=n_channels * d_ffw).reshape(n_channels, d_ffw)
+    times = [variants[dist, c].ms() for c in chunks]
+    print(
+      f"{dist:>10s}{float(jnp.mean(gini(counts))):8.2f}{int(counts.max()):11d}"
+      + "".join(f"{t:16.2f}" for t in times)
+      + "".join(f"{t / times[0]:16.2f}" for t in times[1:])
+    )
+  return variants
+
+
 def plot(path, rungs, fff_rows, sweep_variants, n_keys_list):
   import matplotlib
 
@@ -239,6 +325,9 @@ def plot(path, rungs, fff_rows, sweep_variants, n_keys_list):
   print(f"\nwrote {path}")
 
 
+TABLES = ("layers", "moe", "fff", "sweep", "table_grads")
+
+
 def define_flags() -> dict:
   """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
   return dict(
@@ -250,6 +339,12 @@ def define_flags() -> dict:
     sweep_n_keys=cli.define_integer_list("sweep_n_keys", [32, 64, 128, 256, 512], "sgatlin n_keys of the d_ffw sweep."),
     sweep_scale=flags.DEFINE_integer("sweep_scale", 1, "Ladder rung of the d_ffw sweep."),
     rounds=flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds (median)."),
+    tables=flags.DEFINE_list("tables", list(TABLES), f"Tables to print, of {', '.join(TABLES)}."),
+    grad_scales=cli.define_integer_list("grad_scales", [2], "Ladder rungs of the table-gradient table."),
+    grad_gini=flags.DEFINE_float("grad_gini", 0.6, "Usage Gini of the skewed rows (what the model reports)."),
+    grad_chunks=cli.define_integer_list(
+      "grad_chunks", [0, KernelOptions().segment_chunk], "kernel.segment_chunk values to compare (0: whole rows)."
+    ),
     png=flags.DEFINE_string("png", None, "Write the plot to this PNG file."),
   )
 
@@ -258,12 +353,24 @@ def absl_main(argv, holders: dict):
   del argv
   args = cli.flag_values(holders)
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {jax.device_count()} device(s)")
+  unknown = sorted(set(args.tables) - set(TABLES))
+  if unknown:
+    cli.fail(
+      f"--tables names {', '.join(unknown)}, which this benchmark does not print; use some of {', '.join(TABLES)}."
+    )
+  if args.png and set(args.tables) != set(TABLES):
+    cli.fail("--png plots every table; drop --tables or --png.")
+  on = set(args.tables).__contains__
   try:  # a flag giving an invalid layer (e.g. --sweep_n_keys at or below top_k) is one error line
-    rungs = [(s, rung(s, args.tokens, args.dtype, args.rounds)) for s in args.scales]
-    for s in args.moe_scales:
+    rungs = [(s, rung(s, args.tokens, args.dtype, args.rounds)) for s in args.scales] if on("layers") else []
+    for s in args.moe_scales if on("moe") else []:
       moe_table(s, args.tokens, args.dtype, args.rounds)
-    fff_rows = fff_table(args.fff_depths, args.tokens, args.dtype, args.rounds)
-    sweep_variants = sweep(args.sweep_n_keys, args.sweep_scale, args.tokens, args.dtype, args.rounds)
+    fff_rows = fff_table(args.fff_depths, args.tokens, args.dtype, args.rounds) if on("fff") else []
+    sweep_variants = (
+      sweep(args.sweep_n_keys, args.sweep_scale, args.tokens, args.dtype, args.rounds) if on("sweep") else []
+    )
+    for s in args.grad_scales if on("table_grads") else []:
+      table_grads_table(s, args.tokens, args.dtype, args.rounds, args.grad_gini, args.grad_chunks)
   except ConfigError as error:
     cli.fail(error)
   if args.png:
