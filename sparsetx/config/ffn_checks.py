@@ -18,7 +18,12 @@ SGATLIN_ACTIVATIONS = ("identity", "relu", "gelu", "swish")
 SGATLIN_ROUTERS = ("product", "peer")
 FFF_VARIANTS = ("fff", "fff_post")
 FFF_IMPLEMENTATIONS = ("sparse", "masked_dense")
-KERNEL_IMPLEMENTATIONS = ("xla", "pallas", "auto")  # gated gather: see sparsetx/kernels/gated_gather.py
+KERNEL_IMPLEMENTATIONS = (
+  "xla",
+  "pallas",
+  "auto",
+  "reference",
+)  # the row kernels' backend: sparsetx/kernels/platform.py
 GPU_KERNELS = ("mosaic", "triton", "auto")
 
 

@@ -54,7 +54,7 @@ def ffn_defaults() -> ml_collections.ConfigDict:
       # gated gather (sgatlin, peer, fff sparse) and moe's grouped matmul: backend and block sizes
       kernel=ml_collections.ConfigDict(
         dict(
-          implementation="auto",  # xla | pallas | auto (pallas on GPU/TPU, xla on CPU)
+          implementation="auto",  # xla | pallas | auto (pallas on GPU/TPU, xla on CPU) | reference (the papers' form)
           token_chunk=4,  # xla on CPU: tokens whose gathered rows exist at once (2-8 fastest); elsewhere all
           pair_chunk=2048,  # xla on CPU: sorted (token, slot) pairs added per table-gradient step; elsewhere all
           block_tokens=8,  # pallas (triton): tokens per program

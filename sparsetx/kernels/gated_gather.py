@@ -175,6 +175,10 @@ def gated_gather(
   values; gradients still reach x, w_in and bias as if computed here, and it gets none of its own.
   """
   options = KernelOptions() if options is None else options
+  if options.implementation == "reference":  # the papers' formulation (Listing 1), kept for comparison
+    return gated_gather_reference(
+      x_BTD, w_in_RD, w_out_RD, rows_BTS, gates_BTS, activation, bias_R, gate_inside_activation
+    )
   *lead, D = x_BTD.shape
   S = rows_BTS.shape[-1]
   y_ND = _gated_gather_ND(

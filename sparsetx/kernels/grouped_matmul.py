@@ -11,7 +11,7 @@ Backends (the target device decides, as for the row kernels: platform.py):
   CPU          a loop over row tiles (grouped_xla.py).
 `kernel.implementation=xla` on a GPU or TPU keeps `jax.lax.ragged_dot` with its own gradients, which the pinned
 JAX's XLA rolls out densely (every group over every row: on GPU all three matmuls, on TPU the weights'
-gradient): the form the kernels replace, kept for comparison. Outputs and gradients
+gradient): the form the kernels replace, kept for comparison; `reference` keeps it on every platform. Outputs and gradients
 are float32 sums rounded to lhs's dtype; rows after the last group are zeros.
 """
 
@@ -37,7 +37,7 @@ def kernels(options: KernelOptions, lhs_SK, rhs_EKN):
   implementation = options.implementation
   if implementation == "auto":
     implementation = "xla" if device.platform == "cpu" else "pallas"
-  if implementation == "xla" and device.platform != "cpu":
+  if implementation == "reference" or (implementation == "xla" and device.platform != "cpu"):
     return None
   if device.platform == "tpu":
     from sparsetx.kernels import grouped_tpu

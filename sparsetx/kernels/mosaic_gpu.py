@@ -353,17 +353,17 @@ def segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sum
   n_blocks = -(-n_rows // BLOCK_ROWS)
   n_padded = n_blocks * BLOCK_ROWS
 
-  # Row r's pair range is [begins[r], ends[r]); padding rows are empty ranges at starts[R], so a block's pairs are
-  # [begins[r0], ends[r0 + 63]) and pairs past starts[R] are never read. Tokens and coefficients get one tile of
-  # padding so a block's last tile copy stays in bounds.
+  # Row r's pair range is [bounds[0, r], bounds[1, r]); padding rows are empty ranges at starts[R], so a block's pairs
+  # are [bounds[0, r0], bounds[1, r0 + 63]) and pairs past starts[R] are never read. Tokens and coefficients get one
+  # tile of padding so a block's last tile copy stays in bounds. Both ranges travel as one array: a kernel operand
+  # must start 256-byte aligned, and XLA passes `starts[1:]` as a pointer 4 bytes into `starts` (seen on an H200).
   starts_R1 = starts_R1.astype(jnp.int32)
   tail = jnp.full((n_padded - n_rows,), starts_R1[-1], jnp.int32)
-  begins_R = jnp.concatenate([starts_R1[:-1], tail])
-  ends_R = jnp.concatenate([starts_R1[1:], tail])
+  bounds_2R = jnp.stack([jnp.concatenate([starts_R1[:-1], tail]), jnp.concatenate([starts_R1[1:], tail])])
   tokens_pP = jnp.pad(tokens_P.astype(jnp.int32), (0, BLOCK_ROWS))
   coefs_pP = jnp.pad(coefs_P.astype(jnp.float32), (0, BLOCK_ROWS))
 
-  def body(wg, values_gmem, tokens_gmem, coefs_gmem, begins_gmem, ends_gmem, *refs):
+  def body(wg, values_gmem, tokens_gmem, coefs_gmem, bounds_gmem, *refs):
     sums_gmem, coef_sums_gmem = refs[:2] if with_coef_sums else (refs[0], None)
     tiles, tokens_ring, coefs_ring, begins_smem, ends_smem, sums_smem, coef_sums_smem, *barriers = refs[-11:]
     loaded, consumed, pairs_loaded, block_loaded = barriers
@@ -372,8 +372,8 @@ def segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sum
 
     @pl.when(wg == 1)
     def _copy():
-      plgpu.copy_gmem_to_smem(begins_gmem.at[pl.ds(r0, BLOCK_ROWS)], begins_smem, block_loaded)
-      plgpu.copy_gmem_to_smem(ends_gmem.at[pl.ds(r0, BLOCK_ROWS)], ends_smem, block_loaded)
+      plgpu.copy_gmem_to_smem(bounds_gmem.at[0, pl.ds(r0, BLOCK_ROWS)], begins_smem, block_loaded)
+      plgpu.copy_gmem_to_smem(bounds_gmem.at[1, pl.ds(r0, BLOCK_ROWS)], ends_smem, block_loaded)
       plgpu.barrier_wait(block_loaded)
       p_begin, p_end = begins_smem[0], ends_smem[BLOCK_ROWS - 1]
 
@@ -452,5 +452,5 @@ def segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sum
     ],
     interpret,
   )
-  sums, *coef_sums = kernel(values_ND, tokens_pP, coefs_pP, begins_R, ends_R)
+  sums, *coef_sums = kernel(values_ND, tokens_pP, coefs_pP, bounds_2R)
   return sums[:n_rows], coef_sums[0][:n_rows] if with_coef_sums else None

@@ -6,8 +6,10 @@ feed-forward specs check a config's values against the tuples here.
 
 from typing import NamedTuple
 
-IMPLEMENTATIONS = ("xla", "pallas", "auto")  # gated gather backend: see gated_gather.py
-GPU_KERNELS = ("mosaic", "triton", "auto")  # pallas on GPU: Mosaic GPU (Hopper+) or the Triton lowering
+from sparsetx.config import GPU_KERNELS, KERNEL_IMPLEMENTATIONS  # noqa: F401 (re-exported: the kernels' names)
+
+IMPLEMENTATIONS = KERNEL_IMPLEMENTATIONS  # xla | pallas | auto | reference: platform.kernel_backend
+# GPU_KERNELS: mosaic (Hopper and newer) | triton | auto
 
 
 class KernelOptions(NamedTuple):

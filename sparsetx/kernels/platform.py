@@ -42,7 +42,7 @@ def kernel_backend(options: KernelOptions):
   device = target()
   if implementation == "auto":
     implementation = "pallas" if device.platform in ("gpu", "tpu") else "xla"
-  if implementation == "xla":
+  if implementation in ("xla", "reference"):
     return None
   if device.platform == "tpu":
     from sparsetx.kernels import pallas_tpu

@@ -12,10 +12,8 @@ sgatlin forward time against the number of neurons. Writes a PNG with --png.
   .venv/bin/python -m sparsetx.tools.bench_layers --png=bench_layers.png
 """
 
-import contextlib
 import statistics
 import time
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -25,37 +23,25 @@ from absl import flags
 
 from sparsetx import cli
 from sparsetx.config import ConfigError, default_config, validate
-from sparsetx.kernels import gated_gather as gg
-from sparsetx.kernels import grouped_matmul, platform, segment_grads
+from sparsetx.kernels import mosaic_gpu, pallas_gpu, pallas_tpu, platform, row_chunks, segment_grads
 from sparsetx.kernels.options import KernelOptions
 from sparsetx.models.ffn import moe
 from sparsetx.models.ffn.common import gini
 from sparsetx.models.ffn.dense import Mlp, SwiGlu
 from sparsetx.models.ffn.fff import Fff
 from sparsetx.models.ffn.sgatlin import Sgatlin
-from sparsetx.parallel import dispatch
 
 
-def papers_gather(x, w_in, w_out, rows, gates, activation=gg.identity, options=None, gate_inside_activation=True):
-  """Listing 1's formulation (gather the rows, two einsums) in place of the gated gather op sgatlin's layer calls."""
-  del options
-  return gg.gated_gather_reference(
-    x, w_in, w_out, rows, gates, activation, gate_inside_activation=gate_inside_activation
-  )
-
-
-def rolled_out(lhs, rhs, group_sizes, options=None):
-  """MoE's grouped matmul as `jax.lax.ragged_dot` with its own gradients, in place of the kernels the layer calls."""
-  del options
-  return grouped_matmul.ragged_dot(lhs, rhs, group_sizes)
-
-
-def layer_config(d_model, dtype, **ffn):
+def layer_config(d_model, dtype, reference=False, **ffn):
+  """The model config of one layer; `reference` runs its op in the form the kernels replace (Listing 1's gather
+  and einsums for the gated gather, `jax.lax.ragged_dot` for MoE's grouped matmul)."""
   config = default_config()
   config.model.d_model = d_model
   config.model.head_dim = min(64, d_model)
   config.model.dtype = dtype
   config.model.ffn.update(ffn)
+  if reference:
+    config.model.ffn.kernel.implementation = "reference"
   validate(config)
   return ml_collections.FrozenConfigDict(config.model)
 
@@ -63,20 +49,14 @@ def layer_config(d_model, dtype, **ffn):
 class Variant:
   """A layer, its params and input, compiled forward and forward+backward, with temp bytes."""
 
-  def __init__(self, name, module, d_model, tokens, dtype, papers=False, rollout=False):
+  def __init__(self, name, module, d_model, tokens, dtype):
     self.name = name
-    patch = contextlib.nullcontext()
-    if papers:
-      patch = mock.patch.object(dispatch, "gated_gather", papers_gather)
-    if rollout:
-      patch = mock.patch.object(moe, "grouped_matmul", rolled_out)
     x = jax.random.normal(jax.random.key(0), (tokens // 256, 256, d_model), jnp.dtype(dtype))
-    with patch:
-      params = jax.jit(module.init)(jax.random.key(1), x)
-      fwd = jax.jit(lambda p, x: module.apply(p, x))
-      loss = lambda p, x: jnp.sum(module.apply(p, x).astype(jnp.float32) ** 2)
-      fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1)))
-      self.steps = {"fwd": fwd.lower(params, x).compile(), "fwd+bwd": fwd_bwd.lower(params, x).compile()}
+    params = jax.jit(module.init)(jax.random.key(1), x)
+    fwd = jax.jit(lambda p, x: module.apply(p, x))
+    loss = lambda p, x: jnp.sum(module.apply(p, x).astype(jnp.float32) ** 2)  # noqa: E731
+    fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    self.steps = {"fwd": fwd.lower(params, x).compile(), "fwd+bwd": fwd_bwd.lower(params, x).compile()}
     self.args = (params, x)
     self.temp_mib = {k: c.memory_analysis().temp_size_in_bytes / 2**20 for k, c in self.steps.items()}
     self.times = {k: [] for k in self.steps}
@@ -117,12 +97,13 @@ def print_table(title, variants, baseline, kinds=("fwd", "fwd+bwd")):
 def rung(scale, tokens, dtype, rounds):
   d = 128 * scale
   mlp_cfg = layer_config(d, dtype, type="mlp", d_ffw=int(8 / 3 * d / 256) * 256)
-  sg_cfg = layer_config(d, dtype, type="sgatlin", d_ffw=(16 + 12 * scale) ** 2, n_channels=16, top_k=8, d_key=128)
+  sgatlin = dict(type="sgatlin", d_ffw=(16 + 12 * scale) ** 2, n_channels=16, top_k=8, d_key=128)
+  sg_cfg, papers_cfg = layer_config(d, dtype, **sgatlin), layer_config(d, dtype, reference=True, **sgatlin)
   variants = [
     Variant("mlp", Mlp(mlp_cfg), d, tokens, dtype),
     Variant("swiglu", SwiGlu(mlp_cfg), d, tokens, dtype),
     Variant("sgatlin (gated gather op)", Sgatlin(sg_cfg), d, tokens, dtype),
-    Variant("sgatlin (Listing 1)", Sgatlin(sg_cfg), d, tokens, dtype, papers=True),
+    Variant("sgatlin (Listing 1)", Sgatlin(papers_cfg), d, tokens, dtype),
   ]
   run_rounds(variants, rounds)
   print_table(
@@ -141,12 +122,13 @@ def moe_table(scale, tokens, dtype, rounds, n_experts=16, experts_per_token=2):
   """The ladder's MoE rung (16 experts, top-2, d_ffw = d_model) by grouped matmuls, rolled out, and a SwiGLU of
   k * d_ffw neurons: the same expert FLOPs per token, no router and no dispatch."""
   d = 128 * scale
-  moe_cfg = layer_config(d, dtype, type="moe", d_ffw=d, n_experts=n_experts, experts_per_token=experts_per_token)
+  moe_kw = dict(type="moe", d_ffw=d, n_experts=n_experts, experts_per_token=experts_per_token)
+  moe_cfg, rollout_cfg = layer_config(d, dtype, **moe_kw), layer_config(d, dtype, reference=True, **moe_kw)
   swiglu_cfg = layer_config(d, dtype, type="swiglu", d_ffw=experts_per_token * d)
   variants = [
     Variant(f"swiglu d_ffw={experts_per_token * d}", SwiGlu(swiglu_cfg), d, tokens, dtype),
     Variant("moe (grouped matmuls)", moe.Moe(moe_cfg), d, tokens, dtype),
-    Variant("moe (ragged_dot rolled out)", moe.Moe(moe_cfg), d, tokens, dtype, rollout=True),
+    Variant("moe (ragged_dot rolled out)", moe.Moe(rollout_cfg), d, tokens, dtype),
   ]
   run_rounds(variants, rounds)
   print_table(
@@ -251,18 +233,19 @@ class TableGrads:
     return 1e3 * statistics.median(self.times)
 
 
-def table_grads_table(scale, tokens, dtype, rounds, target_gini, chunks):
+def table_grads_table(scale, tokens, dtype, rounds, target_gini, chunks, gpu_kernel="auto"):
   """sgatlin's table-gradient time with uniform and skewed rows, with whole rows and with rows cut into chunks."""
   d, n_keys, n_channels, top_k = 128 * scale, 16 + 12 * scale, 16, 8
   d_ffw = n_keys**2
   exponent = zipf_exponent(d_ffw, target_gini)
   dists = {"uniform": table_grad_rows(tokens, n_channels, top_k, d_ffw, 0.0)}
   dists["skewed"] = table_grad_rows(tokens, n_channels, top_k, d_ffw, exponent)
-  backend = platform.kernel_backend(KernelOptions())
+  options = KernelOptions(gpu_kernel=gpu_kernel)
+  backend = platform.kernel_backend(options)
   path = "the XLA path: no row kernel, chunks do not apply" if backend is None else backend.__name__.split(".")[-1]
   variants = {
     (dist, chunk): TableGrads(
-      f"{dist} chunk {chunk}", rows, d, n_channels * d_ffw, dtype, KernelOptions(segment_chunk=chunk)
+      f"{dist} chunk {chunk}", rows, d, n_channels * d_ffw, dtype, options._replace(segment_chunk=chunk)
     )
     for dist, rows in dists.items()
     for chunk in chunks
@@ -277,7 +260,7 @@ def table_grads_table(scale, tokens, dtype, rounds, target_gini, chunks):
   print(
     f"{'rows':>10s}{'gini':>8s}{'max pairs':>11s}"
     + "".join(f"{'chunk ' + str(c) + ' ms':>16s}" for c in chunks)
-    + "".join(f"{'x chunk ' + str(chunks[0]):>16s}" for c in chunks[1:])
+    + "".join(f"{f'{c} / {chunks[0]}':>12s}" for c in chunks[1:])
   )
   for dist, rows in dists.items():
     counts = jnp.bincount(rows.reshape(-1), length=n_channels * d_ffw).reshape(n_channels, d_ffw)
@@ -285,9 +268,43 @@ def table_grads_table(scale, tokens, dtype, rounds, target_gini, chunks):
     print(
       f"{dist:>10s}{float(jnp.mean(gini(counts))):8.2f}{int(counts.max()):11d}"
       + "".join(f"{t:16.2f}" for t in times)
-      + "".join(f"{t / times[0]:16.2f}" for t in times[1:])
+      + "".join(f"{t / times[0]:12.2f}" for t in times[1:])
     )
+  print("  pairs the busiest program walks in turn (the kernels' critical path; both passes when rows are cut):")
+  print(f"{'rows':>10s}{'chunk':>8s}" + "".join(f"{name:>12s}" for name in PROGRAM_SHAPES))
+  for dist, rows in dists.items():
+    for chunk in chunks:
+      walks = critical_walks(rows, n_channels * d_ffw, chunk)
+      print(f"{dist:>10s}{chunk:8d}" + "".join(f"{w:12d}" for w in walks))
   return variants
+
+
+# segment_sums' programs: (segments per program, whether its segments run side by side in lanes)
+PROGRAM_SHAPES = {
+  "mosaic": (mosaic_gpu.BLOCK_ROWS, False),
+  "tpu": (pallas_tpu.SEGMENT_ROWS, False),
+  "triton": (pallas_gpu.SEGMENT_ROWS, True),
+}
+
+
+def critical_walks(rows_NS, n_rows, chunk):
+  """Per backend, the pairs its busiest segment_sums program walks one after another: a block's segments in turn,
+  or, where they run in lanes, its longest; cut rows add the combine's busiest program."""
+  sorted_rows = jnp.sort(rows_NS.reshape(-1))
+  starts = segment_grads.row_starts(sorted_rows, n_rows)
+  passes = [starts]
+  if row_chunks.tail_segments(sorted_rows.shape[0], n_rows, chunk):
+    plan = jax.jit(row_chunks.plan, static_argnums=2)(sorted_rows, starts, chunk)
+    passes = [plan.starts_V1, plan.combine_starts_M1]
+  walks = []
+  for per_program, lanes in PROGRAM_SHAPES.values():
+    total = 0
+    for bounds in passes:
+      lengths = np.diff(np.asarray(bounds))
+      blocks = np.pad(lengths, (0, -len(lengths) % per_program)).reshape(-1, per_program)
+      total += int((blocks.max(1) if lanes else blocks.sum(1)).max())
+    walks.append(total)
+  return walks
 
 
 def plot(path, rungs, fff_rows, sweep_variants, n_keys_list):
@@ -342,6 +359,7 @@ def define_flags() -> dict:
     tables=flags.DEFINE_list("tables", list(TABLES), f"Tables to print, of {', '.join(TABLES)}."),
     grad_scales=cli.define_integer_list("grad_scales", [2], "Ladder rungs of the table-gradient table."),
     grad_gini=flags.DEFINE_float("grad_gini", 0.6, "Usage Gini of the skewed rows (what the model reports)."),
+    grad_gpu_kernel=flags.DEFINE_enum("grad_gpu_kernel", "auto", ["auto", "mosaic", "triton"], "Row kernels on a GPU."),
     grad_chunks=cli.define_integer_list(
       "grad_chunks", [0, KernelOptions().segment_chunk], "kernel.segment_chunk values to compare (0: whole rows)."
     ),
@@ -370,7 +388,7 @@ def absl_main(argv, holders: dict):
       sweep(args.sweep_n_keys, args.sweep_scale, args.tokens, args.dtype, args.rounds) if on("sweep") else []
     )
     for s in args.grad_scales if on("table_grads") else []:
-      table_grads_table(s, args.tokens, args.dtype, args.rounds, args.grad_gini, args.grad_chunks)
+      table_grads_table(s, args.tokens, args.dtype, args.rounds, args.grad_gini, args.grad_chunks, args.grad_gpu_kernel)
   except ConfigError as error:
     cli.fail(error)
   if args.png:

@@ -14,9 +14,9 @@ ratio to the first row.
   .venv/bin/python -m sparsetx.tools.bench_top_k --scales 2 --rounds 5
 """
 
+import functools
 import statistics
 import time
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -63,11 +63,7 @@ def halves_passes(chunk):
 
 
 def with_chunk(chunk):
-  def run(s1, s2, k):
-    with mock.patch.object(product_keys, "_CPU_ROWS_PER_CHUNK", chunk):
-      return product_keys.product_key_top_k(s1, s2, k)
-
-  return run
+  return functools.partial(product_keys.product_key_top_k, cpu_rows_per_chunk=chunk)
 
 
 def forward_backward(top_k):

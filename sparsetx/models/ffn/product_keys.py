@@ -16,7 +16,7 @@ from sparsetx.parallel.dispatch import where_tokens_are
 
 _INT32_MIN = jnp.iinfo(jnp.int32).min
 _INT32_MAX = jnp.iinfo(jnp.int32).max
-_CPU_ROWS_PER_CHUNK = 256  # two halves x n_keys x 256 rows of int32 stay in L2 during the k passes
+CPU_ROWS_PER_CHUNK = 256  # two halves x n_keys x 256 rows of int32 stay in L2 during the k passes
 
 
 def _order_key(x):
@@ -71,12 +71,12 @@ def _sums_top_k(top1, top2, n_keys: int, k: int, axis: int):
   return _top_k_passes(sums, take(id1, rank1) * n_keys + take(id2, rank2), k, axis)
 
 
-def _neuron_ids_cpu(key1, key2, k: int):
+def _neuron_ids_cpu(key1, key2, k: int, rows_per_chunk: int):
   """Both stages in chunks of rows that stay in cache, rows on the minor axis: [..., n_keys] x 2 -> [..., k]."""
   n_keys, batch = key1.shape[-1], key1.shape[:-1]
   key_2RN = jnp.stack([key1, key2]).reshape(2, -1, n_keys)
   rows = key_2RN.shape[1]
-  chunk = max(1, min(_CPU_ROWS_PER_CHUNK, rows))
+  chunk = max(1, min(rows_per_chunk, rows))
   n_chunks = -(-rows // chunk)
   key_2RN = jnp.pad(key_2RN, ((0, 0), (0, n_chunks * chunk - rows), (0, 0)))
   key_G2NC = key_2RN.reshape(2, n_chunks, chunk, n_keys).transpose(1, 0, 3, 2)
@@ -96,13 +96,14 @@ def _neuron_ids_top_k(key1, key2, k: int):
   return _sums_top_k(top1, top2, n_keys, k, axis=-1)[1]
 
 
-def product_key_top_k(scores1_N: jax.Array, scores2_N: jax.Array, k: int):
+def product_key_top_k(scores1_N: jax.Array, scores2_N: jax.Array, k: int, cpu_rows_per_chunk: int = CPU_ROWS_PER_CHUNK):
   """Top-k over {s1[i] + s2[j]} for the last axis of two score arrays of size n_keys.
 
   Returns (values [..., k] descending, indices [..., k] into the n_keys**2 product set); values are those of
   the brute-force top-k over all sums, and so are the indices unless two sums tie only after rounding. Equal
   sums go to the lower neuron index. On CPU both stages run as k passes of max over cache-sized chunks of
-  rows (faster than XLA's CPU TopK: docs/kernels.md); elsewhere stage one stays lax.top_k.
+  rows (faster than XLA's CPU TopK: docs/kernels.md), `cpu_rows_per_chunk` rows at a time; elsewhere stage one
+  stays lax.top_k.
   """
   n_keys = scores1_N.shape[-1]
   if scores2_N.shape[-1] != n_keys:
@@ -110,8 +111,10 @@ def product_key_top_k(scores1_N: jax.Array, scores2_N: jax.Array, k: int):
   if not 0 < k < n_keys:
     raise ConfigError(f"top_k={k} must lie in [1, sqrt(d_ffw)={n_keys}); lower top_k or raise d_ffw.")
   s1, s2 = scores1_N.astype(jnp.float32), scores2_N.astype(jnp.float32)
-  neuron_ids = _neuron_ids_cpu if platform.on_cpu() else _neuron_ids_top_k
-  indices = neuron_ids(_order_key(s1), _order_key(s2), k)  # integer keys: no gradient flows into the choice
+  if platform.on_cpu():
+    indices = _neuron_ids_cpu(_order_key(s1), _order_key(s2), k, cpu_rows_per_chunk)
+  else:
+    indices = _neuron_ids_top_k(_order_key(s1), _order_key(s2), k)  # integer keys: no gradient flows into the choice
   values = jnp.take_along_axis(s1, indices // n_keys, axis=-1) + jnp.take_along_axis(s2, indices % n_keys, axis=-1)
   return values, indices
 
