@@ -3,7 +3,7 @@
 d_model = 128 * scale, n_layers = 2 * scale, d_ffw per type (Listing 2; see sparsetx/models/ladder.py,
 which also defines the FFF rung). GPT-2 vocabulary padded to 50,304, context 2048, remat per block.
 
-TARGET (optional) sizes the run for a machine (sparsetx/parallel/targets.py): the paper's 128 x 2,048 tokens
+TARGET (optional) sizes the run for a machine (sparsetx/plan/targets.py): the paper's 128 x 2,048 tokens
 per step, the sparse layer's units split over `expert` inside one node or slice (NVLink / ICI), `data` over the
 rest and over the nodes (DCN), the vocabulary over `expert` (nothing large replicated), micro-batches so each
 device holds at most 8,192 tokens at a time on an 80 GB chip (scaled with the HBM), and remat `none` (no forward
@@ -22,7 +22,7 @@ A rung on a target trains from a pre-tokenized corpus (config.data.require_token
 from sparsetx import config as config_lib
 from sparsetx.models import ladder
 from sparsetx.models.ffn.registry import SPECS
-from sparsetx.parallel import targets
+from sparsetx.plan import targets
 from sparsetx.train import aot
 
 

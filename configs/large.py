@@ -19,7 +19,7 @@ axis instead, so no large parameter is replicated. Try one on simulated devices 
 
 from sparsetx import config as config_lib
 from sparsetx.models import ladder
-from sparsetx.parallel import targets
+from sparsetx.plan import targets
 
 TARGETS = {
   "h100": dict(ici=dict(data=-1, fsdp=1, tensor=1, expert=8), dcn=dict(data=-1, fsdp=1, tensor=1, expert=1)),

@@ -281,7 +281,8 @@ def test_tpu_lowering_runs_splash_attention_forward_and_backward(monkeypatch):
 )
 def test_train_step_lowers_with_the_fused_attention_by_default(platform, calls):
   """The whole train step (bf16, attention=auto) lowered as the trainer jits it: the fused calls, no XLA logits."""
-  from sparsetx.train import aot, hlo_text
+  from sparsetx.perf import hlo_text
+  from sparsetx.train import aot
 
   config = load_config("configs/tiny.py", "mlp")
   config.model.update(max_len=256, n_layers=2)
@@ -295,7 +296,8 @@ def test_train_step_lowers_with_the_fused_attention_by_default(platform, calls):
 @pytest.mark.parametrize("ici", [dict(data=8), dict(data=4, tensor=2)])
 def test_splash_train_step_lowers_on_a_tpu_mesh(ici):
   """On a mesh splash runs in a shard_map over every free axis (Pallas TPU refuses a partially manual region)."""
-  from sparsetx.train import aot, hlo_text
+  from sparsetx.perf import hlo_text
+  from sparsetx.train import aot
 
   config = load_config("configs/tiny.py", "mlp")
   config.model.update(max_len=256, n_layers=1)

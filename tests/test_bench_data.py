@@ -9,10 +9,10 @@ from conftest import REPO
 
 from sparsetx import config as config_lib
 from sparsetx.data import vocab
-from sparsetx.parallel import hardware, targets
+from sparsetx.perf import hardware
+from sparsetx.plan import step_cost, targets
 from sparsetx.tools import bench_data
 from sparsetx.train import state as state_lib
-from sparsetx.train import step_cost
 
 BAR = f"{REPO}/configs/ladder.py:sgatlin,5,h100x8"
 ROWS, SEQ_LEN = 8, 64

@@ -25,8 +25,9 @@ from sparsetx.kernels import tree_route
 from sparsetx.kernels.grouped_matmul import grouped_matmul
 from sparsetx.kernels.options import KernelOptions
 from sparsetx.models.ffn.registry import SPECS
-from sparsetx.parallel import expert_parallel, hardware, roofline
-from sparsetx.train import aot, hlo_text
+from sparsetx.parallel import expert_parallel
+from sparsetx.perf import hardware, hlo_text, roofline
+from sparsetx.train import aot
 
 TOPOLOGIES = {"v5p": "v5p:2x2x1", "v6e": "v6e:2x2", "h100": "h100:1x1x4", "a100": "a100:1x1x4"}
 FFN_TYPES = ("mlp", "swiglu", "moe", "peer", "sgatlin", "fff")

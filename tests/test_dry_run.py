@@ -147,7 +147,7 @@ def test_dry_run_tool_prints_the_projected_step_time_per_target():
     compute, memory, comm, overlap = (float(v) for v in row[2:6])
     assert overlap == pytest.approx(max(compute, memory, comm), rel=1e-2) and overlap > 0  # printed to 3 digits
     assert float(row[8]) == pytest.approx(max(compute, memory) + comm, rel=1e-2)
-  # the per-layer analytic table (sparsetx/train/layer_cost.py) and the step projected from it
+  # the per-layer analytic table (sparsetx/plan/layer_cost.py) and the step projected from it
   assert "sgatlin feed-forward (layers 0..1; per layer and device, 16 tokens" in compiled
   assert "  gather fwd row_dots " in compiled and "  HBM-bound share of the layer time" in compiled
   rows = [line.split() for line in analytic.splitlines() if line.startswith(("  H100", "  H200", "  TPU"))]

@@ -20,7 +20,7 @@ from sparsetx.models.ffn.registry import FFN_LAYERS
 from sparsetx.parallel import dispatch, topology
 from sparsetx.parallel import expert_parallel as ep
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import hlo_text
+from sparsetx.perf import hlo_text
 
 D = 16
 LAYERS = {

@@ -27,7 +27,8 @@ from jax._src.tpu_custom_call import tpu as tpu_dialect
 
 from sparsetx.kernels import pallas_tpu
 from sparsetx.kernels.options import KernelOptions
-from sparsetx.train import aot, hlo_text
+from sparsetx.perf import hlo_text
+from sparsetx.train import aot
 
 EPS32 = 2.0**-24
 EPS_BF16 = 2.0**-8

@@ -1,4 +1,4 @@
-"""The analytic per-layer cost (sparsetx/train/layer_cost.py) against hand-computed bytes and FLOPs.
+"""The analytic per-layer cost (sparsetx/plan/layer_cost.py) against hand-computed bytes and FLOPs.
 
 Every expected number is literal arithmetic from the formulas in the module's docstring (bf16 compute: 2 bytes;
 float32: 4; int32 ids: 4), written out here, not taken from the module's helpers.
@@ -9,8 +9,8 @@ import pytest
 
 from sparsetx import config as config_lib
 from sparsetx.models.ffn.registry import SPECS
-from sparsetx.parallel import hardware, roofline
-from sparsetx.train import layer_cost
+from sparsetx.perf import cost, hardware, roofline
+from sparsetx.plan import layer_cost
 
 GATHER_KERNELS = (
   "gather fwd row_dots",
@@ -80,10 +80,17 @@ def test_sgatlin_phases_by_hand():
     "table grads: sort (row, pair) keys": (4 * 1024 * 8 * 2, 0),
     # x and dy rows (bf16), token id + 2 coefficients per pair, two float32 tables 128 x 64 written
     "table grads: segment sums": (2 * 1024 * 64 * 2 + 3 * 1024 * 4 + 2 * 128 * 64 * 4, 2 * 2 * 1024 * 64),
+    # rows cut at 64 pairs (kernel.segment_chunk): per table 1,024 // 64 = 16 tail segments of 64 float32 written,
+    # 16 long-row slots + 16 tails read back (a row of 64 float32, a token id, a coefficient), 16 rows written and
+    # set into the sums, and 1,024 pairs' token ids and coefficients read and written in head/tail order
+    "table grads: cut rows combined": (
+      2 * (16 * 64 * 4 + (16 + 16) * (64 * 4 + 4 + 4) + 2 * 16 * 64 * 4 + 1024 * 2 * (4 + 4)),
+      0,
+    ),
     # tables 2 x 128 x 64, the query 64 x 16, this device's keys 16 x 2 x 4 x 8 / 2; 7 float32 values each
     "optimizer (AdamW)": (
       (2 * 128 * 64 + 64 * 16 + 16 * 2 * 4 * 8 // 2) * 4 * 7,
-      (2 * 128 * 64 + 64 * 16 + 16 * 2 * 4 * 8 // 2) * layer_cost.ADAMW_FLOPS,
+      (2 * 128 * 64 + 64 * 16 + 16 * 2 * 4 * 8 // 2) * cost.ADAMW_FLOPS,
     ),
   }
   assert got == expected
@@ -177,7 +184,7 @@ def test_dense_phases_by_hand(ffn_type, ins):
     2 * 64 * 32 * ins * 64,
   )
   assert got["out projection"] == (64 * 64 * 2 + 64 * 32 * 2 + 64 * 32 * 2, 2 * 64 * 64 * 32)
-  assert got["optimizer (AdamW)"] == ((ins + 1) * 32 * 64 * 28, (ins + 1) * 32 * 64 * layer_cost.ADAMW_FLOPS)
+  assert got["optimizer (AdamW)"] == ((ins + 1) * 32 * 64 * 28, (ins + 1) * 32 * 64 * cost.ADAMW_FLOPS)
   assert got["in projection" + ("s (gate, up)" if ins == 2 else "")][1] + got["out projection"][1] == 64 * SPECS[
     ffn_type
   ].flops(model, model.ffn)
@@ -261,12 +268,12 @@ def test_dots_policies_recompute_only_the_non_matmul_forward():
 
 def test_layer_time_is_the_sum_of_phase_maxima_and_collectives():
   model = sgatlin()
-  cost = layer_cost.layer_cost(model, model.ffn, 4096, expert_group=2, devices=2)
+  layer = layer_cost.layer_cost(model, model.ffn, 4096, expert_group=2, devices=2)
   chip = hardware.CHIPS["v5p"]
-  t = layer_cost.time_on(cost, chip)
-  by_hand = [max(p.nbytes / 2765e9, p.flops / 459e12) for p in cost.phases]
-  hbm = [p.nbytes / 2765e9 for p in cost.phases if p.nbytes / 2765e9 > p.flops / 459e12]
-  comm = sum(roofline.collective_seconds(c.op, c.nbytes, c.group, chip) for c in cost.collectives)
+  t = cost.time_on(layer, chip)
+  by_hand = [max(p.nbytes / 2765e9, p.flops / 459e12) for p in layer.phases]
+  hbm = [p.nbytes / 2765e9 for p in layer.phases if p.nbytes / 2765e9 > p.flops / 459e12]
+  comm = sum(roofline.collective_seconds(c.op, c.nbytes, c.group, chip) for c in layer.collectives)
   assert t.total_s == pytest.approx(sum(by_hand) + comm)
   assert t.hbm_share == pytest.approx(sum(hbm) / (sum(by_hand) + comm))
   assert 0 < t.hbm_share < 1

@@ -16,9 +16,11 @@ PACKAGE = ROOT / "sparsetx"
 LAYERS = (
   ("config",),
   ("paths", "cli"),
+  ("perf",),
   ("data", "kernels"),
   ("parallel",),
   ("models",),
+  ("plan",),
   ("train",),
   ("evaluate", "interp", "hf", "sparsify"),
   ("tools",),

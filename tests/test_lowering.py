@@ -23,7 +23,8 @@ from sparsetx.evaluate import aot as decoding_aot
 from sparsetx.kernels import platform
 from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
 from sparsetx.models.ffn.common import ACTIVATIONS
-from sparsetx.train import aot, hlo_text
+from sparsetx.perf import hlo_text
+from sparsetx.train import aot
 
 FFN_TYPES = ("mlp", "swiglu", "moe", "peer", "sgatlin", "fff")
 GATHER_TYPES = ("peer", "sgatlin", "fff")

@@ -1,4 +1,4 @@
-"""Table placement (config.model.ffn.placement; sparsetx/parallel/dispatch.py, sparsetx/train/layer_cost.py): the
+"""Table placement (config.model.ffn.placement; sparsetx/parallel/dispatch.py, sparsetx/plan/layer_cost.py): the
 fsdp and data placements equal the single-device layer in values and gradients on 8 simulated devices, store and
 move their tables as they claim (the compiled program's collectives), and `auto` picks the placement that sends the
 fewest bytes by docs/expert_parallel.md's formulas (checked against hand-computed numbers)."""
@@ -18,8 +18,8 @@ from sparsetx import config as config_lib
 from sparsetx.models.ffn.registry import FFN_LAYERS
 from sparsetx.parallel import expert_parallel as ep
 from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.plan import step_cost
 from sparsetx.train import state as state_lib
-from sparsetx.train import step_cost
 
 D = 16
 LAYERS = SPARSE_LAYERS_OF_8

@@ -1,9 +1,9 @@
-"""Projected step time (sparsetx/parallel/roofline.py) against hand-computed roofline figures."""
+"""Projected step time (sparsetx/perf/roofline.py) against hand-computed roofline figures."""
 
 import pytest
 
-from sparsetx.parallel import hardware, roofline
-from sparsetx.train import aot, hlo_text
+from sparsetx.perf import hardware, hlo_text, roofline
+from sparsetx.train import aot
 
 MB = 1e6
 
@@ -81,13 +81,13 @@ def test_table_has_a_row_per_chip():
 def test_analytic_projection_sums_phase_maxima_and_keeps_the_rest_collectives():
   """Two identical layers of one compute-bound and one HBM-bound phase, plus the compiled collectives outside the
   feed-forward layers (the one from '/mlp/' is the layers' own and is replaced by theirs)."""
-  from sparsetx.train import layer_cost
+  from sparsetx.perf import cost
 
-  layer = layer_cost.LayerCost(
+  layer = cost.LayerCost(
     "sgatlin",
     0,
-    (layer_cost.Phase("matmul", 3.35e9, 9.89e12), layer_cost.Phase("gather", 3.35e10, 0.0)),  # 10 ms each on H100
-    (layer_cost.Collective("all-gather", 450 * MB, 4, "x"),),  # 0.75 ms
+    (cost.Phase("matmul", 3.35e9, 9.89e12), cost.Phase("gather", 3.35e10, 0.0)),  # 10 ms each on H100
+    (cost.Collective("all-gather", 450 * MB, 4, "x"),),  # 0.75 ms
   )
   compiled = [
     hlo_text.Collective("all-reduce", 90 * MB, 2, "", "jit(train_step)/attention/out"),  # 0.2 ms

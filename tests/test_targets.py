@@ -1,4 +1,4 @@
-"""Ladder rungs on named machines (configs/ladder.py:FFN,SCALE,TARGET; sparsetx/parallel/targets.py): the mesh,
+"""Ladder rungs on named machines (configs/ladder.py:FFN,SCALE,TARGET; sparsetx/plan/targets.py): the mesh,
 rules and micro-batches a target gives, a compile of each representative rung on its target's mesh (simulated CPU
 devices), and the device memory it projects against the chip's HBM (aot.device_memory)."""
 
@@ -11,9 +11,10 @@ from conftest import load_config
 from sparsetx import config as config_lib
 from sparsetx.models import ladder
 from sparsetx.models.ffn import placement
-from sparsetx.parallel import hardware, roofline, targets
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import aot, hlo_text
+from sparsetx.perf import hardware, hlo_text, roofline
+from sparsetx.plan import targets
+from sparsetx.train import aot
 from sparsetx.train import state as state_lib
 
 TARGETS = ("h100x8", "h200x8", "h100x8x4", "v5p-64")

@@ -19,7 +19,7 @@ ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash", "pallas")  # see 
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 # Where a sparse layer's tables live on a mesh (sparsetx/parallel/dispatch.py): split over the units' axes with the
 # tokens moving (expert), split over the batch axes and gathered whole per call (fsdp), replicated (data), or the
-# one of those that moves the fewest bytes per step (auto: sparsetx/train/step_cost.py, docs/expert_parallel.md).
+# one of those that moves the fewest bytes per step (auto: sparsetx/plan/step_cost.py, docs/expert_parallel.md).
 TABLE_PLACEMENTS = ("auto", "expert", "fsdp", "data")
 
 
@@ -274,7 +274,7 @@ def mesh_defaults() -> ml_collections.ConfigDict:
       rules=DEFAULT_RULES,
       # Refuse a parameter larger than this that ends up fully replicated on a multi-device mesh.
       max_replicated_mib=64.0,
-      # The machine the config is sized for (parallel/targets.py: h100x8, v5p-64, ...; set by configs/ladder.py's
+      # The machine the config is sized for (plan/targets.py: h100x8, v5p-64, ...; set by configs/ladder.py's
       # TARGET); the dry run compiles for its topology. "": none.
       target="",
     )

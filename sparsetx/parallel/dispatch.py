@@ -12,7 +12,7 @@ field to name in errors to one entry per sparse op; the entry reads the mesh and
   where_tokens_are       per-token work (the routers' top-k) on each device's own tokens.
   on_own_tokens          the fsdp and data placements: tables whole on every device, tokens stay.
 
-Each layer's tables have a placement (config.model.ffn.placement, resolved by train/step_cost.py):
+Each layer's tables have a placement (config.model.ffn.placement, resolved by plan/step_cost.py):
   expert  tables split over their units' mesh axes, tokens move: one `token_parallel` shard_map (tokens of the
           expert group gathered, per-unit routing data sent to the units' owners, the local computation over the
           device's own units, partial outputs summed back to the tokens' owners). Tables never move.
@@ -50,7 +50,7 @@ PLACEMENTS = tuple(p for p in TABLE_PLACEMENTS if p != "auto")  # what a layer r
 
 def placement_of(ffn) -> str:
   """The placement a layer with feed-forward sub-config `ffn` runs. "auto" is resolved for a mesh by
-  train/step_cost.resolve_placements (the trainer's setup does); unresolved (a model built without a mesh in
+  plan/step_cost.resolve_placements (the trainer's setup does); unresolved (a model built without a mesh in
   view: evaluation, export) it runs "expert", the layout the rules give."""
   placement = ffn.get("placement", "auto")
   return "expert" if placement == "auto" else placement

@@ -31,7 +31,7 @@ from sparsetx.kernels import platform, row_gather, segment_grads
 from sparsetx.kernels import timing as kernel_timing
 from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
 from sparsetx.kernels.grouped_matmul import grouped_matmul
-from sparsetx.parallel import hardware
+from sparsetx.perf import hardware
 from sparsetx.tools import bench_layers
 from sparsetx.train import timing as train_timing
 

@@ -41,10 +41,11 @@ from absl import flags
 from sparsetx import cli
 from sparsetx import config as config_lib
 from sparsetx.data import bpe_vocab, corpus, global_stream, pretokenize, token_store, vocab
-from sparsetx.parallel import expert_parallel, hardware, roofline, targets
+from sparsetx.parallel import expert_parallel
+from sparsetx.perf import hardware, roofline
+from sparsetx.plan import step_cost, targets
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
-from sparsetx.train import step_cost
 
 ENCODE_BATCH = 1024  # documents per encode_batch call: the tokenize job's batch (pretokenize._BATCH)
 TASK = "bench"  # the benchmark's one task: the text files

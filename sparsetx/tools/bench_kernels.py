@@ -16,7 +16,7 @@ from absl import flags
 
 from sparsetx import cli
 from sparsetx.kernels import timing
-from sparsetx.parallel import hardware
+from sparsetx.perf import hardware
 
 
 def define_flags() -> dict:

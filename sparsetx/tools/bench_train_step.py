@@ -5,7 +5,7 @@ sequence length, dtype and mesh (all local devices on the data axis), so the tab
 user would train. All steps are compiled first, then timed in interleaved rounds (one step of each
 type per round, so drift and noise hit every type alike); the table prints medians and ratios to the
 first type. MFU = the ladder's model FLOPs per step (3 x forward, sparsetx/models/ladder.py) / (step
-time x devices x peak bf16 FLOP/s of the chip, sparsetx/parallel/hardware.py); on a chip the table
+time x devices x peak bf16 FLOP/s of the chip, sparsetx/perf/hardware.py); on a chip the table
 does not hold (a CPU) MFU is n/a unless --peak_tflops gives the peak.
 
   .venv/bin/python -m sparsetx.tools.bench_train_step                   # GPU / TPU: scale 2, 8 x 512 tokens, bf16

@@ -7,7 +7,7 @@
 
 Prints per-device parameter and optimizer bytes, the compiler's memory analysis, FLOPs per step
 and the collectives of the compiled program (sparsetx/train/aot.py), then the projected step time,
-tokens/s and MFU on `--target=h100|h200|v5p|v6e|all` (sparsetx/parallel/roofline.py). `--remat_sweep`
+tokens/s and MFU on `--target=h100|h200|v5p|v6e|all` (sparsetx/perf/roofline.py). `--remat_sweep`
 compiles the step once per config.model.remat policy and prints each one's temp memory and FLOPs
 next to no remat's. `--expert_sweep=1,2,4,8,32`
 adds the per-device sparse-table bytes for each expert-axis size (abstract shapes only); a size
@@ -22,7 +22,7 @@ The mesh uses config.mesh over `--devices` simulated devices. A config.mesh.dcn 
 product above 1, simulates that many nodes / slices (consecutive devices, sparsetx/parallel/mesh.py); the collectives
 that cross them are priced at the chip's DCN rate and their bytes printed apart, e.g. 4 nodes of 8 H100s:
   .venv/bin/python -m sparsetx.tools.dry_run --config=configs/ladder.py:sgatlin,8,h100x8x4 --devices=32 --target=h100
-Targets of configs/ladder.py (sparsetx/parallel/targets.py) set the mesh, rules and micro-batches.
+Targets of configs/ladder.py (sparsetx/plan/targets.py) set the mesh, rules and micro-batches.
 
 Both the compiled (CPU) per-device memory and the device estimate (fused attention, remat honoured;
 aot.device_memory) are printed, with the estimate's share of each --target chip's HBM.
@@ -52,9 +52,11 @@ from sparsetx import cli
 from sparsetx import config as config_lib
 from sparsetx.data import check_files
 from sparsetx.models.ffn.registry import SPECS
-from sparsetx.parallel import expert_parallel, hardware, roofline, targets, topology
+from sparsetx.parallel import expert_parallel, topology
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import aot, step_cost
+from sparsetx.perf import hardware, roofline
+from sparsetx.plan import step_cost, targets
+from sparsetx.train import aot
 from sparsetx.train import state as state_lib
 
 

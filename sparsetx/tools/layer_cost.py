@@ -2,15 +2,15 @@
 
   sparsetx-layer-cost [--scales=2,5,8] [--types=sgatlin,fff,moe,mlp] [--tokens=32768] [--phases]
 
-Each layer on one device at the paper's setup (own tokens per device, expert group of 8); sparsetx/train/layer_cost.py
+Each layer on one device at the paper's setup (own tokens per device, expert group of 8); sparsetx/plan/layer_cost.py
 is the model. `--phases` also prints each layer's phase table.
 """
 
 from absl import flags
 
 from sparsetx import cli
-from sparsetx.parallel import hardware
-from sparsetx.train import layer_cost
+from sparsetx.perf import hardware
+from sparsetx.plan import layer_cost
 
 
 def define_flags() -> dict:

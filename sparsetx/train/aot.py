@@ -27,11 +27,12 @@ from sparsetx import config as config_lib
 from sparsetx.models import ladder
 from sparsetx.models.ffn import placement
 from sparsetx.models.ffn.registry import SPECS
-from sparsetx.parallel import expert_parallel, roofline, topology
+from sparsetx.parallel import expert_parallel, topology
 from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.perf import roofline
+from sparsetx.perf.hlo_text import COLLECTIVES, collectives, compiled_kernels, compiled_loops, dcn_granules
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
-from sparsetx.train.hlo_text import COLLECTIVES, collectives, compiled_kernels, compiled_loops, dcn_granules
 
 
 def device_bytes(abstract_tree) -> int:
@@ -431,17 +432,9 @@ def layer_residual_bytes(config, tokens: int, policy: str, expert: int = 1) -> i
     return tokens * D * itemsize
   heads = D // model.head_dim
   attention = tokens * (2 * D + 4 * heads * model.head_dim + D) * itemsize + tokens * heads * 4
-  ffn = model.ffn
-  if ffn.type in ("mlp", "swiglu"):
-    feed_forward = tokens * ffn.d_ffw * (2 if ffn.type == "mlp" else 3) * itemsize
-  elif ffn.type == "moe":  # the experts' hidden, and the dispatch's sorted rows in and outputs out (k rows of D each)
-    feed_forward = tokens * ffn.experts_per_token * (2 * ffn.d_ffw + 2 * D) * itemsize
-  elif ffn.type in ("sgatlin", "peer"):
-    router = 2 * ffn.n_channels * math.isqrt(ffn.d_ffw) * 4
-    feed_forward = tokens * (ffn.n_channels * ffn.top_k * (4 + 4 + itemsize) + router)
-  else:  # fff
-    feed_forward = tokens * ffn.n_trees * (ffn.depth + 1) * 8
-  if ffn.type not in ("mlp", "swiglu") and expert > 1:
+  spec = SPECS[model.ffn.type]
+  feed_forward = spec.residual_bytes(model, model.ffn, tokens, itemsize)
+  if spec.sparse and expert > 1:
     feed_forward += expert * tokens * D * itemsize
   return attention + feed_forward
 

@@ -21,7 +21,7 @@ from sparsetx import config as config_lib
 from sparsetx.models.ffn import placement
 from sparsetx.models.transformer import Transformer
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import step_cost
+from sparsetx.plan import step_cost
 from sparsetx.train.optimizer import make_optimizer
 
 

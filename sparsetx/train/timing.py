@@ -13,7 +13,8 @@ import numpy as np
 
 from sparsetx import config as config_lib
 from sparsetx.models import ladder
-from sparsetx.parallel import expert_parallel, hardware
+from sparsetx.parallel import expert_parallel
+from sparsetx.perf import hardware
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
 

@@ -1,5 +1,7 @@
 """Dense baselines: the GELU MLP and SwiGLU (d_model -> d_ffw -> d_model)."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -59,6 +61,21 @@ def _swiglu_params(model, ffn) -> tuple[int, int]:
   return total, total
 
 
+def _dense_cost(ins, bld, model, ffn, n, E, G, b, devices):
+  """MLP (GELU) and SwiGLU: matmuls on the own tokens, weights FSDP-gathered over G."""
+  D, F = model.d_model, ffn.d_ffw
+  weights = (ins + 1) * D * F
+  bld.cast(weights, b)
+  bld.table_bytes = weights * b
+  bld.fsdp(weights, G, "weights over fsdp (FSDP)")
+  bld.matmul("in projection" + ("s (gate, up)" if ins == 2 else ""), n, D, ins * F, b, b, b)
+  bld.add("activation", (ins + 1) * n * F * b, 4 * n * F, forward=True)
+  bld.add("activation backward", (2 * ins + 1) * n * F * b, 8 * n * F)
+  bld.matmul("out projection", n, F, D, b, b, b)
+  bld.optimizer(weights / G)
+  bld.grad_sync(weights / G, devices // G)
+
+
 MLP_SPEC = FfnSpec(
   name="mlp",
   module=Mlp,
@@ -69,6 +86,8 @@ MLP_SPEC = FfnSpec(
   ladder_size=lambda d_model: dict(d_ffw=dense_width(d_model)),
   served_names=("mlp_neurons",),
   torch_class="Mlp",
+  cost=functools.partial(_dense_cost, 1),
+  residual_bytes=lambda model, ffn, tokens, itemsize: tokens * ffn.d_ffw * 2 * itemsize,  # the hidden, pre and post
 )
 SWIGLU_SPEC = FfnSpec(
   name="swiglu",
@@ -80,4 +99,6 @@ SWIGLU_SPEC = FfnSpec(
   ladder_size=lambda d_model: dict(d_ffw=dense_width(d_model)),
   served_names=("mlp_neurons",),
   torch_class="SwiGlu",
+  cost=functools.partial(_dense_cost, 2),
+  residual_bytes=lambda model, ffn, tokens, itemsize: tokens * ffn.d_ffw * 3 * itemsize,  # gate, up, their product
 )

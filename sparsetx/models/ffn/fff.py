@@ -31,10 +31,11 @@ import jax.numpy as jnp
 from sparsetx.config import ffn_checks
 from sparsetx.kernels.gated_gather import options_from_config
 from sparsetx.kernels.reference import identity
-from sparsetx.kernels.tree_route import next_node
+from sparsetx.kernels.tree_route import DENSE_LEVELS, next_node
 from sparsetx.models.ffn.common import gelu_for, gini, symmetric_uniform
 from sparsetx.models.ffn.spec import Circuit, FfnSpec, Units, dense_width
 from sparsetx.parallel import dispatch
+from sparsetx.perf import cost
 
 TABLE_AXES = ("tree", "node", "embed")  # w_in, w_out [P, n_nodes, d_model]
 BIAS_AXES = ("tree", "node")  # b_in [P, n_nodes]
@@ -146,6 +147,39 @@ def _params(model, ffn) -> tuple[int, int]:
   ) * per_node + model.d_model
 
 
+def fff_cost(bld, model, ffn, n, E, G, b, devices):
+  """FFF: top DENSE_LEVELS levels as matmuls against their 7 nodes per tree, one row_dots per deeper level, the
+  deeper levels' outputs through row_accumulate, the tree walk's gradients as the gated gather's."""
+
+  D, P, L = model.d_model, ffn.n_trees // E, ffn.depth + 1
+  Z = 2 ** (ffn.depth + 1) - 1
+  top = min(DENSE_LEVELS, L)
+  n_top, deep = 2**top - 1, L - top
+  N, R = n * E, P * Z
+  bld.cast(2 * R * D, b)
+  bld.table_bytes = 2 * R * D * b
+  bld.fsdp(R * 2 * D, G, "tables over fsdp (FSDP)", placed=True)
+  if top:
+    bld.matmul("top levels: logits (dense)", N, D, P * n_top, b, b, cost.F32)
+    bld.matmul("top levels: outputs (dense)", N, P * n_top, D, b, b, cost.F32)
+  if deep:
+    level = (
+      N * P * D * b + N * D * b + 2 * N * P * cost.INDEX + 2 * N * P * cost.F32
+    )  # rows, x, node ids, b_in, z, next ids
+    bld.add(f"walk: {deep} x row_dots (S={P})", deep * level, deep * 2 * N * P * D, forward=True)
+    chunk = ffn.kernel.get("segment_chunk", 0)
+    cost.gather_kernels(bld, N, P * deep, D, b, R, with_bias=True, forward_dots=False, segment_chunk=chunk)
+  tables = bld.tables((R * 2 * D) / G, devices // (E * G))
+  bld.optimizer(tables + R + D)
+  bld.grad_sync(R + D, devices // (E * G))  # b_in, b_out
+  tokens = functools.partial(bld.collective, placed=True)
+  tokens("all-gather", N * D * b, E, "x to the expert group", forward=True)
+  tokens("reduce-scatter", n * D * cost.F32, E, "y partial sums (float32)", forward=True)
+  tokens("all-to-all", n * ffn.n_trees * L * (cost.INDEX + cost.F32), E, "path nodes and logits back", forward=True)
+  tokens("all-gather", N * D * cost.F32, E, "dy to the expert group (float32)")
+  tokens("reduce-scatter", n * D * cost.F32, E, "dx partial sums (float32)")
+
+
 SPEC = FfnSpec(
   name="fff",
   module=Fff,
@@ -156,6 +190,8 @@ SPEC = FfnSpec(
   ladder_size=lambda d_model: dict(depth=LADDER_DEPTH, n_trees=max(1, dense_width(d_model) // 128)),
   served_names=("path_nodes", "node_logits"),
   torch_class="Fff",
+  cost=fff_cost,
+  residual_bytes=lambda model, ffn, tokens, itemsize: tokens * ffn.n_trees * (ffn.depth + 1) * 8,  # node ids, logits
   units=Units("tree", "n_trees", TABLE_AXES),
   # A path is a set of nodes: one block of n_nodes per tree, every visited node weighs 1.
   circuit=Circuit(

@@ -34,6 +34,7 @@ from sparsetx.models.ffn.common import dense_init
 from sparsetx.models.ffn.spec import Circuit, FfnSpec, Units
 from sparsetx.models.taps import tap
 from sparsetx.parallel import dispatch
+from sparsetx.perf import cost
 
 TABLE_AXES = ("expert", "embed", "mlp")  # wi_gate, wi_up [E, d_model, d_ffw]
 OUT_AXES = ("expert", "mlp", "embed")  # wo [E, d_ffw, d_model]
@@ -163,6 +164,50 @@ def _usage_stats(ffn, counts_E, taps: dict, token_weights_BT) -> dict:
   return stats
 
 
+def moe_cost(bld, model, ffn, n, E, G, b, devices):
+  """MoE (moe.py): float32 router, top-k, dropless sort of all the group's pairs, SwiGLU experts by grouped matmuls
+  over the pairs routed to this device's experts (n k on average), the permutation back and the weighted sum."""
+  D, F, X, A = model.d_model, ffn.d_ffw, ffn.n_experts, ffn.experts_per_token
+  x_local, N = X // E, n * E
+  pairs_all, pairs = N * A, n * A
+  weights = 3 * x_local * D * F
+  bld.matmul("router", n, D, X, b, cost.F32, cost.F32)
+  bld.add(
+    "router top-k", n * X * cost.F32 + n * A * (cost.F32 + cost.INDEX), n * X * cost.TOP_K_OPS_PER_SCORE, forward=True
+  )
+  bld.cast(weights, b)
+  bld.table_bytes = weights * b
+  bld.fsdp(weights, G, "expert weights over fsdp (FSDP)", placed=True)
+  bld.add(
+    "dispatch: sort the group's pairs", cost.RADIX_PASSES * pairs_all * cost.RADIX_BYTES_PER_PAIR * 2, 0, forward=True
+  )
+  bld.add("dispatch: gather x rows of every pair", 2 * pairs_all * D * b, 0, forward=True)
+  bld.matmul("experts: gate and up (grouped)", pairs, D, 2 * F, b, b, cost.F32)  # the two [D, F] weights side by side
+  bld.add("experts: swish(gate) * up", 2 * pairs * F * cost.F32 + pairs * F * b, 4 * pairs * F, forward=True)
+  bld.add(
+    "experts: swish(gate) * up backward", 2 * pairs * F * cost.F32 + pairs * F * b + 2 * pairs * F * b, 8 * pairs * F
+  )
+  bld.matmul("experts: down (grouped)", pairs, F, D, b, b, cost.F32)
+  bld.add(
+    "combine: unpermute and weight",
+    2 * pairs_all * D * cost.F32 + pairs_all * D * cost.F32 + pairs_all * cost.F32 + N * D * b,
+    2 * pairs_all * D,
+    forward=True,
+  )
+  bld.add("combine backward", N * D * b + pairs_all * cost.F32 + 3 * pairs_all * D * cost.F32, 2 * pairs_all * D)
+  bld.add("dispatch backward: scatter-add dx rows", pairs_all * D * b + N * D * b, pairs_all * D)
+  router = D * X + X
+  bld.optimizer(bld.tables(weights / G, devices // (E * G)) + router)
+  bld.grad_sync(router, devices)
+  # dispatch.all_to_all_experts: ragged all-to-alls of the n k pairs' rows, in the compute dtype, each way
+  tokens = functools.partial(bld.collective, placed=True)
+  tokens("all-gather", E * X * cost.INDEX, E, "per-expert pair counts (sizes and offsets)", forward=True)
+  tokens("all-to-all", pairs * D * b, E, "x rows to their experts' devices (ragged)", forward=True)
+  tokens("all-to-all", pairs * D * b, E, "expert outputs back (ragged)", forward=True)
+  tokens("all-to-all", pairs * D * b, E, "dy rows to the experts (ragged)")
+  tokens("all-to-all", pairs * D * b, E, "dx rows back (ragged)")
+
+
 SPEC = FfnSpec(
   name="moe",
   module=Moe,
@@ -173,6 +218,11 @@ SPEC = FfnSpec(
   ladder_size=lambda d_model: dict(d_ffw=d_model),
   served_names=("expert_ids", "expert_weights"),
   torch_class="Moe",
+  cost=moe_cost,
+  # the experts' hidden, and the dispatch's sorted rows in and outputs out (k rows of D each)
+  residual_bytes=lambda model, ffn, tokens, itemsize: (
+    tokens * ffn.experts_per_token * (2 * ffn.d_ffw + 2 * model.d_model) * itemsize
+  ),
   units=Units("expert", "n_experts", TABLE_AXES),
   circuit=Circuit("expert_ids", "expert_weights", size=lambda ffn: ffn.n_experts, block=None),
   usage_stats=_usage_stats,

@@ -11,12 +11,15 @@ d_model over the devices the rules give its `embed` axis, and tokens move instea
 sparsetx/parallel/dispatch.py decides the form; docs/expert_parallel.md has the collectives and their bytes.
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from sparsetx.config import ffn_checks
 from sparsetx.kernels.gated_gather import options_from_config
+from sparsetx.models.ffn import table_cost
 from sparsetx.models.ffn.common import gelu_for
 from sparsetx.models.ffn.product_keys import make_router
 from sparsetx.models.ffn.spec import Circuit, FfnSpec, product_key_flops, product_key_params, product_key_width
@@ -75,6 +78,8 @@ SPEC = FfnSpec(
   ladder_size=lambda d_model: dict(d_ffw=product_key_width(32, 24, d_model)),
   served_names=("gate_indices", "gate_scores", "gate_vector"),
   torch_class="Peer",
+  cost=functools.partial(table_cost.neuron_table_cost, shared=True),
+  residual_bytes=table_cost.residual_bytes,
   neuron_table=TABLE_AXES,
   # Channels index one shared table: the circuit keeps (channel, neuron) apart, usage counts neurons.
   circuit=Circuit(

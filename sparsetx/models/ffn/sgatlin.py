@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from sparsetx.config import ffn_checks
 from sparsetx.kernels.gated_gather import options_from_config
+from sparsetx.models.ffn import table_cost
 from sparsetx.models.ffn.common import activation_for
 from sparsetx.models.ffn.product_keys import make_router
 from sparsetx.models.ffn.spec import (
@@ -87,6 +88,8 @@ SPEC = FfnSpec(
   ladder_size=lambda d_model: dict(d_ffw=product_key_width(16, 12, d_model)),
   served_names=("gate_indices", "gate_scores", "gate_vector"),
   torch_class="Sgatlin",
+  cost=table_cost.neuron_table_cost,
+  residual_bytes=table_cost.residual_bytes,
   units=Units("channel", "n_channels", TABLE_AXES),
   neuron_table=TABLE_AXES,
   # Each channel owns its table: a unit is a (channel, neuron) pair.

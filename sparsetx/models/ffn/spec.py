@@ -74,6 +74,8 @@ class FfnSpec:
   ladder_size: Callable  # d_model -> {field: value} sizing the type by the ladder's rules (models/ladder.py)
   served_names: tuple  # the layers[i].mlp.* standard names the type serves (sparsetx/interp/names.py)
   torch_class: str  # the class mirroring the layer in sparsetx/hf/modeling/modeling_sparsetx.py
+  cost: Callable  # (bld, model, ffn, n, E, G, b, devices) -> None: one step's phases and collectives (perf.cost)
+  residual_bytes: Callable  # (model, ffn, tokens, itemsize) -> bytes one layer keeps for its backward (remat none)
   units: Units | None = None  # sparse: the units split over the expert axis
   neuron_table: tuple | None = None  # logical axes of a neuron table whose d_model may be split (sgatlin, PEER)
   circuit: Circuit | None = None  # sparse: how to read a token's circuit from the taps

@@ -1,7 +1,7 @@
 """Projected step time of a compiled train step on a target chip, so a run is sized before it is rented.
 
 A roofline from sparsetx/train/aot.py's Report (one device's compiled program) and
-sparsetx/parallel/hardware.py's published figures, per device:
+sparsetx/perf/hardware.py's published figures, per device:
   compute  = compiled FLOPs / peak bf16 FLOP/s
   memory   = compiled "bytes accessed" / HBM bandwidth
   comm     = sum over the program's collectives of ring-algorithm time at the group's link rate
@@ -17,7 +17,7 @@ tokens/s = tokens per step / step; MFU = the model's FLOPs per step (ladder acco
 devices x peak). A lower bound on step time: it assumes peak rates, and XLA prints a loop body
 (micro-batch scan, layer scan) once, so work inside loops is counted once.
 
-`project_analytic` replaces the compiled counts with sparsetx/train/step_cost.py's (layer_cost.py per layer): the feed-forward layers
+`project_analytic` replaces the compiled counts with sparsetx/plan/step_cost.py's (layer_cost.py per layer): the feed-forward layers
 (every layer, by its kernels' bytes and FLOPs) plus an analytic remainder (attention, head, embedding,
 optimizer), because XLA's cost analysis gives one total for the whole program and the feed-forward layers' share
 of it cannot be identified and subtracted. Only the collectives separate: the compiled ones whose op_name lies
@@ -27,7 +27,7 @@ max(FLOPs / peak, bytes / bandwidth), so the analytic step is the sum of those (
 
 import dataclasses
 
-from sparsetx.parallel import hardware
+from sparsetx.perf import hardware
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,10 +165,10 @@ def _ms(seconds: float) -> str:
 
 COMPILED_TITLE = (
   "projected step time (roofline per device at peak rates from the compiled program's counts;"
-  " sparsetx/parallel/roofline.py)\n  overlapped: step = max(compute, memory, comm); serial: step = max(compute, memory) + comm"
+  " sparsetx/perf/roofline.py)\n  overlapped: step = max(compute, memory, comm); serial: step = max(compute, memory) + comm"
 )
 ANALYTIC_TITLE = (
-  "projected step time, analytic (feed-forward layers and the rest of the step by sparsetx/train/layer_cost.py,"
+  "projected step time, analytic (feed-forward layers and the rest of the step by sparsetx/plan/layer_cost.py,"
   " collectives outside the feed-forward layers from the compiled program; roofline.project_analytic)\n"
   "  overlapped: step = max(sum of phase times, comm); serial: step = sum of phase times + comm;"
   " phase time = max(FLOPs / peak, bytes / bandwidth)"

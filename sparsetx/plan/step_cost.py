@@ -12,8 +12,9 @@ import jax.numpy as jnp
 
 from sparsetx import config as config_lib
 from sparsetx.models.ffn.registry import SPECS
-from sparsetx.parallel import dispatch, hardware, roofline
-from sparsetx.train.layer_cost import (
+from sparsetx.parallel import dispatch
+from sparsetx.perf import hardware, roofline
+from sparsetx.plan.layer_cost import (
   F32,
   LayerCost,
   distinct_ffns,
@@ -64,7 +65,7 @@ def table_mib(config, ffn) -> float:
   return total * jnp.dtype(config.model.param_dtype).itemsize / 2**20
 
 
-# config.mesh.max_replicated_mib is 1/512 of the chip's HBM (parallel/targets.py sets it so), so it stands for HBM.
+# config.mesh.max_replicated_mib is 1/512 of the chip's HBM (plan/targets.py sets it so), so it stands for HBM.
 HBM_PER_REPLICATED_LIMIT = 512
 
 

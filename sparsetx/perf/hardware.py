@@ -3,7 +3,7 @@
 One table, so every estimate uses the same numbers; each figure names where it is published.
 Bandwidths are bytes per second and, as vendors publish them for NVLink and ICI, *bidirectional*
 (what a chip sends plus what it receives). A ring collective moves data in both directions at once,
-so sparsetx/parallel/roofline.py uses half of that figure as the rate a chip sends at. DCN figures
+so sparsetx/perf/roofline.py uses half of that figure as the rate a chip sends at. DCN figures
 are NIC line rates, one direction.
 
 A collective group of at most `fast_domain` chips runs over NVLink (one 8-GPU HGX/DGX node) or ICI
