@@ -15,7 +15,7 @@ from sparsetx import config as config_lib
 from sparsetx.interp.trace import StandardizedTransformer
 from sparsetx.models import attention as attention_lib
 from sparsetx.models.transformer import Transformer, init_cache
-from sparsetx.train import step as step_lib
+from sparsetx.train import loss as loss_lib
 
 EPS32 = float(jnp.finfo(jnp.float32).eps)
 EPS_BF16 = float(jnp.finfo(jnp.bfloat16).eps)
@@ -156,7 +156,7 @@ def test_model_with_fused_attention_matches_xla_and_runs_the_kernel(attention):
   batch = dict(inputs=tokens, targets=tokens, positions=positions, segment_ids=segments)
   losses = lambda model: str(
     jax.make_jaxpr(  # noqa: E731
-      lambda p: step_lib.token_losses(model, p, batch, 0.0)
+      lambda p: loss_lib.token_losses(model, p, batch, 0.0)
     )(variables["params"])
   )
   assert "pallas_call" in losses(fused) and "pallas_call" not in losses(reference)

@@ -1,4 +1,4 @@
-"""The vocabulary-tiled cross-entropy (train/step.py chunked_token_losses, config.train.loss_chunks): the same loss
+"""The vocabulary-tiled cross-entropy (train/loss.py chunked_token_losses, config.train.loss_chunks): the same loss
 and gradients as the plain loss over the whole [B,T,vocab] logits, and a train step whose temporaries stay below
 those logits' bytes at a long sequence."""
 
@@ -13,6 +13,7 @@ from sparsetx import config as config_lib
 from sparsetx.models import transformer
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import aot
+from sparsetx.train import loss as loss_lib
 from sparsetx.train import step as step_lib
 
 EPS32 = float(jnp.finfo(jnp.float32).eps)
@@ -57,13 +58,13 @@ def test_chunked_loss_equals_the_plain_loss_and_its_gradients(tied, dtype, V):
 
   def plain(head, hidden_BTD):
     logits_BTV = transformer.head_logits(cfg, head, hidden_BTD)
-    return (step_lib._token_cross_entropy(logits_BTV, targets_BT, Z_LOSS) * weights_BT).sum()
+    return (loss_lib.token_cross_entropy(logits_BTV, targets_BT, Z_LOSS) * weights_BT).sum()
 
   def chunked(head, hidden_BTD):
-    n = step_lib.loss_chunk_count(V, 8)
-    return (step_lib.chunked_token_losses(cfg, head, hidden_BTD, targets_BT, Z_LOSS, n) * weights_BT).sum()
+    n = loss_lib.loss_chunk_count(V, 8)
+    return (loss_lib.chunked_token_losses(cfg, head, hidden_BTD, targets_BT, Z_LOSS, n) * weights_BT).sum()
 
-  assert step_lib.loss_chunk_count(V, 8) == 8
+  assert loss_lib.loss_chunk_count(V, 8) == 8
   (value, grads), (want, want_grads) = (
     jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(head, hidden_BTD) for f in (chunked, plain)
   )
@@ -75,7 +76,7 @@ def test_chunked_loss_equals_the_plain_loss_and_its_gradients(tied, dtype, V):
   # |g_tv| of the reference: d(loss)/d(logits) of each token (softmax - onehot + z-loss term, weighted).
   g_NV = np.abs(
     np.asarray(
-      jax.grad(lambda logits: (step_lib._token_cross_entropy(logits, targets_BT, Z_LOSS) * weights_BT).sum())(
+      jax.grad(lambda logits: (loss_lib.token_cross_entropy(logits, targets_BT, Z_LOSS) * weights_BT).sum())(
         transformer.head_logits(cfg, head, hidden_BTD)
       ),
       np.float64,

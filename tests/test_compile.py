@@ -272,7 +272,7 @@ def test_each_placement_compiles_with_bf16_on_the_wire(ffn_type, ici, placement,
 @pytest.mark.parametrize("target", ["v5p", "h100"])
 @pytest.mark.parametrize("ffn_type", ["mlp", "sgatlin", "moe"])
 def test_micro_batches_compile_with_the_gradient_reduced_after_the_loop(ffn_type, target):
-  """train.microbatches=2: the per-device loop (train/step.py) runs 2 trips with the fused attention and the row
+  """train.microbatches=2: the per-device loop (parallel/microbatches.py) runs 2 trips with the fused attention and the row
   kernels inside it, and no gradient is reduced inside it."""
   config = compile_config(ffn_type)
   config.train.microbatches = 2

@@ -1,5 +1,5 @@
 """One gradient reduction per step (issue 25 item 5): with microbatches, the compiled train step sums every parameter's
-gradient over the devices after the microbatch loop, not inside it (train/step.py `_per_device_accumulation`: the
+gradient over the devices after the microbatch loop, not inside it (parallel/microbatches.py `accumulate`: the
 loop manual over every batch axis, the tables as each device's blocks, every other parameter gathered once before
 it), and its loss and gradients equal the single-microbatch step's."""
 

@@ -219,7 +219,7 @@ def test_train_step_lowers_on_a_mesh_with_each_device_on_its_tokens(ffn_type, ta
   ],
 )
 def test_per_device_microbatch_loop_lowers_for_tpu_with_its_kernels(ffn_type, ici, placement):
-  """With microbatches the train step's loop is a shard_map manual over every batch axis (train/step.py), the
+  """With microbatches the train step's loop is a shard_map manual over every batch axis (parallel/microbatches.py), the
   tables entering as each device's blocks (placement expert) or whole (fsdp, data: config.model.ffn.placement);
   Pallas TPU lowers a kernel only where every mesh axis is manual: the program lowers for TPU with one forward
   and one backward of kernels per layer, as without the loop, and the kernels read bf16 rows."""

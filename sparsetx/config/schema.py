@@ -232,7 +232,7 @@ def train_defaults() -> ml_collections.ConfigDict:
       clip_norm=1.0,
       microbatches=1,  # gradient accumulation: the global batch is split into this many
       z_loss=0.0,  # coefficient of log(Z)**2, 0 disables
-      # The LM head and loss run over this many vocabulary tiles (train/step.py chunked_token_losses), so only
+      # The LM head and loss run over this many vocabulary tiles (train/loss.py chunked_token_losses), so only
       # one tile's float32 [B, T, vocab/n] logits exist at a time; the backward recomputes them. A fixed count
       # keeps the device loop at n trips whatever the tokens. 0 or 1: the whole [B, T, vocab] logits at once.
       loss_chunks=8,

@@ -96,7 +96,7 @@ def table_param(module, name: str, init, shape, dtype, axes: tuple, local: tuple
   """module.param(name, ...) for a table the dispatcher runs on: `shape` as stored, logical `axes` as the layer
   gives them (stored as `placement` places them, `placed_names`); `local` names the dimensions the expert
   placement's dispatcher takes as this device's block (units; a neuron table's d_model). Inside the step's
-  per-device microbatch loop (train/step.py), whose batch axes are manual, the table enters as that block
+  per-device microbatch loop (parallel/microbatches.py), whose batch axes are manual, the table enters as that block
   (`ep.block_shape`) and the dispatcher's body runs on it without opening a shard_map over those axes; the fsdp
   and data placements' tables enter whole (gathered once, before the loop). `recording_tables` collects, by
   parameter path, the tables declared this way."""

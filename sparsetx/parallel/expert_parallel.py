@@ -55,7 +55,7 @@ def active_rules() -> tuple:
 
 def per_device_axes(mesh, rules) -> tuple:
   """The batch axes (size > 1): the train step runs its microbatch loop per device along all of them
-  (train/step.py), so every gradient is reduced over them once per step, after the loop. Inside it the sparse
+  (parallel/microbatches.py), so every gradient is reduced over them once per step, after the loop. Inside it the sparse
   layers hold their tables' blocks along these axes (`block_shape`) and every other parameter whole."""
   return sized_axes(mesh, rule_axes(rules, "batch"))
 
@@ -101,7 +101,7 @@ class ExpertGroup:
   @property
   def n_token_shards(self) -> int:
     """Shards of the tokens this code sees: over the batch axes not already manual (inside the step's
-    per-device microbatch loop, train/step.py, the tokens are one device's along its manual axes)."""
+    per-device microbatch loop, parallel/microbatches.py, the tokens are one device's along its manual axes)."""
     return math.prod(self.mesh.shape[a] for a in self.batch if a not in manual_axes(self.mesh))
 
   @property
@@ -368,7 +368,7 @@ def shard_map(fn, group: ExpertGroup, in_specs, out_specs, every_axis: bool = Fa
   single-device layer on meshes whose batch is split over the expert axis too, and on meshes whose
   d_model split axis (tensor) does not split the batch.
 
-  Axes already manual (the step's per-device microbatch loop, train/step.py) are left out, with their entries
+  Axes already manual (the step's per-device microbatch loop, parallel/microbatches.py) are left out, with their entries
   in the specs: the arrays are already one device's along them, and the collectives of `fn` name them as they
   are. With every axis manual, `fn` runs as is, and its table gradients stay the device's own (summed over the
   data axes once per step, after the loop).

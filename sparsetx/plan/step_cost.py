@@ -72,7 +72,7 @@ HBM_PER_REPLICATED_LIMIT = 512
 def held_tables_gib(config, ffn) -> float:
   """GiB one device holds during a step with micro-batches when `ffn`'s tables enter the per-device loop whole
   (fsdp, data): every layer of that type's parameters (`table_mib`) as stored and two float32 gradient sums
-  (train/step.py)."""
+  (parallel/microbatches.py)."""
   n_layers = sum(len(layers) for f, layers, _ in distinct_ffns(config.model) if f is ffn) or config.model.n_layers
   itemsize = jnp.dtype(config.model.param_dtype).itemsize
   return n_layers * table_mib(config, ffn) * (itemsize + 2 * F32) / itemsize / 1024

@@ -31,6 +31,7 @@ from sparsetx.parallel import expert_parallel, topology
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.perf import roofline
 from sparsetx.perf.hlo_text import COLLECTIVES, collectives, compiled_kernels, compiled_loops, dcn_granules
+from sparsetx.train import loss as loss_lib
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
 
@@ -445,7 +446,7 @@ def activation_bytes(config, tokens: int, vocab_shards: int = 1, expert: int = 1
   saved = config.model.n_layers * layer_residual_bytes(config, tokens, policy, expert)
   layer = 0 if policy == "none" else 2 * layer_residual_bytes(config, tokens, "none", expert)
   # The LM head's float32 logits, softmax and cotangent: one vocabulary tile at a time under the chunked loss.
-  tiles = step_lib.loss_chunk_count(config.model.vocab_size, config.train.get("loss_chunks", 0))
+  tiles = loss_lib.loss_chunk_count(config.model.vocab_size, config.train.get("loss_chunks", 0))
   head = 3 * 4 * tokens * -(-config.model.vocab_size // tiles) // vocab_shards
   return saved, layer, head
 

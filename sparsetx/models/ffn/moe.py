@@ -17,7 +17,7 @@ expert i, so with k > 1 the k picks of a token count once each and the balanced 
 P_i: the mean over tokens of softmax(all N router logits)_i; gradient flows through P only), and
 `ffn.router_z_loss` the ST-MoE router z-loss mean(logsumexp(logits)**2). Both are means over the real
 tokens (loss weight > 0) of a batch, summed over the MoE layers and added to the training loss
-(sparsetx/train/step.py); their unweighted values are reported per layer (sparse_stats).
+(sparsetx/train/loss.py); their unweighted values are reported per layer (sparse_stats).
 """
 
 import functools

@@ -1,0 +1,122 @@
+"""The training loss: token cross-entropy with packing weights and z-loss, the LM head optionally one vocabulary tile
+at a time, plus MoE's balancing losses; and one device's share of it inside the per-device micro-batch loop."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from sparsetx.models import transformer
+from sparsetx.models.ffn import moe
+from sparsetx.train.sparse_stats import sparse_stats
+
+
+def token_cross_entropy(logits_BTV, targets_BT, z_loss: float):
+  """Cross-entropy + z_loss * logZ**2 of each token, from its float32 logits."""
+  ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
+  if z_loss:
+    ce_BT = ce_BT + z_loss * jax.nn.logsumexp(logits_BTV, axis=-1) ** 2
+  return ce_BT
+
+
+def loss_chunk_count(vocab_size: int, loss_chunks: int) -> int:
+  """How many vocabulary tiles the chunked loss runs: loss_chunks, at most one per vocabulary entry (0 or 1:
+  unchunked). A constant, so the device loop has the same trips at any number of tokens."""
+  return max(1, min(loss_chunks, vocab_size))
+
+
+def chunked_token_losses(cfg, params, hidden_BTD, targets_BT, z_loss: float, n_tiles: int):
+  """`token_losses`' per-token loss [B,T] from the final-norm outputs, the LM head applied one vocabulary tile of
+  ceil(V/n_tiles) columns at a time under a `lax.scan` with an online logsumexp (running max and rescaled sum, and
+  the target's logit picked from its tile). The tile function is `jax.checkpoint`ed, so the forward keeps only the
+  [B,T] carries and the backward recomputes each tile's logits: one tile's [B, T, V/n] float32 logits are alive at
+  a time instead of the whole [B, T, V]. A vocabulary n does not divide is padded with zero columns, masked out.
+
+  Tiles of the vocabulary, not of the tokens: each tile's head gradient is its own columns (the data-parallel
+  reduction of the head's gradient moves the same bytes as the plain loss's, in n pieces), and the batch keeps its
+  sharding. Same math as the plain loss; the sums over the vocabulary are taken per tile, then over tiles."""
+  B, T, _ = hidden_BTD.shape
+  x_BTD = hidden_BTD.astype(jnp.float32)
+  # float32 before the loop (as head_logits casts), so the backward sums the head gradient in float32 and rounds
+  # to the parameters' dtype once, as the plain loss does.
+  head = jax.tree.map(lambda w: w.astype(jnp.float32), transformer.head_params(cfg, params))
+  V = cfg.vocab_size
+  v = -(-V // n_tiles)
+  if cfg.tie_embeddings:
+    w_VD = jnp.pad(head["embed"]["embedding"], ((0, n_tiles * v - V), (0, 0)))
+    tiles = w_VD.reshape(n_tiles, v, w_VD.shape[1])  # [n, v, D]
+    spec = "btd,vd->btv"
+  else:
+    w_DV = jnp.pad(head["lm_head"]["kernel"], ((0, 0), (0, n_tiles * v - V)))
+    tiles = jnp.moveaxis(w_DV.reshape(w_DV.shape[0], n_tiles, v), 1, 0)  # [n, D, v]
+    spec = "btd,dv->btv"
+
+  @jax.checkpoint
+  def tile(carry, xs):
+    max_BT, sum_BT, target_BT = carry
+    w_tile, first = xs
+    logits_BTv = nn.with_logical_constraint(jnp.einsum(spec, x_BTD, w_tile), ("batch", "length", "vocab"))
+    column_v = first + jnp.arange(v)
+    logits_BTv = jnp.where((column_v < V)[None, None, :], logits_BTv, -jnp.inf)  # the padding's columns
+    # The running max only shifts the exponentials (logsumexp does not depend on it): no gradient through it.
+    new_max_BT = jax.lax.stop_gradient(jnp.maximum(max_BT, logits_BTv.max(-1)))
+    sum_BT = sum_BT * jnp.exp(max_BT - new_max_BT) + jnp.exp(logits_BTv - new_max_BT[..., None]).sum(-1)
+    hit_BTv = column_v[None, None, :] == targets_BT[..., None]
+    target_BT = target_BT + jnp.where(hit_BTv, logits_BTv, 0.0).sum(-1)
+    return (new_max_BT, sum_BT, target_BT), None
+
+  start = (jnp.full((B, T), -jnp.inf), jnp.zeros((B, T)), jnp.zeros((B, T)))
+  (max_BT, sum_BT, target_BT), _ = jax.lax.scan(tile, start, (tiles, jnp.arange(n_tiles) * v))
+  log_z_BT = max_BT + jnp.log(sum_BT)
+  ce_BT = log_z_BT - target_BT
+  if z_loss:
+    ce_BT = ce_BT + z_loss * log_z_BT**2
+  return ce_BT
+
+
+def token_losses(model, params, batch, z_loss: float, loss_chunks: int = 0):
+  """Per-token loss [B,T] (cross-entropy + z_loss * logZ**2) and the model's intermediates.
+
+  loss_chunks > 1 (config.train.loss_chunks): the head and loss run by `chunked_token_losses`, so the full
+  logits never exist; the intermediates are the same but for the `logits` tap, which is then not taken."""
+  n_chunks = loss_chunk_count(model.cfg.vocab_size, loss_chunks)
+  out, state = model.apply(
+    {"params": params},
+    batch["inputs"],
+    batch["positions"],
+    batch["segment_ids"],
+    head=n_chunks == 1,
+    mutable=["intermediates"],
+  )
+  if n_chunks == 1:
+    return token_cross_entropy(out, batch["targets"], z_loss), state["intermediates"]
+  ce_BT = chunked_token_losses(model.cfg, params, out, batch["targets"], z_loss, n_chunks)
+  return ce_BT, state["intermediates"]
+
+
+def summed_loss(model, z_loss, loss_chunks, params, batch):
+  """Weighted sum of the token losses, plus the MoE balancing losses (means over the batch's real tokens,
+  models/ffn/moe.py) times its token weight, so the step's mean loss carries them once."""
+  loss_BT, intermediates = token_losses(model, params, batch, z_loss, loss_chunks)
+  weights_BT = batch["loss_weights"]
+  weight_sum = weights_BT.sum()
+  balance = moe.balance_loss(model.cfg, intermediates, weights_BT)
+  return (loss_BT * weights_BT).sum() + balance * weight_sum, (weight_sum, intermediates)
+
+
+def device_loss(model, train, n_devices, gather, params, microbatch):
+  """One device's summed loss of its own rows of a micro-batch, inside the per-device loop
+  (parallel/microbatches.py). Terms that need the whole micro-batch (the MoE balancing losses, the sparse-layer
+  stats) read the per-token taps all-gathered by `gather`; each device adds 1/n_devices of the balancing term,
+  whose gradient the gather's transpose (a reduce-scatter of the taps) sums back to the devices' own tokens."""
+  loss_BT, intermediates = token_losses(model, params, microbatch, train.z_loss, train.get("loss_chunks", 0))
+  weights_BT = microbatch["loss_weights"]
+  taps = {  # the sparse layers' per-token taps [b, T, ...], what balance_loss and sparse_stats read
+    layer: {"mlp": jax.tree.map(gather, values["mlp"])}
+    for layer, values in intermediates.items()
+    if layer.startswith("layers_") and "mlp" in values
+  }
+  all_weights_BT = gather(weights_BT)
+  balance = moe.balance_loss(model.cfg, taps, all_weights_BT)
+  total = (loss_BT * weights_BT).sum() + balance * all_weights_BT.sum() / n_devices
+  return total, (weights_BT.sum(), sparse_stats(model.cfg, taps, all_weights_BT))
