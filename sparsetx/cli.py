@@ -1,23 +1,6 @@
 """The command-line convention of every sparsetx program: one `error:` line and exit code 2.
 
-`run(main)` is `absl.app.run` with `parse_flags` as its flags parser, and `define_config_file` the
-`--config` flag it parses. absl and ml_collections' `config_flags` load the `--config` file and
-apply the `--config.FIELD=VALUE` overrides while the flags are parsed, before `main` runs, and
-report their failures as tracebacks or usage dumps with exit code 1. `parse_flags` catches them and says in one sentence what is wrong, naming the file or
-the field, and how to fix it: a missing config file, a syntax error or an exception inside it (its
-own `ConfigError` for an unknown `:ARG` included), an override of a field the config does not have
-(with the nearest name), a value of the wrong type, an unknown flag. Nothing has been built then.
-`main` reports the errors it finds later (`ConfigError`, checkpoint problems) with `fail`, and nothing
-prints after that line (`run` ends the process without the interpreter's teardown, where tensorstore's
-reads still in flight would print tracebacks). A program takes only --flags: stray words (`--types mlp
-sgatlin`, where absl lists take commas: `--types=mlp,sgatlin`) are one `error:` line, unless `run` is told
-that the program forwards what follows `--` (launch_local).
-
-A quiet console: `--help` lists the program's own flags (those it defines through this module's helpers
-included); the libraries' INFO logs (orbax, seqio, clu, jax, TensorFlow) are dropped unless `--verbosity`
-is given (sparsetx's own INFO lines and every WARNING stay); TensorFlow, only the data pipeline's and the
-metric writers' engine here, is imported with its C++ start-up notices (oneDNN, CPU features, CUDA probing)
-filtered out and with the GPUs hidden from it (so it takes no accelerator memory; JAX's view is unchanged).
+More: docs/modules.md, sparsetx/cli.py.
 """
 
 import contextlib

@@ -7,8 +7,7 @@ bit for bit; the swapped layers are initialized fresh, exactly as the layer init
 new model of the target config (seed config.train.seed). The result is written as a step-0
 checkpoint, which `python -m sparsetx.train` starts from with fresh optimizer state and data stream.
 
-The source is any (config, params) pair: a sparsetx workdir (`load_checkpoint`) or, through the
-importer of sparsetx/hf/export.py, a Hugging Face GPT-NeoX directory.
+More: docs/modules.md, sparsetx/sparsify.py.
 """
 
 import json

@@ -1,15 +1,8 @@
 """A process's rows of the global batch, and the global jax.Array batch assembled from every process's rows.
 
-A batch is a dict of [global_batch_size, seq_len] arrays, FEATURES (packing.py builds them from token rows):
+A batch is a dict of [global_batch_size, seq_len] arrays, FEATURES (packing.py builds them from token rows) (listed in docs/modules.md).
 
-  inputs        int32    token ids fed to the model (targets shifted right, 0 at each document start)
-  targets       int32    token ids to predict; 0 is padding
-  segment_ids   int32    1, 2, ... per packed document piece; 0 on padding (attention stays within one)
-  positions     int32    0, 1, ... restarting at each piece
-  loss_weights  float32  1 on real tokens, 0 on padding
-
-Each process reads only the rows its devices hold (`data_shard`), and `jax.make_array_from_process_local_data`
-assembles the global array without any cross-host copy.
+More: docs/modules.md, sparsetx/data/batches.py.
 """
 
 from typing import NamedTuple

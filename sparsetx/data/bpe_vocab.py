@@ -7,16 +7,7 @@ bytes mapped to printable characters, GPT-2's pre-tokenization regex, no added p
 `<|endoftext|>` is the EOS (a literal `<|endoftext|>` in the text also becomes it, as in Hugging Face's
 GPT-2 tokenizer).
 
-Ids. seqio reserves id 0 for padding (its vocabularies must; the packer and the loss weights treat
-target 0 as padding, and packed rows shift 0 in as each document's first input). GPT-2 has no pad
-token and gives id 0 to the text token "!", so sharing 0 would silently drop every "!" from the loss.
-Hence:
-  * files whose id 0 is a padding token (`<pad>` and the like): ids are the files' ids. This is what
-    sparsetx/tools/build_vocab.py writes: `<pad>`=0, `<|endoftext|>`=1, like seqio's pad=0, eos=1.
-  * files whose id 0 is anything else (GPT-2's own): that token moves to id n (the files' size) and every
-    other id stays the files', so the vocabulary has n + 1 ids (GPT-2: 50,258, which a model padded to
-    50,304 holds). A GPT-2 checkpoint's embedding maps over by moving its row 0 to row 50,257.
-There is no UNK (bytes cover every string).
+More: docs/modules.md, sparsetx/data/bpe_vocab.py.
 """
 
 import dataclasses

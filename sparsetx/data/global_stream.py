@@ -1,27 +1,9 @@
 """The deterministic global stream over a tokenized corpus (token_store): the batch of step s is a pure function
 of (the data config, its seed, s), never of the number of processes or devices.
 
-Step s (0-based: the batch that trains step s + 1) of B = config.data.global_batch_size rows of T = seq_len:
+Step s (0-based: the batch that trains step s + 1) of B = config.data.global_batch_size rows of T = seq_len (listed in docs/modules.md).
 
-  mixture   task t has C_t(n) of the first n rows of the stream: largest remainder on the rates, a closed form
-            within one row of n * share_t at every n it is evaluated at. Steps go in groups of G, the fewest in
-            which every task has a row (G = 1 unless a task's share of B is under one row): counts are evaluated
-            at group boundaries, where largest remainder is monotone (no Alabama paradox: every task gains rows).
-  order     a group's G * B rows (tasks in mixture order) are shuffled by a Feistel permutation keyed by (seed,
-            group); step s = gG + j takes positions [jB, (j + 1)B) of it (with G > 1 a rare task's rows fall on
-            random steps of the group).
-  rows      task t's k-th row is row perm_{t,e}(k mod R_t) of its train split (R_t rows of T tokens, epoch
-            e = k // R_t): a Feistel permutation with cycle walking keyed by (seed, task, epoch), O(1) memory
-            for any R_t.
-
-Every process computes that mapping for the whole batch (about a millisecond) and reads only the rows of its
-devices (`batches.data_shard`), through TensorStore (C++ threads, no GIL), one step ahead in a background
-thread, so the reads of step s + 1 overlap step s. Rows are packed features (`packing.packed_features`).
-
-The data state is the step number plus a fingerprint of what fixes the stream (mixture, seq_len,
-global_batch_size, seed, the corpus's vocabulary and the sha256 of each task's train split): a small JSON item of
-each checkpoint step, read by any number of processes. A different fingerprint on restore is one
-ConfigError naming what changed, unless config.data.accept_new_stream continues the new stream at that step.
+More: docs/modules.md, sparsetx/data/global_stream.py.
 """
 
 import concurrent.futures

@@ -1,23 +1,6 @@
 """Writes a tokenized corpus (`sparsetx.data.token_store`) from config.data's tasks: what `sparsetx-tokenize` runs.
 
-Every task of config.data.mixture, and each split it has (train; validation where defined), is read as whole
-documents (text, JSON lines, parquet and datasets folders in Python, documents.py; TFRecord and TFDS through the
-seqio task's reader, `tasks.text_task`), and each batch of documents is encoded by the vocabulary's native library
-with EOS appended (encoders.py). Shard i of n holds the i-th of n parts of the split, as seqio shards it (whole
-files when there are enough), so the n shards hold every document of the split exactly once. The shards are
-independent jobs: with more than one worker they run as a Ray Data pipeline (tokenize_ray.py), locally or on a
-cluster, with the accelerators hidden from the workers.
-
-Shards per split, unless given: the number of the split's input files (seqio then hands each shard whole files),
-but at least the number of workers so that all of them work (with fewer files than shards, each shard reads the
-files and keeps every n-th document: the reading repeats, the tokenizing does not). Nothing at train time depends
-on the count: the trainer addresses rows by index.
-
-Resuming: `tokenize.json`, written before the first shard, records the plan (vocabulary, each task's source and
-input files, shard counts). A rerun of the same config keeps the plan's shard counts (whatever the workers),
-skips complete shards (`token_store.shard_complete`) and rewrites the others; a config whose vocabulary, sources,
-input files or explicit shard counts differ is a `ConfigError` unless `overwrite`, which first deletes the
-previous corpus's task directories. `manifest.json` is written last: its presence means the corpus is complete.
+More: docs/modules.md, sparsetx/data/pretokenize.py.
 """
 
 import dataclasses

@@ -1,16 +1,6 @@
 """Data sources: one seqio DataSource per task, with the preprocessor that turns its records into text.
 
-Kinds (config.data.sources.<name>.kind): `text` (one document per line), `jsonl` (a string
-field per line), `tfrecord` (tf.train.Example with a bytes feature), `tfds` (a prepared TFDS
-dataset in `data_dir`; read-only, nothing is downloaded), `parquet` (a string column) and `datasets`
-(a folder written by save_to_disk). `stories` and `facts` are the embedded corpus (sparsetx.data.corpus)
-and need no files. Parquet, datasets folders and JSON lines ending in .gz or .zst stream through
-sparsetx/data/documents.py (Python readers in a tf.data generator). The tokenize job reads every kind but
-TFRecord and TFDS with those Python readers directly (pretokenize.py).
-
-Sharding: seqio gives each process whole files when a split has at least as many files as
-processes, and otherwise every process reads the files and keeps every n-th example. For a large
-corpus, write at least as many files as processes (a multiple of it, for balance).
+More: docs/modules.md, sparsetx/data/sources.py.
 """
 
 from collections.abc import Callable

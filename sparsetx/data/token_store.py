@@ -1,17 +1,8 @@
 """Pre-tokenized corpora: random-access token shards written once by `sparsetx-tokenize`, read by the trainer.
 
-Layout of a tokenized corpus directory (local or a URL such as gs://bucket/corpus):
+Layout of a tokenized corpus directory (local or a URL such as gs://bucket/corpus) (listed in docs/modules.md).
 
-  manifest.json                                  vocabulary and, per task and split, its shard count
-  <task>/<split>/shard_<i:05d>_of_<n:05d>/
-    tokens/      zarr3 array [n_tokens] uint16 (uint32 for vocabularies over 65,536): documents end to end
-    doc_ends/    zarr3 array [n_documents] int64: the end offset of each document in `tokens`
-    shard.json   counts and a sha256 of both arrays; written last, so its presence marks a complete shard
-
-The format is TensorStore's zarr3 (tensorstore is already the checkpoint stack's array store): one read of a
-row is one slice of `tokens`, served by TensorStore's C++ threads from local disk or Cloud Storage without the
-GIL, and chunks are zstd-compressed. Nothing depends on the row length: a trainer cuts rows of any `seq_len`
-from the token stream of each shard (`TokenSplit.rows`), and documents keep their boundaries (`doc_ends`).
+More: docs/modules.md, sparsetx/data/token_store.py.
 """
 
 import dataclasses

@@ -4,17 +4,9 @@ Importing this module registers the model (`lm_eval.api.registry.register_model`
 imports only its own model modules, so run it through `python -m sparsetx.tools.lm_eval_cli`, which imports this
 module and then hands its arguments to lm-eval's CLI unchanged:
 
-  python -m sparsetx.tools.lm_eval_cli --model sparsetx --model_args workdir=DIR[,step=N] --batch_size 8 \
-      --tasks sparsetx_facts_cloze,sparsetx_facts_choice --include_path sparsetx/evaluate/lm_eval_tasks
+  python -m sparsetx.tools.lm_eval_cli --model sparsetx --model_args workdir=DIR[,step=N] --batch_size 8       --tasks sparsetx_facts_cloze,sparsetx_facts_choice --include_path sparsetx/evaluate/lm_eval_tasks
 
-(`--batch_size` goes on the command line: lm-eval passes it to the constructor itself.) From
-Python: `import sparsetx.evaluate.lm_eval_adapter` before `lm_eval.simple_evaluate(model="sparsetx",
-model_args="workdir=DIR", ...)`.
-
-Requests are tokenized with the checkpoint's seqio vocabulary and every sequence starts with the
-model's start token (id 0), as training rows do; the continuation owns the context's trailing
-spaces, as lm-eval's own causal models do. The checkpoint runs on one device in float32
-(sparsetx.interp.checkpoint.load). Scoring and sampling: sparsetx/evaluate/scoring.py, sampling.py.
+More: docs/modules.md, sparsetx/evaluate/lm_eval_adapter.py.
 """
 
 from absl import logging

@@ -7,16 +7,7 @@ the whole window. `kv_cache=False` recomputes the whole buffer ([batch, max_len]
 the logits at each row's last token: the training forward itself, kept as the reference the cached path
 is tested against and the baseline a speed comparison needs.
 
-Prompts are left-aligned (token 0 at position 0, as in training) and of different lengths; each row
-writes its next token at its own length. The prefill covers the longest prompt (rounded up to a power of
-two, so a few prefill lengths serve all prompts); a shorter row's cache slots after its prompt hold
-padding that its queries never read (they read slots up to their own position) and that its new tokens
-overwrite. Step s draws with `fold_in(key, s)` on both paths. The loop (`lax.while_loop`) stops when
-every row has produced `eos_id` or `max_new_tokens` tokens.
-
-A prompt longer than `max_len - max_new_tokens` loses its oldest tokens, so the generated tokens
-always fit in the model's window. Batches are padded to `batch_size` rows: one compiled program
-per (batch_size, max_len, top_k, prefill length); temperature, max_new_tokens and the seed are traced values.
+More: docs/modules.md, sparsetx/evaluate/sampling.py.
 """
 
 import functools

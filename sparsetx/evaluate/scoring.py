@@ -7,12 +7,7 @@ longer than the model's window (`max_len` inputs) loses its oldest context token
 `max_len` with segment id 0 (attention never reads across segments, so padding changes nothing)
 and requests are grouped in batches of a fixed size: one compiled program per (batch, max_len).
 
-Contexts start with the model's start token (id 0, see sparsetx/interp/checkpoint.py) when the
-caller follows the training convention; the adapter does.
-
-`rolling_windows` cuts a long text into the windows lm-eval's `loglikelihood_rolling` scores: every
-token is predicted exactly once, the first from the start token alone, every later window with as
-much context as fits (lm_eval.utils.get_rolling_token_windows with context_len=1, made disjoint).
+More: docs/modules.md, sparsetx/evaluate/scoring.py.
 """
 
 import functools

@@ -5,10 +5,7 @@ modeling/), named in config.json's `auto_map`, so `AutoModelForCausalLM.from_pre
 trust_remote_code=True)` runs the model in PyTorch. The modeling file reimplements the JAX forward in
 float32 for every architecture sparsetx builds (sgatlin, FFF, PEER, MoE, SwiGLU, MLP; both block kinds).
 
-Tensor names are the flax parameter paths with `/` -> `.`, `layers_<i>` -> `layers.<i>`, prefixed
-`model.` (the head `lm_head/kernel` stays `lm_head.kernel`); arrays keep their flax layout and are
-stored as float32 (bf16/f16 parameters widen losslessly and narrow back on import, so the round trip
-is bit-identical). The full sparsetx model config travels in config.json under `sparsetx_model`.
+More: docs/modules.md, sparsetx/hf/custom.py.
 """
 
 import pathlib

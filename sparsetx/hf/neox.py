@@ -1,16 +1,6 @@
 """Dense GPT-NeoX-block models <-> Hugging Face `GPTNeoXForCausalLM` (config.json + tensors), exactly.
 
-The mapping is a relabelling plus transposes: no value changes, so export then import gives back the
-same bits. What must line up (checked against transformers' modeling_gpt_neox):
-- the fused `query_key_value` projection is laid out per head, [q_h, k_h, v_h] for each head h
-  (a view (heads, 3, head_dim) of its output features), not [all q, all k, all v];
-- rotary: both rotate-half over the first int(head_dim * fraction) dims of each head with
-  inv_freq = base ** (-2i / rotary_dims), so no permutation is needed;
-- attention scale 1/sqrt(head_dim); exact (erf) GELU is HF's "gelu"; the MLP and LayerNorms always
-  carry biases in HF, hence `use_bias=True` and `norm="layernorm"`;
-- the parallel block is `use_parallel_residual=True`; the sequential block with LayerNorm is the
-  `False` form (x + attn, then + mlp(ln(x + attn))), which sparsetx computes the same way;
-- the (padded) vocabulary size carries over unchanged; a tied head writes only `embed_in`.
+More: docs/modules.md, sparsetx/hf/neox.py.
 """
 
 import ml_collections

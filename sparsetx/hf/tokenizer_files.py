@@ -1,15 +1,6 @@
 """Hugging Face tokenizer files for the training vocabulary, so an export tokenizes as training did.
 
-The byte vocabulary (seqio.ByteVocabulary: pad=0, eos=1, unk=2, byte b -> id b + 3) becomes an exact
-`tokenizer.json`: a byte-level BPE with no merges whose vocabulary maps each byte's printable stand-in
-to b + 3, so encoding text gives one id per UTF-8 byte, the seqio ids. Its post-processor puts id 0
-first, as every packed training document starts with the shifted-in id 0 (encode with
-`add_special_tokens=False` for the bare seqio ids). A GPT-2 BPE vocabulary (kind 'gpt2') becomes its
-`tokenizer.json` in sparsetx's id space (files whose id 0 is not padding have that token moved to id n and
-a `<pad>` at 0, as sparsetx.data.bpe_vocab does), with the same id-0 post-processor; its padding
-token is left unnamed in `tokenizer_config.json` so literal "<pad>" text encodes as in sparsetx. A SentencePiece
-vocabulary becomes a `tokenizer.json` by transformers' SentencePiece converter (and is copied as
-`tokenizer.model`, which sparsetx's import reads).
+More: docs/modules.md, sparsetx/hf/tokenizer_files.py.
 """
 
 import json

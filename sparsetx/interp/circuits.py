@@ -1,18 +1,6 @@
 """Feed-forward circuits as sparse vectors, the sgatlin rebuild formula, and the circuit database.
 
-A token's circuit at a layer is a sparse vector over the layer's units, stored as (ids_S, weights_S):
-  sgatlin, PEER  the gate vector: unit c * d_ffw + gate_indices[c, k], weight gate_scores[c, k]
-                 (S = C * K nonzeros; this is gate_vector flattened);
-  FFF            the tree path: unit p * n_nodes + path_nodes[p, l], weight 1 (S = P * (D + 1));
-  MoE            the chosen experts, weight expert_weights (S = experts_per_token).
-Dense layers have no sparse circuit: in a mixed model (config.model.ffn_layers, from sparsetx/tools/sparsify.py)
-only the layers built from config.model.ffn have one, and every tool here analyses those layers,
-numbered by their index in the model. Cosine similarity of two circuits is the sgatlin paper's
-metric (Sec. 4.2); on FFF paths it is the fraction of shared path nodes.
-
-The database (paper Fig. 4) holds, per real token of some validation rows: the input token, its
-preceding context, the model's top-5 next-token predictions and each sparse layer's circuit. It is saved
-as one .npz of numeric arrays (loaded with allow_pickle=False).
+More: docs/modules.md, sparsetx/interp/circuits.py.
 """
 
 import dataclasses

@@ -4,12 +4,7 @@ The names are nnterp's (a GPT-NeoX model's interface), so a recipe written again
 same value here: `layers[i].layer_output`, `layers[i].self_attn.attention_output`, `logits`, ...
 The feed-forward layers add their circuits: sgatlin/PEER gates, FFF tree paths, MoE expert ids.
 
-A full name is `NAME` (model scope), `layers[i].NAME`, `layers[i].self_attn.NAME` or
-`layers[i].mlp.NAME`. Each entry says where the model taps it (module path under the scope and
-the tap name, see sparsetx/models/taps.py), or that it is derived from other values (read-only).
-Layouts name their axes; `layout_shape` resolves them against a model config. A mixed model
-(config.model.ffn_layers, from sparsetx/tools/sparsify.py) serves at each layer the names of that block's own
-feed-forward type: gates at its sparse layers, mlp_neurons at the dense ones.
+More: docs/modules.md, sparsetx/interp/names.py.
 """
 
 import dataclasses

@@ -1,25 +1,7 @@
 """Causal patching of feed-forward circuits on factual recall: the normalized indirect effect (NIE)
 per layer and position (sgatlin paper Sec. 4.3, Fig. 7).
 
-Prompts come from the embedded corpus's facts: "The <noun> was " -> the noun's adjective. Each clean
-prompt is paired with a counterfactual one whose prompt has the same number of tokens (so positions
-line up) and whose target token differs. With the byte vocabulary a word is several tokens, so:
-  * the prompt keeps the space after "was": the target is then the adjective's first byte, not a space;
-  * "noun_first" / "noun_last" are the positions of the noun's first and last byte, "was" the tokens
-    between the noun and the last one, "last" the final prompt token (the space), "all" every position.
-Prompts are left-padded to one length (padding is its own segment with its own positions, so it
-is invisible to the prompt), and every patched run uses the same compiled program: all layers are
-patched, with position masks that are all False outside the chosen layers.
-
-m(x) = logit(y_clean | x) - logit(y_patch | x) at the last position;
-NIE = (m(x_clean | do(g = g_patch)) - m(x_clean)) / (m(x_patch) - m(x_clean)),
-where g are the layer's gates (sgatlin/PEER: gate_indices and gate_scores; MoE: expert ids and
-weights). Only sparse layers have gates: a mixed model's rows are its config.model.ffn_layers (by their
-index in the model) and "all" patches those together. The table reports the mean NIE over pairs whose
-total effect |m(x_patch) - m(x_clean)| is at least `min_effect` logits (a pair the model cannot tell apart
-has no effect to normalize) and that have tokens in the column's position set (with a BPE vocabulary
-"was" is the token before the last one, so nothing lies between it and the noun). A cell without such
-pairs is "n/a", never NaN or a +0.000 that patched nothing, and the table says why (NieResult.reasons).
+More: docs/modules.md, sparsetx/interp/nie.py.
 """
 
 import dataclasses

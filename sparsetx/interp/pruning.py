@@ -1,14 +1,7 @@
 """FFF pruning after training: remove the least visited nodes and measure validation loss
 (the FFF paper's static pruning of the least used tree nodes, Appendix G.5).
 
-How a node is removed, and why by editing parameters: a child is never visited more often than
-its parent, so ordering nodes by (visits ascending, depth descending) puts every descendant before
-its ancestor, and the pruned set is always a union of whole subtrees. Zeroing a pruned node's
-w_in, b_in and w_out removes it exactly: its output term GELU(z) * w_out (or z * w_out for
-fff_post) is 0, and the only routing it changes is among other pruned nodes below it. The kept
-nodes, their routing and the model code are untouched, so no mask input is needed in fff.py and
-a pruned checkpoint runs on the unmodified layer. Tokens that reach a pruned subtree keep the
-contributions of the path nodes above it.
+More: docs/modules.md, sparsetx/interp/pruning.py.
 """
 
 import functools

@@ -6,9 +6,7 @@
 requested names; jit caches one program per set of read names and patch structure, so a sweep
 over layers and positions with the same structure compiles once.
 
-A patch value is an array, a function of the value (applied to the value the model computes
-under every patch upstream of it: each function costs one extra forward pass, run in forward
-order), or `FromRun(tokens)`: the same name's value on another input.
+More: docs/modules.md, sparsetx/interp/trace.py.
 """
 
 import dataclasses

@@ -1,17 +1,7 @@
 """Unit usage over a circuit database: how much of a sparse layer is used, how evenly, and which units
 fire together.
 
-  used        fraction of units (sgatlin/PEER neurons per channel, FFF nodes, MoE experts) picked by at
-              least one token; dead units waste parameters
-  gini        Gini coefficient of the usage counts (0 uniform, 1 one unit takes everything), the same
-              statistic the trainer logs (sparsetx/train/sparse_stats.py) but over a validation set;
-              for FFF over the leaves, so a balanced tree scores 0 at any depth
-  coactivation  among the most used units, how often two fire for the same token relative to
-              independence (lift = P(i and j) / (P(i) P(j))): shared sub-circuits
-  FFF visits  per node and per path (leaf) of each tree: the routing imbalance the FFF paper reports
-  FFF balance Gini per level and over the leaves, the leftmost leaf's share, the fraction of left turns
-
-Layers are the model's own indices; a mixed model's tables cover its sparse layers only (those in the database).
+More: docs/modules.md, sparsetx/interp/usage.py.
 """
 
 import numpy as np

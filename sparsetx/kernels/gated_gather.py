@@ -7,27 +7,7 @@ official code applies its ablation activation to the gated pre-activation) or g 
 softmax scores times GELU'd neurons; FFF: gates 1). reference.Gating holds the choice and the slopes every
 backend's backward uses; with the identity activation both forms are the paper's g * h exactly.
 
-Tables are flat `[R, D]`: sgatlin flattens its `(C, d_ffw)` channels into rows `c * d_ffw + i`,
-PEER's table is shared so rows are neuron ids, FFF's rows are `tree * n_nodes + node` with the
-node bias. Gradients flow to x, both tables, the gates and the bias (through the activation).
-Dots and sums accumulate in float32; y and dx have x's dtype. A caller that already holds the
-pre-activations (FFF's walk) passes them in, and the forward then gathers only w_out rows.
-
-Tables stream in the compute dtype: in a bf16 run (x bf16, tables float32 parameters) the op casts each
-table to bf16 once per call and every gather reads bf16 rows. The cast reads 4 and writes 2 bytes per table
-element; the gathers read N * S rows per pass, four passes per step (forward and backward, two tables), and
-at the ladder's sizes N * S is tens of times the table's R rows, so the copy halves the bytes of the op's
-largest term for a few percent of them. The copy is the forward's residual, so the backward does not cast
-again, and every backend already rounded float32 rows to x's dtype before multiplying: the values are
-unchanged. Table gradients stay float32 (segment_grads.py) and are returned in the parameters' dtype.
-
-`options.implementation` picks the backend (kernels/platform.py, the one platform switch): `pallas` runs the
-row kernels of Mosaic GPU (Hopper and newer), the Triton lowering (older GPUs) or Pallas TPU, composed in
-row_gather.py, each device on its own tokens (token_shards.py); `xla` runs xla_gather.py's cache-shaped scans
-(the CPU path; with gradients on CPU in float32 its row-sorted variant, whose forward sorts once and whose
-backward walks that same order for every gradient); `auto` takes pallas on GPU/TPU and xla on CPU. Table
-gradients are the deterministic sorted-segment sums (segment_grads.py) on every path but the row-sorted one.
-The papers' formulation stays in reference.py.
+More: docs/modules.md, sparsetx/kernels/gated_gather.py.
 """
 
 import functools

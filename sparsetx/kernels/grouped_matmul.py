@@ -4,15 +4,7 @@ its two gradients, each computed only over the rows routed to each group.
   gmm:   out[s]  = lhs[s] @ rhs[g(s)]       (forward; with rhs read transposed, the input gradient)
   tgmm:  drhs[e] = sum_{s in e} outer(lhs[s], dout[s])           (the weights' gradient)
 
-Backends (the target device decides, as for the row kernels: platform.py):
-  TPU          XLA:TPU's native ragged dot, megablox tgmm (grouped_tpu.py).
-  Hopper+ GPU  Mosaic GPU gmm (grouped_mosaic.py), Triton tgmm.
-  older GPU    Triton gmm and tgmm (grouped_triton.py); also 32-bit operands and widths Mosaic does not take.
-  CPU          a loop over row tiles (grouped_xla.py).
-`kernel.implementation=xla` on a GPU or TPU keeps `jax.lax.ragged_dot` with its own gradients, which the pinned
-JAX's XLA rolls out densely (every group over every row: on GPU all three matmuls, on TPU the weights'
-gradient): the form the kernels replace, kept for comparison; `reference` keeps it on every platform. Outputs and gradients
-are float32 sums rounded to lhs's dtype; rows after the last group are zeros.
+More: docs/modules.md, sparsetx/kernels/grouped_matmul.py.
 """
 
 import functools

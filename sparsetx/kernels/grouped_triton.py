@@ -7,9 +7,7 @@ rows (a masked store): no group touches another's rows, and a block shared by tw
 once per group. tgmm: one program per (group, output tile) walks the group's rows in GROUP_STEP-row steps, a
 loop whose trip count is the group's own size; an empty group writes zeros.
 
-Triton needs power-of-two tiles of at least 16 for a dot: rows come in `kernel.group_rows` (a power of two),
-and K and N are walked in the largest power-of-two chunk (at most 64) that divides them, after zero padding to a
-multiple of 16 where they are not one.
+More: docs/modules.md, sparsetx/kernels/grouped_triton.py.
 """
 
 import jax

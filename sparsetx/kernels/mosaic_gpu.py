@@ -2,33 +2,9 @@
 the gated gather's forward and backward, FFF's walk levels, the d-split's partial dots and the table gradients.
 
 Three kernels do all the row work; the per-slot arithmetic between them is elementwise on [N, S] and stays
-in XLA (N * S floats, about 1 MB at 2,048 tokens and S = 128, against ~800 MB of gathered rows):
+in XLA (N * S floats, about 1 MB at 2,048 tokens and S = 128, against ~800 MB of gathered rows) (listed in docs/modules.md).
 
-  row_dots:        dots[s, t] = <lhs[t], table[rows[s, t]]>           (forward: x . w_in; backward: dy . w_out)
-  row_accumulate:  out[t]     = sum_s coef[s, t] * table[rows[s, t]]   (forward: y from w_out; backward: dx from w_in)
-  segment_sums:    sums[r]    = sum_p coefs[p] * values[tokens[p]]     (table gradients: pairs sorted by row r)
-
-One program of row_dots / row_accumulate owns a block of 64 tokens (the row tile of a warpgroup's WGMMA register
-layout) and walks d_model in chunks of `block_d`. Hopper's TMA engine moves boxes, not scattered rows, so each gathered
-[64, block_d] tile is filled by 64 one-row TMA copies (a row chunk, at the row the token picked, read from
-the block's rows in shared memory) that all arrive on one barrier. Two warpgroups share the program: the
-copy warpgroup keeps a ring of `stages` tiles filling, the compute warpgroup takes them in order, multiplies
-in float32 registers and frees each slot by a barrier arrival. No [tokens, S, D] copy of the rows exists in
-HBM. Tiles stay untiled and unswizzled in shared memory (a swizzled tile only takes copies of 8 whole rows),
-so the register loads are not the bank-conflict-free kind. Blackwell's TMA gather (four rows per copy)
-would cut the copy count by 4; not used yet.
-
-segment_sums reuses the ring: a program owns 64 table rows and one d_model chunk, and the copy warpgroup gathers
-the value rows of the block's contiguous pair range in 64-pair tiles. A register tile cannot be indexed by a
-dynamic row, and a one-hot contraction would do 64 times the additions, so the compute warpgroup instead walks
-row by row (a dynamic-length loop over the row's pairs), keeps one row chunk in registers spread over its 128
-threads, and stores it to shared memory once; each output row is written once, summed in pair order in float32,
-with no atomics. On a GPU a chunk must hence be a multiple of 128 values.
-
-Mosaic GPU's interpret mode runs these kernels on CPU (barriers, TMA and shared memory simulated, with race
-detection in the tests); it does not model register layouts, so layout casts and layout-directed loads are
-applied only when lowering for a GPU (`_Lanes`). Tests also lower the kernels for CUDA on CPU, which runs
-Mosaic's own layout and transfer checks.
+More: docs/modules.md, sparsetx/kernels/mosaic_gpu.py.
 """
 
 import math

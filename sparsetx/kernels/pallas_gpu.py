@@ -6,24 +6,7 @@ Row kernels (the interface every GPU/TPU backend shares; callers compose the gat
   row_accumulate:  out[t]     = sum_s coef[s, t] * table[rows[s, t]]    one program per (token block, d chunk)
   segment_sums:    sums[r]    = sum_{p in row r} coefs[p] * values[tokens[p]]   (the table gradient)
 
-A per-token row gather is an indexed pointer load here, so each program walks its S slots gathering one
-table row chunk per token straight from HBM (no [tokens, S, D] copy) and sums in float32 registers.
-segment_sums takes pairs sorted by row: a program owns a tile of SEGMENT_ROWS rows and one d chunk and walks
-the tile's pair ranges together (step k adds each row's k-th pair, masked past a row's end), so every output
-row is summed in pair order and written once: deterministic, no atomics, no scatter. FFF's bias gradient
-(the coefficient sums) comes from the same walk.
-
-Triton needs power-of-two array shapes: tokens are padded to a power-of-two block, rows to whole tiles, and
-d_model is walked in power-of-two chunks (the largest dividing it, at most kernel.block_d), so the row kernels
-take any d_model that is a multiple of 128 and any power of two.
-
-Mosaic GPU (mosaic_gpu.py) is the kernel for Hopper and newer; this Triton lowering, still supported by the
-pinned JAX (0.10.x), serves older GPUs (A100) and `kernel.gpu_kernel=triton`, and off GPU its generic
-interpreter is the fast way to check a Pallas path on CPU.
-
-The calls pass Triton compiler params explicitly: in JAX 0.10 a `pl.pallas_call` without them is lowered
-by Mosaic GPU (`jax_pallas_use_mosaic_gpu` defaults to True), which would stage the whole tables into
-shared memory.
+More: docs/modules.md, sparsetx/kernels/pallas_gpu.py.
 """
 
 import jax

@@ -1,30 +1,7 @@
 """Pallas TPU (Mosaic) row kernels of the sparse layers, composed in row_gather.py (the gated gather's passes,
 FFF's walk levels, the d-split's partial dots) and segment_grads.py (the table gradients).
 
-The row kernels (docs/kernels.md, "The accelerator program") gather table rows by id with one DMA per row from HBM
-into VMEM (Mosaic TPU has no gather load) and do the float32 arithmetic on the VPU; the MXU would need a new weight
-tile per token:
-  row_dots:        dots[s, t] = <lhs[t], table[rows[s, t]]>          [S, N] float32
-  row_accumulate:  out[t]     = sum_s coef[s, t] * table[rows[s, t]]  [N, D]
-  segment_sums:    sums[r]    = sum_{p in row r} coefs[p] * values[tokens[p]], pairs sorted by row (no atomics)
-A grid step of row_dots / row_accumulate owns 8 tokens, all S slots and a d_model chunk; its rows land in one
-of two VMEM slots while the previous step computes on the other (the DMAs of step j + 1 are issued before the
-waits of step j), so the step axis runs in order ("arbitrary"); a leading "parallel" axis of the chip's
-TensorCore count gives each core of a megacore chip (v4, v5p) its own in-order chain. A step reads its own row
-ids and the next step's from two SMEM blocks of the same [N, S] array: at the ladder's N = 32768 tokens and
-S = 128 the whole array is 16 MiB, far over SMEM (1 MiB), so scalar prefetch of all ids is out. The [S, N]
-results are built in [S, 128]-token blocks that stay in VMEM over a token group's steps (lane-dense stores, no
-transpose). segment_sums walks each row's pair range with a dynamic-bound loop; a ring of row copies runs
-ahead of the sums, and the pairs' token ids and coefficients come through two SMEM windows.
-
-Mosaic accepts a slice of VMEM only on tile boundaries (8 rows of 32 bits, 16 of bf16; 128 lanes) and copies 1-D
-HBM arrays in 128-element tiles, so rows travel as 32-bit words in whole 128-lane tiles (bf16 as uint32 pairs:
-as_words), d-chunks are multiples of 128 lanes, and segment_sums' pair windows start on 128-element boundaries;
-a step's two row slots take 1/32 of the core's VMEM (slot_bytes). tests/test_kernels_tpu_rows.py compiles the
-kernels with libtpu for v5p and v6e.
-
-Off TPU every kernel runs in TPU interpret mode. No activation runs inside a kernel (Pallas TPU lowers no erf):
-the per-slot arithmetic between the kernels is XLA's.
+More: docs/modules.md, sparsetx/kernels/pallas_tpu.py.
 """
 
 import jax

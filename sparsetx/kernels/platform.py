@@ -5,14 +5,7 @@ be a topology's (a TPU pod or GPU node this machine only compiles for), else thi
 kernel or layer reads `jax.default_backend()`: a program compiled here for a v5p or an H100 takes that
 machine's kernels.
 
-A GPU or TPU runs the row kernels (row_dots, row_accumulate, segment_sums) of one backend module: Mosaic GPU
-on Hopper and newer, the Triton lowering on older GPUs, Pallas TPU on TPU. Everything a sparse layer does
-with a table (the gated gather's forward and backward, FFF's deeper walk levels, the d-split's partial dots,
-the table gradients) is a fixed number of kernel launches whatever the token count.
-
-A CPU runs XLA code shaped for its caches: `lax.scan`s over token chunks, pair chunks and row-sorted walks.
-Those loop sizes come from `cpu_chunk` alone, which on any other platform answers "everything at once", so a
-GPU/TPU program that takes the XLA path (`kernel.implementation=xla`) never inherits a cache-sized loop.
+More: docs/modules.md, sparsetx/kernels/platform.py.
 """
 
 import re

@@ -4,11 +4,7 @@
                                                                         FFF's walk: x . w_in per level)
   row_accumulate:  out[t]     = sum_s coef[s, t] * table[rows[s, t]]    (forward: y from w_out; backward: dx from w_in)
 
-Each backend (mosaic_gpu.py, pallas_gpu.py, pallas_tpu.py) provides both with the same meaning; the per-slot
-arithmetic between them (activation, gate, its slopes) is elementwise on [N, S] and stays in XLA: N * S floats,
-against N * S * D gathered values. A forward is two launches, a backward two more, with no loop around them.
-Per-slot arrays travel to the kernels transposed ([S, N]) so a slot is a contiguous row of a token block, and
-tokens are padded to whole 64-token blocks (Mosaic GPU's register tile; the other backends take any count).
+More: docs/modules.md, sparsetx/kernels/row_gather.py.
 """
 
 import jax.numpy as jnp

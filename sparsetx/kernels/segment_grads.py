@@ -5,12 +5,7 @@ dy. Pairs are sorted by row once (shared by both tables and the bias), then summ
 deterministic, each row written once, nothing accumulated in bf16 (the shape of FBGEMM's table-batched
 embedding backward).
 
-- On a GPU or TPU the sums are one `segment_sums` kernel per table (platform.kernel_backend): a program owns a
-  tile of rows and walks each row's contiguous range of sorted pairs. No atomics, no loop outside the kernel.
-  On a mesh each device sorts and sums its own tokens' pairs (token_shards.py) and the partial tables are summed.
-- On a CPU (the XLA path) a `lax.scan` adds cache-sized chunks of sorted pairs into the float32 accumulators
-  with `indices_are_sorted=True`; sorted order keeps the rows being written close together (faster than the
-  unsorted scatter-add: docs/kernels.md). Elsewhere the XLA path adds all pairs in one step.
+More: docs/modules.md, sparsetx/kernels/segment_grads.py.
 """
 
 import jax

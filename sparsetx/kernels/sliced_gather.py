@@ -1,14 +1,6 @@
 """One device's d-slice of the gated gather, for a neuron table whose d_model is split over mesh axes.
 
-Runs inside a `jax.shard_map` (sparsetx/parallel/dispatch.py sets it up): each device holds the columns
-`d-slice` of both tables and of its tokens' x, and the dots <w_in[row], x> are partial. Summed over the
-split axes (`axes`, a psum of [tokens, slots] float32 scalars) they are whole before the activation and
-the gate act on them, which is why the split is exact; the gated w_out rows then give this device's
-d-slice of y. The partial dots and the gated sums are the backend's row kernels on a GPU or TPU
-(row_gather.dots / accumulate: a partial dot is a row_dots over the slice) and the XLA gather's cache-sized
-token-chunk scans on a CPU (kernels/platform.py chooses); the table gradients are the sorted-segment sums
-(segment_grads.py). Tables stream in the compute dtype as in the gated gather (gated_gather.py).
-docs/expert_parallel.md has the collectives and their sizes.
+More: docs/modules.md, sparsetx/kernels/sliced_gather.py.
 """
 
 import functools

@@ -1,18 +1,6 @@
 """Pallas kernels on a mesh: each device runs the gated gather's token-side kernels on its own tokens.
 
-A Pallas kernel is a custom call that XLA cannot partition: Pallas TPU lowers one only where every mesh axis
-is manual ("Mosaic kernels cannot be automatically partitioned"), and XLA would run a GPU kernel whole on
-every device, for every token. The gated gather's kernels work per token and read the tables whole, so
-`on_token_shards` runs them in a `jax.shard_map` over every mesh axis not manual yet (inside an
-expert-parallel shard_map, sparsetx/parallel/dispatch.py, the group's axes already are): per-token operands and all
-results are split over the batch's axes (config.mesh.rules' `batch`) among those, and the tables enter whole
-on every device (under fsdp, the all-gather XLA adds is the one the layer's dense weights get too). Other
-axes (tensor) hold the same tokens and compute the same values. Tokens that do not split evenly stay whole.
-Without a mesh of more than one device the call is unchanged.
-
-Which mesh axes split the tokens is the parallel layer's knowledge (its logical rules); it tells this module
-with `token_axes`, which `sparsetx.parallel.expert_parallel.activate` enters with the rules' `batch` axes.
-Outside it the default rules' `batch` axes apply.
+More: docs/modules.md, sparsetx/kernels/token_shards.py.
 """
 
 import contextlib

@@ -1,24 +1,9 @@
 """FFF's sparse forward: the level-by-level walk down P binary trees and the outputs of its path nodes.
 
 Per token and tree the walk evaluates one node per level, each depending on the previous level's
-logit. Two facts make it fast on a CPU (and they hold on accelerators too):
+logit. Two facts make it fast on a CPU (and they hold on accelerators too) (listed in docs/modules.md).
 
-- The top levels are cheap to evaluate densely: levels 0..top-1 hold `2**top - 1` nodes per tree and
-  one matmul against all of them runs at matmul speed. The first `DENSE_LEVELS` levels (3: 7 nodes per
-  tree) come from one matmul, the walk picks each level's logit out of it, and their outputs are one
-  more matmul with the activations of the visited nodes (every other node masked to 0, as masked-dense
-  does for all nodes). A dense level costs more than a gathered one as the levels widen, so the
-  crossover sits at a few levels (docs/kernels.md).
-- Deeper levels gather one `w_in` row per (token, tree) per level. On a GPU or TPU each level is one
-  row_dots kernel launch (row_gather.dots: P rows per token, the level's logits), so the walk is depth - 2
-  launches whatever the token count. On a CPU the levels run inside a `lax.scan` over token chunks of about
-  `WALK_ROWS_PER_CHUNK` rows, which stay in cache (neither one gather over all tokens nor a materialized
-  [tokens, P, D] does); kernels/platform.py makes that choice.
-  Their logits are handed to the gated gather as its pre-activations, so the output pass gathers only
-  `w_out` rows; the gated gather's backward gives every gradient of those nodes (x, w_in, b_in, w_out).
-
-No gradient flows through the routing decision: the walk reads stopped-gradient logits; gradients of
-the visited nodes flow through the dense matmul (top levels) and the gated gather (deeper levels).
+More: docs/modules.md, sparsetx/kernels/tree_route.py.
 """
 
 import jax

@@ -7,14 +7,7 @@ the gate gradients and the per-pair coefficients the table gradients need (segme
 Small chunks are the point on a CPU: their rows stay in cache. Elsewhere (`kernel.implementation=xla` on a
 GPU or TPU) one chunk holds every token (kernels/platform.py), so no cache-sized loop reaches the device.
 
-The token-order gather is bound by the rate random table rows can be read; going below it needs row
-reuse, which is the row-sorted path below (KernelOptions.row_sorted, on by default; CPU, with
-gradients): the forward sorts the pairs by (row, token) with one single-key int32 sort, walks them in
-row order with y accumulated by scatter-add, and keeps the sort for the backward, which is then one
-row-order pass for dx, the gate gradients and both tables (no second gather pass, no second sort). The
-forward alone does not gain (sort + walk cost about the token-order gather), so calls without a
-backward keep the token-order forward. docs/kernels.md has the measurements behind these choices and
-the benchmark programs that repeat them.
+More: docs/modules.md, sparsetx/kernels/xla_gather.py.
 """
 
 from typing import NamedTuple

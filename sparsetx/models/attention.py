@@ -3,24 +3,7 @@
 Every implementation computes the same thing: query t reads key s iff s <= t and both belong to the same
 document (segment id), softmax statistics (max, sum, logsumexp) in float32, output in the inputs' dtype.
 
-  xla     the reference and the CPU default: materializes [B,H,T,S] float32 logits and probabilities
-          (the only one with an attention pattern to tap; also the decode path, see `Attention` in transformer.py).
-  cudnn   `jax.nn.dot_product_attention(implementation="cudnn")` on GPU: cuDNN's fused flash attention, causal by
-          its mask type; documents are kept apart by the same-segment mask, which JAX turns into an additive
-          [B,1,T,T] bias in the compute dtype (per row, not per head: H times less than the XLA logits).
-          cuDNN has no float32 kernel: bfloat16 or float16 only.
-  splash  splash attention on TPU (`jax.experimental.pallas.ops.tpu.splash_attention`): a static causal block
-          mask (fully masked blocks are skipped) and segment ids, float32 m/l scratch.
-  pallas  the Pallas flash attention for GPU (`jax.experimental.pallas.ops.gpu.attention.mha`, Triton lowering)
-          with causal masking and segment ids.
-  auto    cudnn on GPU (xla when the compute dtype is float32), splash on TPU, xla on CPU.
-
-The Pallas kernels run in interpret mode off their target (how the tests check them on CPU). They need the
-length in whole blocks: rows are padded at the end, which is exact for causal attention (no real query
-reads a later key) and the padded queries, which read themselves, are sliced off.
-Under a mesh (`expert_parallel.activate`) every fused kernel runs on each device's rows and heads
-(sparsetx/parallel/attention_placement.py): the Pallas kernels have no partitioning rule of their own, and cuDNN's
-rule fails inside the train step's per-device micro-batch loop.
+More: docs/modules.md, sparsetx/models/attention.py.
 """
 
 import math

@@ -1,27 +1,6 @@
 """The scaling ladder (sgatlin paper, Listing 2), parameter and FLOP accounting, isoflop token budgets.
 
-Listing 2: d_model = 128 * scale, n_layers = 2 * scale, and d_ffw per feed-forward type:
-  mlp, swiglu  int(8/3 * d_model / 256) * 256
-  moe          d_model (per expert; 16 experts, top-2, as GPT-OSS)
-  peer         (32 + 24 * scale) ** 2
-  sgatlin      (16 + 12 * scale) ** 2
-FFF rung (ours; the papers give none): depth 6, the FFF paper's preferred trade-off (7 of 127 nodes
-per tree active, 94.5% sparse), and n_trees = mlp_d_ffw // 128, so the trees hold about as many
-nodes as the dense MLP of the rung has neurons (4 trees at scale 2, 20 at scale 8).
-
-FLOPs are forward FLOPs per token, 2 per multiply-accumulate, counting the matmuls of Table 2 of the
-sgatlin paper term by term: attention projections 4 * D * D_attn and the score and mixing products
-2 * T * D_attn over the full context T (Chinchilla's convention, no causal halving), the LM head
-D * V, and per feed-forward type:
-  mlp      2 D F                      swiglu  3 D F
-  moe      D E + k 3 D F              fff     P (depth + 1) 2 D
-  peer     C d_key (D + sqrt F) + C k 2 D           (per-channel query halves of d_key / 2)
-  sgatlin  d_key (D + 2 C sqrt F) + C k 2 D         (PEER router: as peer)
-Each type's FfnSpec (sparsetx/models/ffn/spec.py) holds its sizing rule (`ladder_size`) and these counts
-(`params`, `flops`). Norms, biases, softmax, activations and the top-k selections are not counted. Training costs
-3 x forward (forward + backward), so a budget of F FLOPs buys F / (3 * forward FLOPs) tokens.
-
-`sparsetx-ladder [--budget=1e18] [--seq_len=2048]` (sparsetx/tools/ladder.py) prints the table for scales 2..8.
+More: docs/modules.md, sparsetx/models/ladder.py.
 """
 
 import ml_collections

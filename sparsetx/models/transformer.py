@@ -1,22 +1,6 @@
 """The decoder-only language model: token embedding, N blocks, final norm, LM head.
 
-Two block kinds:
-  sequential  x + attn(norm(x)), then + ffn(norm(.))            (pre-norm, RMSNorm: the papers')
-  parallel    x + attn(ln_1(x)) + ffn(ln_2(x))                   (GPT-NeoX / Pythia, LayerNorm with bias)
-Compute runs in `cfg.dtype` (bf16); attention softmax and logits are float32. Positions and segment
-ids come from packing: attention never crosses a document and rotary phases restart per document.
-Attention runs by `cfg.attention` (sparsetx/models/attention.py: XLA, cuDNN, splash or Pallas flash attention);
-`cfg.remat` rematerializes each block in the backward pass, fully or by a `jax.checkpoint_policies` policy.
-
-Decoding (`decode=True`, as MaxText / T5X do it in linen): every attention layer keeps the keys and values
-of the positions already seen in the `cache` collection ([B, max_len, H, K], made by `init_cache`). A call
-writes its T tokens' keys/values at their positions (a prefill: the prompt; a step: T = 1), and each query
-reads the cache slots up to its own position. Positions default to the cache index (tokens written so far);
-rows of different lengths pass their own. Feed-forward layers are per token and need nothing.
-
-Values researchers read are tapped (`sparsetx.models.taps`) under nnterp's standard names
-(`layer_input`, `attention_norm_output`, `attention_output`, `mlp_input`, `mlp_output`,
-`layer_output`, ...); the feed-forward layers tap their circuits (gates, paths, expert ids).
+More: docs/modules.md, sparsetx/models/transformer.py.
 """
 
 import flax.linen as nn

@@ -2,25 +2,9 @@
 
 A feed-forward layer hands its arrays, gating, kernel options, its table's logical axes and the config
 field to name in errors to one entry per sparse op; the entry reads the mesh and rules in the context
-(expert_parallel.activate) and runs the plain single-device computation or its expert-parallel form:
+(expert_parallel.activate) and runs the plain single-device computation or its expert-parallel form (listed in docs/modules.md).
 
-  neuron_table_gather    sgatlin, PEER: the gated gather over a neuron table [2, U, F, D]; plain, units
-                         (channels) split over their expert group, or d_model split too (the d-split).
-  tree_walk              FFF's sparse walk and path outputs; trees split over their expert group.
-  expert_dispatch        MoE's grouped matmuls, given as the layer's function; experts split over the group.
-  place_on_token_shards  a router's inputs and outputs kept on the tokens' (batch) layout.
-  where_tokens_are       per-token work (the routers' top-k) on each device's own tokens.
-  on_own_tokens          the fsdp and data placements: tables whole on every device, tokens stay.
-
-Each layer's tables have a placement (config.model.ffn.placement, resolved by plan/step_cost.py):
-  expert  tables split over their units' mesh axes, tokens move: one `token_parallel` shard_map (tokens of the
-          expert group gathered, per-unit routing data sent to the units' owners, the local computation over the
-          device's own units, partial outputs summed back to the tokens' owners). Tables never move.
-  fsdp    tables stored split over the batch axes on their d_model dimension (`placed_names`), all-gathered whole
-          for the layer call, which runs the single-device kernels on the device's own tokens; the gradient is
-          reduce-scattered back (the all-gather's transpose).
-  data    tables replicated; the single-device layer on the device's own tokens; the gradient all-reduced.
-docs/expert_parallel.md derives each form's collectives and their bytes and names the tests that check them.
+More: docs/modules.md, sparsetx/parallel/dispatch.py.
 """
 
 import contextlib

@@ -5,18 +5,7 @@ and on one machine. `detect(environ, ...)` is a pure function of the environment
 (unit-tested on recorded environments); `initialize(spec)` calls `jax.distributed.initialize`
 with a timeout and turns a peer that never shows up into one sentence naming the coordinator.
 
-Precedence, field by field: the flags `--coordinator_address`, `--num_processes`, `--process_id`,
-`--local_device_ids`, then SLURM, then Kubernetes/JobSet, then TPU VMs (JAX asks the TPU metadata
-itself), else a single process (no initialization).
-
-- SLURM: coordinator = first host of `SLURM_STEP_NODELIST` (or `SLURM_JOB_NODELIST`) on a port
-  derived from `SLURM_JOB_ID`; id = `SLURM_PROCID`; count = `SLURM_NTASKS`. With several tasks per
-  node (one per GPU), each task takes GPU `SLURM_LOCALID`, unless SLURM already narrowed
-  `CUDA_VISIBLE_DEVICES` to one GPU (`--gpus-per-task=1`).
-- Kubernetes/JobSet (deploy/k8s/jobset.yaml sets these from the pod's annotations): coordinator =
-  pod 0 of job 0, `$JOBSET_NAME-$REPLICATED_JOB_NAME-0-0.$JOBSET_NAME:8476` (the JobSet headless
-  service is named after the JobSet); id = `JOB_INDEX * PODS_PER_JOB + JOB_COMPLETION_INDEX`;
-  count = `JOBSET_REPLICAS * PODS_PER_JOB`.
+More: docs/modules.md, sparsetx/parallel/distributed.py.
 """
 
 import dataclasses

@@ -1,18 +1,6 @@
 """Expert parallelism: which devices share a sparse layer's units, and how tokens move between them.
 
-A sparse layer's units (sgatlin channels, FFF trees, MoE experts) are split over the mesh axes that
-`config.mesh.rules` gives their logical name (`channel`, `tree`, `expert` -> `expert`); a neuron table
-(sgatlin, PEER) may have its d_model split too (`table_group`). Moving tables is what makes a sharded
-sparse layer slow, so tokens move instead: `gather_tokens` (all-gather over the unit axes that split the
-batch), `to_owners` / `from_owners` (per-unit routing data to the unit's owner and back, all-to-all or a
-local slice), `scatter_back` (partial outputs summed, each device keeps its own tokens: reduce-scatter).
-The shard_maps that use them are in dispatch.py; docs/expert_parallel.md has the steps and their bytes.
-
-The layers find the mesh and the rules in the context: `activate(mesh, rules)` sets the mesh
-(`jax.set_mesh`), the logical rules (a context variable here; flax's own `nn.logical_axis_rules` would
-also turn on flax's parameter sharding constraints, which the DenseGeneral routers reject) and the kernels'
-token axes (kernels/token_shards.py). With no mesh, or a unit axis of size 1, the layers run their plain
-single-device computation, so nothing changes for one device.
+More: docs/modules.md, sparsetx/parallel/expert_parallel.py.
 """
 
 import contextlib

@@ -4,12 +4,7 @@
   GPU  `h100:SxHxG` or `a100:SxHxG`: S slices x H hosts x G GPUs, described by the target files in gpu_targets/
        (public device figures), compiled by XLA's GPU compiler from the CUDA plugin, with no GPU and no driver.
 
-A mesh over these devices is an ordinary `jax.sharding.Mesh`; `jit(...).trace(...).lower().compile()` under it
-runs the target's compiler (Mosaic TPU, Triton, Mosaic GPU, ptxas, cuDNN), whose memory analysis and optimized
-program are the target's own. Nothing may run eagerly under such a mesh: there is no device to run on.
-
-Two limits of the deviceless GPU compile: autotuning needs a GPU (tilings are XLA's defaults), and CUB's radix sort
-needs a device to size its scratch, so the pinned XLA compiles its own sort instead (and logs a warning saying so).
+More: docs/modules.md, sparsetx/parallel/topology.py.
 """
 
 import contextlib

@@ -1,28 +1,6 @@
 """Projected step time of a compiled train step on a target chip, so a run is sized before it is rented.
 
-A roofline from sparsetx/train/aot.py's Report (one device's compiled program) and
-sparsetx/perf/hardware.py's published figures, per device:
-  compute  = compiled FLOPs / peak bf16 FLOP/s
-  memory   = compiled "bytes accessed" / HBM bandwidth
-  comm     = sum over the program's collectives of ring-algorithm time at the group's link rate
-             (half the bidirectional NVLink/ICI figure inside a node or slice, DCN beyond):
-               all-gather      S (g-1)/g / bw     S = the gathered result
-               reduce-scatter  S (g-1)/g / bw     S = the unreduced input = g x the result
-               all-reduce      2 S (g-1)/g / bw   (a reduce-scatter, then an all-gather)
-               all-to-all      S (g-1)/g / bw     (each device keeps 1/g of its buffer)
-               collective-permute  S / bw
-  step with overlap    = max(compute, memory, comm)
-  step without overlap = max(compute, memory) + comm
-tokens/s = tokens per step / step; MFU = the model's FLOPs per step (ladder accounting) / (step x
-devices x peak). A lower bound on step time: it assumes peak rates, and XLA prints a loop body
-(micro-batch scan, layer scan) once, so work inside loops is counted once.
-
-`project_analytic` replaces the compiled counts with sparsetx/plan/step_cost.py's (layer_cost.py per layer): the feed-forward layers
-(every layer, by its kernels' bytes and FLOPs) plus an analytic remainder (attention, head, embedding,
-optimizer), because XLA's cost analysis gives one total for the whole program and the feed-forward layers' share
-of it cannot be identified and subtracted. Only the collectives separate: the compiled ones whose op_name lies
-outside the feed-forward layers ('/mlp/') are kept, the layers' own come from the model. Each phase takes
-max(FLOPs / peak, bytes / bandwidth), so the analytic step is the sum of those (at least max(compute, memory)).
+More: docs/modules.md, sparsetx/perf/roofline.py.
 """
 
 import dataclasses

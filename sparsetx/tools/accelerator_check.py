@@ -1,20 +1,6 @@
 """The accelerator acceptance check: on one GPU or TPU, in a few minutes, one table that says the sparse path works.
 
-Four parts, each a set of rows of one table:
-  1. kernels: each row kernel of each backend this platform runs (kernels/platform.py), compiled for the device
-     (not interpret mode), against float64 NumPy on the same inputs, within the float32 summation bound
-     n * 2**-24 * sum|terms| (n: the longest sum; x4 for the device's reassociation), and the whole gated
-     gather's value and every gradient against the XLA path at matmul precision "highest"; MoE's grouped matmul
-     and both its gradients (kernels/grouped_matmul.py) against float64 NumPy in the same way;
-  2. kernel bench: bench_kernels' (kernels/timing.py) ms, GB/s and % of HBM peak per kernel, forward and backward;
-  3. moe bench: bench_layers' MoE rung by grouped matmuls, by ragged_dot rolled out, and a SwiGLU of the same
-     active FLOPs (forward + backward ms);
-  4. train step: bench_train_step's (train/timing.py) step at ladder scale 2 in bf16 for mlp, sgatlin, fff and moe (tokens/s, MFU).
-Exits 1 when a check fails. `--small` runs the same program on a CPU (kernels in interpret mode, tiny shapes,
-bench_train_step --small): what CI runs to keep the script working.
-
-  .venv/bin/python -m sparsetx.tools.accelerator_check            # on one GPU or TPU (under 8 minutes)
-  .venv/bin/python -m sparsetx.tools.accelerator_check --small    # anywhere
+More: docs/modules.md, sparsetx/tools/accelerator_check.py.
 """
 
 import sys

@@ -5,23 +5,7 @@ consumes.
       [--seq_len=0] [--bar=configs/ladder.py:sgatlin,5,h100x8] [--chips_per_host=0] [--workers=1]
   python -m sparsetx.tools.bench_data --path=step [--config=configs/tiny.py] [--steps=200] [--train_steps=10]
 
-The default run reads one text with one GPT-2 byte-level BPE: the files of --input (one document per line), else
---megabytes of stories generated from the embedded corpus (corpus.story_stream, 1 to 8 stories a document,
-deterministic); --vocab (a directory with vocab.json and merges.txt, or a tokenizer.json), else a BPE of
---vocab_size ids trained here on the first 20,000 documents (build_vocab.build_gpt2_bpe, seconds). It prints:
-  tokenize  the tokenize job (pretokenize.tokenize_corpus, --workers) writing the text's token store, against the
-            raw tokenizer's `encode_batch` on the same documents, tokens/s side by side and their ratio; and the
-            job's peak resident memory against the size of the text (memory is bounded: far below it).
-  read      GlobalStream.next_local (sparsetx/data/global_stream.py) over that store, --rows packed rows of
-            --seq_len tokens per step (0: the bar's, 2,048 tokens and the 128 rows one 8-GPU host reads per step),
-            against the bar: what training consumes, the dry run's analytic projection of --bar's train step
-            (step_cost.project_step: no compile; overlapped, so an upper bound), per chip and per host of
-            --chips_per_host chips (0: a GPU target's node, 4 on TPU).
-Temporary files are removed at the end.
-
---path=step: the stream of --config (the embedded corpus, tokenized first as the trainer does) against the
-trainer's own jitted train step on this machine's devices, as `make train` runs them; seq_len is the model's
-max_len. The goal there: a stream at least 10x faster than the step.
+More: docs/modules.md, sparsetx/tools/bench_data.py.
 """
 
 import dataclasses

@@ -7,8 +7,7 @@ move (the rows it gathers in the table's dtype, its token-side operands and its 
 close the kernel runs to the memory system (hardware.py's published peak). `--small` runs a tiny shape with the
 kernels in interpret mode: it shows the program works anywhere, its times mean nothing.
 
-  .venv/bin/python -m sparsetx.tools.bench_kernels            # on a GPU or TPU
-  .venv/bin/python -m sparsetx.tools.bench_kernels --small    # anywhere
+More: docs/modules.md, sparsetx/tools/bench_kernels.py.
 """
 
 import jax

@@ -1,15 +1,6 @@
 """Benchmark the sparse feed-forward layers against the papers' formulations and dense baselines.
 
-For each ladder rung (d_model = 128 * scale) it times forward and forward+backward of: sgatlin
-through the gated gather op; sgatlin as Listing 1 writes it (gather rows, two einsums); the dense
-MLP and SwiGLU of the same rung; MoE by grouped matmuls against the dense rollout of `jax.lax.ragged_dot`
-(every expert over every routed pair, what XLA:GPU and XLA:CPU compile it to) and against a SwiGLU of the
-same active FLOPs; and FFF sparse vs masked-dense at several depths. All variants of
-a table are timed in interleaved rounds in one process (median per variant) and printed as ratios;
-peak memory is XLA's temp allocation of the compiled step. A second table sweeps d_ffw to show
-sgatlin forward time against the number of neurons. Writes a PNG with --png.
-
-  .venv/bin/python -m sparsetx.tools.bench_layers --png=bench_layers.png
+More: docs/modules.md, sparsetx/tools/bench_layers.py.
 """
 
 import statistics

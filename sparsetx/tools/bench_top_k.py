@@ -1,17 +1,6 @@
 """Benchmark the product-key top-k (sgatlin's and PEER's router) on the current backend.
 
-Two tables per ladder scale, scores [tokens, 16 channels, n_keys] f32 for each half, k = 8:
-  1. stage one alone (the top k of both halves), by XLA's TopK, approx_max_k(recall_target=1.0),
-     a stable multi-operand lax.sort, and k passes of max (whole array, then in chunks of rows);
-     `exact` says whether values and indices equal lax.top_k's.
-  2. the whole product_key_top_k, forward and forward+backward (gradient of a weighted sum of the
-     values w.r.t. both halves): the lax.top_k formulation it replaced next to the current one at
-     several row-chunk sizes; `exact` says whether values, indices and gradients equal the old one's.
-All variants of a table run in interleaved rounds in one process; the table prints medians and the
-ratio to the first row.
-
-  .venv/bin/python -m sparsetx.tools.bench_top_k                  # scales 2 and 4, 2048 tokens
-  .venv/bin/python -m sparsetx.tools.bench_top_k --scales 2 --rounds 5
+More: docs/modules.md, sparsetx/tools/bench_top_k.py.
 """
 
 import functools

@@ -1,16 +1,6 @@
 """Benchmark the whole train step per feed-forward type, side by side: tokens/s and MFU on one rung.
 
-Every type is built at the same ladder rung (configs/ladder.py:TYPE,SCALE) with the same batch,
-sequence length, dtype and mesh (all local devices on the data axis), so the table compares what a
-user would train. All steps are compiled first, then timed in interleaved rounds (one step of each
-type per round, so drift and noise hit every type alike); the table prints medians and ratios to the
-first type. MFU = the ladder's model FLOPs per step (3 x forward, sparsetx/models/ladder.py) / (step
-time x devices x peak bf16 FLOP/s of the chip, sparsetx/perf/hardware.py); on a chip the table
-does not hold (a CPU) MFU is n/a unless --peak_tflops gives the peak.
-
-  .venv/bin/python -m sparsetx.tools.bench_train_step                   # GPU / TPU: scale 2, 8 x 512 tokens, bf16
-  .venv/bin/python -m sparsetx.tools.bench_train_step --small           # CPU: scale 1 cut to 2 layers, 8 x 64, float32
-  .venv/bin/python -m sparsetx.tools.bench_train_step --types=mlp,sgatlin,fff --scale=4 --batch=32 --seq_len=2048
+More: docs/modules.md, sparsetx/tools/bench_train_step.py.
 """
 
 import jax

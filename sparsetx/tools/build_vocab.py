@@ -1,23 +1,13 @@
 """Trains a vocabulary on local text: SentencePiece (default) or a GPT-2-format byte-level BPE (--kind=gpt2).
 
-  python -m sparsetx.tools.build_vocab --output=/data/spm/tinystories --vocab_size=8192 \
-      --input=/data/train.txt --input=/data/more.jsonl
+  python -m sparsetx.tools.build_vocab --output=/data/spm/tinystories --vocab_size=8192       --input=/data/train.txt --input=/data/more.jsonl
   # then: --config.data.vocab.kind=sentencepiece --config.data.vocab.path=/data/spm/tinystories.model
 
   python -m sparsetx.tools.build_vocab --kind=gpt2 --output=/data/bpe/tinystories --vocab_size=8192 --input=...
   # writes /data/bpe/tinystories/{vocab.json,merges.txt}; then --config.data.vocab.kind=gpt2
   # --config.data.vocab.path=/data/bpe/tinystories
 
-Inputs are text files (one document per line) or JSONL files (`*.jsonl`, field --text_field);
-with no --input it trains on the embedded corpus (stories and facts, train split). The model
-uses seqio's ids (pad=0, eos=1, unk=2, no bos) and byte fallback with identity normalization,
-so every string round-trips exactly through encode/decode. The sgatlin paper used an
-8,192-piece BPE for TinyStories, hence the defaults. Nothing is downloaded.
-
---kind=gpt2 trains with the `tokenizers` library exactly as GPT-2's tokenizer splits text (UTF-8 bytes,
-GPT-2's pre-tokenization regex, no prefix space) and writes GPT-2's file format (vocab.json +
-merges.txt) into the --output directory. Ids: <pad>=0, <|endoftext|>=1 (the EOS), the 256 byte tokens,
-then the merges; --max_documents takes the first documents (BPE training is deterministic).
+More: docs/modules.md, sparsetx/tools/build_vocab.py.
 """
 
 import glob

@@ -2,20 +2,7 @@
 
   python -m sparsetx.tools.circuits --workdir=workdir/tiny [--output=workdir/tiny/circuits] [--rows=128]
 
-Writes to --output (default <workdir>/circuits):
-  model.txt          the model by its standard names and layouts
-  circuits.npz       the circuit database of --rows validation rows (numeric arrays only)
-  usage.md           per layer: fraction of units used, Gini of usage, most co-activated unit pairs;
-                     FFF: paths (leaves) used per tree, path entropy, the most taken paths
-  neighbours.md      nearest circuits of each token of --sentence at --layer (the paper's Fig. 6 / Table 3)
-  embedding_layer<i>.png   2-D map of the circuits of the most frequent tokens, per layer
-  nie.md, nie.png    gates patched from counterfactual facts: NIE per layer and position (sgatlin, PEER, MoE)
-  fff_visits.png, pruning.md, pruning.png   FFF: node visit frequencies; validation loss against the
-                     fraction of least-visited nodes pruned
-  summary.json       the numbers above, machine-readable
-
-A partly sparsified model (config.model.ffn_layers, from sparsetx.tools.sparsify) is analysed at its sparse
-layers only, each under its own index in the model; --layer must name one of them.
+More: docs/modules.md, sparsetx/tools/circuits.py.
 """
 
 import json

@@ -1,46 +1,11 @@
 """Dry run: compile a config's train step for a declared mesh on simulated CPU devices, allocating nothing.
 
   .venv/bin/python -m sparsetx.tools.dry_run --config=configs/large.py:sgatlin8,h100 --devices=64
-  .venv/bin/python -m sparsetx.tools.dry_run --config=configs/ladder.py:sgatlin,8 --devices=64 \\
-      --config.mesh.ici.data=8 --config.mesh.ici.fsdp=2 --config.mesh.ici.expert=4 \\
+  .venv/bin/python -m sparsetx.tools.dry_run --config=configs/ladder.py:sgatlin,8 --devices=64 \
+      --config.mesh.ici.data=8 --config.mesh.ici.fsdp=2 --config.mesh.ici.expert=4 \
       --config.data.global_batch_size=64 --config.data.eval_batch_size=64
 
-Prints per-device parameter and optimizer bytes, the compiler's memory analysis, FLOPs per step
-and the collectives of the compiled program (sparsetx/train/aot.py), then the projected step time,
-tokens/s and MFU on `--target=h100|h200|v5p|v6e|all` (sparsetx/perf/roofline.py). `--remat_sweep`
-compiles the step once per config.model.remat policy and prints each one's temp memory and FLOPs
-next to no remat's. `--expert_sweep=1,2,4,8,32`
-adds the per-device sparse-table bytes for each expert-axis size (abstract shapes only); a size
-larger than sgatlin's channel count is shown with the table split by d_model over the expert axis
-(expert_parallel.D_MODEL_SPLIT_RULES). `--split_d_model` compiles with those rules, e.g. sgatlin
-scale 8 (C=16) on expert=32:
-  .venv/bin/python -m sparsetx.tools.dry_run --config=configs/ladder.py:sgatlin,8 --devices=64 --split_d_model \\
-      --config.mesh.ici.data=2 --config.mesh.ici.expert=32 \\
-      --config.data.global_batch_size=64 --config.data.eval_batch_size=64
-The batch splits over data x fsdp x expert (64 shards here), so it needs at least 64 rows.
-The mesh uses config.mesh over `--devices` simulated devices. A config.mesh.dcn whose sizes are all given, with a
-product above 1, simulates that many nodes / slices (consecutive devices, sparsetx/parallel/mesh.py); the collectives
-that cross them are priced at the chip's DCN rate and their bytes printed apart, e.g. 4 nodes of 8 H100s:
-  .venv/bin/python -m sparsetx.tools.dry_run --config=configs/ladder.py:sgatlin,8,h100x8x4 --devices=32 --target=h100
-Targets of configs/ladder.py (sparsetx/plan/targets.py) set the mesh, rules and micro-batches.
-
-Both the compiled (CPU) per-device memory and the device estimate (fused attention, remat honoured;
-aot.device_memory) are printed, with the estimate's share of each --target chip's HBM.
-
-Both modes then print each feed-forward layer's analytic cost per train step and device (sparsetx/parallel/
-layer_cost.py: bytes and FLOPs per phase, time on each chip, HBM-bound share) and the step projected from it
-(roofline.project_analytic).
-
-`--topology=T` compiles the step with the real compiler of the machine T (parallel/topology.py; no accelerator
-needed): a TPU topology libtpu knows, or a GPU node described by a shipped target file. It prints the compiler's
-per-device memory (arguments, temporaries, outputs, aliased, the peak against the chip's HBM) beside the analytic
-estimate, FLOPs, the collectives, the loops and their trips, the kernels the step launches, and the projected step
-time; it exits 0 only if the compiler accepts the step, and a rejection is one `error:` line naming the layer and
-kernel. A config sized for a target (configs/ladder.py:TYPE,SCALE,TARGET) compiles for that target's topology
-with no flag (`--topology=auto`); `--topology=cpu` keeps the simulated CPU devices. E.g. 4 H100s, and one v5p slice:
-  .venv/bin/python -m sparsetx.tools.dry_run --config=configs/ladder.py:sgatlin,2 --topology=h100:1x1x4 \\
-      --config.mesh.ici.data=4
-  .venv/bin/python -m sparsetx.tools.dry_run --config=configs/ladder.py:sgatlin,5,v5p-64
+More: docs/modules.md, sparsetx/tools/dry_run.py.
 """
 
 import time

@@ -3,14 +3,7 @@
   .venv/bin/python -m sparsetx.tools.export --workdir=workdir/pythia --out=exports/pythia [--step=N] [--dtype=bfloat16]
   .venv/bin/python -m sparsetx.tools.export --import_from=exports/pythia --workdir=workdir/pythia-ft [--config=configs/pythia.py]
 
-Export writes model.safetensors, config.json, generation_config.json and the tokenizer files
-(plus the bundled modeling files for sparse models). `--kind=auto` exports dense GPT-NeoX-block
-models as plain GPTNeoXForCausalLM and every other architecture as a custom model loaded with
-`trust_remote_code=True`; `--kind=neox` insists on the former. Import writes a step-0 checkpoint
-(params, fresh optimizer state, the data stream's start) that `python -m sparsetx.train` continues;
---config supplies the data and train sections (its model must be the imported one). A directory
-that already holds files is replaced only with --overwrite. Errors (a bad flag or --config, a missing or
-damaged checkpoint) print one `error:` line; exit code 2.
+More: docs/modules.md, sparsetx/tools/export.py.
 """
 
 import json

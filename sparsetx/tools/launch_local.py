@@ -1,20 +1,9 @@
 """Runs a multi-host job on this machine: N processes, each with M simulated CPU devices.
 
-  python -m sparsetx.tools.launch_local --num_processes=2 --devices_per_process=2 -- \\
+  python -m sparsetx.tools.launch_local --num_processes=2 --devices_per_process=2 -- \
       --config=configs/tiny.py --workdir=/tmp/mh --config.mesh.dcn.data=-1
 
-Everything after `--` goes to every `python -m sparsetx.train` process, which also gets
-`--coordinator_address=localhost:PORT --num_processes=N --process_id=i` (so it runs exactly the
-code path of a real cluster: jax.distributed, gloo collectives, per-process data shards).
-`--config.mesh.dcn.data=-1` makes the processes the data-parallel DCN axis, as hosts are.
-
-SIGTERM or Ctrl-C is forwarded to all processes (the trainer saves and exits 0); a second one kills
-them. When one process fails, the others get `--grace_period` seconds to stop on their own (JAX
-aborts them once it notices the dead peer), then are killed: nothing is left behind. Prints one
-line per process (`launch_local: process i pid P` at start, how it ended at the end) and exits
-with the first failure's code (128 + signal for a signal), or 0. Each process's output (stdout and
-stderr) reaches this terminal line by line, prefixed with its index (`[1] ...`), or goes to
-`--log_dir`/process_<i>.log.
+More: docs/modules.md, sparsetx/tools/launch_local.py.
 """
 
 import os

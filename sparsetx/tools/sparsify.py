@@ -1,17 +1,10 @@
 """Sparse fine-tuning from a dense checkpoint: swap its feed-forward layers for FFF or sgatlin.
 
-  python -m sparsetx.tools.sparsify --source=workdir/dense --workdir=workdir/fff_ft --config=configs/tiny.py:fff \
-      [--config.model.ffn.depth=6] [--config.model.ffn_layers=1,3] [--overwrite]
+  python -m sparsetx.tools.sparsify --source=workdir/dense --workdir=workdir/fff_ft --config=configs/tiny.py:fff       [--config.model.ffn.depth=6] [--config.model.ffn_layers=1,3] [--overwrite]
   python -m sparsetx.tools.sparsify --from_hf=path/to/gpt_neox_dir --workdir=... --config=configs/pythia.py:... [overrides]
-  python -m sparsetx.train --workdir=workdir/fff_ft --config=configs/tiny.py:fff [the same overrides] \
-      [--config.train.freeze_steps=100]
+  python -m sparsetx.train --workdir=workdir/fff_ft --config=configs/tiny.py:fff [the same overrides]       [--config.train.freeze_steps=100]
 
---config describes the target model: the source's architecture (d_model, heads, vocab, layers, block
-kind must match, or the tool names the field) with the feed-forward layer of config.model.ffn in
-every block, or only in those config.model.ffn_layers lists. Attention, norms, embeddings and the
-head are copied bit for bit; the swapped layers start fresh. --workdir receives a step-0 checkpoint
-that the trainer starts from (fresh optimizer state and data stream; pass it the same model flags,
-printed below) and sparsify.json, the parameters copied / new / dropped by group.
+More: docs/modules.md, sparsetx/tools/sparsify.py.
 """
 
 from absl import flags

@@ -1,22 +1,6 @@
 """Isoflop sweep: for each FLOP budget, trains every feed-forward type at every size on the tokens the budget buys.
 
-  # the paper's ladder on a cluster: print one launch command per run, then collect and plot
-  python -m sparsetx.tools.sweep --budgets=1e17,6e17,1e18 --ffn_types=mlp,swiglu,sgatlin --scales=2,3,4,5,6 \\
-      --overrides=config.data.seq_len=2048 --overrides=config.data.global_batch_size=128 \\
-      --overrides=config.train.warmup_steps=1000 --workdir=sweeps/ladder --mode=print
-  python -m sparsetx.tools.sweep ...same flags... --mode=collect
-  # a CPU-sized sweep, run here one run after the other (each type sized from d_model as the ladder does)
-  python -m sparsetx.tools.sweep --budgets=3e9,6e9 --ffn_types=mlp,sgatlin,fff --base_config=configs/sweep_cpu.py \\
-      --d_models=32,64 --workdir=sweeps/tiny
-
-Modes: run (train the unfinished runs sequentially, in this process or with --subprocess each as its printed
-command, then collect), print (the commands only), collect (the finished runs only; missing ones are listed).
-A run whose workdir already holds its final evaluation is collected, not re-run; one stopped part-way resumes.
-Accounting and the perplexity definition: sparsetx/train/sweep.py. Writes into --workdir:
-  sweep.json                       one row per run (plan, parameters, FLOPs, tokens, steps, validation numbers)
-  isoflop_perplexity_vs_size.png   per budget, perplexity against total and against active parameters, one line
-                                   per type (the sgatlin paper's Figure 3)
-  best_perplexity_vs_compute.png   per type, the best perplexity of each budget against the budget (its Figure 1)
+More: docs/modules.md, sparsetx/tools/sweep.py.
 """
 
 import dataclasses

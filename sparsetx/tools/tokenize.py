@@ -6,14 +6,7 @@
 Shards run as a Ray Data pipeline (sparsetx/data/tokenize_ray.py): a local runner of --workers CPUs, or the cluster
 at --ray_address, the only flag that changes between the two.
 
-Every task of config.data.mixture and each split it has (train; validation where defined) runs through the task's
-own source, preprocessors and vocabulary (whole documents, each ending in EOS) and is written as token shards
-(sparsetx/data/token_store.py), then DIR/manifest.json. `--config.data....` overrides apply as in training, so the
-config that trains is the one that tokenizes. DIR may be local or gs://. Shards per split default to the number of
-input files, at least --workers (sparsetx/data/pretokenize.py says why). Interrupted, the same command finishes
-the corpus: complete shards are kept, incomplete ones rewritten. A corpus tokenized with another config (other
-vocabulary, sources or input files) in DIR is an error unless --overwrite. Then train on it with
-`--config.data.tokenized_dir=DIR`.
+More: docs/modules.md, sparsetx/tools/tokenize.py.
 """
 
 import os

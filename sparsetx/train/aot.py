@@ -1,14 +1,7 @@
 """Ahead-of-time view of a training run: build abstractly, lower and compile the train step on a
 declared mesh, and report what each device holds, moves and computes. No array is allocated.
 
-Used by sparsetx/tools/dry_run.py (simulated CPU devices) to size billion-parameter models before a job
-starts; the sampler's cached decoding is lowered beside the sampler (sparsetx/evaluate/aot.py). The numbers:
-  - parameters and optimizer state per device, from the abstract state and its shardings;
-  - the compiler's memory analysis of the step (arguments, outputs, temporaries; per device);
-  - FLOPs per step: the ladder's model count (6 * params-style accounting, sparse layers by their
-    active work) and the compiler's cost analysis of one device's program;
-  - every collective in the compiled program with its result size and group size. Collectives
-    inside loops (layer scans, micro-batches, kernel chunks) are listed once, as XLA prints them.
+More: docs/modules.md, sparsetx/train/aot.py.
 """
 
 import collections

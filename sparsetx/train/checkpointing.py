@@ -5,10 +5,7 @@ complete (orbax's atomic finalize), so a run killed mid-save resumes from the pr
 step has its data position (`data`: the stream's step and fingerprint, see sparsetx/data/global_stream.py).
 A step-0 start (sparsify, HF import) has none: its stream starts at the beginning.
 
-Opening a step checks that it can be read (`Checkpointer.verify`: every item, the arrays' metadata, for
-training the data state of every process), and a failed read of its arrays is reported the same way: one
-`CheckpointError` naming the step, what is wrong and the flag that picks another saved step
-(`--config.checkpoint.restore_step=N` to resume, `--step=N` to evaluate or export). Nothing is deleted.
+More: docs/modules.md, sparsetx/train/checkpointing.py.
 """
 
 import contextlib

@@ -1,22 +1,6 @@
 """The training loop: mesh -> sharded state -> data -> jitted steps -> metrics, evals, checkpoints.
 
-A run in a workdir that holds checkpoints resumes from the newest one (or config.checkpoint.restore_step,
-whose later steps are moved to <workdir>/superseded/), after checking that it can be read (model state, and
-the data position: a step number and fingerprint that resume on any number of processes, see
-sparsetx/data/global_stream.py); a step-0 checkpoint (sparsetx/tools/sparsify.py, HF import)
-gives only the parameters: the optimizer state and the data stream start fresh from this run's config.
-SIGTERM saves the current step and returns normally. A non-finite loss stops the run
-before anything non-finite is saved.
-
-The host runs one step ahead of the devices: it dispatches step N, then reads step N-1's metrics
-(the non-finite check and the log), then reads and places the batch of step N+1 while step N runs.
-It waits on step N itself only where the state must be known good: before an evaluation or a
-checkpoint of step N (the state is donated to step N+1, so both happen before N+1 is dispatched),
-and at the end. The next batch is read after any save, so a saved data position is exact.
-
-The console gets a short summary of the run (type, parameters, mesh, tokens per step; the whole config is
-written to <workdir>/config.json), one progress line per config.train.log_every steps (step, loss,
-tokens/s, ETA) and one line per evaluation; every metric goes to metrics.jsonl and TensorBoard.
+More: docs/modules.md, sparsetx/train/loop.py.
 """
 
 import json

@@ -1,18 +1,6 @@
 """Per-layer usage statistics of the sparse feed-forward layers, from the circuits they tap.
 
-Computed inside the jitted step from the `intermediates` the layers sow (unused taps are removed
-by XLA's dead-code elimination). Counts only real tokens (loss weight > 0).
-  used      fraction of neurons (sgatlin, PEER), nodes (FFF) or experts (MoE) picked at least once
-  gini      Gini coefficient of the usage counts (0 = uniform, 1 = one unit takes everything); for FFF
-            over the leaves of all trees, so a balanced tree scores 0 at any depth (over all nodes it
-            would not: the root sees every token, a leaf a fraction)
-  gini_level_l  FFF: Gini over the nodes of level l (1 = the root's children .. depth = the leaves)
-  leftmost_leaf_share  FFF: share of tokens reaching each tree's leftmost leaf (balanced: 2**-depth),
-            averaged over trees; left_turns: fraction of routing decisions going left (balanced: 0.5)
-  path_entropy  FFF: entropy in bits of the leaf distribution, averaged over trees (max = depth)
-  max_load  MoE: the busiest expert's share of routed tokens times n_experts (1 = balanced)
-  aux_loss, router_z_loss  MoE: the Switch load-balancing value N * sum f_i P_i (1 = balanced) and the router
-            z-loss mean(logsumexp(logits)**2), unweighted (models/ffn/moe.py)
+More: docs/modules.md, sparsetx/train/sparse_stats.py.
 """
 
 import jax.numpy as jnp

@@ -1,23 +1,6 @@
 """Isoflop sweeps (sgatlin paper Sec. 3.1): the runs that spend each FLOP budget, their commands and results.
 
-A run is one (FLOP budget, feed-forward type, model size). Its config is exactly what its launch command
-  python -m sparsetx.train --config=BASE:ARG [size flags] [overrides] --config.train.steps=N --workdir=DIR
-parses to (a private copy of the trainer's absl / ml_collections flags), so a printed command and a run
-started in-process or by subprocess train the same model. Sizes are either ladder rungs
-(`configs/ladder.py:FFN,SCALE`, Listing 2) or, for CPU-sized sweeps, d_model values (and optionally layer
-counts) set by `--config.model.d_model=` on a base config that takes the type as its argument
-(`configs/sweep_cpu.py:FFN`). A d_model size also sizes the feed-forward layer from d_model as the ladder
-does (ffn_size_args), so no type keeps a width meant for another d_model: at equal budget and d_model,
-runs differ only in the feed-forward layer, and the FLOPs per token it costs set their token counts.
-
-Accounting (sparsetx/models/ladder.py, on the run's actual model config): forward FLOPs per token at the
-trained context config.data.seq_len; training costs 3 x forward, so tokens = floor(budget / (3 * forward)),
-and steps = ceil(tokens / (global_batch_size * seq_len)): a run spends at most one step more than its budget.
-
-A run's result is the last evaluation in its metrics.jsonl, which the trainer writes at the final step:
-loss and perplexity per validation task, and `perplexity` = exp(mean of the task losses) (the geometric
-mean of the task perplexities); that one is plotted. A run whose metrics hold that evaluation is finished
-and is collected, never re-run; a run stopped part-way resumes from its checkpoint.
+More: docs/modules.md, sparsetx/train/sweep.py.
 """
 
 import dataclasses

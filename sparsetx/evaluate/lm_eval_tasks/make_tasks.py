@@ -1,17 +1,8 @@
 """Writes the local lm-eval tasks of this directory from the embedded corpus's fact table.
 
-`python -m sparsetx.evaluate.lm_eval_tasks.make_tasks` rewrites, deterministically:
+`python -m sparsetx.evaluate.lm_eval_tasks.make_tasks` rewrites, deterministically (listed in docs/modules.md).
 
-* facts.jsonl: one document per fact, in table order: noun, adjective, `label` (the fact's index in
-  the adjective list, for the cloze), `choices` (the adjective and 3 other fact adjectives in a
-  seeded order) and `choice_label` (the adjective's index among them).
-* sparsetx_facts_cloze.yaml: "The <noun> was" -> which of all 80 fact adjectives (" <adjective>.")
-  is most likely: multiple choice over every adjective, metric acc (chance 1/80).
-* sparsetx_facts_choice.yaml: the same context, the right adjective among 4 (chance 1/4).
-
-Both read facts.jsonl with lm-eval's standard `dataset_path: json` and `dataset_kwargs.data_files`,
-so nothing is downloaded. `datasets` resolves a relative data file against the working directory, so
-the YAML names the file from the repository root: run lm-eval from there (sparsetx/tools/lm_eval_cli.py).
+More: docs/modules.md, sparsetx/evaluate/lm_eval_tasks/make_tasks.py.
 """
 
 import json

@@ -1,21 +1,6 @@
 """PyTorch reimplementation of sparsetx's decoder (sparsetx/models/transformer.py) for exported checkpoints.
 
-Copied into an export directory and loaded with `AutoModelForCausalLM.from_pretrained(dir,
-trust_remote_code=True)`. It imports torch and transformers only, and computes what the JAX model
-computes: the same norms and epsilon, GPT-NeoX rotary (rotate-half on the first
-`int(head_dim * rotary_fraction)` dims of each head), sequential or parallel blocks, tied or untied
-head, and every feed-forward type sparsetx builds: mlp, swiglu, moe, peer, sgatlin (all activations,
-product or PEER router) and fff (fff, fff_post), also mixed per layer (`ffn_layers` / `dense_ffn`, from
-sparsetx/tools/sparsify.py). Taps are not needed here (they are identity). Precision follows sparsetx: the
-matmuls run in the dtype the weights are loaded in (float32 exports match the JAX model's float32
-logits to ~1e-6; load a bfloat16 export with `dtype=torch.float32` for the same), while norms, rotary,
-attention softmax, router scores and both top-k stages, the sparse layers' sums and the logits are float32.
-
-Parameters keep sparsetx's names and flax layouts, so the checkpoint is the flax tree flattened: the
-tensor of flax path `layers_0/attention/query/kernel` is `model.layers.0.attention.query.kernel`
-(`lm_head/kernel` is `lm_head.kernel`), and kernels multiply as `x @ W` over their leading input axes.
-
-There is no KV cache: every forward (also each generation step) recomputes the whole sequence.
+More: docs/modules.md, sparsetx/hf/modeling/modeling_sparsetx.py.
 """
 
 import math

@@ -1,24 +1,6 @@
 """FFF: fast feed-forward layers, P parallel hard-routed binary trees of depth D (FFF seed paper, Sec. 3).
 
-Each tree holds `2**(D+1) - 1` nodes in heap order, node = (w_in, b_in, w_out). Per token and tree,
-start at the root; at each of the D+1 levels evaluate z = <x, w_in> + b_in and go to child
-`2s + 2` if z > 0 else `2s + 1` (a logit of exactly 0 goes left). Then
-  fff:       y = b_out + sum_p sum_levels GELU(z) * w_out
-  fff_post:  y = GELU(b_out + sum_p sum_levels z * w_out).
-No gradient flows through the routing decision. GELU is the exact erf form, as the FFF paper's code and
-UltraFastBERT (torch's default nn.GELU) compute it; `ffn.gelu_approximate=True` gives the tanh form.
-
-Two implementations that agree in values and gradients:
-  sparse        kernels/tree_route.py: the top DENSE_LEVELS levels (7 nodes per tree) by one dense matmul, deeper
-                levels by gathering one row per (token, tree, level); their outputs through the shared
-                gated gather (rows tree * n_nodes + node, gates 1, bias b_in) fed the walk's logits;
-  masked_dense  evaluates every node and masks with the path (the paper's analysis form; a reference).
-
-Over several devices (sparse implementation) the trees are split over the expert axis and tokens move instead of
-nodes: routing never leaves a tree, so each device walks its own trees for the tokens gathered from the
-devices along the expert axis.
-b_out and the fff_post GELU apply after the sum over trees. sparsetx/parallel/dispatch.py decides the
-form; docs/expert_parallel.md has the collectives and their bytes.
+More: docs/modules.md, sparsetx/models/ffn/fff.py.
 """
 
 import functools

@@ -6,18 +6,7 @@ one grouped matmul (sparsetx/kernels/grouped_matmul.py: Mosaic GPU or Triton ker
 dot on TPU) over exactly the tokens routed to it. No expert sees a token it was not chosen for, and no token is
 dropped for capacity.
 
-Over several devices the experts are split over the expert axis and tokens move instead of experts: each token goes
-to the devices owning its k experts (a ragged all-to-all), each device runs `sorted_experts` for its own experts over
-the rows it received, still dropless, and the k outputs come back to the token's device to be weighted and summed.
-sparsetx/parallel/dispatch.py decides the form; docs/expert_parallel.md has the collectives and their bytes.
-
-Load balancing (optional; both 0 by default, the seed paper's baseline): `ffn.aux_loss` weights the Switch
-Transformer auxiliary loss N * sum_i f_i * P_i (f_i: the share of the routed (token, slot) pairs that go to
-expert i, so with k > 1 the k picks of a token count once each and the balanced value is 1 for any k;
-P_i: the mean over tokens of softmax(all N router logits)_i; gradient flows through P only), and
-`ffn.router_z_loss` the ST-MoE router z-loss mean(logsumexp(logits)**2). Both are means over the real
-tokens (loss weight > 0) of a batch, summed over the MoE layers and added to the training loss
-(sparsetx/train/loss.py); their unweighted values are reported per layer (sparse_stats).
+More: docs/modules.md, sparsetx/models/ffn/moe.py.
 """
 
 import functools

@@ -6,9 +6,7 @@ softmax-normalized. As the authors' code computes it, y = sum softmax(scores) * 
 (the gate outside the activation) with `jax.nn.gelu`'s default tanh approximation
 (`ffn.gelu_approximate=False` gives the exact erf form). (PEER's query batch norm is not part of the baseline in the seed paper.)
 
-Over several devices the one table, shared by the channels, cannot be split by channel: it is split by
-d_model over the devices the rules give its `embed` axis, and tokens move instead of the table.
-sparsetx/parallel/dispatch.py decides the form; docs/expert_parallel.md has the collectives and their bytes.
+More: docs/modules.md, sparsetx/models/ffn/peer.py.
 """
 
 import functools

@@ -1,17 +1,6 @@
 """sgatlin: sparsely gated linear neurons (seed paper eq. 1-2, Appendix A, Listing 1).
 
-Per channel c a product-key gate picks exactly k of d_ffw rank-one neurons;
-out = sum_c sum_{i in topk_c} g_{c,i} * w_out_{c,i} * <w_in_{c,i}, z>. The gates are the raw summed
-product-key scores (no softmax, no scaling) and nothing is nonlinear but the top-k itself. Options
-for the paper's ablations (Table 1): an activation (`ffn.activation`: relu | gelu | swish) applied as
-the authors' code applies it, to the gated pre-activation, act(g_{c,i} * <w_in_{c,i}, z>), with GELU in
-`jax.nn.gelu`'s default tanh form unless `ffn.gelu_approximate=False`; and PEER's router (per-channel
-query and a softmax over the k scores) in place of the shared-query product keys.
-
-Over several devices the table is split by channel over the expert axis (and by d_model where the rules say so);
-each channel takes exactly k rows per token, so the load is balanced whatever the routing, and tokens
-move instead of the table. sparsetx/parallel/dispatch.py decides the form; docs/expert_parallel.md has
-the collectives and their bytes.
+More: docs/modules.md, sparsetx/models/ffn/sgatlin.py.
 """
 
 import flax.linen as nn
