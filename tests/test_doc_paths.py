@@ -1,6 +1,8 @@
 """Every repository path that the package's docstrings and comments or the documentation name exists (a file or
-folder of this checkout): a renamed or deleted file cannot leave its old name behind in the prose."""
+folder of this checkout): a renamed or deleted file cannot leave its old name behind in the prose. Module
+docstrings stay short."""
 
+import ast
 import re
 
 from conftest import REPO
@@ -29,3 +31,13 @@ def test_every_named_path_exists():
   assert "sparsetx/data/global_stream.py" in named and "docs/kernels.md" in named  # the scan reads prose
   missing = {path: sorted(where) for path, where in named.items() if not (REPO / path).exists()}
   assert not missing, missing
+
+
+def test_module_docstrings_are_short():
+  """A module docstring says what the module is and why in at most 10 lines; longer notes go to docs/."""
+  long = {}
+  for source in REPO.glob("sparsetx/**/*.py"):
+    doc = ast.get_docstring(ast.parse(source.read_text(encoding="utf-8")), clean=False)
+    if doc and len(doc.strip("\n").split("\n")) > 10:
+      long[str(source.relative_to(REPO))] = len(doc.strip("\n").split("\n"))
+  assert not long, long

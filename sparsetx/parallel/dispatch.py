@@ -1,7 +1,7 @@
 """The dispatcher: layers describe their sparse computation; this module decides where it runs.
 
-A feed-forward layer hands its arrays, gating, kernel options, its table's logical axes and the config
-field to name in errors to one entry per sparse op; the entry reads the mesh and rules in the context
+A feed-forward layer hands its arrays, gating, kernel options and its table's logical axes to one entry per
+sparse op; the entry reads the mesh and rules in the context
 (expert_parallel.activate) and runs the plain single-device computation or its expert-parallel form (listed in docs/modules.md).
 
 More: docs/modules.md, sparsetx/parallel/dispatch.py.
@@ -52,12 +52,11 @@ def placed_names(names: tuple, placement: str) -> tuple:
 
 @dataclasses.dataclass(frozen=True)
 class NeuronTable:
-  """A layer's neuron table as stored: its logical axes, which of them holds its units, their count, the field."""
+  """A layer's neuron table as stored: its logical axes, which of them holds its units, and their count."""
 
   axes: tuple  # logical axis names of the parameter as the layer gives them, e.g. (None, "channel", "neuron", "embed")
   unit_axis: str | None  # the units' logical name ("channel"); None for a table shared by every channel (PEER)
   n_units: int
-  field: str  # the config field a ConfigError names when the units don't split over their devices
   placement: str = "expert"  # one of PLACEMENTS
 
   @property
@@ -70,7 +69,7 @@ class NeuronTable:
     the fsdp and data placements, whose tables are whole where the kernels run)."""
     if self.placement != "expert":
       return None
-    return ep.table_group(self.axes, self.unit_axis, self.n_units, n_tokens, self.field)
+    return ep.table_group(self.axes, self.unit_axis, self.n_units, n_tokens)
 
 
 _TABLES = contextvars.ContextVar("sparsetx_tables", default=None)  # {param path: (axes, local)} while recording
@@ -374,7 +373,6 @@ def tree_walk(
   options,
   *,
   table_axes,
-  field: str,
   placement: str = "expert",
   bias_axes=("tree", "node"),
 ):
@@ -398,7 +396,7 @@ def tree_walk(
     )
     return y_ND.reshape(B, T, D), path_NPL.reshape(B, T, P, L), z_NPL.reshape(B, T, P, L)
   P = ep.whole_units(P, table_axes[0])  # the expert placement's tables may be blocks (`table_param`)
-  group = ep.expert_group(table_axes[0], P, B * T, field)
+  group = ep.expert_group(table_axes[0], P, B * T)
   if group is None:
     y_ND, path_NPL, z_NPL = sparse_forward(x_ND, w_in_PZD, b_in_PZ, w_out_PZD, depth, activation, options)
   else:
@@ -427,7 +425,6 @@ def expert_dispatch(
   tables,
   *,
   table_axes,
-  field: str,
   placement="expert",
   table_names=None,
 ):
@@ -448,7 +445,7 @@ def expert_dispatch(
   flat = (x_BTD.reshape(B * T, D), ids_BTA.reshape(B * T, A), weights_BTA.reshape(B * T, A))
   group = None
   if placement == "expert":
-    group = ep.expert_group(table_axes[0], ep.whole_units(tables[0].shape[0], table_axes[0]), B * T, field)
+    group = ep.expert_group(table_axes[0], ep.whole_units(tables[0].shape[0], table_axes[0]), B * T)
   if group is None:  # every expert on every device: each sorts and computes its own tokens' pairs
     names = tuple(placed_names(n, placement) for n in (table_names or (table_axes,) * len(tables)))
     (y_ND,) = on_own_tokens(lambda *args: (experts_fn(*args),), flat, tuple(tables), names)

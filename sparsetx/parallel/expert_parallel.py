@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from sparsetx.config import DEFAULT_RULES, ConfigError, rule_axes
+from sparsetx.config import DEFAULT_RULES, rule_axes
 from sparsetx.kernels import token_shards
 
 # Put first in config.mesh.rules, these split every `embed` axis over fsdp x expert and keep channels whole:
@@ -108,12 +108,12 @@ class ExpertGroup:
     return self.split or None
 
 
-def expert_group(logical_name: str, n_units: int, n_tokens: int, field: str):
+def expert_group(logical_name: str, n_units: int, n_tokens: int):
   """The ExpertGroup for units named `logical_name`, or None to run the plain computation.
 
   None when there is no mesh in the context, when the units' mesh axes have size 1, or when the
-  tokens don't split evenly over the batch axes (e.g. a batch of 1 at init). Units that don't
-  split evenly are a config mistake and are refused, naming `field`.
+  tokens don't split evenly over the batch axes (e.g. a batch of 1 at init). Units split evenly:
+  setup refused any config where they don't (models/ffn/placement.check_units_divide).
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is None or mesh.empty:
@@ -122,7 +122,7 @@ def expert_group(logical_name: str, n_units: int, n_tokens: int, field: str):
   group = ExpertGroup(
     mesh, sized_axes(mesh, rule_axes(rules, "batch")), sized_axes(mesh, rule_axes(rules, logical_name))
   )
-  return _checked(group, n_units, n_tokens, field) if group.units else None
+  return _checked(group, n_units, n_tokens) if group.units else None
 
 
 def sized_axes(mesh, axes) -> tuple:
@@ -136,20 +136,17 @@ def active_mesh_axes(mesh, logical_name: str) -> tuple:
   return sized_axes(mesh, rule_axes(_RULES.get(), logical_name))
 
 
-def _checked(group: ExpertGroup, n_units: int, n_tokens: int, field: str):
-  """The group, refusing units that don't split evenly (naming `field`); None if the tokens don't split."""
-  if n_units % group.n_unit_shards:
-    shape = " x ".join(f"{a}={group.mesh.shape[a]}" for a in group.units)
-    raise ConfigError(
-      f"{field}={n_units} is not divisible by the {group.n_unit_shards} devices of the mesh axes it is split over "
-      f"({shape}); make {field} a multiple of {group.n_unit_shards} or shrink those mesh axes."
-    )
+def _checked(group: ExpertGroup, n_units: int, n_tokens: int):
+  """The group, or None if the tokens don't split; the units split, as setup checked (check_units_divide)."""
+  assert n_units % group.n_unit_shards == 0, (
+    f"{n_units} units over {group.n_unit_shards} devices: placement.check_units_divide should have refused this"
+  )
   if n_tokens % group.n_token_shards:
     return None
   return group
 
 
-def table_group(table_names, unit_name, n_units: int, n_tokens: int, field: str):
+def table_group(table_names, unit_name, n_units: int, n_tokens: int):
   """The ExpertGroup of a neuron table (sgatlin, PEER) as the rules lay it out, or None for the plain computation.
 
   The table's PartitionSpec comes from its logical names under the rules (flax's assignment, so it
@@ -169,7 +166,7 @@ def table_group(table_names, unit_name, n_units: int, n_tokens: int, field: str)
   group = ExpertGroup(mesh, sized_axes(mesh, rule_axes(rules, "batch")), units, sized_axes(mesh, spec[-1]))
   if not group.units and not group.split:
     return None
-  return _checked(group, n_units, n_tokens, field)
+  return _checked(group, n_units, n_tokens)
 
 
 def table_spec(table_names, rules) -> tuple:

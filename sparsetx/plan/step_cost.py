@@ -121,13 +121,13 @@ def placement_options(config, ffn, mesh_shape: dict) -> dict:
 
 
 def choose_placement(config, ffn, mesh_shape: dict) -> tuple[str, dict]:
-  """(the placement `ffn` runs, placement_options): its config value, or under "auto" the runnable one that sends
-  the fewest bytes per device and step (ties: expert, then fsdp, then data, the order of dispatch.PLACEMENTS;
+  """(the placement `ffn` runs, placement_options or None): its config value, or under "auto" the runnable one that
+  sends the fewest bytes per device and step (ties: expert, then fsdp, then data, the order of dispatch.PLACEMENTS;
   expert when none can run, whose error then names the field)."""
-  options = placement_options(config, ffn, mesh_shape)
   wanted = ffn.get("placement", "auto")
-  if wanted != "auto":
-    return wanted, options
+  if wanted != "auto":  # no cost model to run
+    return wanted, None
+  options = placement_options(config, ffn, mesh_shape)
   runnable = [p for p in dispatch.PLACEMENTS if not options[p].refused]
   return (min(runnable, key=lambda p: options[p].nbytes) if runnable else "expert"), options
 
@@ -157,7 +157,8 @@ def format_placements(config, mesh_shape: dict) -> str:
   for ffn, layers, prefix in distinct_ffns(config.model):
     if not placeable(ffn):
       continue
-    chosen, options = choose_placement(config, ffn, mesh_shape)
+    chosen = choose_placement(config, ffn, mesh_shape)[0]
+    options = placement_options(config, ffn, mesh_shape)
     span = f"layers {layers[0]}..{layers[-1]}" if len(layers) > 1 else f"layer {layers[0]}"
     how = "auto: fewest bytes" if ffn.get("placement", "auto") == "auto" else f"{prefix}.placement"
     lines.append(

@@ -119,8 +119,9 @@ def setup(config: ml_collections.ConfigDict, devices=None, mesh=None) -> Setup:
   or `mesh` as given (the ahead-of-time compile's target, possibly abstract), of which only the sparse layers'
   units are checked: the batch sizes there are the caller's."""
   if mesh is None:
-    mesh = checked_mesh(config, devices)
-  else:
-    placement.check_units_divide(step_cost.resolve_placements(config, dict(mesh.shape)), mesh)
+    mesh = mesh_lib.make_mesh(config.mesh, devices)
+    check_batch_divides(config, mesh)
+  config = step_cost.resolve_placements(config, dict(mesh.shape))  # the plan, once; every later call sees it
+  placement.check_units_divide(config, mesh)
   abstract, shardings, model, tx = state_shardings(config, mesh)
   return Setup(mesh, model, tx, abstract, shardings, mesh_lib.batch_sharding(mesh, config.mesh.rules))

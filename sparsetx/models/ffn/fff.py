@@ -77,7 +77,6 @@ class Fff(nn.Module):
         act,
         options,
         table_axes=TABLE_AXES,
-        field="config.model.ffn.n_trees",
         placement=placement,
         bias_axes=BIAS_AXES,
       )

@@ -127,7 +127,6 @@ class Moe(nn.Module):
       weights_BTA,
       (wi_gate, wi_up, wo),
       table_axes=TABLE_AXES,
-      field="config.model.ffn.n_experts",
       placement=placement,
       table_names=(TABLE_AXES, TABLE_AXES, OUT_AXES),
     )

@@ -34,7 +34,7 @@ class Peer(nn.Module):
   def __call__(self, x_BTD):
     ffn = self.cfg.ffn
     F, D = ffn.d_ffw, self.cfg.d_model
-    table = dispatch.NeuronTable(TABLE_AXES, None, 1, "config.model.ffn", dispatch.placement_of(ffn))
+    table = dispatch.NeuronTable(TABLE_AXES, None, 1, dispatch.placement_of(ffn))
     x_BTD = dispatch.place_on_token_shards(x_BTD, table)
     scores_BTCK, idx_BTCK = make_router("peer", ffn, jnp.dtype(self.cfg.param_dtype))(x_BTD)
     scores_BTCK = dispatch.place_on_token_shards(scores_BTCK, table)

@@ -41,7 +41,7 @@ class Sgatlin(nn.Module):
   def __call__(self, x_BTD):
     ffn = self.cfg.ffn
     C, F, D = ffn.n_channels, ffn.d_ffw, self.cfg.d_model
-    table = dispatch.NeuronTable(TABLE_AXES, "channel", C, "config.model.ffn.n_channels", dispatch.placement_of(ffn))
+    table = dispatch.NeuronTable(TABLE_AXES, "channel", C, dispatch.placement_of(ffn))
     x_BTD = dispatch.place_on_token_shards(x_BTD, table)
     scores_BTCK, idx_BTCK = make_router(ffn.router, ffn, jnp.dtype(self.cfg.param_dtype))(x_BTD)
     scores_BTCK = dispatch.place_on_token_shards(scores_BTCK, table)
