@@ -82,14 +82,15 @@ def kernel_operands(lowered_text: str, names=ROW_KERNELS) -> list:
 def expected_kernels(ffn_type: str, target: str, program: str) -> dict:
   """Per program and sparse layer (kernels/row_gather.py): a forward is row_dots (<w_in, x>; FFF's walk: one per
   walked level instead) and row_accumulate (the gated w_out rows); a backward is one more of each (dy . w_out, dx)
-  and two segment_sums (both tables' gradients). train = forward + backward, eval = forward, generate = prefill +
+  and four segment_sums (per table's gradient: its rows cut at kernel.segment_chunk pairs, then the cut rows
+  combined, kernels/row_chunks.py; every case here has more pairs than one chunk). train = forward + backward, eval = forward, generate = prefill +
   one decode step. Mosaic GPU's calls carry no kernel name: their total."""
   if ffn_type not in GATHER_TYPES:
     return {}
   forward_dots = FFF_DEPTH + 1 - 3 if ffn_type == "fff" else 1
   forward = {"row_dots": forward_dots, "row_accumulate": 1}
   per_layer = {
-    "train": {"row_dots": forward_dots + 1, "row_accumulate": 2, "segment_sums": 2},
+    "train": {"row_dots": forward_dots + 1, "row_accumulate": 2, "segment_sums": 4},
     "eval": forward,
     "generate": {name: 2 * n for name, n in forward.items()},
   }[program]
@@ -143,7 +144,7 @@ def test_kernels_lower_with_every_activation(target, activation, gate_inside):
   with aot.on_topology(topology):
     traced = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))).trace(x, table, table, gates, bias, rows)
     text = traced.lower().as_text()
-  assert gather_kernels(text, target) == {"row_dots": 2, "row_accumulate": 2, "segment_sums": 2}
+  assert gather_kernels(text, target) == {"row_dots": 2, "row_accumulate": 2, "segment_sums": 4}
 
 
 @pytest.mark.parametrize(
