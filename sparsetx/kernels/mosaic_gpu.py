@@ -61,9 +61,11 @@ def _block_d(d_model, itemsize, options, multiple=1):
   return fits[-1]
 
 
-def _check_tokens(n_tokens):
-  if n_tokens % BLOCK_TOKENS:
-    raise ValueError(f"mosaic_gpu kernels take tokens in blocks of {BLOCK_TOKENS}; got {n_tokens} (pad first).")
+def _pad_tokens(*arrays_SN):
+  """The [S, N] operands with N padded to whole token blocks (padding tokens read row 0 with coefficient 0)."""
+  n_tokens = arrays_SN[0].shape[1]
+  pad = -n_tokens % BLOCK_TOKENS
+  return [jnp.pad(a, ((0, 0), (0, pad))) for a in arrays_SN]
 
 
 def _check_smem(nbytes, options):
@@ -160,10 +162,12 @@ def _specialized_kernel(body, out_type, grid, scratch_types, interpret):
 
 def row_dots(lhs_ND, table_RD, rows_SN, options):
   """dots [S, N] float32: <lhs[t], table[rows[s, t]]>, both operands rounded to lhs's dtype, summed in float32."""
+  n_real = lhs_ND.shape[0]
+  (rows_SN,) = _pad_tokens(rows_SN)
+  lhs_ND = jnp.pad(lhs_ND, ((0, rows_SN.shape[1] - n_real), (0, 0)))
   n_tokens, d_model = lhs_ND.shape
   n_slots = rows_SN.shape[0]
   dtype = lhs_ND.dtype
-  _check_tokens(n_tokens)
   block_d = _block_d(d_model, min(dtype.itemsize, table_RD.dtype.itemsize), options)
   stages = options.stages
   per_slot_bytes = 2 * 4 * n_slots * BLOCK_TOKENS  # the block's rows and dots
@@ -228,15 +232,16 @@ def row_dots(lhs_ND, table_RD, rows_SN, options):
     ],
     interpret,
   )
-  return kernel(lhs_ND, table_RD, rows_SN)
+  return kernel(lhs_ND, table_RD, rows_SN)[:, :n_real]
 
 
 def row_accumulate(coef_SN, table_RD, rows_SN, out_dtype, options):
   """out [N, D] in out_dtype: sum_s coef[s, t] * table[rows[s, t]] (rows rounded to out_dtype, float32 sums)."""
+  n_real = coef_SN.shape[1]
+  coef_SN, rows_SN = _pad_tokens(coef_SN, rows_SN)
   n_slots, n_tokens = coef_SN.shape
   d_model = table_RD.shape[1]
   out_dtype = jnp.dtype(out_dtype)
-  _check_tokens(n_tokens)
   block_d = _block_d(d_model, min(out_dtype.itemsize, table_RD.dtype.itemsize), options)
   stages = options.stages
   per_slot_bytes = 2 * 4 * n_slots * BLOCK_TOKENS  # the block's rows and coefficients
@@ -297,7 +302,7 @@ def row_accumulate(coef_SN, table_RD, rows_SN, out_dtype, options):
     ],
     interpret,
   )
-  return kernel(coef_SN, table_RD, rows_SN)
+  return kernel(coef_SN, table_RD, rows_SN)[:n_real]
 
 
 def _row_chunk_layout(block_d):

@@ -28,7 +28,7 @@ def cpu_chunk(size: int, n: int) -> int:
 
 
 def kernel_backend(options: KernelOptions):
-  """The backend module whose row kernels this call runs, or None for the XLA path (xla_gather.py)."""
+  """The backend module (a backend.RowKernels) whose row kernels this call runs, or None for the XLA path."""
   implementation = options.implementation
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"kernel implementation={implementation!r} is unknown; use one of {IMPLEMENTATIONS}.")

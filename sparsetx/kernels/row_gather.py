@@ -1,36 +1,21 @@
-"""The gated gather on a GPU or TPU, composed from one backend's two row kernels.
-
-  row_dots:        dots[s, t] = <lhs[t], table[rows[s, t]]>            (forward: x . w_in; backward: dy . w_out;
-                                                                        FFF's walk: x . w_in per level)
-  row_accumulate:  out[t]     = sum_s coef[s, t] * table[rows[s, t]]    (forward: y from w_out; backward: dx from w_in)
+"""The gated gather on a GPU or TPU, composed from one backend's two row kernels (kernels/backend.py): row_dots
+gives the forward's x . w_in, the backward's dy . w_out and FFF's per-level logits; row_accumulate the forward's y
+from w_out and the backward's dx from w_in.
 
 More: docs/modules.md, sparsetx/kernels/row_gather.py.
 """
 
 import jax.numpy as jnp
 
-from sparsetx.kernels.xla_gather import pad_rows
-
-BLOCK_TOKENS = 64
-
-
-def _padded(n_tokens, *arrays_N):
-  n_padded = -(-n_tokens // BLOCK_TOKENS) * BLOCK_TOKENS
-  return [pad_rows(a, n_padded) for a in arrays_N]
-
 
 def dots(backend, lhs_ND, table_RD, rows_NS, options):
-  """[N, S] float32: <lhs[t], table[rows[t, s]]>, the table's rows rounded to lhs's dtype. Padding tokens read row 0."""
-  n_tokens = lhs_ND.shape[0]
-  lhs_pD, rows_pS = _padded(n_tokens, lhs_ND, rows_NS)
-  return backend.row_dots(lhs_pD, table_RD, rows_pS.T, options).T[:n_tokens]
+  """[N, S] float32: <lhs[t], table[rows[t, s]]>, the table's rows rounded to lhs's dtype."""
+  return backend.row_dots(lhs_ND, table_RD, rows_NS.T, options).T
 
 
 def accumulate(backend, coef_NS, table_RD, rows_NS, out_dtype, options):
-  """[N, D] out_dtype: sum_s coef[t, s] * table[rows[t, s]], float32 sums. Padding tokens have coefficient 0."""
-  n_tokens = coef_NS.shape[0]
-  coef_pS, rows_pS = _padded(n_tokens, coef_NS.astype(jnp.float32), rows_NS)
-  return backend.row_accumulate(coef_pS.T, table_RD, rows_pS.T, out_dtype, options)[:n_tokens]
+  """[N, D] out_dtype: sum_s coef[t, s] * table[rows[t, s]], float32 sums."""
+  return backend.row_accumulate(coef_NS.astype(jnp.float32).T, table_RD, rows_NS.T, out_dtype, options)
 
 
 def forward(backend, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options):

@@ -1,0 +1,42 @@
+"""Every accelerator backend implements the row-kernel interface (kernels/backend.py) with its exact signature, and
+pads its own operands: Mosaic GPU's row kernels take a token count that is no multiple of their 64-token block."""
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparsetx.kernels import mosaic_gpu, pallas_gpu, pallas_tpu
+from sparsetx.kernels.backend import RowKernels
+from sparsetx.kernels.options import KernelOptions
+
+BACKENDS = [mosaic_gpu, pallas_gpu, pallas_tpu]
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda m: m.__name__.split(".")[-1])
+def test_backend_implements_the_row_kernel_interface(backend):
+  assert isinstance(backend, RowKernels)
+  for name in ("row_dots", "row_accumulate", "segment_sums"):
+    want = list(inspect.signature(getattr(RowKernels, name)).parameters)[1:]  # without self
+    assert list(inspect.signature(getattr(backend, name)).parameters) == want, name
+
+
+def test_mosaic_row_kernels_pad_their_own_tokens():
+  n_tokens, n_slots, n_rows, d_model = 70, 3, 40, 128
+  k = jax.random.split(jax.random.key(0), 4)
+  lhs = jax.random.normal(k[0], (n_tokens, d_model), jnp.float32)
+  table = jax.random.normal(k[1], (n_rows, d_model), jnp.float32)
+  rows_SN = jax.random.randint(k[2], (n_slots, n_tokens), 0, n_rows)
+  coef_SN = jax.random.normal(k[3], (n_slots, n_tokens), jnp.float32)
+  options = KernelOptions("pallas", gpu_kernel="mosaic", interpret=True)
+  dots = np.asarray(mosaic_gpu.row_dots(lhs, table, rows_SN, options))
+  out = np.asarray(mosaic_gpu.row_accumulate(coef_SN, table, rows_SN, jnp.float32, options))
+  lhs64, table64, rows, coef = (np.asarray(a, np.float64) for a in (lhs, table, rows_SN, coef_SN))
+  want_dots = np.einsum("td,std->st", lhs64, table64[rows.astype(int)])
+  want_out = np.einsum("st,std->td", coef, table64[rows.astype(int)])
+  # float32 sums of 128 products of unit normals: each rounding at most 2**-24 of a partial sum below ~128 * 4
+  assert dots.shape == (n_slots, n_tokens) and out.shape == (n_tokens, d_model)
+  np.testing.assert_allclose(dots, want_dots, rtol=0, atol=128 * 4 * 128 * 2**-24)
+  np.testing.assert_allclose(out, want_out, rtol=0, atol=3 * 4 * 4 * 2**-24 * 16)
