@@ -83,8 +83,8 @@ def expected_kernels(ffn_type: str, target: str, program: str) -> dict:
   """Per program and sparse layer (kernels/row_gather.py): a forward is row_dots (<w_in, x>; FFF's walk: one per
   walked level instead) and row_accumulate (the gated w_out rows); a backward is one more of each (dy . w_out, dx)
   and four segment_sums (per table's gradient: its rows cut at kernel.segment_chunk pairs, then the cut rows
-  combined, kernels/row_chunks.py; every case here has more pairs than one chunk). train = forward + backward, eval = forward, generate = prefill +
-  one decode step. Mosaic GPU's calls carry no kernel name: their total."""
+  combined, kernels/row_chunks.py; every case here has more pairs than one chunk). train = forward + backward,
+  eval = forward, generate = prefill + one decode step. Mosaic GPU's calls carry no kernel name: their total."""
   if ffn_type not in GATHER_TYPES:
     return {}
   forward_dots = FFF_DEPTH + 1 - 3 if ffn_type == "fff" else 1
@@ -236,12 +236,23 @@ def test_per_device_microbatch_loop_lowers_for_tpu_with_its_kernels(ffn_type, ic
   assert gather_kernels(text, "tpu-v5p") == expected_kernels(ffn_type, "tpu-v5p", "train")
   manual = ", ".join(f'"{a}"' for a in ("data", "fsdp", "expert") if a in ici)
   assert f"manual_axes={{{manual}}}" in text
-  row_operands = [t for types in kernel_operands(text) for t in types if re.fullmatch(r"\d+x128x\w+", t)]
-  assert row_operands and all(t.endswith(BF16_ROWS) for t in row_operands), row_operands
+  assert_bf16_rows(text)
 
 
 # bf16 rows: as bf16, or on TPU as uint32 words of bf16 pairs (pallas_tpu.as_words; a float32 table stays f32)
 BF16_ROWS = ("xbf16", "xui32")
+
+
+def assert_bf16_rows(text: str) -> None:
+  """Every [rows, d_model] operand of a sparse-layer kernel is bf16 (on TPU packed in uint32 words), but the float32
+  partial sums each table's combine of cut rows reads (kernels/row_chunks.py): one per table and layer."""
+  # int32 operands are ids and row ranges (Mosaic GPU's segment_sums takes its [2, R] ranges), not rows
+  rows = [t for types in kernel_operands(text) for t in types if re.fullmatch(r"\d+x128x\w+", t) and "xi32" not in t]
+  partials = [t for t in rows if t.endswith("xf32")]
+  assert rows and all(t.endswith(BF16_ROWS) for t in rows if t not in partials), rows
+  assert len(partials) == 2 * N_LAYERS, rows
+
+
 LOOP_TRIP_BOUND = 8  # the most trips any device loop of a sparse train step may run (here: none, or 1-trip scans)
 TOKENS_PER_DEVICE = (4096, 32768)
 
@@ -251,7 +262,8 @@ TOKENS_PER_DEVICE = (4096, 32768)
 def test_sparse_train_step_has_no_loop_that_grows_with_tokens_and_streams_bf16_tables(ffn_type, target):
   """What the device runs: at 4,096 and 32,768 tokens the train step has the same loops, none longer than
   LOOP_TRIP_BOUND trips (the CPU's cache-sized scans stay on the CPU), and a bf16 run hands the kernels bf16
-  operands only: tables, tokens and gradients (every [rows, d_model] operand is bf16)."""
+  operands: tables, tokens and gradients (every [rows, d_model] operand is bf16 but the cut rows' float32
+  partial sums)."""
   topology, gpu_kernel = TARGETS[target]
   loops = {}
   for tokens in TOKENS_PER_DEVICE:
@@ -260,9 +272,7 @@ def test_sparse_train_step_has_no_loop_that_grows_with_tokens_and_streams_bf16_t
     config.model.max_len = 512
     text = aot.lower_train_step(config_lib.validate(config), topology)
     loops[tokens] = hlo_text.while_loops(text)
-    operands = kernel_operands(text)
     assert gather_kernels(text, target) == expected_kernels(ffn_type, target, "train")
-    row_operands = [t for types in operands for t in types if re.fullmatch(r"\d+x128x\w+", t)]
-    assert row_operands and all(t.endswith(BF16_ROWS) for t in row_operands), row_operands
+    assert_bf16_rows(text)
   assert loops[TOKENS_PER_DEVICE[0]] == loops[TOKENS_PER_DEVICE[1]]
   assert all(trips is not None and trips <= LOOP_TRIP_BOUND for trips in loops[TOKENS_PER_DEVICE[1]]), loops
