@@ -2,6 +2,8 @@
 tokenizer encodes the documents the job stored, the tables give the tokenize ratio and the read rate against the
 bar; the bar is the dry run's analytic projection on the mesh the target builds. No timing is asserted."""
 
+import importlib.util
+
 import jax
 import numpy as np
 import pytest
@@ -14,13 +16,21 @@ from sparsetx.plan import step_cost, targets
 from sparsetx.tools import bench_data
 from sparsetx.train import state as state_lib
 
-BAR = f"{REPO}/configs/ladder.py:sgatlin,5,h100x8"
+
+def ladder_config(arg: str):
+  """configs/ladder.py's get_config(arg), as the --bar flag loads it."""
+  spec = importlib.util.spec_from_file_location("ladder_config", f"{REPO}/configs/ladder.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
 ROWS, SEQ_LEN = 8, 64
 
 
 @pytest.fixture(scope="module")
 def bar():
-  return bench_data.training_bar(BAR)
+  return bench_data.training_bar(ladder_config("sgatlin,5,h100x8"))
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +90,13 @@ def test_the_tables_give_the_ratio_and_each_rate_against_the_bar(inputs, bar):
 
 
 def test_the_bar_is_the_dry_runs_analytic_projection_on_the_targets_mesh(bar):
-  config = bench_data.config_from_file(BAR)
+  config = ladder_config("sgatlin,5,h100x8")
   mesh = state_lib.checked_mesh(config, jax.devices()[:8])  # the mesh the dry run compiles on
   assert targets.mesh_shape(config.mesh, targets.parse("h100x8")) == dict(mesh.shape)
   assert bar.projection == step_cost.project_step(config, dict(mesh.shape), hardware.CHIPS["h100"])
   assert bar.per_chip == pytest.approx(128 * 2048 / bar.projection.step_overlap_s / 8)
   assert bar.per_host == pytest.approx(8 * bar.per_chip) and bar.host_rows == 128 and bar.seq_len == 2048
-  with pytest.raises(config_lib.ConfigError, match="must name a rung on a target"):
-    bench_data.training_bar(f"{REPO}/configs/ladder.py:sgatlin,5")
+  with pytest.raises(config_lib.ConfigError, match="sized for no machine; give --target"):
+    bench_data.training_bar(ladder_config("sgatlin,5"))
+  other = bench_data.training_bar(ladder_config("sgatlin,5,v5p-64"))
+  assert other.chips_per_host == 4 and other.devices == 32  # a Cloud TPU VM feeds 4 chips

@@ -34,6 +34,15 @@ class Target:
   def devices(self) -> int:
     return self.per_granule * self.granules
 
+  @property
+  def per_host(self) -> int:
+    """Chips one host feeds: a GPU node's; a Cloud TPU VM's 4 (a v6e slice of up to 8 chips is one host)."""
+    if self.name.startswith(("h100", "h200")):
+      return self.per_granule
+    return (
+      self.per_granule if self.chip is hardware.CHIPS["v6e"] and self.per_granule <= 8 else min(4, self.per_granule)
+    )
+
 
 def parse(name: str) -> Target:
   """The Target a name gives; a ConfigError naming the forms otherwise."""

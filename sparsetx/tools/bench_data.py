@@ -2,14 +2,12 @@
 consumes.
 
   python -m sparsetx.tools.bench_data [--input=GLOB] [--megabytes=8] [--vocab=DIR] [--steps=20] [--rows=0]
-      [--seq_len=0] [--bar=configs/ladder.py:sgatlin,5,h100x8] [--chips_per_host=0] [--workers=1]
-  python -m sparsetx.tools.bench_data --path=step [--config=configs/tiny.py] [--steps=200] [--train_steps=10]
+      [--seq_len=0] [--bar=configs/ladder.py:sgatlin,5,h100x8] [--target=] [--chips_per_host=0] [--workers=1]
 
 More: docs/modules.md, sparsetx/tools/bench_data.py.
 """
 
 import dataclasses
-import importlib.util
 import os
 import random
 import tempfile
@@ -25,59 +23,35 @@ from absl import flags
 from sparsetx import cli
 from sparsetx import config as config_lib
 from sparsetx.data import bpe_vocab, corpus, global_stream, pretokenize, token_store, vocab
-from sparsetx.parallel import expert_parallel
 from sparsetx.perf import hardware, roofline
 from sparsetx.plan import step_cost, targets
-from sparsetx.train import state as state_lib
-from sparsetx.train import step as step_lib
 
 ENCODE_BATCH = 1024  # documents per encode_batch call: the tokenize job's batch (pretokenize._BATCH)
 TASK = "bench"  # the benchmark's one task: the text files
 BPE_DOCUMENTS = 20_000  # documents a BPE trained here learns from
-TPU_CHIPS_PER_HOST = 4
 
 
 def define_flags() -> dict:
   """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
   return dict(
-    path=flags.DEFINE_enum(
-      "path", "store", ["store", "step"], "store: tokenize and read the token store; step: stream vs train step."
-    ),
     input=flags.DEFINE_string("input", "", "Glob of text files, one document per line; empty: generate --megabytes."),
     megabytes=flags.DEFINE_float("megabytes", 8.0, "Text generated from the embedded corpus when --input is empty."),
     vocab=flags.DEFINE_string("vocab", "", "A GPT-2 BPE (vocab.json + merges.txt directory, or tokenizer.json)."),
     vocab_size=flags.DEFINE_integer("vocab_size", 8192, "Ids of the BPE trained here when --vocab is empty."),
     rows=flags.DEFINE_integer("rows", 0, "Rows per step this host reads; 0: the bar's rows per host."),
     seq_len=flags.DEFINE_integer("seq_len", 0, "Tokens per row; 0: the bar's."),
-    bar=flags.DEFINE_string(
-      "bar", "configs/ladder.py:sgatlin,5,h100x8", "configs/ladder.py:FFN,SCALE,TARGET whose consumption is the bar."
+    bar=cli.define_config_file(
+      "bar", "configs/ladder.py:sgatlin,5,h100x8", "The run whose consumption is the bar (a config sized for a target)."
     ),
-    chips_per_host=flags.DEFINE_integer("chips_per_host", 0, "Chips one host feeds; 0: a GPU target's node, 4 on TPU."),
+    target=flags.DEFINE_string(
+      "target", "", "The bar's machine (h100x8, v5p-64, ...); empty: the one its config names."
+    ),
+    chips_per_host=flags.DEFINE_integer(
+      "chips_per_host", 0, "Chips one host feeds; 0: the target's (Target.per_host)."
+    ),
     workers=flags.DEFINE_integer("workers", 1, "Tokenizer processes of the tokenize job."),
     steps=flags.DEFINE_integer("steps", 20, "Batches timed per path (after two warm-up ones)."),
-    config=flags.DEFINE_string("config", "configs/tiny.py", "--path=step: config file, optionally with ':ARG'."),
-    train_steps=flags.DEFINE_integer("train_steps", 10, "--path=step: train steps timed."),
   )
-
-
-def config_from_file(spec: str) -> ml_collections.ConfigDict:
-  """get_config([ARG]) of the file 'path[:ARG]', a path relative to the working directory (the repository root)."""
-  path, _, arg = spec.partition(":")
-  if not os.path.isfile(path):
-    raise config_lib.ConfigError(
-      f"{spec}: no such file (relative paths start from {os.getcwd()}); give one such as configs/tiny.py."
-    )
-  module_spec = importlib.util.spec_from_file_location("bench_config", path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(arg) if arg else module.get_config()
-
-
-def load_config(spec: str) -> ml_collections.ConfigDict:
-  """--path=step's config: the file's, with the data seq_len set to the model's max_len."""
-  config = config_from_file(spec)
-  config.data.seq_len = config.model.max_len
-  return config_lib.validate(config)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -109,20 +83,19 @@ class Bar:
     return self.global_rows * self.chips_per_host // self.devices
 
 
-def training_bar(spec: str, chips_per_host: int = 0) -> Bar:
-  """The bar of `spec` ('configs/ladder.py:FFN,SCALE,TARGET'): its step as the dry run projects it analytically
-  (step_cost.project_step on the target's mesh), per chip and per host."""
-  target_name = spec.partition(":")[2].split(",")[-1].strip()
-  if spec.partition(":")[2].count(",") != 2:
+def training_bar(config, target_name: str = "", chips_per_host: int = 0) -> Bar:
+  """The bar of a run (`config`, on the target it is sized for or `target_name`): its step as the dry run projects it
+  analytically (step_cost.project_step on the target's mesh), per chip and per host."""
+  target_name = target_name or config.mesh.get("target", "")
+  if not target_name:
     raise config_lib.ConfigError(
-      f"--bar={spec} must name a rung on a target, as configs/ladder.py:FFN,SCALE,TARGET (e.g. "
-      "configs/ladder.py:sgatlin,5,h100x8): the target gives the chips."
+      "--bar names a config sized for no machine; give --target (e.g. h100x8) or a rung on a target, as "
+      "configs/ladder.py:sgatlin,5,h100x8."
     )
-  config = config_lib.validate(config_from_file(spec))
+  config = config_lib.validate(config)
   target = targets.parse(target_name)
-  if chips_per_host <= 0:
-    chips_per_host = target.per_granule if target.name.startswith(("h100", "h200")) else TPU_CHIPS_PER_HOST
-  chips_per_host = min(chips_per_host, target.devices)
+  chips_per_host = min(chips_per_host if chips_per_host > 0 else target.per_host, target.devices)
+  spec = f"{config.model.ffn.type} d_model {config.model.d_model} on {target.name}"
   if config.data.global_batch_size * chips_per_host % target.devices:
     raise config_lib.ConfigError(
       f"--chips_per_host={chips_per_host}: the {config.data.global_batch_size} rows of {spec} do not split evenly "
@@ -387,7 +360,7 @@ def describe(inputs: Inputs, bar: Bar, rows: int, seq_len: int, steps: int) -> s
 
 
 def compare_store(args: SimpleNamespace) -> None:
-  bar = training_bar(args.bar, args.chips_per_host)
+  bar = training_bar(args.bar, args.target, args.chips_per_host)
   rows, seq_len = args.rows or bar.host_rows, args.seq_len or bar.seq_len
   with tempfile.TemporaryDirectory(prefix="sparsetx-bench-data-") as work_dir:
     inputs = prepare(work_dir, args.input, args.megabytes, args.vocab, args.vocab_size, seq_len, rows, args.workers)
@@ -398,81 +371,13 @@ def compare_store(args: SimpleNamespace) -> None:
     print(format_read_table(reads, bar))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# --path=step: the stream against the trainer's step
-
-
-def time_pipeline(iterator, steps: int, global_arrays: bool) -> tuple[float, float]:
-  """Seconds per batch and fraction of real tokens, after two warm-up batches."""
-  fetch = (lambda: next(iterator)) if global_arrays else iterator.next_local
-  for _ in range(2):
-    fetch()
-  real = 0.0
-  start = time.perf_counter()
-  for _ in range(steps):
-    batch = fetch()
-    if global_arrays:
-      jax.block_until_ready(batch)
-    real += float(np.mean(np.asarray(batch["loss_weights"])))
-  return (time.perf_counter() - start) / steps, real / steps
-
-
-def time_train_step(config, built: state_lib.Setup, batch, steps: int) -> float:
-  """Seconds per step of the trainer's jitted train step (forward, backward, optimizer) on `batch`, after the
-  compiling first one: what the training loop runs."""
-  with expert_parallel.activate(built.mesh, config.mesh.rules):
-    state = state_lib.create_state(config, built.shardings, built.model, built.tx)
-    step = step_lib.make_train_step(config, built)
-    state, metrics = step(state, batch)  # compile
-    jax.block_until_ready(metrics["loss"])
-    start = time.perf_counter()
-    for _ in range(steps):
-      state, metrics = step(state, batch)
-    jax.block_until_ready(metrics["loss"])
-  return (time.perf_counter() - start) / steps
-
-
-def compare_step(args: SimpleNamespace) -> None:
-  config = load_config(args.config)
-  data = config.data
-  built = state_lib.setup(config)  # the trainer's mesh on this machine's devices
-  tokens = data.global_batch_size * data.seq_len
-
-  with tempfile.TemporaryDirectory(prefix="sparsetx-bench-data-") as work_dir:
-    start = time.perf_counter()
-    config = pretokenize.train_corpus(config, work_dir)  # as the trainer does: the corpus tokenized first
-    iterator = global_stream.GlobalStream(config, built.batch_sharding)
-    build_s = time.perf_counter() - start
-    host_s, real_fraction = time_pipeline(iterator, args.steps, global_arrays=False)
-    global_s, _ = time_pipeline(iterator, args.steps, global_arrays=True)
-    step_s = time_train_step(config, built, next(iterator), args.train_steps)
-    iterator.close()
-
-  print(
-    f"config {args.config}  mixture {dict(data.mixture)}  batch {data.global_batch_size} x {data.seq_len}"
-    f"  ffn {config.model.ffn.type}  devices {jax.device_count()} x {jax.devices()[0].platform}"
-  )
-  print(f"corpus tokenized and stream opened in {build_s:.1f} s; real (non-padding) tokens: {real_fraction:.1%}")
-  print(f"{'stage':<36}{'ms/batch':>10}{'tokens/s':>14}{'x train step':>14}")
-  rows = (
-    ("stream, host batches", host_s),
-    ("stream, global jax.Arrays", global_s),
-    ("train step (as the trainer runs it)", step_s),
-  )
-  for name, seconds in rows:
-    print(f"{name:<36}{seconds * 1e3:>10.2f}{tokens / seconds:>14,.0f}{step_s / seconds:>14.1f}")
-
-
 def absl_main(argv, holders: dict) -> None:
   del argv
   args = cli.flag_values(holders)
   try:
-    if args.path == "step":
-      compare_step(args)
-    else:
-      if args.steps < 1 or args.rows < 0 or args.seq_len < 0 or args.megabytes <= 0:
-        raise config_lib.ConfigError("--steps must be positive, --rows and --seq_len at least 0, --megabytes > 0.")
-      compare_store(args)
+    if args.steps < 1 or args.rows < 0 or args.seq_len < 0 or args.megabytes <= 0:
+      raise config_lib.ConfigError("--steps must be positive, --rows and --seq_len at least 0, --megabytes > 0.")
+    compare_store(args)
   except (config_lib.ConfigError, ValueError) as error:
     cli.fail(error)
 
