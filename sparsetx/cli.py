@@ -24,9 +24,6 @@ from ml_collections.config_flags import config_flags as config_flags_lib  # is_c
 from sparsetx.config import ConfigError
 
 USAGE_EXIT_CODE = 2
-# Flags defined through this module's helpers (define_config_file, define_integer_list) belong to the module
-# that calls them, so that `--help` lists them with that program's other flags.
-flags.disclaim_key_flags()
 
 _running = False  # inside `run`: a `fail` is the program's last word
 _failed = False  # `fail` has printed its line inside `run`
@@ -107,6 +104,12 @@ def _claim_flags_for_help(main) -> None:
     flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
 
 
+def _disclaim() -> None:
+  """Flags defined through this module's helpers belong to the module that calls them, so that `--help` lists them
+  with that program's other flags (absl keeps one set of disclaimed modules; adding this one again changes nothing)."""
+  flags.disclaim_key_flags()
+
+
 def define_config_file(
   name: str, default: str | None, help_string: str, flag_values: flags.FlagValues = flags.FLAGS, **kwargs
 ) -> flags.FlagHolder:
@@ -116,6 +119,7 @@ def define_config_file(
   flag is defined, at import, where no parser can catch a bad override; `config_args` passes the default
   as if given on the command line instead.
   """
+  _disclaim()
   holder = config_flags.DEFINE_config_file(
     name, None, help_string + (f" Default: {default}." if default else ""), flag_values=flag_values, **kwargs
   )
@@ -141,6 +145,7 @@ def define_integer_list(
   name: str, default: list[int] | None, help_string: str, flag_values: flags.FlagValues = flags.FLAGS
 ) -> flags.FlagHolder:
   """A flag holding a comma-separated list of integers (absl has it for strings only: `DEFINE_list`)."""
+  _disclaim()
   return flags.DEFINE(
     _IntegerListParser(), name, default, help_string, flag_values, serializer=flags.CsvListSerializer(",")
   )
@@ -415,13 +420,13 @@ def present_platforms() -> str:
   return ",".join([*found, "cpu"])
 
 
-def _quiet_console() -> None:
+def quiet_console() -> None:
+  """What every program needs before its heavy imports (sparsetx/tools/__init__.py calls it): JAX_PLATFORMS set to
+  the platforms present, the libraries' INFO logs filtered, TensorFlow's start-up notices filtered at its import.
+  Importing this module changes none of it."""
   platforms = os.environ.setdefault("JAX_PLATFORMS", present_platforms())
   if "jax" in sys.modules:  # a program that imported jax first: jax read the variable (unset) at its import
     sys.modules["jax"].config.update("jax_platforms", platforms)
   absl_logging.get_absl_handler().addFilter(_LibraryInfoFilter())
   if "tensorflow" not in sys.modules and not any(isinstance(f, _QuietTensorFlowImport) for f in sys.meta_path):
     sys.meta_path.insert(0, _QuietTensorFlowImport())
-
-
-_quiet_console()

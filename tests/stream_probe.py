@@ -9,7 +9,7 @@ import hashlib
 import json
 import os
 
-from sparsetx import cli  # noqa: F401  (first: its quiet console filters TensorFlow's start-up notices)
+import sparsetx.tools  # noqa: F401  (first: the programs' quiet console filters TensorFlow's start-up notices)
 from sparsetx.data import global_stream
 from sparsetx.data.batches import FEATURES
 from sparsetx.tools import train as train_main

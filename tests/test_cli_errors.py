@@ -220,13 +220,35 @@ def test_stderr_without_drops_only_the_noise_lines(capfd):
 
 
 def test_a_program_that_imports_jax_first_initializes_only_the_present_platforms():
-  """A tool imports jax before sparsetx.cli (import order); with JAX_PLATFORMS unset, jax read it at its import, so
-  cli sets jax's config too: on a machine without a GPU or TPU the CUDA plugin and libtpu never start (they would
-  print their start-up failures)."""
+  """A tool imports jax before its console is set up (import order); with JAX_PLATFORMS unset, jax read it at its
+  import, so quiet_console sets jax's config too: on a machine without a GPU or TPU the CUDA plugin and libtpu never
+  start (they would print their start-up failures)."""
   env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-  code = "import jax\nfrom sparsetx import cli\nprint(jax.config.jax_platforms, jax.devices()[0].platform)"
+  code = "import jax\nimport sparsetx.tools\nprint(jax.config.jax_platforms, jax.devices()[0].platform)"
   result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
   assert result.returncode == 0, result.stderr[-2000:]
   assert result.stdout.split() == [cli.present_platforms(), jax.devices()[0].platform], result.stdout
   if cli.present_platforms() == "cpu":
     assert "cuInit" not in result.stderr and "libtpu" not in result.stderr, result.stderr[-2000:]
+
+
+def test_importing_cli_changes_nothing_global():
+  """sparsetx.cli is a library: importing it sets no environment variable, installs no import hook, adds no log
+  filter and disclaims no flags; a program sets up its console when it loads (sparsetx/tools/__init__.py)."""
+  env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+  code = (
+    "import os, sys\nfrom absl import flags, logging\nfrom absl.flags import _helpers\n"
+    "from ml_collections import config_flags  # a library cli uses: it disclaims itself at its own import\n"
+    "hooks, filters, disclaimed = list(sys.meta_path), list(logging.get_absl_handler().filters), "
+    "set(_helpers.disclaim_module_ids)\n"
+    "from sparsetx import cli\n"
+    "assert 'JAX_PLATFORMS' not in os.environ, 'JAX_PLATFORMS'\n"
+    "assert sys.meta_path == hooks, 'meta_path'\n"
+    "assert logging.get_absl_handler().filters == filters, 'filters'\n"
+    "assert set(_helpers.disclaim_module_ids) == disclaimed, 'disclaimed'\n"
+    "import sparsetx.tools\n"
+    "assert os.environ['JAX_PLATFORMS'] and sys.meta_path != hooks\n"
+    "print('ok')"
+  )
+  result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

@@ -5,5 +5,10 @@ runs as `python -m sparsetx.tools.NAME` too. Programs take absl flags and end a 
 and exit code 2 (sparsetx/cli.py); lm_eval_cli is lm-eval's own command line. The benchmarks are the
 bench_*.py programs: they print a table of ratios measured side by side and some write a PNG.
 
-This package imports nothing: dry_run sets XLA_FLAGS before its first import of jax.
+Loading a program sets up its console first (cli.quiet_console): TensorFlow prints its start-up notices when it is
+imported, which the programs' own imports do.
 """
+
+from sparsetx import cli
+
+cli.quiet_console()
