@@ -310,7 +310,7 @@ def test_dry_run_table_prints_each_phase_and_chip(capsys):
   config.data.update(global_batch_size=8, seq_len=32)
   config.mesh.ici.update(data=2, expert=4)
   mesh = mesh_lib.make_mesh(config.mesh)
-  dry_run.print_analytic(config, mesh, list(hardware.CHIPS.values()))
+  dry_run.print_analytic(config, mesh, hardware.chips("all"))
   text = capsys.readouterr().out
   assert "sgatlin feed-forward (layers 0..1; per layer and device, 32 tokens" in text
   for name in GATHER_KERNELS + ("router top-k stage 1", "table grads: segment sums", "optimizer (AdamW)"):

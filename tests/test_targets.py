@@ -138,3 +138,25 @@ def test_a_collective_across_nodes_is_priced_hierarchically():
   expected = 2 * S * 3 / 4 / 450e9 + S / 4 / 50e9
   assert roofline.collective_seconds("all-reduce", S, 8, chip, granules=2) == pytest.approx(expected)
   assert roofline.dcn_bytes("all-gather", S, 8, 1) == 0.0
+
+
+def test_one_chip_table_serves_the_targets_and_the_training_loops_mfu():
+  """Every device kind the trainer reports MFU for is in perf/hardware.py's table (the datasheet figures), and only
+  the chips whose interconnect the table holds are sizable targets."""
+  from sparsetx.perf import hardware
+
+  kinds = {
+    "NVIDIA H100 80GB HBM3": 989e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5": 459e12,
+    "TPU v6 lite": 918e12,
+  }
+  assert {kind: hardware.chip_of(kind).peak_flops for kind in kinds} == kinds
+  assert hardware.chip_of("cpu") is None
+  assert all(chip.fast_domain for chip in hardware.chips("all"))
+  with pytest.raises(ValueError, match="not a known chip"):
+    hardware.chips("a100")

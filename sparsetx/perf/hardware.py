@@ -21,9 +21,9 @@ class Chip:
   name: str
   peak_flops: float  # bf16 dense (no structured sparsity) FLOP/s per chip
   hbm_bandwidth: float  # bytes/s per chip
-  ici_bandwidth: float  # bytes/s per chip, bidirectional: NVLink inside a node, ICI inside a TPU slice
-  dcn_bandwidth: float  # bytes/s per chip, one direction, between nodes / slices
-  fast_domain: int  # chips one NVLink node / ICI slice joins
+  ici_bandwidth: float | None  # bytes/s per chip, bidirectional: NVLink inside a node, ICI inside a TPU slice
+  dcn_bandwidth: float | None  # bytes/s per chip, one direction, between nodes / slices
+  fast_domain: int | None  # chips one NVLink node / ICI slice joins (None: interconnect not in the table)
   hbm_bytes: float = 0.0  # HBM capacity per chip (decimal GB as published)
 
 
@@ -42,28 +42,36 @@ CHIPS = {
   # it to 1,600), bidirectional ICI 800 GB/s per chip (older revisions: 3,200 Gbps = 400 GB/s each way),
   # 4 x 200 Gbps NICs per 8-chip host = 100 Gbps per chip; a pod (the largest slice) is 256 chips; 32 GB of HBM.
   "v6e": Chip("TPU v6e", 918 * TERA, 1640 * GIGA, 800 * GIGA, 100 / 8 * GIGA, fast_domain=256, hbm_bytes=32 * GIGA),
+  # Chips a run may train on but no --target sizes a run for (their interconnect is not in the table): the training
+  # loop's MFU reads their peak. NVIDIA A100 SXM4 datasheet: 312 TFLOP/s bf16 dense, 2,039 GB/s HBM2e (80 GB; the
+  # 40 GB part 1,555 GB/s). cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 1,200 GB/s, 32 GiB HBM2;
+  # .../v5e: 197 TFLOP/s bf16, 819 GB/s, 16 GB HBM2.
+  "a100": Chip("A100 SXM 80GB", 312 * TERA, 2039 * GIGA, None, None, None, hbm_bytes=80 * GIGA),
+  "a100-40gb": Chip("A100 SXM 40GB", 312 * TERA, 1555 * GIGA, None, None, None, hbm_bytes=40 * GIGA),
+  "v4": Chip("TPU v4", 275 * TERA, 1200 * GIGA, None, None, None, hbm_bytes=32 * 2**30),
+  "v5e": Chip("TPU v5e", 197 * TERA, 819 * GIGA, None, None, None, hbm_bytes=16 * GIGA),
 }
+TARGET_CHIPS = ("h100", "h200", "v5p", "v6e")  # the chips a run is sized for (their interconnect is known)
 
 
 def chips(target: str) -> list[Chip]:
   """The chips a `--target` names: one key of CHIPS, or 'all'."""
   if target == "all":
-    return list(CHIPS.values())
-  if target not in CHIPS:
-    raise ValueError(f"--target={target} is not a known chip; use one of {', '.join(CHIPS)} or all.")
+    return [CHIPS[name] for name in TARGET_CHIPS]
+  if target not in TARGET_CHIPS:
+    raise ValueError(f"--target={target} is not a known chip; use one of {', '.join(TARGET_CHIPS)} or all.")
   return [CHIPS[target]]
 
 
 def chip_of(device_kind: str) -> Chip | None:
-  """The CHIPS entry of a `jax.Device.device_kind` ("NVIDIA H100 80GB HBM3", "TPU v5p" or "TPU v5", "TPU v6 lite"),
-  or None for a chip the table does not hold (CPU, TPU v5e = "TPU v5 lite", ...)."""
+  """The CHIPS entry of a `jax.Device.device_kind` ("NVIDIA H100 80GB HBM3", "TPU v5p" or "TPU v5", "TPU v6 lite",
+  "TPU v5 lite", "NVIDIA A100-SXM4-40GB"), or None for a chip the table does not hold (CPU, ...)."""
   kind = device_kind.lower()
-  if "h100" in kind:
-    return CHIPS["h100"]
-  if "h200" in kind:
-    return CHIPS["h200"]
-  if kind in ("tpu v5", "tpu v5p"):
-    return CHIPS["v5p"]
-  if kind in ("tpu v6 lite", "tpu v6e"):
-    return CHIPS["v6e"]
-  return None
+  for name in ("h100", "h200"):
+    if name in kind:
+      return CHIPS[name]
+  if "a100" in kind:
+    return CHIPS["a100-40gb" if "40gb" in kind else "a100"]
+  tpus = {"tpu v4": "v4", "tpu v5": "v5p", "tpu v5p": "v5p", "tpu v5 lite": "v5e", "tpu v5e": "v5e"}
+  tpus |= {"tpu v6 lite": "v6e", "tpu v6e": "v6e"}
+  return CHIPS[tpus[kind]] if kind in tpus else None

@@ -164,13 +164,13 @@ def ladder_rows(scales=(2, 5, 8), ffn_types=("sgatlin", "fff", "moe", "mlp"), to
       spec = SPECS[ffn_type]
       E = math.gcd(model.ffn[spec.units.field], PAPER_EXPERT_GROUP) if spec.units is not None else 1
       cost = layer_cost(model, model.ffn, tokens, E, 1, devices=PAPER_EXPERT_GROUP)
-      rows.append((ffn_type, scale, E, cost, [time_on(cost, chip) for chip in hardware.CHIPS.values()]))
+      rows.append((ffn_type, scale, E, cost, [time_on(cost, chip) for chip in hardware.chips("all")]))
   return rows
 
 
 def format_ladder(rows) -> str:
   """A markdown table of ladder_rows: per-layer time (us), its HBM-bound and collective shares on each chip."""
-  chips = list(hardware.CHIPS.values())
+  chips = hardware.chips("all")
   head = " | ".join(f"{_short(c)} us (HBM, comm)" for c in chips)
   lines = [
     f"| type | scale | E | tables MB | GB moved | GFLOP | {head} |",

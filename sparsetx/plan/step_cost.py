@@ -209,7 +209,7 @@ def project_step(config, mesh_shape: dict, chip: hardware.Chip, rest_collectives
 
 def format_config_layers(config, mesh_shape: dict, chips: list | None = None) -> str:
   """The dry run's per-layer table for every distinct feed-forward layer of `config` on a mesh of `mesh_shape`."""
-  chips = chips or list(hardware.CHIPS.values())
+  chips = chips or hardware.chips("all")
   return "\n".join(format_layer(layers, cost, chips) for layers, cost in config_layer_costs(config, mesh_shape))
 
 

@@ -31,7 +31,7 @@ def absl_main(argv, holders: dict):
   if args.phases:
     for _ffn_type, scale, expert_group, cost, _ in rows:
       print(f"\nscale {scale}, expert group {expert_group}:")
-      print(layer_cost.format_layer((0,), cost, list(hardware.CHIPS.values())))
+      print(layer_cost.format_layer((0,), cost, hardware.chips("all")))
 
 
 def main():

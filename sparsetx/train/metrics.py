@@ -22,28 +22,13 @@ from tensorboard.compat.proto import event_pb2
 from tensorflow.python.ops import summary_ops_v2
 
 from sparsetx import paths
-
-# Dense bf16 peak FLOP/s per device, by jax's device_kind.
-PEAK_FLOPS = {
-  "NVIDIA H100 80GB HBM3": 989e12,
-  "NVIDIA H100": 989e12,
-  "NVIDIA H200": 989e12,
-  "NVIDIA A100-SXM4-80GB": 312e12,
-  "NVIDIA A100-SXM4-40GB": 312e12,
-  "TPU v4": 275e12,
-  "TPU v5 lite": 197e12,
-  "TPU v5e": 197e12,
-  "TPU v5": 459e12,
-  "TPU v5p": 459e12,
-  "TPU v6 lite": 918e12,
-  "TPU v6e": 918e12,
-}
+from sparsetx.perf import hardware
 
 
 def peak_flops_per_device() -> float | None:
-  """The device kind's bf16 peak, or None where unknown (CPU: MFU is reported as n/a)."""
-  kind = jax.devices()[0].device_kind
-  return PEAK_FLOPS.get(kind) or next((v for k, v in PEAK_FLOPS.items() if kind.startswith(k)), None)
+  """The device kind's bf16 peak (perf/hardware.py, the one chip table), or None where unknown (CPU: MFU is n/a)."""
+  chip = hardware.chip_of(jax.devices()[0].device_kind)
+  return chip.peak_flops if chip else None
 
 
 def drop_rows_after(path: epath.Path, step: int) -> int:
