@@ -17,9 +17,9 @@ from sparsetx import config as config_lib
 from sparsetx.kernels.options import KernelOptions
 from sparsetx.models.ffn import moe
 from sparsetx.models.ffn.registry import FFN_LAYERS
-from sparsetx.parallel import dispatch, topology
 from sparsetx.parallel import expert_parallel as ep
 from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.parallel import sparse_forms, topology
 from sparsetx.perf import hlo_text
 
 D = 16
@@ -183,9 +183,9 @@ def test_d_split_over_a_non_batch_axis_equals_the_official_formula(ffn_type, mes
   assert "tensor" not in jax.tree.leaves(tuple(batch.spec))
   x_sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*batch.spec, None)))
   groups = []  # the groups the layer ran `split_gated_gather` with
-  split_gated_gather = dispatch.split_gated_gather
+  split_gated_gather = sparse_forms.split_gated_gather
   spy = lambda group, *args, **kwargs: groups.append(group) or split_gated_gather(group, *args, **kwargs)  # noqa: E731
-  monkeypatch.setattr(dispatch, "split_gated_gather", spy)
+  monkeypatch.setattr(sparse_forms, "split_gated_gather", spy)
   with ep.activate(mesh, rules):
     step = jax.jit(functools.partial(forward_and_grads, layer_apply(layer), probe))
     y, grads = step(jax.device_put(params, param_shardings), x_sharded)

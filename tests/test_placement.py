@@ -1,4 +1,4 @@
-"""Table placement (config.model.ffn.placement; sparsetx/parallel/dispatch.py, sparsetx/plan/layer_cost.py): the
+"""Table placement (config.model.ffn.placement; sparsetx/parallel/sparse_forms.py, sparsetx/plan/layer_cost.py): the
 fsdp and data placements equal the single-device layer in values and gradients on 8 simulated devices, store and
 move their tables as they claim (the compiled program's collectives), and `auto` picks the placement that sends the
 fewest bytes by docs/expert_parallel.md's formulas (checked against hand-computed numbers)."""

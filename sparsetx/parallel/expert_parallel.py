@@ -19,7 +19,7 @@ from sparsetx.kernels import token_shards
 
 # Put first in config.mesh.rules, these split every `embed` axis over fsdp x expert and keep channels whole:
 # neuron tables (PEER's shared one; sgatlin's when the expert axis is larger than its channel count)
-# are then split by d_model over the expert axis, and the layers run the d-split gather (dispatch.py).
+# are then split by d_model over the expert axis, and the layers run the d-split gather (sparse_forms.py).
 D_MODEL_SPLIT_RULES = (("embed", ("fsdp", "expert")), ("channel", None))
 
 _RULES = contextvars.ContextVar("sparsetx_logical_rules", default=DEFAULT_RULES)
@@ -80,7 +80,7 @@ class ExpertGroup:
   mesh: object  # jax.sharding.AbstractMesh
   batch: tuple
   units: tuple
-  split: tuple = ()  # mesh axes splitting a neuron table's d_model (the d-split gather, dispatch.py)
+  split: tuple = ()  # mesh axes splitting a neuron table's d_model (the d-split gather, sparse_forms.py)
 
   @property
   def n_unit_shards(self) -> int:
@@ -272,7 +272,7 @@ _gather_f32_grad.defvjp(_gather_fwd, _gather_bwd)
 def to_owners(a_nU, group: ExpertGroup, unit_dim: int, axes: tuple | None = None):
   """[local tokens, all units, ...] -> [group tokens, local units, ...] (all-to-all or local slice).
 
-  Over `axes` (default: the group's unit axes); the d-split gather (dispatch.py) passes the split axes to send
+  Over `axes` (default: the group's unit axes); the d-split gather (sparse_forms.py) passes the split axes to send
   x's d-slices ([tokens, D] -> [d-group tokens, D / S]) the same way.
   """
   for axis in group.units if axes is None else axes:

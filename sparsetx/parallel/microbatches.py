@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from sparsetx.parallel import dispatch
 from sparsetx.parallel import expert_parallel as ep
+from sparsetx.parallel import tables as tables_lib
 
 
 def loop_axes(microbatches: int, rows: int, mesh, rules) -> tuple:
@@ -107,14 +107,14 @@ def _manual_spec(spec: P, axes) -> P:
 
 
 def _loop_specs(init_model, leaves, stored, axes) -> list:
-  """Each parameter's spec entering the loop: a table's (`dispatch.table_param`, learned by tracing the model's
-  init under `dispatch.recording_tables`) keeps the manual axes of the dimensions its dispatcher takes as blocks;
+  """Each parameter's spec entering the loop: a table's (`tables.table_param`, learned by tracing the model's
+  init under `tables.recording_tables`) keeps the manual axes of the dimensions its dispatcher takes as blocks;
   every other parameter is whole along the manual axes."""
-  with dispatch.recording_tables() as tables:
+  with tables_lib.recording_tables() as recorded:
     jax.eval_shape(init_model)
   specs = []
   for (path, leaf), spec in zip(leaves, stored):
-    names, local = tables.get(tuple(getattr(k, "key", k) for k in path), ((None,) * leaf.ndim, ()))
+    names, local = recorded.get(tuple(getattr(k, "key", k) for k in path), ((None,) * leaf.ndim, ()))
     entries = tuple(spec) + (None,) * (leaf.ndim - len(spec))
     specs.append(_manual_spec(P(*(e if name in local else None for e, name in zip(entries, names))), axes))
   return specs

@@ -31,7 +31,7 @@ def layer_cost(
   tokens: own tokens per device; expert_group: E, the devices the layer's units are split over (sgatlin channels,
   FFF trees, MoE experts); d_group: G, the devices its tables' d_model is split over (sgatlin / PEER: the d-split
   gather; others: FSDP); devices: the devices that train the model (data-parallel gradient sums; default E G),
-  all of them holding other tokens. placement: the tables' (dispatch.py); under fsdp and data the kernels see the
+  all of them holding other tokens. placement: the tables' (parallel/tables.py); under fsdp and data the kernels see the
   device's own tokens and whole tables (E = G = 1), fsdp gathering them from all `devices`. microbatches: the
   step's micro-batch count.
   """

@@ -1,4 +1,4 @@
-"""A config's step on a mesh, analytically: where each sparse layer's tables go (parallel/dispatch.py runs it) and
+"""A config's step on a mesh, analytically: where each sparse layer's tables go (parallel/sparse_forms.py runs it) and
 the step's cost and projected time with every layer so placed, from layer_cost.py's per-layer model.
 
 Placement: the bytes each placement sends per device and step, whether it can run, the choice under "auto"
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from sparsetx import config as config_lib
 from sparsetx.models.ffn.registry import SPECS
-from sparsetx.parallel import dispatch
+from sparsetx.parallel import tables
 from sparsetx.perf import hardware, roofline
 from sparsetx.plan.layer_cost import (
   F32,
@@ -97,7 +97,7 @@ def placement_options(config, ffn, mesh_shape: dict) -> dict:
   held, budget = held_tables_gib(config, ffn), config.mesh.max_replicated_mib * HBM_PER_REPLICATED_LIMIT / 2 / 1024
   spec, (E, G) = SPECS[ffn.type], groups(config, ffn, mesh_shape)
   options = {}
-  for placement in dispatch.PLACEMENTS:
+  for placement in tables.PLACEMENTS:
     refused = ""
     if placement == "expert" and spec.units is not None and ffn[spec.units.field] % E:
       refused = f"{spec.units.field}={ffn[spec.units.field]} does not split over {E} devices"
@@ -122,13 +122,13 @@ def placement_options(config, ffn, mesh_shape: dict) -> dict:
 
 def choose_placement(config, ffn, mesh_shape: dict) -> tuple[str, dict]:
   """(the placement `ffn` runs, placement_options or None): its config value, or under "auto" the runnable one that
-  sends the fewest bytes per device and step (ties: expert, then fsdp, then data, the order of dispatch.PLACEMENTS;
+  sends the fewest bytes per device and step (ties: expert, then fsdp, then data, the order of tables.PLACEMENTS;
   expert when none can run, whose error then names the field)."""
   wanted = ffn.get("placement", "auto")
   if wanted != "auto":  # no cost model to run
     return wanted, None
   options = placement_options(config, ffn, mesh_shape)
-  runnable = [p for p in dispatch.PLACEMENTS if not options[p].refused]
+  runnable = [p for p in tables.PLACEMENTS if not options[p].refused]
   return (min(runnable, key=lambda p: options[p].nbytes) if runnable else "expert"), options
 
 
@@ -166,7 +166,7 @@ def format_placements(config, mesh_shape: dict) -> str:
       f"{tokens_per_device(config, mesh_shape):,} tokens, {config.train.microbatches} micro-batches; "
       "docs/expert_parallel.md):"
     )
-    for placement in dispatch.PLACEMENTS:
+    for placement in tables.PLACEMENTS:
       option = options[placement]
       mark = f"  <- chosen ({how})" if placement == chosen else ""
       refused = f"  (cannot run: {option.refused})" if option.refused else ""

@@ -158,12 +158,15 @@ def check_grouped(name, options, small) -> tuple:
 def moe_bench_rows(small) -> list:
   """MoE's layer forward + backward by grouped matmuls and rolled out, and a SwiGLU of the same active FLOPs."""
   d_model, tokens = (64, 512) if small else (256, 16384)
-  moe_cfg = bench_layers.layer_config(d_model, "bfloat16", type="moe", d_ffw=d_model, n_experts=16, experts_per_token=2)
+  moe = dict(type="moe", d_ffw=d_model, n_experts=16, experts_per_token=2)
+  moe_cfg, rollout_cfg = (
+    bench_layers.layer_config(d_model, "bfloat16", reference, **moe) for reference in (False, True)
+  )
   swiglu_cfg = bench_layers.layer_config(d_model, "bfloat16", type="swiglu", d_ffw=2 * d_model)
   variants = [
     bench_layers.Variant("swiglu", bench_layers.SwiGlu(swiglu_cfg), d_model, tokens, "bfloat16"),
     bench_layers.Variant("grouped", bench_layers.moe.Moe(moe_cfg), d_model, tokens, "bfloat16"),
-    bench_layers.Variant("rolled out", bench_layers.moe.Moe(moe_cfg), d_model, tokens, "bfloat16", rollout=True),
+    bench_layers.Variant("rolled out", bench_layers.moe.Moe(rollout_cfg), d_model, tokens, "bfloat16"),
   ]
   bench_layers.run_rounds(variants, 1 if small else 5, kinds=("fwd+bwd",))
   swiglu, grouped, rolled = (v.ms("fwd+bwd") for v in variants)

@@ -16,7 +16,7 @@ from sparsetx.kernels.reference import identity
 from sparsetx.kernels.tree_route import DENSE_LEVELS, next_node
 from sparsetx.models.ffn.common import gelu_for, gini, symmetric_uniform
 from sparsetx.models.ffn.spec import Circuit, FfnSpec, Units, dense_width
-from sparsetx.parallel import dispatch
+from sparsetx.parallel import sparse_forms, tables
 from sparsetx.perf import cost
 
 TABLE_AXES = ("tree", "node", "embed")  # w_in, w_out [P, n_nodes, d_model]
@@ -52,12 +52,12 @@ class Fff(nn.Module):
     P, L, D = ffn.n_trees, ffn.depth + 1, self.cfg.d_model
     Z = n_nodes(ffn.depth)
     dtype, param_dtype = jnp.dtype(self.cfg.dtype), jnp.dtype(self.cfg.param_dtype)
-    placement = dispatch.placement_of(ffn)  # masked_dense: the compiler moves the tables as they are stored
+    placement = tables.placement_of(ffn)  # masked_dense: the compiler moves the tables as they are stored
     in_init = symmetric_uniform(1.0 / D**0.5)
     # The sparse walk's trees are the dispatcher's blocks (a device's own trees) under placement expert; d_model is
     # gathered like any FSDP weight's. The masked dense forward reads the tables whole.
     local = ("tree",) if ffn.implementation == "sparse" else ()
-    tree_table = functools.partial(dispatch.table_param, self, dtype=param_dtype, local=local, placement=placement)
+    tree_table = functools.partial(tables.table_param, self, dtype=param_dtype, local=local, placement=placement)
     w_in = tree_table("w_in", in_init, (P, Z, D), axes=TABLE_AXES)
     b_in = tree_table("b_in", in_init, (P, Z), axes=BIAS_AXES)
     out_init = symmetric_uniform(1.0 / (L * P) ** 0.5)
@@ -68,7 +68,7 @@ class Fff(nn.Module):
     act = gelu if ffn.variant == "fff" else identity
     if ffn.implementation == "sparse":
       options = options_from_config(ffn.get("kernel"))
-      y_BTD, path_BTPL, z_BTPL = dispatch.tree_walk(
+      y_BTD, path_BTPL, z_BTPL = sparse_forms.tree_walk(
         x_BTD,
         w_in,
         b_in,

@@ -22,7 +22,7 @@ from sparsetx.kernels.options import options_from_config
 from sparsetx.models.ffn.common import dense_init
 from sparsetx.models.ffn.spec import Circuit, FfnSpec, Units
 from sparsetx.models.taps import tap
-from sparsetx.parallel import dispatch
+from sparsetx.parallel import moe_all_to_all, own_tokens, tables
 from sparsetx.perf import cost
 
 TABLE_AXES = ("expert", "embed", "mlp")  # wi_gate, wi_up [E, d_model, d_ffw]
@@ -104,22 +104,22 @@ class Moe(nn.Module):
       name="router",
     )(x_BTD.astype(jnp.float32))
     self.sow("intermediates", "router_logits", logits_BTE)  # the balancing losses' input (unused ones are pruned)
-    top_logits_BTA, expert_ids_BTA = dispatch.where_tokens_are(lambda logits: jax.lax.top_k(logits, A), logits_BTE)
+    top_logits_BTA, expert_ids_BTA = own_tokens.where_tokens_are(lambda logits: jax.lax.top_k(logits, A), logits_BTE)
     weights_BTA = jax.nn.softmax(top_logits_BTA, axis=-1)
     expert_ids_BTA = tap(self, "expert_ids", expert_ids_BTA)
     weights_BTA = tap(self, "expert_weights", weights_BTA)
 
-    placement = dispatch.placement_of(ffn)
+    placement = tables.placement_of(ffn)
 
     def table(name, shape, names):  # the experts are the dispatcher's blocks (a device's own experts)
       init = nn.initializers.normal(self.cfg.init_std)
-      return dispatch.table_param(self, name, init, shape, param_dtype, names, ("expert",), placement)
+      return tables.table_param(self, name, init, shape, param_dtype, names, ("expert",), placement)
 
     wi_gate = table("wi_gate", (E, D, F), TABLE_AXES)
     wi_up = table("wi_up", (E, D, F), TABLE_AXES)
     wo = table("wo", (E, F, D), OUT_AXES)
     options = options_from_config(ffn.get("kernel"))
-    return dispatch.expert_dispatch(
+    return moe_all_to_all.expert_dispatch(
       functools.partial(dispatch_experts, options),
       functools.partial(sorted_experts, options),
       x_BTD,
@@ -187,7 +187,7 @@ def moe_cost(bld, model, ffn, n, E, G, b, devices):
   router = D * X + X
   bld.optimizer(bld.tables(weights / G, devices // (E * G)) + router)
   bld.grad_sync(router, devices)
-  # dispatch.all_to_all_experts: ragged all-to-alls of the n k pairs' rows, in the compute dtype, each way
+  # moe_all_to_all.all_to_all_experts: ragged all-to-alls of the n k pairs' rows, in the compute dtype, each way
   tokens = functools.partial(bld.collective, placed=True)
   tokens("all-gather", E * X * cost.INDEX, E, "per-expert pair counts (sizes and offsets)", forward=True)
   tokens("all-to-all", pairs * D * b, E, "x rows to their experts' devices (ragged)", forward=True)

@@ -22,7 +22,7 @@ from sparsetx.models.ffn.common import gelu_for
 from sparsetx.models.ffn.product_keys import make_router
 from sparsetx.models.ffn.spec import Circuit, FfnSpec, product_key_flops, product_key_params, product_key_width
 from sparsetx.models.taps import tap
-from sparsetx.parallel import dispatch
+from sparsetx.parallel import own_tokens, sparse_forms, tables
 
 TABLE_AXES = (None, "neuron", "embed")  # experts [2, d_ffw, d_model], shared by the channels
 
@@ -34,16 +34,16 @@ class Peer(nn.Module):
   def __call__(self, x_BTD):
     ffn = self.cfg.ffn
     F, D = ffn.d_ffw, self.cfg.d_model
-    table = dispatch.NeuronTable(TABLE_AXES, None, 1, dispatch.placement_of(ffn))
-    x_BTD = dispatch.place_on_token_shards(x_BTD, table)
+    table = tables.NeuronTable(TABLE_AXES, None, 1, tables.placement_of(ffn))
+    x_BTD = own_tokens.place_on_token_shards(x_BTD, table)
     scores_BTCK, idx_BTCK = make_router("peer", ffn, jnp.dtype(self.cfg.param_dtype))(x_BTD)
-    scores_BTCK = dispatch.place_on_token_shards(scores_BTCK, table)
-    idx_BTCK = dispatch.place_on_token_shards(idx_BTCK, table)
+    scores_BTCK = own_tokens.place_on_token_shards(scores_BTCK, table)
+    idx_BTCK = own_tokens.place_on_token_shards(idx_BTCK, table)
     gates_BTCK = jax.nn.softmax(scores_BTCK, axis=-1)
     idx_BTCK = tap(self, "gate_indices", idx_BTCK)
     gates_BTCK = tap(self, "gate_scores", gates_BTCK)
 
-    experts = dispatch.table_param(
+    experts = tables.table_param(
       self,
       "experts",
       nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)),
@@ -54,7 +54,7 @@ class Peer(nn.Module):
       table.placement,
     )
     B, T = idx_BTCK.shape[:2]
-    return dispatch.neuron_table_gather(
+    return sparse_forms.neuron_table_gather(
       table,
       x_BTD,
       experts[:, None],  # one unit: the channels share the table

@@ -8,8 +8,8 @@ import math
 
 from sparsetx import config as config_lib
 from sparsetx.models.ffn.registry import SPECS
-from sparsetx.parallel.dispatch import FSDP_TABLE_AXIS, placement_of
 from sparsetx.parallel.expert_parallel import D_MODEL_SPLIT_RULES, sized_axes, table_spec
+from sparsetx.parallel.sparse_forms import FSDP_TABLE_AXIS, placement_of
 
 
 def check_units_divide(config, mesh) -> None:
@@ -29,7 +29,7 @@ def _check_layer_units(config, mesh, ffn, prefix: str) -> None:
   placement = placement_of(ffn) if spec.sparse else "expert"
   if placement == "data":  # replicated: nothing to divide
     return
-  if placement == "fsdp":  # d_model split over the batch axes (dispatch.placed_names)
+  if placement == "fsdp":  # d_model split over the batch axes (tables.placed_names)
     axes = sized_axes(mesh, config_lib.rule_axes(config.mesh.rules, FSDP_TABLE_AXIS))
     shards = math.prod(mesh.shape[a] for a in axes)
     if config.model.d_model % shards:

@@ -21,7 +21,7 @@ from sparsetx.models.ffn.spec import (
   product_key_width,
 )
 from sparsetx.models.taps import tap
-from sparsetx.parallel import dispatch
+from sparsetx.parallel import own_tokens, sparse_forms, tables
 
 
 def table_init(d_ffw: int):
@@ -41,16 +41,16 @@ class Sgatlin(nn.Module):
   def __call__(self, x_BTD):
     ffn = self.cfg.ffn
     C, F, D = ffn.n_channels, ffn.d_ffw, self.cfg.d_model
-    table = dispatch.NeuronTable(TABLE_AXES, "channel", C, dispatch.placement_of(ffn))
-    x_BTD = dispatch.place_on_token_shards(x_BTD, table)
+    table = tables.NeuronTable(TABLE_AXES, "channel", C, tables.placement_of(ffn))
+    x_BTD = own_tokens.place_on_token_shards(x_BTD, table)
     scores_BTCK, idx_BTCK = make_router(ffn.router, ffn, jnp.dtype(self.cfg.param_dtype))(x_BTD)
-    scores_BTCK = dispatch.place_on_token_shards(scores_BTCK, table)
-    idx_BTCK = dispatch.place_on_token_shards(idx_BTCK, table)
+    scores_BTCK = own_tokens.place_on_token_shards(scores_BTCK, table)
+    idx_BTCK = own_tokens.place_on_token_shards(idx_BTCK, table)
     gates_BTCK = scores_BTCK if ffn.router == "product" else jax.nn.softmax(scores_BTCK, axis=-1)
     idx_BTCK = tap(self, "gate_indices", idx_BTCK)
     gates_BTCK = tap(self, "gate_scores", gates_BTCK)
 
-    experts = dispatch.table_param(
+    experts = tables.table_param(
       self,
       "experts",
       table_init(F),
@@ -60,7 +60,7 @@ class Sgatlin(nn.Module):
       ("channel", "embed"),
       table.placement,
     )
-    return dispatch.neuron_table_gather(
+    return sparse_forms.neuron_table_gather(
       table, x_BTD, experts, idx_BTCK, gates_BTCK, activation_for(ffn), options_from_config(ffn.get("kernel"))
     )
 

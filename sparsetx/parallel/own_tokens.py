@@ -1,0 +1,127 @@
+"""Running a function on each device's own tokens: the tokens' layout, and the shard_maps that take the tokens
+where they are and the tables as placed."""
+
+import math
+
+import jax
+from jax.sharding import PartitionSpec
+
+from sparsetx.parallel import expert_parallel as ep
+from sparsetx.parallel.tables import NeuronTable
+
+
+def place_on_token_shards(a_BT, table: NeuronTable):
+  """a [B, T, ...] kept on the tokens' layout when the layer runs on a mesh, so its router runs where the tokens
+  are (else the compiler may follow the router's sharded keys and gather every score everywhere)."""
+  n_tokens = a_BT.shape[0] * a_BT.shape[1]
+  group = table.layout(n_tokens) if table.placement == "expert" else _token_group(n_tokens)
+  return a_BT if group is None else ep.on_token_shards(a_BT, group)
+
+
+def _token_group(n_tokens: int):
+  """An ExpertGroup of the batch axes alone (no units), or None with no mesh or tokens that don't split."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return None
+  group = ep.ExpertGroup(mesh, ep.active_mesh_axes(mesh, "batch"), ())
+  if not group.batch or n_tokens % group.n_token_shards:
+    return None
+  return group
+
+
+def on_own_tokens(fn, tokens, tables, table_names):
+  """fn(*tokens_n, *whole tables) on each device's own tokens: the fsdp and data placements, in one shard_map.
+
+  `tokens` are [N, ...] arrays split like the batch; `tables` are stored as their logical names `table_names`
+  give under the rules (`placed_names`): a dimension split over batch axes (fsdp) is all-gathered whole here,
+  minor axis first so the blocks land in order, and its gradient comes back by the transpose, a reduce-scatter;
+  a replicated table (data) enters as it is, and the shard_map's transpose all-reduces its gradient. fn returns
+  a tuple of [n, ...] arrays; they come back as [N, ...]. Every free mesh axis is manual inside
+  (`ep.every_axis_manual`: MoE's kernels may be Mosaic's). With no mesh, or tokens that don't split evenly over
+  the batch axes (a batch of 1 at init), fn runs on everything and the compiler gathers the tables.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return fn(*tokens, *tables)
+  rules, manual = ep.active_rules(), ep.manual_axes(mesh)
+  batch = tuple(a for a in ep.active_mesh_axes(mesh, "batch") if a not in manual)
+  split = [
+    [ep.sized_axes(mesh, entry) for entry in ep.free_spec(ep.table_spec(names, rules), mesh)] for names in table_names
+  ]
+  specs = [PartitionSpec(*(dims or None for dims in table_dims)) for table_dims in split]
+  axes = set(batch) | {a for dims in split for axis_tuple in dims for a in axis_tuple}
+  free = set(mesh.axis_names) - set(manual)
+  # Nothing to split and no manual region around (inside one, a Mosaic kernel still needs every axis manual).
+  if not free or not (axes or manual) or tokens[0].shape[0] % math.prod(mesh.shape[a] for a in batch):
+    return fn(*tokens, *tables)
+
+  def body(*args):
+    tokens_n, shards = args[: len(tokens)], args[len(tokens) :]
+    whole = []
+    for shard, dims in zip(shards, split):
+      for dim, dim_axes in enumerate(dims):
+        for axis in reversed(dim_axes):
+          shard = jax.lax.all_gather(shard, axis, axis=dim, tiled=True)
+      whole.append(shard)
+    return tuple(fn(*tokens_n, *whole))
+
+  token_spec = PartitionSpec(batch or None)
+  # out_specs: a prefix of fn's tuple, every output split like the tokens
+  free, in_specs, out_spec = ep.every_axis_manual(mesh, axes, (token_spec,) * len(tokens) + tuple(specs), token_spec)
+  return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec, axis_names=free, check_vma=False)(
+    *tokens, *tables
+  )
+
+
+def where_tokens_are(fn, *arrays_BT):
+  """fn on each device's own tokens: a shard_map over the batch axes when a mesh is in the context.
+
+  For per-token work the compiler does not partition by itself: XLA's TopK (the routers' top-k)
+  gathers its whole operand onto every device otherwise. Arrays share leading [B, T] dimensions;
+  fn maps them to arrays with the same leading dimensions.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return fn(*arrays_BT)
+  batch = tuple(a for a in ep.active_mesh_axes(mesh, "batch") if a not in ep.manual_axes(mesh))
+  B, T = arrays_BT[0].shape[:2]
+  if not batch or (B * T) % math.prod(mesh.shape[a] for a in batch):
+    return fn(*arrays_BT)
+  flat = [a.reshape((B * T,) + a.shape[2:]) for a in arrays_BT]
+  spec = PartitionSpec(batch)
+  outs = jax.shard_map(
+    fn,
+    mesh=mesh,
+    in_specs=(spec,) * len(flat),
+    out_specs=spec,
+    axis_names=set(batch),
+    check_vma=False,
+  )(*flat)
+  return jax.tree.map(lambda o: o.reshape((B, T) + o.shape[1:]), outs)
+
+
+def token_parallel(group, local, tokens=(), owned=(), tables=(), table_specs=(), n_owned_outputs=0, out_dtype=None):
+  """local over each device's own units for the tokens of its expert group, in one shard_map.
+
+  `tokens` are [N, ...] arrays every unit reads (all-gathered over the group: `ep.gather_tokens`), `owned`
+  [N, U, ...] per-unit routing data (sent to the units' owners: `ep.to_owners`, unit dimension 1), `tables`
+  enter as stored, split by `table_specs`. local(tokens_g, owned_g, tables_u) returns (y_g, *per-unit
+  outputs [g, u, ...]); y's partial sums come back summed over the group to the tokens' owners in float32
+  (`ep.scatter_back`; cast to `out_dtype` if given, its dy then all-gathered in it), the `n_owned_outputs`
+  per-unit outputs by the inverse of `to_owners`. Returns (y_N, *per-unit outputs [N, U, ...]).
+  """
+  n_tokens, n_owned = len(tokens), len(owned)
+
+  def body(*args):
+    tokens_g = [ep.gather_tokens(a, group) for a in args[:n_tokens]]
+    owned_g = [ep.to_owners(a, group, unit_dim=1) for a in args[n_tokens : n_tokens + n_owned]]
+    y_g, *owned_outputs_g = local(tokens_g, owned_g, args[n_tokens + n_owned :])
+    return (ep.scatter_back(y_g, group, out_dtype), *(ep.from_owners(a, group, unit_dim=1) for a in owned_outputs_g))
+
+  spec = group.token_spec
+  return ep.shard_map(
+    body,
+    group,
+    in_specs=(spec,) * (n_tokens + n_owned) + tuple(table_specs),
+    out_specs=(spec,) * (1 + n_owned_outputs),
+  )(*tokens, *owned, *tables)
