@@ -62,7 +62,7 @@ def test_plan_bounds_every_segment_and_keeps_short_rows_in_place():
   starts_V1 = np.asarray(plan.starts_V1)
   lengths = np.diff(starts_V1)
   assert lengths.min() >= 0 and lengths.max() <= chunk and starts_V1[-1] == n_pairs
-  assert len(lengths) == n_rows + row_chunks.tail_segments(n_pairs, n_rows, chunk)
+  assert len(lengths) == n_rows + row_chunks.tail_segments(n_pairs, chunk)
   counts = np.bincount(rows, minlength=n_rows)
   np.testing.assert_array_equal(lengths[:n_rows], np.minimum(counts, chunk))  # every row's head, in row order
   assert sorted(np.asarray(plan.order_P)) == list(range(n_pairs))  # a permutation of the sorted pairs

@@ -29,9 +29,9 @@ class RowChunks(NamedTuple):
   combine_starts_M1: jax.Array
 
 
-def tail_segments(n_pairs: int, n_rows: int, chunk: int) -> int:
+def tail_segments(n_pairs: int, chunk: int) -> int:
   """Static bound on tail chunks: a long row of n > chunk pairs has ceil((n - chunk) / chunk) <= n // chunk."""
-  return 0 if chunk <= 0 else min(n_pairs // chunk, n_pairs)
+  return n_pairs // chunk if chunk > 0 else 0
 
 
 def _exclusive_cumsum(a_R):
@@ -41,7 +41,7 @@ def _exclusive_cumsum(a_R):
 def plan(sorted_rows_P, starts_R1, chunk: int) -> RowChunks:
   """The chunking of pairs sorted by row (sorted_rows_P, starts_R1 as segment_grads.row_starts gives them)."""
   n_pairs, n_rows = sorted_rows_P.shape[0], starts_R1.shape[0] - 1
-  n_tails = tail_segments(n_pairs, n_rows, chunk)
+  n_tails = tail_segments(n_pairs, chunk)
   n_long = min(n_rows, n_tails)
   count_R = starts_R1[1:] - starts_R1[:-1]
   head_R = jnp.minimum(count_R, chunk)
@@ -112,7 +112,7 @@ def segment_sums(backend, values_ND, token_P, coef_P, sorted_rows_P, starts_R1, 
 
   `chunks` (plan's result) may be passed in to share one plan between tables."""
   n_rows = starts_R1.shape[0] - 1
-  if tail_segments(token_P.shape[0], n_rows, options.segment_chunk) == 0:
+  if tail_segments(token_P.shape[0], options.segment_chunk) == 0:
     return backend.segment_sums(values_ND, token_P, coef_P, starts_R1, options, with_coef_sums=with_coef_sums)
   chunks = plan(sorted_rows_P, starts_R1, options.segment_chunk) if chunks is None else chunks
   partial_VD, coef_partial_V = backend.segment_sums(

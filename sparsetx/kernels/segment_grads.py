@@ -55,7 +55,7 @@ def table_grads(x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS, n_rows, options, 
     sorted_rows_P, token_P, coef_in_P, coef_out_P = _sorted(rows_NS, coef_in_NS, coef_out_NS, n_rows)
     starts_R1 = row_starts(sorted_rows_P, n_rows)
     chunks = None
-    if row_chunks.tail_segments(sorted_rows_P.shape[0], n_rows, options.segment_chunk):
+    if row_chunks.tail_segments(sorted_rows_P.shape[0], options.segment_chunk):
       chunks = row_chunks.plan(sorted_rows_P, starts_R1, options.segment_chunk)  # one plan for both tables
     sums = lambda values, coefs, with_coef_sums: row_chunks.segment_sums(  # noqa: E731
       backend, values, token_P, coefs, sorted_rows_P, starts_R1, options, with_coef_sums, chunks

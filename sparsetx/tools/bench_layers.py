@@ -284,7 +284,7 @@ def critical_walks(rows_NS, n_rows, chunk):
   sorted_rows = jnp.sort(rows_NS.reshape(-1))
   starts = segment_grads.row_starts(sorted_rows, n_rows)
   passes = [starts]
-  if row_chunks.tail_segments(sorted_rows.shape[0], n_rows, chunk):
+  if row_chunks.tail_segments(sorted_rows.shape[0], chunk):
     plan = jax.jit(row_chunks.plan, static_argnums=2)(sorted_rows, starts, chunk)
     passes = [plan.starts_V1, plan.combine_starts_M1]
   walks = []
