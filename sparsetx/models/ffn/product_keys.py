@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from sparsetx.config import ConfigError, n_keys_for
 from sparsetx.kernels import platform
 from sparsetx.models.ffn.common import router_init
-from sparsetx.parallel.sparse_forms import where_tokens_are
+from sparsetx.parallel.own_tokens import where_tokens_are
 
 _INT32_MIN = jnp.iinfo(jnp.int32).min
 _INT32_MAX = jnp.iinfo(jnp.int32).max
