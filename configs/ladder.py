@@ -7,9 +7,9 @@ TARGET (optional) sizes the run for a machine (sparsetx/plan/targets.py): the pa
 per step, the sparse layer's units split over `expert` inside one node or slice (NVLink / ICI), `data` over the
 rest and over the nodes (DCN), the vocabulary over `expert` (nothing large replicated), micro-batches so each
 device holds at most 8,192 tokens at a time on an 80 GB chip (scaled with the HBM), and remat `none` (no forward
-recomputed, nor its collectives) where the planned device memory (aot.planned_device_bytes) leaves half the HBM
+recomputed, nor its collectives) where the planned device memory (plan/memory.planned_device_bytes) leaves half the HBM
 free for what the analytic count omits, `full` otherwise. sparsetx/tools/dry_run.py prints the device memory of
-the compiled step (aot.device_memory). E.g.
+the compiled step (plan/memory.device_memory). E.g.
   configs/ladder.py:sgatlin,5,h100x8    one node of 8 H100s: expert=8, 4 micro-batches of 2 rows per GPU
   configs/ladder.py:fff,2,h200x8        one node of 8 H200s: expert=4 (FFF's 4 trees), data=2
   configs/ladder.py:sgatlin,8,h100x8x4  4 nodes: expert=8 on NVLink, data=4 over the DCN
@@ -22,8 +22,7 @@ A rung on a target trains from a pre-tokenized corpus (config.data.require_token
 from sparsetx import config as config_lib
 from sparsetx.models import ladder
 from sparsetx.models.ffn.registry import SPECS
-from sparsetx.plan import targets
-from sparsetx.train import aot
+from sparsetx.plan import memory, targets
 
 
 def units(model) -> int | None:
@@ -58,4 +57,4 @@ def remat_for(config, target) -> str:
   plain = config.copy_and_resolve_references()
   plain.model.remat = "none"
   expert = targets.expert_size(target, units(config.model))
-  return "none" if aot.planned_device_bytes(plain, target.devices, expert) <= target.chip.hbm_bytes / 2 else "full"
+  return "none" if memory.planned_device_bytes(plain, target.devices, expert) <= target.chip.hbm_bytes / 2 else "full"

@@ -61,10 +61,10 @@ def test_chunked_loss_equals_the_plain_loss_and_its_gradients(tied, dtype, V):
     return (loss_lib.token_cross_entropy(logits_BTV, targets_BT, Z_LOSS) * weights_BT).sum()
 
   def chunked(head, hidden_BTD):
-    n = loss_lib.loss_chunk_count(V, 8)
+    n = config_lib.loss_chunk_count(V, 8)
     return (loss_lib.chunked_token_losses(cfg, head, hidden_BTD, targets_BT, Z_LOSS, n) * weights_BT).sum()
 
-  assert loss_lib.loss_chunk_count(V, 8) == 8
+  assert config_lib.loss_chunk_count(V, 8) == 8
   (value, grads), (want, want_grads) = (
     jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(head, hidden_BTD) for f in (chunked, plain)
   )

@@ -27,6 +27,7 @@ from sparsetx.kernels.options import KernelOptions
 from sparsetx.models.ffn.registry import SPECS
 from sparsetx.parallel import expert_parallel
 from sparsetx.perf import hardware, hlo_text, roofline
+from sparsetx.plan import memory
 from sparsetx.train import aot
 
 TOPOLOGIES = {"v5p": "v5p:2x2x1", "v6e": "v6e:2x2", "h100": "h100:1x1x4", "a100": "a100:1x1x4"}
@@ -120,11 +121,11 @@ ANALYTIC_RATIO = (0.15, 1.5)
 
 
 def assert_analytic_memory_near_the_compilers(step: Compiled):
-  """The planner's analytic estimate (aot.device_memory: state, gradients, saved activations, one block's
+  """The planner's analytic estimate (plan/memory.device_memory: state, gradients, saved activations, one block's
   backward, one vocabulary tile of the loss) stays within ANALYTIC_RATIO of the compiled program's peak. It omits
   the compiler's fusion scratch and the kernels' padding, and counts residuals the compiler may rematerialize, so
   neither side bounds the other exactly; the dry run prints both."""
-  ratio = aot.device_memory(step.config, step.mesh, step.report).device / step.report.peak_bytes
+  ratio = memory.device_memory(step.config, step.mesh, step.report).device / step.report.peak_bytes
   assert ANALYTIC_RATIO[0] <= ratio <= ANALYTIC_RATIO[1], (ratio, step.report.memory)
 
 

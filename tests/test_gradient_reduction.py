@@ -223,7 +223,7 @@ def test_per_device_loop_equals_the_compiler_loop_with_moe_balancing_losses():
 
 
 def test_loop_param_bytes_counts_the_tables_blocks_and_every_other_parameter_whole():
-  """What the device memory estimate reads (aot.device_memory): on data=2 x expert=4 with 2 microbatches the loop
+  """What the device memory estimate reads (plan/memory.device_memory): on data=2 x expert=4 with 2 microbatches the loop
   holds sgatlin's table as its channel block (1/4: expert splits the channels, fsdp=1 leaves d_model whole) and
   every other parameter whole, the vocabulary's too; without microbatches, the parameters as stored."""
   config = mesh_config(microbatches=2)

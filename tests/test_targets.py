@@ -1,6 +1,6 @@
 """Ladder rungs on named machines (configs/ladder.py:FFN,SCALE,TARGET; sparsetx/plan/targets.py): the mesh,
 rules and micro-batches a target gives, a compile of each representative rung on its target's mesh (simulated CPU
-devices), and the device memory it projects against the chip's HBM (aot.device_memory)."""
+devices), and the device memory it projects against the chip's HBM (plan/memory.device_memory)."""
 
 import time
 
@@ -13,7 +13,7 @@ from sparsetx.models import ladder
 from sparsetx.models.ffn import placement
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.perf import hardware, hlo_text, roofline
-from sparsetx.plan import targets
+from sparsetx.plan import memory, targets
 from sparsetx.train import aot
 from sparsetx.train import state as state_lib
 
@@ -48,11 +48,11 @@ def test_every_rung_is_sized_for_the_target(target):
       assert rows >= 1 and rows * config.data.seq_len <= budget
       shape = (ici.data * dcn.data, 1, 1, ici.expert)
       placement.check_units_divide(config, jax.sharding.AbstractMesh(shape, config_lib.MESH_AXES))
-      planned = aot.planned_device_bytes(config, machine.devices, ici.expert)
+      planned = memory.planned_device_bytes(config, machine.devices, ici.expert)
       assert planned <= machine.chip.hbm_bytes, (ffn_type, scale)
       plain = config.copy_and_resolve_references()
       plain.model.remat = "none"
-      no_remat = aot.planned_device_bytes(plain, machine.devices, ici.expert)
+      no_remat = memory.planned_device_bytes(plain, machine.devices, ici.expert)
       assert (config.model.remat == "none") == (no_remat <= machine.chip.hbm_bytes / 2)  # `full` only when needed
 
 
@@ -84,11 +84,11 @@ def test_rung_compiles_on_its_target_and_fits_the_chip(arg):
     data=config.mesh.ici.data * config.mesh.dcn.data, fsdp=1, tensor=1, expert=config.mesh.ici.expert
   )
   report = aot.dry_run(config, mesh, mesh_lib.granule_of(devices, granules))
-  shrunk = aot.device_memory(config, mesh, report)
+  shrunk = memory.device_memory(config, mesh, report)
   assert shrunk.compiled <= machine.chip.hbm_bytes and shrunk.device <= shrunk.compiled
   # the paper shape's device memory: the compiled state (parameters, optimizer; the batch is a few KiB) with the
   # paper shape's activations
-  paper = aot.device_memory(full, mesh, report)
+  paper = memory.device_memory(full, mesh, report)
   assert paper.tokens == 128 * 2048 // full.train.microbatches // machine.devices
   assert shrunk.state < paper.device <= machine.chip.hbm_bytes
   crossing = [c for c in report.collectives if c.granules > 1]

@@ -291,6 +291,12 @@ def default_config() -> ml_collections.ConfigDict:
   return config
 
 
+def loss_chunk_count(vocab_size: int, loss_chunks: int) -> int:
+  """How many vocabulary tiles the chunked loss runs: loss_chunks, at most one per vocabulary entry (0 or 1:
+  unchunked). A constant, so the device loop has the same trips at any number of tokens."""
+  return max(1, min(loss_chunks, vocab_size))
+
+
 def remat_policy(model, prefix: str = "config.model") -> str:
   """The remat policy name of `model.remat`; configs saved before the policies hold True (full) or False (none)."""
   remat = model.get("remat", "none")

@@ -4,7 +4,6 @@ More: docs/modules.md, sparsetx/tools/accelerator_check.py.
 """
 
 import sys
-import time
 from types import SimpleNamespace
 
 import jax
@@ -13,13 +12,12 @@ import numpy as np
 from absl import flags
 
 from sparsetx import cli
-from sparsetx.kernels import platform, row_gather, segment_grads
-from sparsetx.kernels import timing as kernel_timing
+from sparsetx.kernels import kernel_bench, platform, row_gather, segment_grads
 from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
 from sparsetx.kernels.grouped_matmul import grouped_matmul
-from sparsetx.perf import hardware
+from sparsetx.perf import hardware, timing
 from sparsetx.tools import bench_layers
-from sparsetx.train import timing as train_timing
+from sparsetx.train import step_bench
 
 U32 = 2.0**-24  # float32 unit roundoff
 REASSOCIATION = 4  # a device may sum in another order (tree, split-k): the bound's allowance for it
@@ -179,7 +177,7 @@ def bench_rows(small) -> list:
   chip = hardware.chip_of(jax.devices()[0].device_kind)
   peak = chip.hbm_bandwidth if chip else None
   rows = []
-  for shape, backend, kernel, phase, seconds, nbytes in kernel_timing.measure(small, repeats=1 if small else 10):
+  for shape, backend, kernel, phase, seconds, nbytes in kernel_bench.measure(small, repeats=1 if small else 10):
     rate = nbytes / seconds
     share = f" ({100 * rate / peak:.0f}% of HBM peak)" if peak else ""
     rows.append(("kernel bench", f"{backend} {kernel} {phase} D={shape[-1]}", f"{rate / 1e9:,.1f} GB/s{share}", None))
@@ -187,7 +185,7 @@ def bench_rows(small) -> list:
 
 
 def train_rows(small) -> list:
-  args = train_timing.with_defaults(
+  args = step_bench.with_defaults(
     SimpleNamespace(
       types=TRAIN_TYPES,
       scale=None,
@@ -200,9 +198,9 @@ def train_rows(small) -> list:
     )
   )
   devices = jax.devices()[:1]
-  peak = train_timing.peak_flops(args, devices)
+  peak = step_bench.peak_flops(args, devices)
   rows = []
-  for step in train_timing.measure(args, devices):
+  for step in step_bench.measure(args, devices):
     mfu = f", MFU {step.model_flops / (step.seconds * peak):.1%}" if peak else ""
     what = f"{step.name} scale {args.scale} {args.dtype}"
     rows.append(("train step", what, f"{step.tokens / step.seconds:,.0f} tokens/s{mfu}", None))
@@ -220,16 +218,16 @@ def format_table(rows) -> str:
 def absl_main(argv, holders: dict):
   del argv
   small = holders["small"].value
-  start = time.perf_counter()
   device = jax.devices()[0]
   rows = []
-  for name, options in kernel_timing.backends(small):
-    rows += check_kernels(name, options, small)
-    rows.append(check_grouped(name, options, small))
-  rows += bench_rows(small)
-  rows += moe_bench_rows(small)
-  rows += train_rows(small)
-  print(f"accelerator check on {device.device_kind} (jax {jax.__version__}), {time.perf_counter() - start:.0f} s")
+  with timing.Stopwatch() as clock:
+    for name, options in kernel_bench.backends(small):
+      rows += check_kernels(name, options, small)
+      rows.append(check_grouped(name, options, small))
+    rows += bench_rows(small)
+    rows += moe_bench_rows(small)
+    rows += train_rows(small)
+  print(f"accelerator check on {device.device_kind} (jax {jax.__version__}), {clock.seconds:.0f} s")
   print(format_table(rows))
   if any(verdict is False for *_, verdict in rows):
     sys.exit(1)

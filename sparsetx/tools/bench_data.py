@@ -12,7 +12,6 @@ import os
 import random
 import tempfile
 import threading
-import time
 from types import SimpleNamespace
 
 import jax
@@ -23,7 +22,7 @@ from absl import flags
 from sparsetx import cli
 from sparsetx import config as config_lib
 from sparsetx.data import bpe_vocab, corpus, global_stream, pretokenize, token_store, vocab
-from sparsetx.perf import hardware, roofline
+from sparsetx.perf import hardware, roofline, timing
 from sparsetx.plan import step_cost, targets
 
 ENCODE_BATCH = 1024  # documents per encode_batch call: the tokenize job's batch (pretokenize._BATCH)
@@ -181,19 +180,18 @@ def prepare(
     files = build_vocab.expand_inputs([input_glob])
   trained_s = None
   if not vocab_path:
-    start = time.perf_counter()
-    vocab_path = build_vocab.build_gpt2_bpe(
-      os.path.join(work_dir, "bpe"), vocab_size, inputs=files, max_documents=BPE_DOCUMENTS
-    )
-    trained_s = time.perf_counter() - start
+    with timing.Stopwatch() as clock:
+      vocab_path = build_vocab.build_gpt2_bpe(
+        os.path.join(work_dir, "bpe"), vocab_size, inputs=files, max_documents=BPE_DOCUMENTS
+      )
+    trained_s = clock.seconds
   config = paths_config(input_glob, vocab_path, seq_len, rows)
   corpus_dir = os.path.join(work_dir, "tokens")
   import seqio  # noqa: F401  (imported, with TensorFlow, before the clock starts: a job's start, not its rate)
 
-  with PeakMemory() as memory:
-    start = time.perf_counter()
+  with PeakMemory() as memory, timing.Stopwatch() as clock:
     pretokenize.tokenize_corpus(config, corpus_dir, workers=workers)
-    tokenize_s = time.perf_counter() - start
+  tokenize_s = clock.seconds
   tokenized = config.copy_and_resolve_references()
   tokenized.data.tokenized_dir = corpus_dir
   tokens = token_store.TokenSplit(corpus_dir, TASK, "train").n_tokens
@@ -257,11 +255,11 @@ def time_encode_batch(inputs: Inputs) -> EncodeTiming:
   tokenizer = bpe_vocab.load(inputs.vocab_path).tokenizer
   documents = read_documents(inputs.files)
   tokens = 0
-  start = time.perf_counter()
-  for first in range(0, len(documents), ENCODE_BATCH):
-    encodings = tokenizer.encode_batch_fast(documents[first : first + ENCODE_BATCH], add_special_tokens=False)
-    tokens += sum(len(e.ids) for e in encodings)
-  return EncodeTiming(len(documents), tokens, time.perf_counter() - start)
+  with timing.Stopwatch() as clock:
+    for first in range(0, len(documents), ENCODE_BATCH):
+      encodings = tokenizer.encode_batch_fast(documents[first : first + ENCODE_BATCH], add_special_tokens=False)
+      tokens += sum(len(e.ids) for e in encodings)
+  return EncodeTiming(len(documents), tokens, clock.seconds)
 
 
 def format_tokenize_table(inputs: Inputs, raw: EncodeTiming) -> str:
@@ -298,22 +296,21 @@ def open_stream(inputs: Inputs) -> global_stream.GlobalStream:
 
 def time_reads(inputs: Inputs, steps: int, warmup: int = 2) -> ReadTiming:
   """Seconds per `next_local` batch of the stream, after `warmup` batches."""
-  start = time.perf_counter()
-  reader = open_stream(inputs)
+  with timing.Stopwatch() as opened:
+    reader = open_stream(inputs)
   try:
-    batch = reader.next_local()
-    first_s = time.perf_counter() - start
+    with timing.Stopwatch() as first:
+      batch = reader.next_local()
     for _ in range(warmup - 1):
       reader.next_local()
     real = 0.0
-    start = time.perf_counter()
-    for _ in range(steps):
-      batch = reader.next_local()
-      real += float(np.mean(batch["loss_weights"]))
-    seconds = (time.perf_counter() - start) / steps
+    with timing.Stopwatch() as clock:
+      for _ in range(steps):
+        batch = reader.next_local()
+        real += float(np.mean(batch["loss_weights"]))
   finally:
     reader.close()
-  return ReadTiming(first_s, seconds, real / steps, int(batch["targets"].size))
+  return ReadTiming(opened.seconds + first.seconds, clock.seconds / steps, real / steps, int(batch["targets"].size))
 
 
 def format_read_table(t: ReadTiming, bar: Bar) -> str:

@@ -14,7 +14,7 @@ import jax
 from absl import flags
 
 from sparsetx import cli
-from sparsetx.kernels import timing
+from sparsetx.kernels import kernel_bench
 from sparsetx.perf import hardware
 
 
@@ -50,7 +50,7 @@ def absl_main(argv, holders: dict):
   print(
     f"jax {jax.__version__} on {jax.devices()[0].device_kind}; HBM peak {f'{peak / 1e9:,.0f} GB/s' if peak else 'unknown'}"
   )
-  print(format_rows(timing.measure(args.small, args.dtype, args.repeats), peak))
+  print(format_rows(kernel_bench.measure(args.small, args.dtype, args.repeats), peak))
 
 
 def main():

@@ -3,8 +3,7 @@
 More: docs/modules.md, sparsetx/tools/bench_layers.py.
 """
 
-import statistics
-import time
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +20,7 @@ from sparsetx.models.ffn.common import gini
 from sparsetx.models.ffn.dense import Mlp, SwiGlu
 from sparsetx.models.ffn.fff import Fff
 from sparsetx.models.ffn.sgatlin import Sgatlin
+from sparsetx.perf import timing
 
 
 def layer_config(d_model, dtype, reference=False, **ffn):
@@ -50,24 +50,17 @@ class Variant:
     self.steps = {"fwd": fwd.lower(params, x).compile(), "fwd+bwd": fwd_bwd.lower(params, x).compile()}
     self.args = (params, x)
     self.temp_mib = {k: c.memory_analysis().temp_size_in_bytes / 2**20 for k, c in self.steps.items()}
-    self.times = {k: [] for k in self.steps}
-    for step in self.steps.values():
-      jax.block_until_ready(step(*self.args))
-
-  def time_once(self, kind):
-    start = time.perf_counter()
-    jax.block_until_ready(self.steps[kind](*self.args))
-    self.times[kind].append(time.perf_counter() - start)
+    self.seconds = {}  # median seconds per kind, from run_rounds
 
   def ms(self, kind):
-    return 1e3 * statistics.median(self.times[kind])
+    return 1e3 * self.seconds[kind]
 
 
 def run_rounds(variants, rounds, kinds=("fwd", "fwd+bwd")):
-  for _ in range(rounds):
-    for kind in kinds:
-      for v in variants:
-        v.time_once(kind)
+  """Times the variants' `kinds` side by side (perf/timing.py); each variant's ms() reads its medians."""
+  calls = {(v, kind): functools.partial(v.steps[kind], *v.args) for kind in kinds for v in variants}
+  for (v, kind), seconds in timing.interleaved(calls, rounds).items():
+    v.seconds[kind] = seconds
 
 
 def print_table(title, variants, baseline, kinds=("fwd", "fwd+bwd")):
@@ -212,16 +205,10 @@ class TableGrads:
     step = lambda *a: segment_grads.table_grads(*a, n_rows, options, with_bias=False)[:2]  # noqa: E731
     self.args = (x, dy, rows, coef_in, coef_out)
     self.step = jax.jit(step).lower(*self.args).compile()
-    self.times = []
-    jax.block_until_ready(self.step(*self.args))
-
-  def time_once(self):
-    start = time.perf_counter()
-    jax.block_until_ready(self.step(*self.args))
-    self.times.append(time.perf_counter() - start)
+    self.seconds = None  # median seconds, from table_grads_table
 
   def ms(self):
-    return 1e3 * statistics.median(self.times)
+    return 1e3 * self.seconds
 
 
 def table_grads_table(scale, tokens, dtype, rounds, target_gini, chunks, gpu_kernel="auto"):
@@ -241,9 +228,9 @@ def table_grads_table(scale, tokens, dtype, rounds, target_gini, chunks, gpu_ker
     for dist, rows in dists.items()
     for chunk in chunks
   }
-  for _ in range(rounds):
-    for v in variants.values():
-      v.time_once()
+  calls = {v: functools.partial(v.step, *v.args) for v in variants.values()}
+  for v, seconds in timing.interleaved(calls, rounds).items():
+    v.seconds = seconds
   print(
     f"\nsgatlin table gradients at ladder scale {scale}: d_model={d}, {n_channels} x {d_ffw} rows, top-{top_k}, "
     f"{tokens} tokens, {dtype}, {path}"

@@ -4,13 +4,14 @@
                                          [--batch=8] [--prompt=64] [--new=64]
 
 For each feed-forward type: a random-init model of the config, `--batch` random byte prompts of
-`--prompt` tokens, `--new` greedy tokens (EOS ignored), seconds per `Sampler.generate` call (best of 3
-after compiling) with `kv_cache=False` and `kv_cache=True`, their ratio, and whether the tokens agree.
+`--prompt` tokens, `--new` greedy tokens (EOS ignored), seconds per `Sampler.generate` call (the
+median of 3 interleaved rounds after compiling) with `kv_cache=False` and `kv_cache=True`, their
+ratio, and whether the tokens agree.
 """
 
+import functools
 import importlib.util
 import os
-import time
 
 import flax.linen as nn
 import jax
@@ -23,6 +24,7 @@ from sparsetx import cli
 from sparsetx import config as config_lib
 from sparsetx.evaluate import sampling
 from sparsetx.models.transformer import Transformer
+from sparsetx.perf import timing
 
 
 def define_flags() -> dict:
@@ -51,14 +53,12 @@ def load_config(path: str, ffn: str, dtype: str) -> ml_collections.ConfigDict:
   return config_lib.validate(config)
 
 
-def seconds_per_call(sampler, prompts, new_tokens):
-  tokens = sampler.generate(prompts, new_tokens)  # compiles
-  times = []
-  for _ in range(3):
-    start = time.perf_counter()
-    sampler.generate(prompts, new_tokens)
-    times.append(time.perf_counter() - start)
-  return min(times), tokens
+def seconds_per_call(samplers: dict, prompts, new_tokens, rounds: int = 3) -> tuple[dict, dict]:
+  """Each sampler's median seconds per `generate` call, side by side, and the tokens its first (compiling) call
+  gave."""
+  tokens = {name: sampler.generate(prompts, new_tokens) for name, sampler in samplers.items()}
+  calls = {name: functools.partial(sampler.generate, prompts, new_tokens) for name, sampler in samplers.items()}
+  return timing.interleaved(calls, rounds, warm=False), tokens
 
 
 def absl_main(argv, holders: dict):
@@ -73,16 +73,17 @@ def absl_main(argv, holders: dict):
     model = Transformer(ml_collections.FrozenConfigDict(config.model))
     params = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))["params"]
     prompts = np.random.default_rng(0).integers(2, 259, (args.batch, args.prompt)).tolist()
-    timed = {
-      kv_cache: seconds_per_call(
-        sampling.Sampler(model, params, config.model.max_len, batch_size=args.batch, eos_id=-1, kv_cache=kv_cache),
-        prompts,
-        args.new,
+    samplers = {
+      kv_cache: sampling.Sampler(
+        model, params, config.model.max_len, batch_size=args.batch, eos_id=-1, kv_cache=kv_cache
       )
       for kv_cache in (False, True)
     }
-    (recompute, tokens_r), (cached, tokens_c) = timed[False], timed[True]
-    print(f"{ffn:<10}{recompute:>12.3f}{cached:>12.3f}{recompute / cached:>9.1f}x{str(tokens_r == tokens_c):>13}")
+    seconds, tokens = seconds_per_call(samplers, prompts, args.new)
+    recompute, cached = seconds[False], seconds[True]
+    print(
+      f"{ffn:<10}{recompute:>12.3f}{cached:>12.3f}{recompute / cached:>9.1f}x{str(tokens[False] == tokens[True]):>13}"
+    )
 
 
 def main():

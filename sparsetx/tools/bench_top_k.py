@@ -4,8 +4,6 @@ More: docs/modules.md, sparsetx/tools/bench_top_k.py.
 """
 
 import functools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +14,7 @@ from sparsetx import cli
 from sparsetx.config import n_keys_for
 from sparsetx.models.ffn import product_keys
 from sparsetx.models.ladder import scaling_ladder
+from sparsetx.perf import timing
 
 N_CHANNELS, TOP_K = 16, 8
 
@@ -64,15 +63,7 @@ def forward_backward(top_k):
 
 def time_rounds(compiled, args, rounds):
   """Median seconds per variant, the variants interleaved within each round."""
-  times = {name: [] for name in compiled}
-  for fn in compiled.values():
-    jax.block_until_ready(fn(*args))
-  for _ in range(rounds):
-    for name, fn in compiled.items():
-      start = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      times[name].append(time.perf_counter() - start)
-  return {name: statistics.median(t) for name, t in times.items()}
+  return timing.interleaved({name: functools.partial(fn, *args) for name, fn in compiled.items()}, rounds)
 
 
 def equal_trees(a, b):

@@ -8,7 +8,7 @@ from absl import flags
 
 from sparsetx import cli
 from sparsetx import config as config_lib
-from sparsetx.train import timing
+from sparsetx.train import step_bench
 
 
 def define_flags() -> dict:
@@ -27,15 +27,15 @@ def define_flags() -> dict:
 
 def absl_main(argv, holders: dict):
   del argv
-  args = timing.with_defaults(cli.flag_values(holders))
+  args = step_bench.with_defaults(cli.flag_values(holders))
   devices = jax.devices()
-  peak = timing.peak_flops(args, devices)
+  peak = step_bench.peak_flops(args, devices)
   print(
     f"jax {jax.__version__} on {len(devices)} x {devices[0].device_kind}"
     + (f" (peak {peak / 1e12:.0f} TFLOP/s per device)" if peak else " (no peak known: MFU n/a)")
   )
   try:
-    steps = timing.measure(args, devices)
+    steps = step_bench.measure(args, devices)
   except config_lib.ConfigError as error:
     cli.fail(error)
   small = ", --small: 2 layers, vocab 512" if args.small else ""

@@ -20,7 +20,7 @@ from sparsetx.models.ffn.registry import SPECS
 from sparsetx.parallel import expert_parallel, topology
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.perf import hardware, roofline
-from sparsetx.plan import step_cost, targets
+from sparsetx.plan import memory, step_cost, targets
 from sparsetx.train import aot
 from sparsetx.train import state as state_lib
 
@@ -106,9 +106,9 @@ def compile_on_topology(config, name: str) -> None:
   chip = hardware.chip_of(devices[0].device_kind)
   print(aot.format_report(report))
   print(aot.format_compiled_memory(report, chip))
-  estimate = aot.device_memory(config, mesh, report).device
+  estimate = memory.device_memory(config, mesh, report).device
   print(
-    f"  analytic estimate {aot.format_bytes(estimate)} ({estimate / max(report.peak_bytes, 1):.2f} x the compiled peak)"
+    f"  analytic estimate {memory.format_bytes(estimate)} ({estimate / max(report.peak_bytes, 1):.2f} x the compiled peak)"
   )
   print(aot.format_program(report))
   print(f"compiled for {name} ({devices[0].device_kind}, {len(devices)} devices) in {time.time() - start:.0f} s")
@@ -153,7 +153,7 @@ def absl_main(argv, holders: dict):
   except config_lib.ConfigError as error:
     cli.fail(error)
   print(aot.format_report(report))
-  print(aot.format_device_memory(aot.device_memory(config, mesh, report), hardware.chips(args.target)))
+  print(memory.format_device_memory(memory.device_memory(config, mesh, report), hardware.chips(args.target)))
   print(f"lowered and compiled in {time.time() - start:.0f} s")
   print(roofline.format_projections([roofline.project(report, chip) for chip in hardware.chips(args.target)]))
   print_analytic(config, mesh, hardware.chips(args.target), report)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from sparsetx import config as config_lib
 from sparsetx.models import transformer
 from sparsetx.models.ffn import moe
 from sparsetx.train.sparse_stats import sparse_stats
@@ -17,12 +18,6 @@ def token_cross_entropy(logits_BTV, targets_BT, z_loss: float):
   if z_loss:
     ce_BT = ce_BT + z_loss * jax.nn.logsumexp(logits_BTV, axis=-1) ** 2
   return ce_BT
-
-
-def loss_chunk_count(vocab_size: int, loss_chunks: int) -> int:
-  """How many vocabulary tiles the chunked loss runs: loss_chunks, at most one per vocabulary entry (0 or 1:
-  unchunked). A constant, so the device loop has the same trips at any number of tokens."""
-  return max(1, min(loss_chunks, vocab_size))
 
 
 def chunked_token_losses(cfg, params, hidden_BTD, targets_BT, z_loss: float, n_tiles: int):
@@ -79,7 +74,7 @@ def token_losses(model, params, batch, z_loss: float, loss_chunks: int = 0):
 
   loss_chunks > 1 (config.train.loss_chunks): the head and loss run by `chunked_token_losses`, so the full
   logits never exist; the intermediates are the same but for the `logits` tap, which is then not taken."""
-  n_chunks = loss_chunk_count(model.cfg.vocab_size, loss_chunks)
+  n_chunks = config_lib.loss_chunk_count(model.cfg.vocab_size, loss_chunks)
   out, state = model.apply(
     {"params": params},
     batch["inputs"],

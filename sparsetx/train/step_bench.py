@@ -5,16 +5,13 @@ at the same rung with the same batch, length, dtype and devices (all on the data
 in interleaved rounds (one step of each type per round, so drift and noise hit every type alike).
 """
 
-import statistics
-import time
-
 import jax
 import numpy as np
 
 from sparsetx import config as config_lib
 from sparsetx.models import ladder
 from sparsetx.parallel import expert_parallel
-from sparsetx.perf import hardware
+from sparsetx.perf import hardware, timing
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
 
@@ -50,27 +47,18 @@ class TypeStep:
     self.batch = jax.device_put(batch, built.batch_sharding)
     with expert_parallel.activate(built.mesh, config.mesh.rules):
       self.state = state_lib.create_state(config, built.shardings, built.model, built.tx)
-      start = time.perf_counter()
-      self.step = step_lib.make_train_step(config, built).lower(self.state, self.batch).compile()
-      self.compile_s = time.perf_counter() - start
+      with timing.Stopwatch() as clock:
+        self.step = step_lib.make_train_step(config, built).lower(self.state, self.batch).compile()
+      self.compile_s = clock.seconds
     self.tokens = B * T
     self.model_flops = 3 * ladder.forward_flops_per_token(config.model, T)["total"] * self.tokens
     self.params = ladder.param_counts(config.model)
-    self.times = []
-    self.run()  # the first call also moves what a first call moves
+    self.seconds = None  # median seconds per step, from measure
 
-  def run(self) -> float:
-    start = time.perf_counter()
+  def __call__(self):
+    """One step; the state carries on, so every call trains from the last."""
     self.state, metrics = self.step(self.state, self.batch)
-    jax.block_until_ready(metrics["loss"])
-    return time.perf_counter() - start
-
-  def time_once(self):
-    self.times.append(self.run())
-
-  @property
-  def seconds(self) -> float:
-    return statistics.median(self.times)
+    return metrics
 
 
 def with_defaults(args):
@@ -84,9 +72,8 @@ def with_defaults(args):
 def measure(args, devices) -> list:
   """Each type's TypeStep, compiled and timed in `args.rounds` interleaved rounds (the acceptance script too)."""
   steps = [TypeStep(t, args, devices) for t in args.types]
-  for _ in range(args.rounds):
-    for s in steps:
-      s.time_once()
+  for step, seconds in timing.interleaved({s: s for s in steps}, args.rounds).items():
+    step.seconds = seconds
   return steps
 
 

@@ -4,14 +4,14 @@ Shared by sparsetx/tools/bench_kernels.py (its table) and sparsetx/tools/acceler
 kernel must move: the rows it gathers in the compute dtype, its token-side operands and its output.
 """
 
-import statistics
-import time
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from sparsetx.kernels import platform, row_gather, segment_grads
 from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
+from sparsetx.perf import timing
 
 LADDER_SHAPES = [(16384, 16, 8, 40**2, 256), (16384, 16, 8, 64**2, 512), (16384, 16, 8, 112**2, 1024)]
 SMALL_SHAPES = [(64, 2, 2, 16**2, 128)]
@@ -37,16 +37,6 @@ def case(tokens, n_channels, top_k, d_ffw, d_model, dtype):
   gates = jax.random.normal(k[4], rows.shape, jnp.float32)
   dy = jax.random.normal(k[5], (tokens, d_model), dtype)
   return x, w_in, w_out, rows, gates, dy
-
-
-def timed(fn, args, repeats) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def kernel_timings(shape, dtype, options, repeats) -> list:
@@ -83,7 +73,8 @@ def kernel_timings(shape, dtype, options, repeats) -> list:
       gathered + 3 * per_slot + R * D * 4,
     ),
   ]
-  rows_out = [(name, phase, timed(jax.jit(fn), (), repeats), nbytes) for name, phase, fn, nbytes in kernels]
+  calls = {(name, phase): jax.jit(fn) for name, phase, fn, _ in kernels}
+  nbytes = {(name, phase): n for name, phase, _, n in kernels}
 
   def loss(x, w_in, w_out, gates, o):
     return (gated_gather(x, w_in, w_out, rows, gates, options=o).astype(jnp.float32) * dy).sum()
@@ -93,9 +84,11 @@ def kernel_timings(shape, dtype, options, repeats) -> list:
   for name, o in (("gated gather", options), ("gated gather, xla", KernelOptions("xla"))):
     forward = jax.jit(lambda x, wi, wo, g, o=o: gated_gather(x, wi, wo, rows, g, options=o))
     both = jax.jit(jax.grad(lambda *a, o=o: loss(*a, o), argnums=(0, 1, 2, 3)))
-    rows_out.append((name, "fwd", timed(forward, (x, w_in, w_out, gates), repeats), op_forward))
-    rows_out.append((name, "fwd+bwd", timed(both, (x, w_in, w_out, gates), repeats), op_forward + op_backward))
-  return rows_out
+    calls[name, "fwd"] = functools.partial(forward, x, w_in, w_out, gates)
+    calls[name, "fwd+bwd"] = functools.partial(both, x, w_in, w_out, gates)
+    nbytes[name, "fwd"], nbytes[name, "fwd+bwd"] = op_forward, op_forward + op_backward
+  seconds = timing.interleaved(calls, repeats)
+  return [(name, phase, seconds[name, phase], nbytes[name, phase]) for name, phase in calls]
 
 
 def measure(small: bool, dtype: str = "bfloat16", repeats: int = 20) -> list:
