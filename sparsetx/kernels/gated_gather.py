@@ -16,7 +16,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sparsetx.kernels import platform, row_gather, segment_grads, token_shards, xla_gather
+from sparsetx.kernels import platform, row_gather, segment_grads, xla_gather
 from sparsetx.kernels.options import GPU_KERNELS, IMPLEMENTATIONS, KernelOptions, options_from_config  # noqa: F401 (API)
 from sparsetx.kernels.reference import Gating, gated_gather_reference, identity
 
@@ -47,18 +47,12 @@ def _row_sorted(options, x_ND, w_in_RD, h_given_NS):
 
 
 def _ops(options):
-  """(forward, forward_from_pre_activation, backward_rows, runs_on_token_shards) of this call's backend."""
+  """(forward, forward_from_pre_activation, backward_rows) of this call's backend."""
   backend = platform.kernel_backend(options)
   if backend is None:
-    return xla_gather.forward, xla_gather.forward_from_pre_activation, xla_gather.backward_rows, False
+    return xla_gather.forward, xla_gather.forward_from_pre_activation, xla_gather.backward_rows
   bind = lambda fn: functools.partial(fn, backend)  # noqa: E731
-  return bind(row_gather.forward), bind(row_gather.forward_from_pre_activation), bind(row_gather.backward_rows), True
-
-
-def _per_token(on_shards, fn, gating, options, per_token, *args):
-  """fn(*args, gating, options); kernels run on each device's own tokens (token_shards.py)."""
-  call = lambda *a: fn(*a, gating, options)  # noqa: E731
-  return token_shards.on_token_shards(call, per_token, *args) if on_shards else call(*args)
+  return bind(row_gather.forward), bind(row_gather.forward_from_pre_activation), bind(row_gather.backward_rows)
 
 
 def _forward_impl(gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS, for_backward):
@@ -66,14 +60,10 @@ def _forward_impl(gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, b
     order = xla_gather.row_order(rows_NS, gates_NS, w_in_RD.shape[0], options.pair_chunk, gating.linear_in_gate)
     y_ND, h_P = xla_gather.row_sorted_forward(x_ND, w_in_RD, w_out_RD, order, bias_R, gating, options)
     return y_ND, (order, h_P)
-  forward, from_pre_activation, _, on_shards = _ops(options)
+  forward, from_pre_activation, _ = _ops(options)
   if h_given_NS is not None:
-    args = (x_ND, w_out_RD, rows_NS, gates_NS, h_given_NS)
-    return _per_token(
-      on_shards, from_pre_activation, gating, options, (True, False, True, True, True), *args
-    ), h_given_NS
-  args = (x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R)
-  return _per_token(on_shards, forward, gating, options, (True, False, False, True, True, False), *args)
+    return from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_given_NS, gating, options), h_given_NS
+  return forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -99,19 +89,9 @@ def _bwd(gating, options, table_dtype, residuals, dy_ND):
       dy_ND, x_ND, h_P, w_in_RD, w_out_RD, order, bias_R is not None, gating, options
     )
   else:
-    _, _, backward_rows, on_shards = _ops(options)
-    dx_ND, dgates_NS, coef_in_NS, coef_out_NS = _per_token(
-      on_shards,
-      backward_rows,
-      gating,
-      options,
-      (True, True, False, False, True, True),
-      dy_ND,
-      h_NS,
-      w_in_RD,
-      w_out_RD,
-      rows_NS,
-      gates_NS,
+    _, _, backward_rows = _ops(options)
+    dx_ND, dgates_NS, coef_in_NS, coef_out_NS = backward_rows(
+      dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options
     )
     dw_in, dw_out, dbias = segment_grads.table_grads(
       x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS, w_in_RD.shape[0], options, bias_R is not None

@@ -11,7 +11,7 @@ More: docs/modules.md, sparsetx/kernels/segment_grads.py.
 import jax
 import jax.numpy as jnp
 
-from sparsetx.kernels import platform, row_chunks, token_shards
+from sparsetx.kernels import platform, row_chunks
 
 _INT32_LIMIT = 2**31 - 1
 
@@ -50,22 +50,17 @@ def table_grads(x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS, n_rows, options, 
   if backend is None:
     pairs = _sorted(rows_NS, coef_in_NS, coef_out_NS, n_rows)
     return _scan_table_grads(x_ND, dy_ND, *pairs, n_rows, options, with_bias)
-
-  def kernel_sums(x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS):
-    sorted_rows_P, token_P, coef_in_P, coef_out_P = _sorted(rows_NS, coef_in_NS, coef_out_NS, n_rows)
-    starts_R1 = row_starts(sorted_rows_P, n_rows)
-    chunks = None
-    if row_chunks.tail_segments(sorted_rows_P.shape[0], options.segment_chunk):
-      chunks = row_chunks.plan(sorted_rows_P, starts_R1, options.segment_chunk)  # one plan for both tables
-    sums = lambda values, coefs, with_coef_sums: row_chunks.segment_sums(  # noqa: E731
-      backend, values, token_P, coefs, sorted_rows_P, starts_R1, options, with_coef_sums, chunks
-    )
-    dw_in, dbias = sums(x_ND, coef_in_P, with_bias)
-    dw_out, _ = sums(dy_ND, coef_out_P, False)
-    return dw_in, dw_out, dbias
-
-  # On a mesh each device sorts and sums its own tokens' pairs; the partial tables are summed over the devices.
-  return token_shards.summed_over_token_shards(kernel_sums, (True,) * 5, x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS)
+  sorted_rows_P, token_P, coef_in_P, coef_out_P = _sorted(rows_NS, coef_in_NS, coef_out_NS, n_rows)
+  starts_R1 = row_starts(sorted_rows_P, n_rows)
+  chunks = None
+  if row_chunks.tail_segments(sorted_rows_P.shape[0], options.segment_chunk):
+    chunks = row_chunks.plan(sorted_rows_P, starts_R1, options.segment_chunk)  # one plan for both tables
+  sums = lambda values, coefs, with_coef_sums: row_chunks.segment_sums(  # noqa: E731
+    backend, values, token_P, coefs, sorted_rows_P, starts_R1, options, with_coef_sums, chunks
+  )
+  dw_in, dbias = sums(x_ND, coef_in_P, with_bias)
+  dw_out, _ = sums(dy_ND, coef_out_P, False)
+  return dw_in, dw_out, dbias
 
 
 def _scan_table_grads(x_ND, dy_ND, sorted_rows_P, token_P, coef_in_P, coef_out_P, n_rows, options, with_bias):

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparsetx.kernels import platform, row_gather, segment_grads, token_shards, xla_gather
+from sparsetx.kernels import platform, row_gather, segment_grads, xla_gather
 from sparsetx.kernels.gated_gather import TableDtypes, stream_dtype
 
 
@@ -28,8 +28,7 @@ def rows_dot(options, a_hd, table_Rd, rows_hS):
     return _scan_chunks(
       lambda a_cd, rows_cS: xla_gather.pre_activation(a_cd, table_Rd, rows_cS, None)[0], [a_hd, rows_hS], options
     )
-  call = lambda a, table, rows: row_gather.dots(backend, a, table, rows, options)  # noqa: E731
-  return token_shards.on_token_shards(call, (True, False, True), a_hd, table_Rd, rows_hS)
+  return row_gather.dots(backend, a_hd, table_Rd, rows_hS, options)
 
 
 def rows_sum(options, coef_hS, table_Rd, rows_hS, dtype):
@@ -41,10 +40,7 @@ def rows_sum(options, coef_hS, table_Rd, rows_hS, dtype):
     return _scan_chunks(step, [coef_hS, rows_hS], options)
 
   # The table already streams in the compute dtype (_forward): its rows are `dtype` values, summed into float32.
-  def call(coef, table, rows):
-    return row_gather.accumulate(backend, coef.astype(dtype), table, rows, jnp.float32, options)
-
-  return token_shards.on_token_shards(call, (True, False, True), coef_hS, table_Rd, rows_hS)
+  return row_gather.accumulate(backend, coef_hS.astype(dtype), table_Rd, rows_hS, jnp.float32, options)
 
 
 def sliced_gated_gather(gating, options, axes, x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS):

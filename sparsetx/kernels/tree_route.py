@@ -9,7 +9,7 @@ More: docs/modules.md, sparsetx/kernels/tree_route.py.
 import jax
 import jax.numpy as jnp
 
-from sparsetx.kernels import platform, row_gather, token_shards
+from sparsetx.kernels import platform, row_gather
 from sparsetx.kernels.gated_gather import gated_gather, stream_dtype
 from sparsetx.kernels.xla_gather import chunked, unchunk
 
@@ -29,13 +29,10 @@ def _walk_with_kernels(backend, options, x_ND, w_in_PMD, b_in_PM, node_NP, n_lev
   offset_P = M * jnp.arange(P, dtype=jnp.int32)
   tree_P = jnp.arange(P)
 
-  def level_logits(x_nD, w_RD, rows_nP):
-    return row_gather.dots(backend, x_nD, w_RD, rows_nP, options)
-
   nodes, logits = [], []
   for _level in range(n_levels):
     rows_NP = node_NP + offset_P[None, :]
-    z_NP = token_shards.on_token_shards(level_logits, (True, False, True), x_ND, w_in_RD, rows_NP)
+    z_NP = row_gather.dots(backend, x_ND, w_in_RD, rows_NP, options)
     z_NP = z_NP + b_in_PM[tree_P, node_NP].astype(jnp.float32)
     nodes.append(node_NP)
     logits.append(z_NP)

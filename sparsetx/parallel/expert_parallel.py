@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from sparsetx.config import DEFAULT_RULES, rule_axes
-from sparsetx.kernels import token_shards
 
 # Put first in config.mesh.rules, these split every `embed` axis over fsdp x expert and keep channels whole:
 # neuron tables (PEER's shared one; sgatlin's when the expert axis is larger than its channel count)
@@ -30,7 +29,7 @@ def activate(mesh, rules=DEFAULT_RULES):
   """Mesh and logical rules in the context, so sparse layers trace their expert-parallel form."""
   token = _RULES.set(tuple(tuple(rule) for rule in rules))
   try:
-    with jax.set_mesh(mesh), token_shards.token_axes(rule_axes(_RULES.get(), "batch")):
+    with jax.set_mesh(mesh):
       yield
   finally:
     _RULES.reset(token)
@@ -346,7 +345,8 @@ def unit_index(group: ExpertGroup):
 
 def shard_map(fn, group: ExpertGroup, in_specs, out_specs, every_axis: bool = False):
   """jax.shard_map over the group's token and unit axes; the other mesh axes stay with the compiler, or with
-  every_axis are manual too (replicated): a Mosaic kernel inside (megablox) refuses a partly manual region.
+  every_axis are manual too (replicated): kernels inside are single-device ops (Pallas TPU refuses a partly manual
+  region).
 
   check_vma is off: the kernels' scans start float32 accumulators from zeros, which the varying-
   axes check rejects inside a shard_map. The tests compare values and gradients with the
@@ -360,7 +360,7 @@ def shard_map(fn, group: ExpertGroup, in_specs, out_specs, every_axis: bool = Fa
   """
   manual = manual_axes(group.mesh)
   axes = set(group.batch + group.units + group.split) - manual
-  if not axes:
+  if not axes and not (every_axis and set(group.mesh.axis_names) - manual):
     return fn
   in_specs = jax.tree.map(lambda s: free_spec(s, group.mesh), in_specs, is_leaf=lambda s: isinstance(s, P))
   out_specs = jax.tree.map(lambda s: free_spec(s, group.mesh), out_specs, is_leaf=lambda s: isinstance(s, P))

@@ -37,8 +37,9 @@ def on_own_tokens(fn, tokens, tables, table_names):
   minor axis first so the blocks land in order, and its gradient comes back by the transpose, a reduce-scatter;
   a replicated table (data) enters as it is, and the shard_map's transpose all-reduces its gradient. fn returns
   a tuple of [n, ...] arrays; they come back as [N, ...]. Every free mesh axis is manual inside
-  (`ep.every_axis_manual`: MoE's kernels may be Mosaic's). With no mesh, or tokens that don't split evenly over
-  the batch axes (a batch of 1 at init), fn runs on everything and the compiler gathers the tables.
+  (`ep.every_axis_manual`): fn may call kernels, which are single-device ops. Tokens that don't split evenly over
+  the batch axes (a batch of 1 at init) enter whole on every device. With no mesh, or every axis manual already,
+  fn runs as it is.
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is None or mesh.empty:
@@ -51,9 +52,12 @@ def on_own_tokens(fn, tokens, tables, table_names):
   specs = [PartitionSpec(*(dims or None for dims in table_dims)) for table_dims in split]
   axes = set(batch) | {a for dims in split for axis_tuple in dims for a in axis_tuple}
   free = set(mesh.axis_names) - set(manual)
-  # Nothing to split and no manual region around (inside one, a Mosaic kernel still needs every axis manual).
-  if not free or not (axes or manual) or tokens[0].shape[0] % math.prod(mesh.shape[a] for a in batch):
+  # One device, or no manual region around with every free axis of size 1 (inside one, a kernel still needs
+  # every axis manual), or every axis manual already: fn runs as it is.
+  if not free or not (manual or any(mesh.shape[a] > 1 for a in free)):
     return fn(*tokens, *tables)
+  if tokens[0].shape[0] % math.prod(mesh.shape[a] for a in batch):
+    batch = ()  # whole on every device
 
   def body(*args):
     tokens_n, shards = args[: len(tokens)], args[len(tokens) :]
@@ -124,4 +128,5 @@ def token_parallel(group, local, tokens=(), owned=(), tables=(), table_specs=(),
     group,
     in_specs=(spec,) * (n_tokens + n_owned) + tuple(table_specs),
     out_specs=(spec,) * (1 + n_owned_outputs),
+    every_axis=True,  # local may call kernels, which are single-device ops
   )(*tokens, *owned, *tables)

@@ -25,36 +25,24 @@ def neuron_table_gather(
   as `table`'s layout under the active rules gives.
   """
   B, T, D = x_BTD.shape
-  if table.placement != "expert":
+  U, K = idx_BTUK.shape[2:]  # the units of the routing: the table may be this device's block (`table_param`)
+  group = table.layout(B * T) if table.placement == "expert" else None
+  if group is None:
     return _whole_table_gather(
       table, x_BTD, experts_2UFD, idx_BTUK, gates_BTUK, activation, options, gate_inside_activation
     )
-  U, K = idx_BTUK.shape[2:]  # the units of the routing: the table may be this device's block (`table_param`)
-  F = experts_2UFD.shape[2]
-  group = table.layout(B * T)
-  if group is not None and group.split:
+  if group.split:
     x_ND, idx_NUK, gates_NUK = x_BTD.reshape(B * T, D), idx_BTUK.reshape(B * T, U, K), gates_BTUK.reshape(B * T, U, K)
     y_ND = split_gated_gather(
       group, x_ND, experts_2UFD, idx_NUK, gates_NUK, activation, options, gate_inside_activation=gate_inside_activation
     )
     return y_ND.reshape(B, T, D)
-  if group is not None:
-    return _unit_split_gather(group, x_BTD, experts_2UFD, idx_BTUK, gates_BTUK, activation, options)
-  rows_BTS = (idx_BTUK + F * jnp.arange(U, dtype=idx_BTUK.dtype)[None, None, :, None]).reshape(B, T, U * K)
-  return gated_gather(
-    x_BTD,
-    experts_2UFD[0].reshape(U * F, D),
-    experts_2UFD[1].reshape(U * F, D),
-    rows_BTS,
-    gates_BTUK.reshape(B, T, U * K),
-    activation,
-    options=options,
-    gate_inside_activation=gate_inside_activation,
-  )
+  return _unit_split_gather(group, x_BTD, experts_2UFD, idx_BTUK, gates_BTUK, activation, options)
 
 
 def _whole_table_gather(table, x_BTD, experts_2UFD, idx_BTUK, gates_BTUK, activation, options, gate_inside_activation):
-  """The fsdp and data placements: the single-device gated gather on each device's own tokens, the table whole."""
+  """The fsdp and data placements, and the expert placement without an expert group (no mesh, a unit axis of size
+  1, tokens that don't split): the single-device gated gather on each device's own tokens, the table whole."""
   B, T, D = x_BTD.shape
   U, K = idx_BTUK.shape[2:]
   names = table.stored_axes
@@ -180,7 +168,9 @@ def tree_walk(
   B, T, D = x_BTD.shape
   P, L = w_in_PZD.shape[0], depth + 1
   x_ND = x_BTD.reshape(B * T, D)
-  if placement != "expert":
+  # the expert placement's tables may be blocks (`table_param`)
+  group = ep.expert_group(table_axes[0], ep.whole_units(P, table_axes[0]), B * T) if placement == "expert" else None
+  if group is None:  # every tree on each device's own tokens (for expert: no mesh, trees or tokens that don't split)
     names = tuple(placed_names(n, placement) for n in (table_axes, bias_axes, table_axes))
     y_ND, path_NPL, z_NPL = on_own_tokens(
       lambda x_nD, *tables: sparse_forward(x_nD, *tables, depth, activation, options),
@@ -189,22 +179,18 @@ def tree_walk(
       names,
     )
     return y_ND.reshape(B, T, D), path_NPL.reshape(B, T, P, L), z_NPL.reshape(B, T, P, L)
-  P = ep.whole_units(P, table_axes[0])  # the expert placement's tables may be blocks (`table_param`)
-  group = ep.expert_group(table_axes[0], P, B * T)
-  if group is None:
-    y_ND, path_NPL, z_NPL = sparse_forward(x_ND, w_in_PZD, b_in_PZ, w_out_PZD, depth, activation, options)
-  else:
 
-    def local(tokens_g, _, tables_p):
-      return sparse_forward(tokens_g[0], *tables_p, depth, activation, options)
+  def local(tokens_g, _, tables_p):
+    return sparse_forward(tokens_g[0], *tables_p, depth, activation, options)
 
-    trees = PartitionSpec(group.unit_spec)
-    y_ND, path_NPL, z_NPL = token_parallel(
-      group,
-      local,
-      tokens=(x_ND,),
-      tables=(w_in_PZD, b_in_PZ, w_out_PZD),
-      table_specs=(trees,) * 3,
-      n_owned_outputs=2,
-    )
+  trees = PartitionSpec(group.unit_spec)
+  y_ND, path_NPL, z_NPL = token_parallel(
+    group,
+    local,
+    tokens=(x_ND,),
+    tables=(w_in_PZD, b_in_PZ, w_out_PZD),
+    table_specs=(trees,) * 3,
+    n_owned_outputs=2,
+  )
+  P = ep.whole_units(P, table_axes[0])
   return y_ND.reshape(B, T, D), path_NPL.reshape(B, T, P, L), z_NPL.reshape(B, T, P, L)
