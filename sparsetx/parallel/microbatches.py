@@ -107,11 +107,10 @@ def _manual_spec(spec: P, axes) -> P:
 
 
 def _loop_specs(init_model, leaves, stored, axes) -> list:
-  """Each parameter's spec entering the loop: a table's (`tables.table_param`, learned by tracing the model's
-  init under `tables.recording_tables`) keeps the manual axes of the dimensions its dispatcher takes as blocks;
-  every other parameter is whole along the manual axes."""
-  with tables_lib.recording_tables() as recorded:
-    jax.eval_shape(init_model)
+  """Each parameter's spec entering the loop: a table's (`tables.table_param`, found in the model's traced init by
+  `tables.declared_tables`) keeps the manual axes of the dimensions its dispatcher takes as blocks; every other
+  parameter is whole along the manual axes."""
+  recorded = tables_lib.declared_tables(jax.eval_shape(init_model)["params"])
   specs = []
   for (path, leaf), spec in zip(leaves, stored):
     names, local = recorded.get(tuple(getattr(k, "key", k) for k in path), ((None,) * leaf.ndim, ()))

@@ -1,12 +1,12 @@
 """Where a sparse layer's tables live: the placements, the logical names a table is stored under, and the
-record of the tables a model declares (traced from its init)."""
+tables a model declares (their partitioning boxes, which tracing its init returns)."""
 
-import contextlib
-import contextvars
 import dataclasses
 
 import flax.linen as nn
 import jax
+from flax import struct
+from flax.core import meta
 
 from sparsetx.config import TABLE_PLACEMENTS
 from sparsetx.parallel import expert_parallel as ep
@@ -57,7 +57,11 @@ class NeuronTable:
     return ep.table_group(self.axes, self.unit_axis, self.n_units, n_tokens)
 
 
-_TABLES = contextvars.ContextVar("sparsetx_tables", default=None)  # {param path: (axes, local)} while recording
+class TableBox(nn.LogicallyPartitioned):
+  """A table parameter's flax partitioning box: its logical names, and `local`, the dimensions the expert
+  placement's dispatcher takes as this device's block."""
+
+  local: tuple = struct.field(default=(), pytree_node=False)
 
 
 def table_param(module, name: str, init, shape, dtype, axes: tuple, local: tuple, placement: str = "expert"):
@@ -66,23 +70,19 @@ def table_param(module, name: str, init, shape, dtype, axes: tuple, local: tuple
   placement's dispatcher takes as this device's block (units; a neuron table's d_model). Inside the step's
   per-device microbatch loop (parallel/microbatches.py), whose batch axes are manual, the table enters as that block
   (`ep.block_shape`) and the dispatcher's body runs on it without opening a shard_map over those axes; the fsdp
-  and data placements' tables enter whole (gathered once, before the loop). `recording_tables` collects, by
-  parameter path, the tables declared this way."""
+  and data placements' tables enter whole (gathered once, before the loop). The parameter is boxed as a
+  `TableBox`, so `declared_tables` finds it in the model's traced init."""
   axes, local = placed_names(axes, placement), (tuple(local) if placement == "expert" else ())
-  recorded = _TABLES.get()
-  if recorded is not None:
-    recorded[tuple(module.scope.path) + (name,)] = (tuple(axes), tuple(local))
   block = ep.block_shape(shape, axes, local, jax.sharding.get_abstract_mesh(), ep.active_rules())
-  return module.param(name, nn.with_logical_partitioning(init, axes), block, dtype)
+  return module.param(name, lambda *args: TableBox(init(*args), tuple(axes), local=tuple(local)), block, dtype)
 
 
-@contextlib.contextmanager
-def recording_tables():
-  """Yields a dict that `table_param` fills while in this context: {parameter path (tuple of names): (logical
-  axes, dimensions taken as blocks)} of every table the model declares (the train step traces the model's init
-  in it to learn which parameters enter its per-device loop as blocks)."""
-  token = _TABLES.set({})
-  try:
-    yield _TABLES.get()
-  finally:
-    _TABLES.reset(token)
+def declared_tables(boxed_params) -> dict:
+  """{parameter path (tuple of names): (logical axes, dimensions taken as blocks)} of every table in a model's
+  boxed parameters (its init, traced: `jax.eval_shape`), which the train step's per-device loop takes as blocks."""
+  leaves = jax.tree_util.tree_leaves_with_path(boxed_params, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))
+  return {
+    tuple(getattr(k, "key", k) for k in path): (tuple(box.names), box.local)
+    for path, box in leaves
+    if isinstance(box, TableBox)
+  }
