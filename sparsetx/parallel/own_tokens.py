@@ -78,30 +78,13 @@ def on_own_tokens(fn, tokens, tables, table_names):
 
 
 def where_tokens_are(fn, *arrays_BT):
-  """fn on each device's own tokens: a shard_map over the batch axes when a mesh is in the context.
-
-  For per-token work the compiler does not partition by itself: XLA's TopK (the routers' top-k)
-  gathers its whole operand onto every device otherwise. Arrays share leading [B, T] dimensions;
-  fn maps them to arrays with the same leading dimensions.
-  """
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh is None or mesh.empty:
-    return fn(*arrays_BT)
-  batch = tuple(a for a in ep.active_mesh_axes(mesh, "batch") if a not in ep.manual_axes(mesh))
+  """fn on each device's own tokens (`on_own_tokens`, no tables): arrays sharing leading [B, T] dimensions in, a
+  tuple of such arrays out. For per-token work the compiler does not partition by itself: XLA's TopK (the routers'
+  top-k) gathers its whole operand onto every device otherwise."""
   B, T = arrays_BT[0].shape[:2]
-  if not batch or (B * T) % math.prod(mesh.shape[a] for a in batch):
-    return fn(*arrays_BT)
   flat = [a.reshape((B * T,) + a.shape[2:]) for a in arrays_BT]
-  spec = PartitionSpec(batch)
-  outs = jax.shard_map(
-    fn,
-    mesh=mesh,
-    in_specs=(spec,) * len(flat),
-    out_specs=spec,
-    axis_names=set(batch),
-    check_vma=False,
-  )(*flat)
-  return jax.tree.map(lambda o: o.reshape((B, T) + o.shape[1:]), outs)
+  outs = on_own_tokens(lambda *tokens: tuple(fn(*tokens)), flat, (), ())
+  return tuple(o.reshape((B, T) + o.shape[1:]) for o in outs)
 
 
 def token_parallel(group, local, tokens=(), owned=(), tables=(), table_specs=(), n_owned_outputs=0, out_dtype=None):
