@@ -127,6 +127,22 @@ def define_config_file(
   return holder
 
 
+def load_config_file(name: str, spec: str) -> config_dict.ConfigDict:
+  """The config a `--NAME=spec` ('path[:arg]') flag would load, loaded here (a program that loads one file for each
+  of several arguments); a missing file or a get_config that raises is a one-sentence ConfigError."""
+  _check_config_file(name, spec)
+  try:
+    return config_flags_lib.ConfigFileFlagParser(name, lock_config=False).parse(spec)
+  except Exception as error:  # noqa: BLE001  (described in one sentence, as config_args does)
+    innermost = _chain(error)[-1]
+    if isinstance(innermost, ConfigError):  # raised by the config file, which names itself or not
+      message = str(innermost)
+      raise ConfigError(
+        message if message.startswith(spec.split(":", 1)[0]) else f"--{name}={spec}: {message}"
+      ) from None
+    raise ConfigError(_describe_load_error(name, spec, innermost)) from None
+
+
 class _IntegerListParser(flags.ListParser):
   """Comma-separated integers (`--scales=2,4`)."""
 

@@ -252,3 +252,14 @@ def test_importing_cli_changes_nothing_global():
   )
   result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
   assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_load_config_file_loads_what_the_flag_would(monkeypatch):
+  """cli.load_config_file (a program loading one file per argument, bench_sampling): the file's get_config(arg),
+  and a missing file or an argument the file refuses as one sentence naming the flag or the file."""
+  monkeypatch.chdir(REPO)
+  assert cli.load_config_file("config", "configs/tiny.py:fff").model.ffn.type == "fff"
+  with pytest.raises(config_lib.ConfigError, match=r"^--config=configs/nope.py:mlp: no such file 'configs/nope.py'"):
+    cli.load_config_file("config", "configs/nope.py:mlp")
+  with pytest.raises(config_lib.ConfigError, match=r"^configs/tiny.py:bogus names an unknown feed-forward type"):
+    cli.load_config_file("config", "configs/tiny.py:bogus")

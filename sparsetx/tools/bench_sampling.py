@@ -10,8 +10,6 @@ ratio, and whether the tokens agree.
 """
 
 import functools
-import importlib.util
-import os
 
 import flax.linen as nn
 import jax
@@ -41,14 +39,7 @@ def define_flags() -> dict:
 
 def load_config(path: str, ffn: str, dtype: str) -> ml_collections.ConfigDict:
   """The config file's get_config(ffn), a path relative to the working directory (the repository root)."""
-  if not os.path.isfile(path):
-    cli.fail(
-      f"--config={path}: no such file (relative paths start from {os.getcwd()}); give one such as configs/tiny.py."
-    )
-  module_spec = importlib.util.spec_from_file_location("bench_config", path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  config = module.get_config(ffn)
+  config = cli.load_config_file("config", f"{path}:{ffn}")
   config.model.dtype = dtype
   return config_lib.validate(config)
 
@@ -67,7 +58,10 @@ def absl_main(argv, holders: dict):
   print(f"{args.config}, {args.dtype}, batch {args.batch}, prompt {args.prompt}, {args.new} new tokens (greedy)")
   print(f"{'ffn':<10}{'recompute s':>12}{'kv cache s':>12}{'speed-up':>10}{'same tokens':>13}")
   for ffn in args.ffn:
-    config = load_config(args.config, ffn, args.dtype)
+    try:
+      config = load_config(args.config, ffn, args.dtype)
+    except config_lib.ConfigError as error:
+      cli.fail(error)
     if args.prompt + args.new > config.model.max_len:
       cli.fail(f"--prompt + --new = {args.prompt + args.new} exceeds config.model.max_len={config.model.max_len}.")
     model = Transformer(ml_collections.FrozenConfigDict(config.model))
