@@ -52,11 +52,11 @@ def layer_residual_bytes(config, tokens: int, policy: str, expert: int = 1) -> i
 
   full: the block's input [n, D]. none: the inputs of its matmuls and nonlinearities: both norms' outputs
   (2 nD), q, k, v and the attention output (4 n H K), the flash kernel's logsumexp (n H float32), the residual
-  stream after attention (nD), and the feed-forward layer's: mlp/swiglu the hidden (2 or 3 nF), moe its experts'
-  hidden and its dispatch's sorted rows and outputs (k (2 nF + 2 nD)), sgatlin/peer the selected slots' scores and indices (n C k, float32 and int32) and the
-  gated pre-activations (n C k) and the product-key router's scores (2 n C sqrt(F) float32), fff the visited nodes
-  (n trees (depth+1), float32 and int32); a sparse layer on `expert` > 1 devices also keeps the expert group's
-  gathered tokens (expert n D).
+  stream after attention (nD), and the feed-forward layer's (its FfnSpec.residual_bytes): mlp/swiglu the hidden
+  (2 or 3 nF), moe its experts' hidden and its dispatch's sorted rows and outputs (k (2 nF + 2 nD)), sgatlin/peer
+  the selected slots' scores and indices (n C k, float32 and int32), the gated pre-activations (n C k) and the
+  product-key router's scores (2 n C sqrt(F) float32), fff the visited nodes (n trees (depth+1), float32 and
+  int32); a sparse layer on `expert` > 1 devices also keeps the expert group's gathered tokens (expert n D).
   dots_saveable / dots_with_no_batch_dims_saveable keep the matmul outputs, about the same as none.
   Compute-dtype bytes (config.model.dtype) except where noted."""
   model = config.model
@@ -88,21 +88,21 @@ def device_memory(config, mesh, report) -> DeviceMemory:
   """The per-device memory of the train step on a GPU/TPU, next to the CPU-compiled figure it corrects; `report`
   is the compiled step's train/aot.Report (its memory analysis, param_bytes and loop_param_bytes).
 
-    The CPU program is not the device's in two ways, so its temporaries are replaced by an analytic count:
-    - attention: the CPU runs the XLA attention, which materializes [B,H,T,T] float32 logits and probabilities
-      (and keeps several per layer); cuDNN, splash and the Pallas flash kernel keep only the [B,H,T] logsumexp.
-      On 1 device, ladder mlp scale 2 at T=512, 8 rows: 744 MiB of temporaries, 23x one [B,H,T,T] float32 buffer.
-    - remat: XLA on CPU drops the remat barriers (the same step compiles to 257 MiB of temporaries under
-      remat=none and 254 MiB under full at T=256), so its program keeps every layer's residuals; an accelerator
-      keeps only what config.model.remat saves (layer_residual_bytes) and recomputes one block at a time.
-    The device figure is: state (arguments + outputs - aliased, exact from the compile) + float32 gradients (the
-    parameters' per-device bytes in float32 as the step holds them: with micro-batches, twice, for the running sum,
-    and as the per-device loop takes the parameters, whole but for the tables' blocks, `Report.loop_param_bytes`) +
-    the parameters that loop gathers whole beyond their stored shards + every layer's saved
-    residuals for one micro-batch + one block's recomputed residuals and their cotangents (2x remat=none's, when
-    remat is not none) + the LM head's float32 logits, softmax and cotangent over one vocabulary tile of the chunked
-    loss (3 x 4 n V / loss_chunks bytes over the vocab's shards of the logits). It omits XLA's fusion scratch and fragmentation: a lower bound to leave
-    headroom above (the accelerator's allocator reserves some of the HBM too).
+  The CPU program is not the device's in two ways, so its temporaries are replaced by an analytic count:
+  - attention: the CPU runs the XLA attention, which materializes [B,H,T,T] float32 logits and probabilities
+    (and keeps several per layer); cuDNN, splash and the Pallas flash kernel keep only the [B,H,T] logsumexp.
+    On 1 device, ladder mlp scale 2 at T=512, 8 rows: 744 MiB of temporaries, 23x one [B,H,T,T] float32 buffer.
+  - remat: XLA on CPU drops the remat barriers (the same step compiles to 257 MiB of temporaries under
+    remat=none and 254 MiB under full at T=256), so its program keeps every layer's residuals; an accelerator
+    keeps only what config.model.remat saves (layer_residual_bytes) and recomputes one block at a time.
+  The device figure is: state (arguments + outputs - aliased, exact from the compile) + float32 gradients (the
+  parameters' per-device bytes in float32 as the step holds them: with micro-batches, twice, for the running sum,
+  and as the per-device loop takes the parameters, whole but for the tables' blocks, `Report.loop_param_bytes`) +
+  the parameters that loop gathers whole beyond their stored shards + every layer's saved
+  residuals for one micro-batch + one block's recomputed residuals and their cotangents (2x remat=none's, when
+  remat is not none) + the LM head's float32 logits, softmax and cotangent over one vocabulary tile of the chunked
+  loss (3 x 4 n V / loss_chunks bytes over the vocab's shards of the logits). It omits XLA's fusion scratch and
+  fragmentation: a lower bound to leave headroom above (the accelerator's allocator reserves some of the HBM too).
   """
   memory = report.memory
   state = memory["argument"] + memory["output"] - memory["alias"]
