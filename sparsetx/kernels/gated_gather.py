@@ -2,10 +2,9 @@
 
   y[t] = sum_s a(h[t, s], gates[t, s]) * w_out[rows[t, s]],  h[t, s] = <w_in[rows[t, s]], x[t]> + bias[rows[t, s]]
 
-where the slot coefficient a is act(g * h) with `gate_inside_activation=True` (the default: sgatlin's
-official code applies its ablation activation to the gated pre-activation) or g * act(h) with False (PEER:
-softmax scores times GELU'd neurons; FFF: gates 1). reference.Gating holds the choice and the slopes every
-backend's backward uses; with the identity activation both forms are the paper's g * h exactly.
+where the slot coefficient a is act(g * h) with `gate_inside_activation=True` (sgatlin's official code) or
+g * act(h) with False (PEER; FFF: gates 1); reference.Gating holds the choice and the slopes every backward
+uses. With `sum_axes` (the d-split) x and the tables are d-slices whose partial dots are summed over those axes.
 
 More: docs/modules.md, sparsetx/kernels/gated_gather.py.
 """
@@ -16,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sparsetx.kernels import platform, row_gather, segment_grads, xla_gather
+from sparsetx.kernels import platform, row_gather, segment_grads, sliced_gather, xla_gather
 from sparsetx.kernels.options import GPU_KERNELS, IMPLEMENTATIONS, KernelOptions, options_from_config  # noqa: F401 (API)
 from sparsetx.kernels.reference import Gating, gated_gather_reference, identity
 
@@ -66,21 +65,43 @@ def _forward_impl(gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, b
   return forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _gated_gather_ND(gating, options, table_dtype, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _gated_gather_ND(
+  gating, options, table_dtype, sum_axes, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS
+):
+  if sum_axes:
+    args = (x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS)
+    return sliced_gather.forward(gating, options, sum_axes, table_dtype.stream, *args)[0]
   # Without a backward pass the sort does not pay for itself (the row-sorted forward alone is 0-8% slower).
   w_in_RD, w_out_RD = w_in_RD.astype(table_dtype.stream), w_out_RD.astype(table_dtype.stream)  # one cast per call
   return _forward_impl(gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS, False)[0]
 
 
-def _fwd(gating, options, table_dtype, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS):
+def _fwd(gating, options, table_dtype, sum_axes, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS):
+  if sum_axes:  # the d-split keeps its own residuals (sliced_gather.forward)
+    return sliced_gather.forward(
+      gating, options, sum_axes, table_dtype.stream, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS
+    )
   # The streamed copies are the residuals: the backward does not cast again.
   w_in_RD, w_out_RD = w_in_RD.astype(table_dtype.stream), w_out_RD.astype(table_dtype.stream)
   y_ND, h_NS = _forward_impl(gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS, True)
   return y_ND, (x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_NS, h_given_NS)
 
 
-def _bwd(gating, options, table_dtype, residuals, dy_ND):
+def _bwd(gating, options, table_dtype, sum_axes, residuals, dy_ND):
+  if sum_axes:
+    x_ND, rows_NS, gates_NS = residuals[0], residuals[3], residuals[4]
+    dx_ND, dw_in, dw_out, dgates_NS = sliced_gather.backward(gating, options, sum_axes, residuals, dy_ND)
+    rows_cotangent = jax.numpy.zeros(rows_NS.shape, jax.dtypes.float0)
+    return (
+      dx_ND.astype(x_ND.dtype),
+      dw_in.astype(table_dtype.param),
+      dw_out.astype(table_dtype.param),
+      rows_cotangent,
+      dgates_NS.astype(gates_NS.dtype),
+      None,
+      None,
+    )
   x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_NS, h_given_NS = residuals
   dy_ND = dy_ND.astype(x_ND.dtype)
   if _row_sorted(options, x_ND, w_in_RD, h_given_NS):
@@ -124,6 +145,7 @@ def gated_gather(
   options=None,
   pre_activation=None,
   gate_inside_activation=True,
+  sum_axes=(),
 ):
   """y [B, T, D] in x's dtype; `options` is a KernelOptions (defaults: implementation 'auto').
 
@@ -133,8 +155,16 @@ def gated_gather(
   `pre_activation` [B, T, S] (float32), when the caller already has <w_in[rows], x> + bias[rows] (FFF's
   walk computes exactly these logits), spares the XLA forward its w_in gather. It must equal those
   values; gradients still reach x, w_in and bias as if computed here, and it gets none of its own.
+
+  `sum_axes` (static; the d-split, inside a shard_map manual over them): x, w_in and w_out are this device's
+  d-slices, rows and gates whole; the partial dots are summed over these mesh axes before the activation and the
+  gate, and y is this device's d-slice in float32 (partial sums a unit split adds before rounding). The gates'
+  gradient is this slice's share, which the transpose of the gates' gather over the d-group sums.
   """
   options = KernelOptions() if options is None else options
+  sum_axes = tuple(sum_axes)
+  if sum_axes and (bias_R is not None or pre_activation is not None or options.implementation == "reference"):
+    raise ValueError("gated_gather: sum_axes (the d-split) takes no bias, pre_activation or reference form.")
   if options.implementation == "reference":  # the papers' formulation (Listing 1), kept for comparison
     return gated_gather_reference(
       x_BTD, w_in_RD, w_out_RD, rows_BTS, gates_BTS, activation, bias_R, gate_inside_activation
@@ -145,6 +175,7 @@ def gated_gather(
     Gating(activation, bool(gate_inside_activation)),
     options,
     TableDtypes(jnp.dtype(w_in_RD.dtype), stream_dtype(x_BTD.dtype, w_in_RD.dtype)),
+    sum_axes,
     x_BTD.reshape(-1, D),
     w_in_RD,
     w_out_RD,

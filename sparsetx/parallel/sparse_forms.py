@@ -6,8 +6,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from sparsetx.kernels.gated_gather import gated_gather
-from sparsetx.kernels.reference import Gating
-from sparsetx.kernels.sliced_gather import sliced_gated_gather
 from sparsetx.kernels.tree_route import sparse_forward
 from sparsetx.parallel import expert_parallel as ep
 from sparsetx.parallel.own_tokens import on_own_tokens, token_parallel
@@ -101,14 +99,14 @@ def split_gated_gather(group, x_ND, experts_2UFD, idx_NUK, gates_NUK, activation
 
   Each device holds experts[:, u-block, :, d-slice] (`ep.table_group`) and never sends it. Inside
   `token_parallel`, x goes to the devices of its d-group by d-slice and the indices and gates are
-  all-gathered over it; kernels/sliced_gather.py sums the partial dots over the d-group before the
-  activation and the gate; y's d-slices come back by the inverse of x's move. Returns y [N, D] in x's dtype.
+  all-gathered over it; the gated gather with `sum_axes` (kernels/sliced_gather.py) sums the partial dots over
+  the d-group before the activation and the gate; y's d-slices come back by the inverse of x's move. Returns
+  y [N, D] in x's dtype.
   """
   N, D = x_ND.shape
   U, K = idx_NUK.shape[1:]
   F = experts_2UFD.shape[2]
   dtype = x_ND.dtype
-  gating = Gating(activation, bool(gate_inside_activation))
 
   def local(tokens_g, owned_g, tables_u):
     (x_gD,), (idx_guK, gates_guK), (experts_2uFd,) = tokens_g, owned_g, tables_u
@@ -116,15 +114,16 @@ def split_gated_gather(group, x_ND, experts_2UFD, idx_NUK, gates_NUK, activation
     x_hd = ep.to_owners(x_gD, group, unit_dim=1, axes=group.split)  # d-slices: their owners are the split axes
     idx_huK, gates_huK = _gather_over_slices(idx_guK, group), _gather_over_slices(gates_guK, group)
     rows_hS = (idx_huK + F * jnp.arange(u, dtype=idx_huK.dtype)[None, :, None]).reshape(-1, u * K)
-    y_hd = sliced_gated_gather(
-      gating,
-      options,
-      group.split,
+    y_hd = gated_gather(
       x_hd,
       experts_2uFd[0].reshape(u * F, d),
       experts_2uFd[1].reshape(u * F, d),
       rows_hS,
       gates_huK.reshape(rows_hS.shape),
+      activation,
+      options=options,
+      gate_inside_activation=gate_inside_activation,
+      sum_axes=group.split,
     )
     # Summed over the units in float32 (`ep.scatter_back`); with no unit axes the sum is nothing and y moves in x's dtype.
     return (ep.from_owners(y_hd.astype(jnp.float32 if group.units else dtype), group, unit_dim=1, axes=group.split),)
