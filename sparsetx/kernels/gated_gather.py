@@ -165,12 +165,14 @@ def gated_gather(
   sum_axes = tuple(sum_axes)
   if sum_axes and (bias_R is not None or pre_activation is not None or options.implementation == "reference"):
     raise ValueError("gated_gather: sum_axes (the d-split) takes no bias, pre_activation or reference form.")
-  if options.implementation == "reference":  # the papers' formulation (Listing 1), kept for comparison
-    return gated_gather_reference(
-      x_BTD, w_in_RD, w_out_RD, rows_BTS, gates_BTS, activation, bias_R, gate_inside_activation
-    )
   *lead, D = x_BTD.shape
   S = rows_BTS.shape[-1]
+  if options.implementation == "reference":  # the papers' formulation (Listing 1), kept for comparison
+    as_1TS = lambda a: a.reshape(1, -1, a.shape[-1])  # noqa: E731  (any leading shape: [N, ...] on a device's tokens)
+    y_1TD = gated_gather_reference(
+      as_1TS(x_BTD), w_in_RD, w_out_RD, as_1TS(rows_BTS), as_1TS(gates_BTS), activation, bias_R, gate_inside_activation
+    )
+    return y_1TD.reshape(*lead, D)
   y_ND = _gated_gather_ND(
     Gating(activation, bool(gate_inside_activation)),
     options,
