@@ -88,35 +88,33 @@ def _fwd(gating, options, table_dtype, sum_axes, x_ND, w_in_RD, w_out_RD, rows_N
   return y_ND, (x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_NS, h_given_NS)
 
 
-def _bwd(gating, options, table_dtype, sum_axes, residuals, dy_ND):
-  if sum_axes:
-    x_ND, rows_NS, gates_NS = residuals[0], residuals[3], residuals[4]
-    dx_ND, dw_in, dw_out, dgates_NS = sliced_gather.backward(gating, options, sum_axes, residuals, dy_ND)
-    rows_cotangent = jax.numpy.zeros(rows_NS.shape, jax.dtypes.float0)
-    return (
-      dx_ND.astype(x_ND.dtype),
-      dw_in.astype(table_dtype.param),
-      dw_out.astype(table_dtype.param),
-      rows_cotangent,
-      dgates_NS.astype(gates_NS.dtype),
-      None,
-      None,
-    )
+def _backward(gating, options, residuals, dy_ND):
+  """(dx, dgates, dW_in, dW_out, dbias) of the fused forward's residuals."""
   x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_NS, h_given_NS = residuals
   dy_ND = dy_ND.astype(x_ND.dtype)
   if _row_sorted(options, x_ND, w_in_RD, h_given_NS):
     order, h_P = h_NS  # the row-sorted forward keeps its sort and the sorted pre-activations
-    dx_ND, dgates_NS, dw_in, dw_out, dbias = xla_gather.row_sorted_backward(
+    return xla_gather.row_sorted_backward(
       dy_ND, x_ND, h_P, w_in_RD, w_out_RD, order, bias_R is not None, gating, options
     )
+  _, _, backward_rows = _ops(options)
+  dx_ND, dgates_NS, coef_in_NS, coef_out_NS = backward_rows(
+    dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options
+  )
+  dw_in, dw_out, dbias = segment_grads.table_grads(
+    x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS, w_in_RD.shape[0], options, bias_R is not None
+  )
+  return dx_ND, dgates_NS, dw_in, dw_out, dbias
+
+
+def _bwd(gating, options, table_dtype, sum_axes, residuals, dy_ND):
+  if sum_axes:  # sliced_gather.forward's residuals: (x, w_in, w_out, rows, gates, h)
+    x_ND, rows_NS, gates_NS = residuals[0], residuals[3], residuals[4]
+    bias_R = h_given_NS = dbias = None
+    dx_ND, dw_in, dw_out, dgates_NS = sliced_gather.backward(gating, options, sum_axes, residuals, dy_ND)
   else:
-    _, _, backward_rows = _ops(options)
-    dx_ND, dgates_NS, coef_in_NS, coef_out_NS = backward_rows(
-      dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options
-    )
-    dw_in, dw_out, dbias = segment_grads.table_grads(
-      x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS, w_in_RD.shape[0], options, bias_R is not None
-    )
+    dx_ND, dgates_NS, dw_in, dw_out, dbias = _backward(gating, options, residuals, dy_ND)
+    x_ND, rows_NS, gates_NS, bias_R, h_given_NS = (residuals[i] for i in (0, 3, 4, 5, 7))
   rows_cotangent = jax.numpy.zeros(rows_NS.shape, jax.dtypes.float0)
   return (
     dx_ND.astype(x_ND.dtype),

@@ -55,9 +55,11 @@ def _whole_table_gather(table, x_BTD, experts_2UFD, idx_BTUK, gates_BTUK, activa
   return y_ND.reshape(B, T, D)
 
 
-def _own_units_gather(x_nD, idx_nuK, gates_nuK, experts_2uFD, activation, options, gate_inside_activation=True):
+def _own_units_gather(
+  x_nD, idx_nuK, gates_nuK, experts_2uFD, activation, options, gate_inside_activation=True, sum_axes=()
+):
   """The single-device gated gather over the u units a device holds (experts [2, u, F, D]): unit j's neurons are
-  rows j F .. (j + 1) F - 1 of the units' tables stacked."""
+  rows j F .. (j + 1) F - 1 of the units' tables stacked. With `sum_axes` D is a d-slice (the d-split)."""
   u, F, D = experts_2uFD.shape[1:]
   K = idx_nuK.shape[-1]
   rows_nS = (idx_nuK + F * jnp.arange(u, dtype=idx_nuK.dtype)[None, :, None]).reshape(-1, u * K)
@@ -70,6 +72,7 @@ def _own_units_gather(x_nD, idx_nuK, gates_nuK, experts_2uFD, activation, option
     activation,
     options=options,
     gate_inside_activation=gate_inside_activation,
+    sum_axes=sum_axes,
   )
 
 
@@ -105,25 +108,14 @@ def split_gated_gather(group, x_ND, experts_2UFD, idx_NUK, gates_NUK, activation
   """
   N, D = x_ND.shape
   U, K = idx_NUK.shape[1:]
-  F = experts_2UFD.shape[2]
   dtype = x_ND.dtype
 
   def local(tokens_g, owned_g, tables_u):
     (x_gD,), (idx_guK, gates_guK), (experts_2uFd,) = tokens_g, owned_g, tables_u
-    u, d = experts_2uFd.shape[1], experts_2uFd.shape[-1]
     x_hd = ep.to_owners(x_gD, group, unit_dim=1, axes=group.split)  # d-slices: their owners are the split axes
     idx_huK, gates_huK = _gather_over_slices(idx_guK, group), _gather_over_slices(gates_guK, group)
-    rows_hS = (idx_huK + F * jnp.arange(u, dtype=idx_huK.dtype)[None, :, None]).reshape(-1, u * K)
-    y_hd = gated_gather(
-      x_hd,
-      experts_2uFd[0].reshape(u * F, d),
-      experts_2uFd[1].reshape(u * F, d),
-      rows_hS,
-      gates_huK.reshape(rows_hS.shape),
-      activation,
-      options=options,
-      gate_inside_activation=gate_inside_activation,
-      sum_axes=group.split,
+    y_hd = _own_units_gather(
+      x_hd, idx_huK, gates_huK, experts_2uFd, activation, options, gate_inside_activation, sum_axes=group.split
     )
     # Summed over the units in float32 (`ep.scatter_back`); with no unit axes the sum is nothing and y moves in x's dtype.
     return (ep.from_owners(y_hd.astype(jnp.float32 if group.units else dtype), group, unit_dim=1, axes=group.split),)
