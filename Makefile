@@ -1,5 +1,6 @@
 # Both targets set up .venv on first use (and again whenever pyproject.toml changes).
-PYTHON ?= python3.11
+# Python 3.12 or 3.13 (pyproject.toml's requires-python): found on the PATH or under pyenv by scripts/find_python.sh.
+PYTHON ?= $(shell scripts/find_python.sh)
 VENV := .venv
 PY := $(VENV)/bin/python
 WORKDIR ?= workdir/tiny
@@ -7,7 +8,8 @@ WORKDIR ?= workdir/tiny
 .PHONY: train test lint clean
 
 $(VENV)/.installed: pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	@test -n "$(PYTHON)" || { scripts/find_python.sh; exit 1; }
+	$(PY) -c 'import sys; sys.exit(sys.version_info[:2] < (3, 12))' 2>/dev/null || { rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); }
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@

@@ -13,9 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-# Mosaic GPU's interpret mode is not exported publicly in the pinned JAX (0.10.x).
+# The race verdict of Mosaic GPU's interpret mode is not exported publicly (jax 0.11, 0.12).
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
-from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -36,7 +35,7 @@ class _Lanes:
     self.interpret = interpret
 
   def load(self, ref, layout):
-    return ref[...] if self.interpret else plgpu.load(ref, (), layout=layout, optimized=False)
+    return ref[...] if self.interpret else plgpu.load(ref, layout=layout, optimized=False)
 
   def cast(self, array, layout):
     return array if self.interpret else plgpu.layout_cast(array, layout)
@@ -90,7 +89,7 @@ def _copy_token_block(src_SN_gmem, dst_SB_smem, t0, barrier):
 
 def _interpret_params(options):
   if device.interpret_off("gpu", options):
-    return InterpretGPUParams(detect_races=True)  # tests read the verdict: races_found()
+    return plgpu.InterpretGPUParams(detect_races=True)  # tests read the verdict: races_found()
   return None
 
 
@@ -209,8 +208,16 @@ def row_dots(lhs_ND, table_RD, rows_SN, options):
         @pl.loop(0, n_slots)
         def _(s):
           partial = jnp.sum(lhs_tile * ring.take(c * steps_per_chunk + 1 + s, table_ring, dtype), axis=1)
-          previous = lanes.load(dots_smem.at[s], PER_TOKEN)
-          dots_smem[s] = jnp.where(c == 0, partial, previous + partial)
+
+          # Branches, not a select on the scalar c: Warpgroup semantics refuse a select whose condition's shape
+          # is not its operands' (an implicit broadcast).
+          @pl.when(c == 0)
+          def _():
+            dots_smem[s] = partial
+
+          @pl.when(c > 0)
+          def _():
+            dots_smem[s] = lanes.load(dots_smem.at[s], PER_TOKEN) + partial
 
       plgpu.commit_smem()
       for start, size in _slot_slabs(n_slots):

@@ -48,39 +48,73 @@ def within_bound(got, want, scale, n) -> tuple:
   return ratio, ratio <= 1.0
 
 
+def coefficient_matrix(rows_NS, coef_NS, n_rows) -> np.ndarray:
+  """[N, R] float64: entry (t, r) sums coef[t, s] over the slots s of token t that pick row r. Every float64
+  reference below is one matrix product with it (BLAS on the host), never a per-pair loop or a gathered [N, S, D]."""
+  N, S = rows_NS.shape
+  flat = (np.arange(N)[:, None] * n_rows + rows_NS).reshape(-1)
+  return np.bincount(flat, np.asarray(coef_NS, np.float64).reshape(-1), N * n_rows).reshape(N, n_rows)
+
+
 def check_kernels(name, options, small) -> list:
-  """Rows (check, what, value, verdict) for one backend's three row kernels and the whole op."""
+  """Rows (check, what, value, verdict) for one backend's three row kernels and the whole op; each runs guarded."""
   backend = platform.kernel_backend(options)
   lhs, table, rows_NS, coef_NS = kernel_case(small)
   x64, t64, c64 = (np.asarray(a, np.float64) for a in (lhs, table, coef_NS))
   r = np.asarray(rows_NS)
   N, S = r.shape
   R, D = table.shape
-  rows = []
-  dots = jax.jit(lambda *a: row_gather.dots(backend, *a, options))(lhs, table, rows_NS)
-  want = np.einsum("nd,nsd->ns", x64, t64[r])
-  ratio, ok = within_bound(dots, want, np.einsum("nd,nsd->ns", np.abs(x64), np.abs(t64[r])), D)
-  rows.append(("kernels", f"{name} row_dots", f"err/bound {ratio:.3f}", ok))
-  acc = jax.jit(lambda *a: row_gather.accumulate(backend, *a, jnp.float32, options))(coef_NS, table, rows_NS)
-  want = np.einsum("ns,nsd->nd", c64, t64[r])
-  ratio, ok = within_bound(acc, want, np.einsum("ns,nsd->nd", np.abs(c64), np.abs(t64[r])), S)
-  rows.append(("kernels", f"{name} row_accumulate", f"err/bound {ratio:.3f}", ok))
-  order_P, sorted_rows_P = segment_grads.sort_pairs(rows_NS.reshape(-1), R)
-  starts = segment_grads.row_starts(sorted_rows_P, R)
-  tokens_P, coefs_P = order_P // S, coef_NS.reshape(-1)[order_P]
-  sums, coef_sums = jax.jit(lambda *a: backend.segment_sums(*a, options, with_coef_sums=True))(
-    lhs, tokens_P, coefs_P, starts
-  )
-  want, scale, want_c = np.zeros((R, D)), np.zeros((R, D)), np.zeros(R)
-  np.add.at(want, r.reshape(-1), c64.reshape(-1, 1) * x64[np.arange(N).repeat(S)])
-  np.add.at(scale, r.reshape(-1), np.abs(c64.reshape(-1, 1) * x64[np.arange(N).repeat(S)]))
-  np.add.at(want_c, r.reshape(-1), c64.reshape(-1))
+  coefs_NR, abs_coefs_NR = coefficient_matrix(r, c64, R), coefficient_matrix(r, np.abs(c64), R)
   pairs_R = np.bincount(r.reshape(-1), minlength=R)  # each row's own sum length, not the hottest row's
-  ratio, ok = within_bound(sums, want, scale, pairs_R[:, None])
-  ratio_c, ok_c = within_bound(coef_sums, want_c, np.bincount(r.reshape(-1), np.abs(c64.reshape(-1)), R), pairs_R)
-  rows.append(("kernels", f"{name} segment_sums", f"err/bound {max(ratio, ratio_c):.3f}", ok and ok_c))
-  rows.append(("kernels", f"{name} gated gather + grads", *_op_versus_xla(options, lhs, table, rows_NS, coef_NS)))
+
+  def row_dots():
+    dots = jax.jit(lambda *a: row_gather.dots(backend, *a, options))(lhs, table, rows_NS)
+    want = np.take_along_axis(x64 @ t64.T, r, axis=1)
+    scale = np.take_along_axis(np.abs(x64) @ np.abs(t64).T, r, axis=1)
+    return within_bound(dots, want, scale, D)
+
+  def row_accumulate():
+    acc = jax.jit(lambda *a: row_gather.accumulate(backend, *a, jnp.float32, options))(coef_NS, table, rows_NS)
+    return within_bound(acc, coefs_NR @ t64, abs_coefs_NR @ np.abs(t64), S)
+
+  def segment_sums():
+    order_P, sorted_rows_P = segment_grads.sort_pairs(rows_NS.reshape(-1), R)
+    starts = segment_grads.row_starts(sorted_rows_P, R)
+    tokens_P, coefs_P = order_P // S, coef_NS.reshape(-1)[order_P]
+    sums, coef_sums = jax.jit(lambda *a: backend.segment_sums(*a, options, with_coef_sums=True))(
+      lhs, tokens_P, coefs_P, starts
+    )
+    ratio, ok = within_bound(sums, coefs_NR.T @ x64, abs_coefs_NR.T @ np.abs(x64), pairs_R[:, None])
+    ratio_c, ok_c = within_bound(coef_sums, coefs_NR.sum(0), abs_coefs_NR.sum(0), pairs_R)
+    return max(ratio, ratio_c), ok and ok_c
+
+  checks = [
+    ("row_dots", row_dots),
+    ("row_accumulate", row_accumulate),
+    ("segment_sums", segment_sums),
+    ("gated gather + grads", lambda: _op_versus_xla(options, lhs, table, rows_NS, coef_NS)),
+  ]
+  rows = []
+  for kernel, check in checks:
+    what = f"{name} {kernel}"
+
+    rows += guarded("kernels", what, kernel_row, what, check)
   return rows
+
+
+def kernel_row(what, check) -> list:
+  ratio, ok = check()
+  return [("kernels", what, f"err/bound {ratio:.3f}", ok)]
+
+
+def guarded(check: str, what: str, measure, *args) -> list:
+  """measure(*args)'s rows, or one FAILED row with the error's first line: a backend or section that raises (a kernel
+  that does not lower, a compile that fails) is reported and the other rows still run."""
+  try:
+    return measure(*args)
+  except Exception as error:  # any failure of a device program is a verdict, not a crash
+    lines = str(error).strip().splitlines()
+    return [(check, what, f"{type(error).__name__}: {lines[0] if lines else ''}", False)]
 
 
 def _op_versus_xla(options, lhs, table, rows_NS, gates_NS) -> tuple:
@@ -111,10 +145,10 @@ def _op_versus_xla(options, lhs, table, rows_NS, gates_NS) -> tuple:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     scale = max(float(np.abs(b).max()), np.finfo(np.float32).tiny)
     worst = max(worst, float(np.max(np.abs(a - b) / (2 * REASSOCIATION * n * n * U32 * scale))))
-  return f"err/bound {worst:.3f}", worst <= 1.0
+  return worst, worst <= 1.0
 
 
-def check_grouped(name, options, small) -> tuple:
+def check_grouped(name, options, small) -> list:
   """A row for MoE's grouped matmul on one backend: bf16 rows, float32 weights read as bf16, uneven groups with an
   empty one, padding rows at the end. Each output is a float32 sum (n terms: K, N, or the group's rows) rounded
   once to bf16 (half an ulp: 2^-8 relative)."""
@@ -136,21 +170,22 @@ def check_grouped(name, options, small) -> tuple:
 
   out = jax.jit(grouped)(lhs, rhs)
   dlhs, drhs = jax.jit(jax.grad(loss, argnums=(0, 1)))(lhs, rhs)
-  group = np.repeat(np.arange(E), sizes)
+  ends = np.cumsum(sizes)
+  groups = [slice(end - size, end) for size, end in zip(sizes, ends)]  # each expert's rows, in order
   l64, d64 = (np.asarray(a, np.float64) for a in (lhs, dout))
   r64 = np.asarray(rhs.astype(jnp.bfloat16), np.float64)
-  routed = len(group)
+  routed = int(ends[-1])
   worst = 0.0
-  for got, want, n in (
-    (out[:routed], np.einsum("sk,skn->sn", l64[:routed], r64[group]), K),
-    (dlhs[:routed], np.einsum("sn,skn->sk", d64[:routed], r64[group]), N),
-    (drhs, np.stack([l64[:routed][group == e].T @ d64[:routed][group == e] for e in range(E)]), sizes.max()),
+  for got, want, n in (  # one float64 matrix product per expert (BLAS), never a gathered [S, K, N]
+    (out[:routed], np.concatenate([l64[g] @ r64[e] for e, g in enumerate(groups)]), K),
+    (dlhs[:routed], np.concatenate([d64[g] @ r64[e].T for e, g in enumerate(groups)]), N),
+    (drhs, np.stack([l64[g].T @ d64[g] for g in groups]), sizes.max()),
   ):
     magnitude = np.abs(want).max()
     bound = REASSOCIATION * n * U32 * n * magnitude + 2.0**-8 * np.abs(want) + np.finfo(np.float32).tiny
     worst = max(worst, float(np.max(np.abs(np.asarray(got, np.float64) - want) / bound)))
   padding_zero = not np.any(np.asarray(out[routed:], np.float64)) and not np.any(np.asarray(drhs[0], np.float64))
-  return ("kernels", f"{name} grouped matmul + grads", f"err/bound {worst:.3f}", worst <= 1.0 and padding_zero)
+  return [("kernels", f"{name} grouped matmul + grads", f"err/bound {worst:.3f}", worst <= 1.0 and padding_zero)]
 
 
 def moe_bench_rows(small) -> list:
@@ -174,14 +209,28 @@ def moe_bench_rows(small) -> list:
 
 
 def bench_rows(small) -> list:
+  """GB/s rows per shape, backend, kernel and pass; a backend that fails at a shape gives one FAILED row there."""
   chip = hardware.chip_of(jax.devices()[0].device_kind)
   peak = chip.hbm_bandwidth if chip else None
   rows = []
-  for shape, backend, kernel, phase, seconds, nbytes in kernel_bench.measure(small, repeats=1 if small else 10):
-    rate = nbytes / seconds
-    share = f" ({100 * rate / peak:.0f}% of HBM peak)" if peak else ""
-    rows.append(("kernel bench", f"{backend} {kernel} {phase} D={shape[-1]}", f"{rate / 1e9:,.1f} GB/s{share}", None))
+  # One shape (ladder scale 4, D 512) keeps the check within minutes; bench_kernels times every rung.
+  for shape in kernel_bench.SMALL_SHAPES if small else kernel_bench.LADDER_SHAPES[1:2]:
+    for backend, options in kernel_bench.backends(small):
+      rows += guarded(
+        "kernel bench", f"{backend} D={shape[-1]}", backend_bench_rows, backend, options, shape, small, peak
+      )
   return rows
+
+
+def backend_bench_rows(backend, options, shape, small, peak) -> list:
+  timings = kernel_bench.kernel_timings(shape, jnp.dtype("bfloat16"), options, 1 if small else 10)
+  return [bench_row(backend, *timing, shape, peak) for timing in timings]
+
+
+def bench_row(backend, kernel, phase, seconds, nbytes, shape, peak) -> tuple:
+  rate = nbytes / seconds
+  share = f" ({100 * rate / peak:.0f}% of HBM peak)" if peak else ""
+  return ("kernel bench", f"{backend} {kernel} {phase} D={shape[-1]}", f"{rate / 1e9:,.1f} GB/s{share}", None)
 
 
 def train_rows(small) -> list:
@@ -223,10 +272,10 @@ def absl_main(argv, holders: dict):
   with timing.Stopwatch() as clock:
     for name, options in kernel_bench.backends(small):
       rows += check_kernels(name, options, small)
-      rows.append(check_grouped(name, options, small))
-    rows += bench_rows(small)
-    rows += moe_bench_rows(small)
-    rows += train_rows(small)
+      rows += guarded("kernels", f"{name} grouped matmul + grads", check_grouped, name, options, small)
+    rows += guarded("kernel bench", "row kernels, every backend", bench_rows, small)
+    rows += guarded("moe bench", "grouped matmul against swiglu", moe_bench_rows, small)
+    rows += guarded("train step", ", ".join(TRAIN_TYPES), train_rows, small)
   print(f"accelerator check on {device.device_kind} (jax {jax.__version__}), {clock.seconds:.0f} s")
   print(format_table(rows))
   if any(verdict is False for *_, verdict in rows):
