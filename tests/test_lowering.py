@@ -152,16 +152,17 @@ def test_kernels_lower_with_every_activation(target, activation, gate_inside):
   [
     ("v5p:2x2x1", platform.Target("tpu", "TPU v5", 2)),
     ("v6e:2x2", platform.Target("tpu", "TPU v6 lite", 1)),
-    ("h100:1x1x4", platform.Target("gpu", "NVIDIA H100 80GB HBM3", 132)),
-    ("a100:1x1x4", platform.Target("gpu", "NVIDIA A100-SXM4-80GB", 108)),
+    ("h100:1x1x4", platform.Target("gpu", "NVIDIA H100 80GB HBM3", 132, 232448)),  # h100.txtpb's shared memory
+    ("a100:1x1x4", platform.Target("gpu", "NVIDIA A100-SXM4-80GB", 108, 166912)),
   ],
 )
 def test_programs_traced_on_a_topology_take_its_device(topology, device):
-  """kernels/platform.target reads the active mesh's devices: the chip and its cores for Pallas TPU, Mosaic GPU
-  from Hopper on (kernel.gpu_kernel=auto); outside, this machine's CPU again."""
+  """kernels/platform.target reads the active mesh's devices: the chip and its cores for Pallas TPU, a GPU's
+  shared memory per block for Mosaic GPU's tilings, Mosaic GPU's grouped matmul from Hopper on
+  (kernel.gpu_kernel=auto); outside, this machine's CPU again."""
   with aot.on_topology(topology):
     assert platform.target() == device
-    assert platform.gpu_kernel(KernelOptions(), platform.target()) == (
+    assert platform.gpu_kernel(KernelOptions(), platform.target(), "grouped_matmul") == (
       "mosaic" if "H100" in device.device_kind else "triton"
     )
   assert platform.target().platform == "cpu"

@@ -41,7 +41,7 @@ def kernels(options: KernelOptions, lhs_SK, rhs_EKN):
     return grouped_xla.gmm, grouped_xla.tgmm
   from sparsetx.kernels import grouped_triton
 
-  if platform.gpu_kernel(options, device) == "mosaic":
+  if platform.gpu_kernel(options, device, "grouped_matmul") == "mosaic":
     from sparsetx.kernels import grouped_mosaic
 
     if grouped_mosaic.eligible(lhs_SK, rhs_EKN, options):

@@ -7,7 +7,7 @@ in XLA (N * S floats, about 1 MB at 2,048 tokens and S = 128, against ~800 MB of
 More: docs/modules.md, sparsetx/kernels/mosaic_gpu.py.
 """
 
-import math
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,14 +18,13 @@ from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from sparsetx.kernels import device
+from sparsetx.kernels import device, mosaic_tiling
 
 BLOCK_TOKENS = 64  # rows of a WGMMA-layout register tile: one warpgroup's token block
 BLOCK_ROWS = 64  # segment_sums: table rows per program, and pairs per gathered tile
 WARPGROUP = 128  # threads
 TILE = plgpu.Layout.WGMMA  # [64, block_d] float32 tile
 PER_TOKEN = plgpu.Layout.WGMMA.reduce(1)  # [64] vector, one value per token row of a tile
-SMEM_BYTES = 227 * 1024  # per block on H100 / H200
 
 
 class _Lanes:
@@ -46,33 +45,11 @@ def races_found() -> bool:
   return get_races().races_found
 
 
-def _block_d(d_model, itemsize, options, multiple=1):
-  """The largest chunk <= options.block_d that divides d_model and makes one row copy a multiple of 128 bytes
-  (and of `multiple` values: segment_sums spreads a row chunk over a warpgroup's 128 threads)."""
-  step = math.lcm(max(1, 128 // itemsize), multiple)
-  fits = [b for b in range(step, min(options.block_d, d_model) + 1, step) if d_model % b == 0]
-  if not fits:
-    why = "TMA copies move multiples of 128 bytes" + (f"; a chunk spans {multiple} threads" if multiple > 1 else "")
-    raise ValueError(
-      f"d_model={d_model} has no chunk <= kernel.block_d={options.block_d} that is a multiple of {step} values "
-      f"({why}); raise block_d or use kernel.gpu_kernel='triton'."
-    )
-  return fits[-1]
-
-
 def _pad_tokens(*arrays_SN):
   """The [S, N] operands with N padded to whole token blocks (padding tokens read row 0 with coefficient 0)."""
   n_tokens = arrays_SN[0].shape[1]
   pad = -n_tokens % BLOCK_TOKENS
   return [jnp.pad(a, ((0, 0), (0, pad))) for a in arrays_SN]
-
-
-def _check_smem(nbytes, options):
-  if nbytes > SMEM_BYTES:
-    raise ValueError(
-      f"the kernel needs {nbytes} bytes of shared memory (> {SMEM_BYTES}); lower kernel.stages={options.stages} "
-      f"or kernel.block_d={options.block_d}."
-    )
 
 
 def _slot_slabs(n_slots):
@@ -85,6 +62,12 @@ def _copy_token_block(src_SN_gmem, dst_SB_smem, t0, barrier):
   for start, size in _slot_slabs(dst_SB_smem.shape[0]):
     slab = src_SN_gmem.at[pl.ds(start, size), pl.ds(t0, BLOCK_TOKENS)]
     plgpu.copy_gmem_to_smem(slab, dst_SB_smem.at[pl.ds(start, size)], barrier)
+
+
+def _tiling(kernel, scratch_of, d_model, itemsize, options, reduces, multiple=1) -> mosaic_tiling.Tiling:
+  """The kernel's tiling for the target device's shared memory per block (JAX's default where it is unknown)."""
+  smem = device.target().shared_memory_per_block or mosaic_tiling.DEFAULT_SMEM_PER_BLOCK
+  return mosaic_tiling.choose(kernel, scratch_of, d_model, itemsize, options, smem, reduces, multiple)
 
 
 def _interpret_params(options):
@@ -159,6 +142,18 @@ def _specialized_kernel(body, out_type, grid, scratch_types, interpret):
   )
 
 
+def row_dots_scratch(n_slots, dtype, table_dtype, block_d, stages) -> list:
+  """row_dots' shared memory: the lhs and table tile rings, the block's rows and dots, the ring's barriers."""
+  return [
+    plgpu.SMEM((stages, BLOCK_TOKENS, block_d), dtype),
+    plgpu.SMEM((stages, BLOCK_TOKENS, block_d), table_dtype),
+    plgpu.SMEM((n_slots, BLOCK_TOKENS), jnp.int32),
+    plgpu.SMEM((n_slots, BLOCK_TOKENS), jnp.float32),
+    *_ring_barriers(stages),
+    plgpu.Barrier(num_arrivals=len(_slot_slabs(n_slots))),
+  ]
+
+
 def row_dots(lhs_ND, table_RD, rows_SN, options):
   """dots [S, N] float32: <lhs[t], table[rows[s, t]]>, both operands rounded to lhs's dtype, summed in float32."""
   n_real = lhs_ND.shape[0]
@@ -167,10 +162,9 @@ def row_dots(lhs_ND, table_RD, rows_SN, options):
   n_tokens, d_model = lhs_ND.shape
   n_slots = rows_SN.shape[0]
   dtype = lhs_ND.dtype
-  block_d = _block_d(d_model, min(dtype.itemsize, table_RD.dtype.itemsize), options)
-  stages = options.stages
-  per_slot_bytes = 2 * 4 * n_slots * BLOCK_TOKENS  # the block's rows and dots
-  _check_smem(stages * BLOCK_TOKENS * block_d * (dtype.itemsize + table_RD.dtype.itemsize) + per_slot_bytes, options)
+  scratch_of = functools.partial(row_dots_scratch, n_slots, dtype, table_RD.dtype)
+  itemsize = min(dtype.itemsize, table_RD.dtype.itemsize)
+  block_d, stages, _ = _tiling("row_dots", scratch_of, d_model, itemsize, options, reduces=True)
   interpret = _interpret_params(options)
   lanes = _Lanes(interpret is not None)
   n_chunks = d_model // block_d
@@ -229,17 +223,22 @@ def row_dots(lhs_ND, table_RD, rows_SN, options):
     body,
     jax.ShapeDtypeStruct((n_slots, n_tokens), jnp.float32),
     {"tokens": n_tokens // BLOCK_TOKENS},
-    [
-      plgpu.SMEM((stages, BLOCK_TOKENS, block_d), dtype),
-      plgpu.SMEM((stages, BLOCK_TOKENS, block_d), table_RD.dtype),
-      plgpu.SMEM((n_slots, BLOCK_TOKENS), jnp.int32),
-      plgpu.SMEM((n_slots, BLOCK_TOKENS), jnp.float32),
-      *_ring_barriers(stages),
-      plgpu.Barrier(num_arrivals=len(_slot_slabs(n_slots))),
-    ],
+    scratch_of(block_d, stages),
     interpret,
   )
   return kernel(lhs_ND, table_RD, rows_SN)[:, :n_real]
+
+
+def row_accumulate_scratch(n_slots, out_dtype, table_dtype, block_d, stages) -> list:
+  """row_accumulate's shared memory: the table tile ring, the block's rows and coefficients, its output tile."""
+  return [
+    plgpu.SMEM((stages, BLOCK_TOKENS, block_d), table_dtype),
+    plgpu.SMEM((n_slots, BLOCK_TOKENS), jnp.int32),
+    plgpu.SMEM((n_slots, BLOCK_TOKENS), jnp.float32),
+    plgpu.SMEM((BLOCK_TOKENS, block_d), out_dtype),
+    *_ring_barriers(stages),
+    plgpu.Barrier(num_arrivals=2 * len(_slot_slabs(n_slots))),
+  ]
 
 
 def row_accumulate(coef_SN, table_RD, rows_SN, out_dtype, options):
@@ -249,12 +248,9 @@ def row_accumulate(coef_SN, table_RD, rows_SN, out_dtype, options):
   n_slots, n_tokens = coef_SN.shape
   d_model = table_RD.shape[1]
   out_dtype = jnp.dtype(out_dtype)
-  block_d = _block_d(d_model, min(out_dtype.itemsize, table_RD.dtype.itemsize), options)
-  stages = options.stages
-  per_slot_bytes = 2 * 4 * n_slots * BLOCK_TOKENS  # the block's rows and coefficients
-  _check_smem(
-    BLOCK_TOKENS * block_d * (stages * table_RD.dtype.itemsize + out_dtype.itemsize) + per_slot_bytes, options
-  )
+  scratch_of = functools.partial(row_accumulate_scratch, n_slots, out_dtype, table_RD.dtype)
+  itemsize = min(out_dtype.itemsize, table_RD.dtype.itemsize)
+  block_d, stages, _ = _tiling("row_accumulate", scratch_of, d_model, itemsize, options, reduces=False)
   interpret = _interpret_params(options)
   lanes = _Lanes(interpret is not None)
   n_chunks = d_model // block_d
@@ -299,14 +295,7 @@ def row_accumulate(coef_SN, table_RD, rows_SN, out_dtype, options):
     body,
     jax.ShapeDtypeStruct((n_tokens, d_model), out_dtype),
     {"tokens": n_tokens // BLOCK_TOKENS},
-    [
-      plgpu.SMEM((stages, BLOCK_TOKENS, block_d), table_RD.dtype),
-      plgpu.SMEM((n_slots, BLOCK_TOKENS), jnp.int32),
-      plgpu.SMEM((n_slots, BLOCK_TOKENS), jnp.float32),
-      plgpu.SMEM((BLOCK_TOKENS, block_d), out_dtype),
-      *_ring_barriers(stages),
-      plgpu.Barrier(num_arrivals=2 * len(_slot_slabs(n_slots))),
-    ],
+    scratch_of(block_d, stages),
     interpret,
   )
   return kernel(coef_SN, table_RD, rows_SN)[:n_real]
@@ -318,6 +307,23 @@ def _row_chunk_layout(block_d):
   while vec_size < 4 and block_d % (WARPGROUP * 2 * vec_size) == 0:
     vec_size *= 2
   return plgpu.Layout.WG_STRIDED((block_d,), vec_size=vec_size)
+
+
+def segment_sums_scratch(dtype, block_d, stages) -> list:
+  """segment_sums' shared memory: the value tile ring with its tokens and coefficients, the block's pair ranges,
+  its sums and coefficient sums, the barriers."""
+  return [
+    plgpu.SMEM((stages, BLOCK_ROWS, block_d), dtype),
+    plgpu.SMEM((stages, BLOCK_ROWS), jnp.int32),
+    plgpu.SMEM((stages, BLOCK_ROWS), jnp.float32),
+    plgpu.SMEM((BLOCK_ROWS,), jnp.int32),
+    plgpu.SMEM((BLOCK_ROWS,), jnp.int32),
+    plgpu.SMEM((BLOCK_ROWS, block_d), jnp.float32),
+    plgpu.SMEM((BLOCK_ROWS,), jnp.float32),
+    *_ring_barriers(stages),
+    plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # pairs_loaded: a tile's tokens and coefficients
+    plgpu.Barrier(num_arrivals=2),  # block_loaded: the block's pair ranges
+  ]
 
 
 def segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sums=False):
@@ -334,9 +340,9 @@ def segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sum
   multiple = 1 if lanes.interpret else WARPGROUP
   # A row chunk spans the warpgroup's threads, so this kernel's chunk is at least WARPGROUP values whatever the
   # gathers' block_d (their tiles' width, a separate trade-off).
-  block_d = _block_d(d_model, dtype.itemsize, options._replace(block_d=max(options.block_d, multiple)), multiple)
-  stages = options.stages
-  _check_smem(BLOCK_ROWS * block_d * (stages * dtype.itemsize + 4) + BLOCK_ROWS * 4 * (2 * stages + 3), options)
+  wide = options._replace(block_d=max(options.block_d, multiple))
+  scratch_of = functools.partial(segment_sums_scratch, dtype)
+  block_d, stages, _ = _tiling("segment_sums", scratch_of, d_model, dtype.itemsize, wide, False, multiple)
   row_chunk = _row_chunk_layout(block_d)
   n_blocks = -(-n_rows // BLOCK_ROWS)
   n_padded = n_blocks * BLOCK_ROWS
@@ -426,18 +432,7 @@ def segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sum
     body,
     tuple(out_type),
     {"rows": n_blocks, "chunks": d_model // block_d},
-    [
-      plgpu.SMEM((stages, BLOCK_ROWS, block_d), dtype),
-      plgpu.SMEM((stages, BLOCK_ROWS), jnp.int32),
-      plgpu.SMEM((stages, BLOCK_ROWS), jnp.float32),
-      plgpu.SMEM((BLOCK_ROWS,), jnp.int32),
-      plgpu.SMEM((BLOCK_ROWS,), jnp.int32),
-      plgpu.SMEM((BLOCK_ROWS, block_d), jnp.float32),
-      plgpu.SMEM((BLOCK_ROWS,), jnp.float32),
-      *_ring_barriers(stages),
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # pairs_loaded: a tile's tokens and coefficients
-      plgpu.Barrier(num_arrivals=2),  # block_loaded: the block's pair ranges
-    ],
+    scratch_of(block_d, stages),
     interpret,
   )
   sums, *coef_sums = kernel(values_ND, tokens_pP, coefs_pP, bounds_2R)

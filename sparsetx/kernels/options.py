@@ -21,7 +21,7 @@ class KernelOptions(NamedTuple):
   block_tokens: int = 8  # pallas (triton): tokens per program (grid step)
   block_d: int = 128  # pallas on gpu: d_model chunk (mosaic: one gathered row copy; triton: a power of two <= it)
   stages: int = 3  # pallas (mosaic gpu): gathered [64, block_d] tiles in flight
-  gpu_kernel: str = "auto"  # pallas on GPU: mosaic (Hopper and newer) | triton | auto (mosaic from sm_90)
+  gpu_kernel: str = "auto"  # pallas on GPU: mosaic (Hopper and newer) | triton | auto (platform.gpu_kernel)
   interpret: bool = False  # pallas: run the kernels in interpret mode (tests on CPU)
   row_sorted: bool = True  # xla on CPU, with gradients: one row-order sort and walk (xla_gather.row_sorted_*)
   segment_chunk: int = 64  # pallas, table gradients: a row's pairs per segment; longer rows are cut (0: never)

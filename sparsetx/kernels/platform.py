@@ -55,12 +55,22 @@ def hopper_or_newer(device_kind: str) -> bool:
   return bool(_HOPPER_OR_NEWER.search(device_kind))
 
 
-def gpu_kernel(options: KernelOptions, device: Target) -> str:
-  """mosaic on Hopper and newer (sm_90+); triton on older GPUs and, by default, in interpret mode off GPU
-  (the generic interpreter is much faster than Mosaic GPU's simulation of TMA and barriers)."""
+# The Mosaic GPU kernels seen running on a Hopper GPU under the supported JAX (0.11.2, 0.12): `auto` takes Mosaic GPU
+# for these alone. MoE's grouped matmul (JAX's own ragged dot) matched ragged_dot on an H200 under 0.11.2. The row
+# kernels lower for sm_90a (tests/test_kernels_pallas.py) and equal the XLA path in Mosaic GPU's interpreter, but have
+# not run on a GPU under jax >= 0.11 (segment_sums stopped there with an illegal instruction, cause unknown): add
+# "rows" once sparsetx-accelerator-check passes with them on an H100 / H200 (docs/measurements.md).
+MOSAIC_SEEN_RUNNING = frozenset({"grouped_matmul"})
+
+
+def gpu_kernel(options: KernelOptions, device: Target, kernels: str = "rows") -> str:
+  """The GPU kernel family for `kernels` (rows | grouped_matmul): the user's choice, or for `auto` mosaic on
+  Hopper and newer (sm_90+) where MOSAIC_SEEN_RUNNING holds them, triton elsewhere, and by default in interpret mode
+  off GPU (the generic interpreter is much faster than Mosaic GPU's simulation of TMA and barriers)."""
   choice = options.gpu_kernel
   if choice not in GPU_KERNELS:
     raise ValueError(f"kernel gpu_kernel={choice!r} is unknown; use one of {GPU_KERNELS}.")
   if choice != "auto":
     return choice
-  return "mosaic" if device.platform == "gpu" and hopper_or_newer(device.device_kind) else "triton"
+  hopper = device.platform == "gpu" and hopper_or_newer(device.device_kind)
+  return "mosaic" if hopper and kernels in MOSAIC_SEEN_RUNNING else "triton"

@@ -25,15 +25,21 @@ class Chip:
   dcn_bandwidth: float | None  # bytes/s per chip, one direction, between nodes / slices
   fast_domain: int | None  # chips one NVLink node / ICI slice joins (None: interconnect not in the table)
   hbm_bytes: float = 0.0  # HBM capacity per chip (decimal GB as published)
+  # A GPU's opt-in shared memory per thread block, bytes (CUDA programming guide, per compute capability: 227 KiB on
+  # sm_90, 163 KiB on sm_80); what the device reports as shared_memory_per_block_optin. None off GPU.
+  shared_memory_per_block: int | None = None
 
+
+SM90 = dict(shared_memory_per_block=227 * 1024)  # Hopper
+SM80 = dict(shared_memory_per_block=163 * 1024)  # Ampere (A100)
 
 CHIPS = {
   # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16 dense (1,979 with 2:4 sparsity), 3.35 TB/s HBM3,
   # NVLink 4 900 GB/s bidirectional (18 links x 50 GB/s); DGX H100: one ConnectX-7 400 Gb/s NIC per GPU; 80 GB HBM3.
-  "h100": Chip("H100 SXM", 989 * TERA, 3.35e12, 900 * GIGA, 400 / 8 * GIGA, fast_domain=8, hbm_bytes=80 * GIGA),
+  "h100": Chip("H100 SXM", 989 * TERA, 3.35e12, 900 * GIGA, 400 / 8 * GIGA, fast_domain=8, hbm_bytes=80 * GIGA, **SM90),
   # NVIDIA H200 SXM datasheet: the H100's GH100 die (989 TFLOP/s bf16 dense), 4.8 TB/s HBM3e, NVLink 4
   # 900 GB/s; DGX/HGX H200 keeps one 400 Gb/s ConnectX-7 per GPU; 141 GB HBM3e.
-  "h200": Chip("H200 SXM", 989 * TERA, 4.8e12, 900 * GIGA, 400 / 8 * GIGA, fast_domain=8, hbm_bytes=141 * GIGA),
+  "h200": Chip("H200 SXM", 989 * TERA, 4.8e12, 900 * GIGA, 400 / 8 * GIGA, fast_domain=8, hbm_bytes=141 * GIGA, **SM90),
   # cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, HBM2e 2,765 GB/s, bidirectional ICI 1,200 GB/s
   # per chip (older revisions of the page: 4,800 Gbps = 600 GB/s each way), DCN 50 Gbps per chip;
   # largest slice 6,144 chips; 95 GB of HBM2e per chip.
@@ -46,8 +52,8 @@ CHIPS = {
   # loop's MFU reads their peak. NVIDIA A100 SXM4 datasheet: 312 TFLOP/s bf16 dense, 2,039 GB/s HBM2e (80 GB; the
   # 40 GB part 1,555 GB/s). cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 1,200 GB/s, 32 GiB HBM2;
   # .../v5e: 197 TFLOP/s bf16, 819 GB/s, 16 GB HBM2.
-  "a100": Chip("A100 SXM 80GB", 312 * TERA, 2039 * GIGA, None, None, None, hbm_bytes=80 * GIGA),
-  "a100-40gb": Chip("A100 SXM 40GB", 312 * TERA, 1555 * GIGA, None, None, None, hbm_bytes=40 * GIGA),
+  "a100": Chip("A100 SXM 80GB", 312 * TERA, 2039 * GIGA, None, None, None, hbm_bytes=80 * GIGA, **SM80),
+  "a100-40gb": Chip("A100 SXM 40GB", 312 * TERA, 1555 * GIGA, None, None, None, hbm_bytes=40 * GIGA, **SM80),
   "v4": Chip("TPU v4", 275 * TERA, 1200 * GIGA, None, None, None, hbm_bytes=32 * 2**30),
   "v5e": Chip("TPU v5e", 197 * TERA, 819 * GIGA, None, None, None, hbm_bytes=16 * GIGA),
 }
