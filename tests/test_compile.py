@@ -133,14 +133,14 @@ def expected_attention(target) -> set:
   return {"cudnn"} if target in ("h100", "a100") else {"splash_mha_fwd_segmented_residuals"}
 
 
-def assert_sparse_kernels(found: dict, ffn_type: str, target: str):
+def assert_sparse_kernels(found: dict, ffn_type: str, target: str, mosaic_rows: bool = False):
   if ffn_type == "moe":
     assert GROUPED_KERNELS[target] <= set(found) and not ROW_KERNELS & set(found), found
   elif ffn_type not in GATHER_TYPES:
     assert not ROW_KERNELS & set(found) and "mosaic_gpu" not in found, found
-  elif target == "h100":  # Hopper: Mosaic GPU (kernel.gpu_kernel=auto, from the topology's device)
-    assert found.get("mosaic_gpu", 0) >= 12, found
-  else:  # Triton on A100, Mosaic TPU on TPU
+  elif mosaic_rows:  # kernel.gpu_kernel=mosaic on Hopper: two layers' forward, backward and table gradients
+    assert found.get("mosaic_gpu", 0) >= 12 and not ROW_KERNELS & set(found), found
+  else:  # Triton on GPUs (kernel.gpu_kernel=auto: platform.MOSAIC_SEEN_RUNNING), Mosaic TPU on TPU
     assert ROW_KERNELS <= set(found), found
 
 
@@ -246,9 +246,12 @@ def test_each_placement_compiles_with_bf16_on_the_wire(ffn_type, ici, placement,
     config.model.ffn.n_channels = 2
     config.model.d_model = 512  # 128 columns a device: a Mosaic GPU chunk spans 128 threads
     config.mesh.rules = expert_parallel.D_MODEL_SPLIT_RULES + tuple(tuple(r) for r in config.mesh.rules)
+  mosaic_rows = target == "h100" and ffn_type != "moe"  # every placement's row kernels also compile in Mosaic GPU
+  if mosaic_rows:
+    config.model.ffn.kernel.gpu_kernel = "mosaic"
   step = compiled(config, target)
   text = step.text
-  assert_sparse_kernels(kernels(text), ffn_type, target)
+  assert_sparse_kernels(kernels(text), ffn_type, target, mosaic_rows)
   assert roofline.project(step.report, hardware.CHIPS["h100"]).step_overlap_s > 0  # every collective priced
   assert_loops_bounded(text)
   moved = [c for c in hlo_text.collectives(text) if c.op in ("all-gather", "all-to-all", "ragged-all-to-all")]
@@ -289,3 +292,17 @@ def test_micro_batches_compile_with_the_gradient_reduced_after_the_loop(ffn_type
   assert inside == 0, inside
   n_params, extra = reduction_budget(built)
   assert n_params <= per_step <= n_params + extra, (per_step, n_params, extra)
+
+
+def test_a_ladder_rung_compiles_for_hopper_with_mosaic_gpu_row_kernels():
+  """configs/ladder.py:sgatlin,2 (d_model 256, 16 x 8 slots, GPT-2's vocabulary, 2,048 tokens a row) with
+  kernel.gpu_kernel=mosaic on 4 H100s: every row kernel compiles through ptxas for sm_90a at the tiling it picks
+  for the device (kernels/mosaic_tiling.py), one sequence a device."""
+  config = load_config("configs/ladder.py", "sgatlin,2")
+  config.model.ffn.kernel.update(implementation="pallas", gpu_kernel="mosaic")
+  config.data.update(global_batch_size=4, eval_batch_size=4)
+  config.mesh.ici.update(data=4, fsdp=1, tensor=1, expert=1)
+  step = compiled(config, "h100")
+  layers = config.model.n_layers
+  assert_sparse_kernels(kernels(step.text), "sgatlin", "h100", mosaic_rows=True)
+  assert kernels(step.text)["mosaic_gpu"] >= 6 * layers, kernels(step.text)  # 2 forward, 2 backward, 2 gradients

@@ -36,7 +36,7 @@ DOCUMENTS = [
   *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md")),
 ]
 SHELL_LANGUAGES = {"sh", "bash", "shell", "console", ""}
-PYTHONS = {"python", "python3", "python3.11", ".venv/bin/python", "$(PY)"}
+PYTHONS = {"python", "python3", "python3.12", ".venv/bin/python", "$(PY)"}
 DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
 

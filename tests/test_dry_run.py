@@ -204,6 +204,19 @@ def test_dry_run_compiles_for_a_topology_with_its_compiler():
   assert "loops of the compiled program (trips): 8, 8" in out  # the chunked loss's forward and backward
 
 
+def test_a_gpu_topology_without_compiled_costs_is_projected_from_the_analytic_model():
+  """--topology=a100:1x1x4: XLA reports no FLOPs for a deviceless GPU compile, so the step is projected from the
+  analytic model (said in one line), with a step time and tokens/s above zero; the A100's links are priced."""
+  result = run_dry_run("--config=configs/tiny.py:sgatlin", "--topology=a100:1x1x4", *TINY_ON_4)
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = result.stdout
+  assert "compiled FLOPs per device 0.000e+00" in out  # the premise: the compiler counts nothing here
+  assert "projected from the analytic model" in out
+  row = next(line.split() for line in out.splitlines() if line.startswith("  A100 SXM"))
+  overlap_ms, tokens_per_s = float(row[-6]), float(row[-5].replace(",", ""))
+  assert overlap_ms > 0 and tokens_per_s > 0, row
+
+
 @pytest.mark.parametrize(
   "topology, message",
   [

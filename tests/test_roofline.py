@@ -101,3 +101,23 @@ def test_analytic_projection_sums_phase_maxima_and_keeps_the_rest_collectives():
   assert p.step_overlap_s == pytest.approx(0.040)  # 2 x (10 + 10 ms), not max(compute, memory) = 22 ms
   assert p.step_serial_s == pytest.approx(0.040 + 1.7e-3)
   assert p.mfu_overlap == pytest.approx(0.25)
+
+
+def test_an_asynchronous_collective_counts_its_result_only():
+  """XLA's GPU compiler (jax 0.12) writes async collectives as `(operands, results) op-start(...)`: the bytes are
+  the result's, as for the synchronous form (lines as the compiled H100 step prints them)."""
+  text = "\n".join(
+    [
+      "  %a = ((bf16[4096]{0}), bf16[4096]{0}) all-reduce-start(%x), channel_id=4, replica_groups=[1,4]<=[4]",
+      "  %b = ((bf16[256,128]{1,0}, f32[1,64]{1,0}), (bf16[1024,128]{1,0}, f32[4,64]{1,0})) all-gather-start(%y, %z)",
+      "  %c = ((f32[1024,128]{1,0}), f32[256,128]{1,0}) reduce-scatter-start(%w), channel_id=1",
+      "  %d = bf16[4096]{0} all-reduce(%x), channel_id=5, replica_groups=[1,4]<=[4]",
+    ]
+  )
+  found = hlo_text.collectives(text)
+  assert [(c.op, c.nbytes) for c in found] == [
+    ("all-reduce", 4096 * 2),
+    ("all-gather", 1024 * 128 * 2 + 4 * 64 * 4),
+    ("reduce-scatter", 256 * 128 * 4),
+    ("all-reduce", 4096 * 2),
+  ]

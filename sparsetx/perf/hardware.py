@@ -48,12 +48,13 @@ CHIPS = {
   # it to 1,600), bidirectional ICI 800 GB/s per chip (older revisions: 3,200 Gbps = 400 GB/s each way),
   # 4 x 200 Gbps NICs per 8-chip host = 100 Gbps per chip; a pod (the largest slice) is 256 chips; 32 GB of HBM.
   "v6e": Chip("TPU v6e", 918 * TERA, 1640 * GIGA, 800 * GIGA, 100 / 8 * GIGA, fast_domain=256, hbm_bytes=32 * GIGA),
-  # Chips a run may train on but no --target sizes a run for (their interconnect is not in the table): the training
-  # loop's MFU reads their peak. NVIDIA A100 SXM4 datasheet: 312 TFLOP/s bf16 dense, 2,039 GB/s HBM2e (80 GB; the
-  # 40 GB part 1,555 GB/s). cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 1,200 GB/s, 32 GiB HBM2;
-  # .../v5e: 197 TFLOP/s bf16, 819 GB/s, 16 GB HBM2.
-  "a100": Chip("A100 SXM 80GB", 312 * TERA, 2039 * GIGA, None, None, None, hbm_bytes=80 * GIGA, **SM80),
-  "a100-40gb": Chip("A100 SXM 40GB", 312 * TERA, 1555 * GIGA, None, None, None, hbm_bytes=40 * GIGA, **SM80),
+  # Chips a run may train on but no --target sizes a run for: the training loop's MFU reads their peak, a dry run
+  # on their topology their links. NVIDIA A100 SXM4 datasheet: 312 TFLOP/s bf16 dense, 2,039 GB/s HBM2e (80 GB; the
+  # 40 GB part 1,555 GB/s), NVLink 3 600 GB/s bidirectional (12 links x 50 GB/s); DGX A100: one 200 Gb/s HDR
+  # ConnectX-6 per GPU. cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 1,200 GB/s, 32 GiB HBM2;
+  # .../v5e: 197 TFLOP/s bf16, 819 GB/s, 16 GB HBM2 (their interconnect is not in the table).
+  "a100": Chip("A100 SXM 80GB", 312 * TERA, 2039 * GIGA, 600 * GIGA, 200 / 8 * GIGA, 8, 80 * GIGA, **SM80),
+  "a100-40gb": Chip("A100 SXM 40GB", 312 * TERA, 1555 * GIGA, 600 * GIGA, 200 / 8 * GIGA, 8, 40 * GIGA, **SM80),
   "v4": Chip("TPU v4", 275 * TERA, 1200 * GIGA, None, None, None, hbm_bytes=32 * 2**30),
   "v5e": Chip("TPU v5e", 197 * TERA, 819 * GIGA, None, None, None, hbm_bytes=16 * GIGA),
 }

@@ -25,7 +25,7 @@ _DTYPE_BYTES = {
   "u64": 8,
   "f64": 8,
 }
-_COLLECTIVE_RE = re.compile(r"=\s*(?P<shape>.*?)\s+(?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+_COLLECTIVE_RE = re.compile(r"=\s*(?P<shape>.*?)\s+(?P<op>" + "|".join(COLLECTIVES) + r")(?P<start>-start)?\(")
 _ARRAY_RE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
 
 
@@ -47,9 +47,8 @@ def collectives(hlo_text: str, granule_of_id=None) -> list:
     match = _COLLECTIVE_RE.search(line)
     if not match:
       continue
-    arrays = [
-      (dtype, math.prod(int(d) for d in dims.split(",") if d)) for dtype, dims in _ARRAY_RE.findall(match["shape"])
-    ]
+    result = async_result(match["shape"]) if match["start"] else match["shape"]
+    arrays = [(dtype, math.prod(int(d) for d in dims.split(",") if d)) for dtype, dims in _ARRAY_RE.findall(result)]
     nbytes = sum(_DTYPE_BYTES[dtype] * n for dtype, n in arrays)
     source = re.search(r'op_name="([^"]*)"', line)
     groups = replica_groups(line) if granule_of_id else None
@@ -66,6 +65,23 @@ def collectives(hlo_text: str, granule_of_id=None) -> list:
       )
     )
   return found
+
+
+def async_result(shape: str) -> str:
+  """The result part of an asynchronous collective's start shape: XLA writes `(operands, results)`, e.g.
+  `((bf16[8]{0}), bf16[8]{0})` for an all-reduce-start (jax 0.12's GPU compiler) or `(f32[2]{0}, f32[8]{0})` for an
+  all-gather-start: the last top-level element."""
+  if not shape.startswith("("):
+    return shape
+  depth, last = 0, 1
+  for i, char in enumerate(shape):
+    if char in "({[":
+      depth += 1
+    elif char in ")}]":
+      depth -= 1
+    elif char == "," and depth == 1:
+      last = i + 1
+  return shape[last:-1].strip()
 
 
 def _iota(dims: str, perm: str | None) -> np.ndarray:

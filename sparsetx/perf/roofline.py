@@ -24,6 +24,8 @@ class Projection:
 
 def link_bandwidth(chip: hardware.Chip, group: int) -> float:
   """Bytes/s one chip sends at in a ring over `group` chips: NVLink/ICI one way, or the DCN."""
+  if chip.fast_domain is None:
+    raise ValueError(f"the chip table has no interconnect figures for {chip.name}; collectives on it cannot be priced.")
   return chip.ici_bandwidth / 2 if group <= chip.fast_domain else chip.dcn_bandwidth
 
 

@@ -114,8 +114,19 @@ def compile_on_topology(config, name: str) -> None:
   print(f"compiled for {name} ({devices[0].device_kind}, {len(devices)} devices) in {time.time() - start:.0f} s")
   if topology.is_gpu(name):
     print(topology.GPU_COMPILE_NOTE)
-  if chip is not None:
+  if chip is None:
+    return
+  if report.compiled_flops > 0 and report.bytes_accessed > 0:
     print(roofline.format_projections([roofline.project(report, chip)]))
+  else:
+    print(NO_COMPILED_COST_NOTE)
+    print_analytic(config, mesh, [chip], report)
+
+
+NO_COMPILED_COST_NOTE = (
+  "the compiler reports no FLOPs or bytes for this program (a GPU compiled without a device): the step below is "
+  "projected from the analytic model (plan/layer_cost.py) with the compiled collectives."
+)
 
 
 def print_analytic(config, mesh, chips, report=None) -> None:
