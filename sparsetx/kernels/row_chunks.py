@@ -13,6 +13,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sparsetx.perf import step_parts
+
 
 class RowChunks(NamedTuple):
   """Index arrays (int32) shared by every table of one backward pass.
@@ -118,14 +120,15 @@ def segment_sums(backend, values_ND, token_P, coef_P, sorted_rows_P, starts_R1, 
   partial_VD, coef_partial_V = backend.segment_sums(
     values_ND, token_P[chunks.order_P], coef_P[chunks.order_P], chunks.starts_V1, options, with_coef_sums=with_coef_sums
   )
-  long_MD, _ = backend.segment_sums(
-    partial_VD, chunks.combine_tokens_Q, chunks.combine_coefs_Q, chunks.combine_starts_M1, options
-  )
-  sums_RD = partial_VD[:n_rows].at[chunks.long_rows_M].set(long_MD, mode="drop", unique_indices=True)
-  if not with_coef_sums:
-    return sums_RD, None
-  long_coef_M = _segmented_sums(
-    coef_partial_V[chunks.combine_tokens_Q] * chunks.combine_coefs_Q, chunks.combine_starts_M1
-  )
-  coef_sums_R = coef_partial_V[:n_rows].at[chunks.long_rows_M].set(long_coef_M, mode="drop", unique_indices=True)
+  with jax.named_scope(step_parts.COMBINE):
+    long_MD, _ = backend.segment_sums(
+      partial_VD, chunks.combine_tokens_Q, chunks.combine_coefs_Q, chunks.combine_starts_M1, options
+    )
+    sums_RD = partial_VD[:n_rows].at[chunks.long_rows_M].set(long_MD, mode="drop", unique_indices=True)
+    if not with_coef_sums:
+      return sums_RD, None
+    long_coef_M = _segmented_sums(
+      coef_partial_V[chunks.combine_tokens_Q] * chunks.combine_coefs_Q, chunks.combine_starts_M1
+    )
+    coef_sums_R = coef_partial_V[:n_rows].at[chunks.long_rows_M].set(long_coef_M, mode="drop", unique_indices=True)
   return sums_RD, coef_sums_R

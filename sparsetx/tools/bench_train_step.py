@@ -22,6 +22,7 @@ def define_flags() -> dict:
     rounds=flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds (median)."),
     small=flags.DEFINE_bool("small", False, "A CPU-sized shape: scale 1, 2 layers, vocab 512, 8 x 64."),
     peak_tflops=flags.DEFINE_float("peak_tflops", None, "Peak bf16 TFLOP/s per device for MFU."),
+    gpu_kernel=flags.DEFINE_enum("gpu_kernel", None, list(config_lib.GPU_KERNELS), "Row kernels on a GPU."),
   )
 
 

@@ -11,6 +11,7 @@ import optax
 
 from sparsetx.parallel import expert_parallel as ep
 from sparsetx.parallel import microbatches
+from sparsetx.perf import step_parts
 from sparsetx.train import loss as loss_lib
 from sparsetx.train.optimizer import learning_rate_schedule
 from sparsetx.train.sparse_stats import sparse_stats
@@ -77,7 +78,8 @@ def train_step(state, batch, *, model, train: ml_collections.ConfigDict, schedul
   loss, grads, weight_sum, stats = loss_and_grads(
     state.params, batch, model=model, train=train, param_specs=param_specs
   )
-  new_state = state.apply_gradients(grads=grads)
+  with jax.named_scope(step_parts.OPTIMIZER):
+    new_state = state.apply_gradients(grads=grads)
   metrics = dict(
     loss=loss,
     perplexity=jnp.exp(loss),

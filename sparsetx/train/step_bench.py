@@ -24,6 +24,8 @@ def rung_config(ffn_type: str, args) -> config_lib.ml_collections.ConfigDict:
   if args.small:
     config.model.update(n_layers=2, vocab_size=512)
   config.data.update(seq_len=args.seq_len, global_batch_size=args.batch, eval_batch_size=args.batch)
+  if getattr(args, "gpu_kernel", None) and "kernel" in config.model.ffn:  # the row kernels a GPU runs
+    config.model.ffn.kernel.gpu_kernel = args.gpu_kernel
   config.train.update(steps=1000, warmup_steps=10)
   return config_lib.validate(config)
 
@@ -31,9 +33,10 @@ def rung_config(ffn_type: str, args) -> config_lib.ml_collections.ConfigDict:
 class TypeStep:
   """One type's compiled train step, its state and a fixed batch; times one step at a time."""
 
-  def __init__(self, ffn_type: str, args, devices):
+  def __init__(self, ffn_type: str, args, devices, config=None):
+    """`config`: the rung's (rung_config) unless given."""
     self.name = ffn_type
-    config = self.config = rung_config(ffn_type, args)
+    config = self.config = config or rung_config(ffn_type, args)
     built = state_lib.setup(config, devices)
     B, T = args.batch, args.seq_len
     tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (B, T + 1), dtype=np.int32)

@@ -17,7 +17,7 @@ from sparsetx.kernels.tree_route import DENSE_LEVELS, next_node
 from sparsetx.models.ffn.common import gelu_for, gini, symmetric_uniform
 from sparsetx.models.ffn.spec import Circuit, FfnSpec, Units, dense_width
 from sparsetx.parallel import sparse_forms, tables
-from sparsetx.perf import cost
+from sparsetx.perf import cost, step_parts
 
 TABLE_AXES = ("tree", "node", "embed")  # w_in, w_out [P, n_nodes, d_model]
 BIAS_AXES = ("tree", "node")  # b_in [P, n_nodes]
@@ -68,18 +68,19 @@ class Fff(nn.Module):
     act = gelu if ffn.variant == "fff" else identity
     if ffn.implementation == "sparse":
       options = options_from_config(ffn.get("kernel"))
-      y_BTD, path_BTPL, z_BTPL = sparse_forms.tree_walk(
-        x_BTD,
-        w_in,
-        b_in,
-        w_out,
-        ffn.depth,
-        act,
-        options,
-        table_axes=TABLE_AXES,
-        placement=placement,
-        bias_axes=BIAS_AXES,
-      )
+      with jax.named_scope(step_parts.ROUTER):  # the walk down the trees; its last gather counts as row gathers
+        y_BTD, path_BTPL, z_BTPL = sparse_forms.tree_walk(
+          x_BTD,
+          w_in,
+          b_in,
+          w_out,
+          ffn.depth,
+          act,
+          options,
+          table_axes=TABLE_AXES,
+          placement=placement,
+          bias_axes=BIAS_AXES,
+        )
     else:
       z_BTPZ, mask_BTPZ, path_BTPL = masked_dense_forward(x_BTD, w_in, b_in, ffn.depth)
       z_BTPL = jnp.take_along_axis(z_BTPZ, path_BTPL, axis=-1)

@@ -23,7 +23,7 @@ from sparsetx.models.ffn.common import dense_init
 from sparsetx.models.ffn.spec import Circuit, FfnSpec, Units
 from sparsetx.models.taps import tap
 from sparsetx.parallel import moe_all_to_all, own_tokens, tables
-from sparsetx.perf import cost
+from sparsetx.perf import cost, step_parts
 
 TABLE_AXES = ("expert", "embed", "mlp")  # wi_gate, wi_up [E, d_model, d_ffw]
 OUT_AXES = ("expert", "mlp", "embed")  # wo [E, d_ffw, d_model]
@@ -95,16 +95,18 @@ class Moe(nn.Module):
     ffn = self.cfg.ffn
     E, A, F, D = ffn.n_experts, ffn.experts_per_token, ffn.d_ffw, self.cfg.d_model
     param_dtype = jnp.dtype(self.cfg.param_dtype)
-    logits_BTE = nn.Dense(
-      E,
-      dtype=jnp.float32,
-      param_dtype=param_dtype,
-      kernel_init=dense_init(self.cfg.init_std, ("embed", None)),
-      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
-      name="router",
-    )(x_BTD.astype(jnp.float32))
-    self.sow("intermediates", "router_logits", logits_BTE)  # the balancing losses' input (unused ones are pruned)
-    top_logits_BTA, expert_ids_BTA = own_tokens.where_tokens_are(lambda logits: jax.lax.top_k(logits, A), logits_BTE)
+    with jax.named_scope(step_parts.ROUTER):
+      logits_BTE = nn.Dense(
+        E,
+        dtype=jnp.float32,
+        param_dtype=param_dtype,
+        kernel_init=dense_init(self.cfg.init_std, ("embed", None)),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
+        name="router",
+      )(x_BTD.astype(jnp.float32))
+      self.sow("intermediates", "router_logits", logits_BTE)  # the balancing losses' input (unused ones are pruned)
+      top_k = lambda logits: jax.lax.top_k(logits, A)
+      top_logits_BTA, expert_ids_BTA = own_tokens.where_tokens_are(top_k, logits_BTE)
     weights_BTA = jax.nn.softmax(top_logits_BTA, axis=-1)
     expert_ids_BTA = tap(self, "expert_ids", expert_ids_BTA)
     weights_BTA = tap(self, "expert_weights", weights_BTA)

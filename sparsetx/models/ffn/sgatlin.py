@@ -22,6 +22,7 @@ from sparsetx.models.ffn.spec import (
 )
 from sparsetx.models.taps import tap
 from sparsetx.parallel import own_tokens, sparse_forms, tables
+from sparsetx.perf import step_parts
 
 
 def table_init(d_ffw: int):
@@ -43,7 +44,8 @@ class Sgatlin(nn.Module):
     C, F, D = ffn.n_channels, ffn.d_ffw, self.cfg.d_model
     table = tables.NeuronTable(TABLE_AXES, "channel", C, tables.placement_of(ffn))
     x_BTD = own_tokens.place_on_token_shards(x_BTD, table)
-    scores_BTCK, idx_BTCK = make_router(ffn.router, ffn, jnp.dtype(self.cfg.param_dtype))(x_BTD)
+    with jax.named_scope(step_parts.ROUTER):
+      scores_BTCK, idx_BTCK = make_router(ffn.router, ffn, jnp.dtype(self.cfg.param_dtype))(x_BTD)
     scores_BTCK = own_tokens.place_on_token_shards(scores_BTCK, table)
     idx_BTCK = own_tokens.place_on_token_shards(idx_BTCK, table)
     gates_BTCK = scores_BTCK if ffn.router == "product" else jax.nn.softmax(scores_BTCK, axis=-1)

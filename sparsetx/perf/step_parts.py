@@ -1,0 +1,150 @@
+"""Where a train step's device time goes: the named scopes that mark its parts in the program, and the reading of a
+`jax.profiler` trace of the compiled step into milliseconds per part (sparsetx/tools/bench_step_parts.py).
+
+Every op of a compiled program carries the scopes it was traced under in its metadata `op_name`, in the forward and
+in its transpose alike; the trace names each executed op (`hlo_op`) and its program (`hlo_module`). So a part is the
+device time of the ops whose op_name holds its scope (or, for attention and the dense feed-forward, the flax module
+path). A fusion takes the op_name of its root, so fused neighbours count where the root does.
+"""
+
+import collections
+import dataclasses
+import glob
+import re
+
+# The scopes (jax.named_scope) the model, kernels and step put around their parts.
+ROUTER = "router"  # sgatlin / PEER product keys and their top-k, MoE's router, FFF's walk down its trees
+ROW_GATHER = "row_gather"  # the gated gather's row kernels, forward and backward (dx, dgates)
+TABLE_GRADS = "table_grads"  # the tables' gradients: SORT (pairs by row, row starts), SEGMENT_SUMS, COMBINE
+SORT, SEGMENT_SUMS, COMBINE = "sort", "segment_sums", "combine"
+OPTIMIZER = "optimizer"  # the AdamW update of every parameter
+LOSS = "loss"  # the LM head and cross-entropy over vocabulary tiles
+
+PARTS = (
+  "attention",
+  "ffn router + top-k",
+  "row gathers",
+  "table grads: sort",
+  "table grads: segment sums",
+  "table grads: combine",
+  "ffn dense",
+  "loss + lm head",
+  "optimizer",
+  "rest",
+)
+
+
+_TRANSFORMS_RE = re.compile(r"^(?:[\w]+\()+([\w.\-]+)\)+$")  # jvp(loss), transpose(jvp(Transformer))
+
+
+def scopes(op_name: str) -> set:
+  """The scope names along an op_name, each without the transformations JAX wraps it in (`jvp(loss)` -> loss)."""
+  return {_TRANSFORMS_RE.sub(r"\1", part) for part in op_name.split("/")}
+
+
+def part_of(op_name: str) -> str:
+  """The part an op belongs to, by the scopes in its op_name (a named part wins over the module path)."""
+  names = scopes(op_name)
+  if OPTIMIZER in names:
+    return "optimizer"
+  if TABLE_GRADS in names:
+    if COMBINE in names:
+      return "table grads: combine"
+    return "table grads: segment sums" if SEGMENT_SUMS in names else "table grads: sort"
+  if ROW_GATHER in names:
+    return "row gathers"
+  if ROUTER in names:
+    return "ffn router + top-k"
+  if "mlp" in names:  # the block's feed-forward submodule: dense matmuls, a sparse layer's other work
+    return "ffn dense"
+  if LOSS in names or "lm_head" in names:
+    return "loss + lm head"
+  if "attention" in names:
+    return "attention"
+  return "rest"
+
+
+_INSTRUCTION_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{[^}]*op_name=\"([^\"]*)\"")
+
+
+def op_names(compiled_text: str) -> dict:
+  """{instruction name: op_name} of a compiled program's text (every computation: loop bodies, fusions)."""
+  found = {}
+  for line in compiled_text.splitlines():
+    match = _INSTRUCTION_RE.match(line)
+    if match:
+      found[match[1]] = match[2]
+  return found
+
+
+@dataclasses.dataclass
+class Breakdown:
+  """One program's traced runs: median wall span of a run, and each part's device time per run (seconds)."""
+
+  step_s: float
+  parts_s: dict  # {part: seconds per run}
+  runs: int
+
+  @property
+  def busy_s(self) -> float:
+    return sum(self.parts_s.values())
+
+
+def _self_times(events) -> list:
+  """(event, self seconds) for events of one timeline line: an event's time less the events nested in it (a loop
+  or call op runs its body's ops inside its own span on a CPU)."""
+  events = sorted(events, key=lambda e: (e.start_ns, -e.duration_ns))
+  result, stack = [], []  # stack: [event, end_ns, child_ns]
+  for event in events:
+    end = event.start_ns + event.duration_ns
+    while stack and stack[-1][1] <= event.start_ns:
+      parent, _, child_ns = stack.pop()
+      result.append((parent, (parent.duration_ns - child_ns) * 1e-9))
+    if stack and end <= stack[-1][1]:
+      stack[-1][2] += event.duration_ns
+    stack.append([event, end, 0])
+  result += [(parent, (parent.duration_ns - child_ns) * 1e-9) for parent, _, child_ns in stack]
+  return result
+
+
+def _op_events(profile, module_prefix: str) -> dict:
+  """{line id: [(event, hlo_op, run id)]} of the ops of modules named module_prefix*: the device planes' (GPU
+  streams, TPU "XLA Ops") where there are any, else the host's (a CPU runs the program on host threads)."""
+  device, host = collections.defaultdict(list), collections.defaultdict(list)
+  for p, plane in enumerate(profile.planes):
+    on_device = plane.name.startswith("/device:")
+    for j, line in enumerate(plane.lines):
+      for event in line.events:
+        stats = dict(event.stats)
+        op, module = stats.get("hlo_op"), str(stats.get("hlo_module", ""))
+        if op is None and on_device and line.name == "XLA Ops":
+          op, module = event.name, module or module_prefix
+        if op is None or not module.startswith(module_prefix):
+          continue
+        (device if on_device else host)[p, j].append((event, str(op), stats.get("run_id", 0)))
+  return device or host
+
+
+def read_trace(trace_dir: str, compiled_text: str, module_prefix: str) -> Breakdown:
+  """The breakdown of the runs of one compiled program (its text, its module's name prefix) in a trace directory."""
+  files = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+  if not files:
+    raise ValueError(f"no profiler trace (*.xplane.pb) under {trace_dir}.")
+  from jax.profiler import ProfileData  # noqa: PLC0415 (only the benchmark reads traces)
+
+  profile = ProfileData.from_file(max(files))
+  names = op_names(compiled_text)
+  parts = collections.Counter()
+  spans = collections.defaultdict(lambda: [float("inf"), 0.0])  # run id: [first start, last end]
+  for events in _op_events(profile, module_prefix).values():
+    runs = {id(event): run for event, _, run in events}
+    ops = {id(event): op for event, op, _ in events}
+    for event, seconds in _self_times([event for event, _, _ in events]):
+      parts[part_of(names.get(ops[id(event)], ""))] += seconds
+      span = spans[runs[id(event)]]
+      span[0], span[1] = min(span[0], event.start_ns), max(span[1], event.start_ns + event.duration_ns)
+  if not spans:
+    raise ValueError(f"the trace under {trace_dir} holds no op of a program named {module_prefix}*.")
+  walls = sorted((end - start) * 1e-9 for start, end in spans.values())
+  runs = len(walls)
+  return Breakdown(walls[runs // 2], {part: parts[part] / runs for part in PARTS}, runs)

@@ -1,0 +1,80 @@
+"""Benchmark where one compiled train step's device time goes, per feed-forward type side by side: attention, the
+sparse layers' router and top-k, row gathers, table gradients (sort, segment sums, combine), the dense feed-forward,
+loss and LM head, the optimizer, the rest. Read from a `jax.profiler` trace of the step (perf/step_parts.py).
+
+More: docs/modules.md, sparsetx/tools/bench_step_parts.py.
+"""
+
+import tempfile
+
+import jax
+from absl import flags
+
+from sparsetx import cli
+from sparsetx import config as config_lib
+from sparsetx.perf import step_parts
+from sparsetx.train import step_bench
+
+
+def define_flags() -> dict:
+  """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
+  return dict(
+    types=flags.DEFINE_list("types", ["mlp", "sgatlin"], "Feed-forward types; the first one is the baseline."),
+    scale=flags.DEFINE_integer("scale", None, "Ladder rung (default 2; 1 with --small)."),
+    batch=flags.DEFINE_integer("batch", 8, "Sequences per step."),
+    seq_len=flags.DEFINE_integer("seq_len", None, "Default 512; 64 with --small."),
+    dtype=flags.DEFINE_string("dtype", None, "Default bfloat16; float32 with --small (what a CPU runs fast)."),
+    rounds=flags.DEFINE_integer("rounds", 3, "Traced steps per type (medians of the runs' spans, means of parts)."),
+    gpu_kernel=flags.DEFINE_enum("gpu_kernel", None, list(config_lib.GPU_KERNELS), "Row kernels on a GPU."),
+    small=flags.DEFINE_bool("small", False, "A CPU-sized shape: scale 1, 2 layers, vocab 512, 8 x 64."),
+  )
+
+
+def breakdown(step: step_bench.TypeStep, rounds: int) -> step_parts.Breakdown:
+  """Traces `rounds` runs of a compiled TypeStep (after one untraced run) and reads its parts."""
+  jax.block_until_ready(step())
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir):
+      for _ in range(rounds):
+        jax.block_until_ready(step())
+    return step_parts.read_trace(trace_dir, step.step.as_text(), "jit_train_step")
+
+
+def format_table(names, breakdowns) -> str:
+  """Milliseconds and shares per part, one column pair per type; then the parts' sum and the runs' span."""
+  header = f"{'part':<28}" + "".join(f"{name + ' ms':>14}{'share':>8}" for name in names)
+  lines = [header]
+  for part in step_parts.PARTS:
+    cells = "".join(f"{1e3 * b.parts_s[part]:>14.2f}{b.parts_s[part] / b.busy_s:>8.1%}" for b in breakdowns)
+    lines.append(f"{part:<28}{cells}")
+  lines.append(f"{'sum of parts':<28}" + "".join(f"{1e3 * b.busy_s:>14.2f}{'':>8}" for b in breakdowns))
+  lines.append(f"{'step (span of a run)':<28}" + "".join(f"{1e3 * b.step_s:>14.2f}{'':>8}" for b in breakdowns))
+  base = breakdowns[0].step_s
+  lines.append(f"{'x ' + names[0]:<28}" + "".join(f"{b.step_s / base:>14.2f}{'':>8}" for b in breakdowns))
+  return "\n".join(lines)
+
+
+def absl_main(argv, holders: dict):
+  del argv
+  args = step_bench.with_defaults(cli.flag_values(holders))
+  devices = jax.devices()[:1]
+  try:
+    steps = [step_bench.TypeStep(name, args, devices) for name in args.types]
+  except config_lib.ConfigError as error:
+    cli.fail(error)
+  results = [breakdown(step, args.rounds) for step in steps]
+  print(
+    f"jax {jax.__version__} on {devices[0].device_kind}: ladder scale {args.scale}, {args.batch} x {args.seq_len} "
+    f"tokens, {args.dtype}, {args.rounds} traced steps per type (device time of each part per step)"
+  )
+  print(format_table(args.types, results))
+
+
+def main():
+  """The `sparsetx-bench-step-parts` entry point."""
+  holders = define_flags()
+  cli.run(lambda argv: absl_main(argv, holders))
+
+
+if __name__ == "__main__":
+  main()

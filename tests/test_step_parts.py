@@ -1,0 +1,68 @@
+"""Where a train step's device time goes (perf/step_parts.py, sparsetx-bench-step-parts): the named scopes reach the
+compiled program's ops, forward and backward, and a profiler trace of the step on this CPU breaks it into parts
+that add up to the step."""
+
+import types
+
+import jax
+import pytest
+
+from sparsetx.perf import step_parts
+from sparsetx.tools import bench_step_parts
+from sparsetx.train import step_bench
+
+SPAN_TOLERANCE = 0.15  # the parts' sum against a run's span: gaps between ops, and ops a CPU runs side by side
+
+
+def small_args():
+  args = types.SimpleNamespace(scale=None, batch=4, seq_len=None, dtype=None, small=True, gpu_kernel=None)
+  return step_bench.with_defaults(args)
+
+
+@pytest.fixture(scope="module")
+def steps():
+  """mlp and sgatlin (its tables' gradients by sorted pairs, not the CPU's one row-order walk) at --small."""
+  args, devices = small_args(), jax.devices()[:1]
+  config = step_bench.rung_config("sgatlin", args)
+  config.model.ffn.kernel.row_sorted = False
+  return {
+    "mlp": step_bench.TypeStep("mlp", args, devices),
+    "sgatlin": step_bench.TypeStep("sgatlin", args, devices, config),
+  }
+
+
+def test_scopes_strip_the_transformations_jax_wraps_them_in():
+  assert step_parts.part_of("jit(train_step)/transpose(jvp(loss))/while/body/eval_jaxpr/dot_general") == (
+    "loss + lm head"
+  )
+  assert step_parts.part_of("jit(train_step)/transpose(jvp(Transformer))/layers_1/mlp/table_grads/sort/sort") == (
+    "table grads: sort"
+  )
+  assert step_parts.part_of("jit(train_step)/jvp(Transformer)/layers_0/attention/query/dot_general") == "attention"
+  assert step_parts.part_of("jit(train_step)/jvp(Transformer)/embed/jit(_take)/gather") == "rest"
+
+
+def test_every_sparse_part_reaches_the_compiled_ops(steps):
+  """The compiled sgatlin step has ops in each part its CPU form runs (the combine of cut rows is a kernel
+  path's); the dense step has none of the sparse parts."""
+  found = {
+    name: {step_parts.part_of(op) for op in step_parts.op_names(step.step.as_text()).values()}
+    for name, step in steps.items()
+  }
+  sparse = {"ffn router + top-k", "row gathers", "table grads: sort", "table grads: segment sums"}
+  common = {"attention", "ffn dense", "loss + lm head", "optimizer", "rest"}
+  assert sparse | common <= found["sgatlin"], found["sgatlin"]
+  assert common <= found["mlp"] and not sparse & found["mlp"], found["mlp"]
+
+
+def test_a_traced_step_breaks_into_parts_that_add_up_to_it(steps):
+  breakdowns = {name: bench_step_parts.breakdown(step, rounds=2) for name, step in steps.items()}
+  for name, b in breakdowns.items():
+    assert b.runs == 2 and set(b.parts_s) == set(step_parts.PARTS), name
+    assert all(seconds >= 0 for seconds in b.parts_s.values()), b.parts_s
+    assert abs(b.busy_s / b.step_s - 1) <= SPAN_TOLERANCE, (name, b.busy_s, b.step_s)
+  sgatlin, mlp = breakdowns["sgatlin"].parts_s, breakdowns["mlp"].parts_s
+  assert all(sgatlin[part] > 0 for part in ("ffn router + top-k", "row gathers", "table grads: segment sums"))
+  assert mlp["row gathers"] == mlp["ffn router + top-k"] == 0
+  table = bench_step_parts.format_table(list(breakdowns), list(breakdowns.values()))
+  assert table.splitlines()[0].split()[:3] == ["part", "mlp", "ms"] and "table grads: sort" in table
