@@ -22,6 +22,10 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(_SESSION_TMP, "j
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+from sparsetx import torch_compat  # noqa: E402
+
+torch_compat.keep_triton_out()  # tests run torch (export, lm-eval) in processes that have loaded TensorFlow
+
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import ml_collections  # noqa: E402

@@ -31,7 +31,7 @@ GATHER_TYPES = ("peer", "sgatlin", "fff")
 N_LAYERS = 2
 TARGETS = {  # name: (topology of 8 devices, kernel.gpu_kernel)
   "cuda-triton": ("a100:1x1x8", "auto"),
-  "cuda-mosaic": ("h100:1x1x8", "auto"),
+  "cuda-mosaic": ("h100:1x1x8", "mosaic"),  # auto takes Triton rows until Mosaic GPU's run (MOSAIC_SEEN_RUNNING)
   "tpu-v5p": ("v5p:2x2x2", "auto"),
   "tpu-v6e": ("v6e:2x4", "auto"),
 }

@@ -13,10 +13,13 @@ The module is not named lm_eval.py so that it can never shadow the lm_eval packa
 
 import os
 
+from sparsetx import torch_compat
+
 
 def main():
   """The `sparsetx-lm-eval` entry point."""
   os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # before lm-eval imports `datasets`, which reads it once
+  torch_compat.keep_triton_out()  # before lm-eval loads torch: the checkpoint's data path loads TensorFlow
   from lm_eval.__main__ import cli_evaluate
 
   import sparsetx.evaluate.lm_eval_adapter  # noqa: F401  (registers --model sparsetx)
