@@ -116,8 +116,16 @@ class _Ring:
     slot = lax.rem(q, self.stages)
     plgpu.barrier_wait(self.loaded.at[slot])
     tile = self.lanes.load(tiles_smem.at[slot], TILE)
-    plgpu.barrier_arrive(self.consumed.at[slot])
+    release(self.consumed.at[slot])
     return tile.astype(dtype).astype(jnp.float32)
+
+
+def release(consumed_barrier):
+  """Frees a ring slot the compute warpgroup has read with ordinary loads: a proxy fence (commit_smem) orders
+  those generic-proxy reads before the copy warpgroup's next TMA write into the slot (an async-proxy write), then
+  the arrival. Without it the read and the overwrite race (jax 0.12's interpreter reports it)."""
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(consumed_barrier)
 
 
 def _ring_barriers(stages):
@@ -403,7 +411,7 @@ def segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sum
 
         @pl.when((j == BLOCK_ROWS - 1) | (p == p_end - 1))
         def _():
-          plgpu.barrier_arrive(consumed.at[slot])
+          release(consumed.at[slot])
 
         return acc + coef * value, coef_sum + coef
 
