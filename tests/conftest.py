@@ -149,3 +149,9 @@ MICRO_TRAIN_FLAGS = [  # a micro dense model the multi-process and command-line 
   "--config.data.global_batch_size=8",
   "--config.data.eval_batch_size=8",
 ]
+
+
+def pytest_collection_modifyitems(config, items):
+  """The tests marked slow run first: with pytest-xdist's two workers the suite's end is then many short tests
+  spread over both, not one worker alone on a long one."""
+  items.sort(key=lambda item: item.get_closest_marker("slow") is None)

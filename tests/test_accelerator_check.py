@@ -5,6 +5,7 @@ import sys
 import types
 
 import numpy as np
+import pytest
 from conftest import REPO
 
 from sparsetx.kernels import pallas_gpu
@@ -12,6 +13,7 @@ from sparsetx.kernels.options import KernelOptions
 from sparsetx.tools import accelerator_check
 
 
+@pytest.mark.slow
 def test_small_form_prints_one_table_of_passing_checks_and_every_part():
   result = subprocess.run(
     [sys.executable, "-m", "sparsetx.tools.accelerator_check", "--small"],

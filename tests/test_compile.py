@@ -176,6 +176,7 @@ MOE_TOKENS_PER_DEVICE = 1024
 MOE_TEMP_FACTOR = 1.5  # a GPU step's temporaries over the v5p step's, at most
 
 
+@pytest.mark.slow
 def test_moe_compiles_at_the_routed_cost():
   """MoE with data=4 on every target: each device sorts and computes its own pairs by grouped matmuls (native
   ragged dots and megablox tgmm on TPU, Mosaic GPU and Triton on H100, Triton on A100), so no buffer's shape
@@ -294,6 +295,7 @@ def test_micro_batches_compile_with_the_gradient_reduced_after_the_loop(ffn_type
   assert n_params <= per_step <= n_params + extra, (per_step, n_params, extra)
 
 
+@pytest.mark.slow
 def test_a_ladder_rung_compiles_for_hopper_with_mosaic_gpu_row_kernels():
   """configs/ladder.py:sgatlin,2 (d_model 256, 16 x 8 slots, GPT-2's vocabulary, 2,048 tokens a row) with
   kernel.gpu_kernel=mosaic on 4 H100s: every row kernel compiles through ptxas for sm_90a at the tiling it picks

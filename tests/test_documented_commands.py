@@ -458,6 +458,7 @@ def run(step: dict) -> str | None:
   return None if result.returncode == 0 else f"exit {result.returncode}\n{result.stderr[-2000:]}"
 
 
+@pytest.mark.slow
 def test_documented_commands_run_and_broken_ones_fail():
   """Every documented command runs or passes its program's checks (the failures listed together), and each
   mutation above is refused. One test, so that one process checks all the commands, under pytest-xdist too."""

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from conftest import MICRO_TRAIN_FLAGS, REPO, write_tokenized_corpus
 
 from sparsetx.data import corpus
@@ -75,6 +76,7 @@ def losses(tmp_path, name) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in map(json.loads, f) if "loss" in row}
 
 
+@pytest.mark.slow
 def test_a_checkpoint_resumes_the_same_batches_on_1_2_and_4_processes(tmp_path):
   documents = {
     "stories": {"train": corpus.stories("train")[:300], "validation": corpus.stories("validation")[:20]},

@@ -17,6 +17,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 from conftest import MICRO_TRAIN_FLAGS, REPO
 
 # configs/tiny.py (sgatlin, the default mixture) at a micro size, with no LR decay, so the schedule ignores
@@ -68,6 +69,7 @@ def wait_until(condition, processes, timeout, what):
     time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one_resume_in_one_and_stop_when_a_peer_dies(tmp_path):
   multi, logs = tmp_path / "multi", tmp_path / "logs"
   env = dict(os.environ)  # the session's JAX compilation cache (tests/conftest.py) is shared

@@ -147,6 +147,7 @@ def tool(*args: str, **kwargs) -> subprocess.Popen:
   )
 
 
+@pytest.mark.slow
 def test_interrupted_run_finishes_on_a_rerun_with_the_same_shards(tmp_path):
   """The program, run with two workers and stopped (SIGTERM, a preemption) once its first shard is complete,
   leaves no manifest; the rerun (another worker count) writes the missing shards, and every shard equals the

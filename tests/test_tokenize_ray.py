@@ -7,6 +7,7 @@ import runpy
 import signal
 import time
 
+import pytest
 from test_tokenize import tool
 
 from sparsetx.data import pretokenize, token_store
@@ -43,6 +44,7 @@ def readers_of(path: str) -> list[int]:
   return pids
 
 
+@pytest.mark.slow
 def test_two_ray_workers_write_the_single_process_corpus_and_a_killed_worker_doubles_no_row(tmp_path):
   src = tmp_path / "src"
   big = bench_data.generate_text(str(src / "a"), megabytes=16, files=1)[0]  # shard 0 of 2: seconds of BPE
@@ -70,6 +72,7 @@ def test_two_ray_workers_write_the_single_process_corpus_and_a_killed_worker_dou
   assert tree(out) == tree(reference)  # the retry rewrote shard 0 from its start: every byte as one process wrote
 
 
+@pytest.mark.slow
 def test_a_bad_file_on_ray_is_one_error_line(tmp_path):
   (tmp_path / "web.jsonl").write_text('{"text": "fine"}\nnot json\n')
   (tmp_path / "more.jsonl").write_text('{"text": "also fine"}\n')
