@@ -7,6 +7,7 @@ through tensorstore, and TensorBoard's writer through TensorFlow.
 
 import contextlib
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 
@@ -21,6 +22,13 @@ def is_remote(path: epath.PathLike) -> bool:
 def resolve(path: epath.PathLike) -> epath.Path:
   """`path` as an epath.Path; a local path made absolute (orbax wants absolute paths)."""
   return epath.Path(path) if is_remote(path) else epath.Path(os.path.abspath(os.fspath(path)))
+
+
+def storage_errors() -> tuple:
+  """The exception types a workdir operation raises: OSError, and TensorFlow's gfile errors where epath reached a URL
+  through TensorFlow (loaded by then; nothing here imports it for one exception type)."""
+  tf = sys.modules.get("tensorflow")
+  return (OSError,) if tf is None else (OSError, tf.errors.OpError)
 
 
 def reason(error: Exception) -> str:

@@ -11,6 +11,8 @@ from sparsetx import config as config_lib
 from sparsetx.models.ffn import placement
 from sparsetx.parallel import expert_parallel
 from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.perf import hardware
+from sparsetx.plan import targets
 from sparsetx.train import aot
 
 
@@ -122,6 +124,19 @@ def test_large_configs_pass_the_replication_check(arg, mesh_shape):
   n_params = sum(math.prod(p.shape) for p in jax.tree.leaves(abstract.params))
   assert n_params > (6e9 if arg.startswith("sgatlin8") else 4e9)
   assert aot.sparse_table_bytes(abstract.params) == 4 * table_params(config.model) // mesh_shape[3]
+
+
+def test_a_topologys_chip_sizes_what_may_stay_replicated():
+  """configs/ladder.py:sgatlin,3 on h100:1x1x4 replicates its 74 MiB embedding on 4 data-parallel GPUs: the default
+  limit (64 MiB) refused it; the H100 sizes the limit as a target would (1/512 of its 80 GB), and the check passes."""
+  config = load_config("configs/ladder.py", "sgatlin,3")
+  config.mesh.ici.update(data=4, fsdp=1, tensor=1, expert=1)
+  mesh = jax.sharding.AbstractMesh((4, 1, 1, 1), config_lib.MESH_AXES)
+  with pytest.raises(config_lib.ConfigError, match=r"\['embed'\]\['embedding'\] \(74 MiB\) would be fully replicated"):
+    aot.abstract_state(config_lib.validate(config.copy_and_resolve_references()), mesh)
+  targets.size_replication_limit(config, hardware.CHIPS["h100"])
+  assert config.mesh.max_replicated_mib == pytest.approx(80e9 / 512 / 2**20)
+  aot.abstract_state(config_lib.validate(config), mesh)
 
 
 def test_dry_run_tool_prints_the_projected_step_time_per_target():

@@ -141,8 +141,8 @@ def test_mosaic_gpu_kernel_choice_is_checked():
   """`auto` takes Mosaic GPU on Hopper only for what platform.MOSAIC_SEEN_RUNNING holds; an explicit choice stands."""
   from sparsetx.kernels import platform
 
-  cpu, a100 = platform.Target("cpu", "cpu", None), platform.Target("gpu", "NVIDIA A100-SXM4-80GB", 108)
-  h200 = platform.Target("gpu", "NVIDIA H200", 132)
+  cpu, a100 = platform.TracedDevice("cpu", "cpu", None), platform.TracedDevice("gpu", "NVIDIA A100-SXM4-80GB", 108)
+  h200 = platform.TracedDevice("gpu", "NVIDIA H200", 132)
   assert platform.gpu_kernel(KernelOptions(), cpu) == "triton"  # off GPU, auto interprets the faster Triton path
   assert platform.gpu_kernel(KernelOptions(), a100, "grouped_matmul") == "triton"  # before Hopper
   assert platform.gpu_kernel(KernelOptions(), h200, "grouped_matmul") == "mosaic"

@@ -150,10 +150,10 @@ def test_kernels_lower_with_every_activation(target, activation, gate_inside):
 @pytest.mark.parametrize(
   "topology, device",
   [
-    ("v5p:2x2x1", platform.Target("tpu", "TPU v5", 2)),
-    ("v6e:2x2", platform.Target("tpu", "TPU v6 lite", 1)),
-    ("h100:1x1x4", platform.Target("gpu", "NVIDIA H100 80GB HBM3", 132, 232448)),  # h100.txtpb's shared memory
-    ("a100:1x1x4", platform.Target("gpu", "NVIDIA A100-SXM4-80GB", 108, 166912)),
+    ("v5p:2x2x1", platform.TracedDevice("tpu", "TPU v5", 2)),
+    ("v6e:2x2", platform.TracedDevice("tpu", "TPU v6 lite", 1)),
+    ("h100:1x1x4", platform.TracedDevice("gpu", "NVIDIA H100 80GB HBM3", 132, 232448)),  # h100.txtpb's shared memory
+    ("a100:1x1x4", platform.TracedDevice("gpu", "NVIDIA A100-SXM4-80GB", 108, 166912)),
   ],
 )
 def test_programs_traced_on_a_topology_take_its_device(topology, device):

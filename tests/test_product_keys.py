@@ -67,7 +67,7 @@ def test_ties_go_to_the_lower_neuron_index_like_brute_force(monkeypatch, backend
   k1, k2 = jax.random.split(jax.random.key(n_keys * k))
   s1, s2 = tied_scores(k1, batch + (n_keys,)), tied_scores(k2, batch + (n_keys,))
   # The accelerators' XLA form, run here: the target the layer reads (kernels/platform.target) says gpu.
-  monkeypatch.setattr(platform, "target", lambda: platform.Target(backend, backend, None))
+  monkeypatch.setattr(platform, "target", lambda: platform.TracedDevice(backend, backend, None))
   values, indices = jax.jit(product_key_top_k, static_argnums=2)(s1, s2, k)
   want_values, want_indices = brute_force_top_k(s1, s2, k)
   np.testing.assert_array_equal(indices, want_indices)

@@ -87,7 +87,7 @@ def test_analytic_projection_sums_phase_maxima_and_keeps_the_rest_collectives():
     "sgatlin",
     0,
     (cost.Phase("matmul", 3.35e9, 9.89e12), cost.Phase("gather", 3.35e10, 0.0)),  # 10 ms each on H100
-    (cost.Collective("all-gather", 450 * MB, 4, "x"),),  # 0.75 ms
+    (cost.CollectiveCost("all-gather", 450 * MB, 4, "x"),),  # 0.75 ms
   )
   compiled = [
     hlo_text.Collective("all-reduce", 90 * MB, 2, "", "jit(train_step)/attention/out"),  # 0.2 ms

@@ -23,6 +23,25 @@ REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_save
 TABLE_PLACEMENTS = ("auto", "expert", "fsdp", "data")
 
 
+def kernel_defaults() -> ml_collections.ConfigDict:
+  """config.model.ffn.kernel: the gated gather's and grouped matmul's static knobs (kernels/options.KernelOptions
+  takes its defaults from here)."""
+  return ml_collections.ConfigDict(
+    dict(
+      implementation="auto",  # xla | pallas | auto (pallas on GPU/TPU, xla on CPU) | reference (the papers' form)
+      token_chunk=4,  # xla on CPU: tokens whose gathered rows exist at once (2-8 fastest); elsewhere all
+      pair_chunk=2048,  # xla on CPU: sorted (token, slot) pairs added per table-gradient step; elsewhere all
+      block_tokens=8,  # pallas (triton): tokens per program
+      block_d=128,  # pallas on gpu: d_model chunk (largest fitting divisor; triton: a power of two)
+      stages=3,  # pallas (mosaic gpu): gathered [64, block_d] tiles in flight
+      gpu_kernel="auto",  # pallas on GPU: mosaic | triton | auto (platform.gpu_kernel: triton, mosaic on sm_90+ where seen running)
+      row_sorted=True,  # xla on CPU: training walks (token, slot) pairs in table-row order (kernels/xla_gather.py)
+      segment_chunk=64,  # pallas, table gradients: pairs per segment; a hot row is cut and combined (0: never)
+      group_rows=128,  # moe: rows of one expert per grouped-matmul tile (a power of two >= 16; Mosaic GPU: >= 64)
+    )
+  )
+
+
 def ffn_defaults() -> ml_collections.ConfigDict:
   """Feed-forward knobs; each layer type reads the ones it needs (paper defaults)."""
   return ml_collections.ConfigDict(
@@ -52,20 +71,7 @@ def ffn_defaults() -> ml_collections.ConfigDict:
       # sparse types on a mesh: auto | expert | fsdp | data (TABLE_PLACEMENTS above; dense types ignore it)
       placement="auto",
       # gated gather (sgatlin, peer, fff sparse) and moe's grouped matmul: backend and block sizes
-      kernel=ml_collections.ConfigDict(
-        dict(
-          implementation="auto",  # xla | pallas | auto (pallas on GPU/TPU, xla on CPU) | reference (the papers' form)
-          token_chunk=4,  # xla on CPU: tokens whose gathered rows exist at once (2-8 fastest); elsewhere all
-          pair_chunk=2048,  # xla on CPU: sorted (token, slot) pairs added per table-gradient step; elsewhere all
-          block_tokens=8,  # pallas (triton): tokens per program
-          block_d=128,  # pallas on gpu: d_model chunk (largest fitting divisor; triton: a power of two)
-          stages=3,  # pallas (mosaic gpu): gathered [64, block_d] tiles in flight
-          gpu_kernel="auto",  # pallas on GPU: mosaic | triton | auto (platform.gpu_kernel: triton, mosaic on sm_90+ where seen running)
-          row_sorted=True,  # xla on CPU: training walks (token, slot) pairs in table-row order (kernels/xla_gather.py)
-          segment_chunk=64,  # pallas, table gradients: pairs per segment; a hot row is cut and combined (0: never)
-          group_rows=128,  # moe: rows of one expert per grouped-matmul tile (a power of two >= 16; Mosaic GPU: >= 64)
-        )
-      ),
+      kernel=kernel_defaults(),
     )
   )
 

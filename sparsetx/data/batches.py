@@ -1,6 +1,6 @@
 """A process's rows of the global batch, and the global jax.Array batch assembled from every process's rows.
 
-A batch is a dict of [global_batch_size, seq_len] arrays, FEATURES (packing.py builds them from token rows) (listed in docs/modules.md).
+A batch is a dict of [global_batch_size, seq_len] arrays, FEATURES (packing.py builds them from token rows).
 
 More: docs/modules.md, sparsetx/data/batches.py.
 """

@@ -1,7 +1,8 @@
 """The deterministic global stream over a tokenized corpus (token_store): the batch of step s is a pure function
 of (the data config, its seed, s), never of the number of processes or devices.
 
-Step s (0-based: the batch that trains step s + 1) of B = config.data.global_batch_size rows of T = seq_len (listed in docs/modules.md).
+Step s (0-based: the batch that trains step s + 1) holds B = config.data.global_batch_size rows of T = seq_len
+tokens; docs/modules.md says how they are drawn.
 
 More: docs/modules.md, sparsetx/data/global_stream.py.
 """

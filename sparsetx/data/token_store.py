@@ -1,6 +1,6 @@
 """Pre-tokenized corpora: random-access token shards written once by `sparsetx-tokenize`, read by the trainer.
 
-Layout of a tokenized corpus directory (local or a URL such as gs://bucket/corpus) (listed in docs/modules.md).
+docs/modules.md gives the layout of a tokenized corpus directory (local or a URL such as gs://bucket/corpus).
 
 More: docs/modules.md, sparsetx/data/token_store.py.
 """

@@ -2,7 +2,7 @@
 the gated gather's forward and backward, FFF's walk levels, the d-split's partial dots and the table gradients.
 
 Three kernels do all the row work; the per-slot arithmetic between them is elementwise on [N, S] and stays
-in XLA (N * S floats, about 1 MB at 2,048 tokens and S = 128, against ~800 MB of gathered rows) (listed in docs/modules.md).
+in XLA: N * S floats, about 1 MB at 2,048 tokens and S = 128, against ~800 MB of gathered rows.
 
 More: docs/modules.md, sparsetx/kernels/mosaic_gpu.py.
 """

@@ -10,7 +10,7 @@ More: docs/modules.md, sparsetx/kernels/platform.py.
 
 import re
 
-from sparsetx.kernels.device import Target, target
+from sparsetx.kernels.device import TracedDevice, target
 from sparsetx.kernels.options import GPU_KERNELS, IMPLEMENTATIONS, KernelOptions
 
 # Hopper (H100, H200, H800, H20, GH200) and Blackwell (B200, GB200) parts: compute capability 9.0 and newer.
@@ -63,7 +63,7 @@ def hopper_or_newer(device_kind: str) -> bool:
 MOSAIC_SEEN_RUNNING = frozenset({"grouped_matmul"})
 
 
-def gpu_kernel(options: KernelOptions, device: Target, kernels: str = "rows") -> str:
+def gpu_kernel(options: KernelOptions, device: TracedDevice, kernels: str = "rows") -> str:
   """The GPU kernel family for `kernels` (rows | grouped_matmul): the user's choice, or for `auto` mosaic on
   Hopper and newer (sm_90+) where MOSAIC_SEEN_RUNNING holds them, triton elsewhere, and by default in interpret mode
   off GPU (the generic interpreter is much faster than Mosaic GPU's simulation of TMA and barriers)."""

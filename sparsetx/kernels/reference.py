@@ -59,10 +59,6 @@ class Gating(NamedTuple):
     return g * act, g * self._slope(h), act
 
 
-def as_gating(activation_or_gating, gate_inside=True) -> Gating:
-  return activation_or_gating if isinstance(activation_or_gating, Gating) else Gating(activation_or_gating, gate_inside)
-
-
 def gated_gather_reference(
   x_BTD, w_in_RD, w_out_RD, rows_BTS, gates_BTS, activation=identity, bias_R=None, gate_inside_activation=True
 ):

@@ -1,7 +1,7 @@
 """FFF's sparse forward: the level-by-level walk down P binary trees and the outputs of its path nodes.
 
 Per token and tree the walk evaluates one node per level, each depending on the previous level's
-logit. Two facts make it fast on a CPU (and they hold on accelerators too) (listed in docs/modules.md).
+logit. Two facts make it fast on a CPU, and they hold on accelerators too; docs/modules.md states them.
 
 More: docs/modules.md, sparsetx/kernels/tree_route.py.
 """

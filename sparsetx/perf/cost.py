@@ -24,7 +24,7 @@ class Phase:
 
 
 @dataclasses.dataclass(frozen=True)
-class Collective:
+class CollectiveCost:
   op: str  # a roofline.collective_seconds op
   nbytes: float  # the result's bytes on one device, per step (all runs)
   group: int
@@ -116,7 +116,7 @@ class CostBuilder:
     if group <= 1 or nbytes <= 0:
       return
     runs = self.forward_runs(False) if forward else 1
-    self.collectives.append(Collective(op, runs * nbytes, group, what, runs, placed))
+    self.collectives.append(CollectiveCost(op, runs * nbytes, group, what, runs, placed))
 
   def cast(self, elements, b):
     """The float32 parameters cast to a narrower compute dtype once per step."""

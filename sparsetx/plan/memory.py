@@ -91,9 +91,8 @@ def device_memory(config, mesh, report) -> DeviceMemory:
   The CPU program is not the device's in two ways, so its temporaries are replaced by an analytic count:
   - attention: the CPU runs the XLA attention, which materializes [B,H,T,T] float32 logits and probabilities
     (and keeps several per layer); cuDNN, splash and the Pallas flash kernel keep only the [B,H,T] logsumexp.
-    On 1 device, ladder mlp scale 2 at T=512, 8 rows: 744 MiB of temporaries, 23x one [B,H,T,T] float32 buffer.
-  - remat: XLA on CPU drops the remat barriers (the same step compiles to 257 MiB of temporaries under
-    remat=none and 254 MiB under full at T=256), so its program keeps every layer's residuals; an accelerator
+  - remat: XLA on CPU drops the remat barriers (the same step compiles to about the same temporaries under
+    remat=none and full), so its program keeps every layer's residuals; an accelerator
     keeps only what config.model.remat saves (layer_residual_bytes) and recomputes one block at a time.
   The device figure is: state (arguments + outputs - aliased, exact from the compile) + float32 gradients (the
   parameters' per-device bytes in float32 as the step holds them: with micro-batches, twice, for the running sum,

@@ -131,6 +131,11 @@ def topology_name(name: str) -> str:
   return f"{chip}:{shapes[target.per_granule]}"
 
 
+def size_replication_limit(config, chip) -> None:
+  """config.mesh.max_replicated_mib raised to 1/512 of the chip's HBM (a target's or a topology's chip), in place."""
+  config.mesh.max_replicated_mib = max(config.mesh.max_replicated_mib, chip.hbm_bytes / 512 / 2**20)
+
+
 def apply(config, name: str, units: int | None):
   """config sized for the target `name` in place (mesh, rules, batch, micro-batches, replication limit); returns it.
 
@@ -143,7 +148,7 @@ def apply(config, name: str, units: int | None):
   config.mesh.target = name
   config.mesh.update(mesh_axes(target, units))
   config.mesh.rules = vocab_split_rules(config.mesh.rules)
-  config.mesh.max_replicated_mib = max(config.mesh.max_replicated_mib, target.chip.hbm_bytes / 512 / 2**20)
+  size_replication_limit(config, target.chip)
   config.train.microbatches = microbatches(
     config.data.global_batch_size, config.data.seq_len, target, tokens_per_microbatch(target)
   )

@@ -31,10 +31,10 @@ def lax_top_k_product_keys(scores1_N, scores2_N, k):
 
 
 def halves_sort(s_2RN, k):
-  key = product_keys._order_key(s_2RN)
+  key = product_keys.order_key(s_2RN)
   iota = jax.lax.broadcasted_iota(jnp.int32, key.shape, 2)
   descending, ids = jax.lax.sort((~key, iota), dimension=2, num_keys=1, is_stable=True)
-  return product_keys._from_order_key(~descending[..., :k]), ids[..., :k]
+  return product_keys.from_order_key(~descending[..., :k]), ids[..., :k]
 
 
 def halves_passes(chunk):
@@ -42,10 +42,10 @@ def halves_passes(chunk):
 
   def run(s_2RN, k):
     _, rows, n_keys = s_2RN.shape
-    key_G2NC = product_keys._order_key(s_2RN).reshape(2, rows // chunk, chunk, n_keys).transpose(1, 0, 3, 2)
-    keys_G2KC, ids_G2KC = jax.lax.map(lambda key: product_keys._halves_top_k_passes(key, k), key_G2NC)
+    key_G2NC = product_keys.order_key(s_2RN).reshape(2, rows // chunk, chunk, n_keys).transpose(1, 0, 3, 2)
+    keys_G2KC, ids_G2KC = jax.lax.map(lambda key: product_keys.halves_top_k_passes(key, k), key_G2NC)
     to_rows = lambda a: a.transpose(1, 0, 3, 2).reshape(2, rows, k)  # noqa: E731
-    return product_keys._from_order_key(to_rows(keys_G2KC)), to_rows(ids_G2KC)
+    return product_keys.from_order_key(to_rows(keys_G2KC)), to_rows(ids_G2KC)
 
   return run
 

@@ -95,6 +95,9 @@ def compile_on_topology(config, name: str) -> None:
   """Compiles the step for a topology's devices with its compiler and prints what the compiler decided: memory,
   FLOPs, collectives, loops, kernels, and the step projected on its chip. A rejection is one `error:` line."""
   devices = topology.devices(name)
+  chip = hardware.chip_of(devices[0].device_kind)
+  if chip is not None:  # the topology's chip sizes what may stay replicated, as a target's does
+    targets.size_replication_limit(config, chip)
   mesh = state_lib.checked_mesh(config, devices)
   start = time.time()
   try:
@@ -103,7 +106,6 @@ def compile_on_topology(config, name: str) -> None:
     raise
   except Exception as error:  # the compiler's refusal: Mosaic, Triton, ptxas or XLA itself
     cli.fail(aot.describe_rejection(error, name, aot.rejected_kernel(config, mesh)))
-  chip = hardware.chip_of(devices[0].device_kind)
   print(aot.format_report(report))
   print(aot.format_compiled_memory(report, chip))
   estimate = memory.device_memory(config, mesh, report).device

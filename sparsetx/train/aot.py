@@ -69,7 +69,7 @@ class Report:
   memory: dict  # compiler memory analysis, per device
   model_flops: float  # per step, the whole model (ladder accounting, forward + backward)
   compiled_flops: float  # per step, one device's program (XLA cost analysis)
-  collectives: list  # Collective
+  collectives: list  # hlo_text.Collective
   bytes_accessed: float = 0.0  # per step, one device's program (XLA cost analysis "bytes accessed")
   tokens_per_step: int = 0  # global batch x sequence length
   loop_param_bytes: int = 0  # per device, the parameters as the per-device microbatch loop takes them (step.py)

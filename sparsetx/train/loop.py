@@ -11,7 +11,6 @@ import time
 import jax
 import ml_collections
 import numpy as np
-import tensorflow as tf
 from absl import logging
 from clu import periodic_actions
 from etils import epath
@@ -67,7 +66,7 @@ def check_workdir(workdir: str) -> None:
     probe = path / f".write_probe_{jax.process_index()}"
     probe.write_text("ok")
     probe.unlink()
-  except (OSError, tf.errors.OpError) as error:  # tf.io.gfile's errors for a remote URL are no OSError
+  except paths.storage_errors() as error:  # tf.io.gfile's errors for a remote URL are no OSError
     raise config_lib.ConfigError(
       f"--workdir={workdir} is not writable ({paths.reason(error)}); choose a directory you can write to."
     ) from None

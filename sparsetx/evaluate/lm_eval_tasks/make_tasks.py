@@ -1,6 +1,6 @@
 """Writes the local lm-eval tasks of this directory from the embedded corpus's fact table.
 
-`python -m sparsetx.evaluate.lm_eval_tasks.make_tasks` rewrites, deterministically (listed in docs/modules.md).
+`python -m sparsetx.evaluate.lm_eval_tasks.make_tasks` rewrites them, deterministically.
 
 More: docs/modules.md, sparsetx/evaluate/lm_eval_tasks/make_tasks.py.
 """

@@ -19,13 +19,13 @@ _INT32_MAX = jnp.iinfo(jnp.int32).max
 CPU_ROWS_PER_CHUNK = 256  # two halves x n_keys x 256 rows of int32 stay in L2 during the k passes
 
 
-def _order_key(x):
+def order_key(x):
   """float32 -> int32 whose signed order is the IEEE total order lax.top_k sorts by (NaN first, +0 > -0)."""
   bits = jax.lax.bitcast_convert_type(x, jnp.int32)
   return bits ^ ((bits >> 31) & _INT32_MAX)
 
 
-def _from_order_key(key):
+def from_order_key(key):
   return jax.lax.bitcast_convert_type(key ^ ((key >> 31) & _INT32_MAX), jnp.float32)
 
 
@@ -56,7 +56,7 @@ def _candidate_pairs(k: int):
   return tuple(jnp.array(p, jnp.int32) for p in zip(*pairs))
 
 
-def _halves_top_k_passes(key_2NR, k: int):
+def halves_top_k_passes(key_2NR, k: int):
   """Both halves' top-k by passes with rows on the minor axis (vectorized); [2, n_keys, R] -> [2, k, R] x 2."""
   ids_2NR = jax.lax.broadcasted_iota(jnp.int32, key_2NR.shape, 1)
   return _top_k_passes(key_2NR, ids_2NR, k, axis=1)
@@ -67,7 +67,7 @@ def _sums_top_k(top1, top2, n_keys: int, k: int, axis: int):
   (key1, id1), (key2, id2) = top1, top2
   rank1, rank2 = _candidate_pairs(k)
   take = lambda a, r: jnp.take(a, r, axis=axis)  # noqa: E731
-  sums = _order_key(_from_order_key(take(key1, rank1)) + _from_order_key(take(key2, rank2)))
+  sums = order_key(from_order_key(take(key1, rank1)) + from_order_key(take(key2, rank2)))
   return _top_k_passes(sums, take(id1, rank1) * n_keys + take(id2, rank2), k, axis)
 
 
@@ -82,7 +82,7 @@ def _neuron_ids_cpu(key1, key2, k: int, rows_per_chunk: int):
   key_G2NC = key_2RN.reshape(2, n_chunks, chunk, n_keys).transpose(1, 0, 3, 2)
 
   def chunk_ids(key_2NC):
-    keys_2KC, ids_2KC = _halves_top_k_passes(key_2NC, k)
+    keys_2KC, ids_2KC = halves_top_k_passes(key_2NC, k)
     return _sums_top_k((keys_2KC[0], ids_2KC[0]), (keys_2KC[1], ids_2KC[1]), n_keys, k, axis=0)[1]
 
   ids_GKC = jax.lax.map(chunk_ids, key_G2NC)
@@ -112,9 +112,9 @@ def product_key_top_k(scores1_N: jax.Array, scores2_N: jax.Array, k: int, cpu_ro
     raise ConfigError(f"top_k={k} must lie in [1, sqrt(d_ffw)={n_keys}); lower top_k or raise d_ffw.")
   s1, s2 = scores1_N.astype(jnp.float32), scores2_N.astype(jnp.float32)
   if platform.on_cpu():
-    indices = _neuron_ids_cpu(_order_key(s1), _order_key(s2), k, cpu_rows_per_chunk)
+    indices = _neuron_ids_cpu(order_key(s1), order_key(s2), k, cpu_rows_per_chunk)
   else:
-    indices = _neuron_ids_top_k(_order_key(s1), _order_key(s2), k)  # integer keys: no gradient flows into the choice
+    indices = _neuron_ids_top_k(order_key(s1), order_key(s2), k)  # integer keys: no gradient flows into the choice
   values = jnp.take_along_axis(s1, indices // n_keys, axis=-1) + jnp.take_along_axis(s2, indices % n_keys, axis=-1)
   return values, indices
 

@@ -6,11 +6,6 @@ SPECS = {spec.name: spec for spec in (dense.MLP_SPEC, dense.SWIGLU_SPEC, moe.SPE
 FFN_LAYERS = {name: spec.module for name, spec in SPECS.items()}  # type -> flax module class
 
 
-def spec_for(ffn):
-  """The FfnSpec of a feed-forward sub-config (config.model.ffn or .dense_ffn), or of a type name."""
-  return SPECS[ffn if isinstance(ffn, str) else ffn.type]
-
-
 def make_ffn(cfg, name: str = "mlp"):
   """The feed-forward layer the model config asks for, [B,T,D] -> [B,T,D]."""
   return SPECS[cfg.ffn.type].module(cfg, name=name)
