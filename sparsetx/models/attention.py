@@ -62,7 +62,7 @@ def fused_attention(implementation: str, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)
     interpret = platform.target().platform != _TARGET[implementation]
     fused = splash_attention if implementation == "splash" else pallas_attention
     kernel = lambda q, k, v, s: fused(q, k, v, s, interpret=interpret)  # noqa: E731
-  return attention_placement.per_device(kernel, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)
+  return attention_placement.on_own_rows_and_heads(kernel, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)
 
 
 def cudnn_attention(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT):

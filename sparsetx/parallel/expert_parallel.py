@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from sparsetx.config import DEFAULT_RULES, rule_axes
+from sparsetx.parallel import per_device
 
 # Put first in config.mesh.rules, these split every `embed` axis over fsdp x expert and keep channels whole:
 # neuron tables (PEER's shared one; sgatlin's when the expert axis is larger than its channel count)
@@ -52,9 +53,9 @@ def block_shape(shape, names, local, mesh, rules) -> tuple:
   (`table_spec`): each dimension named in `local` (those the dispatcher runs on as blocks: units, d_model of a
   neuron table) divided by the already-manual mesh axes it is split over. `shape` itself outside the step's
   per-device loop (no manual axes)."""
-  if mesh is None or mesh.empty:
+  if per_device.no_mesh(mesh):
     return tuple(shape)
-  manual = manual_axes(mesh)
+  manual = per_device.manual_axes(mesh)
   spec = table_spec(names, rules)
   return tuple(
     n // math.prod(mesh.shape[a] for a in sized_axes(mesh, entry) if a in manual) if name in local else n
@@ -66,9 +67,9 @@ def whole_units(n_here: int, logical_name: str) -> int:
   """The units of a table whose first dimension (named `logical_name`) holds `n_here` of them on this device:
   n_here times the already-manual mesh axes it is split over (the table's block, `block_shape`)."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh is None or mesh.empty:
+  if per_device.no_mesh(mesh):
     return n_here
-  manual = manual_axes(mesh)
+  manual = per_device.manual_axes(mesh)
   return n_here * math.prod(mesh.shape[a] for a in active_mesh_axes(mesh, logical_name) if a in manual)
 
 
@@ -89,7 +90,7 @@ class ExpertGroup:
   def n_token_shards(self) -> int:
     """Shards of the tokens this code sees: over the batch axes not already manual (inside the step's
     per-device microbatch loop, parallel/microbatches.py, the tokens are one device's along its manual axes)."""
-    return math.prod(self.mesh.shape[a] for a in self.batch if a not in manual_axes(self.mesh))
+    return math.prod(self.mesh.shape[a] for a in self.batch if a not in per_device.manual_axes(self.mesh))
 
   @property
   def token_spec(self) -> P:
@@ -115,7 +116,7 @@ def expert_group(logical_name: str, n_units: int, n_tokens: int):
   setup refused any config where they don't (models/ffn/placement.check_units_divide).
   """
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh is None or mesh.empty:
+  if per_device.no_mesh(mesh):
     return None
   rules = _RULES.get()
   group = ExpertGroup(
@@ -126,8 +127,7 @@ def expert_group(logical_name: str, n_units: int, n_tokens: int):
 
 def sized_axes(mesh, axes) -> tuple:
   """The mesh axes (a name, a tuple of names or None) of size > 1."""
-  axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-  return tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1)
+  return tuple(a for a in per_device.axis_tuple(axes) if a in mesh.shape and mesh.shape[a] > 1)
 
 
 def active_mesh_axes(mesh, logical_name: str) -> tuple:
@@ -157,7 +157,7 @@ def table_group(table_names, unit_name, n_units: int, n_tokens: int):
   expert axis is larger than C).
   """
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh is None or mesh.empty:
+  if per_device.no_mesh(mesh):
     return None
   rules = _RULES.get()
   spec = table_spec(table_names, rules)
@@ -174,46 +174,6 @@ def table_spec(table_names, rules) -> tuple:
   return spec + (None,) * (len(table_names) - len(spec))
 
 
-def manual_axes(mesh) -> frozenset:
-  """The mesh axes already manual here: those of an enclosing shard_map (the step's per-device loop)."""
-  return frozenset(getattr(mesh, "manual_axes", ()))
-
-
-def free_spec(spec: P, mesh) -> P:
-  """`spec` without the axes already manual: what a nested shard_map or a sharding constraint may name (the
-  arrays there are already one device's along those axes)."""
-  manual = manual_axes(mesh)
-  if not manual:
-    return spec
-
-  def entry(axes):
-    kept = tuple(a for a in ((axes,) if isinstance(axes, str) else tuple(axes or ())) if a not in manual)
-    return kept or None
-
-  return P(*(entry(axes) for axes in spec))
-
-
-def every_axis_manual(mesh, used: set, in_specs, out_specs):
-  """(axis_names, in_specs, out_specs) of a shard_map that makes every free mesh axis manual, as a Mosaic kernel
-  inside requires (it refuses a partly manual region). The free axes of size 1 that split nothing here are named on
-  each array's first dimension: splitting by them changes nothing, and a shard_map transposes an axis its specs do
-  not name into a sum over it (a no-op all-reduce per gradient, inside a micro-batch loop too)."""
-  free = set(mesh.axis_names) - manual_axes(mesh)
-  idle = tuple(a for a in mesh.axis_names if a in free and a not in used and mesh.shape[a] == 1)
-
-  def named(spec):
-    if not idle:
-      return spec
-    first = spec[0] if len(spec) else None
-    first = () if first is None else (first,) if isinstance(first, str) else tuple(first)
-    return P(first + idle, *spec[1:])
-
-  def each(specs):
-    return jax.tree.map(named, specs, is_leaf=lambda s: isinstance(s, P))
-
-  return free, each(in_specs), each(out_specs)
-
-
 def on_token_shards(a_BT, group: ExpertGroup):
   """Constrains a [B, T, ...] array to the batch layout, so the router runs where the tokens are.
 
@@ -222,7 +182,7 @@ def on_token_shards(a_BT, group: ExpertGroup):
   """
   B, T = a_BT.shape[:2]
   a_N = a_BT.reshape((B * T,) + a_BT.shape[2:])
-  spec = free_spec(group.token_spec, group.mesh)
+  spec = per_device.free_spec(group.token_spec, group.mesh)
   if any(spec):
     a_N = jax.lax.with_sharding_constraint(a_N, jax.sharding.NamedSharding(group.mesh, spec))
   return a_N.reshape(a_BT.shape)
@@ -348,22 +308,20 @@ def shard_map(fn, group: ExpertGroup, in_specs, out_specs, every_axis: bool = Fa
   every_axis are manual too (replicated): kernels inside are single-device ops (Pallas TPU refuses a partly manual
   region).
 
-  check_vma is off: the kernels' scans start float32 accumulators from zeros, which the varying-
-  axes check rejects inside a shard_map. The tests compare values and gradients with the
-  single-device layer on meshes whose batch is split over the expert axis too, and on meshes whose
-  d_model split axis (tensor) does not split the batch.
+  The tests compare values and gradients with the single-device layer on meshes whose batch is split over the
+  expert axis too, and on meshes whose d_model split axis (tensor) does not split the batch.
 
   Axes already manual (the step's per-device microbatch loop, parallel/microbatches.py) are left out, with their entries
   in the specs: the arrays are already one device's along them, and the collectives of `fn` name them as they
   are. With every axis manual, `fn` runs as is, and its table gradients stay the device's own (summed over the
   data axes once per step, after the loop).
   """
-  manual = manual_axes(group.mesh)
+  manual = per_device.manual_axes(group.mesh)
   axes = set(group.batch + group.units + group.split) - manual
   if not axes and not (every_axis and set(group.mesh.axis_names) - manual):
     return fn
-  in_specs = jax.tree.map(lambda s: free_spec(s, group.mesh), in_specs, is_leaf=lambda s: isinstance(s, P))
-  out_specs = jax.tree.map(lambda s: free_spec(s, group.mesh), out_specs, is_leaf=lambda s: isinstance(s, P))
+  in_specs = jax.tree.map(lambda s: per_device.free_spec(s, group.mesh), in_specs, is_leaf=lambda s: isinstance(s, P))
+  out_specs = jax.tree.map(lambda s: per_device.free_spec(s, group.mesh), out_specs, is_leaf=lambda s: isinstance(s, P))
   if every_axis:
-    axes, in_specs, out_specs = every_axis_manual(group.mesh, axes, in_specs, out_specs)
-  return jax.shard_map(fn, mesh=group.mesh, in_specs=in_specs, out_specs=out_specs, axis_names=axes, check_vma=False)
+    axes, in_specs, out_specs = per_device.every_axis_manual(group.mesh, axes, in_specs, out_specs)
+  return per_device.shard_map(fn, group.mesh, in_specs, out_specs, axes)

@@ -15,6 +15,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sparsetx.config import MESH_AXES, ConfigError
+from sparsetx.parallel import per_device
 
 
 def axis_sizes(sizes: dict, total: int, group: str) -> list[int]:
@@ -81,6 +82,11 @@ def logical_sharding(logical_specs, mesh: Mesh, rules) -> object:
 def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
   """How a [batch, length] input is laid out: its rows split over the mesh axes of `batch`."""
   return NamedSharding(mesh, nn.logical_to_mesh_axes(("batch", "length"), tuple(rules)))
+
+
+def batch_axes(mesh: Mesh, rules) -> tuple:
+  """The mesh axes a batch's rows are split over."""
+  return per_device.axis_tuple(batch_sharding(mesh, rules).spec[0])
 
 
 def check_not_replicated(shardings, abstract, mesh: Mesh, max_mib: float) -> None:

@@ -13,13 +13,14 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from sparsetx.parallel import expert_parallel as ep
+from sparsetx.parallel import per_device
 from sparsetx.parallel import tables as tables_lib
 
 
 def loop_axes(microbatches: int, rows: int, mesh, rules) -> tuple:
   """The batch axes the micro-batch loop runs per device along: every batch axis with microbatches > 1 on a mesh;
   none (the compiler's loop) when each micro-batch's `rows` of the global batch do not split over their devices."""
-  if microbatches == 1 or mesh is None or mesh.empty:
+  if microbatches == 1 or per_device.no_mesh(mesh):
     return ()
   axes = ep.per_device_axes(mesh, rules)
   return axes if (rows // microbatches) % math.prod(mesh.shape[a] for a in axes) == 0 else ()
@@ -44,31 +45,34 @@ def accumulate(device_loss, init_model, params, batch, microbatches, mesh, axes,
   loop = _loop_specs(init_model, leaves, stored, axes)
   grad_fn = jax.value_and_grad(functools.partial(device_loss, n_devices, gather), has_aux=True)
 
-  def per_device(params, micro):
-    def step(carry, microbatch):
-      (loss_sum, (weight_sum, stats)), grads = grad_fn(params, microbatch)
-      total_loss, total_weight, total_grads = carry
-      return (total_loss + loss_sum, total_weight + weight_sum, jax.tree.map(jnp.add, total_grads, grads)), stats
-
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    (loss_sum, weight_sum, grads), stats = jax.lax.scan(step, (0.0, 0.0, zeros), micro)
+  def on_device(params, micro):
+    loss_sum, weight_sum, grads, stats = sum_over(grad_fn, params, micro)
     # The step's one reduction of each gradient, over every batch axis but its blocks'.
     reduced = [_reduce_once(g, spec, block, axes) for g, spec, block in zip(jax.tree.leaves(grads), stored, loop)]
     loss_sum, weight_sum = jax.lax.psum((loss_sum, weight_sum), axes)
-    return loss_sum, weight_sum, treedef.unflatten(reduced), jax.tree.map(lambda s: s.mean(0), stats)
+    return loss_sum, weight_sum, treedef.unflatten(reduced), stats
 
   # The micro-batches are the global batch's row blocks, as in the compiler's loop (the same tokens per micro-batch,
   # so the same balancing losses and stats); each device takes its rows of each.
   micro = split(batch, microbatches)
   grad_specs = treedef.unflatten([_manual_spec(spec, axes) for spec in stored])
-  return jax.shard_map(
-    per_device,
-    mesh=mesh,
-    in_specs=(treedef.unflatten(loop), P(None, axes)),
-    out_specs=(P(), P(), grad_specs, P()),
-    axis_names=set(axes),
-    check_vma=False,
-  )(params, micro)
+  in_specs = (treedef.unflatten(loop), P(None, axes))
+  return per_device.shard_map(on_device, mesh, in_specs, (P(), P(), grad_specs, P()), axes)(params, micro)
+
+
+def sum_over(grad_fn, params, micro):
+  """(loss sum, weight sum, gradient sums, stats averaged) over the micro-batches `micro` (a leading axis) by one
+  scan: grad_fn(params, microbatch) -> ((summed loss, (weight sum, stats)), gradients). The loop of both paths:
+  the compiler's (whole micro-batches) and the per-device one (a device's rows of each, in `accumulate`)."""
+
+  def step(carry, microbatch):
+    (loss_sum, (weight_sum, stats)), grads = grad_fn(params, microbatch)
+    total_loss, total_weight, total_grads = carry
+    return (total_loss + loss_sum, total_weight + weight_sum, jax.tree.map(jnp.add, total_grads, grads)), stats
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  (loss_sum, weight_sum, grads), stats = jax.lax.scan(step, (0.0, 0.0, zeros), micro)
+  return loss_sum, weight_sum, grads, jax.tree.map(lambda s: s.mean(0), stats)  # stats: the micro-batches' mean
 
 
 def split(batch, microbatches: int):
@@ -88,7 +92,7 @@ def loop_param_bytes(init_model, abstract_params, mesh, axes) -> int:
     pad = (None,) * leaf.ndim
     # Split along a dimension: the axes the loop leaves to the compiler, and the block's manual ones.
     split_by = [
-      {a for a in _entry_axes(e) if a not in axes} | set(_entry_axes(b))
+      {a for a in per_device.axis_tuple(e) if a not in axes} | set(per_device.axis_tuple(b))
       for e, b in zip(tuple(spec) + pad, tuple(block) + pad)
     ]
     total += (
@@ -97,13 +101,9 @@ def loop_param_bytes(init_model, abstract_params, mesh, axes) -> int:
   return total
 
 
-def _entry_axes(entry) -> tuple:
-  return (entry,) if isinstance(entry, str) else tuple(entry or ())
-
-
 def _manual_spec(spec: P, axes) -> P:
   """`spec` restricted to the manual axes `axes` (what a shard_map manual over them may name)."""
-  return P(*(tuple(a for a in _entry_axes(entry) if a in axes) or None for entry in spec))
+  return P(*(tuple(a for a in per_device.axis_tuple(entry) if a in axes) or None for entry in spec))
 
 
 def _loop_specs(init_model, leaves, stored, axes) -> list:
@@ -123,7 +123,7 @@ def _reduce_once(g, spec: P, block: P, axes):
   """A device's accumulated gradient of a parameter stored as `spec` that entered the loop as `block`, summed over
   the devices of `axes`: reduce-scattered along each dimension the stored layout splits over manual axes the block
   does not (so it leaves as stored), then all-reduced over the manual axes left; nothing over the block's axes."""
-  blocks = {a for entry in block for a in _entry_axes(entry)}
+  blocks = {a for entry in block for a in per_device.axis_tuple(entry)}
   scatters = [
     (dim, entry)
     for dim, (entry, taken) in enumerate(zip(_manual_spec(spec, axes), tuple(block) + (None,) * len(spec)))

@@ -7,6 +7,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from sparsetx.parallel import expert_parallel as ep
+from sparsetx.parallel import per_device
 from sparsetx.parallel.tables import NeuronTable
 
 
@@ -21,7 +22,7 @@ def place_on_token_shards(a_BT, table: NeuronTable):
 def _token_group(n_tokens: int):
   """An ExpertGroup of the batch axes alone (no units), or None with no mesh or tokens that don't split."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh is None or mesh.empty:
+  if per_device.no_mesh(mesh):
     return None
   group = ep.ExpertGroup(mesh, ep.active_mesh_axes(mesh, "batch"), ())
   if not group.batch or n_tokens % group.n_token_shards:
@@ -42,12 +43,13 @@ def on_own_tokens(fn, tokens, tables, table_names):
   fn runs as it is.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh is None or mesh.empty:
+  if per_device.no_mesh(mesh):
     return fn(*tokens, *tables)
-  rules, manual = ep.active_rules(), ep.manual_axes(mesh)
+  rules, manual = ep.active_rules(), per_device.manual_axes(mesh)
   batch = tuple(a for a in ep.active_mesh_axes(mesh, "batch") if a not in manual)
   split = [
-    [ep.sized_axes(mesh, entry) for entry in ep.free_spec(ep.table_spec(names, rules), mesh)] for names in table_names
+    [ep.sized_axes(mesh, entry) for entry in per_device.free_spec(ep.table_spec(names, rules), mesh)]
+    for names in table_names
   ]
   specs = [PartitionSpec(*(dims or None for dims in table_dims)) for table_dims in split]
   axes = set(batch) | {a for dims in split for axis_tuple in dims for a in axis_tuple}
@@ -71,10 +73,10 @@ def on_own_tokens(fn, tokens, tables, table_names):
 
   token_spec = PartitionSpec(batch or None)
   # out_specs: a prefix of fn's tuple, every output split like the tokens
-  free, in_specs, out_spec = ep.every_axis_manual(mesh, axes, (token_spec,) * len(tokens) + tuple(specs), token_spec)
-  return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec, axis_names=free, check_vma=False)(
-    *tokens, *tables
+  free, in_specs, out_spec = per_device.every_axis_manual(
+    mesh, axes, (token_spec,) * len(tokens) + tuple(specs), token_spec
   )
+  return per_device.shard_map(body, mesh, in_specs, out_spec, free)(*tokens, *tables)
 
 
 def where_tokens_are(fn, *arrays_BT):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from sparsetx import config as config_lib
 from sparsetx.models.ffn.registry import SPECS
-from sparsetx.parallel import expert_parallel
+from sparsetx.parallel import expert_parallel, per_device
 from sparsetx.perf import hardware, roofline
 from sparsetx.perf.cost import F32, CostBuilder, LayerCost, Phase, time_on
 
@@ -50,8 +50,7 @@ def layer_cost(
 
 
 def _axes_size(mesh_shape: dict, axes) -> int:
-  axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-  return math.prod(mesh_shape.get(a, 1) for a in axes)
+  return math.prod(mesh_shape.get(a, 1) for a in per_device.axis_tuple(axes))
 
 
 def groups(config, ffn, mesh_shape: dict) -> tuple[int, int]:

@@ -41,12 +41,6 @@ class DeviceMemory(NamedTuple):
     return self.state + self.gradients + self.gathered + self.saved + self.layer + self.head
 
 
-def _batch_shards(config, mesh) -> int:
-  spec = mesh_lib.batch_sharding(mesh, config.mesh.rules).spec[0]
-  axes = spec if isinstance(spec, tuple) else (spec,) if spec else ()
-  return math.prod(mesh.shape[a] for a in axes)
-
-
 def layer_residual_bytes(config, tokens: int, policy: str, expert: int = 1) -> int:
   """Bytes one block keeps for its backward over `tokens` tokens under a remat policy, with fused attention.
 
@@ -105,7 +99,12 @@ def device_memory(config, mesh, report) -> DeviceMemory:
   """
   memory = report.memory
   state = memory["argument"] + memory["output"] - memory["alias"]
-  n = config.data.global_batch_size // config.train.microbatches // _batch_shards(config, mesh) * config.data.seq_len
+  n = (
+    config.data.global_batch_size
+    // config.train.microbatches
+    // math.prod(mesh.shape[a] for a in mesh_lib.batch_axes(mesh, config.mesh.rules))
+    * config.data.seq_len
+  )
   loop_bytes = max(report.loop_param_bytes, report.param_bytes)
   gradients = 4 * loop_bytes // jnp.dtype(config.model.param_dtype).itemsize
   gradients *= 2 if config.train.microbatches > 1 else 1

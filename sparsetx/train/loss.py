@@ -91,21 +91,13 @@ def token_losses(model, params, batch, z_loss: float, loss_chunks: int = 0):
   return ce_BT, state["intermediates"]
 
 
-def summed_loss(model, z_loss, loss_chunks, params, batch):
-  """Weighted sum of the token losses, plus the MoE balancing losses (means over the batch's real tokens,
-  models/ffn/moe.py) times its token weight, so the step's mean loss carries them once."""
-  loss_BT, intermediates = token_losses(model, params, batch, z_loss, loss_chunks)
-  weights_BT = batch["loss_weights"]
-  weight_sum = weights_BT.sum()
-  balance = moe.balance_loss(model.cfg, intermediates, weights_BT)
-  return (loss_BT * weights_BT).sum() + balance * weight_sum, (weight_sum, intermediates)
-
-
-def device_loss(model, train, n_devices, gather, params, microbatch):
-  """One device's summed loss of its own rows of a micro-batch, inside the per-device loop
-  (parallel/microbatches.py). Terms that need the whole micro-batch (the MoE balancing losses, the sparse-layer
-  stats) read the per-token taps all-gathered by `gather`; each device adds 1/n_devices of the balancing term,
-  whose gradient the gather's transpose (a reduce-scatter of the taps) sums back to the devices' own tokens."""
+def summed_loss(model, train, n_devices, gather, params, microbatch):
+  """(weighted sum of the token losses plus the MoE balancing losses, (weight sum, sparse-layer stats)) of the rows
+  of `microbatch` this call sees: the whole (micro-)batch (n_devices 1, `gather` the identity), or one device's rows
+  inside the per-device loop (parallel/microbatches.py). Terms that need the whole micro-batch (the balancing
+  losses, means over its real tokens, and the stats) read the per-token taps all-gathered by `gather`; each device
+  adds 1/n_devices of the balancing term, whose gradient the gather's transpose (a reduce-scatter of the taps) sums
+  back to the devices' own tokens, so the step's mean loss carries it once."""
   loss_BT, intermediates = token_losses(model, params, microbatch, train.z_loss, train.get("loss_chunks", 0))
   weights_BT = microbatch["loss_weights"]
   taps = {  # the sparse layers' per-token taps [b, T, ...], what balance_loss and sparse_stats read

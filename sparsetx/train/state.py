@@ -78,8 +78,7 @@ class Setup(NamedTuple):
 
 
 def check_batch_divides(config: ml_collections.ConfigDict, mesh) -> None:
-  spec = mesh_lib.batch_sharding(mesh, config.mesh.rules).spec[0]
-  axes = spec if isinstance(spec, tuple) else (spec,) if spec else ()
+  axes = mesh_lib.batch_axes(mesh, config.mesh.rules)
   shards = math.prod(mesh.shape[a] for a in axes)
   for field in ("global_batch_size", "eval_batch_size"):
     size = config.data[field]

@@ -14,7 +14,6 @@ from sparsetx.parallel import microbatches
 from sparsetx.perf import step_parts
 from sparsetx.train import loss as loss_lib
 from sparsetx.train.optimizer import learning_rate_schedule
-from sparsetx.train.sparse_stats import sparse_stats
 
 
 def loss_and_grads(params, batch, *, model, train: ml_collections.ConfigDict, param_specs=None):
@@ -28,27 +27,17 @@ def loss_and_grads(params, batch, *, model, train: ml_collections.ConfigDict, pa
   mesh = jax.sharding.get_abstract_mesh()
   rows, seq_len = batch["inputs"].shape
   axes = () if param_specs is None else microbatches.loop_axes(m, rows, mesh, ep.active_rules())
+  summed = functools.partial(loss_lib.summed_loss, model, train)
   if axes:
-    device_loss = functools.partial(loss_lib.device_loss, model, train)
     loss_sum, weight_sum, grads, stats = microbatches.accumulate(
-      device_loss, init_model(model, seq_len), params, batch, m, mesh, axes, param_specs
+      summed, init_model(model, seq_len), params, batch, m, mesh, axes, param_specs
     )
-  else:
-    summed = functools.partial(loss_lib.summed_loss, model, train.z_loss, train.get("loss_chunks", 0))
-    grad_fn = jax.value_and_grad(summed, has_aux=True)
+  else:  # the compiler's loop: the whole batch on every call, its sharding left to the compiler
+    grad_fn = jax.value_and_grad(functools.partial(summed, 1, lambda tap: tap), has_aux=True)
     if m == 1:
-      (loss_sum, (weight_sum, intermediates)), grads = grad_fn(params, batch)
-      return _mean(loss_sum, weight_sum, grads, sparse_stats(model.cfg, intermediates, batch["loss_weights"]))
-
-    def accumulate(carry, microbatch):
-      (loss_sum, (weight_sum, intermediates)), grads = grad_fn(params, microbatch)
-      total_loss, total_weight, total_grads = carry
-      stats = sparse_stats(model.cfg, intermediates, microbatch["loss_weights"])
-      return (total_loss + loss_sum, total_weight + weight_sum, jax.tree.map(jnp.add, total_grads, grads)), stats
-
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    (loss_sum, weight_sum, grads), stats = jax.lax.scan(accumulate, (0.0, 0.0, zeros), microbatches.split(batch, m))
-    stats = jax.tree.map(lambda s: s.mean(0), stats)  # the mean over micro-batches
+      (loss_sum, (weight_sum, stats)), grads = grad_fn(params, batch)
+    else:
+      loss_sum, weight_sum, grads, stats = microbatches.sum_over(grad_fn, params, microbatches.split(batch, m))
   return _mean(loss_sum, weight_sum, grads, stats)
 
 
