@@ -38,7 +38,7 @@ def on_own_tokens(fn, tokens, tables, table_names):
   minor axis first so the blocks land in order, and its gradient comes back by the transpose, a reduce-scatter;
   a replicated table (data) enters as it is, and the shard_map's transpose all-reduces its gradient. fn returns
   a tuple of [n, ...] arrays; they come back as [N, ...]. Every free mesh axis is manual inside
-  (`ep.every_axis_manual`): fn may call kernels, which are single-device ops. Tokens that don't split evenly over
+  (`per_device.every_axis_manual`): fn may call kernels, which are single-device ops. Tokens that don't split evenly over
   the batch axes (a batch of 1 at init) enter whole on every device. With no mesh, or every axis manual already,
   fn runs as it is.
   """
