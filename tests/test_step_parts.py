@@ -11,7 +11,8 @@ from sparsetx.perf import step_parts
 from sparsetx.tools import bench_step_parts
 from sparsetx.train import step_bench
 
-SPAN_TOLERANCE = 0.15  # the parts' sum against a run's span: gaps between ops, and ops a CPU runs side by side
+GAPS = 0.3  # the most of a run's span no op runs in (launches between ops, the trace's overhead; 2-7% seen); a part
+# the trace missed would show below it (attention alone is about 40% of the MLP step here)
 
 
 def small_args():
@@ -60,7 +61,7 @@ def test_a_traced_step_breaks_into_parts_that_add_up_to_it(steps):
   for name, b in breakdowns.items():
     assert b.runs == 2 and set(b.parts_s) == set(step_parts.PARTS), name
     assert all(seconds >= 0 for seconds in b.parts_s.values()), b.parts_s
-    assert abs(b.busy_s / b.step_s - 1) <= SPAN_TOLERANCE, (name, b.busy_s, b.step_s)
+    assert (1 - GAPS) * b.step_s <= b.busy_s <= b.step_s * (1 + 1e-9), (name, b.busy_s, b.step_s)
   sgatlin, mlp = breakdowns["sgatlin"].parts_s, breakdowns["mlp"].parts_s
   assert all(sgatlin[part] > 0 for part in ("ffn router + top-k", "row gathers", "table grads: segment sums"))
   assert mlp["row gathers"] == mlp["ffn router + top-k"] == 0

@@ -4,7 +4,8 @@
 Every op of a compiled program carries the scopes it was traced under in its metadata `op_name`, in the forward and
 in its transpose alike; the trace names each executed op (`hlo_op`) and its program (`hlo_module`). So a part is the
 device time of the ops whose op_name holds its scope (or, for attention and the dense feed-forward, the flax module
-path). A fusion takes the op_name of its root, so fused neighbours count where the root does.
+path). A fusion takes the op_name of its root, so fused neighbours count where the root does. Where a device runs
+ops side by side (a CPU's threads), each instant is shared among them, so the parts add up to the step's busy time.
 """
 
 import collections
@@ -79,7 +80,9 @@ def op_names(compiled_text: str) -> dict:
 
 @dataclasses.dataclass
 class Breakdown:
-  """One program's traced runs: median wall span of a run, and each part's device time per run (seconds)."""
+  """One program's traced runs: the mean wall span of a run (first op's start to last op's end), and each part's
+  share of it (seconds per run): each instant's time split equally among the ops running then, so the parts add up
+  to the time any op ran, at most the span; the rest is the gaps between ops."""
 
   step_s: float
   parts_s: dict  # {part: seconds per run}
@@ -90,21 +93,38 @@ class Breakdown:
     return sum(self.parts_s.values())
 
 
-def _self_times(events) -> list:
-  """(event, self seconds) for events of one timeline line: an event's time less the events nested in it (a loop
-  or call op runs its body's ops inside its own span on a CPU)."""
-  events = sorted(events, key=lambda e: (e.start_ns, -e.duration_ns))
-  result, stack = [], []  # stack: [event, end_ns, child_ns]
-  for event in events:
-    end = event.start_ns + event.duration_ns
-    while stack and stack[-1][1] <= event.start_ns:
-      parent, _, child_ns = stack.pop()
-      result.append((parent, (parent.duration_ns - child_ns) * 1e-9))
-    if stack and end <= stack[-1][1]:
-      stack[-1][2] += event.duration_ns
-    stack.append([event, end, 0])
-  result += [(parent, (parent.duration_ns - child_ns) * 1e-9) for parent, _, child_ns in stack]
-  return result
+def _owned_pieces(events) -> list:
+  """(start_ns, end_ns, event) pieces of one timeline line: each instant belongs to the innermost event covering it
+  (a loop or call op runs its body's ops inside its own span on a CPU; events on one line nest)."""
+  order = sorted(events, key=lambda e: (e.start_ns, -e.duration_ns))
+  bounds = sorted({e.start_ns for e in events} | {e.start_ns + e.duration_ns for e in events})
+  pieces, stack, next_event = [], [], 0
+  for start, end in zip(bounds, bounds[1:]):
+    while next_event < len(order) and order[next_event].start_ns <= start:
+      stack.append(order[next_event])
+      next_event += 1
+    while stack and stack[-1].start_ns + stack[-1].duration_ns <= start:
+      stack.pop()
+    if stack:
+      pieces.append((start, end, stack[-1]))
+  return pieces
+
+
+def _shared_wall_time(pieces) -> collections.Counter:
+  """{key: seconds} of (start_ns, end_ns, key) pieces from every line: each instant's wall time shared equally among
+  the pieces running then, so the keys' times add up to the time anything ran (at most the run's span), however
+  many ops a CPU runs side by side."""
+  edges = sorted(
+    [(start, 1, n) for n, (start, _, _) in enumerate(pieces)] + [(end, -1, n) for n, (_, end, _) in enumerate(pieces)]
+  )
+  shares, active, last = collections.Counter(), set(), None
+  for time, change, n in edges:
+    if active and last is not None and time > last:
+      for m in active:
+        shares[pieces[m][2]] += (time - last) * 1e-9 / len(active)
+    last = time
+    (active.add if change > 0 else active.discard)(n)
+  return shares
 
 
 def _op_events(profile, module_prefix: str) -> dict:
@@ -134,17 +154,16 @@ def read_trace(trace_dir: str, compiled_text: str, module_prefix: str) -> Breakd
 
   profile = ProfileData.from_file(max(files))
   names = op_names(compiled_text)
-  parts = collections.Counter()
-  spans = collections.defaultdict(lambda: [float("inf"), 0.0])  # run id: [first start, last end]
+  pieces, spans = [], collections.defaultdict(lambda: [float("inf"), 0.0])  # run id: [first start, last end]
   for events in _op_events(profile, module_prefix).values():
-    runs = {id(event): run for event, _, run in events}
-    ops = {id(event): op for event, op, _ in events}
-    for event, seconds in _self_times([event for event, _, _ in events]):
-      parts[part_of(names.get(ops[id(event)], ""))] += seconds
-      span = spans[runs[id(event)]]
+    part = {id(event): part_of(names.get(op, "")) for event, op, _ in events}
+    for event, _, run in events:
+      span = spans[run]
       span[0], span[1] = min(span[0], event.start_ns), max(span[1], event.start_ns + event.duration_ns)
+    pieces += [(start, end, part[id(event)]) for start, end, event in _owned_pieces([e for e, _, _ in events])]
   if not spans:
     raise ValueError(f"the trace under {trace_dir} holds no op of a program named {module_prefix}*.")
-  walls = sorted((end - start) * 1e-9 for start, end in spans.values())
-  runs = len(walls)
-  return Breakdown(walls[runs // 2], {part: parts[part] / runs for part in PARTS}, runs)
+  parts = _shared_wall_time(pieces)
+  runs = len(spans)
+  mean_span = sum((end - start) * 1e-9 for start, end in spans.values()) / runs
+  return Breakdown(mean_span, {part: parts[part] / runs for part in PARTS}, runs)

@@ -24,7 +24,7 @@ def define_flags() -> dict:
     batch=flags.DEFINE_integer("batch", 8, "Sequences per step."),
     seq_len=flags.DEFINE_integer("seq_len", None, "Default 512; 64 with --small."),
     dtype=flags.DEFINE_string("dtype", None, "Default bfloat16; float32 with --small (what a CPU runs fast)."),
-    rounds=flags.DEFINE_integer("rounds", 3, "Traced steps per type (medians of the runs' spans, means of parts)."),
+    rounds=flags.DEFINE_integer("rounds", 3, "Traced steps per type (the means of their spans and parts)."),
     gpu_kernel=flags.DEFINE_enum("gpu_kernel", None, list(config_lib.GPU_KERNELS), "Row kernels on a GPU."),
     small=flags.DEFINE_bool("small", False, "A CPU-sized shape: scale 1, 2 layers, vocab 512, 8 x 64."),
   )
@@ -41,7 +41,8 @@ def breakdown(step: step_bench.TypeStep, rounds: int) -> step_parts.Breakdown:
 
 
 def format_table(names, breakdowns) -> str:
-  """Milliseconds and shares per part, one column pair per type; then the parts' sum and the runs' span."""
+  """Milliseconds and shares per part, one column pair per type; then the parts' sum (the time any op ran) and a
+  run's span (first op to last)."""
   header = f"{'part':<28}" + "".join(f"{name + ' ms':>14}{'share':>8}" for name in names)
   lines = [header]
   for part in step_parts.PARTS:
