@@ -71,3 +71,28 @@ def test_each_element_is_bounded_by_its_own_summation_length():
   got = want + np.array([2 * bound_1, 0.0])
   assert not accelerator_check.within_bound(got, want, scale, np.array([1, 40]))[1]
   assert accelerator_check.within_bound(got, want, scale, 40)[1]
+
+
+def test_a_kernel_that_raises_is_one_failed_row_and_the_others_run(monkeypatch):
+  """A backend whose row_dots does not lower (as Mosaic GPU's did under jax 0.11.2) gives its rows the error's first
+  line and FAILED; the other kernels' rows still run and pass."""
+
+  def refused(*args):
+    raise NotImplementedError("Implicit broadcast not implemented with warpgroup semantics\n(more lines)")
+
+  broken = types.SimpleNamespace(
+    row_dots=refused, row_accumulate=pallas_gpu.row_accumulate, segment_sums=pallas_gpu.segment_sums
+  )
+  real = accelerator_check.platform.kernel_backend
+  monkeypatch.setattr(
+    accelerator_check.platform, "kernel_backend", lambda o: broken if o.implementation == "pallas" else real(o)
+  )
+  rows = accelerator_check.check_kernels("mosaic", KernelOptions("pallas", interpret=True), small=True)
+  by_kernel = {what: (value, verdict) for _, what, value, verdict in rows}
+  assert by_kernel["mosaic row_dots"] == (
+    "NotImplementedError: Implicit broadcast not implemented with warpgroup semantics",
+    False,
+  )
+  assert by_kernel["mosaic row_accumulate"][1] and by_kernel["mosaic segment_sums"][1]
+  assert by_kernel["mosaic gated gather + grads"][1] is False  # the whole op calls row_dots too
+  assert "FAILED" in accelerator_check.format_table(rows)

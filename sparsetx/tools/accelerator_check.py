@@ -96,9 +96,7 @@ def check_kernels(name, options, small) -> list:
   ]
   rows = []
   for kernel, check in checks:
-    what = f"{name} {kernel}"
-
-    rows += guarded("kernels", what, kernel_row, what, check)
+    rows += guarded("kernels", f"{name} {kernel}", kernel_row, f"{name} {kernel}", check)
   return rows
 
 
