@@ -40,10 +40,15 @@ def smem_bytes(scratch_types, reduces: bool) -> int:
   return buffers + reduction + barriers * MBARRIER_BYTES
 
 
+def copy_step(itemsize: int, multiple: int = 1) -> int:
+  """The values one row copy moves a multiple of: 128 bytes (a TMA copy), and `multiple` (segment_sums spreads a
+  row chunk over a warpgroup's threads)."""
+  return math.lcm(max(1, 128 // itemsize), multiple)
+
+
 def block_d_choices(d_model: int, itemsize: int, upper: int, multiple: int = 1) -> list[int]:
-  """Every chunk <= upper that divides d_model and makes one row copy a multiple of 128 bytes (and of `multiple`
-  values: segment_sums spreads a row chunk over a warpgroup's threads), largest first."""
-  step = math.lcm(max(1, 128 // itemsize), multiple)
+  """Every chunk <= upper that divides d_model and is a multiple of copy_step, largest first."""
+  step = copy_step(itemsize, multiple)
   return [b for b in range(min(upper, d_model) // step * step, 0, -step) if d_model % b == 0]
 
 
@@ -52,20 +57,20 @@ def choose(kernel: str, scratch_of, d_model, itemsize, options, smem_per_block, 
   scratch_of(block_d, stages) fits `smem_per_block`; a ValueError naming the knob when none does."""
   widths = block_d_choices(d_model, itemsize, options.block_d, multiple)
   if not widths:
-    step = math.lcm(max(1, 128 // itemsize), multiple)
     why = "TMA copies move multiples of 128 bytes" + (f"; a chunk spans {multiple} threads" if multiple > 1 else "")
     raise ValueError(
-      f"d_model={d_model} has no chunk <= kernel.block_d={options.block_d} that is a multiple of {step} values "
-      f"({why}); raise block_d or use kernel.gpu_kernel='triton'."
+      f"d_model={d_model} has no chunk <= kernel.block_d={options.block_d} that is a multiple of "
+      f"{copy_step(itemsize, multiple)} values ({why}); raise block_d or use kernel.gpu_kernel='triton'."
     )
+  fewest = min(MIN_STAGES, options.stages)
   for block_d in widths:
-    for stages in range(options.stages, min(MIN_STAGES, options.stages) - 1, -1):
+    for stages in range(options.stages, fewest - 1, -1):
       needed = smem_bytes(scratch_of(block_d, stages), reduces)
       if needed <= smem_per_block:
         return Tiling(block_d, stages, needed)
-  smallest = smem_bytes(scratch_of(widths[-1], min(MIN_STAGES, options.stages)), reduces)
+  smallest = smem_bytes(scratch_of(widths[-1], fewest), reduces)
   raise ValueError(
     f"the Mosaic GPU {kernel} kernel needs {smallest} bytes of shared memory at its smallest tiling "
-    f"(block_d={widths[-1]}, stages={min(MIN_STAGES, options.stages)}), over the device's {smem_per_block} per "
-    f"block; use kernel.gpu_kernel='triton'."
+    f"(block_d={widths[-1]}, stages={fewest}), over the device's {smem_per_block} per block; "
+    "use kernel.gpu_kernel='triton'."
   )
