@@ -18,7 +18,7 @@ from sparsetx import config as config_lib
 from sparsetx.models.ffn.registry import FFN_LAYERS
 from sparsetx.parallel import expert_parallel as ep
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.plan import step_cost
+from sparsetx.plan import placement_plans, step_cost
 from sparsetx.train import state as state_lib
 
 D = 16
@@ -238,20 +238,22 @@ def test_bad_placements_are_refused_in_one_sentence():
   config = cost_config()
   config.model.update(d_model=60, head_dim=60)
   config.model.ffn.placement = "fsdp"
-  with pytest.raises(config_lib.ConfigError, match=r"placement='fsdp' splits the tables' d_model=60 over the 8 batch"):
+  with pytest.raises(
+    config_lib.ConfigError, match=r"placement='fsdp' splits the tables' d_model=60 over the 8 devices"
+  ):
     state_lib.checked_mesh(config, jax.devices()[:8])
 
 
 def test_fsdp_is_refused_when_the_loop_would_hold_too_much_of_the_tables():
   """With micro-batches the per-device loop holds each table whole with two float32 gradient sums. Counted by the
-  layer's parameters (step_cost.table_mib: the table 2 x 4 x 64 x 64 and the router's query 64 x 16 and keys
+  layer's parameters (placement_plans.table_mib: the table 2 x 4 x 64 x 64 and the router's query 64 x 16 and keys
   16 x 2 x 4 x 8 float32): 4 layers x 34,816 x 12 bytes = 1.59375 MiB here, against half the HBM the replication
   limit stands for (512 x the limit / 2). At a limit of 1/200 MiB (1.28 MiB of budget) auto falls back from fsdp
   to expert; one micro-batch (no such loop) lifts the refusal."""
   config = cost_config()
   config.mesh.max_replicated_mib = 1 / 200
   assert config.model.n_layers == 4
-  assert step_cost.held_tables_gib(config, config.model.ffn) * 1024 == pytest.approx(1.59375)
+  assert placement_plans.held_tables_gib(config, config.model.ffn) * 1024 == pytest.approx(1.59375)
   options = step_cost.placement_options(config, config.model.ffn, SHAPE)
   assert options["fsdp"].refused.startswith("the micro-batch loop would hold 0.0 GiB of whole tables"), options
   assert step_cost.choose_placement(config, config.model.ffn, SHAPE)[0] == "expert"

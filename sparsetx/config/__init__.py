@@ -7,6 +7,7 @@ from sparsetx (every other layer may import it):
   schema.py      every field with its default; per-layer and per-run helpers (`layer_ffn_config`, ...)
   checks.py      `validate(config)`: cross-field checks, no file I/O
   ffn_checks.py  the checks of one feed-forward sub-config (`validate_ffn`) and its choices
+  placements.py  the table placements, one record each (`placement_of(ffn)`)
 Whether the data and tokenizer files exist is checked where they are opened: `sparsetx.data.check_files`.
 """
 

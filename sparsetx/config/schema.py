@@ -10,6 +10,7 @@ import ml_collections
 
 from sparsetx.config.errors import ConfigError
 from sparsetx.config.errors import require as _require
+from sparsetx.config.placements import PLACEMENTS
 
 BLOCK_KINDS = ("sequential", "parallel")
 NORM_KINDS = ("rmsnorm", "layernorm")
@@ -17,10 +18,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash", "pallas")  # see sparsetx/models/attention.py
 # Rematerialization per block: none, full (recompute everything), or a jax.checkpoint_policies name (what is saved).
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
-# Where a sparse layer's tables live on a mesh (sparsetx/parallel/sparse_forms.py): split over the units' axes with the
-# tokens moving (expert), split over the batch axes and gathered whole per call (fsdp), replicated (data), or the
-# one of those that moves the fewest bytes per step (auto: sparsetx/plan/step_cost.py, docs/expert_parallel.md).
-TABLE_PLACEMENTS = ("auto", "expert", "fsdp", "data")
+# Where a sparse layer's tables live on a mesh: a placement's record (placements.py), or the one of them that moves
+# the fewest bytes per step (auto: sparsetx/plan/step_cost.py, docs/expert_parallel.md).
+TABLE_PLACEMENTS = ("auto", *PLACEMENTS)
 
 
 def kernel_defaults() -> ml_collections.ConfigDict:

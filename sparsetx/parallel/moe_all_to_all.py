@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from sparsetx.config.placements import EXPERT
 from sparsetx.kernels import platform
 from sparsetx.parallel import expert_parallel as ep
 from sparsetx.parallel.own_tokens import on_own_tokens, token_parallel
-from sparsetx.parallel.tables import placed_names
 
 
 def expert_dispatch(
@@ -22,7 +22,7 @@ def expert_dispatch(
   tables,
   *,
   table_axes,
-  placement="expert",
+  placement=EXPERT,
   table_names=None,
 ):
   """y [B, T, D] (x's dtype): the experts over the tokens routed to each, the experts split over their group.
@@ -41,10 +41,10 @@ def expert_dispatch(
   A = ids_BTA.shape[-1]
   flat = (x_BTD.reshape(B * T, D), ids_BTA.reshape(B * T, A), weights_BTA.reshape(B * T, A))
   group = None
-  if placement == "expert":
+  if not placement.whole_on_device:
     group = ep.expert_group(table_axes[0], ep.whole_units(tables[0].shape[0], table_axes[0]), B * T)
   if group is None:  # every expert on every device: each sorts and computes its own tokens' pairs
-    names = tuple(placed_names(n, placement) for n in (table_names or (table_axes,) * len(tables)))
+    names = tuple(placement.stored_names(n) for n in (table_names or (table_axes,) * len(tables)))
     (y_ND,) = on_own_tokens(lambda *args: (experts_fn(*args),), flat, tuple(tables), names)
     return y_ND.reshape(B, T, D)
   experts = PartitionSpec(group.unit_spec)

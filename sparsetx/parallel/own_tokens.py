@@ -15,7 +15,7 @@ def place_on_token_shards(a_BT, table: NeuronTable):
   """a [B, T, ...] kept on the tokens' layout when the layer runs on a mesh, so its router runs where the tokens
   are (else the compiler may follow the router's sharded keys and gather every score everywhere)."""
   n_tokens = a_BT.shape[0] * a_BT.shape[1]
-  group = table.layout(n_tokens) if table.placement == "expert" else _token_group(n_tokens)
+  group = _token_group(n_tokens) if table.placement.whole_on_device else table.layout(n_tokens)
   return a_BT if group is None else ep.on_token_shards(a_BT, group)
 
 
@@ -34,7 +34,7 @@ def on_own_tokens(fn, tokens, tables, table_names):
   """fn(*tokens_n, *whole tables) on each device's own tokens: the fsdp and data placements, in one shard_map.
 
   `tokens` are [N, ...] arrays split like the batch; `tables` are stored as their logical names `table_names`
-  give under the rules (`placed_names`): a dimension split over batch axes (fsdp) is all-gathered whole here,
+  give under the rules (as their placement stores them): a dimension split over batch axes (fsdp) is all-gathered whole here,
   minor axis first so the blocks land in order, and its gradient comes back by the transpose, a reduce-scatter;
   a replicated table (data) enters as it is, and the shard_map's transpose all-reduces its gradient. fn returns
   a tuple of [n, ...] arrays; they come back as [N, ...]. Every free mesh axis is manual inside

@@ -5,11 +5,12 @@ logical axes; the mesh and rules in the context (expert_parallel.activate) decid
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from sparsetx.config.placements import EXPERT, Placement
 from sparsetx.kernels.gated_gather import gated_gather
 from sparsetx.kernels.tree_route import sparse_forward
 from sparsetx.parallel import expert_parallel as ep
 from sparsetx.parallel.own_tokens import on_own_tokens, token_parallel
-from sparsetx.parallel.tables import NeuronTable, placed_names
+from sparsetx.parallel.tables import NeuronTable
 
 
 def neuron_table_gather(
@@ -24,7 +25,7 @@ def neuron_table_gather(
   """
   B, T, D = x_BTD.shape
   U, K = idx_BTUK.shape[2:]  # the units of the routing: the table may be this device's block (`table_param`)
-  group = table.layout(B * T) if table.placement == "expert" else None
+  group = table.layout(B * T)
   if group is None:
     return _whole_table_gather(
       table, x_BTD, experts_2UFD, idx_BTUK, gates_BTUK, activation, options, gate_inside_activation
@@ -146,7 +147,7 @@ def tree_walk(
   options,
   *,
   table_axes,
-  placement: str = "expert",
+  placement: Placement = EXPERT,
   bias_axes=("tree", "node"),
 ):
   """FFF's sparse forward: (y [B, T, D], path nodes [B, T, P, L], their logits [B, T, P, L]).
@@ -160,9 +161,9 @@ def tree_walk(
   P, L = w_in_PZD.shape[0], depth + 1
   x_ND = x_BTD.reshape(B * T, D)
   # the expert placement's tables may be blocks (`table_param`)
-  group = ep.expert_group(table_axes[0], ep.whole_units(P, table_axes[0]), B * T) if placement == "expert" else None
+  group = None if placement.whole_on_device else ep.expert_group(table_axes[0], ep.whole_units(P, table_axes[0]), B * T)
   if group is None:  # every tree on each device's own tokens (for expert: no mesh, trees or tokens that don't split)
-    names = tuple(placed_names(n, placement) for n in (table_axes, bias_axes, table_axes))
+    names = tuple(placement.stored_names(n) for n in (table_axes, bias_axes, table_axes))
     y_ND, path_NPL, z_NPL = on_own_tokens(
       lambda x_nD, *tables: sparse_forward(x_nD, *tables, depth, activation, options),
       (x_ND,),

@@ -1,4 +1,4 @@
-"""Where a sparse layer's tables live: the placements, the logical names a table is stored under, and the
+"""A sparse layer's tables as stored: the logical names its placement (config/placements.py) gives them, and the
 tables a model declares (their partitioning boxes, which tracing its init returns)."""
 
 import dataclasses
@@ -8,31 +8,8 @@ import jax
 from flax import struct
 from flax.core import meta
 
-from sparsetx.config import TABLE_PLACEMENTS
+from sparsetx.config.placements import EXPERT, Placement
 from sparsetx.parallel import expert_parallel as ep
-
-# The logical name of a table's d_model dimension under the fsdp placement: the rules' `batch` axes, so the table is
-# split over every device that holds other tokens (ZeRO-3's layout) and gathered from all of them.
-FSDP_TABLE_AXIS = "batch"
-PLACEMENTS = tuple(p for p in TABLE_PLACEMENTS if p != "auto")  # what a layer runs: "auto" is resolved before
-
-
-def placement_of(ffn) -> str:
-  """The placement a layer with feed-forward sub-config `ffn` runs. "auto" is resolved for a mesh by
-  plan/step_cost.resolve_placements (the trainer's setup does); unresolved (a model built without a mesh in
-  view: evaluation, export) it runs "expert", the layout the rules give."""
-  placement = ffn.get("placement", "auto")
-  return "expert" if placement == "auto" else placement
-
-
-def placed_names(names: tuple, placement: str) -> tuple:
-  """The logical axis names a table is stored with under `placement`: as the layer gives them (expert), its
-  d_model (`embed`) dimension on the batch axes and nothing else split (fsdp), or nothing split (data)."""
-  if placement == "data":
-    return (None,) * len(names)
-  if placement == "fsdp":
-    return tuple(FSDP_TABLE_AXIS if name == "embed" else None for name in names)
-  return tuple(names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,17 +19,17 @@ class NeuronTable:
   axes: tuple  # logical axis names of the parameter as the layer gives them, e.g. (None, "channel", "neuron", "embed")
   unit_axis: str | None  # the units' logical name ("channel"); None for a table shared by every channel (PEER)
   n_units: int
-  placement: str = "expert"  # one of PLACEMENTS
+  placement: Placement = EXPERT
 
   @property
   def stored_axes(self) -> tuple:
     """The logical names the parameter is declared with (its placement's)."""
-    return placed_names(self.axes, self.placement)
+    return self.placement.stored_names(self.axes)
 
   def layout(self, n_tokens: int):
     """The expert group this table's layout gives n_tokens tokens, or None for the plain computation (also for
-    the fsdp and data placements, whose tables are whole where the kernels run)."""
-    if self.placement != "expert":
+    a placement whose tables are whole where the kernels run)."""
+    if self.placement.whole_on_device:
       return None
     return ep.table_group(self.axes, self.unit_axis, self.n_units, n_tokens)
 
@@ -64,15 +41,15 @@ class TableBox(nn.LogicallyPartitioned):
   local: tuple = struct.field(default=(), pytree_node=False)
 
 
-def table_param(module, name: str, init, shape, dtype, axes: tuple, local: tuple, placement: str = "expert"):
+def table_param(module, name: str, init, shape, dtype, axes: tuple, local: tuple, placement: Placement = EXPERT):
   """module.param(name, ...) for a table the dispatcher runs on: `shape` as stored, logical `axes` as the layer
-  gives them (stored as `placement` places them, `placed_names`); `local` names the dimensions the expert
+  gives them (stored as `placement` names them); `local` names the dimensions the expert
   placement's dispatcher takes as this device's block (units; a neuron table's d_model). Inside the step's
   per-device microbatch loop (parallel/microbatches.py), whose batch axes are manual, the table enters as that block
-  (`ep.block_shape`) and the dispatcher's body runs on it without opening a shard_map over those axes; the fsdp
-  and data placements' tables enter whole (gathered once, before the loop). The parameter is boxed as a
+  (`ep.block_shape`) and the dispatcher's body runs on it without opening a shard_map over those axes; the tables of
+  a placement that keeps them whole on a device enter whole (gathered once, before the loop). The parameter is boxed as a
   `TableBox`, so `declared_tables` finds it in the model's traced init."""
-  axes, local = placed_names(axes, placement), (tuple(local) if placement == "expert" else ())
+  axes, local = placement.stored_names(axes), placement.block_dims(local)
   block = ep.block_shape(shape, axes, local, jax.sharding.get_abstract_mesh(), ep.active_rules())
   return module.param(name, lambda *args: TableBox(init(*args), tuple(axes), local=tuple(local)), block, dtype)
 

@@ -4,6 +4,7 @@ the remat policy's run counts and the table placement. Each feed-forward type st
 
 import dataclasses
 
+from sparsetx.config.placements import EXPERT, Placement
 from sparsetx.perf import hardware, roofline
 
 F32 = 4  # bytes of float32 parameters, gradients, optimizer moments, scores and dots
@@ -88,7 +89,7 @@ def time_on(cost: LayerCost, chip: hardware.Chip) -> LayerTime:
 class CostBuilder:
   """Collects phases and collectives, applying the remat policy's run counts and the table placement."""
 
-  def __init__(self, remat: str, placement: str = "expert", microbatches: int = 1, shards: int = 1):
+  def __init__(self, remat: str, placement: Placement = EXPERT, microbatches: int = 1, shards: int = 1):
     self.remat = remat
     self.placement, self.microbatches, self.shards = placement, microbatches, shards
     self.phases, self.collectives = [], []
@@ -138,11 +139,11 @@ class CostBuilder:
     self.collective("reduce-scatter", elements * F32 / group, group, f"{what}: gradients", placed=placed)
 
   def tables(self, elements, replicas):
-    """A layer's tables of `elements` on the device, synced as placed: all-reduced over their replicas (expert,
-    data), or gathered over the batch shards and reduce-scattered (fsdp). Returns the elements the optimizer
-    updates on the device."""
-    if self.placement == "fsdp":
-      self.fsdp(elements, self.shards, "tables gathered whole (fsdp placement)", placed=True)
+    """A layer's tables of `elements` on the device, synced as placed: gathered over the batch shards and
+    reduce-scattered (a placement that gathers them: fsdp), else all-reduced over their replicas. Returns the
+    elements the optimizer updates on the device."""
+    if self.placement.gathered:
+      self.fsdp(elements, self.shards, f"tables gathered whole ({self.placement.name} placement)", placed=True)
       return elements / self.shards
     self.grad_sync(elements, replicas, placed=True, what="table gradients over replicas")
     return elements

@@ -10,6 +10,7 @@ import math
 import jax.numpy as jnp
 
 from sparsetx import config as config_lib
+from sparsetx.config.placements import EXPERT, Placement
 from sparsetx.models.ffn.registry import SPECS
 from sparsetx.parallel import expert_parallel, per_device
 from sparsetx.perf import hardware, roofline
@@ -23,7 +24,7 @@ def layer_cost(
   expert_group: int = 1,
   d_group: int = 1,
   devices: int | None = None,
-  placement: str = "expert",
+  placement: Placement = EXPERT,
   microbatches: int = 1,
 ):
   """The LayerCost of one feed-forward layer `ffn` of `model` per train step on one device.
@@ -39,7 +40,7 @@ def layer_cost(
     raise config_lib.ConfigError(f"no feed-forward type {ffn.type!r}; use one of {', '.join(SPECS)}.")
   b = jnp.dtype(model.dtype).itemsize
   devices = devices or expert_group * d_group
-  if placement != "expert":
+  if placement.whole_on_device:
     expert_group, d_group = 1, 1
   bld = CostBuilder(config_lib.remat_policy(model), placement, microbatches, devices)
   SPECS[ffn.type].cost(bld, model, ffn, tokens, expert_group, d_group, b, devices)
@@ -64,10 +65,14 @@ def groups(config, ffn, mesh_shape: dict) -> tuple[int, int]:
   return units, _axes_size(mesh_shape, table[names.index("embed")])
 
 
+def batch_shards(config, mesh_shape: dict) -> int:
+  """The devices holding other tokens: the size of the mesh axes of `batch`."""
+  return _axes_size(mesh_shape, config_lib.rule_axes(config.mesh.rules, "batch"))
+
+
 def tokens_per_device(config, mesh_shape: dict) -> int:
-  """Own tokens per device: the global batch's tokens over the mesh axes of `batch`."""
-  batch = _axes_size(mesh_shape, config_lib.rule_axes(config.mesh.rules, "batch"))
-  return config.data.global_batch_size * config.data.seq_len // batch
+  """Own tokens per device: the global batch's tokens over the batch shards."""
+  return config.data.global_batch_size * config.data.seq_len // batch_shards(config, mesh_shape)
 
 
 def distinct_ffns(model) -> list[tuple[object, tuple, str]]:

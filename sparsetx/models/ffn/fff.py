@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsetx.config import ffn_checks
+from sparsetx.config.placements import placement_of
 from sparsetx.kernels.gated_gather import options_from_config
 from sparsetx.kernels.reference import identity
 from sparsetx.kernels.tree_route import DENSE_LEVELS, next_node
@@ -52,7 +53,7 @@ class Fff(nn.Module):
     P, L, D = ffn.n_trees, ffn.depth + 1, self.cfg.d_model
     Z = n_nodes(ffn.depth)
     dtype, param_dtype = jnp.dtype(self.cfg.dtype), jnp.dtype(self.cfg.param_dtype)
-    placement = tables.placement_of(ffn)  # masked_dense: the compiler moves the tables as they are stored
+    placement = placement_of(ffn)  # masked_dense: the compiler moves the tables as they are stored
     in_init = symmetric_uniform(1.0 / D**0.5)
     # The sparse walk's trees are the dispatcher's blocks (a device's own trees) under placement expert; d_model is
     # gathered like any FSDP weight's. The masked dense forward reads the tables whole.

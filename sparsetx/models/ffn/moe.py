@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from sparsetx import config as config_lib
 from sparsetx.config import ffn_checks
+from sparsetx.config.placements import placement_of
 from sparsetx.kernels.grouped_matmul import grouped_matmul
 from sparsetx.kernels.options import options_from_config
 from sparsetx.models.ffn.common import dense_init
@@ -111,7 +112,7 @@ class Moe(nn.Module):
     expert_ids_BTA = tap(self, "expert_ids", expert_ids_BTA)
     weights_BTA = tap(self, "expert_weights", weights_BTA)
 
-    placement = tables.placement_of(ffn)
+    placement = placement_of(ffn)
 
     def table(name, shape, names):  # the experts are the dispatcher's blocks (a device's own experts)
       init = nn.initializers.normal(self.cfg.init_std)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsetx.config import ffn_checks
+from sparsetx.config.placements import placement_of
 from sparsetx.kernels.gated_gather import options_from_config
 from sparsetx.models.ffn import table_cost
 from sparsetx.models.ffn.common import gelu_for
@@ -35,7 +36,7 @@ class Peer(nn.Module):
   def __call__(self, x_BTD):
     ffn = self.cfg.ffn
     F, D = ffn.d_ffw, self.cfg.d_model
-    table = tables.NeuronTable(TABLE_AXES, None, 1, tables.placement_of(ffn))
+    table = tables.NeuronTable(TABLE_AXES, None, 1, placement_of(ffn))
     x_BTD = own_tokens.place_on_token_shards(x_BTD, table)
     with jax.named_scope(step_parts.ROUTER):
       scores_BTCK, idx_BTCK = make_router("peer", ffn, jnp.dtype(self.cfg.param_dtype))(x_BTD)

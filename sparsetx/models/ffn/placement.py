@@ -7,9 +7,9 @@ sentence naming the field instead of a sharding error deep inside XLA.
 import math
 
 from sparsetx import config as config_lib
+from sparsetx.config.placements import EXPERT, placement_of
 from sparsetx.models.ffn.registry import SPECS
 from sparsetx.parallel.expert_parallel import D_MODEL_SPLIT_RULES, sized_axes, table_spec
-from sparsetx.parallel.tables import FSDP_TABLE_AXIS, placement_of
 
 
 def check_units_divide(config, mesh) -> None:
@@ -26,17 +26,16 @@ def check_units_divide(config, mesh) -> None:
 
 def _check_layer_units(config, mesh, ffn, prefix: str) -> None:
   spec = SPECS[ffn.type]
-  placement = placement_of(ffn) if spec.sparse else "expert"
-  if placement == "data":  # replicated: nothing to divide
-    return
-  if placement == "fsdp":  # d_model split over the batch axes (tables.placed_names)
-    axes = sized_axes(mesh, config_lib.rule_axes(config.mesh.rules, FSDP_TABLE_AXIS))
+  placement = placement_of(ffn) if spec.sparse else EXPERT
+  if placement.whole_on_device:  # d_model split over the axes its stored name gives (none: replicated)
+    axes = sized_axes(mesh, config_lib.rule_axes(config.mesh.rules, placement.d_model_name))
     shards = math.prod(mesh.shape[a] for a in axes)
     if config.model.d_model % shards:
+      others = ", ".join(repr(p) for p in config_lib.TABLE_PLACEMENTS if p not in ("auto", placement.name))
       raise config_lib.ConfigError(
-        f"{prefix}.placement='fsdp' splits the tables' d_model={config.model.d_model} over the {shards} batch shards "
-        f"({' x '.join(f'{a}={mesh.shape[a]}' for a in axes)}), which do not divide it; use placement 'expert' or "
-        "'data', or a d_model that is a multiple of the batch shards."
+        f"{prefix}.placement={placement.name!r} splits the tables' d_model={config.model.d_model} over the {shards} "
+        f"devices of {' x '.join(f'{a}={mesh.shape[a]}' for a in axes)}, which do not divide it; use placement "
+        f"{others}, or a d_model that is a multiple of {shards}."
       )
     return
   if spec.neuron_table is not None:

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsetx.config import ffn_checks
+from sparsetx.config.placements import placement_of
 from sparsetx.kernels.gated_gather import options_from_config
 from sparsetx.models.ffn import table_cost
 from sparsetx.models.ffn.common import activation_for
@@ -42,7 +43,7 @@ class Sgatlin(nn.Module):
   def __call__(self, x_BTD):
     ffn = self.cfg.ffn
     C, F, D = ffn.n_channels, ffn.d_ffw, self.cfg.d_model
-    table = tables.NeuronTable(TABLE_AXES, "channel", C, tables.placement_of(ffn))
+    table = tables.NeuronTable(TABLE_AXES, "channel", C, placement_of(ffn))
     x_BTD = own_tokens.place_on_token_shards(x_BTD, table)
     with jax.named_scope(step_parts.ROUTER):
       scores_BTCK, idx_BTCK = make_router(ffn.router, ffn, jnp.dtype(self.cfg.param_dtype))(x_BTD)
