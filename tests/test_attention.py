@@ -104,7 +104,7 @@ def test_fused_kernel_in_bfloat16_is_within_bfloat16_rounding(name, kernel):
 @pytest.mark.parametrize("attention", ["splash", "pallas"])
 def test_fused_kernel_on_a_mesh_runs_per_shard_and_equals_xla(attention):
   """Rows over data (4), heads over tensor (2): each device runs the kernel on its own rows and heads."""
-  from sparsetx.parallel import expert_parallel
+  from sparsetx.parallel import logical_rules
   from sparsetx.parallel import mesh as mesh_lib
 
   config = config_lib.default_config().mesh
@@ -112,7 +112,7 @@ def test_fused_kernel_on_a_mesh_runs_per_shard_and_equals_xla(attention):
   mesh = mesh_lib.make_mesh(config)
   q, k, v = qkv(B=4, T=40, H=2)
   segments = jnp.concatenate([packed_segments(2, 40)] * 2)
-  with expert_parallel.activate(mesh, config_lib.DEFAULT_RULES):
+  with logical_rules.activate(mesh, config_lib.DEFAULT_RULES):
     fused = jax.jit(lambda *a: attention_lib.fused_attention(attention, *a))
     assert "shard_map" in str(jax.make_jaxpr(fused)(q, k, v, segments))
     out = fused(q, k, v, segments)

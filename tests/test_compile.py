@@ -24,8 +24,10 @@ from sparsetx import config as config_lib
 from sparsetx.kernels import tree_route
 from sparsetx.kernels.grouped_matmul import grouped_matmul
 from sparsetx.kernels.options import KernelOptions
+from sparsetx.models import attention
 from sparsetx.models.ffn.registry import SPECS
-from sparsetx.parallel import expert_parallel
+from sparsetx.parallel import logical_rules
+from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.perf import hardware, hlo_text, roofline
 from sparsetx.plan import memory
 from sparsetx.train import aot
@@ -243,10 +245,10 @@ def test_each_placement_compiles_with_bf16_on_the_wire(ffn_type, ici, placement,
   config = compile_config(ffn_type, **ici)
   if ffn_type != "moe":
     config.model.ffn.placement = placement
-  if d_split:  # two channels over expert=4: the tables split by d_model (expert_parallel.D_MODEL_SPLIT_RULES)
+  if d_split:  # two channels over expert=4: the tables split by d_model (logical_rules.D_MODEL_SPLIT_RULES)
     config.model.ffn.n_channels = 2
     config.model.d_model = 512  # 128 columns a device: a Mosaic GPU chunk spans 128 threads
-    config.mesh.rules = expert_parallel.D_MODEL_SPLIT_RULES + tuple(tuple(r) for r in config.mesh.rules)
+    config.mesh.rules = logical_rules.D_MODEL_SPLIT_RULES + tuple(tuple(r) for r in config.mesh.rules)
   mosaic_rows = target == "h100" and ffn_type != "moe"  # every placement's row kernels also compile in Mosaic GPU
   if mosaic_rows:
     config.model.ffn.kernel.gpu_kernel = "mosaic"
@@ -308,3 +310,27 @@ def test_a_ladder_rung_compiles_for_hopper_with_mosaic_gpu_row_kernels():
   layers = config.model.n_layers
   assert_sparse_kernels(kernels(step.text), "sgatlin", "h100", mosaic_rows=True)
   assert kernels(step.text)["mosaic_gpu"] >= 6 * layers, kernels(step.text)  # 2 forward, 2 backward, 2 gradients
+
+
+@pytest.mark.parametrize("target", ["v5p", "h100"])
+def test_fused_attention_on_a_mesh_adds_no_collective(target):
+  """Splash (TPU) and cuDNN (GPU) attention, forward and backward, on data=4 with the other mesh axes idle (size 1):
+  each device runs on its own rows and heads (parallel/attention_placement.py), so the compiled program moves
+  nothing. An idle axis left to the compiler in a manual region is what added no-op all-reduces elsewhere."""
+  config = compile_config("mlp")
+  mesh = aot.topology_mesh(config_lib.validate(config), TOPOLOGIES[target])
+  implementation = "splash" if target == "v5p" else "cudnn"
+  B, T, H, K = 8, 128, 2, 64
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(mesh_lib.batch_axes(mesh, config.mesh.rules)))
+
+  def forward_and_backward(q, k, v, segment_ids, dout):
+    attend = lambda q, k, v: attention.fused_attention(implementation, q, k, v, segment_ids)  # noqa: E731
+    out, vjp = jax.vjp(attend, q, k, v)
+    return out, *vjp(dout)
+
+  qkv = jax.ShapeDtypeStruct((B, T, H, K), jnp.bfloat16, sharding=rows)
+  segment_ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=rows)
+  with logical_rules.activate(mesh, config.mesh.rules):
+    text = jax.jit(forward_and_backward).lower(qkv, qkv, qkv, segment_ids, qkv).compile().as_text()
+  assert expected_attention(target) <= set(kernels(text)), kernels(text)
+  assert hlo_text.collectives(text) == [], hlo_text.collectives(text)

@@ -9,7 +9,7 @@ from conftest import load_config
 
 from sparsetx import config as config_lib
 from sparsetx.models.ffn import placement
-from sparsetx.parallel import expert_parallel
+from sparsetx.parallel import logical_rules
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.perf import hardware
 from sparsetx.plan import targets
@@ -98,7 +98,7 @@ def test_d_model_split_spreads_few_channels_over_more_devices():
   config = micro_config("sgatlin")
   config.model.ffn.n_channels = 4
   config.mesh.ici.update(data=1, expert=8)
-  config.mesh.rules = expert_parallel.D_MODEL_SPLIT_RULES + config_lib.DEFAULT_RULES
+  config.mesh.rules = logical_rules.D_MODEL_SPLIT_RULES + config_lib.DEFAULT_RULES
   abstract, _, _, _ = aot.abstract_state(config, mesh_lib.make_mesh(config.mesh))
   assert aot.sparse_table_bytes(abstract.params) == 4 * table_params(config.model) // 8
   specs = [leaf.sharding.spec for path, leaf in jax.tree.leaves_with_path(abstract.params) if "experts" in str(path)]
@@ -108,7 +108,7 @@ def test_d_model_split_spreads_few_channels_over_more_devices():
 def test_d_model_that_does_not_split_is_refused():
   config = micro_config("sgatlin")
   config.model.d_model = 20
-  config.mesh.rules = expert_parallel.D_MODEL_SPLIT_RULES + config_lib.DEFAULT_RULES
+  config.mesh.rules = logical_rules.D_MODEL_SPLIT_RULES + config_lib.DEFAULT_RULES
   mesh = jax.sharding.AbstractMesh((1, 1, 1, 8), config_lib.MESH_AXES)
   with pytest.raises(config_lib.ConfigError, match=r"config.model.d_model=20 is not divisible by the 8 devices"):
     placement.check_units_divide(config, mesh)

@@ -17,9 +17,8 @@ from sparsetx import config as config_lib
 from sparsetx.kernels.options import KernelOptions
 from sparsetx.models.ffn import moe
 from sparsetx.models.ffn.registry import FFN_LAYERS
-from sparsetx.parallel import expert_parallel as ep
+from sparsetx.parallel import expert_collectives, logical_rules, sparse_forms, topology
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.parallel import sparse_forms, topology
 from sparsetx.perf import hlo_text
 
 D = 16
@@ -53,7 +52,7 @@ def lowered_for_h100(fn, args, mesh):
     ),
     args,
   )
-  with ep.activate(gpu_mesh):
+  with logical_rules.activate(gpu_mesh):
     return jax.jit(fn).trace(*abstract).lower()
 
 
@@ -118,7 +117,7 @@ def forward_and_grads(apply, probe, params, x):
 
 # Tables split by d_model over the expert axis too (FSDP over fsdp x expert for every `embed` axis, channels
 # whole): PEER's shared table, and sgatlin's when the expert axis is larger than its channel count.
-D_SPLIT_RULES = ep.D_MODEL_SPLIT_RULES + config_lib.DEFAULT_RULES
+D_SPLIT_RULES = logical_rules.D_MODEL_SPLIT_RULES + config_lib.DEFAULT_RULES
 RULES = {"peer": D_SPLIT_RULES, ("sgatlin_c4", "expert8"): D_SPLIT_RULES}
 # sgatlin on expert4_fsdp2 holds rows[:, c-block, :, d-slice] (channels over expert, d_model over fsdp);
 # sgatlin_c4 there is C=4 on 8 devices as channels x d-halves, and on expert8 (d_model split rules) d-eighths.
@@ -131,7 +130,7 @@ def run_sharded(layer, params, x, probe, mesh, rules):
   param_shardings = mesh_lib.logical_sharding(nn.get_partition_spec(boxed), mesh, rules)
   batch = mesh_lib.batch_sharding(mesh, rules)
   x_sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*batch.spec, None)))
-  with ep.activate(mesh, rules):
+  with logical_rules.activate(mesh, rules):
     step = jax.jit(functools.partial(forward_and_grads, layer_apply(layer), probe))
     compiled = step.lower(jax.device_put(params, param_shardings), x_sharded).compile()
     y, grads = compiled(jax.device_put(params, param_shardings), x_sharded)
@@ -186,7 +185,7 @@ def test_d_split_over_a_non_batch_axis_equals_the_official_formula(ffn_type, mes
   split_gated_gather = sparse_forms.split_gated_gather
   spy = lambda group, *args, **kwargs: groups.append(group) or split_gated_gather(group, *args, **kwargs)  # noqa: E731
   monkeypatch.setattr(sparse_forms, "split_gated_gather", spy)
-  with ep.activate(mesh, rules):
+  with logical_rules.activate(mesh, rules):
     step = jax.jit(functools.partial(forward_and_grads, layer_apply(layer), probe))
     y, grads = step(jax.device_put(params, param_shardings), x_sharded)
   units = ("expert",) if "expert" in axes else ()
@@ -236,7 +235,7 @@ def test_moe_sends_each_token_only_to_its_experts(mesh_name):
   batch = mesh_lib.batch_sharding(mesh, config_lib.DEFAULT_RULES)
   x = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*batch.spec, None)))
   loss = lambda p, x: jnp.sum(jnp.sin(layer.apply({"params": p}, x)) * probe)  # noqa: E731
-  with ep.activate(mesh):
+  with logical_rules.activate(mesh):
     compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, x).compile()
   lowered = lowered_for_h100(jax.value_and_grad(loss, argnums=(0, 1)), (params, x), mesh)
   moe = [c for c in hlo_text.collectives(compiled.as_text()) if "Moe" in c.source and "/router/" not in c.source]
@@ -295,7 +294,7 @@ def test_moe_rows_travel_in_bf16_and_the_owner_sums_them_in_float32():
   batch = mesh_lib.batch_sharding(mesh, config_lib.DEFAULT_RULES)
   x_sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*batch.spec, None)))
   loss = lambda p, x: jnp.sum(layer.apply({"params": p}, x).astype(jnp.float32))  # noqa: E731
-  with ep.activate(mesh):
+  with logical_rules.activate(mesh):
     y = jax.jit(layer_apply(layer))(params, x_sharded)
   text = lowered_for_h100(jax.grad(loss, argnums=(0, 1)), (params, x_sharded), mesh)
   payload = re.findall(r"custom_call @ragged_all_to_all\(.*\) -> tensor<\d+x\d+x(\w+)>", text.as_text())
@@ -350,7 +349,7 @@ def test_sgatlin_dy_travels_in_bf16_with_the_same_values(monkeypatch):
   x = jax.device_put(x.astype(jnp.bfloat16), jax.sharding.NamedSharding(mesh, spec))
 
   def run():
-    with ep.activate(mesh):
+    with logical_rules.activate(mesh):
       step = jax.jit(functools.partial(forward_and_grads, layer_apply(layer), probe))
       lowered = step.lower(params, x)
       return jax.device_get(lowered.compile()(params, x)), re.findall(
@@ -358,8 +357,8 @@ def test_sgatlin_dy_travels_in_bf16_with_the_same_values(monkeypatch):
       )
 
   (y, grads), gathers = run()
-  scatter_back = ep.scatter_back
-  monkeypatch.setattr(ep, "scatter_back", lambda y_g, group, out_dtype=None: scatter_back(y_g, group))
+  scatter_back = expert_collectives.scatter_back
+  monkeypatch.setattr(expert_collectives, "scatter_back", lambda y_g, group, out_dtype=None: scatter_back(y_g, group))
   (y_f32_wire, grads_f32_wire), gathers_f32_wire = run()
   # x's (the forward runs twice here: y, and the gradient's linearization) and dy's
   assert sorted(gathers) == ["bf16"] * 3 and sorted(gathers_f32_wire) == ["bf16", "bf16", "f32"]

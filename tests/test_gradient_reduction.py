@@ -12,7 +12,7 @@ import pytest
 from conftest import load_config, synthetic_batch
 
 from sparsetx import config as config_lib
-from sparsetx.parallel import expert_parallel as ep
+from sparsetx.parallel import logical_rules
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import aot
 from sparsetx.train import state as state_lib
@@ -173,7 +173,7 @@ def test_per_device_accumulation_equals_one_microbatch(ffn_type, mesh_name, plac
   params = state_lib.create_state(config, built.shardings, built.model, built.tx).params
   batch = jax.device_put(synthetic_batch(config), built.batch_sharding)
   specs = jax.tree.map(lambda sharding: sharding.spec, built.shardings.params)
-  assert ep.per_device_axes(built.mesh, config.mesh.rules) == tuple(
+  assert logical_rules.per_device_axes(built.mesh, config.mesh.rules) == tuple(
     a for a in ("data", "fsdp", "expert") if built.mesh.shape[a] > 1
   )
   results = []
@@ -183,7 +183,7 @@ def test_per_device_accumulation_equals_one_microbatch(ffn_type, mesh_name, plac
       lambda p, b: step_lib.loss_and_grads(p, b, model=built.model, train=train, param_specs=specs)[:3],  # noqa: B023
       in_shardings=(built.shardings.params, built.batch_sharding),
     )
-    with ep.activate(built.mesh, config.mesh.rules):
+    with logical_rules.activate(built.mesh, config.mesh.rules):
       results.append(jax.device_get(run(params, batch)))
   (loss, grads, tokens), (want_loss, want_grads, want_tokens) = results
   assert tokens == want_tokens == config.data.global_batch_size * config.data.seq_len - config.data.seq_len // 2
@@ -204,14 +204,14 @@ def test_per_device_loop_equals_the_compiler_loop_with_moe_balancing_losses():
   params = state_lib.create_state(config, built.shardings, built.model, built.tx).params
   batch = jax.device_put(synthetic_batch(config), built.batch_sharding)
   specs = jax.tree.map(lambda sharding: sharding.spec, built.shardings.params)
-  assert ep.per_device_axes(built.mesh, config.mesh.rules) == ("data", "expert")
+  assert logical_rules.per_device_axes(built.mesh, config.mesh.rules) == ("data", "expert")
   results = []
   for param_specs in (specs, None):
     run = jax.jit(
       lambda p, b: step_lib.loss_and_grads(p, b, model=built.model, train=config.train, param_specs=param_specs),  # noqa: B023
       in_shardings=(built.shardings.params, built.batch_sharding),
     )
-    with ep.activate(built.mesh, config.mesh.rules):
+    with logical_rules.activate(built.mesh, config.mesh.rules):
       results.append(jax.device_get(run(params, batch)))
   (loss, grads, tokens, stats), (want_loss, want_grads, want_tokens, want_stats) = results
   assert tokens == want_tokens and stats.keys() == want_stats.keys() and "sparse/layers_0/aux_loss" in stats

@@ -10,7 +10,7 @@ from kernel_cases import gather_case, value_and_grads
 from sparsetx.config import DEFAULT_RULES
 from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
 from sparsetx.models.ffn.common import ACTIVATIONS
-from sparsetx.parallel import expert_parallel
+from sparsetx.parallel import logical_rules
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.parallel.own_tokens import on_own_tokens
 
@@ -37,7 +37,7 @@ def test_pallas_gated_gather_on_a_mesh_equals_one_device(ici):
     dict(ici={**dict(data=1, fsdp=1, tensor=1, expert=1), **ici}, dcn=dict(data=1, fsdp=1, tensor=1, expert=1))
   )
   mesh = mesh_lib.make_mesh(mesh_config, jax.devices()[:8])
-  with expert_parallel.activate(mesh, DEFAULT_RULES):
+  with logical_rules.activate(mesh, DEFAULT_RULES):
     jaxpr = jax.make_jaxpr(mapped)(x, w_in, w_out, rows, gates, bias)
     got = value_and_grads(mapped, x, w_in, w_out, rows, gates, bias)
   (shard_map,) = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]

@@ -16,7 +16,7 @@ from conftest import SPARSE_LAYERS_OF_8, init_params
 
 from sparsetx import config as config_lib
 from sparsetx.models.ffn.registry import FFN_LAYERS
-from sparsetx.parallel import expert_parallel as ep
+from sparsetx.parallel import logical_rules
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.plan import placement_plans, step_cost
 from sparsetx.train import state as state_lib
@@ -71,7 +71,7 @@ def placed(ffn_type, placement, mesh, grads=True):
   x_sharded = jax.device_put(x, mesh_lib.batch_sharding(mesh, rules))
   apply = lambda p, x: layer.apply({"params": p}, x)  # noqa: E731
   fn = functools.partial(forward_and_grads, apply, probe) if grads else apply
-  with ep.activate(mesh, rules):
+  with logical_rules.activate(mesh, rules):
     compiled = jax.jit(fn).lower(jax.device_put(params, shardings), x_sharded).compile()
     out = compiled(jax.device_put(params, shardings), x_sharded)
   return out, compiled, shardings

@@ -14,7 +14,7 @@ from conftest import MICRO_TRAIN_FLAGS, REPO, load_config, synthetic_batch
 
 from sparsetx import config as config_lib
 from sparsetx.data import global_stream, pretokenize
-from sparsetx.parallel import expert_parallel
+from sparsetx.parallel import logical_rules
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import checkpointing, loop
 from sparsetx.train import state as state_lib
@@ -56,7 +56,7 @@ def one_step(config, mesh):
     lambda p, b: step_lib.loss_and_grads(p, b, model=model, train=config.train)[:2],
     in_shardings=(shardings.params, sharding),
   )
-  with expert_parallel.activate(mesh, config.mesh.rules):  # as the trainer runs it
+  with logical_rules.activate(mesh, config.mesh.rules):  # as the trainer runs it
     loss_and_grads = jax.device_get(grads(state.params, batch))
     new_state, metrics = step(state, batch)
   return jax.device_get(new_state.params), jax.device_get(metrics), loss_and_grads

@@ -1,8 +1,7 @@
 """sparsetx's run config: `from sparsetx import config as config_lib`, then `config_lib.default_config()`,
 `config_lib.validate(config)`, `config_lib.ConfigError`.
 
-Split by concern so each part can be read and imported alone, and so this package imports nothing else
-from sparsetx (every other layer may import it):
+Split by concern, each part readable alone; this package imports nothing else from sparsetx:
   errors.py      `ConfigError` and the helpers that raise it
   schema.py      every field with its default; per-layer and per-run helpers (`layer_ffn_config`, ...)
   checks.py      `validate(config)`: cross-field checks, no file I/O

@@ -12,7 +12,7 @@ import ml_collections
 
 from sparsetx import config as config_lib
 from sparsetx.data import global_stream, pretokenize, sources
-from sparsetx.parallel import expert_parallel
+from sparsetx.parallel import logical_rules
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import checkpointing, loop
 from sparsetx.train import state as state_lib
@@ -72,5 +72,5 @@ def evaluate(config: ml_collections.ConfigDict, device_mesh, model, params, eval
   batch_sharding = mesh_lib.batch_sharding(device_mesh, config.mesh.rules)
   eval_fn = step_lib.make_eval_step(model, jax.tree.map(lambda x: x.sharding, params), batch_sharding)
   eval_data = global_stream.TokenizedEvalData(config, batch_sharding, split="validation")
-  with expert_parallel.activate(device_mesh, config.mesh.rules):  # as the trainer traces its eval
+  with logical_rules.activate(device_mesh, config.mesh.rules):  # as the trainer traces its eval
     return loop.evaluate(config, params, eval_fn, eval_data)

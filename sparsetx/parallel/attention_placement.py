@@ -12,7 +12,7 @@ manual region, and partitioning rules are not run there.
 import jax
 from jax.sharding import PartitionSpec as P
 
-from sparsetx.parallel import expert_parallel, per_device
+from sparsetx.parallel import logical_rules, per_device
 
 
 def on_own_rows_and_heads(fn, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT):
@@ -25,7 +25,7 @@ def on_own_rows_and_heads(fn, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT):
   manual = per_device.manual_axes(mesh)
 
   def dividing(name: str, size: int) -> tuple:
-    axes = tuple(a for a in expert_parallel.active_mesh_axes(mesh, name) if a not in manual)
+    axes = tuple(a for a in logical_rules.active_mesh_axes(mesh, name) if a not in manual)
     return axes if axes and size % per_device.shards(mesh, axes) == 0 else ()
 
   batch, heads = dividing("batch", B), dividing("heads", H)

@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from sparsetx.parallel import expert_parallel as ep
-from sparsetx.parallel import per_device
+from sparsetx.parallel import logical_rules, per_device
 from sparsetx.parallel import tables as tables_lib
 
 
@@ -22,7 +21,7 @@ def loop_axes(microbatches: int, rows: int, mesh, rules) -> tuple:
   none (the compiler's loop) when each micro-batch's `rows` of the global batch do not split over their devices."""
   if microbatches == 1 or per_device.no_mesh(mesh):
     return ()
-  axes = ep.per_device_axes(mesh, rules)
+  axes = logical_rules.per_device_axes(mesh, rules)
   return axes if (rows // microbatches) % math.prod(mesh.shape[a] for a in axes) == 0 else ()
 
 

@@ -9,8 +9,8 @@ from jax.sharding import PartitionSpec
 
 from sparsetx.config.placements import EXPERT
 from sparsetx.kernels import platform
-from sparsetx.parallel import expert_parallel as ep
-from sparsetx.parallel.own_tokens import on_own_tokens, token_parallel
+from sparsetx.parallel import expert_groups
+from sparsetx.parallel.own_tokens import on_own_tokens, on_own_units
 
 
 def expert_dispatch(
@@ -42,14 +42,16 @@ def expert_dispatch(
   flat = (x_BTD.reshape(B * T, D), ids_BTA.reshape(B * T, A), weights_BTA.reshape(B * T, A))
   group = None
   if not placement.whole_on_device:
-    group = ep.expert_group(table_axes[0], ep.whole_units(tables[0].shape[0], table_axes[0]), B * T)
+    group = expert_groups.expert_group(
+      table_axes[0], expert_groups.whole_units(tables[0].shape[0], table_axes[0]), B * T
+    )
   if group is None:  # every expert on every device: each sorts and computes its own tokens' pairs
     names = tuple(placement.stored_names(n) for n in (table_names or (table_axes,) * len(tables)))
     (y_ND,) = on_own_tokens(lambda *args: (experts_fn(*args),), flat, tuple(tables), names)
     return y_ND.reshape(B, T, D)
   experts = PartitionSpec(group.unit_spec)
   if all(a in group.batch for a in group.units):
-    y_ND = ep.shard_map(
+    y_ND = expert_groups.shard_map(
       functools.partial(all_to_all_experts, sorted_fn, group),
       group,
       in_specs=(group.token_spec,) * 3 + (experts,) * len(tables),
@@ -59,10 +61,10 @@ def expert_dispatch(
     return y_ND.reshape(B, T, D)
 
   def local(tokens_g, _, tables_e):
-    first = tables_e[0].shape[0] * ep.unit_index(group)
+    first = tables_e[0].shape[0] * expert_groups.unit_index(group)
     return (experts_fn(*tokens_g, *tables_e, first_expert=first),)
 
-  (y_ND,) = token_parallel(
+  (y_ND,) = on_own_units(
     group, local, tokens=flat, tables=tuple(tables), table_specs=(experts,) * len(tables), out_dtype=x_BTD.dtype
   )
   return y_ND.reshape(B, T, D).astype(x_BTD.dtype)
@@ -85,7 +87,7 @@ def all_to_all_experts(sorted_fn, group, x_nD, ids_nA, weights_nA, *tables_e):
   G = group.n_unit_shards
   X, S, R = e * G, n * A, G * n * A
   axes = group.units
-  me = ep.unit_index(group)
+  me = expert_groups.unit_index(group)
   expert_S = ids_nA.reshape(S)
   order_S = jnp.argsort(expert_S, stable=True)
   counts_X = jnp.bincount(expert_S, length=X).astype(jnp.int32)

@@ -6,17 +6,20 @@ import math
 import jax
 from jax.sharding import PartitionSpec
 
-from sparsetx.parallel import expert_parallel as ep
-from sparsetx.parallel import per_device
+from sparsetx.parallel import expert_collectives, expert_groups, logical_rules, per_device
 from sparsetx.parallel.tables import NeuronTable
 
 
-def place_on_token_shards(a_BT, table: NeuronTable):
-  """a [B, T, ...] kept on the tokens' layout when the layer runs on a mesh, so its router runs where the tokens
-  are (else the compiler may follow the router's sharded keys and gather every score everywhere)."""
-  n_tokens = a_BT.shape[0] * a_BT.shape[1]
-  group = _token_group(n_tokens) if table.placement.whole_on_device else table.layout(n_tokens)
-  return a_BT if group is None else ep.on_token_shards(a_BT, group)
+def keep_on_token_shards(a_BT, table: NeuronTable):
+  """a [B, T, ...] constrained to the tokens' (batch) layout when the layer runs on a mesh, so its router runs where
+  the tokens are (else the compiler may follow the router's sharded keys and gather every score everywhere)."""
+  B, T = a_BT.shape[:2]
+  group = _token_group(B * T) if table.placement.whole_on_device else table.layout(B * T)
+  if group is None or not any(spec := per_device.free_spec(group.token_spec, group.mesh)):
+    return a_BT
+  a_N = a_BT.reshape((B * T,) + a_BT.shape[2:])
+  a_N = jax.lax.with_sharding_constraint(a_N, jax.sharding.NamedSharding(group.mesh, spec))
+  return a_N.reshape(a_BT.shape)
 
 
 def _token_group(n_tokens: int):
@@ -24,7 +27,7 @@ def _token_group(n_tokens: int):
   mesh = jax.sharding.get_abstract_mesh()
   if per_device.no_mesh(mesh):
     return None
-  group = ep.ExpertGroup(mesh, ep.active_mesh_axes(mesh, "batch"), ())
+  group = expert_groups.ExpertGroup(mesh, logical_rules.active_mesh_axes(mesh, "batch"), ())
   if not group.batch or n_tokens % group.n_token_shards:
     return None
   return group
@@ -45,10 +48,13 @@ def on_own_tokens(fn, tokens, tables, table_names):
   mesh = jax.sharding.get_abstract_mesh()
   if per_device.no_mesh(mesh):
     return fn(*tokens, *tables)
-  rules, manual = ep.active_rules(), per_device.manual_axes(mesh)
-  batch = tuple(a for a in ep.active_mesh_axes(mesh, "batch") if a not in manual)
+  rules, manual = logical_rules.active_rules(), per_device.manual_axes(mesh)
+  batch = tuple(a for a in logical_rules.active_mesh_axes(mesh, "batch") if a not in manual)
   split = [
-    [ep.sized_axes(mesh, entry) for entry in per_device.free_spec(ep.table_spec(names, rules), mesh)]
+    [
+      logical_rules.sized_axes(mesh, entry)
+      for entry in per_device.free_spec(logical_rules.table_spec(names, rules), mesh)
+    ]
     for names in table_names
   ]
   specs = [PartitionSpec(*(dims or None for dims in table_dims)) for table_dims in split]
@@ -79,7 +85,7 @@ def on_own_tokens(fn, tokens, tables, table_names):
   return per_device.shard_map(body, mesh, in_specs, out_spec, free)(*tokens, *tables)
 
 
-def where_tokens_are(fn, *arrays_BT):
+def on_own_tokens_BT(fn, *arrays_BT):
   """fn on each device's own tokens (`on_own_tokens`, no tables): arrays sharing leading [B, T] dimensions in, a
   tuple of such arrays out. For per-token work the compiler does not partition by itself: XLA's TopK (the routers'
   top-k) gathers its whole operand onto every device otherwise."""
@@ -89,26 +95,29 @@ def where_tokens_are(fn, *arrays_BT):
   return tuple(o.reshape((B, T) + o.shape[1:]) for o in outs)
 
 
-def token_parallel(group, local, tokens=(), owned=(), tables=(), table_specs=(), n_owned_outputs=0, out_dtype=None):
+def on_own_units(group, local, tokens=(), owned=(), tables=(), table_specs=(), n_owned_outputs=0, out_dtype=None):
   """local over each device's own units for the tokens of its expert group, in one shard_map.
 
-  `tokens` are [N, ...] arrays every unit reads (all-gathered over the group: `ep.gather_tokens`), `owned`
-  [N, U, ...] per-unit routing data (sent to the units' owners: `ep.to_owners`, unit dimension 1), `tables`
+  `tokens` are [N, ...] arrays every unit reads (all-gathered over the group: `expert_collectives.gather_tokens`), `owned`
+  [N, U, ...] per-unit routing data (sent to the units' owners: `expert_collectives.to_owners`, unit dimension 1), `tables`
   enter as stored, split by `table_specs`. local(tokens_g, owned_g, tables_u) returns (y_g, *per-unit
   outputs [g, u, ...]); y's partial sums come back summed over the group to the tokens' owners in float32
-  (`ep.scatter_back`; cast to `out_dtype` if given, its dy then all-gathered in it), the `n_owned_outputs`
+  (`expert_collectives.scatter_back`; cast to `out_dtype` if given, its dy then all-gathered in it), the `n_owned_outputs`
   per-unit outputs by the inverse of `to_owners`. Returns (y_N, *per-unit outputs [N, U, ...]).
   """
   n_tokens, n_owned = len(tokens), len(owned)
 
   def body(*args):
-    tokens_g = [ep.gather_tokens(a, group) for a in args[:n_tokens]]
-    owned_g = [ep.to_owners(a, group, unit_dim=1) for a in args[n_tokens : n_tokens + n_owned]]
+    tokens_g = [expert_collectives.gather_tokens(a, group) for a in args[:n_tokens]]
+    owned_g = [expert_collectives.to_owners(a, group, unit_dim=1) for a in args[n_tokens : n_tokens + n_owned]]
     y_g, *owned_outputs_g = local(tokens_g, owned_g, args[n_tokens + n_owned :])
-    return (ep.scatter_back(y_g, group, out_dtype), *(ep.from_owners(a, group, unit_dim=1) for a in owned_outputs_g))
+    return (
+      expert_collectives.scatter_back(y_g, group, out_dtype),
+      *(expert_collectives.from_owners(a, group, unit_dim=1) for a in owned_outputs_g),
+    )
 
   spec = group.token_spec
-  return ep.shard_map(
+  return expert_groups.shard_map(
     body,
     group,
     in_specs=(spec,) * (n_tokens + n_owned) + tuple(table_specs),

@@ -1,6 +1,6 @@
 """The sparse layers' table computations in the form their placement gives: the gated gather over a neuron table
 (whole, split by unit, or with d_model split too) and the FFF tree walk. A layer hands its arrays and its table's
-logical axes; the mesh and rules in the context (expert_parallel.activate) decide the form."""
+logical axes; the mesh and rules in the context (logical_rules.activate) decide the form."""
 
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
@@ -8,8 +8,8 @@ from jax.sharding import PartitionSpec
 from sparsetx.config.placements import EXPERT, Placement
 from sparsetx.kernels.gated_gather import gated_gather
 from sparsetx.kernels.tree_route import sparse_forward
-from sparsetx.parallel import expert_parallel as ep
-from sparsetx.parallel.own_tokens import on_own_tokens, token_parallel
+from sparsetx.parallel import expert_collectives, expert_groups
+from sparsetx.parallel.own_tokens import on_own_tokens, on_own_units
 from sparsetx.parallel.tables import NeuronTable
 
 
@@ -86,7 +86,7 @@ def _unit_split_gather(group, x_BTD, experts_2UFD, idx_BTUK, gates_BTUK, activat
     (x_gD,), (idx_guK, gates_guK), (experts_2uFD,) = tokens_g, owned_g, tables_u
     return (_own_units_gather(x_gD, idx_guK, gates_guK, experts_2uFD, activation, options),)
 
-  (y_ND,) = token_parallel(
+  (y_ND,) = on_own_units(
     group,
     local,
     tokens=(x_BTD.reshape(B * T, D),),
@@ -101,8 +101,8 @@ def _unit_split_gather(group, x_BTD, experts_2UFD, idx_BTUK, gates_BTUK, activat
 def split_gated_gather(group, x_ND, experts_2UFD, idx_NUK, gates_NUK, activation, options, gate_inside_activation=True):
   """A neuron table's gated gather with its units and its d_model split over the group, in one shard_map.
 
-  Each device holds experts[:, u-block, :, d-slice] (`ep.table_group`) and never sends it. Inside
-  `token_parallel`, x goes to the devices of its d-group by d-slice and the indices and gates are
+  Each device holds experts[:, u-block, :, d-slice] (`expert_groups.table_group`) and never sends it. Inside
+  `on_own_units`, x goes to the devices of its d-group by d-slice and the indices and gates are
   all-gathered over it; the gated gather with `sum_axes` (kernels/sliced_gather.py) sums the partial dots over
   the d-group before the activation and the gate; y's d-slices come back by the inverse of x's move. Returns
   y [N, D] in x's dtype.
@@ -113,15 +113,21 @@ def split_gated_gather(group, x_ND, experts_2UFD, idx_NUK, gates_NUK, activation
 
   def local(tokens_g, owned_g, tables_u):
     (x_gD,), (idx_guK, gates_guK), (experts_2uFd,) = tokens_g, owned_g, tables_u
-    x_hd = ep.to_owners(x_gD, group, unit_dim=1, axes=group.split)  # d-slices: their owners are the split axes
+    x_hd = expert_collectives.to_owners(
+      x_gD, group, unit_dim=1, axes=group.split
+    )  # d-slices: their owners are the split axes
     idx_huK, gates_huK = _gather_over_slices(idx_guK, group), _gather_over_slices(gates_guK, group)
     y_hd = _own_units_gather(
       x_hd, idx_huK, gates_huK, experts_2uFd, activation, options, gate_inside_activation, sum_axes=group.split
     )
-    # Summed over the units in float32 (`ep.scatter_back`); with no unit axes the sum is nothing and y moves in x's dtype.
-    return (ep.from_owners(y_hd.astype(jnp.float32 if group.units else dtype), group, unit_dim=1, axes=group.split),)
+    # Summed over the units in float32 (`expert_collectives.scatter_back`); with no unit axes the sum is nothing and y moves in x's dtype.
+    return (
+      expert_collectives.from_owners(
+        y_hd.astype(jnp.float32 if group.units else dtype), group, unit_dim=1, axes=group.split
+      ),
+    )
 
-  (y_ND,) = token_parallel(
+  (y_ND,) = on_own_units(
     group,
     local,
     tokens=(x_ND,),
@@ -134,7 +140,7 @@ def split_gated_gather(group, x_ND, experts_2UFD, idx_NUK, gates_NUK, activation
 
 def _gather_over_slices(a_g, group):
   """Per-token routing data of the whole d-group: all-gather over the split axes that split the batch."""
-  return ep.all_gather(a_g, tuple(a for a in group.split if a in group.batch))
+  return expert_collectives.all_gather(a_g, tuple(a for a in group.split if a in group.batch))
 
 
 def tree_walk(
@@ -161,7 +167,11 @@ def tree_walk(
   P, L = w_in_PZD.shape[0], depth + 1
   x_ND = x_BTD.reshape(B * T, D)
   # the expert placement's tables may be blocks (`table_param`)
-  group = None if placement.whole_on_device else ep.expert_group(table_axes[0], ep.whole_units(P, table_axes[0]), B * T)
+  group = (
+    None
+    if placement.whole_on_device
+    else expert_groups.expert_group(table_axes[0], expert_groups.whole_units(P, table_axes[0]), B * T)
+  )
   if group is None:  # every tree on each device's own tokens (for expert: no mesh, trees or tokens that don't split)
     names = tuple(placement.stored_names(n) for n in (table_axes, bias_axes, table_axes))
     y_ND, path_NPL, z_NPL = on_own_tokens(
@@ -176,7 +186,7 @@ def tree_walk(
     return sparse_forward(tokens_g[0], *tables_p, depth, activation, options)
 
   trees = PartitionSpec(group.unit_spec)
-  y_ND, path_NPL, z_NPL = token_parallel(
+  y_ND, path_NPL, z_NPL = on_own_units(
     group,
     local,
     tokens=(x_ND,),
@@ -184,5 +194,5 @@ def tree_walk(
     table_specs=(trees,) * 3,
     n_owned_outputs=2,
   )
-  P = ep.whole_units(P, table_axes[0])
+  P = expert_groups.whole_units(P, table_axes[0])
   return y_ND.reshape(B, T, D), path_NPL.reshape(B, T, P, L), z_NPL.reshape(B, T, P, L)

@@ -9,7 +9,7 @@ from flax import struct
 from flax.core import meta
 
 from sparsetx.config.placements import EXPERT, Placement
-from sparsetx.parallel import expert_parallel as ep
+from sparsetx.parallel import expert_groups, logical_rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +31,7 @@ class NeuronTable:
     a placement whose tables are whole where the kernels run)."""
     if self.placement.whole_on_device:
       return None
-    return ep.table_group(self.axes, self.unit_axis, self.n_units, n_tokens)
+    return expert_groups.table_group(self.axes, self.unit_axis, self.n_units, n_tokens)
 
 
 class TableBox(nn.LogicallyPartitioned):
@@ -46,11 +46,11 @@ def table_param(module, name: str, init, shape, dtype, axes: tuple, local: tuple
   gives them (stored as `placement` names them); `local` names the dimensions the expert
   placement's dispatcher takes as this device's block (units; a neuron table's d_model). Inside the step's
   per-device microbatch loop (parallel/microbatches.py), whose batch axes are manual, the table enters as that block
-  (`ep.block_shape`) and the dispatcher's body runs on it without opening a shard_map over those axes; the tables of
+  (`logical_rules.block_shape`) and the dispatcher's body runs on it without opening a shard_map over those axes; the tables of
   a placement that keeps them whole on a device enter whole (gathered once, before the loop). The parameter is boxed as a
   `TableBox`, so `declared_tables` finds it in the model's traced init."""
   axes, local = placement.stored_names(axes), placement.block_dims(local)
-  block = ep.block_shape(shape, axes, local, jax.sharding.get_abstract_mesh(), ep.active_rules())
+  block = logical_rules.block_shape(shape, axes, local, jax.sharding.get_abstract_mesh(), logical_rules.active_rules())
   return module.param(name, lambda *args: TableBox(init(*args), tuple(axes), local=tuple(local)), block, dtype)
 
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from sparsetx import config as config_lib
 from sparsetx.config.placements import EXPERT, Placement
 from sparsetx.models.ffn.registry import SPECS
-from sparsetx.parallel import expert_parallel, per_device
+from sparsetx.parallel import logical_rules, per_device
 from sparsetx.perf import hardware, roofline
 from sparsetx.perf.cost import F32, CostBuilder, LayerCost, Phase, time_on
 
@@ -60,7 +60,7 @@ def groups(config, ffn, mesh_shape: dict) -> tuple[int, int]:
   if spec.units is None and spec.neuron_table is None:
     return 1, _axes_size(mesh_shape, config_lib.rule_axes(rules, "embed"))
   names = spec.neuron_table or spec.units.table_axes
-  table = expert_parallel.table_spec(names, rules)
+  table = logical_rules.table_spec(names, rules)
   units = _axes_size(mesh_shape, table[names.index(spec.units.name)]) if spec.units is not None else 1
   return units, _axes_size(mesh_shape, table[names.index("embed")])
 

@@ -17,7 +17,7 @@ from sparsetx import cli
 from sparsetx import config as config_lib
 from sparsetx.data import check_files
 from sparsetx.models.ffn.registry import SPECS
-from sparsetx.parallel import expert_parallel, topology
+from sparsetx.parallel import logical_rules, topology
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.perf import hardware, roofline
 from sparsetx.plan import memory, step_cost, targets
@@ -53,7 +53,7 @@ def define_flags() -> dict:
 def with_d_model_split(config):
   """A copy of config whose rules split neuron tables by d_model over fsdp x expert."""
   config = config.copy_and_resolve_references()
-  config.mesh.rules = expert_parallel.D_MODEL_SPLIT_RULES + tuple(tuple(rule) for rule in config.mesh.rules)
+  config.mesh.rules = logical_rules.D_MODEL_SPLIT_RULES + tuple(tuple(rule) for rule in config.mesh.rules)
   return config
 
 

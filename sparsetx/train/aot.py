@@ -18,7 +18,7 @@ import numpy as np
 from sparsetx import config as config_lib
 from sparsetx.models import ladder
 from sparsetx.models.ffn import placement
-from sparsetx.parallel import expert_parallel, topology
+from sparsetx.parallel import logical_rules, topology
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.perf import roofline
 from sparsetx.perf.hlo_text import COLLECTIVES, collectives, compiled_kernels, compiled_loops, dcn_granules
@@ -103,7 +103,7 @@ def compile_train_step(config: ml_collections.ConfigDict, mesh):
 
 def _compile_with_setup(config, mesh):
   """(the compiled train step, the state_lib.Setup it was built from)."""
-  with expert_parallel.activate(mesh, config.mesh.rules):
+  with logical_rules.activate(mesh, config.mesh.rules):
     traced, built = _trace_train_step(config, mesh)
     compiled = traced.lower().compile()
   return compiled, built
@@ -144,7 +144,7 @@ def lower_train_step(config: ml_collections.ConfigDict, topology_name: str, n_de
   """StableHLO text of the train step, as the trainer jits it, lowered for the first `n_devices` devices of a
   topology (config.mesh over them) from abstract inputs. Nothing is compiled: compile_for_topology compiles."""
   mesh = state_lib.checked_mesh(config, topology.devices(topology_name)[:n_devices])
-  with expert_parallel.activate(mesh, config.mesh.rules):
+  with logical_rules.activate(mesh, config.mesh.rules):
     traced, _ = _trace_train_step(config, mesh)
     return traced.lower().as_text()
 
@@ -152,7 +152,7 @@ def lower_train_step(config: ml_collections.ConfigDict, topology_name: str, n_de
 def lower_eval_step(config: ml_collections.ConfigDict, topology_name: str, n_devices: int = 1) -> str:
   """StableHLO text of the evaluation step (summed loss of a batch), lowered like lower_train_step."""
   mesh = state_lib.checked_mesh(config, topology.devices(topology_name)[:n_devices])
-  with expert_parallel.activate(mesh, config.mesh.rules):
+  with logical_rules.activate(mesh, config.mesh.rules):
     built = state_lib.setup(config, mesh=mesh)
     jitted = step_lib.make_eval_step(built.model, built.shardings.params, built.batch_sharding)
     traced = jitted.trace(built.abstract_state.params, abstract_batch(config, built.batch_sharding))
@@ -215,7 +215,7 @@ def _pallas_calls(jaxpr, scope: str = ""):
 def rejected_kernel(config: ml_collections.ConfigDict, mesh) -> tuple[str, str] | None:
   """(layer, kernel) of the first Pallas kernel of the step that the target's compiler refuses on its own, each
   compiled at the shapes one device sees; None when every kernel compiles (the refusal is elsewhere)."""
-  with expert_parallel.activate(mesh, config.mesh.rules):
+  with logical_rules.activate(mesh, config.mesh.rules):
     traced, _ = _trace_train_step(config, mesh)
   one_device = jax.sharding.Mesh(np.array(mesh.devices.flat[:1]), ("devices",))
   seen = set()

@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from sparsetx.parallel import expert_parallel as ep
-from sparsetx.parallel import microbatches
+from sparsetx.parallel import logical_rules, microbatches
 from sparsetx.perf import step_parts
 from sparsetx.train import loss as loss_lib
 from sparsetx.train.optimizer import learning_rate_schedule
@@ -26,7 +25,7 @@ def loss_and_grads(params, batch, *, model, train: ml_collections.ConfigDict, pa
   m = train.microbatches
   mesh = jax.sharding.get_abstract_mesh()
   rows, seq_len = batch["inputs"].shape
-  axes = () if param_specs is None else microbatches.loop_axes(m, rows, mesh, ep.active_rules())
+  axes = () if param_specs is None else microbatches.loop_axes(m, rows, mesh, logical_rules.active_rules())
   summed = functools.partial(loss_lib.summed_loss, model, train)
   if axes:
     loss_sum, weight_sum, grads, stats = microbatches.accumulate(
@@ -90,7 +89,7 @@ def eval_step(params, batch, *, model):
 
 def make_train_step(config: ml_collections.ConfigDict, setup):
   """`train_step` jitted on `setup`'s shardings (a `state.Setup`): (state, batch) -> (state, metrics), the
-  state donated. Trace it under `expert_parallel.activate(setup.mesh, ...)`, as the loop does."""
+  state donated. Trace it under `logical_rules.activate(setup.mesh, ...)`, as the loop does."""
   step = functools.partial(
     train_step,
     model=setup.model,

@@ -10,7 +10,7 @@ import numpy as np
 
 from sparsetx import config as config_lib
 from sparsetx.models import ladder
-from sparsetx.parallel import expert_parallel
+from sparsetx.parallel import logical_rules
 from sparsetx.perf import hardware, timing
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
@@ -48,7 +48,7 @@ class TypeStep:
       loss_weights=np.ones((B, T), np.float32),
     )
     self.batch = jax.device_put(batch, built.batch_sharding)
-    with expert_parallel.activate(built.mesh, config.mesh.rules):
+    with logical_rules.activate(built.mesh, config.mesh.rules):
       self.state = state_lib.create_state(config, built.shardings, built.model, built.tx)
       with timing.Stopwatch() as clock:
         self.step = step_lib.make_train_step(config, built).lower(self.state, self.batch).compile()

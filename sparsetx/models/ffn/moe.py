@@ -107,7 +107,7 @@ class Moe(nn.Module):
       )(x_BTD.astype(jnp.float32))
       self.sow("intermediates", "router_logits", logits_BTE)  # the balancing losses' input (unused ones are pruned)
       top_k = lambda logits: jax.lax.top_k(logits, A)
-      top_logits_BTA, expert_ids_BTA = own_tokens.where_tokens_are(top_k, logits_BTE)
+      top_logits_BTA, expert_ids_BTA = own_tokens.on_own_tokens_BT(top_k, logits_BTE)
     weights_BTA = jax.nn.softmax(top_logits_BTA, axis=-1)
     expert_ids_BTA = tap(self, "expert_ids", expert_ids_BTA)
     weights_BTA = tap(self, "expert_weights", weights_BTA)

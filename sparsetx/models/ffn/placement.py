@@ -9,7 +9,7 @@ import math
 from sparsetx import config as config_lib
 from sparsetx.config.placements import EXPERT, placement_of
 from sparsetx.models.ffn.registry import SPECS
-from sparsetx.parallel.expert_parallel import D_MODEL_SPLIT_RULES, sized_axes, table_spec
+from sparsetx.parallel.logical_rules import D_MODEL_SPLIT_RULES, sized_axes, table_spec
 
 
 def check_units_divide(config, mesh) -> None:

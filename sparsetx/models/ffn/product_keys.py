@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from sparsetx.config import ConfigError, n_keys_for
 from sparsetx.kernels import platform
 from sparsetx.models.ffn.common import router_init
-from sparsetx.parallel.own_tokens import where_tokens_are
+from sparsetx.parallel.own_tokens import on_own_tokens_BT
 
 _INT32_MIN = jnp.iinfo(jnp.int32).min
 _INT32_MAX = jnp.iinfo(jnp.int32).max
@@ -151,7 +151,7 @@ class ProductKeyRouter(nn.Module):
       name="keys",
     )(query)
     top_k = lambda s1, s2: product_key_top_k(s1, s2, self.top_k)  # noqa: E731
-    return where_tokens_are(top_k, scores_BT2CN[:, :, 0], scores_BT2CN[:, :, 1])
+    return on_own_tokens_BT(top_k, scores_BT2CN[:, :, 0], scores_BT2CN[:, :, 1])
 
 
 class PeerRouter(nn.Module):
@@ -186,7 +186,7 @@ class PeerRouter(nn.Module):
     )
     scores_BTC2N = jnp.einsum("btcsh,csnh->btcsn", query_BTC2H, sub_keys_C2NH.astype(jnp.float32), precision="highest")
     top_k = lambda s1, s2: product_key_top_k(s1, s2, self.top_k)  # noqa: E731
-    return where_tokens_are(top_k, scores_BTC2N[..., 0, :], scores_BTC2N[..., 1, :])
+    return on_own_tokens_BT(top_k, scores_BTC2N[..., 0, :], scores_BTC2N[..., 1, :])
 
 
 def make_router(kind: str, cfg, param_dtype) -> nn.Module:

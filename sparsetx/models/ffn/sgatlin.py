@@ -44,11 +44,11 @@ class Sgatlin(nn.Module):
     ffn = self.cfg.ffn
     C, F, D = ffn.n_channels, ffn.d_ffw, self.cfg.d_model
     table = tables.NeuronTable(TABLE_AXES, "channel", C, placement_of(ffn))
-    x_BTD = own_tokens.place_on_token_shards(x_BTD, table)
+    x_BTD = own_tokens.keep_on_token_shards(x_BTD, table)
     with jax.named_scope(step_parts.ROUTER):
       scores_BTCK, idx_BTCK = make_router(ffn.router, ffn, jnp.dtype(self.cfg.param_dtype))(x_BTD)
-    scores_BTCK = own_tokens.place_on_token_shards(scores_BTCK, table)
-    idx_BTCK = own_tokens.place_on_token_shards(idx_BTCK, table)
+    scores_BTCK = own_tokens.keep_on_token_shards(scores_BTCK, table)
+    idx_BTCK = own_tokens.keep_on_token_shards(idx_BTCK, table)
     gates_BTCK = scores_BTCK if ffn.router == "product" else jax.nn.softmax(scores_BTCK, axis=-1)
     idx_BTCK = tap(self, "gate_indices", idx_BTCK)
     gates_BTCK = tap(self, "gate_scores", gates_BTCK)

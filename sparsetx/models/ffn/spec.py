@@ -18,7 +18,7 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Units:
-  """How a sparse layer's table is split over the expert axis (sparsetx/parallel/expert_parallel.py)."""
+  """How a sparse layer's table is split over the expert axis (sparsetx/parallel/expert_groups.py)."""
 
   name: str  # logical axis name of the units: "channel", "tree", "expert"
   field: str  # config.model.ffn field counting them: "n_channels", "n_trees", "n_experts"

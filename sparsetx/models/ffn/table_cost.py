@@ -72,7 +72,9 @@ def neuron_table_cost(bld, model, ffn, n, E, G, b, devices, shared=False):
   tokens("all-gather", n * E * D * b, E, "x to the expert group", forward=True)
   tokens("all-to-all", n * C * k * (cost.INDEX + cost.F32), E, "indices and gates to owners", forward=True)
   tokens("reduce-scatter", n * D * cost.F32, E, "y partial sums (float32)", forward=True)
-  if G == 1:  # y cast to b by the reduce-scatter (ep.scatter_back): its dy holds b values and moves in b
+  if (
+    G == 1
+  ):  # y cast to b by the reduce-scatter (expert_collectives.scatter_back): its dy holds b values and moves in b
     tokens("all-gather", n * E * D * b, E, "dy to the expert group")
   else:
     tokens("all-gather", n * E * D * cost.F32, E, "dy to the expert group (float32)")
