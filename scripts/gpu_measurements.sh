@@ -3,14 +3,14 @@
 # of at most 10 minutes, on an image that has JAX, flax, optax and orbax but not the rest of the install:
 #
 #   scripts/gpu_measurements.sh deps                  here: the missing pure-Python packages into .device_deps/
-#   scripts/gpu_measurements.sh check|scale4|parts|scale8   there, from the repository root (carry .device_deps)
+#   scripts/gpu_measurements.sh check|scale4|parts|head|scale8   there, from the repository root (carry .device_deps)
 #   SMALL=1 scripts/gpu_measurements.sh check|...     rehearsal on a CPU: the same programs at --small shapes
 #
 # Each part writes its log to $OUT/<part>.log (and prints its tail); JAX_COMPILATION_CACHE_DIR lets a rerun on the
 # warm machine skip the compiles. Nothing here needs seqio, TensorFlow or the data path.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"say which part: deps, check, scale4, parts or scale8"}
+part=${1:?"say which part: deps, check, scale4, parts, head or scale8"}
 OUT=${OUT:-/tmp/sparsetx-gpu}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/.device_deps${PYTHONPATH:+:$PYTHONPATH}"
@@ -55,13 +55,19 @@ case $part in
     run parts_scale4 480 "$PY" -m sparsetx.tools.bench_step_parts "${shape[@]}" --types=mlp,sgatlin,peer \
       --gpu_kernel=triton
     ;;
+  head)  # the same shape with the LM head's dot on bf16 operands over the whole vocabulary (docs/measurements.md)
+    shape=(--scale=4 --batch=16 --seq_len=1024 --rounds=3)
+    [[ ${SMALL:-0} == 1 ]] && shape=(--small --rounds=1)
+    run head_scale4 300 "$PY" -m sparsetx.tools.bench_train_step "${shape[@]}" --types=mlp,sgatlin --gpu_kernel=triton \
+      --nologits_dot_in_fp32 --loss_chunks=0
+    ;;
   scale8)  # the dense baseline's MFU at scale 8 (d_model 1,024, 16 layers, 16 x 2,048) and sgatlin beside it
     shape=(--scale=8 --batch=16 --seq_len=2048 --rounds=3)
     [[ ${SMALL:-0} == 1 ]] && shape=(--small --rounds=1)
     run scale8 540 "$PY" -m sparsetx.tools.bench_train_step "${shape[@]}" --types=mlp,sgatlin --gpu_kernel=triton
     ;;
   *)
-    echo "no part '$part': use deps, check, scale4, parts or scale8" >&2
+    echo "no part '$part': use deps, check, scale4, parts, head or scale8" >&2
     exit 2
     ;;
 esac

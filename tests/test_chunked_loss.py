@@ -22,8 +22,10 @@ B, T, D, V = 4, 32, 32, 320
 Z_LOSS = 1e-2
 
 
-def head_config(tied: bool, V: int):
-  return ml_collections.FrozenConfigDict(dict(tie_embeddings=tied, vocab_size=V))
+def head_config(tied: bool, V: int, logits_dot_in_fp32: bool = True):
+  return ml_collections.FrozenConfigDict(
+    dict(tie_embeddings=tied, vocab_size=V, dtype="bfloat16", logits_dot_in_fp32=logits_dot_in_fp32)
+  )
 
 
 def head_and_inputs(tied: bool, dtype, V: int):
@@ -37,11 +39,12 @@ def head_and_inputs(tied: bool, dtype, V: int):
 
 
 @pytest.mark.parametrize(
-  "tied, dtype, V",
-  [(False, jnp.float32, V), (True, jnp.float32, V), (False, jnp.bfloat16, V), (True, jnp.bfloat16, V)]
-  + [(False, jnp.float32, V + 3)],  # 8 tiles of 41 columns, the last 5 padding
+  "tied, dtype, V, fp32",
+  [(False, jnp.float32, V, True), (True, jnp.float32, V, True), (False, jnp.bfloat16, V, True)]
+  + [(True, jnp.bfloat16, V, True), (False, jnp.float32, V + 3, True)]  # 8 tiles of 41 columns, the last 5 padding
+  + [(False, jnp.float32, V, False), (True, jnp.float32, V, False)],  # the head's dot on bf16 operands
 )
-def test_chunked_loss_equals_the_plain_loss_and_its_gradients(tied, dtype, V):
+def test_chunked_loss_equals_the_plain_loss_and_its_gradients(tied, dtype, V, fp32):
   """Values and gradients (to the final hidden states and to the head / tied embedding) of the weighted summed loss
   with z-loss, over 8 vocabulary tiles (a vocabulary 8 does not divide: padded). Bounds (float32 summation; the tiles change only the order of the sums
   over the vocabulary):
@@ -52,8 +55,11 @@ def test_chunked_loss_equals_the_plain_loss_and_its_gradients(tied, dtype, V):
     that error: 2 B T eps32 sum_t |x_t||g_t| + 2 D eps32 max|g| sum_t |x_t|;
   - the hidden gradient g_t W^T is a V-term sum per token, taken per tile: 2 V eps32 sum_v |g_tv||w_v| plus
     2 V max|w| times the logit error;
-  - bf16 inputs: each gradient is rounded once more to bf16: + eps_bf16 |g|."""
-  cfg = head_config(tied, V)
+  - bf16 inputs, or the dot on bf16 operands (logits_dot_in_fp32=False: both losses round the same operands, so the
+    logit bound holds for the rounded ones, within it for the given): each gradient is rounded once more to bf16:
+    + eps_bf16 |g|; on bf16 operands the logits' cotangent g enters the backward's dots rounded to bf16 too, and
+    the two losses' g may round to neighbours: + eps_bf16 sum_t |x_t||g_t| (head), eps_bf16 sum_v |g_tv||w_v|."""
+  cfg = head_config(tied, V, fp32)
   head, hidden_BTD, targets_BT, weights_BT = head_and_inputs(tied, dtype, V)
 
   def plain(head, hidden_BTD):
@@ -84,15 +90,43 @@ def test_chunked_loss_equals_the_plain_loss_and_its_gradients(tied, dtype, V):
   ).reshape(B * T, V)
   head_bound_DV = 2 * B * T * EPS32 * (x_ND.T @ g_NV) + 2 * D * EPS32 * float(g_NV.max()) * x_ND.sum(0)[:, None]
   hidden_bound_ND = 2 * V * EPS32 * (g_NV @ w_DV.T) + 2 * V * logit_error * w_DV.max()
+  if not fp32:  # each g_tv enters the backward's dots rounded to bf16, where the two losses' g may round apart
+    head_bound_DV += EPS_BF16 * (x_ND.T @ g_NV)
+    hidden_bound_ND += EPS_BF16 * (g_NV @ w_DV.T)
   (head_grad,), (want_head_grad,) = jax.tree.leaves(grads[0]), jax.tree.leaves(want_grads[0])
   head_grad, want_head_grad = (np.asarray(g, np.float64) for g in (head_grad, want_head_grad))
   if tied:
     head_grad, want_head_grad = head_grad.T, want_head_grad.T
-  rounding = EPS_BF16 if dtype == jnp.bfloat16 else 0.0
+  rounding = EPS_BF16 if dtype == jnp.bfloat16 or not fp32 else 0.0
   assert np.all(np.abs(head_grad - want_head_grad) <= head_bound_DV + rounding * np.abs(want_head_grad))
   hidden_grad, want_hidden_grad = (np.asarray(g, np.float64).reshape(B * T, D) for g in (grads[1], want_grads[1]))
   assert np.all(np.abs(hidden_grad - want_hidden_grad) <= hidden_bound_ND + rounding * np.abs(want_hidden_grad))
   assert grads[1].dtype == dtype and jax.tree.leaves(grads[0])[0].dtype == dtype
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_head_dot_on_bf16_operands_is_the_float32_dot_of_the_rounded_operands(tied):
+  """logits_dot_in_fp32=False: the logits are the float32 sums of products of the bf16-rounded hidden states and head
+  weights (each product exact in float32), so they equal the float64 product of the rounded operands within the
+  D-term float32 summation, 2 D eps32 sum_d |x_d w_d|; the default's operands are the float32 values themselves.
+  Checked on the model's own head (Transformer: its tied einsum or its lm_head Dense) and on head_logits."""
+  config = micro_model_config(tied, 0)
+  config.model.update(dtype="bfloat16", logits_dot_in_fp32=False)
+  tokens = jax.random.randint(jax.random.key(2), (B, T), 0, V)
+  for fp32 in (False, True):
+    config.model.logits_dot_in_fp32 = fp32
+    model = transformer.Transformer(ml_collections.FrozenConfigDict(config.model))
+    params = init_params(model, tokens)
+    hidden_BTD = model.apply({"params": params}, tokens, head=False)
+    logits_BTV = model.apply({"params": params}, tokens)
+    w = transformer.head_params(model.cfg, params)
+    w_DV = jax.tree.leaves(w)[0].T if tied else jax.tree.leaves(w)[0]
+    round_to = jnp.float32 if fp32 else jnp.bfloat16
+    x_ND, w_DV = (np.asarray(a.astype(round_to), np.float64) for a in (hidden_BTD.reshape(B * T, D), w_DV))
+    want_NV, bound_NV = x_ND @ w_DV, 2 * D * EPS32 * (np.abs(x_ND) @ np.abs(w_DV))
+    for got in (logits_BTV, transformer.head_logits(model.cfg, params, hidden_BTD)):
+      assert got.dtype == jnp.float32
+      assert np.all(np.abs(np.asarray(got, np.float64).reshape(B * T, V) - want_NV) <= bound_NV)
 
 
 def micro_model_config(tied: bool, loss_chunks: int) -> ml_collections.ConfigDict:

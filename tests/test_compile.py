@@ -334,3 +334,31 @@ def test_fused_attention_on_a_mesh_adds_no_collective(target):
     text = jax.jit(forward_and_backward).lower(qkv, qkv, qkv, segment_ids, qkv).compile().as_text()
   assert expected_attention(target) <= set(kernels(text)), kernels(text)
   assert hlo_text.collectives(text) == [], hlo_text.collectives(text)
+
+
+def head_dot_operand_dtypes(text) -> set:
+  """The dtypes of the operands of every dot the LM head's einsum (tied or not) compiles to (a GPU gemm fusion's
+  dot, a TPU convolution), read from the instructions defining them in the dot's computation."""
+  found = set()
+  for lines in hlo_text.computations(text).values():
+    defined = {m[1]: m[2] for line in lines for m in [re.match(r"\s*(?:ROOT )?(%\S+) = (\w+)\[", line)] if m}
+    for line in lines:
+      head = re.search(r" (?:dot|convolution)\((%[^,]+), (%[^,)]+)\).*op_name=\"[^\"]*btd,(?:dv|vd)->btv", line)
+      if head:
+        found |= {defined[operand] for operand in head.groups() if operand in defined}
+  return found
+
+
+@pytest.mark.parametrize("target", ["h100", "a100"])
+def test_the_lm_head_reads_its_operands_in_the_configured_dtype(target):
+  """config.model.logits_dot_in_fp32: the compiled head's dots on a GPU (the chunked loss's tiles: forward,
+  recompute and both gradients) read float32 operands by default (TF32 at best: half the bf16 rate) and bf16 ones
+  when False, logits float32 either way. (libtpu rounds a float32 dot's operands to bf16 at default precision by
+  itself: the option changes little on a TPU.)"""
+  dtypes = {}
+  for fp32 in (True, False):
+    config = compile_config("mlp")
+    config.model.logits_dot_in_fp32 = fp32
+    dtypes[fp32] = head_dot_operand_dtypes(compiled(config, target).text)
+  assert dtypes[True] and "bf16" not in dtypes[True], dtypes
+  assert dtypes[False] == {"bf16"}, dtypes

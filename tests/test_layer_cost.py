@@ -342,8 +342,15 @@ def test_remainder_forward_matmuls_are_the_ladder_accounting():
   forward = ("3 x attention q, k, v", "3 x attention out", "3 x attention kernel", "head")
   counts = ladder.forward_flops_per_token(config.model, 32)
   assert sum(got[name][1] for name in forward) == 32 * (counts["attention"] + counts["head"])
-  # the head: [32, 64] bf16 x [64, 512] bf16 -> float32 logits
-  assert got["head"][0] == 32 * 64 * 2 + 64 * 512 * 2 + 32 * 512 * 4
+  # the head: [32, 64] float32 x [64, 512] float32 -> float32 logits (config.model.logits_dot_in_fp32, the default),
+  # and again in the backward: the chunked loss (config.train.loss_chunks 8) recomputes each tile's logits
+  assert got["head"][0] == got["head recomputed by the chunked loss"][0] == 32 * 64 * 4 + 64 * 512 * 4 + 32 * 512 * 4
+  assert got["head recomputed by the chunked loss"][1] == got["head"][1]
+  config.model.logits_dot_in_fp32, config.train.loss_chunks = False, 0  # bf16 operands, the whole logits at once
+  got = phases(layer_cost.remainder_cost(config, mesh))
+  assert (
+    got["head"][0] == 32 * 64 * 2 + 64 * 512 * 2 + 32 * 512 * 4 and "head recomputed by the chunked loss" not in got
+  )
 
 
 def test_dry_run_tool_prints_the_layer_table():

@@ -63,6 +63,10 @@ def validate_model(model: ml_collections.ConfigDict, prefix: str = "config.model
   _one_of(f"{prefix}.dtype", model.dtype, DTYPES)
   _one_of(f"{prefix}.param_dtype", model.param_dtype, DTYPES)
   _require(
+    isinstance(model.get("logits_dot_in_fp32", True), bool),
+    f"{prefix}.logits_dot_in_fp32={model.get('logits_dot_in_fp32')!r} must be True or False.",
+  )
+  _require(
     0.0 <= model.rotary_fraction <= 1.0,
     f"{prefix}.rotary_fraction={model.rotary_fraction} must lie in [0, 1].",
   )

@@ -3,6 +3,8 @@
 More: docs/modules.md, sparsetx/models/transformer.py.
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -159,6 +161,18 @@ def block_config(cfg, layer: int):
   return ml_collections.FrozenConfigDict(model)
 
 
+class LMHead(nn.Module):
+  """The untied LM head: its kernel [D, vocab] (nn.Dense's parameter, name and init) applied by `head_dot`."""
+
+  cfg: ml_collections.FrozenConfigDict
+
+  @nn.compact
+  def __call__(self, x_BTD):
+    init = dense_init(self.cfg.init_std, ("embed", "vocab"))
+    kernel_DV = self.param("kernel", init, (self.cfg.d_model, self.cfg.vocab_size), jnp.dtype(self.cfg.param_dtype))
+    return head_dot(self.cfg, "btd,dv->btv", x_BTD, kernel_DV)
+
+
 class Transformer(nn.Module):
   """tokens [B,T] (int) -> logits [B,T,vocab] float32.
 
@@ -202,16 +216,9 @@ class Transformer(nn.Module):
     if not head and not self.is_initializing():
       return x_BTD
     if cfg.tie_embeddings:
-      logits_BTV = jnp.einsum("btd,vd->btv", x_BTD.astype(jnp.float32), embed.embedding.astype(jnp.float32))
+      logits_BTV = head_dot(cfg, "btd,vd->btv", x_BTD, embed.embedding)
     else:
-      logits_BTV = nn.Dense(
-        cfg.vocab_size,
-        use_bias=False,
-        dtype=jnp.float32,
-        param_dtype=jnp.dtype(cfg.param_dtype),
-        kernel_init=dense_init(cfg.init_std, ("embed", "vocab")),
-        name="lm_head",
-      )(x_BTD.astype(jnp.float32))
+      logits_BTV = LMHead(cfg, name="lm_head")(x_BTD)
     logits_BTV = tap(self, "logits", logits_BTV.astype(jnp.float32))
     return nn.with_logical_constraint(logits_BTV, ("batch", "length", "vocab"))
 
@@ -235,13 +242,46 @@ class Transformer(nn.Module):
     return positions_BT, decode_mask(positions_BT, self.cfg.max_len)
 
 
+def head_dtype(cfg):
+  """The dtype the LM head's dot reads its operands in: float32, or the compute dtype (cfg.logits_dot_in_fp32)."""
+  return jnp.dtype(jnp.float32 if cfg.get("logits_dot_in_fp32", True) else cfg.dtype)
+
+
+def head_dot(cfg, spec: str, x, w):
+  """einsum(spec, x, w) as the LM head computes it: operands in `head_dtype`, float32 sums and result. On the
+  compute dtype's operands the logits' cotangent enters the backward's two dots rounded to that dtype, as every
+  other layer's does (`_narrow_head_dot`), so all four of the head's matmuls run at its rate."""
+  dtype = head_dtype(cfg)
+  x, w = x.astype(dtype), w.astype(dtype)
+  if dtype == jnp.float32:
+    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+  return _narrow_head_dot(spec, x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _narrow_head_dot(spec, x, w):
+  return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+
+
+def _narrow_head_dot_fwd(spec, x, w):
+  return _narrow_head_dot(spec, x, w), (x, w)
+
+
+def _narrow_head_dot_bwd(spec, residuals, g):
+  x, w = residuals
+  _, vjp = jax.vjp(lambda x, w: jnp.einsum(spec, x, w), x, w)  # float32 sums inside, results in x's dtype
+  return vjp(g.astype(x.dtype))
+
+
+_narrow_head_dot.defvjp(_narrow_head_dot_fwd, _narrow_head_dot_bwd)
+
+
 def head_logits(cfg, params, x_BTD):
   """The LM head on final-norm outputs x_BTD (any leading shape): float32 logits [..., vocab], the product
-  `Transformer` computes (its tied einsum, or its lm_head Dense: the same float32 dot), from the unboxed `params`."""
-  x_BTD = x_BTD.astype(jnp.float32)
+  `Transformer` computes (its tied einsum, or its lm_head Dense: the same dot), from the unboxed `params`."""
   if cfg.tie_embeddings:
-    return jnp.einsum("...d,vd->...v", x_BTD, params["embed"]["embedding"].astype(jnp.float32))
-  return jnp.einsum("...d,dv->...v", x_BTD, params["lm_head"]["kernel"].astype(jnp.float32))
+    return head_dot(cfg, "...d,vd->...v", x_BTD, params["embed"]["embedding"])
+  return head_dot(cfg, "...d,dv->...v", x_BTD, params["lm_head"]["kernel"])
 
 
 def head_params(cfg, params) -> dict:

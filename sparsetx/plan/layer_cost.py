@@ -90,8 +90,10 @@ def remainder_cost(config, mesh_shape: dict) -> LayerCost:
 
   Attention per block: q, k, v, out projections (matmuls), a fused attention kernel (reads q, k, v, writes o;
   4 T D FLOPs per token as the ladder counts them; its backward reads q, k, v, o, do, writes dq, dk, dv, 2.5x the
-  FLOPs: recompute plus two gradient products), the head's [D, V] matmul with float32 logits and the loss reading
-  them, the embedding rows. Its collectives are left to the compiled program (roofline.project_analytic).
+  FLOPs: recompute plus two gradient products), the head's [D, V] matmul with float32 logits (its operands as
+  config.model.logits_dot_in_fp32 gives them; a float32 operand's slower GPU rate, TF32, is not modeled; the
+  chunked loss's tiles computed twice) and the loss reading them, the embedding rows. Its collectives are left to
+  the compiled program (roofline.project_analytic).
   """
   model = config.model
   n, T = tokens_per_device(config, mesh_shape), config.data.seq_len
@@ -105,7 +107,10 @@ def remainder_cost(config, mesh_shape: dict) -> LayerCost:
   block.add("attention kernel backward", 8 * n * D * b, 2.5 * 4 * n * T * D)
   for p in block.phases:
     bld.phases.append(Phase(f"{layers} x {p.name}", layers * p.nbytes, layers * p.flops, p.runs))
-  bld.matmul("head", n, D, V, b, b, F32, forward_runs=False)
+  head_b = F32 if model.get("logits_dot_in_fp32", True) else b  # the head's operands (transformer.head_dot)
+  bld.matmul("head", n, D, V, head_b, head_b, F32, forward_runs=False)
+  if config_lib.loss_chunk_count(V, config.train.get("loss_chunks", 0)) > 1:  # train/loss.py: tiles rematerialized
+    bld.add("head recomputed by the chunked loss", n * D * head_b + D * V * head_b + n * V * F32, 2 * n * D * V)
   bld.add("loss (logits read, dlogits written)", n * V * (F32 + b), 5 * n * V)
   bld.add("embedding rows and their gradient", n * D * (b + F32), 0)
   elements = 4 * D * D * layers + V * D * (1 if model.tie_embeddings else 2)

@@ -26,6 +26,8 @@ def define_flags() -> dict:
     dtype=flags.DEFINE_string("dtype", None, "Default bfloat16; float32 with --small (what a CPU runs fast)."),
     rounds=flags.DEFINE_integer("rounds", 3, "Traced steps per type (the means of their spans and parts)."),
     gpu_kernel=flags.DEFINE_enum("gpu_kernel", None, list(config_lib.GPU_KERNELS), "Row kernels on a GPU."),
+    logits_dot_in_fp32=flags.DEFINE_bool("logits_dot_in_fp32", True, "The LM head's dot on float32 operands."),
+    loss_chunks=flags.DEFINE_integer("loss_chunks", None, "Vocabulary tiles of the loss (default: the config's)."),
     small=flags.DEFINE_bool("small", False, "A CPU-sized shape: scale 1, 2 layers, vocab 512, 8 x 64."),
   )
 
@@ -66,7 +68,8 @@ def absl_main(argv, holders: dict):
   results = [breakdown(step, args.rounds) for step in steps]
   print(
     f"jax {jax.__version__} on {devices[0].device_kind}: ladder scale {args.scale}, {args.batch} x {args.seq_len} "
-    f"tokens, {args.dtype}, {args.rounds} traced steps per type (device time of each part per step)"
+    f"tokens, {args.dtype}, LM head on {step_bench.head_words(steps[0].config)}, {args.rounds} traced steps per "
+    "type (device time of each part per step)"
   )
   print(format_table(args.types, results))
 

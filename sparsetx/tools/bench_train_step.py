@@ -23,6 +23,8 @@ def define_flags() -> dict:
     small=flags.DEFINE_bool("small", False, "A CPU-sized shape: scale 1, 2 layers, vocab 512, 8 x 64."),
     peak_tflops=flags.DEFINE_float("peak_tflops", None, "Peak bf16 TFLOP/s per device for MFU."),
     gpu_kernel=flags.DEFINE_enum("gpu_kernel", None, list(config_lib.GPU_KERNELS), "Row kernels on a GPU."),
+    logits_dot_in_fp32=flags.DEFINE_bool("logits_dot_in_fp32", True, "The LM head's dot on float32 operands."),
+    loss_chunks=flags.DEFINE_integer("loss_chunks", None, "Vocabulary tiles of the loss (default: the config's)."),
   )
 
 
@@ -42,7 +44,8 @@ def absl_main(argv, holders: dict):
   small = ", --small: 2 layers, vocab 512" if args.small else ""
   print(
     f"\ntrain step, ladder scale {args.scale} (d_model {128 * args.scale}{small}), {args.batch} x {args.seq_len} tokens, "
-    f"{args.dtype}; median of {args.rounds} interleaved rounds; ratios to {steps[0].name}"
+    f"{args.dtype}, LM head on {step_bench.head_words(steps[0].config)}; median of {args.rounds} interleaved rounds; "
+    f"ratios to {steps[0].name}"
   )
   print(
     f"{'type':<9}{'total params':>14}{'active':>12}{'compile s':>11}{'step ms':>10}{'tokens/s':>12}"

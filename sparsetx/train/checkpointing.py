@@ -37,6 +37,7 @@ COMPUTE_ONLY = (
   "implementation",
   "aux_loss",
   "router_z_loss",
+  "logits_dot_in_fp32",
 )  # may change on resume (MoE balancing weights: the loss, not the parameters)
 ITEMS = ("state", "config")  # in every step; `data` in every step a run saved (all but step-0 starts)
 SUPERSEDED = "superseded"  # <workdir>/superseded/<time>/: the steps after a restore_step, set aside

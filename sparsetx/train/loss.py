@@ -32,10 +32,11 @@ def chunked_token_losses(cfg, params, hidden_BTD, targets_BT, z_loss: float, n_t
   reduction of the head's gradient moves the same bytes as the plain loss's, in n pieces), and the batch keeps its
   sharding. Same math as the plain loss; the sums over the vocabulary are taken per tile, then over tiles."""
   B, T, _ = hidden_BTD.shape
-  x_BTD = hidden_BTD.astype(jnp.float32)
-  # float32 before the loop (as head_logits casts), so the backward sums the head gradient in float32 and rounds
-  # to the parameters' dtype once, as the plain loss does.
-  head = jax.tree.map(lambda w: w.astype(jnp.float32), transformer.head_params(cfg, params))
+  # Cast before the loop to the head's dot dtype (transformer.head_dtype), as head_logits casts: the backward
+  # rounds the head gradient to the parameters' dtype once, as the plain loss does.
+  dtype = transformer.head_dtype(cfg)
+  x_BTD = hidden_BTD.astype(dtype)
+  head = jax.tree.map(lambda w: w.astype(dtype), transformer.head_params(cfg, params))
   V = cfg.vocab_size
   v = -(-V // n_tiles)
   if cfg.tie_embeddings:
@@ -51,7 +52,9 @@ def chunked_token_losses(cfg, params, hidden_BTD, targets_BT, z_loss: float, n_t
   def tile(carry, xs):
     max_BT, sum_BT, target_BT = carry
     w_tile, first = xs
-    logits_BTv = nn.with_logical_constraint(jnp.einsum(spec, x_BTD, w_tile), ("batch", "length", "vocab"))
+    logits_BTv = nn.with_logical_constraint(
+      transformer.head_dot(cfg, spec, x_BTD, w_tile), ("batch", "length", "vocab")
+    )
     column_v = first + jnp.arange(v)
     logits_BTv = jnp.where((column_v < V)[None, None, :], logits_BTv, -jnp.inf)  # the padding's columns
     # The running max only shifts the exponentials (logsumexp does not depend on it): no gradient through it.
