@@ -25,10 +25,11 @@ from sparsetx.kernels import tree_route
 from sparsetx.kernels.grouped_matmul import grouped_matmul
 from sparsetx.kernels.options import KernelOptions
 from sparsetx.models import attention
+from sparsetx.models.ffn.product_keys import product_key_top_k
 from sparsetx.models.ffn.registry import SPECS
 from sparsetx.parallel import logical_rules
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.perf import hardware, hlo_text, roofline
+from sparsetx.perf import hardware, hlo_text, roofline, step_parts
 from sparsetx.plan import memory
 from sparsetx.train import aot
 
@@ -146,6 +147,26 @@ def assert_sparse_kernels(found: dict, ffn_type: str, target: str, mosaic_rows: 
     assert ROW_KERNELS <= set(found), found
 
 
+# The parts (perf/step_parts.py) a row kernel's launches may fall in: FFF's walk takes its levels' logits by row_dots.
+ROW_KERNEL_PARTS = {
+  "row_dots": {"row gathers", "ffn router + top-k"},
+  "row_accumulate": {"row gathers"},
+  "segment_sums": {"table grads: segment sums", "table grads: combine"},
+}
+
+
+def assert_row_kernels_in_their_parts(text, found: dict):
+  """The compiled breakdown (step_parts.compiled_parts, sparsetx-bench-step-parts --topology) puts every row kernel
+  the program launches in its part: the named scopes reach the target's compiled kernels."""
+  parts = {}
+  for launch in hlo_text.launches(text):
+    name = re.search(r"(\w+)\)*/pallas_call$", launch.op_name)
+    if name and name[1] in ROW_KERNELS:
+      parts.setdefault(name[1], set()).add(step_parts.part_of(launch.op_name))
+  assert set(parts) == ROW_KERNELS & set(found), (parts, found)
+  assert all(parts[name] <= ROW_KERNEL_PARTS[name] for name in parts), parts
+
+
 def assert_loops_bounded(text):
   loops = hlo_text.compiled_loops(text)
   assert all(loop.trips is not None and loop.trips <= LOOP_TRIP_BOUND for loop in loops), loops
@@ -156,6 +177,7 @@ def assert_data_parallel_step(step: Compiled, ffn_type: str, target: str):
   (how the compiler combines or reshapes them does not matter), plus a few scalars (loss, token count)."""
   found = kernels(step.text)
   assert_sparse_kernels(found, ffn_type, target)
+  assert_row_kernels_in_their_parts(step.text, found)
   assert expected_attention(target) <= set(found), found
   assert_loops_bounded(step.text)
   assert_analytic_memory_near_the_compilers(step)
@@ -287,6 +309,7 @@ def test_micro_batches_compile_with_the_gradient_reduced_after_the_loop(ffn_type
   text, built = step.text, step.built
   found = kernels(text)
   assert_sparse_kernels(found, ffn_type, target)
+  assert_row_kernels_in_their_parts(step.text, found)
   assert expected_attention(target) <= set(found), found
   assert_loops_bounded(text)
   assert 2 in [loop.trips for loop in hlo_text.compiled_loops(text)]
@@ -336,6 +359,9 @@ def test_fused_attention_on_a_mesh_adds_no_collective(target):
   assert hlo_text.collectives(text) == [], hlo_text.collectives(text)
 
 
+HEAD_SPECS = r"(?:btd,(?:dv|vd)->btv|btv,(?:dv|vd)->btd|btd,btv->(?:dv|vd))"  # logits, dx, dW (untied or tied)
+
+
 def head_dot_operand_dtypes(text) -> set:
   """The dtypes of the operands of every dot the LM head's einsum (tied or not) compiles to (a GPU gemm fusion's
   dot, a TPU convolution), read from the instructions defining them in the dot's computation."""
@@ -343,7 +369,7 @@ def head_dot_operand_dtypes(text) -> set:
   for lines in hlo_text.computations(text).values():
     defined = {m[1]: m[2] for line in lines for m in [re.match(r"\s*(?:ROOT )?(%\S+) = (\w+)\[", line)] if m}
     for line in lines:
-      head = re.search(r" (?:dot|convolution)\((%[^,]+), (%[^,)]+)\).*op_name=\"[^\"]*btd,(?:dv|vd)->btv", line)
+      head = re.search(r" (?:dot|convolution)\((%[^,]+), (%[^,)]+)\).*op_name=\"[^\"]*" + HEAD_SPECS, line)
       if head:
         found |= {defined[operand] for operand in head.groups() if operand in defined}
   return found
@@ -362,3 +388,17 @@ def test_the_lm_head_reads_its_operands_in_the_configured_dtype(target):
     dtypes[fp32] = head_dot_operand_dtypes(compiled(config, target).text)
   assert dtypes[True] and "bf16" not in dtypes[True], dtypes
   assert dtypes[False] == {"bf16"}, dtypes
+
+
+@pytest.mark.parametrize("target", ["h100", "v5p"])
+def test_product_key_top_k_launches_no_more_kernels_for_a_larger_k(target):
+  """The accelerators' stage two sorts the candidate pairs once (product_keys._neuron_ids_top_k): its compiled
+  launches do not grow with k. The k passes of max it replaced took about 3 launches a pass on a GPU (9 at k=4,
+  27 at k=8 on H100; 35 and 50 on v5p), each reading every candidate."""
+  spec = jax.ShapeDtypeStruct((256, 16, 64), jnp.float32)
+  launches = {}
+  for k in (4, 8):
+    with aot.on_topology(TOPOLOGIES[target]):
+      program = jax.jit(lambda s1, s2: product_key_top_k(s1, s2, k)[1]).trace(spec, spec).lower().compile()
+    launches[k] = sum(launch.runs for launch in hlo_text.launches(program.as_text()))
+  assert launches[8] <= launches[4], launches

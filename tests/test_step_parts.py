@@ -5,9 +5,10 @@ that add up to the step."""
 import types
 
 import jax
+import jax.numpy as jnp
 import pytest
 
-from sparsetx.perf import step_parts
+from sparsetx.perf import hlo_text, step_parts
 from sparsetx.tools import bench_step_parts
 from sparsetx.train import step_bench
 
@@ -67,3 +68,38 @@ def test_a_traced_step_breaks_into_parts_that_add_up_to_it(steps):
   assert mlp["row gathers"] == mlp["ffn router + top-k"] == 0
   table = bench_step_parts.format_table(list(breakdowns), list(breakdowns.values()))
   assert table.splitlines()[0].split()[:3] == ["part", "mlp", "ms"] and "table grads: sort" in table
+
+
+def test_compiled_parts_count_a_loop_bodys_launches_once_per_trip():
+  """Read from a compiled program's text (no run): each launch in its part, a loop body's once per trip (7), each
+  with the bytes of the arrays it is handed and returns ([256, 256] float32 here); the parts hold every launch."""
+  array = 256 * 256 * 4
+
+  def program(x):
+    with jax.named_scope(step_parts.OPTIMIZER):
+      y = jnp.sin(x)
+    with jax.named_scope(step_parts.LOSS):
+      y, _ = jax.lax.scan(lambda c, _: (jnp.cos(c) * 2.0, None), y, None, length=7)
+    return y
+
+  text = jax.jit(program).lower(jnp.ones((256, 256), jnp.float32)).compile().as_text()
+  launches = hlo_text.launches(text)
+  parts = step_parts.compiled_parts(text)
+  assert parts["optimizer"] == step_parts.CompiledPart(1, array, array)
+  in_loop = [launch for launch in launches if launch.result_bytes == array and "while/body" in launch.op_name]
+  assert sum(launch.runs for launch in in_loop) == 7 and {launch.operand_bytes for launch in in_loop} == {array}
+  assert parts["loss + lm head"].kernels >= 7 and parts["loss + lm head"].result_bytes >= 7 * array
+  assert sum(part.kernels for part in parts.values()) == sum(launch.runs for launch in launches)
+
+
+def test_the_compiled_table_of_a_gpu_step(capsys):
+  """--topology: the steps compiled for an H100 here, read by part: sgatlin's router, row kernels (forward and
+  backward: 4 a layer at least) and table gradients are launched in their parts, the MLP's step has none of them."""
+  args = small_args()
+  vars(args).update(types=["mlp", "sgatlin"], topology="h100:1x1x1", logits_dot_in_fp32=True, loss_chunks=None)
+  bench_step_parts.compiled_main(args)
+  rows = {line[:28].strip(): line[28:].split() for line in capsys.readouterr().out.splitlines()[2:]}
+  kernels = lambda part, column: int(rows[part][3 * column])  # noqa: E731
+  for part in ("ffn router + top-k", "row gathers", "table grads: sort", "table grads: segment sums"):
+    assert kernels(part, 1) > 0 and kernels(part, 0) == 0, part
+  assert kernels("row gathers", 1) >= 4 * 2  # --small: 2 layers

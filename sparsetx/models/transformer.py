@@ -269,8 +269,19 @@ def _narrow_head_dot_fwd(spec, x, w):
 
 def _narrow_head_dot_bwd(spec, residuals, g):
   x, w = residuals
-  _, vjp = jax.vjp(lambda x, w: jnp.einsum(spec, x, w), x, w)  # float32 sums inside, results in x's dtype
-  return vjp(g.astype(x.dtype))
+  dx, dw = head_dot_grads(spec, x, w, g)
+  return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+def head_dot_grads(spec: str, x, w, g):
+  """(dx, dw) of einsum(spec, x, w) for the logits' cotangent g, float32: g enters both dots in the operands' dtype
+  (bf16 on the narrow head, as every other layer's backward reads it), the sums are float32 and the caller rounds
+  each result once (a contraction over several axes may otherwise round partial sums)."""
+  lhs, rest = spec.split(",")
+  rhs, out = rest.split("->")
+  g = g.astype(x.dtype)
+  dx = jnp.einsum(f"{out},{rhs}->{lhs}", g, w, preferred_element_type=jnp.float32)
+  return dx, jnp.einsum(f"{lhs},{out}->{rhs}", x, g, preferred_element_type=jnp.float32)
 
 
 _narrow_head_dot.defvjp(_narrow_head_dot_fwd, _narrow_head_dot_bwd)

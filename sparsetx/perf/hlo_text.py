@@ -201,6 +201,84 @@ def compiled_loops(hlo_text: str) -> list:
   return loops
 
 
+_ENTRY_RE = re.compile(r"^ENTRY %([\w.-]+) ")
+_LINE_RE = re.compile(r"^\s*(?:ROOT )?%([\w.-]+) = (.*?) ([a-z][a-z0-9-]*)\(")
+_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
+# Instructions that name, pick or wrap values without running anything (a loop's body runs as its own).
+_NOT_LAUNCHED = {
+  "parameter",
+  "get-tuple-element",
+  "tuple",
+  "bitcast",
+  "constant",
+  "while",
+  "after-all",
+  "opt-barrier",
+  "partition-id",
+  "replica-id",
+  "add-dependency",
+}
+
+
+class Launch(NamedTuple):
+  """One instruction a run of a compiled program launches: a fusion, custom call (a Pallas kernel, cuDNN), copy,
+  sort, collective or other unfused op."""
+
+  op_name: str  # the jax op_name it came from (its named scopes)
+  opcode: str
+  operand_bytes: int  # the arrays it is handed (a gather's whole table, once), not what it reads of them
+  result_bytes: int  # what it returns (an in-place update's whole buffer)
+  runs: int  # times one run of the program launches it: the trips of the loops around it
+
+
+def array_bytes(shape: str) -> int:
+  """Bytes of every array in an HLO shape (a tuple's summed)."""
+  arrays = _ARRAY_RE.findall(shape)
+  return sum(_DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d) for dtype, dims in arrays)
+
+
+def _operands(line: str, open_at: int) -> list:
+  """The %names between the opcode's parenthesis at `open_at` and its match (not the attributes after it)."""
+  depth = 0
+  for end in range(open_at, len(line)):
+    depth += {"(": 1, ")": -1}.get(line[end], 0)
+    if depth == 0:
+      break
+  return re.findall(r"%([\w.-]+)", line[open_at:end])
+
+
+def launches(hlo_text: str) -> list:
+  """A Launch for each instruction the entry computation, the computations it calls and its loops' bodies run
+  (nested loops multiply their trips; a loop of unknown trips counts once); fused computations and reducers run
+  inside their instruction."""
+  blocks = computations(hlo_text)
+  trips = {loop.body: loop.trips or 1 for loop in compiled_loops(hlo_text)}
+  entry = next((m[1] for m in map(_ENTRY_RE.match, hlo_text.splitlines()) if m), None)
+  found, pending = [], [(entry, 1)] if entry in blocks else []
+  while pending:
+    name, runs = pending.pop()
+    sizes = {}
+    for line in blocks[name]:
+      match = _LINE_RE.match(line)
+      if not match:
+        continue
+      sizes[match[1]] = array_bytes(match[2])
+      body = _WHILE_RE.search(line)
+      if body:
+        pending.append((body[2], runs * trips.get(body[2], 1)))
+      if match[3] == "call":  # runs its computation in place (a CPU wraps each loop in one)
+        pending.append((re.search(r"to_apply=%([\w.-]+)", line)[1], runs))
+        continue
+      if match[3] in _NOT_LAUNCHED or match[3].endswith("-done"):
+        continue
+      operands = _operands(line, match.end() - 1)
+      op_name = _OP_NAME_RE.search(line)
+      found.append(
+        Launch(op_name[1] if op_name else "", match[3], sum(sizes.get(o, 0) for o in operands), sizes[match[1]], runs)
+      )
+  return found
+
+
 def collectives_by_computation(hlo_text: str) -> dict:
   """{computation name: [Collective]} of a compiled program (where each collective sits: a loop body's run every
   trip)."""

@@ -12,6 +12,9 @@ import collections
 import dataclasses
 import glob
 import re
+from typing import NamedTuple
+
+from sparsetx.perf import hlo_text
 
 # The scopes (jax.named_scope) the model, kernels and step put around their parts.
 ROUTER = "router"  # sgatlin / PEER product keys and their top-k, MoE's router, FFF's walk down its trees
@@ -76,6 +79,26 @@ def op_names(compiled_text: str) -> dict:
     if match:
       found[match[1]] = match[2]
   return found
+
+
+class CompiledPart(NamedTuple):
+  """A part of one run of a compiled program, read from its text (no device): what it launches and moves."""
+
+  kernels: int  # launches per run (a loop body's once per trip)
+  operand_bytes: int  # the arrays its launches are handed (hlo_text.Launch: a gathered table counts once)
+  result_bytes: int  # the arrays they return
+
+
+def compiled_parts(compiled_text: str) -> dict:
+  """{part: CompiledPart} of a compiled program: its launches (hlo_text.launches) summed by part_of their op_name.
+  What a program compiled for a GPU or TPU on this CPU launches, where no trace of it can be taken."""
+  sums = {part: [0, 0, 0] for part in PARTS}
+  for launch in hlo_text.launches(compiled_text):
+    total = sums[part_of(launch.op_name)]
+    total[0] += launch.runs
+    total[1] += launch.runs * launch.operand_bytes
+    total[2] += launch.runs * launch.result_bytes
+  return {part: CompiledPart(*total) for part, total in sums.items()}
 
 
 @dataclasses.dataclass

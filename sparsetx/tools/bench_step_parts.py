@@ -1,6 +1,7 @@
 """Benchmark where one compiled train step's device time goes, per feed-forward type side by side: attention, the
 sparse layers' router and top-k, row gathers, table gradients (sort, segment sums, combine), the dense feed-forward,
-loss and LM head, the optimizer, the rest. Read from a `jax.profiler` trace of the step (perf/step_parts.py).
+loss and LM head, the optimizer, the rest. Read from a `jax.profiler` trace of the step (perf/step_parts.py); with
+--topology, from the step compiled here for that machine (what each part launches and moves, no timing).
 
 More: docs/modules.md, sparsetx/tools/bench_step_parts.py.
 """
@@ -13,7 +14,7 @@ from absl import flags
 from sparsetx import cli
 from sparsetx import config as config_lib
 from sparsetx.perf import step_parts
-from sparsetx.train import step_bench
+from sparsetx.train import aot, step_bench
 
 
 def define_flags() -> dict:
@@ -28,7 +29,13 @@ def define_flags() -> dict:
     gpu_kernel=flags.DEFINE_enum("gpu_kernel", None, list(config_lib.GPU_KERNELS), "Row kernels on a GPU."),
     logits_dot_in_fp32=flags.DEFINE_bool("logits_dot_in_fp32", True, "The LM head's dot on float32 operands."),
     loss_chunks=flags.DEFINE_integer("loss_chunks", None, "Vocabulary tiles of the loss (default: the config's)."),
+    remat=flags.DEFINE_enum(
+      "remat", "none", list(config_lib.REMAT_POLICIES), "Recompute in the backward (the ladder's: full)."
+    ),
     small=flags.DEFINE_bool("small", False, "A CPU-sized shape: scale 1, 2 layers, vocab 512, 8 x 64."),
+    topology=flags.DEFINE_string(
+      "topology", None, "Compile for this machine here (h200:1x1x1, h100:1x1x8, v5p:2x2x1) and read the program."
+    ),
   )
 
 
@@ -57,9 +64,39 @@ def format_table(names, breakdowns) -> str:
   return "\n".join(lines)
 
 
+def format_compiled_table(names, programs) -> str:
+  """Kernels launched and GB handed in / returned per part of one step, one column group per type."""
+  header = f"{'part':<28}" + "".join(f"{name + ' kernels':>16}{'GB in':>8}{'GB out':>8}" for name in names)
+  lines = [header]
+  for part in (*step_parts.PARTS, None):
+    cells = [p[part] if part else step_parts.CompiledPart(*map(sum, zip(*p.values()))) for p in programs]
+    lines.append(
+      f"{part or 'step':<28}"
+      + "".join(f"{c.kernels:>16}{c.operand_bytes / 1e9:>8.2f}{c.result_bytes / 1e9:>8.2f}" for c in cells)
+    )
+  return "\n".join(lines)
+
+
+def compiled_main(args):
+  """--topology: each type's step compiled for that machine on this one, read by part (no device runs it)."""
+  try:
+    configs = [step_bench.rung_config(name, args) for name in args.types]
+    programs = [aot.compile_for_topology(config, args.topology)[0].as_text() for config in configs]
+  except config_lib.ConfigError as error:
+    cli.fail(error)
+  print(
+    f"jax {jax.__version__}, compiled for {args.topology} on this machine (not run): ladder scale {args.scale}, "
+    f"{args.batch} x {args.seq_len} tokens, {args.dtype}, {step_bench.step_words(configs[0])}; per step, "
+    "kernels launched and the bytes they are handed (a gathered table once) and return"
+  )
+  print(format_compiled_table(args.types, [step_parts.compiled_parts(text) for text in programs]))
+
+
 def absl_main(argv, holders: dict):
   del argv
   args = step_bench.with_defaults(cli.flag_values(holders))
+  if args.topology:
+    return compiled_main(args)
   devices = jax.devices()[:1]
   try:
     steps = [step_bench.TypeStep(name, args, devices) for name in args.types]
@@ -68,7 +105,7 @@ def absl_main(argv, holders: dict):
   results = [breakdown(step, args.rounds) for step in steps]
   print(
     f"jax {jax.__version__} on {devices[0].device_kind}: ladder scale {args.scale}, {args.batch} x {args.seq_len} "
-    f"tokens, {args.dtype}, LM head on {step_bench.head_words(steps[0].config)}, {args.rounds} traced steps per "
+    f"tokens, {args.dtype}, {step_bench.step_words(steps[0].config)}, {args.rounds} traced steps per "
     "type (device time of each part per step)"
   )
   print(format_table(args.types, results))

@@ -25,6 +25,9 @@ def define_flags() -> dict:
     gpu_kernel=flags.DEFINE_enum("gpu_kernel", None, list(config_lib.GPU_KERNELS), "Row kernels on a GPU."),
     logits_dot_in_fp32=flags.DEFINE_bool("logits_dot_in_fp32", True, "The LM head's dot on float32 operands."),
     loss_chunks=flags.DEFINE_integer("loss_chunks", None, "Vocabulary tiles of the loss (default: the config's)."),
+    remat=flags.DEFINE_enum(
+      "remat", "none", list(config_lib.REMAT_POLICIES), "Recompute in the backward (the ladder's: full)."
+    ),
   )
 
 
@@ -44,7 +47,7 @@ def absl_main(argv, holders: dict):
   small = ", --small: 2 layers, vocab 512" if args.small else ""
   print(
     f"\ntrain step, ladder scale {args.scale} (d_model {128 * args.scale}{small}), {args.batch} x {args.seq_len} tokens, "
-    f"{args.dtype}, LM head on {step_bench.head_words(steps[0].config)}; median of {args.rounds} interleaved rounds; "
+    f"{args.dtype}, {step_bench.step_words(steps[0].config)}; median of {args.rounds} interleaved rounds; "
     f"ratios to {steps[0].name}"
   )
   print(

@@ -27,17 +27,21 @@ def rung_config(ffn_type: str, args) -> config_lib.ml_collections.ConfigDict:
   if getattr(args, "gpu_kernel", None) and "kernel" in config.model.ffn:  # the row kernels a GPU runs
     config.model.ffn.kernel.gpu_kernel = args.gpu_kernel
   config.model.logits_dot_in_fp32 = getattr(args, "logits_dot_in_fp32", True)
+  # One device holds a benchmark rung's activations: no recompute unless asked (the ladder trains with "full").
+  config.model.remat = getattr(args, "remat", None) or "none"
   if getattr(args, "loss_chunks", None) is not None:
     config.train.loss_chunks = args.loss_chunks
   config.train.update(steps=1000, warmup_steps=10)
   return config_lib.validate(config)
 
 
-def head_words(config) -> str:
-  """How the LM head runs, in words: its dot's operands and the loss's vocabulary tiles."""
+def step_words(config) -> str:
+  """How the step runs, in words: its remat policy, the LM head's dot's operands and the loss's vocabulary tiles."""
   operands = "float32" if config.model.logits_dot_in_fp32 else config.model.dtype
   tiles = config_lib.loss_chunk_count(config.model.vocab_size, config.train.loss_chunks)
-  return f"{operands} operands, {tiles} vocabulary tile{'s' if tiles > 1 else ''}"
+  return (
+    f"remat {config.model.remat}, LM head on {operands} operands, {tiles} vocabulary tile{'s' if tiles > 1 else ''}"
+  )
 
 
 class TypeStep:
