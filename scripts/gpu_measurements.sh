@@ -3,14 +3,14 @@
 # of at most 10 minutes, on an image that has JAX, flax, optax and orbax but not the rest of the install:
 #
 #   scripts/gpu_measurements.sh deps                  here: the missing pure-Python packages into .device_deps/
-#   scripts/gpu_measurements.sh check|scale4|parts|head|scale8   there, from the repository root (carry .device_deps)
+#   scripts/gpu_measurements.sh check|scale4|parts|head|remat|scale8   there, from the repository root (carry .device_deps)
 #   SMALL=1 scripts/gpu_measurements.sh check|...     rehearsal on a CPU: the same programs at --small shapes
 #
 # Each part writes its log to $OUT/<part>.log (and prints its tail); JAX_COMPILATION_CACHE_DIR lets a rerun on the
 # warm machine skip the compiles. Nothing here needs seqio, TensorFlow or the data path.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"say which part: deps, check, scale4, parts, head or scale8"}
+part=${1:?"say which part: deps, check, scale4, parts, head, remat or scale8"}
 OUT=${OUT:-/tmp/sparsetx-gpu}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/.device_deps${PYTHONPATH:+:$PYTHONPATH}"
@@ -61,13 +61,21 @@ case $part in
     run head_scale4 300 "$PY" -m sparsetx.tools.bench_train_step "${shape[@]}" --types=mlp,sgatlin --gpu_kernel=triton \
       --nologits_dot_in_fp32 --loss_chunks=0
     ;;
-  scale8)  # the dense baseline's MFU at scale 8 (d_model 1,024, 16 layers, 16 x 2,048) and sgatlin beside it
+  remat)  # the step as the H200 first ran it (the ladder's remat=full), beside the default's (remat none)
+    shape=(--scale=4 --batch=16 --seq_len=1024 --rounds=3)
+    [[ ${SMALL:-0} == 1 ]] && shape=(--small --rounds=1)
+    run remat_full 300 "$PY" -m sparsetx.tools.bench_train_step "${shape[@]}" --types=mlp,sgatlin --gpu_kernel=triton \
+      --remat=full
+    ;;
+  scale8)  # the dense baseline's MFU at scale 8 (d_model 1,024, 16 layers, 16 x 2,048), then sgatlin alone: its
+    # 6.8 B parameters with AdamW state and gradients take about 121 GB before activations, so it may not fit
     shape=(--scale=8 --batch=16 --seq_len=2048 --rounds=3)
     [[ ${SMALL:-0} == 1 ]] && shape=(--small --rounds=1)
-    run scale8 540 "$PY" -m sparsetx.tools.bench_train_step "${shape[@]}" --types=mlp,sgatlin --gpu_kernel=triton
+    run scale8_mlp 240 "$PY" -m sparsetx.tools.bench_train_step "${shape[@]}" --types=mlp
+    run scale8_sgatlin 300 "$PY" -m sparsetx.tools.bench_train_step "${shape[@]}" --types=sgatlin --gpu_kernel=triton
     ;;
   *)
-    echo "no part '$part': use deps, check, scale4, parts, head or scale8" >&2
+    echo "no part '$part': use deps, check, scale4, parts, head, remat or scale8" >&2
     exit 2
     ;;
 esac
