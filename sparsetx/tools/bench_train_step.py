@@ -13,21 +13,13 @@ from sparsetx.train import step_bench
 
 def define_flags() -> dict:
   """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
+  rung = step_bench.define_rung_flags()
+  flags.adopt_module_key_flags(step_bench)  # --help lists them with the program's own
   return dict(
     types=flags.DEFINE_list("types", list(config_lib.FFN_TYPES), "Feed-forward types; the first one is the baseline."),
-    scale=flags.DEFINE_integer("scale", None, "Ladder rung (default 2; 1 with --small)."),
-    batch=flags.DEFINE_integer("batch", 8, "Sequences per step."),
-    seq_len=flags.DEFINE_integer("seq_len", None, "Default 512; 64 with --small."),
-    dtype=flags.DEFINE_string("dtype", None, "Default bfloat16; float32 with --small (what a CPU runs fast)."),
     rounds=flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds (median)."),
-    small=flags.DEFINE_bool("small", False, "A CPU-sized shape: scale 1, 2 layers, vocab 512, 8 x 64."),
     peak_tflops=flags.DEFINE_float("peak_tflops", None, "Peak bf16 TFLOP/s per device for MFU."),
-    gpu_kernel=flags.DEFINE_enum("gpu_kernel", None, list(config_lib.GPU_KERNELS), "Row kernels on a GPU."),
-    logits_dot_in_fp32=flags.DEFINE_bool("logits_dot_in_fp32", True, "The LM head's dot on float32 operands."),
-    loss_chunks=flags.DEFINE_integer("loss_chunks", None, "Vocabulary tiles of the loss (default: the config's)."),
-    remat=flags.DEFINE_enum(
-      "remat", "none", list(config_lib.REMAT_POLICIES), "Recompute in the backward (the ladder's: full)."
-    ),
+    **rung,
   )
 
 

@@ -7,6 +7,7 @@ in interleaved rounds (one step of each type per round, so drift and noise hit e
 
 import jax
 import numpy as np
+from absl import flags
 
 from sparsetx import config as config_lib
 from sparsetx.models import ladder
@@ -14,6 +15,23 @@ from sparsetx.parallel import logical_rules
 from sparsetx.perf import hardware, timing
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
+
+
+def define_rung_flags() -> dict:
+  """The absl flags that shape a benchmark's rung (bench_train_step, bench_step_parts: `rung_config` reads them)."""
+  return dict(
+    scale=flags.DEFINE_integer("scale", None, "Ladder rung (default 2; 1 with --small)."),
+    batch=flags.DEFINE_integer("batch", 8, "Sequences per step."),
+    seq_len=flags.DEFINE_integer("seq_len", None, "Default 512; 64 with --small."),
+    dtype=flags.DEFINE_string("dtype", None, "Default bfloat16; float32 with --small (what a CPU runs fast)."),
+    small=flags.DEFINE_bool("small", False, "A CPU-sized shape: scale 1, 2 layers, vocab 512, 8 x 64."),
+    gpu_kernel=flags.DEFINE_enum("gpu_kernel", None, list(config_lib.GPU_KERNELS), "Row kernels on a GPU."),
+    logits_dot_in_fp32=flags.DEFINE_bool("logits_dot_in_fp32", True, "The LM head's dot on float32 operands."),
+    loss_chunks=flags.DEFINE_integer("loss_chunks", None, "Vocabulary tiles of the loss (default: the config's)."),
+    remat=flags.DEFINE_enum(
+      "remat", "none", list(config_lib.REMAT_POLICIES), "Recompute in the backward (the ladder's: full)."
+    ),
+  )
 
 
 def rung_config(ffn_type: str, args) -> config_lib.ml_collections.ConfigDict:
