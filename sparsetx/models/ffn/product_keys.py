@@ -62,13 +62,18 @@ def halves_top_k_passes(key_2NR, k: int):
   return _top_k_passes(key_2NR, ids_2NR, k, axis=1)
 
 
-def _sums_top_k(top1, top2, n_keys: int, k: int, axis: int):
-  """Stage two on the candidate pairs: (keys, neuron ids) of the top k sums; ties to the lower neuron index."""
+def _candidates(top1, top2, n_keys: int, k: int, axis: int):
+  """The candidate pairs of the halves' top-k along `axis`: (their sums' order keys, their neuron ids)."""
   (key1, id1), (key2, id2) = top1, top2
   rank1, rank2 = _candidate_pairs(k)
   take = lambda a, r: jnp.take(a, r, axis=axis)  # noqa: E731
   sums = order_key(from_order_key(take(key1, rank1)) + from_order_key(take(key2, rank2)))
-  return _top_k_passes(sums, take(id1, rank1) * n_keys + take(id2, rank2), k, axis)
+  return sums, take(id1, rank1) * n_keys + take(id2, rank2)
+
+
+def _sums_top_k(top1, top2, n_keys: int, k: int, axis: int):
+  """Stage two on the candidate pairs: (keys, neuron ids) of the top k sums; ties to the lower neuron index."""
+  return _top_k_passes(*_candidates(top1, top2, n_keys, k, axis), k, axis)
 
 
 def _neuron_ids_cpu(key1, key2, k: int, rows_per_chunk: int):
@@ -95,13 +100,9 @@ def _neuron_ids_top_k(key1, key2, k: int):
   The sort orders (key descending, neuron ascending), the order `_top_k_passes` picks in: neuron ids are distinct,
   so its first k are the passes' k. One kernel on a GPU, where the k passes compile to about 3 k launches, each
   reading every candidate."""
-  n_keys = key1.shape[-1]
-  (top1, id1), (top2, id2) = jax.lax.top_k(key1, k), jax.lax.top_k(key2, k)
-  rank1, rank2 = _candidate_pairs(k)
-  take = lambda a, r: jnp.take(a, r, axis=-1)  # noqa: E731
-  sums = order_key(from_order_key(take(top1, rank1)) + from_order_key(take(top2, rank2)))
+  sums, ids = _candidates(jax.lax.top_k(key1, k), jax.lax.top_k(key2, k), key1.shape[-1], k, axis=-1)
   neg_sums = -jnp.maximum(sums, _INT32_MIN + 1)  # the passes' clamp: int32 min has no negation
-  _, ids = jax.lax.sort((neg_sums, take(id1, rank1) * n_keys + take(id2, rank2)), dimension=-1, num_keys=2)
+  _, ids = jax.lax.sort((neg_sums, ids), dimension=-1, num_keys=2)
   return ids[..., :k]
 
 
