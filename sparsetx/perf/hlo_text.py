@@ -27,6 +27,7 @@ _DTYPE_BYTES = {
 }
 _COLLECTIVE_RE = re.compile(r"=\s*(?P<shape>.*?)\s+(?P<op>" + "|".join(COLLECTIVES) + r")(?P<start>-start)?\(")
 _ARRAY_RE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
 
 
 class Collective(NamedTuple):
@@ -50,7 +51,7 @@ def collectives(hlo_text: str, granule_of_id=None) -> list:
     result = async_result(match["shape"]) if match["start"] else match["shape"]
     arrays = [(dtype, math.prod(int(d) for d in dims.split(",") if d)) for dtype, dims in _ARRAY_RE.findall(result)]
     nbytes = sum(_DTYPE_BYTES[dtype] * n for dtype, n in arrays)
-    source = re.search(r'op_name="([^"]*)"', line)
+    source = _OP_NAME_RE.search(line)
     groups = replica_groups(line) if granule_of_id else None
     spans = max((len({granule_of_id[i] for i in group}) for group in groups), default=1) if groups else 1
     found.append(
@@ -203,7 +204,6 @@ def compiled_loops(hlo_text: str) -> list:
 
 _ENTRY_RE = re.compile(r"^ENTRY %([\w.-]+) ")
 _LINE_RE = re.compile(r"^\s*(?:ROOT )?%([\w.-]+) = (.*?) ([a-z][a-z0-9-]*)\(")
-_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
 # Instructions that name, pick or wrap values without running anything (a loop's body runs as its own).
 _NOT_LAUNCHED = {
   "parameter",
