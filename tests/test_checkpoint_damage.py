@@ -166,22 +166,62 @@ def delete_half(step_dir: str) -> None:
     os.remove(path)
 
 
+# The evaluate program, after a failed read's sibling task (its error never retrieved) is collected while the
+# step's arrays are read: what a restore whose reads fail together can leave to the collector at any moment.
+WITH_A_COLLECTED_SIBLING = """
+import asyncio, gc, runpy, sys
+import orbax.checkpoint as ocp
+
+real_restore = ocp.CheckpointManager.restore
+
+def restore(self, step, args=None, **kwargs):
+  if args is not None and "state" in args:
+    async def sibling_read():
+      raise Exception("Encountered error while reading array index: (slice(0, 8, 1),)")
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(sibling_read())
+    loop.run_until_complete(asyncio.sleep(0))  # the task has failed; nothing will await it
+    loop.close()
+    del task
+    gc.collect()
+  return real_restore(self, step, args=args, **kwargs)
+
+ocp.CheckpointManager.restore = restore
+sys.argv = ["evaluate", *sys.argv[1:]]
+runpy.run_module("sparsetx.evaluate", run_name="__main__")
+"""
+
+
 @pytest.mark.parametrize(
-  "damage, problem",
+  "damage, problem, program",
   [
     # Found by the restore itself, whose reads still in flight must print nothing after the line.
-    (lambda w: delete(f"{w}/checkpoints/4/state/ocdbt.process_0/d/*"), "reading it failed ("),
-    (lambda w: delete_half(f"{w}/checkpoints/4"), "cannot be read: "),  # ckpt_files_deleted
+    (
+      lambda w: delete(f"{w}/checkpoints/4/state/ocdbt.process_0/d/*"),
+      "reading it failed (",
+      ["-m", "sparsetx.evaluate"],
+    ),
+    (
+      lambda w: delete_half(f"{w}/checkpoints/4"),
+      "cannot be read: ",
+      ["-m", "sparsetx.evaluate"],
+    ),  # ckpt_files_deleted
+    (
+      lambda w: delete(f"{w}/checkpoints/4/state/ocdbt.process_0/d/*"),
+      "reading it failed (",
+      ["-c", WITH_A_COLLECTED_SIBLING],
+    ),
   ],
-  ids=["array chunks deleted", "ckpt_files_deleted"],
+  ids=["array chunks deleted", "ckpt_files_deleted", "a sibling read's failure collected"],
 )
-def test_evaluate_reports_a_damaged_step_as_its_only_output(copy, damage, problem):
+def test_evaluate_reports_a_damaged_step_as_its_only_output(copy, damage, problem, program):
   """The program's whole stderr is the one line, newline-terminated: no orbax warning before it, no
-  tensorstore 'Event loop is closed' traceback after it (cli.run ends the process at once)."""
+  tensorstore 'Event loop is closed' traceback and no asyncio 'Task exception was never retrieved' around it
+  (cli.run ends the process at once)."""
   damage(copy)
   before = tree(copy)
   result = subprocess.run(
-    [sys.executable, "-m", "sparsetx.evaluate", f"--workdir={copy}"],
+    [sys.executable, *program, f"--workdir={copy}"],
     cwd=REPO,
     capture_output=True,
     text=True,

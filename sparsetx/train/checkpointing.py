@@ -46,26 +46,37 @@ _READ_FAILURE = re.compile(r"\b(NOT_FOUND|DATA_LOSS|OUT_OF_RANGE|FAILED_PRECONDI
 
 
 _reported_read_failure = threading.Event()  # set once a failed read of a step became its one-line CheckpointError
+_reads_under_way = 0  # restores inside `CheckpointIO._reading` now
 
 
 def _quiet_closed_loop_callbacks() -> None:
   """After a failed restore, tensorstore completes the reads still in flight into orbax's event loop, closed by
   then, and each completion prints an unraisable 'Event loop is closed' traceback around the one-line error; the
-  sibling reads of the damaged files, finalized unawaited, print the same read failure again. Those (and only
-  those: the second kind only once a read failure has been reported) are dropped once a read has started."""
+  sibling reads of the damaged files, finalized unawaited, print the same read failure again (as unraisable
+  errors, or as asyncio's 'Task exception was never retrieved' when their task is collected while the first
+  failure unwinds). Those (and only those: sibling read failures only during a read or once one was reported)
+  are dropped once a read has started."""
   previous = sys.unraisablehook
   if getattr(previous, "drops_closed_loop_callbacks", False):
     return
 
+  def sibling_read_failure(error) -> bool:
+    quiet = _reads_under_way > 0 or _reported_read_failure.is_set()
+    return quiet and error is not None and _read_failure(error) is not None
+
   def hook(unraisable):
     error = unraisable.exc_value
     closed_loop = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
-    reported = _reported_read_failure.is_set() and error is not None and _read_failure(error) is not None
-    if not (closed_loop or reported):
+    if not (closed_loop or sibling_read_failure(error)):
       previous(unraisable)
+
+  def unretrieved_task(record: logging_std.LogRecord) -> bool:
+    """asyncio's logging filter: False drops the record."""
+    return not (record.exc_info and sibling_read_failure(record.exc_info[1]))
 
   hook.drops_closed_loop_callbacks = True
   sys.unraisablehook = hook
+  logging_std.getLogger("asyncio").addFilter(unretrieved_task)
 
 
 def _item_handlers(state_handler=None) -> dict:
@@ -343,7 +354,9 @@ class Checkpointer:
   @contextlib.contextmanager
   def _reading(self, step: int):
     """Turns a failed read of a file of `step` into its `damaged` error; other errors pass unchanged."""
+    global _reads_under_way
     _quiet_closed_loop_callbacks()  # before the read: a failing restore's callbacks can fire while it unwinds
+    _reads_under_way += 1
     try:
       yield
     except ConfigError:
@@ -354,6 +367,8 @@ class Checkpointer:
         raise
       _reported_read_failure.set()
       raise self.damaged(step, f"reading it failed ({reason})") from None
+    finally:
+      _reads_under_way -= 1
 
   def restore_params(self, step: int, abstract_params):
     """Only the parameters at `step`, laid out as `abstract_params`: a start whose optimizer state may have
