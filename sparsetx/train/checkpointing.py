@@ -46,7 +46,7 @@ _READ_FAILURE = re.compile(r"\b(NOT_FOUND|DATA_LOSS|OUT_OF_RANGE|FAILED_PRECONDI
 
 
 _reported_read_failure = threading.Event()  # set once a failed read of a step became its one-line CheckpointError
-_reads_under_way = 0  # restores inside `CheckpointIO._reading` now
+_reads_under_way = 0  # restores inside `Checkpointer._reading` now
 
 
 def _quiet_closed_loop_callbacks() -> None:
