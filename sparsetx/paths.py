@@ -6,10 +6,12 @@ through tensorstore, and TensorBoard's writer through TensorFlow.
 """
 
 import contextlib
+import errno
 import os
+import re
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from etils import epath
 
@@ -35,6 +37,47 @@ def reason(error: Exception) -> str:
   """The first line of a filesystem error, for a one-sentence message."""
   text = getattr(error, "strerror", None) or str(error).strip()
   return text.splitlines()[0] if text else type(error).__name__
+
+
+STORAGE_EXIT_CODE = 5  # a program whose write to storage failed (a full disk, a quota, a read-only filesystem)
+_OS_ERROR_CODE = re.compile(r"\[os_error_code='?(\d+)'?\]")  # how tensorstore names the OS error behind its own
+
+
+class StorageError(Exception):
+  """A write failed: the message names what was written where, the OS's or store's own words, and what to do."""
+
+
+def cause(error: BaseException) -> str:
+  """The OS's or store's own words for a failed write: the strerror of the OSError behind `error` (tensorstore
+  names its errno as [os_error_code='28'], TensorFlow quotes its text), else the first line of the innermost
+  error's message."""
+  chain = []
+  while error is not None and error not in chain:
+    chain.append(error)
+    error = error.__cause__ or error.__context__
+  for each in chain:
+    if isinstance(each, OSError) and each.errno in errno.errorcode:
+      return os.strerror(each.errno)
+    if code := _OS_ERROR_CODE.search(str(each)):
+      return os.strerror(int(code.group(1)))
+    quoted = [os.strerror(code) for code in errno.errorcode if os.strerror(code) in str(each)]
+    if quoted:
+      return max(quoted, key=len)
+  text = reason(chain[-1])
+  return text if len(text) <= 240 else text[:240] + "..."
+
+
+@contextlib.contextmanager
+def writing(what: str, fix: str | Callable[[], str]) -> Iterator[None]:
+  """Turns a failed write inside the block into one `StorageError` line: `what` failed (the cause); `fix` (or what
+  `fix()` says once it failed: the newest complete checkpoint)."""
+  try:
+    yield
+  except storage_errors() as error:
+    raise StorageError(f"{what} failed ({cause(error)}); {fix if isinstance(fix, str) else fix()}") from None
+
+
+FREE_SPACE = "free space there (or quota) and run the same command again"
 
 
 def write_text_atomically(path: epath.Path, text: str) -> None:

@@ -176,8 +176,11 @@ real_restore = ocp.CheckpointManager.restore
 
 def restore(self, step, args=None, **kwargs):
   if args is not None and "state" in args:
-    async def sibling_read():
-      raise Exception("Encountered error while reading array index: (slice(0, 8, 1),)")
+    async def sibling_read():  # orbax's words: the index, then the array's TensorStore spec, which names its file
+      raise Exception(
+        "Encountered error while reading array index: (slice(0, 8, 1),). See full TensorStore details: "
+        f"{{'kvstore': {{'driver': 'file', 'path': '{self.directory}/{step}/state/ocdbt.process_0/'}}}}."
+      )
     loop = asyncio.new_event_loop()
     task = loop.create_task(sibling_read())
     loop.run_until_complete(asyncio.sleep(0))  # the task has failed; nothing will await it

@@ -256,7 +256,8 @@ def write_one(job: ShardJob, data: dict, report: Callable[[ShardJob, int, int], 
 
   try:
     stream, vocab_size = document_stream(job, data)
-    return token_store.write_shard(job.path, documents(), vocab_size)
+    with paths.writing(f"writing shard {job.path}", f"{paths.FREE_SPACE} (complete shards are kept)"):
+      return token_store.write_shard(job.path, documents(), vocab_size)
   except documents_lib.DocumentError as error:
     raise ShardError(
       f"shard {job.name} failed: {str(error).rstrip('.')}; then run the same command again (complete shards are kept)."
@@ -320,7 +321,8 @@ def tokenize_corpus(
     if name not in tasks and all(token_store.shard_complete(j.path) for j in shard_jobs({name: counts}, output_dir)):
       tasks[name] = counts
   sources = {name: plan["sources"].get(name, {}) for name in tasks}
-  token_store.write_manifest(output_dir, plan["vocabulary"], tasks, sources=sources)
+  with paths.writing(f"writing {output_dir / token_store.MANIFEST}", f"{paths.FREE_SPACE} (complete shards are kept)"):
+    token_store.write_manifest(output_dir, plan["vocabulary"], tasks, sources=sources)
   return token_store.read_manifest(output_dir)
 
 
@@ -401,5 +403,7 @@ def _run_jobs(
     from sparsetx.data import tokenize_ray
 
     write = functools.partial(write_one, data=data)
-    tokenize_ray.run(todo, write, min(workers, len(todo)), ray_address, finished, error_type=ShardError)
+    tokenize_ray.run(
+      todo, write, min(workers, len(todo)), ray_address, finished, error_types=(ShardError, paths.StorageError)
+    )
   update(final=True)

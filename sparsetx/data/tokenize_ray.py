@@ -22,12 +22,14 @@ def _write_row(row: dict, jobs: list, write: Callable) -> dict:
   return dict(id=row["id"], **write(jobs[row["id"]]))
 
 
-def _task_error(error: BaseException, error_type: type) -> BaseException | None:
-  """The `error_type` error a failed task raised, read from Ray's wrapper (which carries the task's traceback)."""
-  marker = f"{error_type.__name__}: "
+def _task_error(error: BaseException, error_types: tuple[type, ...]) -> BaseException | None:
+  """The error of one of `error_types` a failed task raised, read from Ray's wrapper (which carries the task's
+  traceback)."""
   for line in str(error).splitlines():
-    if marker in line:
-      return error_type(line.split(marker, 1)[1].strip())
+    for error_type in error_types:
+      marker = f"{error_type.__name__}: "
+      if marker in line:
+        return error_type(line.split(marker, 1)[1].strip())
   return None
 
 
@@ -37,10 +39,10 @@ def run(
   workers: int,
   address: str,
   finished: Callable[[object, dict], None],
-  error_type: type = ValueError,
+  error_types: tuple[type, ...] = (ValueError,),
 ) -> None:
   """Runs `write(job)` (a module-level function, or a partial of one) for every job on Ray, at most `workers` at a
-  time, calling `finished(job, record)` as each completes; a task's `error_type` error is raised here as itself.
+  time, calling `finished(job, record)` as each completes; a task's error of one of `error_types` is raised here as itself.
   `address` "" starts a local runner of `workers` CPUs, removed at the end; otherwise it names a running cluster
   (`auto`, `ray://HEAD:10001`) whose nodes have sparsetx installed."""
   import logging
@@ -66,7 +68,7 @@ def run(
         record = dict(row)
         finished(jobs[record.pop("id")], record)
     except Exception as error:  # noqa: BLE001  (Ray's wrappers of a task's error)
-      task_error = _task_error(error, error_type)
+      task_error = _task_error(error, error_types)
       if task_error is None:
         raise
       raise task_error from None

@@ -179,7 +179,10 @@ def write_hf(
   _check_target(out_dir, overwrite, "--out", "config.json")
   config_json, tensors = mapping.to_hf(config.model, params)
   config_json = dict(config_json, dtype=dtype, torch_dtype=dtype)  # torch_dtype: the transformers 4.x name
-  with _StagedDirectory(out_dir) as staged:
+  with (
+    paths.writing(f"writing {out_dir}", f"nothing was left there; {paths.FREE_SPACE}"),
+    _StagedDirectory(out_dir) as staged,
+  ):
     _save_weights(tensors, os.path.join(staged.path, WEIGHTS), dtype)
     _write_json(os.path.join(staged.path, "config.json"), config_json)
     _write_json(

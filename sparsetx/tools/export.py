@@ -11,7 +11,7 @@ import os
 
 from absl import flags
 
-from sparsetx import cli
+from sparsetx import cli, paths
 from sparsetx.config import ConfigError
 
 
@@ -63,6 +63,8 @@ def absl_main(argv, holders: dict):
       print(json.dumps(summary, indent=1))
   except ConfigError as error:
     cli.fail(error)
+  except paths.StorageError as error:  # a full disk, a quota: one line; the partial output is removed
+    cli.fail(error, paths.STORAGE_EXIT_CODE)
 
 
 def main():

@@ -15,7 +15,7 @@ import sys
 
 from absl import flags, logging
 
-from sparsetx import cli
+from sparsetx import cli, paths
 from sparsetx.config import ConfigError
 
 
@@ -95,6 +95,8 @@ def absl_main(argv, holders: dict):
     )
   except (ConfigError, pretokenize.ShardError) as error:
     cli.fail(error)
+  except paths.StorageError as error:  # a full disk, a quota: one line, the complete shards kept
+    cli.fail(error, paths.STORAGE_EXIT_CODE)
   except KeyboardInterrupt:
     cli.fail(f"interrupted; run the same command again to finish {args.output_dir} (complete shards are kept).", 130)
   counts = ", ".join(

@@ -72,6 +72,7 @@ def absl_main(argv, holders: dict):
   except distributed.DistributedError as error:
     cli.fail(error, 4)
   # After joining (a missing peer is reported before the slow imports) and after flags (fast --help).
+  from sparsetx import paths
   from sparsetx.data.token_store import CorpusError
   from sparsetx.train.loop import NonFiniteLossError, train
 
@@ -81,6 +82,8 @@ def absl_main(argv, holders: dict):
     cli.fail(error, 2)
   except NonFiniteLossError as error:
     cli.fail(error, 3)
+  except paths.StorageError as error:  # a full disk, a quota, a read-only store: one line, the newest complete step
+    cli.fail(error, paths.STORAGE_EXIT_CODE)
   distributed.shutdown()
   logging.info("Done. Checkpoints: %s/checkpoints, TensorBoard: %s/tensorboard", args.workdir, args.workdir)
 

@@ -12,8 +12,6 @@ import contextlib
 import json
 import logging as logging_std
 import re
-import sys
-import threading
 import time
 
 import jax
@@ -26,6 +24,7 @@ from sparsetx import config as config_lib
 from sparsetx import paths
 from sparsetx.config import ConfigError
 from sparsetx.data import check_training_files, global_stream
+from sparsetx.train import held_errors
 from sparsetx.train import state as state_lib
 
 COMPUTE_ONLY = (
@@ -43,40 +42,6 @@ ITEMS = ("state", "config")  # in every step; `data` in every step a run saved (
 SUPERSEDED = "superseded"  # <workdir>/superseded/<time>/: the steps after a restore_step, set aside
 # Status codes of tensorstore / TensorFlow read failures (a damaged file), as opposed to a structure mismatch.
 _READ_FAILURE = re.compile(r"\b(NOT_FOUND|DATA_LOSS|OUT_OF_RANGE|FAILED_PRECONDITION|PERMISSION_DENIED|UNAVAILABLE)\b")
-
-
-_reported_read_failure = threading.Event()  # set once a failed read of a step became its one-line CheckpointError
-_reads_under_way = 0  # restores inside `Checkpointer._reading` now
-
-
-def _quiet_closed_loop_callbacks() -> None:
-  """After a failed restore, tensorstore completes the reads still in flight into orbax's event loop, closed by
-  then, and each completion prints an unraisable 'Event loop is closed' traceback around the one-line error; the
-  sibling reads of the damaged files, finalized unawaited, print the same read failure again (as unraisable
-  errors, or as asyncio's 'Task exception was never retrieved' when their task is collected while the first
-  failure unwinds). Those (and only those: sibling read failures only during a read or once one was reported)
-  are dropped once a read has started."""
-  previous = sys.unraisablehook
-  if getattr(previous, "drops_closed_loop_callbacks", False):
-    return
-
-  def sibling_read_failure(error) -> bool:
-    quiet = _reads_under_way > 0 or _reported_read_failure.is_set()
-    return quiet and error is not None and _read_failure(error) is not None
-
-  def hook(unraisable):
-    error = unraisable.exc_value
-    closed_loop = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
-    if not (closed_loop or sibling_read_failure(error)):
-      previous(unraisable)
-
-  def unretrieved_task(record: logging_std.LogRecord) -> bool:
-    """asyncio's logging filter: False drops the record."""
-    return not (record.exc_info and sibling_read_failure(record.exc_info[1]))
-
-  hook.drops_closed_loop_callbacks = True
-  sys.unraisablehook = hook
-  logging_std.getLogger("asyncio").addFilter(unretrieved_task)
 
 
 def _item_handlers(state_handler=None) -> dict:
@@ -214,6 +179,8 @@ class Checkpointer:
       enable_async_checkpointing=checkpoint.async_save,
       create=True,
     )
+    self._saving = None  # (step, HeldErrors) of the save under way
+    self._failed_save = None  # the step whose save failed: orbax's manager raises it again on close
     with _warnings_held_back() as self._held:  # about a damaged step, if any: released once it is verified
       self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_item_handlers())
 
@@ -260,7 +227,10 @@ class Checkpointer:
       records.release()
 
   def _verify(self, step: int, data_state: bool) -> None:
-    _quiet_closed_loop_callbacks()  # the metadata reads go through tensorstore too
+    with self._holding_echoes(step):  # the metadata reads go through tensorstore too
+      self._verify_items(step, data_state)
+
+  def _verify_items(self, step: int, data_state: bool) -> None:
     step_dir = self.directory / str(step)
     try:  # the item directories, as orbax finds them: each item's own metadata is read (and named) below
       items = {path.name for path in step_dir.iterdir() if path.is_dir()}
@@ -297,7 +267,6 @@ class Checkpointer:
 
   def damaged(self, step: int, problem: str) -> CheckpointError:
     """The one-line error for an unreadable `step`: what is wrong, the other saved steps, the flag to pick one."""
-    _reported_read_failure.set()
     self._held.records.clear()  # orbax's warnings about the step: its one line says what is wrong
     others = sorted(s for s in self.manager.all_steps() if s != step)
     if others:
@@ -338,11 +307,51 @@ class Checkpointer:
     return config_from_saved(saved)
 
   def save(self, step: int, state, config: ml_collections.ConfigDict, data_state: dict | None) -> None:
-    """Saves `step` (asynchronously with config.checkpoint.async_save); `data_state` None for a step-0 start."""
+    """Saves `step` (asynchronously with config.checkpoint.async_save); `data_state` None for a step-0 start.
+    A failed save, this one or the one before it, raises a one-line `paths.StorageError` (see `check_saved`)."""
+    self.check_saved(wait=True)
     items = dict(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict()))
     if data_state is not None:
       items["data"] = ocp.args.JsonSave(data_state)
-    self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+    self._saving = step, self._holding_echoes(step, reported=paths.StorageError).install()
+    try:
+      self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+    except Exception as error:  # noqa: BLE001  (any failure of the save, reported with its own words)
+      self._save_failed(error)
+    self.check_saved()
+
+  def check_saved(self, wait: bool = False) -> None:
+    """Raises the one-line `paths.StorageError` of the save under way once it has ended in failure (a loop calls
+    this every step, so no step runs after a failure is known); with `wait`, waits for the save to end first."""
+    if self._saving is None or not wait and self.manager.is_saving_in_progress():
+      return
+    try:
+      self.manager.wait_until_finished()  # raises the save's failure (orbax's save finalize ends with it)
+    except Exception as error:  # noqa: BLE001
+      self._save_failed(error)
+    _, held = self._saving
+    self._saving = None
+    held.remove()
+
+  def _save_failed(self, error: BaseException) -> None:
+    step, held = self._saving
+    self._saving, self._failed_save = None, step
+    message = f"saving checkpoint step {step} in {self.directory} failed ({paths.cause(error)})"
+    held_errors.drop_frames(error)
+    held.settle()
+    held.remove(drop_echoes=True)
+    raise paths.StorageError(f"{message}; {self.newest_complete()}") from None
+
+  def newest_complete(self) -> str:
+    """Which complete step a rerun resumes from, and what to do first: the end of a failed write's one line."""
+    self.manager.reload()
+    steps = sorted(self.manager.all_steps())
+    if not steps:
+      return f"no checkpoint is complete yet: {paths.FREE_SPACE}."
+    return (
+      f"the newest complete checkpoint is step {steps[-1]} (nothing saved was damaged): {paths.FREE_SPACE} to "
+      "resume from it."
+    )
 
   def restore_state(self, step: int, abstract_state):
     """The state at `step`, laid out as `abstract_state`'s shardings: restoring onto any mesh reshards."""
@@ -351,24 +360,23 @@ class Checkpointer:
         "state"
       ]
 
+  def _holding_echoes(self, step: int, reported: type[BaseException] = CheckpointError) -> held_errors.HeldErrors:
+    """What a failed read or save of `step` echoes from orbax's other tasks, held while it runs (see held_errors)."""
+    return held_errors.HeldErrors(str(self.directory / str(step)), reported=reported)
+
   @contextlib.contextmanager
   def _reading(self, step: int):
     """Turns a failed read of a file of `step` into its `damaged` error; other errors pass unchanged."""
-    global _reads_under_way
-    _quiet_closed_loop_callbacks()  # before the read: a failing restore's callbacks can fire while it unwinds
-    _reads_under_way += 1
-    try:
-      yield
-    except ConfigError:
-      raise
-    except Exception as error:  # noqa: BLE001  (classified by _read_failure)
-      reason = _read_failure(error)
-      if reason is None:
+    with self._holding_echoes(step):
+      try:
+        yield
+      except ConfigError:
         raise
-      _reported_read_failure.set()
-      raise self.damaged(step, f"reading it failed ({reason})") from None
-    finally:
-      _reads_under_way -= 1
+      except Exception as error:  # noqa: BLE001  (classified by _read_failure)
+        reason = _read_failure(error)
+        if reason is None:
+          raise
+        raise self.damaged(step, f"reading it failed ({reason})") from None
 
   def restore_params(self, step: int, abstract_params):
     """Only the parameters at `step`, laid out as `abstract_params`: a start whose optimizer state may have
@@ -399,11 +407,15 @@ class Checkpointer:
         )
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    """Waits for the save under way; raises its `paths.StorageError` if it failed."""
+    self.check_saved(wait=True)
 
   def close(self) -> None:
+    """Waits for the save under way (its failure raised as a `paths.StorageError`), then closes the manager."""
     self._held.release()
-    self.manager.close()
+    self.check_saved(wait=True)
+    if self._failed_save is None:
+      self.manager.close()
 
 
 def open_read_only(workdir: str, workdir_flag: str = "--workdir", step_flag: str = "--step") -> Checkpointer:

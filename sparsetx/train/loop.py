@@ -256,7 +256,8 @@ def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup
     state = state_lib.create_state(config, shardings, model, tx)
     start = 0
   checkpointer.set_aside_after(start)  # a restore_step before the newest: later steps move to superseded/
-  logging.info("%s; config: %s", summary(config, built), write_config(config, workdir))
+  with paths.writing(f"writing {paths.resolve(workdir) / 'config.json'}", checkpointer.newest_complete):
+    logging.info("%s; config: %s", summary(config, built), write_config(config, workdir))
 
   step_fn = step_lib.make_train_step(config, built)
   eval_fn = step_lib.make_eval_step(model, shardings.params, batch_sharding)
@@ -264,7 +265,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup
   if not eval_data.task_names:
     logging.warning("No task of config.data.mixture has a validation split: this run evaluates nothing.")
 
-  writer = metrics_lib.make_writer(workdir, start)
+  writer = metrics_lib.make_writer(workdir, start, fix=checkpointer.newest_complete)
   if start == 0 and jax.process_index() == 0:
     writer.write_hparams(
       {k: v for k, v in _flatten(config.to_dict()).items() if isinstance(v, (int, float, str, bool))}
@@ -286,6 +287,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup
       step += 1
       profiler.after(step, step_metrics)
       reader.dispatched(step, step_metrics)  # reads step - 1's metrics: the devices still run `step`
+      checkpointer.check_saved()  # a save that failed stops the run before another step
       if eval_data.task_names and (step % config.train.eval_every == 0 or step == config.train.steps):
         reader.read()  # waits for `step`: evaluate only a state known finite
         started = time.time()
@@ -309,12 +311,12 @@ def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup
     reader.read()
     if step != saved_step:  # stopped by SIGTERM (agreed by all processes) between checkpoints
       checkpointer.save(step, state, config, data_iterator.state())
+    checkpointer.wait()
+    writer.flush()
   finally:
     profiler.close()
     sigterm.restore()
-    checkpointer.wait()
-    checkpointer.close()
-    writer.flush()
+    checkpointer.close()  # after a failure elsewhere: waits for the save under way
     data_iterator.close()
   return reader.last
 

@@ -11,6 +11,7 @@ of steps S + 1 and later (its purge of orphaned data, as PyTorch's `purge_step` 
 """
 
 import json
+from collections.abc import Callable
 
 import jax
 import tensorflow as tf
@@ -49,14 +50,16 @@ def drop_rows_after(path: epath.Path, step: int) -> int:
 
 
 class JsonlWriter(interface.MetricWriter):
-  """Appends one JSON object per write_scalars call to <workdir>/metrics.jsonl, flushed at once (tail -f works)."""
+  """Appends one JSON object per write_scalars call to <workdir>/metrics.jsonl, each written and closed at once
+  (tail -f works; a failed write, a full disk, leaves nothing buffered to fail again)."""
 
   def __init__(self, path: epath.Path):
-    self._file = path.open("a", encoding="utf-8")
+    self._path = path
 
   def write_scalars(self, step, scalars):
-    self._file.write(json.dumps({"step": int(step), **{k: float(v) for k, v in scalars.items()}}) + "\n")
-    self._file.flush()
+    row = json.dumps({"step": int(step), **{k: float(v) for k, v in scalars.items()}}) + "\n"
+    with self._path.open("a", encoding="utf-8") as file:
+      file.write(row)
 
   def write_summaries(self, step, values, metadata=None):
     pass
@@ -80,10 +83,10 @@ class JsonlWriter(interface.MetricWriter):
     pass
 
   def flush(self):
-    self._file.flush()
+    pass
 
   def close(self):
-    self._file.close()
+    pass
 
 
 def tensorboard_dir(workdir: str) -> epath.Path:
@@ -99,13 +102,41 @@ def tensorboard_writer(logdir: epath.Path, start_step: int) -> interface.MetricW
   return writer
 
 
-def make_writer(workdir: str, start_step: int = 0) -> metric_writers.MetricWriter:
-  """The writer of a run starting at `start_step`: what an earlier run logged past it is dropped (see above)."""
+class RunWriter(metric_writers.MultiWriter):
+  """The run's writers, each write's failure (a full disk) one `paths.StorageError` line naming the step, the
+  workdir, the OS's words and `fix()` (what the run can resume from)."""
+
+  def __init__(self, writers: list, workdir: epath.Path, fix: Callable[[], str]):
+    super().__init__(writers)
+    self._workdir, self._fix = workdir, fix
+
+  def _writing(self, what: str):
+    return paths.writing(f"writing {what} in {self._workdir}", self._fix)
+
+  def write_scalars(self, step, scalars):
+    with self._writing(f"step {step}'s metrics"):
+      super().write_scalars(step, scalars)
+
+  def write_hparams(self, hparams):
+    with self._writing("the hyperparameters"):
+      super().write_hparams(hparams)
+
+  def flush(self):
+    with self._writing("the metrics"):
+      super().flush()
+
+
+def make_writer(workdir: str, start_step: int = 0, fix: Callable[[], str] = lambda: paths.FREE_SPACE) -> RunWriter:
+  """The writer of a run starting at `start_step`: what an earlier run logged past it is dropped (see above).
+  `fix()` ends the line of a failed write."""
+  workdir = paths.resolve(workdir)
   if jax.process_index() != 0:
-    return metric_writers.MultiWriter([])
-  jsonl = paths.resolve(workdir) / "metrics.jsonl"
-  if dropped := drop_rows_after(jsonl, start_step):
-    logging.info(
-      "Starting at step %d: dropped %d rows of %s logged after it by an earlier run.", start_step, dropped, jsonl
-    )
-  return metric_writers.MultiWriter([tensorboard_writer(tensorboard_dir(workdir), start_step), JsonlWriter(jsonl)])
+    return RunWriter([], workdir, fix)
+  jsonl = workdir / "metrics.jsonl"
+  with paths.writing(f"writing {jsonl}", fix):
+    if dropped := drop_rows_after(jsonl, start_step):
+      logging.info(
+        "Starting at step %d: dropped %d rows of %s logged after it by an earlier run.", start_step, dropped, jsonl
+      )
+    writers = [tensorboard_writer(tensorboard_dir(workdir), start_step), JsonlWriter(jsonl)]
+  return RunWriter(writers, workdir, fix)
