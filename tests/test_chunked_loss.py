@@ -191,3 +191,31 @@ def test_a_negative_tile_count_is_refused():
   config.train.loss_chunks = -1
   with pytest.raises(config_lib.ConfigError, match=r"config.train.loss_chunks=-1 must be an integer >= 0"):
     config_lib.validate(config)
+
+
+def test_bf16_hidden_gradient_is_summed_over_tiles_in_float32_and_rounded_once():
+  """64 tiles of a bf16 head (logits_dot_in_fp32=False): the hidden states' gradient is the float32 sum of the tiles'
+  products, rounded to bf16 once. Inputs that make everything before that rounding exact: hidden states 0, so every
+  logit is 0 and each softmax 1/256 (a power of two: its bf16 cotangent 1/256, the target's 1/256 - 1 = -255/256,
+  both exact), weights 0 or 1, no z-loss. The float64 reference dx_t = w_t sum_v (1/256 - onehot_v) W_v then
+  bounds the result by one rounding, 2^-8 |dx|, plus the float32 sums' 2 V eps32 sum_v |g_v| |W_v|; a rounding
+  after each tile (64 of them, partial sums larger than their total) breaks it."""
+  V, tiles = 256, 64
+  cfg = head_config(False, V, logits_dot_in_fp32=False)
+  keys = jax.random.split(jax.random.key(1), 3)
+  w_DV = (jax.random.normal(keys[0], (D, V)) * 0.5).astype(jnp.bfloat16)
+  hidden_BTD = jnp.zeros((B, T, D), jnp.bfloat16)
+  targets_BT = jax.random.randint(keys[1], (B, T), 0, V)
+  weights_BT = (jax.random.uniform(keys[2], (B, T)) > 0.2).astype(jnp.float32)
+
+  def chunked(hidden_BTD):
+    losses = loss_lib.chunked_token_losses(cfg, {"lm_head": {"kernel": w_DV}}, hidden_BTD, targets_BT, 0.0, tiles)
+    return (losses * weights_BT).sum()
+
+  dx_ND = np.asarray(jax.jit(jax.grad(chunked))(hidden_BTD), np.float64).reshape(B * T, D)
+  g_NV = np.full((B * T, V), 1.0 / V) - np.eye(V)[np.asarray(targets_BT).reshape(-1)]
+  g_NV *= np.asarray(weights_BT, np.float64).reshape(-1, 1)
+  w_VD = np.asarray(w_DV, np.float64).T
+  want_ND = g_NV @ w_VD
+  bound_ND = 2.0**-8 * np.abs(want_ND) + 2 * V * EPS32 * (np.abs(g_NV) @ np.abs(w_VD))
+  assert np.all(np.abs(dx_ND - want_ND) <= bound_ND), np.max(np.abs(dx_ND - want_ND) - bound_ND)
