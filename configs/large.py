@@ -4,7 +4,7 @@ MODEL:
   sgatlin8   the paper's ladder at scale 8: d_model 1024, 16 layers, C=16 channels of
              d_ffw = 112**2 neurons (6.7B parameters, 6.6B of them in the tables)
   sgatlin4b  d_model 2048, 24 layers, C=16 channels of 48**2 neurons (4.2B parameters)
-TARGET (the mesh; the tables are split by channel over `expert`, see sparsetx/parallel/expert_parallel.py):
+TARGET (the mesh; the tables are split by channel over `expert`, see sparsetx/parallel/expert_groups.py):
   h100       nodes of 8 H100s: expert=8 inside a node (NVLink carries the token all-gathers and
              reduce-scatters), data over the nodes (DCN) and any remaining local devices
   v5p        one TPU v5p slice (all ICI): expert=16, one channel per chip, data over the rest
