@@ -5,6 +5,7 @@ import importlib.util
 import os
 import pathlib
 import shutil
+import subprocess
 import tempfile
 
 # Everything the session and the programs it starts write to the temporary directory (TensorFlow's autograph
@@ -155,3 +156,42 @@ def pytest_collection_modifyitems(config, items):
   """The tests marked slow run first: with pytest-xdist's two workers the suite's end is then many short tests
   spread over both, not one worker alone on a long one."""
   items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+class SmallFilesystem:
+  """A filesystem that really fills: a 64 MiB tmpfs, with a ballast file that leaves as many bytes free as asked."""
+
+  SIZE = "64m"
+
+  def __init__(self, path: pathlib.Path):
+    self.path = path
+    self._ballast = path / ".ballast"
+
+  def leave_free(self, free_bytes: int) -> None:
+    """Fills the filesystem (on top of what it holds) until `free_bytes` are left, give or take a page."""
+    stats = os.statvfs(self.path)
+    size = stats.f_bavail * stats.f_frsize - free_bytes
+    assert size > 0, f"{self.path} has less than {free_bytes} bytes free already"
+    with open(self._ballast, "ab") as f:
+      f.write(b"\0" * size)
+
+  def make_room(self) -> None:
+    self._ballast.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+  """A 64 MiB tmpfs mounted under tmp_path (root on Linux, as CI runs; elsewhere the test is skipped, saying why)."""
+  mount_point = tmp_path / "small"
+  mount_point.mkdir()
+  mounted = subprocess.run(
+    ["mount", "-t", "tmpfs", "-o", f"size={SmallFilesystem.SIZE}", "tmpfs", str(mount_point)],
+    capture_output=True,
+    text=True,
+  )
+  if mounted.returncode != 0:
+    pytest.skip(f"a size-limited tmpfs cannot be mounted here (needs root on Linux): {mounted.stderr.strip()}")
+  try:
+    yield SmallFilesystem(mount_point)
+  finally:
+    subprocess.run(["umount", "-l", str(mount_point)], check=True)

@@ -5,7 +5,11 @@ changes. Resuming from the older step with restore_step reproduces the lost step
 One MLP run of 4 steps (checkpoints at 2 and 4) is trained once; each test damages a copy of it.
 """
 
+import asyncio
+import errno
+import gc
 import glob
+import logging
 import os
 import shutil
 import subprocess
@@ -13,11 +17,13 @@ import sys
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from conftest import REPO, load_config
 
+from sparsetx import paths
 from sparsetx.interp import checkpoint as interp_checkpoint
-from sparsetx.train import checkpointing, loop
+from sparsetx.train import checkpointing, held_errors, loop
 
 
 def micro_config(ffn_type: str = "mlp", **train):
@@ -236,3 +242,75 @@ def test_evaluate_reports_a_damaged_step_as_its_only_output(copy, damage, proble
   assert lines[0].startswith(f"error: checkpoint step 4 in {copy}/checkpoints cannot be read: ") and problem in lines[0]
   assert lines[0].endswith("pick an older complete step with --step=N (saved steps: 2); nothing was deleted.")
   assert tree(copy) == before
+
+
+def raise_unraisable(error: BaseException) -> None:
+  """Raises `error` where Python can only report it to sys.unraisablehook: in a finalizer."""
+
+  class Finalized:
+    def __del__(self):
+      raise error
+
+  Finalized()
+
+
+def collect_a_failed_task(error: BaseException) -> None:
+  """An asyncio task that failed with `error` and that nobody awaited, collected: asyncio logs 'Task exception was
+  never retrieved'."""
+
+  async def fail():
+    raise error
+
+  loop = asyncio.new_event_loop()
+  task = loop.create_task(fail())
+  loop.run_until_complete(asyncio.sleep(0))
+  loop.close()
+  del task
+  gc.collect()
+
+
+def test_an_unrelated_error_prints_during_and_after_a_failed_restore(copy, monkeypatch, caplog):
+  """The echoes of a failed read are held only while it runs, and only those naming its step are dropped: an
+  unrelated OSError (a full disk elsewhere) raised during the read and after it reaches the hook as it would
+  without any, and an unrelated task's failure is logged."""
+  delete(f"{copy}/checkpoints/4/state/ocdbt.process_0/d/*")
+  reported = []
+  monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: reported.append(unraisable.exc_value))
+  during = OSError(errno.ENOSPC, "No space left on device", "/elsewhere/during.log")
+  after = OSError(errno.ENOSPC, "No space left on device", "/elsewhere/after.log")
+  real_restore = ocp.CheckpointManager.restore
+
+  def restore(self, step, args=None, **kwargs):
+    if args is not None and "state" in args:
+      raise_unraisable(during)
+    return real_restore(self, step, args=args, **kwargs)
+
+  monkeypatch.setattr(ocp.CheckpointManager, "restore", restore)
+  with pytest.raises(checkpointing.CheckpointError, match="reading it failed"):
+    checkpointing.load(copy, full_state=True)
+  raise_unraisable(after)
+  collect_a_failed_task(OSError(errno.ENOSPC, "No space left on device"))
+  assert [error for error in reported if error in (during, after)] == [during, after]
+  assert any("Task exception was never retrieved" in record.getMessage() for record in caplog.records)
+  assert not any(isinstance(f, held_errors.HeldErrors) for f in logging.getLogger("asyncio").filters)
+
+
+def test_a_full_disk_save_after_a_failed_restore_is_one_error(copy, small_filesystem):
+  """A long-lived process (the lm-eval adapter) whose restore failed, then saves on a full disk: the save's
+  failure is its one StorageError line with the OS's words, not dropped as the failed read's echo."""
+  delete(f"{copy}/checkpoints/4/state/ocdbt.process_0/d/*")
+  with pytest.raises(checkpointing.CheckpointError, match="reading it failed"):
+    checkpointing.load(copy, full_state=True)
+  config, params, _ = checkpointing.load(copy, step=2)
+  config.checkpoint.async_save = True
+  workdir = small_filesystem.path / "run"
+  checkpointer = checkpointing.Checkpointer(str(workdir), config.checkpoint)
+  small_filesystem.leave_free(64 * 1024)
+  with pytest.raises(paths.StorageError) as error:
+    checkpointer.save(7, params, config, data_state=None)
+    checkpointer.wait()
+  checkpointer.close()
+  assert str(error.value) == (
+    f"saving checkpoint step 7 in {workdir}/checkpoints failed (No space left on device); no checkpoint is "
+    "complete yet: free space there (or quota) and run the same command again."
+  )
