@@ -40,7 +40,8 @@ def reason(error: Exception) -> str:
 
 
 STORAGE_EXIT_CODE = 5  # a program whose write to storage failed (a full disk, a quota, a read-only filesystem)
-_OS_ERROR_CODE = re.compile(r"\[os_error_code='?(\d+)'?\]")  # how tensorstore names the OS error behind its own
+_STORE_STATUS = re.compile(r"(RESOURCE_EXHAUSTED|PERMISSION_DENIED|UNAVAILABLE|DEADLINE_EXCEEDED): ")  # tensorstore's
+_OS_ERROR_CODE = re.compile(r"\[os_error_code='?(\d+)'?\]|\(os error (\d+)\)")  # tensorstore's, Rust's (safetensors)
 
 
 class StorageError(Exception):
@@ -59,7 +60,7 @@ def cause(error: BaseException) -> str:
     if isinstance(each, OSError) and each.errno in errno.errorcode:
       return os.strerror(each.errno)
     if code := _OS_ERROR_CODE.search(str(each)):
-      return os.strerror(int(code.group(1)))
+      return os.strerror(int(code.group(1) or code.group(2)))
     quoted = [os.strerror(code) for code in errno.errorcode if os.strerror(code) in str(each)]
     if quoted:
       return max(quoted, key=len)
@@ -67,13 +68,23 @@ def cause(error: BaseException) -> str:
   return text if len(text) <= 240 else text[:240] + "..."
 
 
+def storage_failure(error: BaseException) -> bool:
+  """Whether `error` is a store's refusal of a write: an OSError, TensorFlow's file errors, tensorstore's (a
+  ValueError whose status says the store is full, forbidden or unreachable), or any error naming the OS error."""
+  if isinstance(error, storage_errors()) or _OS_ERROR_CODE.search(str(error)):
+    return True
+  return isinstance(error, ValueError) and bool(_STORE_STATUS.match(str(error)))
+
+
 @contextlib.contextmanager
 def writing(what: str, fix: str | Callable[[], str]) -> Iterator[None]:
   """Turns a failed write inside the block into one `StorageError` line: `what` failed (the cause); `fix` (or what
-  `fix()` says once it failed: the newest complete checkpoint)."""
+  `fix()` says once it failed: the newest complete checkpoint). Other errors pass unchanged."""
   try:
     yield
-  except storage_errors() as error:
+  except Exception as error:  # noqa: BLE001  (narrowed by storage_failure; the rest re-raised)
+    if not storage_failure(error):
+      raise
     raise StorageError(f"{what} failed ({cause(error)}); {fix if isinstance(fix, str) else fix()}") from None
 
 
