@@ -1,18 +1,11 @@
-"""The echoes of a failed checkpoint read or save, held while the step is read or written, dropped only when it fails.
+"""The echoes of a failed checkpoint read or save, held while one step is read or written, dropped only when it fails.
 
-Orbax reads and writes a step's files through tensorstore from many asyncio tasks at once. When one fails, orbax's
-event loop closes with its siblings still in flight, and the one failure comes back many times over: every
-completion that arrives afterwards prints an unraisable 'Event loop is closed' traceback, each sibling task's own
-failure is logged by asyncio ('Task exception was never retrieved') once the collector reaches it, and orbax logs
-the failure again with its traceback. The caller's one line already says what failed.
-
-`HeldErrors` is installed for one read or save of one step and removed when it ends. While installed it holds the
-unraisable errors and the error records of asyncio's and absl's loggers (orbax logs through absl). When the
-operation ends well, or fails with an error the caller does not report in one line, every held item is released
-as it came. When it fails with the caller's one-line error, it first lets the failure's stragglers arrive (the
-collector runs, then it waits for a quiet moment, `SETTLE_QUIET_S`, at most `SETTLE_LIMIT_S`), then drops only
-the echoes: an 'Event loop is closed' raised where a completion was posted to a closed loop, and errors whose text
-names the step's own directory. Anything else, an unrelated OSError among them, is released.
+Orbax reads and writes a step through many asyncio tasks; when one fails, the one failure comes back many times
+over (unraisable 'Event loop is closed' tracebacks, asyncio's 'Task exception was never retrieved', orbax's own
+log), while the caller's one line already says what failed. `HeldErrors` is installed for one read or save and
+removed after it: it holds unraisable errors and asyncio's and absl's error records, releases them all as they came
+unless the operation fails with the caller's one-line error, and then drops only that failure's echoes (a
+completion posted to the closed loop, errors naming the step's own directory). docs/modules.md says more.
 """
 
 import gc
