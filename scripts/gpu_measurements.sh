@@ -7,7 +7,8 @@
 #   SMALL=1 scripts/gpu_measurements.sh check|...     rehearsal on a CPU: the same programs at --small shapes
 #
 # Each part writes its log to $OUT/<part>.log (and prints its tail); JAX_COMPILATION_CACHE_DIR lets a rerun on the
-# warm machine skip the compiles. Nothing here needs seqio, TensorFlow or the data path.
+# warm machine skip the compiles. Nothing here needs seqio, TensorFlow or the data path. The script exits 1 when any
+# program of the part failed or ran out of time (naming them on its last line), 0 when all of them ran to rc=0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:?"say which part: deps, check, scale4, parts, head, remat or scale8"}
@@ -19,6 +20,7 @@ PY=${PY:-python3}
 small=()
 [[ ${SMALL:-0} == 1 ]] && small=(--small)
 
+failed=()
 run() {  # run NAME SECONDS COMMAND...: the command under a time limit, its log kept whatever it returns
   local name=$1 limit=$2
   shift 2
@@ -27,6 +29,7 @@ run() {  # run NAME SECONDS COMMAND...: the command under a time limit, its log 
   local rc=$?
   echo "rc=$rc" >>"$OUT/$name.log"
   tail -n 30 "$OUT/$name.log"
+  ((rc == 0)) || failed+=("$name (rc=$rc$( ((rc == 124)) && echo ", out of time"))")
 }
 
 case $part in
@@ -38,8 +41,8 @@ case $part in
     rm -rf .device_deps/wheels
     ;;
   check)  # the acceptance check: every kernel row, each backend, the kernel bench and the train steps
-    "$PY" -c "import jax; print(jax.__version__, jax.devices())"
-    run accelerator_check 420 "$PY" -m sparsetx.tools.accelerator_check "${small[@]}"
+    "$PY" -c "import jax; print(jax.__version__, jax.devices())" || failed+=("jax import")
+    run accelerator_check 540 "$PY" -m sparsetx.tools.accelerator_check "${small[@]}"
     ;;
   scale4)  # issue 42's shape: scale 4, 16 x 1,024 tokens, bf16; the Triton rows, then the Mosaic ones
     shape=(--scale=4 --batch=16 --seq_len=1024 --rounds=3)
@@ -61,7 +64,7 @@ case $part in
     run head_scale4 300 "$PY" -m sparsetx.tools.bench_train_step "${shape[@]}" --types=mlp,sgatlin --gpu_kernel=triton \
       --nologits_dot_in_fp32 --loss_chunks=0
     ;;
-  remat)  # the step as the H200 first ran it (the ladder's remat=full), beside the default's (remat none)
+  remat)  # the ladder's remat=full, beside the default the H200 ran (remat none)
     shape=(--scale=4 --batch=16 --seq_len=1024 --rounds=3)
     [[ ${SMALL:-0} == 1 ]] && shape=(--small --rounds=1)
     run remat_full 300 "$PY" -m sparsetx.tools.bench_train_step "${shape[@]}" --types=mlp,sgatlin --gpu_kernel=triton \
@@ -79,3 +82,8 @@ case $part in
     exit 2
     ;;
 esac
+if ((${#failed[@]})); then
+  joined=$(printf '%s; ' "${failed[@]}")
+  echo "gpu_measurements.sh $part: failed: ${joined%; } (logs in $OUT)" >&2
+  exit 1
+fi

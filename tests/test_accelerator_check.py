@@ -16,7 +16,8 @@ from sparsetx.tools import accelerator_check
 @pytest.mark.slow
 def test_small_form_prints_one_table_of_passing_checks_and_every_part():
   result = subprocess.run(
-    [sys.executable, "-m", "sparsetx.tools.accelerator_check", "--small"],
+    # Two sections in child processes, as a GPU runs its Mosaic ones: their rows come back into the one table.
+    [sys.executable, "-m", "sparsetx.tools.accelerator_check", "--small", "--isolate=moe bench,train fff"],
     cwd=REPO,
     capture_output=True,
     text=True,
@@ -96,3 +97,33 @@ def test_a_kernel_that_raises_is_one_failed_row_and_the_others_run(monkeypatch):
   assert by_kernel["mosaic row_accumulate"][1] and by_kernel["mosaic segment_sums"][1]
   assert by_kernel["mosaic gated gather + grads"][1] is False  # the whole op calls row_dots too
   assert "FAILED" in accelerator_check.format_table(rows)
+
+
+def test_a_child_that_dies_is_one_failed_row_and_the_other_sections_still_run(monkeypatch):
+  """An isolated section whose process is killed by SIGILL (a Mosaic GPU kernel's illegal instruction) is one FAILED
+  row naming the signal and its last stderr line; the section after it runs in this process and passes."""
+  dies = "import os, signal, sys; print('illegal instruction in segment_sums', file=sys.stderr); "
+  dies += "os.kill(os.getpid(), signal.SIGILL)"
+  monkeypatch.setattr(accelerator_check, "child_command", lambda section, small: [sys.executable, "-c", dies])
+  monkeypatch.setattr(accelerator_check, "section_names", lambda small: ["backend mosaic", "train mlp"])
+  rows = accelerator_check.all_rows(small=True, isolate=["backend mosaic"])
+  assert rows[0] == (
+    "kernels",
+    "backend mosaic",
+    "child process killed by SIGILL: illegal instruction in segment_sums",
+    False,
+  )
+  assert [row[0] for row in rows[1:]] == ["train step"] and "tokens/s" in rows[1][2], rows
+
+
+def test_triton_runs_first_and_mosaic_gpu_sections_are_isolated_on_a_hopper_gpu(monkeypatch):
+  """On an H100 the Mosaic backend's section, and MoE's where its grouped matmul is Mosaic GPU's, run in children;
+  off a GPU nothing is isolated."""
+  device = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
+  monkeypatch.setattr(accelerator_check.platform, "target", lambda: device)
+  names = accelerator_check.section_names(small=False)
+  assert names[:2] == ["backend triton", "backend mosaic"]
+  isolated = [name for name in names if accelerator_check.may_run_mosaic_gpu(name)]
+  assert isolated == ["backend mosaic", "moe bench", "train moe"]
+  device.platform, device.device_kind = "cpu", "cpu"
+  assert not any(accelerator_check.may_run_mosaic_gpu(name) for name in accelerator_check.section_names(True))

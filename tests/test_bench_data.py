@@ -10,8 +10,8 @@ import pytest
 from conftest import REPO
 
 from sparsetx import config as config_lib
+from sparsetx import hardware
 from sparsetx.data import vocab
-from sparsetx.perf import hardware
 from sparsetx.plan import step_cost, targets
 from sparsetx.tools import bench_data
 from sparsetx.train import state as state_lib

@@ -21,6 +21,7 @@ import pytest
 from conftest import load_config
 
 from sparsetx import config as config_lib
+from sparsetx import hardware
 from sparsetx.kernels import tree_route
 from sparsetx.kernels.grouped_matmul import grouped_matmul
 from sparsetx.kernels.options import KernelOptions
@@ -29,7 +30,7 @@ from sparsetx.models.ffn.product_keys import product_key_top_k
 from sparsetx.models.ffn.registry import SPECS
 from sparsetx.parallel import logical_rules
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.perf import hardware, hlo_text, roofline, step_parts
+from sparsetx.perf import hlo_text, roofline, step_parts
 from sparsetx.plan import memory
 from sparsetx.train import aot
 

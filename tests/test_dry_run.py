@@ -8,10 +8,10 @@ import pytest
 from conftest import load_config
 
 from sparsetx import config as config_lib
+from sparsetx import hardware
 from sparsetx.models.ffn import placement
 from sparsetx.parallel import logical_rules
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.perf import hardware
 from sparsetx.plan import targets
 from sparsetx.train import aot
 

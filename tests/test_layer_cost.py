@@ -8,8 +8,9 @@ import ml_collections
 import pytest
 
 from sparsetx import config as config_lib
+from sparsetx import hardware
 from sparsetx.models.ffn.registry import SPECS
-from sparsetx.perf import cost, hardware, roofline
+from sparsetx.perf import cost, roofline
 from sparsetx.plan import layer_cost
 
 GATHER_KERNELS = (

@@ -2,7 +2,8 @@
 
 import pytest
 
-from sparsetx.perf import hardware, hlo_text, roofline
+from sparsetx import hardware
+from sparsetx.perf import hlo_text, roofline
 from sparsetx.train import aot
 
 MB = 1e6

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from sparsetx import scopes
 from sparsetx.perf import hlo_text, step_parts
 from sparsetx.tools import bench_step_parts
 from sparsetx.train import step_bench
@@ -76,9 +77,9 @@ def test_compiled_parts_count_a_loop_bodys_launches_once_per_trip():
   array = 256 * 256 * 4
 
   def program(x):
-    with jax.named_scope(step_parts.OPTIMIZER):
+    with jax.named_scope(scopes.OPTIMIZER):
       y = jnp.sin(x)
-    with jax.named_scope(step_parts.LOSS):
+    with jax.named_scope(scopes.LOSS):
       y, _ = jax.lax.scan(lambda c, _: (jnp.cos(c) * 2.0, None), y, None, length=7)
     return y
 
@@ -103,3 +104,49 @@ def test_the_compiled_table_of_a_gpu_step(capsys):
   for part in ("ffn router + top-k", "row gathers", "table grads: sort", "table grads: segment sums"):
     assert kernels(part, 1) > 0 and kernels(part, 0) == 0, part
   assert kernels("row gathers", 1) >= 4 * 2  # --small: 2 layers
+
+
+def profile_of(planes: dict):
+  """A loaded trace's shape (jax.profiler.ProfileData): {plane name: {line name: [(op or None, run id or None)]}},
+  each op 1 ms long, one after another."""
+  clock = iter(range(0, 10**9, 10**6))
+
+  def event(op, run):
+    stats = [] if op is None else [("hlo_op", op), ("hlo_module", "jit_train_step")]
+    stats += [] if run is None else [("run_id", run)]
+    return types.SimpleNamespace(name=op or "kernel", start_ns=next(clock), duration_ns=10**6, stats=stats)
+
+  return types.SimpleNamespace(
+    planes=[
+      types.SimpleNamespace(
+        name=plane,
+        lines=[types.SimpleNamespace(name=line, events=[event(*e) for e in es]) for line, es in lines.items()],
+      )
+      for plane, lines in planes.items()
+    ]
+  )
+
+
+PROGRAM = '  %fusion.1 = f32[8]{0} fusion(%p), kind=kLoop, metadata={op_name="jit(train_step)/optimizer/add"}'
+HOST = {"/host:CPU": {"python": [("fusion.1", 1), ("fusion.1", 2)]}}  # launches the host timed
+
+
+def test_a_trace_read_by_run_gives_each_run_its_span_and_parts():
+  profile = profile_of({"/device:GPU:0": {"Stream #13": [("fusion.1", 1), ("fusion.1", 2)]}, **HOST})
+  breakdown = step_parts.read_profile(profile, PROGRAM, "jit_train_step", rounds=2)
+  assert breakdown.runs == 2 and breakdown.step_s == pytest.approx(1e-3)
+  assert breakdown.parts_s["optimizer"] == pytest.approx(1e-3) and breakdown.busy_s == pytest.approx(1e-3)
+
+
+def test_device_events_the_reader_does_not_know_are_one_error_not_the_hosts_time():
+  """A GPU trace whose kernels carry no hlo_op stats: read as the host's launches, the parts would look measured."""
+  profile = profile_of({"/device:GPU:0": {"Stream #13": [(None, None), (None, None)]}, **HOST})
+  with pytest.raises(step_parts.TraceError, match=r"device planes \(/device:GPU:0\) hold 2 events, none of them"):
+    step_parts.read_profile(profile, PROGRAM, "jit_train_step", rounds=2)
+
+
+def test_runs_that_differ_from_the_rounds_traced_are_one_error():
+  """Device events without run ids merge the rounds into one run: its span would be both rounds and the gap."""
+  profile = profile_of({"/device:GPU:0": {"Stream #13": [("fusion.1", None), ("fusion.1", None)]}})
+  with pytest.raises(step_parts.TraceError, match="holds 1 runs of jit_train_step. .by their run_id stats., not the 2"):
+    step_parts.read_profile(profile, PROGRAM, "jit_train_step", rounds=2)

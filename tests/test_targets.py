@@ -9,10 +9,11 @@ import pytest
 from conftest import load_config
 
 from sparsetx import config as config_lib
+from sparsetx import hardware
 from sparsetx.models import ladder
 from sparsetx.models.ffn import placement
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.perf import hardware, hlo_text, roofline
+from sparsetx.perf import hlo_text, roofline
 from sparsetx.plan import memory, targets
 from sparsetx.train import aot
 from sparsetx.train import state as state_lib
@@ -141,9 +142,9 @@ def test_a_collective_across_nodes_is_priced_hierarchically():
 
 
 def test_one_chip_table_serves_the_targets_and_the_training_loops_mfu():
-  """Every device kind the trainer reports MFU for is in perf/hardware.py's table (the datasheet figures), and only
+  """Every device kind the trainer reports MFU for is in hardware.py's table (the datasheet figures), and only
   the chips whose interconnect the table holds are sizable targets."""
-  from sparsetx.perf import hardware
+  from sparsetx import hardware
 
   kinds = {
     "NVIDIA H100 80GB HBM3": 989e12,

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import jax
 
-from sparsetx.perf import hardware
+from sparsetx import hardware
 
 
 class TracedDevice(NamedTuple):

@@ -15,10 +15,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sparsetx import scopes
 from sparsetx.kernels import platform, row_gather, segment_grads, sliced_gather, xla_gather
 from sparsetx.kernels.options import GPU_KERNELS, IMPLEMENTATIONS, KernelOptions, options_from_config  # noqa: F401 (API)
 from sparsetx.kernels.reference import Gating, gated_gather_reference, identity
-from sparsetx.perf import step_parts
 
 
 def stream_dtype(x_dtype, table_dtype):
@@ -75,19 +75,19 @@ def _gated_gather_ND(
     return sliced_gather.forward(gating, options, sum_axes, table_dtype.stream, *args)[0]
   # Without a backward pass the sort does not pay for itself (the row-sorted forward alone is 0-8% slower).
   w_in_RD, w_out_RD = w_in_RD.astype(table_dtype.stream), w_out_RD.astype(table_dtype.stream)  # one cast per call
-  with jax.named_scope(step_parts.ROW_GATHER):
+  with jax.named_scope(scopes.ROW_GATHER):
     return _forward_impl(gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS, False)[0]
 
 
 def _fwd(gating, options, table_dtype, sum_axes, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS):
   if sum_axes:  # the d-split keeps its own residuals (sliced_gather.forward)
-    with jax.named_scope(step_parts.ROW_GATHER):
+    with jax.named_scope(scopes.ROW_GATHER):
       return sliced_gather.forward(
         gating, options, sum_axes, table_dtype.stream, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS
       )
   # The streamed copies are the residuals: the backward does not cast again.
   w_in_RD, w_out_RD = w_in_RD.astype(table_dtype.stream), w_out_RD.astype(table_dtype.stream)
-  with jax.named_scope(step_parts.ROW_GATHER):
+  with jax.named_scope(scopes.ROW_GATHER):
     y_ND, h_NS = _forward_impl(gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS, True)
   return y_ND, (x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_NS, h_given_NS)
 
@@ -98,12 +98,12 @@ def _backward(gating, options, residuals, dy_ND):
   dy_ND = dy_ND.astype(x_ND.dtype)
   if _row_sorted(options, x_ND, w_in_RD, h_given_NS):
     order, h_P = h_NS  # the row-sorted forward keeps its sort and the sorted pre-activations
-    with jax.named_scope(step_parts.ROW_GATHER):  # the CPU's one walk in row order: rows and tables together
+    with jax.named_scope(scopes.ROW_GATHER):  # the CPU's one walk in row order: rows and tables together
       return xla_gather.row_sorted_backward(
         dy_ND, x_ND, h_P, w_in_RD, w_out_RD, order, bias_R is not None, gating, options
       )
   _, _, backward_rows = _ops(options)
-  with jax.named_scope(step_parts.ROW_GATHER):
+  with jax.named_scope(scopes.ROW_GATHER):
     dx_ND, dgates_NS, coef_in_NS, coef_out_NS = backward_rows(
       dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options
     )
@@ -117,7 +117,7 @@ def _bwd(gating, options, table_dtype, sum_axes, residuals, dy_ND):
   if sum_axes:  # sliced_gather.forward's residuals: (x, w_in, w_out, rows, gates, h)
     x_ND, rows_NS, gates_NS = residuals[0], residuals[3], residuals[4]
     bias_R = h_given_NS = dbias = None
-    with jax.named_scope(step_parts.ROW_GATHER):
+    with jax.named_scope(scopes.ROW_GATHER):
       dx_ND, dw_in, dw_out, dgates_NS = sliced_gather.backward(gating, options, sum_axes, residuals, dy_ND)
   else:
     dx_ND, dgates_NS, dw_in, dw_out, dbias = _backward(gating, options, residuals, dy_ND)

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sparsetx.perf import step_parts
+from sparsetx import scopes
 
 
 class RowChunks(NamedTuple):
@@ -120,7 +120,7 @@ def segment_sums(backend, values_ND, token_P, coef_P, sorted_rows_P, starts_R1, 
   partial_VD, coef_partial_V = backend.segment_sums(
     values_ND, token_P[chunks.order_P], coef_P[chunks.order_P], chunks.starts_V1, options, with_coef_sums=with_coef_sums
   )
-  with jax.named_scope(step_parts.COMBINE):
+  with jax.named_scope(scopes.COMBINE):
     long_MD, _ = backend.segment_sums(
       partial_VD, chunks.combine_tokens_Q, chunks.combine_coefs_Q, chunks.combine_starts_M1, options
     )

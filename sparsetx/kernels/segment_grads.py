@@ -11,8 +11,8 @@ More: docs/modules.md, sparsetx/kernels/segment_grads.py.
 import jax
 import jax.numpy as jnp
 
+from sparsetx import scopes
 from sparsetx.kernels import platform, row_chunks
-from sparsetx.perf import step_parts
 
 _INT32_LIMIT = 2**31 - 1
 
@@ -45,17 +45,17 @@ def _sorted(rows_NS, coef_in_NS, coef_out_NS, n_rows):
   return sorted_rows_P, order_P // n_slots, coef_in_NS.reshape(-1)[order_P], coef_out_NS.reshape(-1)[order_P]
 
 
-@jax.named_scope(step_parts.TABLE_GRADS)
+@jax.named_scope(scopes.TABLE_GRADS)
 def table_grads(x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS, n_rows, options, with_bias):
   """(dW_in [R, D], dW_out [R, D], dbias [R] or None), all float32."""
   backend = platform.kernel_backend(options)
-  with jax.named_scope(step_parts.SORT):
+  with jax.named_scope(scopes.SORT):
     pairs = _sorted(rows_NS, coef_in_NS, coef_out_NS, n_rows)
   if backend is None:
-    with jax.named_scope(step_parts.SEGMENT_SUMS):
+    with jax.named_scope(scopes.SEGMENT_SUMS):
       return _scan_table_grads(x_ND, dy_ND, *pairs, n_rows, options, with_bias)
   sorted_rows_P, token_P, coef_in_P, coef_out_P = pairs
-  with jax.named_scope(step_parts.SORT):
+  with jax.named_scope(scopes.SORT):
     starts_R1 = row_starts(sorted_rows_P, n_rows)
     chunks = None
     if row_chunks.tail_segments(sorted_rows_P.shape[0], options.segment_chunk):
@@ -63,7 +63,7 @@ def table_grads(x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS, n_rows, options, 
   sums = lambda values, coefs, with_coef_sums: row_chunks.segment_sums(  # noqa: E731
     backend, values, token_P, coefs, sorted_rows_P, starts_R1, options, with_coef_sums, chunks
   )
-  with jax.named_scope(step_parts.SEGMENT_SUMS):
+  with jax.named_scope(scopes.SEGMENT_SUMS):
     dw_in, dbias = sums(x_ND, coef_in_P, with_bias)
     dw_out, _ = sums(dy_ND, coef_out_P, False)
   return dw_in, dw_out, dbias

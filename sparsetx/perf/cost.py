@@ -4,8 +4,9 @@ the remat policy's run counts and the table placement. Each feed-forward type st
 
 import dataclasses
 
+from sparsetx import hardware
 from sparsetx.config.placements import EXPERT, Placement
-from sparsetx.perf import hardware, roofline
+from sparsetx.perf import roofline
 
 F32 = 4  # bytes of float32 parameters, gradients, optimizer moments, scores and dots
 INDEX = 4  # bytes of an int32 row id, token id or sort key

@@ -5,7 +5,7 @@ More: docs/modules.md, sparsetx/perf/roofline.py.
 
 import dataclasses
 
-from sparsetx.perf import hardware
+from sparsetx import hardware
 
 
 @dataclasses.dataclass(frozen=True)

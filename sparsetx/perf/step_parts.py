@@ -15,14 +15,7 @@ import re
 from typing import NamedTuple
 
 from sparsetx.perf import hlo_text
-
-# The scopes (jax.named_scope) the model, kernels and step put around their parts.
-ROUTER = "router"  # sgatlin / PEER product keys and their top-k, MoE's router, FFF's walk down its trees
-ROW_GATHER = "row_gather"  # the gated gather's row kernels, forward and backward (dx, dgates)
-TABLE_GRADS = "table_grads"  # the tables' gradients: SORT (pairs by row, row starts), SEGMENT_SUMS, COMBINE
-SORT, SEGMENT_SUMS, COMBINE = "sort", "segment_sums", "combine"
-OPTIMIZER = "optimizer"  # the AdamW update of every parameter
-LOSS = "loss"  # the LM head and cross-entropy over vocabulary tiles
+from sparsetx.scopes import COMBINE, LOSS, OPTIMIZER, ROUTER, ROW_GATHER, SEGMENT_SUMS, TABLE_GRADS
 
 PARTS = (
   "attention",
@@ -101,6 +94,10 @@ def compiled_parts(compiled_text: str) -> dict:
   return {part: CompiledPart(*total) for part, total in sums.items()}
 
 
+class TraceError(ValueError):
+  """A trace that cannot be read into parts: none taken, none of its events the program's, or runs mixed up."""
+
+
 @dataclasses.dataclass
 class Breakdown:
   """One program's traced runs: the mean wall span of a run (first op's start to last op's end), and each part's
@@ -152,12 +149,16 @@ def _shared_wall_time(pieces) -> collections.Counter:
 
 def _op_events(profile, module_prefix: str) -> dict:
   """{line id: [(event, hlo_op, run id)]} of the ops of modules named module_prefix*: the device planes' (GPU
-  streams, TPU "XLA Ops") where there are any, else the host's (a CPU runs the program on host threads)."""
+  streams, TPU "XLA Ops") where a device plane holds events, else the host's (a CPU runs the program on host
+  threads). A device plane's events that none match mean a trace this reader does not know: it says so, rather
+  than read the host's launches as the device's time."""
   device, host = collections.defaultdict(list), collections.defaultdict(list)
+  device_events = 0
   for p, plane in enumerate(profile.planes):
     on_device = plane.name.startswith("/device:")
     for j, line in enumerate(plane.lines):
       for event in line.events:
+        device_events += on_device
         stats = dict(event.stats)
         op, module = stats.get("hlo_op"), str(stats.get("hlo_module", ""))
         if op is None and on_device and line.name == "XLA Ops":
@@ -165,17 +166,29 @@ def _op_events(profile, module_prefix: str) -> dict:
         if op is None or not module.startswith(module_prefix):
           continue
         (device if on_device else host)[p, j].append((event, str(op), stats.get("run_id", 0)))
+  if device_events and not device:
+    planes = sorted({plane.name for plane in profile.planes if plane.name.startswith("/device:")})
+    raise TraceError(
+      f"the trace's device planes ({', '.join(planes)}) hold {device_events} events, none of them an op of a program "
+      f"named {module_prefix}* (no hlo_op and hlo_module stats): this trace format is not one "
+      "perf/step_parts.py reads, so it cannot tell the device's time by part."
+    )
   return device or host
 
 
-def read_trace(trace_dir: str, compiled_text: str, module_prefix: str) -> Breakdown:
-  """The breakdown of the runs of one compiled program (its text, its module's name prefix) in a trace directory."""
+def read_trace(trace_dir: str, compiled_text: str, module_prefix: str, rounds: int) -> Breakdown:
+  """The breakdown of the `rounds` runs of one compiled program (its text, its module's name prefix) traced in a
+  trace directory."""
   files = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
   if not files:
-    raise ValueError(f"no profiler trace (*.xplane.pb) under {trace_dir}.")
+    raise TraceError(f"no profiler trace (*.xplane.pb) under {trace_dir}.")
   from jax.profiler import ProfileData  # noqa: PLC0415 (only the benchmark reads traces)
 
-  profile = ProfileData.from_file(max(files))
+  return read_profile(ProfileData.from_file(max(files)), compiled_text, module_prefix, rounds)
+
+
+def read_profile(profile, compiled_text: str, module_prefix: str, rounds: int) -> Breakdown:
+  """read_trace's breakdown of a loaded profile (jax.profiler.ProfileData: planes of lines of events)."""
   names = op_names(compiled_text)
   pieces, spans = [], collections.defaultdict(lambda: [float("inf"), 0.0])  # run id: [first start, last end]
   for events in _op_events(profile, module_prefix).values():
@@ -185,8 +198,12 @@ def read_trace(trace_dir: str, compiled_text: str, module_prefix: str) -> Breakd
       span[0], span[1] = min(span[0], event.start_ns), max(span[1], event.start_ns + event.duration_ns)
     pieces += [(start, end, part[id(event)]) for start, end, event in _owned_pieces([e for e, _, _ in events])]
   if not spans:
-    raise ValueError(f"the trace under {trace_dir} holds no op of a program named {module_prefix}*.")
+    raise TraceError(f"the trace holds no op of a program named {module_prefix}*.")
+  if len(spans) != rounds:
+    raise TraceError(
+      f"the trace holds {len(spans)} runs of {module_prefix}* (by their run_id stats), not the {rounds} traced: "
+      "a span or a mean per run would mix them, so no breakdown is read."
+    )
   parts = _shared_wall_time(pieces)
-  runs = len(spans)
-  mean_span = sum((end - start) * 1e-9 for start, end in spans.values()) / runs
-  return Breakdown(mean_span, {part: parts[part] / runs for part in PARTS}, runs)
+  mean_span = sum((end - start) * 1e-9 for start, end in spans.values()) / rounds
+  return Breakdown(mean_span, {part: parts[part] / rounds for part in PARTS}, rounds)

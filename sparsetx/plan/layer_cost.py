@@ -10,10 +10,11 @@ import math
 import jax.numpy as jnp
 
 from sparsetx import config as config_lib
+from sparsetx import hardware
 from sparsetx.config.placements import EXPERT, Placement
 from sparsetx.models.ffn.registry import SPECS
 from sparsetx.parallel import logical_rules, per_device
-from sparsetx.perf import hardware, roofline
+from sparsetx.perf import roofline
 from sparsetx.perf.cost import F32, CostBuilder, LayerCost, Phase, time_on
 
 

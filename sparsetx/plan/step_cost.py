@@ -8,9 +8,10 @@ Placement: the bytes each placement sends per device and step, whether it can ru
 import dataclasses
 import math
 
+from sparsetx import hardware
 from sparsetx.config.placements import EXPERT, PLACEMENTS, Placement
 from sparsetx.models.ffn.registry import SPECS
-from sparsetx.perf import hardware, roofline
+from sparsetx.perf import roofline
 from sparsetx.plan import placement_plans
 from sparsetx.plan.layer_cost import (
   LayerCost,

@@ -15,7 +15,7 @@ import math
 import re
 
 from sparsetx import config as config_lib
-from sparsetx.perf import hardware
+from sparsetx import hardware
 
 _GPU_RE = re.compile(r"^(h100|h200)x(\d+)(?:x(\d+))?$")
 _TPU_RE = re.compile(r"^(v5p|v6e)-(\d+)(?:x(\d+))?$")

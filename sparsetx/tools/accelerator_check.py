@@ -3,6 +3,10 @@
 More: docs/modules.md, sparsetx/tools/accelerator_check.py.
 """
 
+import json
+import os
+import signal
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -11,22 +15,95 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from sparsetx import cli
-from sparsetx.kernels import kernel_bench, platform, row_gather, segment_grads
+from sparsetx import cli, hardware
+from sparsetx.kernels import platform, row_gather, segment_grads
 from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
 from sparsetx.kernels.grouped_matmul import grouped_matmul
-from sparsetx.perf import hardware, timing
+from sparsetx.perf import kernel_bench, timing
 from sparsetx.tools import bench_layers
 from sparsetx.train import step_bench
 
 U32 = 2.0**-24  # float32 unit roundoff
 REASSOCIATION = 4  # a device may sum in another order (tree, split-k): the bound's allowance for it
 TRAIN_TYPES = ["mlp", "sgatlin", "fff", "moe"]
+CHILD_TIMEOUT_S = 240
+ROWS_MARK = "accelerator check rows: "  # the line a child process prints its rows on, as JSON
 
 
 def define_flags() -> dict:
   """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
-  return dict(small=flags.DEFINE_bool("small", False, "Tiny shapes, kernels in interpret mode: the CPU form CI runs."))
+  return dict(
+    small=flags.DEFINE_bool("small", False, "Tiny shapes, kernels in interpret mode: the CPU form CI runs."),
+    isolate=flags.DEFINE_list(
+      "isolate",
+      None,
+      "Sections to run each in a child process (e.g. 'backend triton,train moe'); by default those that may run a "
+      "Mosaic GPU kernel on this GPU.",
+    ),
+    section=flags.DEFINE_string("section", None, "Run one section and print its rows as JSON (the child's form)."),
+  )
+
+
+def section_names(small) -> list:
+  """The check's sections in the order they run: each backend's kernels (Triton first), MoE's bench, one train
+  step per type."""
+  backends = sorted(kernel_bench.backends(small), key=lambda backend: backend[0] != "triton")
+  return [f"backend {name}" for name, _ in backends] + ["moe bench"] + [f"train {name}" for name in TRAIN_TYPES]
+
+
+def may_run_mosaic_gpu(section: str) -> bool:
+  """Whether a section may run a Mosaic GPU kernel on this GPU: such a fault (segment_sums stopped with an illegal
+  instruction under jax 0.11.2) poisons the process's CUDA context, and every later row would fail with it."""
+  device = platform.target()
+  if device.platform != "gpu":
+    return False
+  grouped = platform.gpu_kernel(KernelOptions(), device, "grouped_matmul") == "mosaic"
+  return section == "backend mosaic" or (grouped and section in ("moe bench", "train moe"))
+
+
+def section_rows(section: str, small: bool) -> list:
+  """One section's rows, each part guarded: a failure is its FAILED row and the rest of the section still runs."""
+  kind, _, name = section.partition(" ")
+  if kind == "backend":
+    options = dict(kernel_bench.backends(small))[name]
+    rows = check_kernels(name, options, small)
+    rows += guarded("kernels", f"{name} grouped matmul + grads", check_grouped, name, options, small)
+    return rows + bench_rows(name, options, small)
+  if section == "moe bench":
+    return guarded("moe bench", "grouped matmul against swiglu", moe_bench_rows, small)
+  if kind == "train" and name in TRAIN_TYPES:
+    return guarded("train step", name, train_rows, small, name)
+  raise ValueError(f"--section={section!r} is no section of the check; use one of {section_names(small)}.")
+
+
+def child_command(section: str, small: bool) -> list:
+  return [sys.executable, "-m", "sparsetx.tools.accelerator_check", f"--section={section}", f"--small={small}"]
+
+
+def child_rows(section: str, small: bool) -> list:
+  """A section's rows from a child process, or one FAILED row saying how the child ended (a signal, an exit code, no
+  answer in CHILD_TIMEOUT_S) with its last line of stderr: a kernel that faults takes only its own process down."""
+  check = {"backend": "kernels", "moe": "moe bench", "train": "train step"}[section.split()[0]]
+  try:
+    result = subprocess.run(child_command(section, small), capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+  except subprocess.TimeoutExpired:
+    return [(check, section, f"child process: no answer in {CHILD_TIMEOUT_S} s", False)]
+  for line in reversed(result.stdout.splitlines()):
+    if line.startswith(ROWS_MARK):
+      return [tuple(row) for row in json.loads(line[len(ROWS_MARK) :])]
+  code = result.returncode
+  how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+  last = (result.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
+  return [(check, section, f"child process {how}: {last[:120]}", False)]
+
+
+def all_rows(small: bool, isolate=None) -> list:
+  """Every section's rows in order; the `isolate` sections (default: may_run_mosaic_gpu) each in a child process."""
+  isolated = may_run_mosaic_gpu if isolate is None else lambda section: section in isolate
+  rows = []
+  for section in section_names(small):
+    rows += child_rows(section, small) if isolated(section) else section_rows(section, small)
+  return rows
 
 
 def kernel_case(small: bool):
@@ -206,17 +283,14 @@ def moe_bench_rows(small) -> list:
   return [("moe bench", what, value, None)]
 
 
-def bench_rows(small) -> list:
-  """GB/s rows per shape, backend, kernel and pass; a backend that fails at a shape gives one FAILED row there."""
+def bench_rows(name, options, small) -> list:
+  """GB/s rows of one backend per shape; a shape the backend fails at gives one FAILED row there."""
   chip = hardware.chip_of(jax.devices()[0].device_kind)
   peak = chip.hbm_bandwidth if chip else None
   rows = []
   # One shape (ladder scale 4, D 512) keeps the check within minutes; bench_kernels times every rung.
   for shape in kernel_bench.SMALL_SHAPES if small else kernel_bench.LADDER_SHAPES[1:2]:
-    for backend, options in kernel_bench.backends(small):
-      rows += guarded(
-        "kernel bench", f"{backend} D={shape[-1]}", backend_bench_rows, backend, options, shape, small, peak
-      )
+    rows += guarded("kernel bench", f"{name} D={shape[-1]}", backend_bench_rows, name, options, shape, small, peak)
   return rows
 
 
@@ -231,10 +305,10 @@ def bench_row(backend, kernel, phase, seconds, nbytes, shape, peak) -> tuple:
   return ("kernel bench", f"{backend} {kernel} {phase} D={shape[-1]}", f"{rate / 1e9:,.1f} GB/s{share}", None)
 
 
-def train_rows(small) -> list:
+def train_rows(small, name) -> list:
   args = step_bench.with_defaults(
     SimpleNamespace(
-      types=TRAIN_TYPES,
+      types=[name],
       scale=None,
       batch=8,
       seq_len=None,
@@ -265,15 +339,12 @@ def format_table(rows) -> str:
 def absl_main(argv, holders: dict):
   del argv
   small = holders["small"].value
+  if holders["section"].value:
+    print(ROWS_MARK + json.dumps(section_rows(holders["section"].value, small)))
+    return
   device = jax.devices()[0]
-  rows = []
   with timing.Stopwatch() as clock:
-    for name, options in kernel_bench.backends(small):
-      rows += check_kernels(name, options, small)
-      rows += guarded("kernels", f"{name} grouped matmul + grads", check_grouped, name, options, small)
-    rows += guarded("kernel bench", "row kernels, every backend", bench_rows, small)
-    rows += guarded("moe bench", "grouped matmul against swiglu", moe_bench_rows, small)
-    rows += guarded("train step", ", ".join(TRAIN_TYPES), train_rows, small)
+    rows = all_rows(small, holders["isolate"].value)
   print(f"accelerator check on {device.device_kind} (jax {jax.__version__}), {clock.seconds:.0f} s")
   print(format_table(rows))
   if any(verdict is False for *_, verdict in rows):
@@ -282,6 +353,8 @@ def absl_main(argv, holders: dict):
 
 def main():
   """The `sparsetx-accelerator-check` entry point."""
+  # A child process needs room on the GPU beside this one: allocate as used, not 75% of the memory up front.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   holders = define_flags()
   cli.run(lambda argv: absl_main(argv, holders))
 

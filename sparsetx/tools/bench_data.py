@@ -19,10 +19,10 @@ import ml_collections
 import numpy as np
 from absl import flags
 
-from sparsetx import cli
+from sparsetx import cli, hardware
 from sparsetx import config as config_lib
 from sparsetx.data import bpe_vocab, corpus, global_stream, pretokenize, token_store, vocab
-from sparsetx.perf import hardware, roofline, timing
+from sparsetx.perf import roofline, timing
 from sparsetx.plan import step_cost, targets
 
 ENCODE_BATCH = 1024  # documents per encode_batch call: the tokenize job's batch (pretokenize._BATCH)

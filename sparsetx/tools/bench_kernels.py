@@ -13,9 +13,8 @@ More: docs/modules.md, sparsetx/tools/bench_kernels.py.
 import jax
 from absl import flags
 
-from sparsetx import cli
-from sparsetx.kernels import kernel_bench
-from sparsetx.perf import hardware
+from sparsetx import cli, hardware
+from sparsetx.perf import kernel_bench
 
 
 def define_flags() -> dict:

@@ -38,7 +38,7 @@ def breakdown(step: step_bench.TypeStep, rounds: int) -> step_parts.Breakdown:
     with jax.profiler.trace(trace_dir):
       for _ in range(rounds):
         jax.block_until_ready(step())
-    return step_parts.read_trace(trace_dir, step.step.as_text(), "jit_train_step")
+    return step_parts.read_trace(trace_dir, step.step.as_text(), "jit_train_step", rounds)
 
 
 def format_table(names, breakdowns) -> str:
@@ -94,7 +94,10 @@ def absl_main(argv, holders: dict):
     steps = [step_bench.TypeStep(name, args, devices) for name in args.types]
   except config_lib.ConfigError as error:
     cli.fail(error)
-  results = [breakdown(step, args.rounds) for step in steps]
+  try:
+    results = [breakdown(step, args.rounds) for step in steps]
+  except step_parts.TraceError as error:  # a device whose trace this reader does not know: no table, one line
+    cli.fail(f"reading the traced steps: {error}", code=1)
   print(
     f"jax {jax.__version__} on {devices[0].device_kind}: ladder scale {args.scale}, {args.batch} x {args.seq_len} "
     f"tokens, {args.dtype}, {step_bench.step_words(steps[0].config)}, {args.rounds} traced steps per "

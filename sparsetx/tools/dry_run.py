@@ -13,13 +13,13 @@ import time
 import jax
 from absl import flags
 
-from sparsetx import cli
+from sparsetx import cli, hardware
 from sparsetx import config as config_lib
 from sparsetx.data import check_files
 from sparsetx.models.ffn.registry import SPECS
 from sparsetx.parallel import logical_rules, topology
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.perf import hardware, roofline
+from sparsetx.perf import roofline
 from sparsetx.plan import memory, step_cost, targets
 from sparsetx.train import aot
 from sparsetx.train import state as state_lib

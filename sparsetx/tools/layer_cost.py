@@ -8,8 +8,7 @@ is the model. `--phases` also prints each layer's phase table.
 
 from absl import flags
 
-from sparsetx import cli
-from sparsetx.perf import hardware
+from sparsetx import cli, hardware
 from sparsetx.plan import layer_cost
 
 

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import optax
 
 from sparsetx import config as config_lib
+from sparsetx import scopes
 from sparsetx.models import transformer
 from sparsetx.models.ffn import moe
-from sparsetx.perf import step_parts
 from sparsetx.train.sparse_stats import sparse_stats
 
 
@@ -136,7 +136,7 @@ def token_losses(model, params, batch, z_loss: float, loss_chunks: int = 0):
     head=n_chunks == 1,
     mutable=["intermediates"],
   )
-  with jax.named_scope(step_parts.LOSS):
+  with jax.named_scope(scopes.LOSS):
     if n_chunks == 1:
       return token_cross_entropy(out, batch["targets"], z_loss), state["intermediates"]
     ce_BT = chunked_token_losses(model.cfg, params, out, batch["targets"], z_loss, n_chunks)

@@ -22,12 +22,11 @@ from etils import epath
 from tensorboard.compat.proto import event_pb2
 from tensorflow.python.ops import summary_ops_v2
 
-from sparsetx import paths
-from sparsetx.perf import hardware
+from sparsetx import hardware, paths
 
 
 def peak_flops_per_device() -> float | None:
-  """The device kind's bf16 peak (perf/hardware.py, the one chip table), or None where unknown (CPU: MFU is n/a)."""
+  """The device kind's bf16 peak (hardware.py, the one chip table), or None where unknown (CPU: MFU is n/a)."""
   chip = hardware.chip_of(jax.devices()[0].device_kind)
   return chip.peak_flops if chip else None
 

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from sparsetx import scopes
 from sparsetx.parallel import logical_rules, microbatches
-from sparsetx.perf import step_parts
 from sparsetx.train import loss as loss_lib
 from sparsetx.train.optimizer import learning_rate_schedule
 
@@ -67,7 +67,7 @@ def train_step(state, batch, *, model, train: ml_collections.ConfigDict, schedul
     state.params, batch, model=model, train=train, param_specs=param_specs
   )
   # The norms read every gradient and parameter as the update does; the compiler fuses them into its kernels.
-  with jax.named_scope(step_parts.OPTIMIZER):
+  with jax.named_scope(scopes.OPTIMIZER):
     new_state = state.apply_gradients(grads=grads)
     norms = dict(grad_norm=optax.tree.norm(grads), param_norm=optax.tree.norm(new_state.params))
   metrics = dict(

@@ -10,9 +10,10 @@ import numpy as np
 from absl import flags
 
 from sparsetx import config as config_lib
+from sparsetx import hardware
 from sparsetx.models import ladder
 from sparsetx.parallel import logical_rules
-from sparsetx.perf import hardware, timing
+from sparsetx.perf import timing
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
 

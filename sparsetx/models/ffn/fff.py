@@ -10,6 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sparsetx import scopes
 from sparsetx.config import ffn_checks
 from sparsetx.config.placements import placement_of
 from sparsetx.kernels.gated_gather import options_from_config
@@ -18,7 +19,7 @@ from sparsetx.kernels.tree_route import DENSE_LEVELS, next_node
 from sparsetx.models.ffn.common import gelu_for, gini, symmetric_uniform
 from sparsetx.models.ffn.spec import Circuit, FfnSpec, Units, dense_width
 from sparsetx.parallel import sparse_forms, tables
-from sparsetx.perf import cost, step_parts
+from sparsetx.perf import cost
 
 TABLE_AXES = ("tree", "node", "embed")  # w_in, w_out [P, n_nodes, d_model]
 BIAS_AXES = ("tree", "node")  # b_in [P, n_nodes]
@@ -69,7 +70,7 @@ class Fff(nn.Module):
     act = gelu if ffn.variant == "fff" else identity
     if ffn.implementation == "sparse":
       options = options_from_config(ffn.get("kernel"))
-      with jax.named_scope(step_parts.ROUTER):  # the walk down the trees; its last gather counts as row gathers
+      with jax.named_scope(scopes.ROUTER):  # the walk down the trees; its last gather counts as row gathers
         y_BTD, path_BTPL, z_BTPL = sparse_forms.tree_walk(
           x_BTD,
           w_in,

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsetx import config as config_lib
+from sparsetx import scopes
 from sparsetx.config import ffn_checks
 from sparsetx.config.placements import placement_of
 from sparsetx.kernels.grouped_matmul import grouped_matmul
@@ -24,7 +25,7 @@ from sparsetx.models.ffn.common import dense_init
 from sparsetx.models.ffn.spec import Circuit, FfnSpec, Units
 from sparsetx.models.taps import tap
 from sparsetx.parallel import moe_all_to_all, own_tokens, tables
-from sparsetx.perf import cost, step_parts
+from sparsetx.perf import cost
 
 TABLE_AXES = ("expert", "embed", "mlp")  # wi_gate, wi_up [E, d_model, d_ffw]
 OUT_AXES = ("expert", "mlp", "embed")  # wo [E, d_ffw, d_model]
@@ -96,7 +97,7 @@ class Moe(nn.Module):
     ffn = self.cfg.ffn
     E, A, F, D = ffn.n_experts, ffn.experts_per_token, ffn.d_ffw, self.cfg.d_model
     param_dtype = jnp.dtype(self.cfg.param_dtype)
-    with jax.named_scope(step_parts.ROUTER):
+    with jax.named_scope(scopes.ROUTER):
       logits_BTE = nn.Dense(
         E,
         dtype=jnp.float32,

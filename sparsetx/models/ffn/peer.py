@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sparsetx import scopes
 from sparsetx.config import ffn_checks
 from sparsetx.config.placements import placement_of
 from sparsetx.kernels.gated_gather import options_from_config
@@ -24,7 +25,6 @@ from sparsetx.models.ffn.product_keys import make_router
 from sparsetx.models.ffn.spec import Circuit, FfnSpec, product_key_flops, product_key_params, product_key_width
 from sparsetx.models.taps import tap
 from sparsetx.parallel import own_tokens, sparse_forms, tables
-from sparsetx.perf import step_parts
 
 TABLE_AXES = (None, "neuron", "embed")  # experts [2, d_ffw, d_model], shared by the channels
 
@@ -38,7 +38,7 @@ class Peer(nn.Module):
     F, D = ffn.d_ffw, self.cfg.d_model
     table = tables.NeuronTable(TABLE_AXES, None, 1, placement_of(ffn))
     x_BTD = own_tokens.keep_on_token_shards(x_BTD, table)
-    with jax.named_scope(step_parts.ROUTER):
+    with jax.named_scope(scopes.ROUTER):
       scores_BTCK, idx_BTCK = make_router("peer", ffn, jnp.dtype(self.cfg.param_dtype))(x_BTD)
     scores_BTCK = own_tokens.keep_on_token_shards(scores_BTCK, table)
     idx_BTCK = own_tokens.keep_on_token_shards(idx_BTCK, table)

@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sparsetx import scopes
 from sparsetx.config import ffn_checks
 from sparsetx.config.placements import placement_of
 from sparsetx.kernels.gated_gather import options_from_config
@@ -23,7 +24,6 @@ from sparsetx.models.ffn.spec import (
 )
 from sparsetx.models.taps import tap
 from sparsetx.parallel import own_tokens, sparse_forms, tables
-from sparsetx.perf import step_parts
 
 
 def table_init(d_ffw: int):
@@ -45,7 +45,7 @@ class Sgatlin(nn.Module):
     C, F, D = ffn.n_channels, ffn.d_ffw, self.cfg.d_model
     table = tables.NeuronTable(TABLE_AXES, "channel", C, placement_of(ffn))
     x_BTD = own_tokens.keep_on_token_shards(x_BTD, table)
-    with jax.named_scope(step_parts.ROUTER):
+    with jax.named_scope(scopes.ROUTER):
       scores_BTCK, idx_BTCK = make_router(ffn.router, ffn, jnp.dtype(self.cfg.param_dtype))(x_BTD)
     scores_BTCK = own_tokens.keep_on_token_shards(scores_BTCK, table)
     idx_BTCK = own_tokens.keep_on_token_shards(idx_BTCK, table)
