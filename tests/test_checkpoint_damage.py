@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from absl import logging as absl_logging
 from conftest import REPO, load_config
 
 from sparsetx import paths
@@ -293,6 +294,24 @@ def test_an_unrelated_error_prints_during_and_after_a_failed_restore(copy, monke
   assert [error for error in reported if error in (during, after)] == [during, after]
   assert any("Task exception was never retrieved" in record.getMessage() for record in caplog.records)
   assert not any(isinstance(f, held_errors.HeldErrors) for f in logging.getLogger("asyncio").filters)
+
+
+def test_an_error_logged_while_a_damaged_step_is_checked_still_prints(copy, monkeypatch, caplog):
+  """Orbax's warnings about the damaged step are dropped with its one-line error; an ERROR logged through absl at the
+  same moment (another thread's failure) and another library's warning pass at once."""
+  delete(f"{copy}/checkpoints/4/state/_METADATA")
+  real_verify = checkpointing.Checkpointer._verify
+
+  def verify(self, step, data_state):
+    absl_logging.error("an unrelated failure: No space left on device")
+    absl_logging.warning("a warning of some library")
+    return real_verify(self, step, data_state)
+
+  monkeypatch.setattr(checkpointing.Checkpointer, "_verify", verify)
+  with pytest.raises(checkpointing.CheckpointError, match="cannot be read"):
+    checkpointing.load(copy)
+  messages = [record.getMessage() for record in caplog.records]
+  assert "an unrelated failure: No space left on device" in messages and "a warning of some library" in messages
 
 
 def test_a_full_disk_save_after_a_failed_restore_is_one_error(copy, small_filesystem):

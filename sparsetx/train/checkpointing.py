@@ -11,6 +11,7 @@ More: docs/modules.md, sparsetx/train/checkpointing.py.
 import contextlib
 import json
 import logging as logging_std
+import os
 import re
 import time
 
@@ -41,6 +42,7 @@ COMPUTE_ONLY = (
 ITEMS = ("state", "config")  # in every step; `data` in every step a run saved (all but step-0 starts)
 SUPERSEDED = "superseded"  # <workdir>/superseded/<time>/: the steps after a restore_step, set aside
 # Status codes of tensorstore / TensorFlow read failures (a damaged file), as opposed to a structure mismatch.
+_ORBAX_DIR = os.path.dirname(os.path.abspath(ocp.__file__))  # the records _HeldWarnings may hold
 _READ_FAILURE = re.compile(r"\b(NOT_FOUND|DATA_LOSS|OUT_OF_RANGE|FAILED_PRECONDITION|PERMISSION_DENIED|UNAVAILABLE)\b")
 
 
@@ -56,13 +58,16 @@ def _item_handlers(state_handler=None) -> dict:
 
 
 class _HeldWarnings(logging_std.Filter):
-  """Keeps back the absl records (orbax logs through absl) logged while it is installed."""
+  """Keeps back orbax's WARNING records (orbax logs through absl) logged while it is installed; every other record,
+  an ERROR or another library's warning, passes at once."""
 
   def __init__(self):
     super().__init__()
     self.records = []
 
   def filter(self, record):
+    if record.levelno != logging_std.WARNING or _ORBAX_DIR not in os.path.abspath(record.pathname):
+      return True
     self.records.append(record)
     return False
 
