@@ -3,7 +3,7 @@
 # of at most 10 minutes, on an image that has JAX, flax, optax and orbax but not the rest of the install:
 #
 #   scripts/gpu_measurements.sh deps                  here: the missing pure-Python packages into .device_deps/
-#   scripts/gpu_measurements.sh check|scale4|parts|head|remat|scale8   there, from the repository root (carry .device_deps)
+#   scripts/gpu_measurements.sh check|autotune|scale4|parts|head|remat|scale8   there, from the repository root (carry .device_deps)
 #   SMALL=1 scripts/gpu_measurements.sh check|...     rehearsal on a CPU: the same programs at --small shapes
 #
 # Each part writes its log to $OUT/<part>.log (and prints its tail); JAX_COMPILATION_CACHE_DIR lets a rerun on the
@@ -11,7 +11,7 @@
 # program of the part failed or ran out of time (naming them on its last line), 0 when all of them ran to rc=0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"say which part: deps, check, scale4, parts, head, remat or scale8"}
+part=${1:?"say which part: deps, check, autotune, scale4, parts, head, remat or scale8"}
 OUT=${OUT:-/tmp/sparsetx-gpu}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/.device_deps${PYTHONPATH:+:$PYTHONPATH}"
@@ -43,6 +43,15 @@ case $part in
   check)  # the acceptance check: every kernel row, each backend, the kernel bench and the train steps
     "$PY" -c "import jax; print(jax.__version__, jax.devices())" || failed+=("jax import")
     run accelerator_check 540 "$PY" -m sparsetx.tools.accelerator_check "${small[@]}"
+    ;;
+  autotune)  # the device's own choice per op and shape class at issue 42's shape, the table kept under $OUT
+    export SPARSETX_AUTOTUNE_TABLE=$OUT/autotune.json
+    for type in sgatlin peer moe; do
+      config=(--config="configs/ladder.py:$type,4" --config.data.global_batch_size=16 --config.data.seq_len=1024
+        --config.model.dtype=bfloat16 --config.mesh.ici.data=1)
+      [[ ${SMALL:-0} == 1 ]] && config=(--config=configs/tiny.py:"$type" --config.data.global_batch_size=8)
+      run "autotune_$type" 180 "$PY" -m sparsetx.tools.autotune "${config[@]}" --rounds=5
+    done
     ;;
   scale4)  # issue 42's shape: scale 4, 16 x 1,024 tokens, bf16; the Triton rows, then the Mosaic ones
     shape=(--scale=4 --batch=16 --seq_len=1024 --rounds=3)
@@ -78,7 +87,7 @@ case $part in
     run scale8_sgatlin 300 "$PY" -m sparsetx.tools.bench_train_step "${shape[@]}" --types=sgatlin --gpu_kernel=triton
     ;;
   *)
-    echo "no part '$part': use deps, check, scale4, parts, head, remat or scale8" >&2
+    echo "no part '$part': use deps, check, autotune, scale4, parts, head, remat or scale8" >&2
     exit 2
     ;;
 esac

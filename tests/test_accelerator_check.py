@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from conftest import REPO
 
-from sparsetx.kernels import pallas_gpu
+from sparsetx.kernels import registry
+from sparsetx.kernels.backend import ModuleRows
 from sparsetx.kernels.options import KernelOptions
 from sparsetx.tools import accelerator_check
 
@@ -34,18 +35,22 @@ def test_small_form_prints_one_table_of_passing_checks_and_every_part():
   assert trained == accelerator_check.TRAIN_TYPES
 
 
+def use_for_pallas(monkeypatch, implementation):
+  """registry.rows gives `implementation` for the kernels' options, XLA's own for the XLA path they are checked
+  against."""
+  real = registry.rows
+  monkeypatch.setattr(registry, "rows", lambda o, key: implementation if o.implementation == "pallas" else real(o, key))
+
+
 def test_a_wrong_kernel_fails_its_check(monkeypatch):
   """A row_dots 1% off fails its check (its bound is about D float32 roundings) and the whole op's against the XLA
   path, which runs for real; the correct kernels pass."""
-  wrong = types.SimpleNamespace(
-    row_dots=lambda *a: pallas_gpu.row_dots(*a) * 1.01,
-    row_accumulate=pallas_gpu.row_accumulate,
-    segment_sums=pallas_gpu.segment_sums,
-  )
-  real = accelerator_check.platform.kernel_backend
-  monkeypatch.setattr(
-    accelerator_check.platform, "kernel_backend", lambda o: wrong if o.implementation == "pallas" else real(o)
-  )
+
+  class OnePercentOff(ModuleRows):
+    def row_dots(self, *args):
+      return super().row_dots(*args) * 1.01
+
+  use_for_pallas(monkeypatch, OnePercentOff("triton", "sparsetx.kernels.pallas_gpu", "gpu"))
   rows = accelerator_check.check_kernels("triton", KernelOptions("pallas", interpret=True), small=True)
   verdicts = {what: verdict for _, what, _, verdict in rows}
   assert verdicts == {
@@ -81,13 +86,11 @@ def test_a_kernel_that_raises_is_one_failed_row_and_the_others_run(monkeypatch):
   def refused(*args):
     raise NotImplementedError("Implicit broadcast not implemented with warpgroup semantics\n(more lines)")
 
-  broken = types.SimpleNamespace(
-    row_dots=refused, row_accumulate=pallas_gpu.row_accumulate, segment_sums=pallas_gpu.segment_sums
-  )
-  real = accelerator_check.platform.kernel_backend
-  monkeypatch.setattr(
-    accelerator_check.platform, "kernel_backend", lambda o: broken if o.implementation == "pallas" else real(o)
-  )
+  class Refused(ModuleRows):
+    def row_dots(self, *args):
+      refused()
+
+  use_for_pallas(monkeypatch, Refused("mosaic", "sparsetx.kernels.pallas_gpu", "gpu"))
   rows = accelerator_check.check_kernels("mosaic", KernelOptions("pallas", interpret=True), small=True)
   by_kernel = {what: (value, verdict) for _, what, value, verdict in rows}
   assert by_kernel["mosaic row_dots"] == (
@@ -120,7 +123,8 @@ def test_triton_runs_first_and_mosaic_gpu_sections_are_isolated_on_a_hopper_gpu(
   """On an H100 the Mosaic backend's section, and MoE's where its grouped matmul is Mosaic GPU's, run in children;
   off a GPU nothing is isolated."""
   device = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
-  monkeypatch.setattr(accelerator_check.platform, "target", lambda: device)
+  monkeypatch.setattr(accelerator_check, "target", lambda: device)
+  monkeypatch.setattr(accelerator_check.kernel_bench, "target", lambda: device)
   names = accelerator_check.section_names(small=False)
   assert names[:2] == ["backend triton", "backend mosaic"]
   isolated = [name for name in names if accelerator_check.may_run_mosaic_gpu(name)]

@@ -144,7 +144,7 @@ def assert_sparse_kernels(found: dict, ffn_type: str, target: str, mosaic_rows: 
     assert not ROW_KERNELS & set(found) and "mosaic_gpu" not in found, found
   elif mosaic_rows:  # kernel.gpu_kernel=mosaic on Hopper: two layers' forward, backward and table gradients
     assert found.get("mosaic_gpu", 0) >= 12 and not ROW_KERNELS & set(found), found
-  else:  # Triton on GPUs (kernel.gpu_kernel=auto: platform.MOSAIC_SEEN_RUNNING), Mosaic TPU on TPU
+  else:  # Triton on GPUs (kernel.gpu_kernel=auto: registry.DEFAULT_ORDER), Mosaic TPU on TPU
     assert ROW_KERNELS <= set(found), found
 
 

@@ -8,19 +8,24 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparsetx.kernels import mosaic_gpu, pallas_gpu, pallas_tpu
-from sparsetx.kernels.backend import RowKernels
+from sparsetx.kernels import mosaic_gpu, registry
+from sparsetx.kernels.backend import ModuleRows, RowKernels
 from sparsetx.kernels.options import KernelOptions
 
-BACKENDS = [mosaic_gpu, pallas_gpu, pallas_tpu]
+MODULES = [i for i in registry.ROWS if isinstance(i, ModuleRows)]
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=lambda m: m.__name__.split(".")[-1])
-def test_backend_implements_the_row_kernel_interface(backend):
-  assert isinstance(backend, RowKernels)
+@pytest.mark.parametrize("implementation", MODULES, ids=lambda i: i.name)
+def test_each_kernel_module_has_the_row_kernel_interface(implementation):
+  """A module the registry lists (its one line) has the three kernels with the interface's exact signature."""
   for name in ("row_dots", "row_accumulate", "segment_sums"):
     want = list(inspect.signature(getattr(RowKernels, name)).parameters)[1:]  # without self
-    assert list(inspect.signature(getattr(backend, name)).parameters) == want, name
+    assert list(inspect.signature(getattr(implementation.module, name)).parameters) == want, name
+
+
+def test_the_registry_lists_each_op_in_one_order_with_xla_last():
+  assert [i.name for i in registry.ROWS] == ["mosaic", "triton", "tpu", "xla"]
+  assert [i.name for i in registry.GROUPED] == ["mosaic", "triton", "tpu", "xla"]
 
 
 def test_mosaic_row_kernels_pad_their_own_tokens():

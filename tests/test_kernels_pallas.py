@@ -1,5 +1,7 @@
 """The Pallas gated-gather kernels (GPU and TPU, interpret mode on CPU) equal the XLA path in values and gradients."""
 
+import unittest.mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -137,20 +139,32 @@ def test_mosaic_gpu_kernels_lower_for_cuda(n_slots, block_d, stages):
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 8
 
 
-def test_mosaic_gpu_kernel_choice_is_checked():
-  """`auto` takes Mosaic GPU on Hopper only for what platform.MOSAIC_SEEN_RUNNING holds; an explicit choice stands."""
-  from sparsetx.kernels import platform
+def test_each_device_takes_the_first_implementation_that_accepts_it_in_the_default_order():
+  """Without a measured table: Triton rows before Mosaic GPU's (registry.DEFAULT_ORDER), MoE's grouped matmul on
+  Mosaic GPU from Hopper on (and only for operands it takes), Triton before Hopper, XLA for `auto` on a CPU; an
+  explicit choice stands, and an unknown one is refused."""
+  from sparsetx.kernels import registry
+  from sparsetx.kernels.device import TracedDevice
 
-  cpu, a100 = platform.TracedDevice("cpu", "cpu", None), platform.TracedDevice("gpu", "NVIDIA A100-SXM4-80GB", 108)
-  h200 = platform.TracedDevice("gpu", "NVIDIA H200", 132)
-  assert platform.gpu_kernel(KernelOptions(), cpu) == "triton"  # off GPU, auto interprets the faster Triton path
-  assert platform.gpu_kernel(KernelOptions(), a100, "grouped_matmul") == "triton"  # before Hopper
-  assert platform.gpu_kernel(KernelOptions(), h200, "grouped_matmul") == "mosaic"
-  rows = "mosaic" if "rows" in platform.MOSAIC_SEEN_RUNNING else "triton"
-  assert platform.gpu_kernel(KernelOptions(), h200) == rows
-  assert platform.gpu_kernel(KernelOptions(gpu_kernel="mosaic"), h200) == "mosaic"
+  cpu, a100 = TracedDevice("cpu", "cpu", None), TracedDevice("gpu", "NVIDIA A100-SXM4-80GB", 108)
+  h200 = TracedDevice("gpu", "NVIDIA H200", 132)
+  bf16_64 = dict(dtype="bfloat16", k=64, n=128)
+
+  def chosen(op, options, device, call=None):
+    with unittest.mock.patch.object(registry, "target", lambda: device):
+      return registry.resolve(op, options, "any", call).name
+
+  assert chosen("rows", KernelOptions(), cpu) == "xla"
+  assert chosen("rows", KernelOptions("pallas"), cpu) == "triton"  # off GPU, Triton's faster interpreter
+  assert chosen("rows", KernelOptions(), h200) == "triton"
+  assert chosen("rows", KernelOptions(gpu_kernel="mosaic"), h200) == "mosaic"
+  assert chosen("grouped_matmul", KernelOptions(), h200, bf16_64) == "mosaic"
+  assert chosen("grouped_matmul", KernelOptions(), h200, bf16_64 | {"dtype": "float32"}) == "triton"
+  assert chosen("grouped_matmul", KernelOptions(), a100, bf16_64) == "triton"  # before Hopper
+  with pytest.raises(NotImplementedError, match="mosaic: it needs a Hopper or newer GPU"):
+    chosen("rows", KernelOptions(gpu_kernel="mosaic"), a100)
   with pytest.raises(ValueError, match="gpu_kernel='cuda' is unknown"):
-    platform.gpu_kernel(KernelOptions(gpu_kernel="cuda"), a100)
+    chosen("rows", KernelOptions(gpu_kernel="cuda"), a100)
 
 
 def test_bf16_run_streams_bf16_tables_with_float32_table_gradients():

@@ -20,7 +20,8 @@ from conftest import load_config
 
 from sparsetx import config as config_lib
 from sparsetx.evaluate import aot as decoding_aot
-from sparsetx.kernels import platform
+from sparsetx.kernels import platform, registry
+from sparsetx.kernels.device import TracedDevice
 from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
 from sparsetx.models.ffn.common import ACTIVATIONS
 from sparsetx.perf import hlo_text
@@ -31,7 +32,7 @@ GATHER_TYPES = ("peer", "sgatlin", "fff")
 N_LAYERS = 2
 TARGETS = {  # name: (topology of 8 devices, kernel.gpu_kernel)
   "cuda-triton": ("a100:1x1x8", "auto"),
-  "cuda-mosaic": ("h100:1x1x8", "mosaic"),  # auto takes Triton rows until Mosaic GPU's run (MOSAIC_SEEN_RUNNING)
+  "cuda-mosaic": ("h100:1x1x8", "mosaic"),  # auto takes Triton rows first (registry.DEFAULT_ORDER)
   "tpu-v5p": ("v5p:2x2x2", "auto"),
   "tpu-v6e": ("v6e:2x4", "auto"),
 }
@@ -150,10 +151,10 @@ def test_kernels_lower_with_every_activation(target, activation, gate_inside):
 @pytest.mark.parametrize(
   "topology, device",
   [
-    ("v5p:2x2x1", platform.TracedDevice("tpu", "TPU v5", 2)),
-    ("v6e:2x2", platform.TracedDevice("tpu", "TPU v6 lite", 1)),
-    ("h100:1x1x4", platform.TracedDevice("gpu", "NVIDIA H100 80GB HBM3", 132, 232448)),  # h100.txtpb's shared memory
-    ("a100:1x1x4", platform.TracedDevice("gpu", "NVIDIA A100-SXM4-80GB", 108, 166912)),
+    ("v5p:2x2x1", TracedDevice("tpu", "TPU v5", 2)),
+    ("v6e:2x2", TracedDevice("tpu", "TPU v6 lite", 1)),
+    ("h100:1x1x4", TracedDevice("gpu", "NVIDIA H100 80GB HBM3", 132, 232448)),  # h100.txtpb's shared memory
+    ("a100:1x1x4", TracedDevice("gpu", "NVIDIA A100-SXM4-80GB", 108, 166912)),
   ],
 )
 def test_programs_traced_on_a_topology_take_its_device(topology, device):
@@ -162,9 +163,9 @@ def test_programs_traced_on_a_topology_take_its_device(topology, device):
   (kernel.gpu_kernel=auto); outside, this machine's CPU again."""
   with aot.on_topology(topology):
     assert platform.target() == device
-    assert platform.gpu_kernel(KernelOptions(), platform.target(), "grouped_matmul") == (
-      "mosaic" if "H100" in device.device_kind else "triton"
-    )
+    call = dict(dtype="bfloat16", k=64, n=64)
+    want = "mosaic" if "H100" in device.device_kind else "tpu" if device.platform == "tpu" else "triton"
+    assert registry.resolve("grouped_matmul", KernelOptions(), "any", call).name == want
   assert platform.target().platform == "cpu"
 
 

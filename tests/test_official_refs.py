@@ -16,7 +16,7 @@ import official_refs as official
 import pytest
 from conftest import init_params, layer_model_config
 
-from sparsetx.kernels import platform
+from sparsetx.kernels import registry
 from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
 from sparsetx.models.ffn.common import gelu_tanh
 from sparsetx.models.ffn.fff import Fff
@@ -39,10 +39,10 @@ def backend(request, monkeypatch):
   """The options of the backend named by the test id; pallas_tpu is chosen off TPU by patching the dispatch."""
   name = request.param
   if name == "tpu_interpret":
-    from sparsetx.kernels import pallas_tpu
-
+    real = registry.resolve
+    tpu = registry.by_name("rows", "tpu")
     monkeypatch.setattr(
-      platform, "kernel_backend", lambda options: None if options.implementation == "xla" else pallas_tpu
+      registry, "rows", lambda options, key: tpu if options.implementation == "pallas" else real("rows", options, key)
     )
   return BACKENDS[name]
 
@@ -168,7 +168,7 @@ def test_identity_is_the_paper_layer_bit_for_bit_in_either_gate_position():
 def test_fff_equals_a_per_token_tree_walk(variant, implementation, kernel):
   """Values of the layer against a float64 NumPy walk, token by token; one token's root logit is exactly 0
   (it must go left) and exact erf GELU (FFF paper, UltraFastBERT) is the default form. With the pallas kernels
-  (Triton's, interpreted) the deeper levels are row_dots launches (tree_route._walk_with_kernels)."""
+  (Triton's, interpreted) the deeper levels are row_dots launches (tree_walk.with_row_dots)."""
   depth, n_trees, d_model = 4, 3, 8
   cfg = layer_model_config(
     "fff",

@@ -28,13 +28,15 @@ def kernel_defaults() -> ml_collections.ConfigDict:
   takes its defaults from here)."""
   return ml_collections.ConfigDict(
     dict(
-      implementation="auto",  # xla | pallas | auto (pallas on GPU/TPU, xla on CPU) | reference (the papers' form)
+      # xla | pallas | reference (the papers' form) | auto: xla on CPU; on a GPU or TPU the autotune table's
+      # fastest correct implementation, XLA's included, else kernels/registry.DEFAULT_ORDER
+      implementation="auto",
       token_chunk=4,  # xla on CPU: tokens whose gathered rows exist at once (2-8 fastest); elsewhere all
       pair_chunk=2048,  # xla on CPU: sorted (token, slot) pairs added per table-gradient step; elsewhere all
       block_tokens=8,  # pallas (triton): tokens per program
       block_d=128,  # pallas on gpu: d_model chunk (largest fitting divisor; triton: a power of two)
       stages=3,  # pallas (mosaic gpu): gathered [64, block_d] tiles in flight
-      gpu_kernel="auto",  # pallas on GPU: mosaic | triton | auto (platform.gpu_kernel: triton, mosaic on sm_90+ where seen running)
+      gpu_kernel="auto",  # pallas on GPU: mosaic (sm_90+) | triton | auto (kernels/registry.py decides)
       row_sorted=True,  # xla on CPU: training walks (token, slot) pairs in table-row order (kernels/xla_gather.py)
       segment_chunk=64,  # pallas, table gradients: pairs per segment; a hot row is cut and combined (0: never)
       group_rows=128,  # moe: rows of one expert per grouped-matmul tile (a power of two >= 16; Mosaic GPU: >= 64)
@@ -256,6 +258,10 @@ def train_defaults() -> ml_collections.ConfigDict:
       # (TensorBoard's profile tab); "" = none. Process 0 only unless profile_all_processes.
       profile_steps="",
       profile_all_processes=False,
+      # On a GPU or TPU under kernel implementation=auto: before the step compiles, measure the kernel ops whose
+      # shapes the autotune table (kernels/autotune_table.py) lacks and keep the fastest correct implementation.
+      # One process only; a multi-host run reads the table as found (fill it with sparsetx-autotune).
+      autotune=True,
     )
   )
 

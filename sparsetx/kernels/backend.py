@@ -1,31 +1,39 @@
-"""The row-kernel interface every accelerator backend of the sparse layers implements, stated once.
+"""The row-kernel interface every implementation of the sparse layers' table work provides, stated once.
 
-Three kernels do all of a sparse layer's table work (the gated gather's forward and backward, FFF's walk levels,
-the d-split's partial dots, the table gradients); the per-slot arithmetic between them is XLA's. A backend is a
-module with these three functions (mosaic_gpu, pallas_gpu for Triton, pallas_tpu); platform.kernel_backend picks
-it. A kernel works on one device's arrays: it never reads the mesh, and pads its operands to its own tiles.
+Three kernels do all of a sparse layer's table work (row_dots, row_accumulate, segment_sums); the composed forms
+over them (the gated gather's forward and backward, the tables' sums of sorted pairs, FFF's walk) compose them by
+default, and an implementation may fuse them instead (XLA's token-chunked scans). XLA is an implementation like
+the others; kernels/registry.py lists them in order, and a new one is its file and one line there.
 """
 
-from typing import Protocol, runtime_checkable
+import importlib
 
 import jax
+import jax.numpy as jnp
 
+from sparsetx.kernels import row_gather, segment_grads, tree_walk, xla_gather
+from sparsetx.kernels.device import TracedDevice
 from sparsetx.kernels.options import KernelOptions
 
 
-@runtime_checkable
-class RowKernels(Protocol):
+class RowKernels:
   """The shape contract (N tokens, S slots, R table rows, D = d_model, P pairs); sums are float32."""
+
+  name = ""
+  row_order = False  # offers the CPU's one walk of the gated gather in row order (xla_gather.row_sorted_*)
+
+  def refuse(self, device: TracedDevice, options: KernelOptions, call=None) -> None:
+    """Raises NotImplementedError with the reason where this implementation cannot take this call on `device`."""
 
   def row_dots(self, lhs_ND: jax.Array, table_RD: jax.Array, rows_SN: jax.Array, options: KernelOptions) -> jax.Array:
     """dots [S, N] float32: dots[s, t] = <lhs[t], table[rows[s, t]]>, the table's rows rounded to lhs's dtype."""
-    ...
+    raise NotImplementedError
 
   def row_accumulate(
     self, coef_SN: jax.Array, table_RD: jax.Array, rows_SN: jax.Array, out_dtype, options: KernelOptions
   ) -> jax.Array:
     """out [N, D] in out_dtype: out[t] = sum_s coef[s, t] * table[rows[s, t]], summed in float32."""
-    ...
+    raise NotImplementedError
 
   def segment_sums(
     self,
@@ -39,4 +47,105 @@ class RowKernels(Protocol):
     """(sums [R, D] float32, coef_sums [R] float32 or None) of pairs sorted by row: row r owns the pairs
     [starts[r], starts[r + 1]); sums[r] = sum_p coefs[p] * values[tokens[p]], summed in pair order (no atomics:
     deterministic), each row written once; coef_sums[r] = sum_p coefs[p]."""
-    ...
+    raise NotImplementedError
+
+  # The composed forms: compositions of the three kernels unless an implementation fuses them.
+
+  def forward(self, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options):
+    """y [N, D] (x's dtype) and the pre-activations h [N, S] (float32)."""
+    return row_gather.forward(self, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options)
+
+  def forward_from_pre_activation(self, x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating, options):
+    return row_gather.forward_from_pre_activation(self, x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating, options)
+
+  def backward_rows(self, dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options):
+    """dx [N, D], dgates, coef_in = dL/dh and coef_out = a(h, gate) ([N, S] float32)."""
+    return row_gather.backward_rows(self, dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options)
+
+  def table_sums(self, x_ND, dy_ND, pairs, n_rows, options, with_bias):
+    """(dW_in, dW_out, dbias or None) float32 from the pairs sorted by row (segment_grads.SortedPairs)."""
+    return segment_grads.kernel_table_sums(self, x_ND, dy_ND, pairs, n_rows, options, with_bias)
+
+  def walk(self, options, x_ND, w_in_PMD, b_in_PM, node_NP, n_levels, rows_per_chunk):
+    """FFF's walk down n_levels levels from node_NP: nodes and logits [N, P, n_levels]."""
+    del rows_per_chunk  # one row_dots launch per level takes every token
+    return tree_walk.with_row_dots(self, options, x_ND, w_in_PMD, b_in_PM, node_NP, n_levels)
+
+  def __repr__(self) -> str:
+    return f"<row kernels {self.name}>"
+
+
+class OnPlatform:
+  """Where a kernel family runs: natively on `platform` (with what `needs` asks of the device), refused on the
+  accelerators in `refused_on`, and elsewhere (a CPU) in interpret mode: by default only for the family that
+  `interprets_by_default` (Triton's generic interpreter is fast; Mosaic GPU's simulation of TMA and barriers is
+  not), otherwise only when the config names it."""
+
+  def __init__(self, name, platform, needs=None, refused_on=(), interprets_by_default=False):
+    self.name, self.platform, self.needs = name, platform, needs
+    self.refused_on, self.interprets_by_default = refused_on, interprets_by_default
+
+  def refuse(self, device, options, call=None):
+    del call
+    if device.platform in self.refused_on:
+      raise NotImplementedError(f"it runs on {self.platform.upper()}s, not on a {device.platform.upper()}")
+    if device.platform == self.platform:
+      if self.needs and not self.needs[0](device):
+        raise NotImplementedError(f"it needs {self.needs[1]}; {device.device_kind} is not one")
+    elif not self.interprets_by_default and options.gpu_kernel != self.name:
+      raise NotImplementedError(f"off a {self.platform.upper()} it is interpreted only when named")
+
+
+class ModuleRows(OnPlatform, RowKernels):
+  """An implementation whose three kernels are a module's functions (pallas_gpu, mosaic_gpu, pallas_tpu), imported
+  on first use."""
+
+  def __init__(self, name: str, module: str, platform: str, **where):
+    super().__init__(name, platform, **where)
+    self.module_name = module
+
+  @property
+  def module(self):
+    return importlib.import_module(self.module_name)
+
+  def row_dots(self, lhs_ND, table_RD, rows_SN, options):
+    return self.module.row_dots(lhs_ND, table_RD, rows_SN, options)
+
+  def row_accumulate(self, coef_SN, table_RD, rows_SN, out_dtype, options):
+    return self.module.row_accumulate(coef_SN, table_RD, rows_SN, out_dtype, options)
+
+  def segment_sums(self, values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sums=False):
+    return self.module.segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sums)
+
+
+class XlaRows(RowKernels):
+  """XLA's ops: token-chunked scans that fuse each form (xla_gather.py), the tables' sums as sorted scatter-adds,
+  and on a CPU the gated gather's one walk in row order. Runs everywhere; on a GPU or TPU one chunk holds every
+  token (platform.cpu_chunk), so no cache-sized loop reaches the device."""
+
+  name = "xla"
+  row_order = True
+
+  def row_dots(self, lhs_ND, table_RD, rows_SN, options):
+    return xla_gather.chunked_dots(lhs_ND, table_RD, rows_SN.T, options).T
+
+  def row_accumulate(self, coef_SN, table_RD, rows_SN, out_dtype, options):
+    return xla_gather.chunked_sums(coef_SN.T, table_RD, rows_SN.T, jnp.float32, options).astype(out_dtype)
+
+  def segment_sums(self, values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sums=False):
+    return segment_grads.scatter_segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sums)
+
+  def forward(self, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options):
+    return xla_gather.forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options)
+
+  def forward_from_pre_activation(self, x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating, options):
+    return xla_gather.forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating, options)
+
+  def backward_rows(self, dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options):
+    return xla_gather.backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options)
+
+  def table_sums(self, x_ND, dy_ND, pairs, n_rows, options, with_bias):
+    return segment_grads.scan_table_sums(x_ND, dy_ND, pairs, n_rows, options, with_bias)
+
+  def walk(self, options, x_ND, w_in_PMD, b_in_PM, node_NP, n_levels, rows_per_chunk):
+    return tree_walk.gathered(x_ND, w_in_PMD, b_in_PM, node_NP, n_levels, rows_per_chunk)

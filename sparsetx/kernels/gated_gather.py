@@ -9,6 +9,7 @@ uses. With `sum_axes` (the d-split) x and the tables are d-slices whose partial 
 More: docs/modules.md, sparsetx/kernels/gated_gather.py.
 """
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -16,15 +17,10 @@ import jax
 import jax.numpy as jnp
 
 from sparsetx import scopes
-from sparsetx.kernels import platform, row_gather, segment_grads, sliced_gather, xla_gather
+from sparsetx.kernels import platform, registry, segment_grads, sliced_gather, xla_gather
 from sparsetx.kernels.options import GPU_KERNELS, IMPLEMENTATIONS, KernelOptions, options_from_config  # noqa: F401 (API)
 from sparsetx.kernels.reference import Gating, gated_gather_reference, identity
-
-
-def stream_dtype(x_dtype, table_dtype):
-  """The dtype a table's rows are read in: x's when it is the narrower float (a bf16 run), else the table's."""
-  x_dtype, table_dtype = jnp.dtype(x_dtype), jnp.dtype(table_dtype)
-  return x_dtype if x_dtype.itemsize < table_dtype.itemsize else table_dtype
+from sparsetx.kernels.row_gather import stream_dtype
 
 
 class TableDtypes(NamedTuple):
@@ -34,106 +30,166 @@ class TableDtypes(NamedTuple):
   stream: jnp.dtype
 
 
-def _row_sorted(options, x_ND, w_in_RD, h_given_NS):
-  """Whether this call takes the row-sorted XLA path (not for given pre-activations: FFF has its own walk)."""
+class TokenResiduals(NamedTuple):
+  x_ND: jax.Array
+  w_in_RD: jax.Array  # the streamed copies: the backward does not cast again
+  w_out_RD: jax.Array
+  rows_NS: jax.Array
+  gates_NS: jax.Array
+  bias_R: jax.Array | None
+  h_NS: jax.Array  # the float32 pre-activations
+  h_given_NS: jax.Array | None
+
+
+class RowResiduals(NamedTuple):
+  x_ND: jax.Array
+  w_in_RD: jax.Array
+  w_out_RD: jax.Array
+  rows_NS: jax.Array
+  gates_NS: jax.Array
+  bias_R: jax.Array | None
+  order: xla_gather.RowOrder  # the pairs sorted by row, once
+  h_P: jax.Array  # the float32 pre-activations in that order
+
+
+class SliceResiduals(NamedTuple):
+  x_hd: jax.Array
+  w_in_Rd: jax.Array
+  w_out_Rd: jax.Array
+  rows_hS: jax.Array
+  gates_hS: jax.Array
+  h_hS: jax.Array
+
+
+def _cotangents(table_dtype, residuals, dx_ND, dgates_NS, dw_in, dw_out, dbias, h_given_NS=None):
+  """The custom VJP's cotangents, each in its primal's dtype (the tables' in their parameter dtype)."""
+  bias_R = getattr(residuals, "bias_R", None)
   return (
-    options.row_sorted
-    and h_given_NS is None
-    and platform.kernel_backend(options) is None
-    and platform.on_cpu()  # its scatter-adds into x-sized sums are ordered (deterministic) on CPU
-    and x_ND.dtype == jnp.float32  # bf16 would round a row picked twice by a token once, not per slot
-    and xla_gather.row_sorted_fits(x_ND.shape[0], w_in_RD.shape[0])
-  )
-
-
-def _ops(options):
-  """(forward, forward_from_pre_activation, backward_rows) of this call's backend."""
-  backend = platform.kernel_backend(options)
-  if backend is None:
-    return xla_gather.forward, xla_gather.forward_from_pre_activation, xla_gather.backward_rows
-  bind = lambda fn: functools.partial(fn, backend)  # noqa: E731
-  return bind(row_gather.forward), bind(row_gather.forward_from_pre_activation), bind(row_gather.backward_rows)
-
-
-def _forward_impl(gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS, for_backward):
-  if for_backward and _row_sorted(options, x_ND, w_in_RD, h_given_NS):
-    order = xla_gather.row_order(rows_NS, gates_NS, w_in_RD.shape[0], options.pair_chunk, gating.linear_in_gate)
-    y_ND, h_P = xla_gather.row_sorted_forward(x_ND, w_in_RD, w_out_RD, order, bias_R, gating, options)
-    return y_ND, (order, h_P)
-  forward, from_pre_activation, _ = _ops(options)
-  if h_given_NS is not None:
-    return from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_given_NS, gating, options), h_given_NS
-  return forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _gated_gather_ND(
-  gating, options, table_dtype, sum_axes, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS
-):
-  if sum_axes:
-    args = (x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS)
-    return sliced_gather.forward(gating, options, sum_axes, table_dtype.stream, *args)[0]
-  # Without a backward pass the sort does not pay for itself (the row-sorted forward alone is 0-8% slower).
-  w_in_RD, w_out_RD = w_in_RD.astype(table_dtype.stream), w_out_RD.astype(table_dtype.stream)  # one cast per call
-  with jax.named_scope(scopes.ROW_GATHER):
-    return _forward_impl(gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS, False)[0]
-
-
-def _fwd(gating, options, table_dtype, sum_axes, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS):
-  if sum_axes:  # the d-split keeps its own residuals (sliced_gather.forward)
-    with jax.named_scope(scopes.ROW_GATHER):
-      return sliced_gather.forward(
-        gating, options, sum_axes, table_dtype.stream, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS
-      )
-  # The streamed copies are the residuals: the backward does not cast again.
-  w_in_RD, w_out_RD = w_in_RD.astype(table_dtype.stream), w_out_RD.astype(table_dtype.stream)
-  with jax.named_scope(scopes.ROW_GATHER):
-    y_ND, h_NS = _forward_impl(gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS, True)
-  return y_ND, (x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_NS, h_given_NS)
-
-
-def _backward(gating, options, residuals, dy_ND):
-  """(dx, dgates, dW_in, dW_out, dbias) of the fused forward's residuals."""
-  x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_NS, h_given_NS = residuals
-  dy_ND = dy_ND.astype(x_ND.dtype)
-  if _row_sorted(options, x_ND, w_in_RD, h_given_NS):
-    order, h_P = h_NS  # the row-sorted forward keeps its sort and the sorted pre-activations
-    with jax.named_scope(scopes.ROW_GATHER):  # the CPU's one walk in row order: rows and tables together
-      return xla_gather.row_sorted_backward(
-        dy_ND, x_ND, h_P, w_in_RD, w_out_RD, order, bias_R is not None, gating, options
-      )
-  _, _, backward_rows = _ops(options)
-  with jax.named_scope(scopes.ROW_GATHER):
-    dx_ND, dgates_NS, coef_in_NS, coef_out_NS = backward_rows(
-      dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options
-    )
-  dw_in, dw_out, dbias = segment_grads.table_grads(
-    x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS, w_in_RD.shape[0], options, bias_R is not None
-  )
-  return dx_ND, dgates_NS, dw_in, dw_out, dbias
-
-
-def _bwd(gating, options, table_dtype, sum_axes, residuals, dy_ND):
-  if sum_axes:  # sliced_gather.forward's residuals: (x, w_in, w_out, rows, gates, h)
-    x_ND, rows_NS, gates_NS = residuals[0], residuals[3], residuals[4]
-    bias_R = h_given_NS = dbias = None
-    with jax.named_scope(scopes.ROW_GATHER):
-      dx_ND, dw_in, dw_out, dgates_NS = sliced_gather.backward(gating, options, sum_axes, residuals, dy_ND)
-  else:
-    dx_ND, dgates_NS, dw_in, dw_out, dbias = _backward(gating, options, residuals, dy_ND)
-    x_ND, rows_NS, gates_NS, bias_R, h_given_NS = (residuals[i] for i in (0, 3, 4, 5, 7))
-  rows_cotangent = jax.numpy.zeros(rows_NS.shape, jax.dtypes.float0)
-  return (
-    dx_ND.astype(x_ND.dtype),
+    dx_ND.astype(residuals[0].dtype),
     dw_in.astype(table_dtype.param),
     dw_out.astype(table_dtype.param),
-    rows_cotangent,
-    dgates_NS.astype(gates_NS.dtype),
+    jnp.zeros(residuals[3].shape, jax.dtypes.float0),
+    dgates_NS.astype(residuals[4].dtype),
     None if bias_R is None else dbias.astype(bias_R.dtype),
-    None
-    if h_given_NS is None
-    else jnp.zeros_like(h_given_NS),  # the given pre-activations carry no gradient of their own
+    None if h_given_NS is None else jnp.zeros_like(h_given_NS),  # given pre-activations carry no gradient
   )
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenOrder:
+  """Each token's slots in token order: the implementation's forward and backward over the rows, then the tables'
+  sums of the pairs sorted by row (segment_grads.py)."""
+
+  def primal(self, impl, gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS):
+    return self.forward(impl, gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS)[0]
+
+  def forward(self, impl, gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS):
+    """(y [N, D], TokenResiduals) of the streamed tables."""
+    with jax.named_scope(scopes.ROW_GATHER):
+      if h_given_NS is not None:
+        y_ND = impl.forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_given_NS, gating, options)
+        h_NS = h_given_NS
+      else:
+        y_ND, h_NS = impl.forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options)
+    return y_ND, TokenResiduals(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_NS, h_given_NS)
+
+  def backward(self, impl, gating, options, table_dtype, res: TokenResiduals, dy_ND):
+    dy_ND = dy_ND.astype(res.x_ND.dtype)
+    with jax.named_scope(scopes.ROW_GATHER):
+      dx_ND, dgates_NS, coef_in_NS, coef_out_NS = impl.backward_rows(
+        dy_ND, res.h_NS, res.w_in_RD, res.w_out_RD, res.rows_NS, res.gates_NS, gating, options
+      )
+    n_rows, with_bias = res.w_in_RD.shape[0], res.bias_R is not None
+    grads = segment_grads.table_grads(
+      impl, res.x_ND, dy_ND, res.rows_NS, coef_in_NS, coef_out_NS, n_rows, options, with_bias
+    )
+    return _cotangents(table_dtype, res, dx_ND, dgates_NS, *grads, res.h_given_NS)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSorted(TokenOrder):
+  """The CPU's one walk in row order for a step that differentiates (xla_gather.row_sorted_*): the pairs sorted
+  by row once, rows and tables together. Without a backward pass the sort does not pay for itself (the
+  row-sorted forward alone is 0-8% slower), so the primal is token order's."""
+
+  def forward(self, impl, gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS):
+    del impl, h_given_NS  # XLA's form, and never for given pre-activations (FFF has its own walk)
+    order = xla_gather.row_order(rows_NS, gates_NS, w_in_RD.shape[0], options.pair_chunk, gating.linear_in_gate)
+    with jax.named_scope(scopes.ROW_GATHER):
+      y_ND, h_P = xla_gather.row_sorted_forward(x_ND, w_in_RD, w_out_RD, order, bias_R, gating, options)
+    return y_ND, RowResiduals(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, order, h_P)
+
+  def backward(self, impl, gating, options, table_dtype, res: RowResiduals, dy_ND):
+    with jax.named_scope(scopes.ROW_GATHER):  # rows and tables in one pass
+      grads = xla_gather.row_sorted_backward(
+        dy_ND.astype(res.x_ND.dtype),
+        res.x_ND,
+        res.h_P,
+        res.w_in_RD,
+        res.w_out_RD,
+        res.order,
+        res.bias_R is not None,
+        gating,
+        options,
+      )
+    return _cotangents(table_dtype, res, *grads)
+
+
+@dataclasses.dataclass(frozen=True)
+class DSplit:
+  """One device's d-slice of the gated gather (sliced_gather.py): the partial dots summed over `sum_axes`."""
+
+  sum_axes: tuple
+
+  def primal(self, impl, gating, options, *args):
+    return self.forward(impl, gating, options, *args)[0]
+
+  def forward(self, impl, gating, options, x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS, bias_R, h_given_NS):
+    del bias_R, h_given_NS  # refused by gated_gather
+    with jax.named_scope(scopes.ROW_GATHER):
+      y_hd, res = sliced_gather.forward(
+        impl, gating, options, self.sum_axes, w_in_Rd.dtype, x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS
+      )
+    return y_hd, SliceResiduals(*res)
+
+  def backward(self, impl, gating, options, table_dtype, res: SliceResiduals, dy_hd):
+    with jax.named_scope(scopes.ROW_GATHER):
+      dx_hd, dw_in, dw_out, dgates_hS = sliced_gather.backward(impl, gating, options, self.sum_axes, res, dy_hd)
+    return _cotangents(table_dtype, res, dx_hd, dgates_hS, dw_in, dw_out, None)
+
+
+def _form(impl, options, sum_axes, x_ND, w_in_RD, h_given):
+  """The form this call takes: the d-split where d_model is split, the row order where the implementation walks rows
+  (XLA on a CPU, float32: bf16 would round a row picked twice by a token once, not per slot), else token order."""
+  if sum_axes:
+    return DSplit(sum_axes)
+  if (
+    options.row_sorted
+    and impl.row_order
+    and h_given is None
+    and platform.on_cpu()  # its scatter-adds into x-sized sums are ordered (deterministic) on a CPU
+    and x_ND.dtype == jnp.float32
+    and xla_gather.row_sorted_fits(x_ND.shape[0], w_in_RD.shape[0])
+  ):
+    return RowSorted()
+  return TokenOrder()
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _gated_gather_ND(
+  form, impl, gating, options, table_dtype, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS
+):
+  w_in_RD, w_out_RD = w_in_RD.astype(table_dtype.stream), w_out_RD.astype(table_dtype.stream)  # one cast per call
+  return form.primal(impl, gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS)
+
+
+def _fwd(form, impl, gating, options, table_dtype, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS):
+  w_in_RD, w_out_RD = w_in_RD.astype(table_dtype.stream), w_out_RD.astype(table_dtype.stream)
+  return form.forward(impl, gating, options, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, h_given_NS)
+
+
+def _bwd(form, impl, gating, options, table_dtype, residuals, dy_ND):
+  return form.backward(impl, gating, options, table_dtype, residuals, dy_ND)
 
 
 _gated_gather_ND.defvjp(_fwd, _bwd)
@@ -151,8 +207,10 @@ def gated_gather(
   pre_activation=None,
   gate_inside_activation=True,
   sum_axes=(),
+  implementation=None,
 ):
-  """y [B, T, D] in x's dtype; `options` is a KernelOptions (defaults: implementation 'auto').
+  """y [B, T, D] in x's dtype; `options` is a KernelOptions (defaults: implementation 'auto'); `implementation`
+  (a backend.RowKernels) overrides registry.rows' choice (the autotuner measures each this way).
 
   `gate_inside_activation` (static): act(g * h) when True (sgatlin, its official code), g * act(h) when
   False (PEER, FFF); see the module docstring.
@@ -178,18 +236,25 @@ def gated_gather(
       as_1TS(x_BTD), w_in_RD, w_out_RD, as_1TS(rows_BTS), as_1TS(gates_BTS), activation, bias_R, gate_inside_activation
     )
     return y_1TD.reshape(*lead, D)
+  stream = stream_dtype(x_BTD.dtype, w_in_RD.dtype)
+  x_ND = x_BTD.reshape(-1, D)
+  h_given_NS = None if pre_activation is None else pre_activation.reshape(-1, S).astype(jnp.float32)
+  if implementation is None:  # resolved once per call, passed down to every kernel of both passes
+    call = dict(tokens=x_ND.shape[0], d_model=D, slots=S, rows=w_in_RD.shape[0], dtype=jnp.dtype(x_BTD.dtype).name)
+    implementation = registry.rows(options, registry.shape_class(stream, D, S), call)
   y_ND = _gated_gather_ND(
+    _form(implementation, options, sum_axes, x_ND, w_in_RD, h_given_NS),
+    implementation,
     Gating(activation, bool(gate_inside_activation)),
     options,
-    TableDtypes(jnp.dtype(w_in_RD.dtype), stream_dtype(x_BTD.dtype, w_in_RD.dtype)),
-    sum_axes,
-    x_BTD.reshape(-1, D),
+    TableDtypes(jnp.dtype(w_in_RD.dtype), stream),
+    x_ND,
     w_in_RD,
     w_out_RD,
     rows_BTS.reshape(-1, S).astype(jnp.int32),
     gates_BTS.reshape(-1, S),
     bias_R,
-    None if pre_activation is None else pre_activation.reshape(-1, S).astype(jnp.float32),
+    h_given_NS,
   )
   return y_ND.reshape(*lead, D)
 

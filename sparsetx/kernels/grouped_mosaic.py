@@ -14,10 +14,9 @@ BLOCK_K = 64  # contraction chunk of one pipeline stage
 STAGES = 4  # pipeline stages in flight: 4 x (128 x 64 + 64 x 128) bf16 = 128 KiB of the 227 KiB of shared memory
 
 
-def eligible(lhs_SK, rhs_EKN, options) -> bool:
-  """Whether the Mosaic GPU kernel takes these operands: 16-bit, both widths and the row tile multiples of 64."""
-  widths = (*rhs_EKN.shape[1:], options.group_rows)
-  return jnp.dtype(lhs_SK.dtype).itemsize == 2 and all(n % 64 == 0 for n in widths)
+def eligible(dtype, k: int, n: int, options) -> bool:
+  """Whether the Mosaic GPU kernel takes these operands: 16-bit, both widths (K, N) and the row tile multiples of 64."""
+  return jnp.dtype(dtype).itemsize == 2 and all(width % 64 == 0 for width in (k, n, options.group_rows))
 
 
 def gmm(lhs_SK, rhs_EKN, group_sizes_E, transpose_rhs, options):

@@ -8,6 +8,12 @@ More: docs/modules.md, sparsetx/kernels/row_gather.py.
 import jax.numpy as jnp
 
 
+def stream_dtype(x_dtype, table_dtype):
+  """The dtype a table's rows are read in: x's when it is the narrower float (a bf16 run), else the table's."""
+  x_dtype, table_dtype = jnp.dtype(x_dtype), jnp.dtype(table_dtype)
+  return x_dtype if x_dtype.itemsize < table_dtype.itemsize else table_dtype
+
+
 def dots(backend, lhs_ND, table_RD, rows_NS, options):
   """[N, S] float32: <lhs[t], table[rows[t, s]]>, the table's rows rounded to lhs's dtype."""
   return backend.row_dots(lhs_ND, table_RD, rows_NS.T, options).T

@@ -8,6 +8,8 @@ embedding backward).
 More: docs/modules.md, sparsetx/kernels/segment_grads.py.
 """
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -38,39 +40,64 @@ def row_starts(sorted_rows_P, n_rows):
   return jnp.searchsorted(sorted_rows_P, boundaries, side="left", method="scan_unrolled").astype(jnp.int32)
 
 
-def _sorted(rows_NS, coef_in_NS, coef_out_NS, n_rows):
-  """The pairs in row order: (sorted rows, their tokens, coef_in, coef_out), each [P]."""
+class SortedPairs(NamedTuple):
+  """The (token, slot) pairs in row order: their rows, tokens and both tables' coefficients, each [P]."""
+
+  rows_P: jax.Array
+  tokens_P: jax.Array
+  coef_in_P: jax.Array
+  coef_out_P: jax.Array
+
+
+def _sorted(rows_NS, coef_in_NS, coef_out_NS, n_rows) -> SortedPairs:
   n_slots = rows_NS.shape[1]
   order_P, sorted_rows_P = sort_pairs(rows_NS.reshape(-1), n_rows)
-  return sorted_rows_P, order_P // n_slots, coef_in_NS.reshape(-1)[order_P], coef_out_NS.reshape(-1)[order_P]
+  return SortedPairs(
+    sorted_rows_P, order_P // n_slots, coef_in_NS.reshape(-1)[order_P], coef_out_NS.reshape(-1)[order_P]
+  )
 
 
 @jax.named_scope(scopes.TABLE_GRADS)
-def table_grads(x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS, n_rows, options, with_bias):
-  """(dW_in [R, D], dW_out [R, D], dbias [R] or None), all float32."""
-  backend = platform.kernel_backend(options)
+def table_grads(implementation, x_ND, dy_ND, rows_NS, coef_in_NS, coef_out_NS, n_rows, options, with_bias):
+  """(dW_in [R, D], dW_out [R, D], dbias [R] or None), all float32: the pairs sorted once, summed by the
+  implementation's table_sums (backend.RowKernels)."""
   with jax.named_scope(scopes.SORT):
     pairs = _sorted(rows_NS, coef_in_NS, coef_out_NS, n_rows)
-  if backend is None:
-    with jax.named_scope(scopes.SEGMENT_SUMS):
-      return _scan_table_grads(x_ND, dy_ND, *pairs, n_rows, options, with_bias)
-  sorted_rows_P, token_P, coef_in_P, coef_out_P = pairs
+  return implementation.table_sums(x_ND, dy_ND, pairs, n_rows, options, with_bias)
+
+
+def kernel_table_sums(implementation, x_ND, dy_ND, pairs, n_rows, options, with_bias):
+  """Both tables' sums by the implementation's segment_sums kernel, hot rows cut into chunks (row_chunks.py)."""
   with jax.named_scope(scopes.SORT):
-    starts_R1 = row_starts(sorted_rows_P, n_rows)
+    starts_R1 = row_starts(pairs.rows_P, n_rows)
     chunks = None
-    if row_chunks.tail_segments(sorted_rows_P.shape[0], options.segment_chunk):
-      chunks = row_chunks.plan(sorted_rows_P, starts_R1, options.segment_chunk)  # one plan for both tables
+    if row_chunks.tail_segments(pairs.rows_P.shape[0], options.segment_chunk):
+      chunks = row_chunks.plan(pairs.rows_P, starts_R1, options.segment_chunk)  # one plan for both tables
   sums = lambda values, coefs, with_coef_sums: row_chunks.segment_sums(  # noqa: E731
-    backend, values, token_P, coefs, sorted_rows_P, starts_R1, options, with_coef_sums, chunks
+    implementation, values, pairs.tokens_P, coefs, pairs.rows_P, starts_R1, options, with_coef_sums, chunks
   )
   with jax.named_scope(scopes.SEGMENT_SUMS):
-    dw_in, dbias = sums(x_ND, coef_in_P, with_bias)
-    dw_out, _ = sums(dy_ND, coef_out_P, False)
+    dw_in, dbias = sums(x_ND, pairs.coef_in_P, with_bias)
+    dw_out, _ = sums(dy_ND, pairs.coef_out_P, False)
   return dw_in, dw_out, dbias
 
 
-def _scan_table_grads(x_ND, dy_ND, sorted_rows_P, token_P, coef_in_P, coef_out_P, n_rows, options, with_bias):
-  """The XLA path: sorted scatter-adds, `platform.cpu_chunk(options.pair_chunk)` pairs per scan step."""
+def scatter_segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sums=False):
+  """XLA's segment_sums (backend.RowKernels): sorted scatter-adds of float32 products into each pair's row."""
+  del options
+  n_rows, n_pairs = starts_R1.shape[0] - 1, tokens_P.shape[0]
+  rows_P = jnp.searchsorted(starts_R1[1:], jnp.arange(n_pairs, dtype=jnp.int32), side="right").astype(jnp.int32)
+  terms_PD = coefs_P.astype(jnp.float32)[:, None] * values_ND.astype(jnp.float32)[tokens_P]
+  sums_RD = jax.ops.segment_sum(terms_PD, rows_P, n_rows, indices_are_sorted=True)
+  coef_sums_R = jax.ops.segment_sum(coefs_P.astype(jnp.float32), rows_P, n_rows, indices_are_sorted=True)
+  return sums_RD, coef_sums_R if with_coef_sums else None
+
+
+@jax.named_scope(scopes.SEGMENT_SUMS)
+def scan_table_sums(x_ND, dy_ND, pairs, n_rows, options, with_bias):
+  """XLA's table_sums: sorted scatter-adds of both tables in one scan, `platform.cpu_chunk(options.pair_chunk)`
+  pairs per step."""
+  sorted_rows_P, token_P, coef_in_P, coef_out_P = pairs
   n_pairs = sorted_rows_P.shape[0]
   pair_chunk = platform.cpu_chunk(options.pair_chunk, n_pairs)
   n_padded = -(-n_pairs // pair_chunk) * pair_chunk

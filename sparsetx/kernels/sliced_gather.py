@@ -7,51 +7,33 @@ More: docs/modules.md, sparsetx/kernels/sliced_gather.py.
 import jax
 import jax.numpy as jnp
 
-from sparsetx.kernels import platform, row_gather, segment_grads, xla_gather
+from sparsetx.kernels import row_gather, segment_grads
 
 
-def _scan_chunks(step, arrays, options):
-  """[h, ...]: step(*chunk) over the tokens in `platform.cpu_chunk(options.token_chunk)` chunks."""
-  n_tokens = arrays[0].shape[0]
-  chunks = xla_gather.chunked(arrays, platform.cpu_chunk(options.token_chunk, n_tokens))
-  _, out = jax.lax.scan(lambda _, chunk: (None, step(*chunk)), None, chunks)
-  return xla_gather.unchunk(out, n_tokens)
-
-
-def rows_dot(options, a_hd, table_Rd, rows_hS):
+def rows_dot(implementation, options, a_hd, table_Rd, rows_hS):
   """[h, S]: <a[t], table[rows[t, s]]> in float32 (rows rounded to a's dtype)."""
-  backend = platform.kernel_backend(options)
-  if backend is None:
-    return _scan_chunks(
-      lambda a_cd, rows_cS: xla_gather.pre_activation(a_cd, table_Rd, rows_cS, None)[0], [a_hd, rows_hS], options
-    )
-  return row_gather.dots(backend, a_hd, table_Rd, rows_hS, options)
+  return row_gather.dots(implementation, a_hd, table_Rd, rows_hS, options)
 
 
-def rows_sum(options, coef_hS, table_Rd, rows_hS, dtype):
+def rows_sum(implementation, options, coef_hS, table_Rd, rows_hS, dtype):
   """[h, d] float32: sum_s coef[t, s] * table[rows[t, s]], both factors rounded to `dtype`, float32 sums
-  (kept float32: the unit-split sums these partial outputs over devices before rounding)."""
-  backend = platform.kernel_backend(options)
-  if backend is None:
-    step = lambda coef_cS, rows_cS: xla_gather.weighted_rows(coef_cS, table_Rd, rows_cS, dtype)  # noqa: E731
-    return _scan_chunks(step, [coef_hS, rows_hS], options)
-
-  # The table already streams in the compute dtype (_forward): its rows are `dtype` values, summed into float32.
-  return row_gather.accumulate(backend, coef_hS.astype(dtype), table_Rd, rows_hS, jnp.float32, options)
+  (kept float32: the unit-split sums these partial outputs over devices before rounding). The table already streams
+  in the compute dtype (forward): its rows are `dtype` values."""
+  return row_gather.accumulate(implementation, coef_hS.astype(dtype), table_Rd, rows_hS, jnp.float32, options)
 
 
-def forward(gating, options, axes, stream, x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS):
+def forward(implementation, gating, options, axes, stream, x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS):
   """(y [h, d] float32, residuals): this device's d-slice of the gated gather, the partial dots summed over mesh
   `axes` before the activation and the gate. x and the tables are d-slices, rows and gates whole; the tables
   stream in `stream` (one cast, kept as residuals)."""
   w_in_Rd, w_out_Rd = w_in_Rd.astype(stream), w_out_Rd.astype(stream)
-  h_hS = jax.lax.psum(rows_dot(options, x_hd, w_in_Rd, rows_hS), axes)
+  h_hS = jax.lax.psum(rows_dot(implementation, options, x_hd, w_in_Rd, rows_hS), axes)
   a_hS = gating.value(h_hS, gates_hS.astype(jnp.float32))
-  y_hd = rows_sum(options, a_hS, w_out_Rd, rows_hS, x_hd.dtype)
+  y_hd = rows_sum(implementation, options, a_hS, w_out_Rd, rows_hS, x_hd.dtype)
   return y_hd, (x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS, h_hS)
 
 
-def backward(gating, options, axes, residuals, dy_hd):
+def backward(implementation, gating, options, axes, residuals, dy_hd):
   """(dx, dw_in, dw_out, dgates) as the gated gather's (sorted-segment table sums), with the d-group's sums
   made explicit, all float32.
 
@@ -62,10 +44,12 @@ def backward(gating, options, axes, residuals, dy_hd):
   """
   x_hd, w_in_Rd, w_out_Rd, rows_hS, gates_hS, h_hS = residuals
   dy_hd = dy_hd.astype(x_hd.dtype)
-  dyw_partial_hS = rows_dot(options, dy_hd, w_out_Rd, rows_hS)
+  dyw_partial_hS = rows_dot(implementation, options, dy_hd, w_out_Rd, rows_hS)
   dyw_hS = jax.lax.psum(dyw_partial_hS, axes)
   a_hS, da_dh_hS, da_dg_hS = gating.value_and_slopes(h_hS, gates_hS.astype(jnp.float32))
   coef_in_hS = da_dh_hS * dyw_hS
-  dx_hd = rows_sum(options, coef_in_hS, w_in_Rd, rows_hS, x_hd.dtype)
-  dw_in, dw_out, _ = segment_grads.table_grads(x_hd, dy_hd, rows_hS, coef_in_hS, a_hS, w_in_Rd.shape[0], options, False)
+  dx_hd = rows_sum(implementation, options, coef_in_hS, w_in_Rd, rows_hS, x_hd.dtype)
+  dw_in, dw_out, _ = segment_grads.table_grads(
+    implementation, x_hd, dy_hd, rows_hS, coef_in_hS, a_hS, w_in_Rd.shape[0], options, False
+  )
   return dx_hd, dw_in, dw_out, da_dg_hS * dyw_partial_hS

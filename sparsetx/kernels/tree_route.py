@@ -9,62 +9,12 @@ More: docs/modules.md, sparsetx/kernels/tree_route.py.
 import jax
 import jax.numpy as jnp
 
-from sparsetx.kernels import platform, row_gather
-from sparsetx.kernels.gated_gather import gated_gather, stream_dtype
-from sparsetx.kernels.xla_gather import chunked, unchunk
+from sparsetx.kernels import registry
+from sparsetx.kernels.gated_gather import gated_gather
+from sparsetx.kernels.tree_walk import next_node  # noqa: F401 (FFF's layer reads it here)
 
 DENSE_LEVELS = 3  # levels computed by one matmul (7 nodes per tree) before the walk starts gathering
 WALK_ROWS_PER_CHUNK = 512  # gathered w_in rows per scan step of the walk (about 1.5 MiB at d_model 768)
-
-
-def next_node(node, z):
-  """Heap-order child: right (2s + 2) when z > 0, else left (2s + 1); a logit of exactly 0 goes left."""
-  return 2 * node + 1 + (z > 0).astype(node.dtype)
-
-
-def _walk_with_kernels(backend, options, x_ND, w_in_PMD, b_in_PM, node_NP, n_levels):
-  """Walks n_levels levels down from node_NP with one row_dots launch per level; nodes and logits [N, P, n_levels]."""
-  P, M, D = w_in_PMD.shape
-  w_in_RD = w_in_PMD.reshape(P * M, D).astype(stream_dtype(x_ND.dtype, w_in_PMD.dtype))
-  offset_P = M * jnp.arange(P, dtype=jnp.int32)
-  tree_P = jnp.arange(P)
-
-  nodes, logits = [], []
-  for _level in range(n_levels):
-    rows_NP = node_NP + offset_P[None, :]
-    z_NP = row_gather.dots(backend, x_ND, w_in_RD, rows_NP, options)
-    z_NP = z_NP + b_in_PM[tree_P, node_NP].astype(jnp.float32)
-    nodes.append(node_NP)
-    logits.append(z_NP)
-    node_NP = next_node(node_NP, z_NP)
-  return jnp.stack(nodes, -1), jnp.stack(logits, -1)
-
-
-def _walk_gathered(x_ND, w_in_PMD, b_in_PM, node_NP, n_levels, rows_per_chunk):
-  """Walks n_levels levels down from node_NP, gathering one w_in row per (token, tree) per level.
-
-  A `lax.scan` over chunks of tokens keeps a chunk's gathered rows (about rows_per_chunk of them) in cache
-  on a CPU (elsewhere one chunk holds every token). Returns the nodes and logits [N, P, n_levels].
-  """
-  n_tokens = x_ND.shape[0]
-  P = w_in_PMD.shape[0]
-  tree_P = jnp.arange(P)
-  x_KcD, node_KcP = chunked([x_ND, node_NP], platform.cpu_chunk(max(1, rows_per_chunk // P), n_tokens))
-
-  def walk(_, xs):
-    x_cD, node_cP = xs
-    nodes, logits = [], []
-    for _level in range(n_levels):
-      w_cPD = w_in_PMD[tree_P, node_cP].astype(x_cD.dtype)
-      z_cP = jnp.einsum("cd,cpd->cp", x_cD, w_cPD, preferred_element_type=jnp.float32)
-      z_cP = z_cP + b_in_PM[tree_P, node_cP].astype(jnp.float32)
-      nodes.append(node_cP)
-      logits.append(z_cP)
-      node_cP = next_node(node_cP, z_cP)
-    return None, (jnp.stack(nodes, -1), jnp.stack(logits, -1))
-
-  _, (path, z) = jax.lax.scan(walk, None, (x_KcD, node_KcP))
-  return unchunk(path, n_tokens), unchunk(z, n_tokens)
 
 
 def tree_paths(
@@ -93,11 +43,11 @@ def tree_paths(
       node_NP = next_node(node_NP, z_NP)
   if L > top:
     x_ND, w_in_PMD, b_in_PM = jax.lax.stop_gradient((x_ND, w_in_PMD, b_in_PM))
-    backend = None if options is None else platform.kernel_backend(options)
-    if backend is None:
-      deep_path, deep_z = _walk_gathered(x_ND, w_in_PMD, b_in_PM, node_NP, L - top, rows_per_chunk)
-    else:
-      deep_path, deep_z = _walk_with_kernels(backend, options, x_ND, w_in_PMD, b_in_PM, node_NP, L - top)
+    options = registry.KernelOptions("xla") if options is None else options  # no options: XLA's walk
+    P, M, D = w_in_PMD.shape
+    call = dict(tokens=x_ND.shape[0], d_model=D, slots=P, rows=P * M, dtype=jnp.dtype(x_ND.dtype).name)
+    implementation = registry.rows(options, registry.shape_class(x_ND.dtype, D, P), call)
+    deep_path, deep_z = implementation.walk(options, x_ND, w_in_PMD, b_in_PM, node_NP, L - top, rows_per_chunk)
     nodes.append(deep_path)
     logits.append(deep_z)
   return jnp.concatenate(nodes, -1), jnp.concatenate(logits, -1), z_top_NPM

@@ -54,6 +54,28 @@ def weighted_rows(coef_cS, table_RD, rows_cS, dtype):
   return jnp.einsum("cs,csd->cd", coef_cS.astype(dtype), table_cSD, preferred_element_type=jnp.float32)
 
 
+def _scan_chunks(step, arrays, options):
+  """[N, ...]: step(*chunk) over the tokens in `platform.cpu_chunk(options.token_chunk)` chunks."""
+  n_tokens = arrays[0].shape[0]
+  _, out = jax.lax.scan(
+    lambda _, chunk: (None, step(*chunk)), None, chunked(arrays, platform.cpu_chunk(options.token_chunk, n_tokens))
+  )
+  return unchunk(out, n_tokens)
+
+
+def chunked_dots(lhs_ND, table_RD, rows_NS, options):
+  """[N, S] float32: <lhs[t], table[rows[t, s]]> (rows rounded to lhs's dtype), token chunk by chunk."""
+  return _scan_chunks(
+    lambda a_cD, rows_cS: pre_activation(a_cD, table_RD, rows_cS, None)[0], [lhs_ND, rows_NS], options
+  )
+
+
+def chunked_sums(coef_NS, table_RD, rows_NS, dtype, options):
+  """[N, D] float32: sum_s coef[t, s] * table[rows[t, s]], both factors in `dtype`, token chunk by chunk."""
+  step = lambda coef_cS, rows_cS: weighted_rows(coef_cS, table_RD, rows_cS, dtype)  # noqa: E731
+  return _scan_chunks(step, [coef_NS, rows_NS], options)
+
+
 def forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options):
   """Returns y [N, D] (x's dtype) and the pre-activations h [N, S] (float32, kept for backward).
 

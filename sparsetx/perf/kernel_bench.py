@@ -9,7 +9,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from sparsetx.kernels import platform, row_gather, segment_grads
+from sparsetx.kernels import registry, row_gather, segment_grads
+from sparsetx.kernels.device import target
 from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
 from sparsetx.perf import timing
 
@@ -18,11 +19,19 @@ SMALL_SHAPES = [(64, 2, 2, 16**2, 128)]
 
 
 def backends(small: bool) -> list:
-  """(name, KernelOptions) of every kernel backend this platform runs; in interpret mode with --small."""
-  names = {"gpu": ["mosaic", "triton"], "tpu": ["tpu"]}.get(platform.target().platform, ["triton"])
-  return [
-    (name, KernelOptions("pallas", gpu_kernel="auto" if name == "tpu" else name, interpret=small)) for name in names
-  ]
+  """(name, KernelOptions) of every row-kernel implementation but XLA's that this device runs without being named
+  (kernels/registry.py; on a CPU, Triton's in interpret mode); in interpret mode with --small."""
+  device = target()
+  found = []
+  for implementation in registry.ROWS:
+    try:
+      implementation.refuse(device, KernelOptions("pallas"))
+    except NotImplementedError:
+      continue
+    if implementation.name != "xla":
+      gpu_kernel = implementation.name if implementation.platform == "gpu" else "auto"
+      found.append((implementation.name, KernelOptions("pallas", gpu_kernel=gpu_kernel, interpret=small)))
+  return found
 
 
 def case(tokens, n_channels, top_k, d_ffw, d_model, dtype):
@@ -47,7 +56,7 @@ def kernel_timings(shape, dtype, options, repeats) -> list:
   R = w_in.shape[0]
   item = dtype.itemsize
   table = w_in.astype(dtype)  # the op streams tables in the compute dtype (gated_gather.py)
-  backend = platform.kernel_backend(options)
+  backend = registry.rows(options, registry.shape_class(dtype, D, S))
   order_P, sorted_rows_P = segment_grads.sort_pairs(rows.reshape(-1), R)
   starts_R1 = segment_grads.row_starts(sorted_rows_P, R)
   tokens_P, coefs_P = order_P // S, gates.reshape(-1)[order_P]

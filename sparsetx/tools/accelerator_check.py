@@ -16,7 +16,8 @@ import numpy as np
 from absl import flags
 
 from sparsetx import cli, hardware
-from sparsetx.kernels import platform, row_gather, segment_grads
+from sparsetx.kernels import registry, row_gather, segment_grads
+from sparsetx.kernels.device import target
 from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
 from sparsetx.kernels.grouped_matmul import grouped_matmul
 from sparsetx.perf import kernel_bench, timing
@@ -54,10 +55,14 @@ def section_names(small) -> list:
 def may_run_mosaic_gpu(section: str) -> bool:
   """Whether a section may run a Mosaic GPU kernel on this GPU: such a fault (segment_sums stopped with an illegal
   instruction under jax 0.11.2) poisons the process's CUDA context, and every later row would fail with it."""
-  device = platform.target()
+  device = target()
   if device.platform != "gpu":
     return False
-  grouped = platform.gpu_kernel(KernelOptions(), device, "grouped_matmul") == "mosaic"
+  try:
+    registry.by_name("grouped_matmul", "mosaic").refuse(device, KernelOptions())
+    grouped = True
+  except NotImplementedError:
+    grouped = False
   return section == "backend mosaic" or (grouped and section in ("moe bench", "train moe"))
 
 
@@ -135,8 +140,8 @@ def coefficient_matrix(rows_NS, coef_NS, n_rows) -> np.ndarray:
 
 def check_kernels(name, options, small) -> list:
   """Rows (check, what, value, verdict) for one backend's three row kernels and the whole op; each runs guarded."""
-  backend = platform.kernel_backend(options)
   lhs, table, rows_NS, coef_NS = kernel_case(small)
+  backend = registry.rows(options, registry.shape_class(lhs.dtype, *table.shape[1:], *rows_NS.shape[1:]))
   x64, t64, c64 = (np.asarray(a, np.float64) for a in (lhs, table, coef_NS))
   r = np.asarray(rows_NS)
   N, S = r.shape

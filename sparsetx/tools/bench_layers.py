@@ -13,7 +13,7 @@ from absl import flags
 
 from sparsetx import cli
 from sparsetx.config import ConfigError, default_config, validate
-from sparsetx.kernels import mosaic_gpu, pallas_gpu, pallas_tpu, platform, row_chunks, segment_grads
+from sparsetx.kernels import mosaic_gpu, pallas_gpu, pallas_tpu, registry, row_chunks, segment_grads
 from sparsetx.kernels.options import KernelOptions
 from sparsetx.models.ffn import moe
 from sparsetx.models.ffn.common import gini
@@ -202,7 +202,8 @@ class TableGrads:
     tokens = rows.shape[0]
     x, dy = (jax.random.normal(key, (tokens, d_model), jnp.dtype(dtype)) for key in k[:2])
     coef_in, coef_out = (jax.random.normal(key, rows.shape, jnp.float32) for key in k[2:])
-    step = lambda *a: segment_grads.table_grads(*a, n_rows, options, with_bias=False)[:2]  # noqa: E731
+    implementation = registry.rows(options, registry.shape_class(dtype, d_model, rows.shape[1]))
+    step = lambda *a: segment_grads.table_grads(implementation, *a, n_rows, options, with_bias=False)[:2]  # noqa: E731
     self.args = (x, dy, rows, coef_in, coef_out)
     self.step = jax.jit(step).lower(*self.args).compile()
     self.seconds = None  # median seconds, from table_grads_table
@@ -219,8 +220,8 @@ def table_grads_table(scale, tokens, dtype, rounds, target_gini, chunks, gpu_ker
   dists = {"uniform": table_grad_rows(tokens, n_channels, top_k, d_ffw, 0.0)}
   dists["skewed"] = table_grad_rows(tokens, n_channels, top_k, d_ffw, exponent)
   options = KernelOptions(gpu_kernel=gpu_kernel)
-  backend = platform.kernel_backend(options)
-  path = "the XLA path: no row kernel, chunks do not apply" if backend is None else backend.__name__.split(".")[-1]
+  backend = registry.rows(options, registry.shape_class(dtype, d, n_channels * top_k))
+  path = "XLA's scatter-adds: chunks do not apply" if backend.name == "xla" else backend.name
   variants = {
     (dist, chunk): TableGrads(
       f"{dist} chunk {chunk}", rows, d, n_channels * d_ffw, dtype, options._replace(segment_chunk=chunk)

@@ -88,7 +88,7 @@ def abstract_state(config, mesh):
   return built.abstract_state, built.shardings, built.model, built.tx
 
 
-def _trace_train_step(config: ml_collections.ConfigDict, mesh):
+def trace_train_step(config: ml_collections.ConfigDict, mesh):
   """(the train step jitted as the trainer jits it, traced on abstract inputs; the state_lib.Setup)."""
   built = state_lib.setup(config, mesh=mesh)
   jitted = step_lib.make_train_step(config, built)
@@ -104,7 +104,7 @@ def compile_train_step(config: ml_collections.ConfigDict, mesh):
 def _compile_with_setup(config, mesh):
   """(the compiled train step, the state_lib.Setup it was built from)."""
   with logical_rules.activate(mesh, config.mesh.rules):
-    traced, built = _trace_train_step(config, mesh)
+    traced, built = trace_train_step(config, mesh)
     compiled = traced.lower().compile()
   return compiled, built
 
@@ -145,7 +145,7 @@ def lower_train_step(config: ml_collections.ConfigDict, topology_name: str, n_de
   topology (config.mesh over them) from abstract inputs. Nothing is compiled: compile_for_topology compiles."""
   mesh = state_lib.checked_mesh(config, topology.devices(topology_name)[:n_devices])
   with logical_rules.activate(mesh, config.mesh.rules):
-    traced, _ = _trace_train_step(config, mesh)
+    traced, _ = trace_train_step(config, mesh)
     return traced.lower().as_text()
 
 
@@ -216,7 +216,7 @@ def rejected_kernel(config: ml_collections.ConfigDict, mesh) -> tuple[str, str] 
   """(layer, kernel) of the first Pallas kernel of the step that the target's compiler refuses on its own, each
   compiled at the shapes one device sees; None when every kernel compiles (the refusal is elsewhere)."""
   with logical_rules.activate(mesh, config.mesh.rules):
-    traced, _ = _trace_train_step(config, mesh)
+    traced, _ = trace_train_step(config, mesh)
   one_device = jax.sharding.Mesh(np.array(mesh.devices.flat[:1]), ("devices",))
   seen = set()
   for eqn, scope in _pallas_calls(traced.jaxpr.jaxpr):

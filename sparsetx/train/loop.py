@@ -21,6 +21,7 @@ from sparsetx import paths
 from sparsetx.data import check_training_files, global_stream, pretokenize
 from sparsetx.models import ladder
 from sparsetx.parallel import logical_rules
+from sparsetx.perf import autotune
 from sparsetx.train import checkpointing
 from sparsetx.train import metrics as metrics_lib
 from sparsetx.train import state as state_lib
@@ -231,6 +232,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   check_workdir(workdir)
   config = pretokenize.train_corpus(config, workdir)  # the corpus the stream reads: given, or written in workdir
   built = state_lib.setup(config)
+  if config.train.autotune and jax.process_count() == 1:  # the device picks its kernels before the step compiles
+    autotune.ensure_tuned(config, built.mesh, report=logging.info)
   with logical_rules.activate(built.mesh, config.mesh.rules):  # sparse layers trace their expert-parallel form
     return _run(config, workdir, built)
 

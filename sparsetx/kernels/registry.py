@@ -1,0 +1,124 @@
+"""Which implementation runs each kernel op: one table per op, in order, XLA one implementation among the others.
+
+An op is the sparse layers' row kernels (`rows`: row_dots, row_accumulate, segment_sums and the forms over them,
+backend.RowKernels) or MoE's grouped matmul (`grouped_matmul`). Each lists its implementations once, in the
+order Mosaic GPU, Triton, Pallas TPU, XLA; one that cannot take a call raises NotImplementedError with its reason
+and the next is tried. `auto` tries them in the order the device measured (kernels/autotune_table.py, filled by
+sparsetx-autotune), else in DEFAULT_ORDER. A new implementation is its file and one line in its op's table.
+
+More: docs/modules.md, sparsetx/kernels/registry.py.
+"""
+
+import contextlib
+
+import jax.numpy as jnp
+
+from sparsetx.kernels import autotune_table
+from sparsetx.kernels.backend import ModuleRows, RowKernels, XlaRows
+from sparsetx.kernels.device import TracedDevice, target
+from sparsetx.kernels.grouped_ops import GroupedKernels, GroupedXla
+from sparsetx.kernels.options import GPU_KERNELS, IMPLEMENTATIONS, KernelOptions
+from sparsetx.kernels.platform import hopper_or_newer
+
+HOPPER = (lambda device: hopper_or_newer(device.device_kind), "a Hopper or newer GPU (sm_90+)")
+
+ROWS: tuple[RowKernels, ...] = (
+  ModuleRows("mosaic", "sparsetx.kernels.mosaic_gpu", "gpu", needs=HOPPER, refused_on=("tpu",)),
+  ModuleRows("triton", "sparsetx.kernels.pallas_gpu", "gpu", refused_on=("tpu",), interprets_by_default=True),
+  ModuleRows("tpu", "sparsetx.kernels.pallas_tpu", "tpu", refused_on=("gpu",)),
+  XlaRows(),
+)
+GROUPED: tuple[GroupedKernels, ...] = (
+  GroupedKernels("mosaic", "grouped_mosaic", "gpu", needs=HOPPER, refused_on=("tpu",), tgmm_module="grouped_triton"),
+  GroupedKernels("triton", "grouped_triton", "gpu", refused_on=("tpu",), interprets_by_default=True),
+  GroupedKernels("tpu", "grouped_tpu", "tpu", refused_on=("gpu",)),
+  GroupedXla(),
+)
+OPS = {"rows": ROWS, "grouped_matmul": GROUPED}
+
+# Without a measured table (a dry run for a topology, a device not yet tuned): the Triton row kernels before Mosaic
+# GPU's, whose segment_sums stopped with an illegal instruction on an H200 under jax 0.11.2 and have not run
+# correctly on a GPU since; MoE's grouped matmul on Mosaic GPU first, which matched ragged_dot on an H200.
+DEFAULT_ORDER = {"rows": ("triton", "mosaic", "tpu", "xla"), "grouped_matmul": ("mosaic", "triton", "tpu", "xla")}
+
+_recorded = None  # the calls resolved while `recording` is active: {(op, shape class): example shapes}
+
+
+def shape_class(dtype, d_model: int, slots: int) -> str:
+  """The key a measured choice is kept under: what decides which kernel is fastest (the streamed dtype, the width
+  of a row and the slots per token), not the token count."""
+  return f"{jnp.dtype(dtype).name} D{d_model} S{slots}"
+
+
+def grouped_shape_class(dtype, k: int, n: int, experts: int) -> str:
+  return f"{jnp.dtype(dtype).name} K{k} N{n} E{experts}"
+
+
+def by_name(op: str, name: str):
+  """The implementation of `op` called `name`."""
+  for implementation in OPS[op]:
+    if implementation.name == name:
+      return implementation
+  raise ValueError(f"{op} has no implementation {name!r}; it has {[i.name for i in OPS[op]]}.")
+
+
+def candidates(op: str, options: KernelOptions, device: TracedDevice) -> list:
+  """The implementations `options` allows for `device`, in the order they are tried."""
+  if options.implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"kernel implementation={options.implementation!r} is unknown; use one of {IMPLEMENTATIONS}.")
+  if options.gpu_kernel not in GPU_KERNELS:
+    raise ValueError(f"kernel gpu_kernel={options.gpu_kernel!r} is unknown; use one of {GPU_KERNELS}.")
+  xla = by_name(op, "xla")
+  if options.implementation in ("xla", "reference") or (options.implementation == "auto" and device.platform == "cpu"):
+    return [xla]
+  allowed = [i for i in OPS[op] if i is not xla]
+  if options.gpu_kernel != "auto":  # a GPU kernel named by the config; the TPU's stays
+    allowed = [i for i in allowed if i.platform != "gpu" or i.name == options.gpu_kernel]
+  if options.implementation == "auto" and options.gpu_kernel == "auto":  # auto may find XLA fastest; a named
+    allowed.append(xla)  # GPU kernel that cannot run is an error, not XLA's program
+  order = list(DEFAULT_ORDER[op])
+  return sorted(allowed, key=lambda i: order.index(i.name) if i.name in order else len(order))
+
+
+def resolve(op: str, options: KernelOptions, key: str, call=None):
+  """The first implementation of `op` that takes this call (`call`: its operands where a refusal reads them);
+  under `auto`, a measured table's ranking for this device and `key` goes first and what it dropped is refused."""
+  device = target()
+  tried = candidates(op, options, device)
+  measured = None
+  if options.implementation == "auto" and device.platform != "cpu":
+    measured = autotune_table.lookup(device.device_kind, op, key)
+  if measured is not None:
+    rank = {name: n for n, name in enumerate(measured.ranking)}
+    tried.sort(key=lambda i: rank.get(i.name, len(rank)))
+  if _recorded is not None:
+    _recorded.setdefault((op, key), call)
+  reasons = []
+  for implementation in tried:
+    try:
+      if measured is not None and implementation.name in measured.dropped:
+        raise NotImplementedError(f"dropped by the measured table: {measured.dropped[implementation.name]}")
+      implementation.refuse(device, options, call)
+      return implementation
+    except NotImplementedError as why:
+      reasons.append(f"{implementation.name}: {why}")
+  raise NotImplementedError(f"no {op} implementation takes this call on {device.device_kind}: {'; '.join(reasons)}")
+
+
+def rows(options: KernelOptions, key: str, call=None) -> RowKernels:
+  """The row kernels of one layer call (`key`: its shape_class; `call`: its sizes, what the autotuner measures)."""
+  return resolve("rows", options, key, call)
+
+
+@contextlib.contextmanager
+def recording():
+  """Yields {(op, shape class): the call's operands or None} of every op resolved inside (a step being traced)."""
+  global _recorded
+  outer, _recorded = _recorded, {}
+  try:
+    yield _recorded
+  finally:
+    _recorded = outer
+
+
+__all__ = ["KernelOptions", "by_name", "candidates", "recording", "resolve", "rows", "shape_class"]

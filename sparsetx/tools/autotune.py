@@ -1,0 +1,63 @@
+"""sparsetx-autotune: the device picks its kernels for a config's train step, and the autotune table keeps them.
+
+  python -m sparsetx.tools.autotune --config=configs/ladder.py:sgatlin,4 --config.data.global_batch_size=16
+
+For each kernel op and shape class the step runs (one trace of it), every implementation this device runs is timed
+in a child process and checked against XLA's values; the fastest correct one is recorded with the reason each other
+was dropped (kernels/autotune_table.py; $SPARSETX_AUTOTUNE_TABLE, else ~/.cache/sparsetx/autotune.json). Shapes
+the table already holds are measured again only with --again. On a CPU XLA is the only implementation.
+
+More: docs/modules.md, sparsetx/tools/autotune.py.
+"""
+
+from absl import flags
+
+from sparsetx import cli
+from sparsetx import config as config_lib
+from sparsetx.kernels import autotune_table
+from sparsetx.kernels.device import target
+from sparsetx.kernels.options import options_from_config
+from sparsetx.perf import autotune
+from sparsetx.train import state as state_lib
+
+
+def define_flags() -> dict:
+  """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
+  return dict(
+    config=cli.define_config_file("config", "configs/tiny.py", "Config file, optionally with ':ARG'."),
+    again=flags.DEFINE_bool("again", False, "Measure the shapes the table already holds too."),
+    rounds=flags.DEFINE_integer("rounds", 5, "Timed runs per implementation (their median)."),
+    implementations=flags.DEFINE_list(
+      "implementations", None, "Measure only these (registry names, e.g. triton,xla); default: all this device runs."
+    ),
+  )
+
+
+def absl_main(argv, holders: dict):
+  del argv
+  args = cli.flag_values(holders)
+  try:
+    config = config_lib.validate(holders["config"].value)
+    mesh = state_lib.setup(config).mesh
+    calls = autotune.step_calls(config, mesh)
+  except config_lib.ConfigError as error:
+    cli.fail(error)
+  todo = calls if args.again else autotune.missing(calls)
+  device = target().device_kind
+  print(
+    f"autotune on {device}: {len(calls)} op shapes in the step, {len(todo)} to measure; table {autotune_table.path()}"
+  )
+  for (op, key), call in sorted(todo.items()):
+    options = options_from_config(config.model.ffn.kernel)
+    entry = autotune.tune(op, key, call, options, args.implementations, args.rounds)
+    print(f"  {op} {key}: {autotune.describe(entry)}")
+
+
+def main():
+  """The `sparsetx-autotune` entry point."""
+  holders = define_flags()
+  cli.run(lambda argv: absl_main(argv, holders))
+
+
+if __name__ == "__main__":
+  main()
