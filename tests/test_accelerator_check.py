@@ -39,7 +39,11 @@ def use_for_pallas(monkeypatch, implementation):
   """registry.rows gives `implementation` for the kernels' options, XLA's own for the XLA path they are checked
   against."""
   real = registry.rows
-  monkeypatch.setattr(registry, "rows", lambda o, key: implementation if o.implementation == "pallas" else real(o, key))
+
+  def rows(options, key, call=None):
+    return implementation if options.implementation == "pallas" else real(options, key, call)
+
+  monkeypatch.setattr(registry, "rows", rows)
 
 
 def test_a_wrong_kernel_fails_its_check(monkeypatch):

@@ -151,6 +151,7 @@ def assert_sparse_kernels(found: dict, ffn_type: str, target: str, mosaic_rows: 
 # The parts (perf/step_parts.py) a row kernel's launches may fall in: FFF's walk takes its levels' logits by row_dots.
 ROW_KERNEL_PARTS = {
   "row_dots": {"row gathers", "ffn router + top-k"},
+  "row_order_dots": {"row gathers", "ffn router + top-k"},
   "row_accumulate": {"row gathers"},
   "segment_sums": {"table grads: segment sums", "table grads: combine"},
 }
@@ -162,9 +163,9 @@ def assert_row_kernels_in_their_parts(text, found: dict):
   parts = {}
   for launch in hlo_text.launches(text):
     name = re.search(r"(\w+)\)*/pallas_call$", launch.op_name)
-    if name and name[1] in ROW_KERNELS:
+    if name and name[1] in ROW_KERNEL_PARTS:
       parts.setdefault(name[1], set()).add(step_parts.part_of(launch.op_name))
-  assert set(parts) == ROW_KERNELS & set(found), (parts, found)
+  assert set(parts) == set(ROW_KERNEL_PARTS) & set(found), (parts, found)
   assert all(parts[name] <= ROW_KERNEL_PARTS[name] for name in parts), parts
 
 
@@ -334,6 +335,19 @@ def test_a_ladder_rung_compiles_for_hopper_with_mosaic_gpu_row_kernels():
   layers = config.model.n_layers
   assert_sparse_kernels(kernels(step.text), "sgatlin", "h100", mosaic_rows=True)
   assert kernels(step.text)["mosaic_gpu"] >= 6 * layers, kernels(step.text)  # 2 forward, 2 backward, 2 gradients
+
+
+def test_row_order_dots_compile_for_the_h200_in_place_of_row_dots():
+  """kernel.gpu_kernel=triton_row_order (registry.py's one line for backend.RowOrderDots): sgatlin's step compiled
+  for one H200 takes its per-pair dots by row, forward and backward, two per layer, and no token-order row_dots;
+  each launch sits in its part."""
+  config = compile_config("sgatlin", data=1)
+  config.model.ffn.kernel.update(implementation="pallas", gpu_kernel="triton_row_order")
+  program, _, _ = aot.compile_for_topology(config_lib.validate(config), "h200:1x1x1")
+  found = kernels(program.as_text())
+  assert found.get("row_order_dots") == 2 * config.model.n_layers and "row_dots" not in found, found
+  assert {"row_accumulate", "segment_sums"} <= set(found), found
+  assert_row_kernels_in_their_parts(program.as_text(), found)
 
 
 @pytest.mark.parametrize("target", ["v5p", "h100"])

@@ -136,6 +136,28 @@ def test_segment_sums_match_the_float64_sums(n_rows, n, d, dtype, with_coef_sums
     assert coef_sums_R is None
 
 
+@pytest.mark.parametrize(
+  "n_rows, n, d, dtype, table_dtype",
+  [(21, 13, 384, np.float32, np.float32), (37, 7, 64, ml_dtypes.bfloat16, np.float32)],
+)
+def test_row_order_dots_match_the_float64_dots(n_rows, n, d, dtype, table_dtype):
+  """Each pair's dot, walked by row tile (two 16-row tiles; empty rows; one row of 11 pairs beside short ones)."""
+  rng = np.random.default_rng(n_rows * d + 2)
+  lengths = rng.integers(0, 4, n_rows)
+  lengths[[0, 6, n_rows - 1]] = 0
+  lengths[5] = 11
+  starts_R1, tokens_P, _ = sorted_pairs(rng, lengths, n, 0)
+  lhs_ND = rng.normal(size=(n, d)).astype(dtype)
+  table_RD = rng.normal(size=(n_rows, d)).astype(table_dtype)
+  dots_P = pallas_gpu.row_order_dots(
+    jnp.asarray(lhs_ND), jnp.asarray(table_RD), jnp.asarray(tokens_P), jnp.asarray(starts_R1), options(8)
+  )
+  assert dots_P.shape == tokens_P.shape and dots_P.dtype == jnp.float32
+  rows_P = np.repeat(np.arange(n_rows), lengths)
+  terms_PD = lhs_ND[tokens_P].astype(np.float64) * rounded(table_RD, dtype)[rows_P]  # table rounded to lhs's dtype
+  assert_within(dots_P, terms_PD.sum(-1), sum_bound(d, np.abs(terms_PD).sum(-1)), "dots")
+
+
 def test_segment_sums_without_pairs_are_zero():
   starts_R1 = jnp.zeros((4,), jnp.int32)
   empty_i, empty_f = jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32)
@@ -148,7 +170,8 @@ def test_segment_sums_without_pairs_are_zero():
 
 @pytest.mark.parametrize("d", [640, 384])  # ladder widths, neither a power of two
 def test_row_kernels_lower_for_cuda_at_ladder_shapes(d):
-  """Each kernel becomes one Triton call whose module passes MLIR verification; segment_sums uses no atomics."""
+  """Each kernel becomes one Triton call whose module passes MLIR verification; the kernels that walk pairs by row
+  (segment_sums, row_order_dots) use no atomics."""
   n, s, r = 4096, 128, 16 * 5776
   spec = jax.ShapeDtypeStruct
   modules = {}
@@ -158,7 +181,8 @@ def test_row_kernels_lower_for_cuda_at_ladder_shapes(d):
     result = lower_module(*args, **kwargs)
     assert result.module.operation.verify()
     text = result.module.operation.get_asm()
-    modules[next(name for name in ("row_dots", "row_accumulate", "segment_sums") if name in text)] = text
+    names = ("row_order_dots", "row_dots", "row_accumulate", "segment_sums")
+    modules[next(name for name in names if name in text)] = text
     return result
 
   def kernels(lhs_ND, table_RD, rows_SN, coef_SN, tokens_P, coefs_P, starts_R1):
@@ -167,6 +191,7 @@ def test_row_kernels_lower_for_cuda_at_ladder_shapes(d):
       pallas_gpu.row_dots(lhs_ND, table_RD, rows_SN, o),
       pallas_gpu.row_accumulate(coef_SN, table_RD, rows_SN, jnp.bfloat16, o),
       pallas_gpu.segment_sums(lhs_ND, tokens_P, coefs_P, starts_R1, o, with_coef_sums=True),
+      pallas_gpu.row_order_dots(lhs_ND, table_RD, tokens_P, starts_R1, o),
     )
 
   args = [
@@ -181,6 +206,6 @@ def test_row_kernels_lower_for_cuda_at_ladder_shapes(d):
   with aot.on_topology("a100:1x1x1"), mock.patch.object(triton_lowering, "lower_jaxpr_to_triton_module", verified):
     text = jax.jit(kernels).trace(*args).lower().as_text()
   calls = {name: count for (call, name), count in hlo_text.custom_calls(text).items() if call == "__gpu$xla.gpu.triton"}
-  assert calls == {"row_dots": 1, "row_accumulate": 1, "segment_sums": 1}
+  assert calls == {"row_dots": 1, "row_accumulate": 1, "segment_sums": 1, "row_order_dots": 1}
   assert sorted(modules) == sorted(calls)
-  assert "atomic" not in modules["segment_sums"]
+  assert "atomic" not in modules["segment_sums"] and "atomic" not in modules["row_order_dots"]

@@ -26,6 +26,7 @@ BACKENDS = {
   "xla": KernelOptions("xla", token_chunk=4, pair_chunk=8, row_sorted=False),
   "xla_row_sorted": KernelOptions("xla", token_chunk=4, pair_chunk=8, row_sorted=True),
   "triton_interpret": KernelOptions("pallas", block_tokens=4, gpu_kernel="triton", interpret=True),
+  "triton_row_order_interpret": KernelOptions("pallas", block_tokens=4, gpu_kernel="triton_row_order", interpret=True),
   "tpu_interpret": KernelOptions("pallas", block_tokens=4, interpret=True),
 }
 # Mosaic GPU's interpret mode simulates TMA and barriers (~17 s a case here): its per-slot arithmetic between
@@ -42,7 +43,9 @@ def backend(request, monkeypatch):
     real = registry.resolve
     tpu = registry.by_name("rows", "tpu")
     monkeypatch.setattr(
-      registry, "rows", lambda options, key: tpu if options.implementation == "pallas" else real("rows", options, key)
+      registry,
+      "rows",
+      lambda options, key, call=None: tpu if options.implementation == "pallas" else real("rows", options, key, call),
     )
   return BACKENDS[name]
 

@@ -23,8 +23,7 @@ KERNEL_IMPLEMENTATIONS = (
   "pallas",
   "auto",
   "reference",
-)  # the row kernels' backend: sparsetx/kernels/platform.py
-GPU_KERNELS = ("mosaic", "triton", "auto")
+)  # sparsetx/kernels/registry.py
 
 
 def n_keys_for(d_ffw: int, field: str = "config.model.ffn.d_ffw") -> int:
@@ -70,6 +69,8 @@ def _check_kernel(ffn, prefix: str) -> None:
   _one_of(f"{prefix}.kernel.implementation", ffn.kernel.implementation, KERNEL_IMPLEMENTATIONS)
   for field in ("token_chunk", "pair_chunk", "block_tokens", "block_d", "stages"):
     _positive_int(f"{prefix}.kernel.{field}", ffn.kernel[field])
+  from sparsetx.kernels.registry import GPU_KERNELS  # noqa: PLC0415 (the kernels import this package)
+
   _one_of(f"{prefix}.kernel.gpu_kernel", ffn.kernel.gpu_kernel, GPU_KERNELS)
   chunk = ffn.kernel.get("segment_chunk", 64)
   _require(

@@ -20,6 +20,7 @@ class RowKernels:
   """The shape contract (N tokens, S slots, R table rows, D = d_model, P pairs); sums are float32."""
 
   name = ""
+  platform = None  # where it runs natively (None: everywhere, XLA's)
   row_order = False  # offers the CPU's one walk of the gated gather in row order (xla_gather.row_sorted_*)
 
   def refuse(self, device: TracedDevice, options: KernelOptions, call=None) -> None:
@@ -116,6 +117,22 @@ class ModuleRows(OnPlatform, RowKernels):
 
   def segment_sums(self, values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sums=False):
     return self.module.segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sums)
+
+
+class RowOrderDots(ModuleRows):
+  """A module's kernels with the per-pair dots walked in row order (its `row_order_dots`): the pairs sorted by row,
+  so each picked row is read once per pass and the tokens' rows come from L2, where token order reads every pick.
+  One method: the forward's x . w_in, the backward's dy . w_out, FFF's walk and the d-split's partial dots all
+  take it. Each pass sorts its pairs (the table gradients sort once more)."""
+
+  def row_dots(self, lhs_ND, table_RD, rows_SN, options):
+    n_slots, n_tokens = rows_SN.shape
+    n_rows = table_RD.shape[0]
+    order_P, sorted_rows_P = segment_grads.sort_pairs(rows_SN.reshape(-1), n_rows)
+    starts_R1 = segment_grads.row_starts(sorted_rows_P, n_rows)
+    dots_P = self.module.row_order_dots(lhs_ND, table_RD, order_P % n_tokens, starts_R1, options)
+    dots = jnp.zeros((n_slots * n_tokens,), jnp.float32).at[order_P].set(dots_P, unique_indices=True)
+    return dots.reshape(n_slots, n_tokens)
 
 
 class XlaRows(RowKernels):

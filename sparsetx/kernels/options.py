@@ -6,10 +6,9 @@ feed-forward specs check a config's values against the tuples here.
 
 from typing import NamedTuple
 
-from sparsetx.config import GPU_KERNELS, KERNEL_IMPLEMENTATIONS, kernel_defaults  # noqa: F401 (the kernels' names)
+from sparsetx.config import KERNEL_IMPLEMENTATIONS, kernel_defaults
 
 IMPLEMENTATIONS = KERNEL_IMPLEMENTATIONS  # xla | pallas | auto | reference: kernels/registry.py
-# GPU_KERNELS: mosaic (Hopper and newer) | triton | auto
 _DEFAULTS = kernel_defaults()  # config.model.ffn.kernel's defaults, written once in the schema (its comments say why)
 
 

@@ -170,3 +170,62 @@ def segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sum
   )(begins_R, ends_R, tokens_P, coefs_P, values_ND)
   sums_RD = outs[0][:n_rows]
   return sums_RD, (outs[1][:n_rows] if with_coef_sums else None)
+
+
+def row_order_dots(lhs_ND, table_RD, tokens_P, starts_R1, options):
+  """dots [P] float32 of pairs sorted by row: row r owns the pairs [starts[r], starts[r + 1]) and
+  dots[p] = <lhs[tokens[p]], table[r]>, the table's rows rounded to lhs's dtype, float32 sums. One program per tile
+  of SEGMENT_ROWS rows walks its rows' pairs side by side, so a picked row is read by one program only (its later
+  reads hit the cache) while the tokens' rows come from L2; each pair's dot is written once (no atomics)."""
+  n_tokens, d_model = lhs_ND.shape
+  n_rows = starts_R1.shape[0] - 1
+  dtype = lhs_ND.dtype
+  tile = SEGMENT_ROWS
+  r_padded = max(tile, _round_up(n_rows, tile))
+  starts_R1 = starts_R1.astype(jnp.int32)
+  begins_R, ends_R = (jnp.pad(a, (0, r_padded - n_rows)) for a in (starts_R1[:-1], starts_R1[1:]))
+  n_real = tokens_P.shape[0]
+  n_pairs = max(1, n_real)  # a zero-size operand has no pointer to load from
+  tokens_P = jnp.pad(tokens_P.astype(jnp.int32), (0, n_pairs - n_real))
+  table_pD = jnp.pad(table_RD, ((0, r_padded - n_rows), (0, 0)))
+  chunk = _d_chunk(d_model, options)
+
+  def kernel(begins_ref, ends_ref, tokens_ref, lhs_ref, table_ref, dots_ref):
+    begins_T, ends_T = begins_ref[...], ends_ref[...]
+    spare_T = n_pairs + jax.lax.broadcasted_iota(jnp.int32, (tile,), 0)  # each lane's own slot past the pairs
+
+    def pair(k, carry):
+      p_T = begins_T + k
+      live_T = p_T < ends_T
+      token_T = pltriton.load(tokens_ref.at[p_T], mask=live_T, other=0)
+      live_TC = jnp.broadcast_to(live_T[:, None], (tile, chunk))
+      dots_T = jnp.zeros((tile,), jnp.float32)
+      for c in range(0, d_model, chunk):  # unrolled: the chunks' loads are independent
+        columns_1C = c + jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
+        lhs_TC = pltriton.load(lhs_ref.at[token_T[:, None], columns_1C], mask=live_TC, other=0.0)
+        table_TC = table_ref[:, pl.ds(c, chunk)].astype(dtype).astype(jnp.float32)
+        dots_T = dots_T + jnp.sum(lhs_TC.astype(jnp.float32) * table_TC, axis=1)
+      # A finished row's lane stores to its spare slot: its p may be a live pair of the next row in the tile.
+      pltriton.store(dots_ref.at[jnp.where(live_T, p_T, spare_T)], dots_T, mask=live_T)
+      return carry
+
+    jax.lax.fori_loop(0, jnp.max(ends_T - begins_T), pair, 0)
+
+  row_block = pl.BlockSpec((tile,), lambda i: (i,))
+  dots_P = pl.pallas_call(
+    kernel,
+    grid=(r_padded // tile,),
+    in_specs=[
+      row_block,
+      row_block,
+      pl.BlockSpec((n_pairs,), lambda i: (0,)),
+      pl.BlockSpec((n_tokens, d_model), lambda i: (0, 0)),
+      pl.BlockSpec((tile, d_model), lambda i: (i, 0)),
+    ],
+    out_specs=pl.BlockSpec((n_pairs + tile,), lambda i: (0,)),
+    out_shape=jax.ShapeDtypeStruct((n_pairs + tile,), jnp.float32),
+    interpret=device.interpret_off("gpu", options),
+    compiler_params=pltriton.CompilerParams(),
+    name="row_order_dots",
+  )(begins_R, ends_R, tokens_P, lhs_ND, table_pD)
+  return dots_P[:n_real]

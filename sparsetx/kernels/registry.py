@@ -14,10 +14,10 @@ import contextlib
 import jax.numpy as jnp
 
 from sparsetx.kernels import autotune_table
-from sparsetx.kernels.backend import ModuleRows, RowKernels, XlaRows
+from sparsetx.kernels.backend import ModuleRows, RowKernels, RowOrderDots, XlaRows
 from sparsetx.kernels.device import TracedDevice, target
 from sparsetx.kernels.grouped_ops import GroupedKernels, GroupedXla
-from sparsetx.kernels.options import GPU_KERNELS, IMPLEMENTATIONS, KernelOptions
+from sparsetx.kernels.options import IMPLEMENTATIONS, KernelOptions
 from sparsetx.kernels.platform import hopper_or_newer
 
 HOPPER = (lambda device: hopper_or_newer(device.device_kind), "a Hopper or newer GPU (sm_90+)")
@@ -25,6 +25,7 @@ HOPPER = (lambda device: hopper_or_newer(device.device_kind), "a Hopper or newer
 ROWS: tuple[RowKernels, ...] = (
   ModuleRows("mosaic", "sparsetx.kernels.mosaic_gpu", "gpu", needs=HOPPER, refused_on=("tpu",)),
   ModuleRows("triton", "sparsetx.kernels.pallas_gpu", "gpu", refused_on=("tpu",), interprets_by_default=True),
+  RowOrderDots("triton_row_order", "sparsetx.kernels.pallas_gpu", "gpu", refused_on=("tpu",)),
   ModuleRows("tpu", "sparsetx.kernels.pallas_tpu", "tpu", refused_on=("gpu",)),
   XlaRows(),
 )
@@ -35,10 +36,13 @@ GROUPED: tuple[GroupedKernels, ...] = (
   GroupedXla(),
 )
 OPS = {"rows": ROWS, "grouped_matmul": GROUPED}
+# config.model.ffn.kernel.gpu_kernel's values: auto, or a GPU implementation by name
+GPU_KERNELS = ("auto", *dict.fromkeys(i.name for op in OPS.values() for i in op if i.platform == "gpu"))
 
 # Without a measured table (a dry run for a topology, a device not yet tuned): the Triton row kernels before Mosaic
 # GPU's, whose segment_sums stopped with an illegal instruction on an H200 under jax 0.11.2 and have not run
-# correctly on a GPU since; MoE's grouped matmul on Mosaic GPU first, which matched ragged_dot on an H200.
+# correctly on a GPU since; MoE's grouped matmul on Mosaic GPU first, which matched ragged_dot on an H200. An
+# implementation not listed comes after these: a new design runs where the device measured it fastest.
 DEFAULT_ORDER = {"rows": ("triton", "mosaic", "tpu", "xla"), "grouped_matmul": ("mosaic", "triton", "tpu", "xla")}
 
 _recorded = None  # the calls resolved while `recording` is active: {(op, shape class): example shapes}

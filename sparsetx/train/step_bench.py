@@ -11,6 +11,7 @@ from absl import flags
 
 from sparsetx import config as config_lib
 from sparsetx import hardware
+from sparsetx.kernels import registry
 from sparsetx.models import ladder
 from sparsetx.parallel import logical_rules
 from sparsetx.perf import timing
@@ -26,7 +27,7 @@ def define_rung_flags() -> dict:
     seq_len=flags.DEFINE_integer("seq_len", None, "Default 512; 64 with --small."),
     dtype=flags.DEFINE_string("dtype", None, "Default bfloat16; float32 with --small (what a CPU runs fast)."),
     small=flags.DEFINE_bool("small", False, "A CPU-sized shape: scale 1, 2 layers, vocab 512, 8 x 64."),
-    gpu_kernel=flags.DEFINE_enum("gpu_kernel", None, list(config_lib.GPU_KERNELS), "Row kernels on a GPU."),
+    gpu_kernel=flags.DEFINE_enum("gpu_kernel", None, list(registry.GPU_KERNELS), "Row kernels on a GPU."),
     logits_dot_in_fp32=flags.DEFINE_bool("logits_dot_in_fp32", True, "The LM head's dot on float32 operands."),
     loss_chunks=flags.DEFINE_integer("loss_chunks", None, "Vocabulary tiles of the loss (default: the config's)."),
     remat=flags.DEFINE_enum(
