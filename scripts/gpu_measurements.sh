@@ -49,7 +49,8 @@ case $part in
     for type in sgatlin peer moe; do
       config=(--config="configs/ladder.py:$type,4" --config.data.global_batch_size=16 --config.data.seq_len=1024
         --config.model.dtype=bfloat16 --config.mesh.ici.data=1)
-      [[ ${SMALL:-0} == 1 ]] && config=(--config=configs/tiny.py:"$type" --config.data.global_batch_size=8)
+      # the rehearsal: XLA only (the Triton interpreter would take minutes)
+      [[ ${SMALL:-0} == 1 ]] && config=(--config=configs/tiny.py:"$type" --config.data.global_batch_size=8 --implementations=xla)
       run "autotune_$type" 180 "$PY" -m sparsetx.tools.autotune "${config[@]}" --rounds=5
     done
     ;;
