@@ -1,8 +1,11 @@
 """Row-kernel implementations the autotune tests measure in child processes (named `autotune_fakes:NAME`): XLA's
-own, but one refuses, one kills its process as a faulting kernel would, one is 1% off, one slow and one fast."""
+own, but one refuses, one kills its process as a faulting kernel would, one is 1% off, one slow (it sleeps) and one plain."""
 
 import os
 import signal
+import time
+
+import jax
 
 from sparsetx.kernels.backend import XlaRows as Xla
 
@@ -33,19 +36,19 @@ class Wrong(XlaRows):
     return y_ND * 1.01, h_NS
 
 
-class Chunked(XlaRows):
-  """XLA's token-order forms with `token_chunk` tokens per loop trip: the same values (each token's sums are its
-  own), more trips the smaller the chunk."""
+class Slow(XlaRows):
+  """XLA's values, after a host callback that sleeps 50 ms on every forward: slower by construction."""
 
-  def __init__(self, name, token_chunk):
-    self.name, self.token_chunk = name, token_chunk
+  name = "slow"
 
   def forward(self, *args):
-    return super().forward(*args[:-1], args[-1]._replace(token_chunk=self.token_chunk))
-
-  def backward_rows(self, *args):
-    return super().backward_rows(*args[:-1], args[-1]._replace(token_chunk=self.token_chunk))
+    y_ND, h_NS = super().forward(*args)
+    return jax.pure_callback(_after_a_nap, jax.ShapeDtypeStruct(y_ND.shape, y_ND.dtype), y_ND), h_NS
 
 
-REFUSES, FAULTS, WRONG = Refuses(), Faults(), Wrong()
-SLOW, FAST = Chunked("slow", 1), Chunked("fast", 256)
+def _after_a_nap(y):
+  time.sleep(0.05)
+  return y
+
+
+REFUSES, FAULTS, WRONG, SLOW, FAST = Refuses(), Faults(), Wrong(), Slow(), XlaRows()

@@ -1,4 +1,4 @@
-"""The device chooses its kernels (perf/autotune.py): every candidate measured in its own child process, checked
+"""The device chooses its kernels (train/autotune.py): every candidate measured in its own child process, checked
 against XLA's values, the fastest correct one kept with the reason each other was dropped; `auto` then reads the
 table, and a second process measures nothing again."""
 
@@ -14,7 +14,7 @@ from conftest import MICRO_TRAIN_FLAGS, REPO
 from sparsetx.kernels import autotune_table, registry
 from sparsetx.kernels.device import TracedDevice
 from sparsetx.kernels.options import KernelOptions
-from sparsetx.perf import autotune
+from sparsetx.train import autotune
 
 CALL = dict(tokens=1024, d_model=32, slots=4, rows=64, dtype="float32")
 
@@ -30,7 +30,7 @@ def table(tmp_path, monkeypatch):
 def test_each_candidate_is_dropped_with_its_reason_and_the_fastest_correct_is_chosen(table):
   fakes = ["SLOW", "REFUSES", "FAULTS", "WRONG", "FAST"]
   entry = autotune.tune("rows", "float32 D32 S4", CALL, KernelOptions(), [f"autotune_fakes:{f}" for f in fakes], 3)
-  # both ran and matched XLA's values; 4 loop trips against 1,024
+  # both ran and matched XLA's values; SLOW sleeps 50 ms a run
   assert entry.ranking == ("autotune_fakes:FAST", "autotune_fakes:SLOW"), entry
   assert entry.dropped["autotune_fakes:REFUSES"] == "raised: it needs a Hopper GPU (a test implementation)"
   assert entry.dropped["autotune_fakes:FAULTS"].startswith("faulted: killed by SIGILL"), entry.dropped

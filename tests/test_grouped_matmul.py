@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from sparsetx.kernels import grouped_matmul as gm
-from sparsetx.kernels import grouped_tpu, grouped_triton, grouped_xla
+from sparsetx.kernels import grouped_ops, grouped_tpu, grouped_triton, grouped_xla
 from sparsetx.kernels.group_tiles import n_tiles, row_tiles
 from sparsetx.kernels.options import KernelOptions
 
@@ -87,7 +87,7 @@ def test_grouped_matmul_and_gradients_equal_float64(backend, sizes_name, dtype):
   sizes, n_rows = SIZES[sizes_name]
   K, N = 48, 40
   lhs, rhs, dout, sizes_E = case(sizes, n_rows, K, N, dtype)
-  out, vjp = jax.vjp(lambda x, w: gm._grouped(kernels, options, x, w, sizes_E), lhs, rhs)
+  out, vjp = jax.vjp(lambda x, w: grouped_ops._grouped(kernels, options, x, w, sizes_E), lhs, rhs)
   dlhs, drhs = vjp(dout)
   (ref_out, out_abs), (ref_dlhs, dlhs_abs), (ref_drhs, drhs_abs) = reference(lhs, rhs, dout, sizes, n_rows)
   half_ulp = HALF_ULP[jnp.dtype(dtype)]

@@ -15,7 +15,7 @@ PACKAGE = ROOT / "sparsetx"
 # Bottom to top, as CONTRIBUTING.md lists them; a module may import its own layer's packages and lower ones.
 LAYERS = (
   ("config",),
-  ("paths", "cli", "torch_compat"),
+  ("paths", "cli", "torch_compat", "hardware", "scopes"),
   ("perf",),
   ("data", "kernels"),
   ("parallel",),

@@ -4,6 +4,7 @@ import pytest
 
 from sparsetx.config import ConfigError, n_keys_for
 from sparsetx.kernels import platform
+from sparsetx.kernels.device import TracedDevice
 from sparsetx.models.ffn.product_keys import product_key_top_k
 
 
@@ -73,7 +74,7 @@ def test_ties_go_to_the_lower_neuron_index_like_brute_force(monkeypatch, backend
   k1, k2 = jax.random.split(jax.random.key(n_keys * k))
   s1, s2 = tied_scores(k1, batch + (n_keys,)), tied_scores(k2, batch + (n_keys,))
   # The accelerators' XLA form, run here: the target the layer reads (kernels/platform.target) says gpu.
-  monkeypatch.setattr(platform, "target", lambda: platform.TracedDevice(backend, backend, None))
+  monkeypatch.setattr(platform, "target", lambda: TracedDevice(backend, backend, None))
   values, indices = traced_afresh(product_key_top_k, k)(s1, s2)
   want_values, want_indices = brute_force_top_k(s1, s2, k)
   np.testing.assert_array_equal(indices, want_indices)
@@ -87,7 +88,7 @@ def test_tied_case_where_lax_top_k_of_the_k_by_k_sums_picks_a_higher_index(monke
   sort by the sums alone keeps the candidates' order and picks 4)."""
   s1, s2 = np.float32([1, 2, 0]), np.float32([3, 2, 0])
   assert lax_top_k_product_keys(s1, s2, 2)[1].tolist() == [3, 4]
-  monkeypatch.setattr(platform, "target", lambda: platform.TracedDevice(backend, backend, None))
+  monkeypatch.setattr(platform, "target", lambda: TracedDevice(backend, backend, None))
   got = traced_afresh(product_key_top_k, 2)(s1, s2)[1].tolist()
   assert got == [3, 0] == brute_force_top_k(s1, s2, 2)[1].tolist()
 

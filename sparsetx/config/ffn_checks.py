@@ -24,6 +24,7 @@ KERNEL_IMPLEMENTATIONS = (
   "auto",
   "reference",
 )  # sparsetx/kernels/registry.py
+GPU_KERNELS = ("auto", "mosaic", "triton", "triton_row_order")  # registry.py's GPU implementations (it checks)
 
 
 def n_keys_for(d_ffw: int, field: str = "config.model.ffn.d_ffw") -> int:
@@ -69,8 +70,6 @@ def _check_kernel(ffn, prefix: str) -> None:
   _one_of(f"{prefix}.kernel.implementation", ffn.kernel.implementation, KERNEL_IMPLEMENTATIONS)
   for field in ("token_chunk", "pair_chunk", "block_tokens", "block_d", "stages"):
     _positive_int(f"{prefix}.kernel.{field}", ffn.kernel[field])
-  from sparsetx.kernels.registry import GPU_KERNELS  # noqa: PLC0415 (the kernels import this package)
-
   _one_of(f"{prefix}.kernel.gpu_kernel", ffn.kernel.gpu_kernel, GPU_KERNELS)
   chunk = ffn.kernel.get("segment_chunk", 64)
   _require(

@@ -1,7 +1,7 @@
 """The measured choices `auto` reads on a GPU or TPU: per device kind, JAX version, op and shape class, the
 implementations that ran correctly, fastest first, and the reason each other one was dropped.
 
-sparsetx-autotune (perf/autotune.py) fills it on the device; the trainer does the same before it compiles a step
+sparsetx-autotune (train/autotune.py) fills it on the device; the trainer does the same before it compiles a step
 whose shapes it lacks. One JSON file: $SPARSETX_AUTOTUNE_TABLE, else ~/.cache/sparsetx/autotune.json. It records
 what ran, and where: a kernel that faulted on one device kind and JAX version is dropped there only.
 """

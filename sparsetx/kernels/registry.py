@@ -13,6 +13,7 @@ import contextlib
 
 import jax.numpy as jnp
 
+from sparsetx import config
 from sparsetx.kernels import autotune_table
 from sparsetx.kernels.backend import ModuleRows, RowKernels, RowOrderDots, XlaRows
 from sparsetx.kernels.device import TracedDevice, target
@@ -36,8 +37,10 @@ GROUPED: tuple[GroupedKernels, ...] = (
   GroupedXla(),
 )
 OPS = {"rows": ROWS, "grouped_matmul": GROUPED}
-# config.model.ffn.kernel.gpu_kernel's values: auto, or a GPU implementation by name
+# config.model.ffn.kernel.gpu_kernel's values (config/ffn_checks.py, which cannot import this): auto, or a GPU
+# implementation by name
 GPU_KERNELS = ("auto", *dict.fromkeys(i.name for op in OPS.values() for i in op if i.platform == "gpu"))
+assert set(GPU_KERNELS) == set(config.GPU_KERNELS), "name the GPU implementation in config/ffn_checks.GPU_KERNELS"
 
 # Without a measured table (a dry run for a topology, a device not yet tuned): the Triton row kernels before Mosaic
 # GPU's, whose segment_sums stopped with an illegal instruction on an H200 under jax 0.11.2 and have not run

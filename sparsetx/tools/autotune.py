@@ -17,7 +17,7 @@ from sparsetx import config as config_lib
 from sparsetx.kernels import autotune_table
 from sparsetx.kernels.device import target
 from sparsetx.kernels.options import options_from_config
-from sparsetx.perf import autotune
+from sparsetx.train import autotune
 from sparsetx.train import state as state_lib
 
 

@@ -21,8 +21,7 @@ from sparsetx import paths
 from sparsetx.data import check_training_files, global_stream, pretokenize
 from sparsetx.models import ladder
 from sparsetx.parallel import logical_rules
-from sparsetx.perf import autotune
-from sparsetx.train import checkpointing
+from sparsetx.train import autotune, checkpointing
 from sparsetx.train import metrics as metrics_lib
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib

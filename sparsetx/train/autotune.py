@@ -2,12 +2,12 @@
 here is timed, its values checked against XLA's on the same inputs, and the fastest correct one is kept in the
 autotune table (kernels/autotune_table.py) with the reason each other one was dropped.
 
-Each candidate runs in a child process (`python -m sparsetx.perf.autotune JSON`): a kernel that faults (an
+Each candidate runs in a child process (`python -m sparsetx.train.autotune JSON`): a kernel that faults (an
 illegal instruction poisons the process's CUDA context) takes only its own process down, and is dropped as
 faulted. A candidate is a registry name, or `module:attribute` naming a RowKernels or grouped-matmul object
 (the tests' fakes).
 
-More: docs/modules.md, sparsetx/perf/autotune.py.
+More: docs/modules.md, sparsetx/train/autotune.py.
 """
 
 import dataclasses
@@ -145,7 +145,7 @@ def measure(op: str, spec: str, call: dict, options: KernelOptions, rounds: int)
   request = json.dumps(dict(op=op, spec=spec, call=call, options=options._asdict(), rounds=rounds))
   try:
     result = subprocess.run(
-      [sys.executable, "-m", "sparsetx.perf.autotune", request],
+      [sys.executable, "-m", "sparsetx.train.autotune", request],
       capture_output=True,
       text=True,
       timeout=CHILD_TIMEOUT_S,
