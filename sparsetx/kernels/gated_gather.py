@@ -61,15 +61,14 @@ class SliceResiduals(NamedTuple):
   h_hS: jax.Array
 
 
-def _cotangents(table_dtype, residuals, dx_ND, dgates_NS, dw_in, dw_out, dbias, h_given_NS=None):
+def _cotangents(table_dtype, x_ND, rows_NS, gates_NS, bias_R, dx_ND, dgates_NS, dw_in, dw_out, dbias, h_given_NS=None):
   """The custom VJP's cotangents, each in its primal's dtype (the tables' in their parameter dtype)."""
-  bias_R = getattr(residuals, "bias_R", None)
   return (
-    dx_ND.astype(residuals[0].dtype),
+    dx_ND.astype(x_ND.dtype),
     dw_in.astype(table_dtype.param),
     dw_out.astype(table_dtype.param),
-    jnp.zeros(residuals[3].shape, jax.dtypes.float0),
-    dgates_NS.astype(residuals[4].dtype),
+    jnp.zeros(rows_NS.shape, jax.dtypes.float0),
+    dgates_NS.astype(gates_NS.dtype),
     None if bias_R is None else dbias.astype(bias_R.dtype),
     None if h_given_NS is None else jnp.zeros_like(h_given_NS),  # given pre-activations carry no gradient
   )
@@ -103,7 +102,8 @@ class TokenOrder:
     grads = segment_grads.table_grads(
       impl, res.x_ND, dy_ND, res.rows_NS, coef_in_NS, coef_out_NS, n_rows, options, with_bias
     )
-    return _cotangents(table_dtype, res, dx_ND, dgates_NS, *grads, res.h_given_NS)
+    like = (res.x_ND, res.rows_NS, res.gates_NS, res.bias_R)
+    return _cotangents(table_dtype, *like, dx_ND, dgates_NS, *grads, res.h_given_NS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +132,7 @@ class RowSorted(TokenOrder):
         gating,
         options,
       )
-    return _cotangents(table_dtype, res, *grads)
+    return _cotangents(table_dtype, res.x_ND, res.rows_NS, res.gates_NS, res.bias_R, *grads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +155,7 @@ class DSplit:
   def backward(self, impl, gating, options, table_dtype, res: SliceResiduals, dy_hd):
     with jax.named_scope(scopes.ROW_GATHER):
       dx_hd, dw_in, dw_out, dgates_hS = sliced_gather.backward(impl, gating, options, self.sum_axes, res, dy_hd)
-    return _cotangents(table_dtype, res, dx_hd, dgates_hS, dw_in, dw_out, None)
+    return _cotangents(table_dtype, res.x_hd, res.rows_hS, res.gates_hS, None, dx_hd, dgates_hS, dw_in, dw_out, None)
 
 
 def _form(impl, options, sum_axes, x_ND, w_in_RD, h_given):
