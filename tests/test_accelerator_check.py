@@ -128,7 +128,7 @@ def test_triton_runs_first_and_mosaic_gpu_sections_are_isolated_on_a_hopper_gpu(
   off a GPU nothing is isolated."""
   device = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
   monkeypatch.setattr(accelerator_check, "target", lambda: device)
-  monkeypatch.setattr(accelerator_check.kernel_bench, "target", lambda: device)
+  monkeypatch.setattr(registry, "target", lambda: device)
   names = accelerator_check.section_names(small=False)
   assert names[:2] == ["backend triton", "backend mosaic"]
   isolated = [name for name in names if accelerator_check.may_run_mosaic_gpu(name)]

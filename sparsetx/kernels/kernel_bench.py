@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 
 from sparsetx.kernels import registry, row_gather, segment_grads
-from sparsetx.kernels.device import target
 from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
 from sparsetx.perf import timing
 
@@ -21,13 +20,8 @@ SMALL_SHAPES = [(64, 2, 2, 16**2, 128)]
 def backends(small: bool) -> list:
   """(name, KernelOptions) of every row-kernel implementation but XLA's that this device runs without being named
   (kernels/registry.py; on a CPU, Triton's in interpret mode); in interpret mode with --small."""
-  device = target()
   found = []
-  for implementation in registry.ROWS:
-    try:
-      implementation.refuse(device, KernelOptions("pallas"))
-    except NotImplementedError:
-      continue
+  for implementation in registry.accepting("rows", lambda _: KernelOptions("pallas")):
     if implementation.name != "xla":
       gpu_kernel = implementation.name if implementation.platform == "gpu" else "auto"
       found.append((implementation.name, KernelOptions("pallas", gpu_kernel=gpu_kernel, interpret=small)))

@@ -69,6 +69,18 @@ def by_name(op: str, name: str):
   raise ValueError(f"{op} has no implementation {name!r}; it has {[i.name for i in OPS[op]]}.")
 
 
+def accepting(op: str, options_for) -> list:
+  """The implementations of `op` that the target device takes when asked with `options_for(implementation)`."""
+  device, found = target(), []
+  for implementation in OPS[op]:
+    try:
+      implementation.refuse(device, options_for(implementation), None)
+    except NotImplementedError:
+      continue
+    found.append(implementation)
+  return found
+
+
 def candidates(op: str, options: KernelOptions, device: TracedDevice) -> list:
   """The implementations `options` allows for `device`, in the order they are tried."""
   if options.implementation not in IMPLEMENTATIONS:

@@ -122,8 +122,9 @@ def measure_here(op: str, spec: str, call: dict, options: KernelOptions, rounds:
     return Measured(spec, why=f"raised: {why}")
   dtype = jnp.dtype(call["dtype"])
   args = inputs(op, call, dtype)
+  step = program(op, implementation, options)
   try:
-    got = jax.block_until_ready(program(op, implementation, options)(*args))
+    got = jax.block_until_ready(step(*args))
   except NotImplementedError as why:  # a kernel that does not lower for these operands
     return Measured(spec, why=f"raised: {str(why).splitlines()[0] if str(why) else type(why).__name__}")
   reference = registry.by_name(op, "xla")
@@ -136,7 +137,6 @@ def measure_here(op: str, spec: str, call: dict, options: KernelOptions, rounds:
   error = worst_error(got, want, dtype, n)
   if not error <= 1.0:
     return Measured(spec, why=f"wrong values: {error:.3g} times the bound against XLA's")
-  step = program(op, implementation, options)
   return Measured(spec, ms=1e3 * timing.interleaved({spec: lambda: step(*args)}, rounds, warm=False)[spec])
 
 
@@ -163,14 +163,7 @@ def measure(op: str, spec: str, call: dict, options: KernelOptions, rounds: int)
 
 def specs_for(op: str) -> list:
   """The registry's implementations of `op` that this device runs (XLA always)."""
-  device, names = target(), []
-  for implementation in registry.OPS[op]:
-    try:
-      implementation.refuse(device, options_for(implementation, KernelOptions()), None)
-    except NotImplementedError:
-      continue
-    names.append(implementation.name)
-  return names
+  return [i.name for i in registry.accepting(op, lambda implementation: options_for(implementation, KernelOptions()))]
 
 
 def tune(op: str, key: str, call: dict, options: KernelOptions, specs=None, rounds: int = 5):
