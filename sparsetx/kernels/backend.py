@@ -77,10 +77,10 @@ class RowKernels:
 
 
 class OnPlatform:
-  """Where a kernel family runs: natively on `platform` (with what `needs` asks of the device), refused on the
-  accelerators in `refused_on`, and elsewhere (a CPU) in interpret mode: by default only for the family that
-  `interprets_by_default` (Triton's generic interpreter is fast; Mosaic GPU's simulation of TMA and barriers is
-  not), otherwise only when the config names it."""
+  """Where a kernel family runs: natively on `platform` (with what `needs` asks of the device; None: XLA's, every
+  platform), refused on the accelerators in `refused_on`, and elsewhere (a CPU) in interpret mode: by default only
+  for the family that `interprets_by_default` (Triton's generic interpreter is fast; Mosaic GPU's simulation of TMA
+  and barriers is not), otherwise only when the config names it."""
 
   def __init__(self, name, platform, needs=None, refused_on=(), interprets_by_default=False):
     self.name, self.platform, self.needs = name, platform, needs
@@ -88,6 +88,8 @@ class OnPlatform:
 
   def refuse(self, device, options, call=None):
     del call
+    if self.platform is None:
+      return
     if device.platform in self.refused_on:
       raise NotImplementedError(f"it runs on {self.platform.upper()}s, not on a {device.platform.upper()}")
     if device.platform == self.platform:
@@ -98,10 +100,10 @@ class OnPlatform:
 
 
 class ModuleRows(OnPlatform, RowKernels):
-  """An implementation whose three kernels are a module's functions (pallas_gpu, mosaic_gpu, pallas_tpu), imported
-  on first use."""
+  """An implementation whose kernels are a module's functions (pallas_gpu, mosaic_gpu, pallas_tpu, xla_rows),
+  imported on first use: the three row kernels, and the designs' own where a subclass asks for them."""
 
-  def __init__(self, name: str, module: str, platform: str, **where):
+  def __init__(self, name: str, module: str, platform: str | None, **where):
     super().__init__(name, platform, **where)
     self.module_name = module
 
@@ -130,30 +132,37 @@ class RowOrderDots(ModuleRows):
     n_rows = table_RD.shape[0]
     order_P, sorted_rows_P = segment_grads.sort_pairs(rows_SN.reshape(-1), n_rows)
     starts_R1 = segment_grads.row_starts(sorted_rows_P, n_rows)
-    dots_P = self.module.row_order_dots(lhs_ND, table_RD, order_P % n_tokens, starts_R1, options)
+    dots_P = self.module.row_order_dots(lhs_ND, table_RD, order_P % n_tokens, sorted_rows_P, starts_R1, options)
     dots = jnp.zeros((n_slots * n_tokens,), jnp.float32).at[order_P].set(dots_P, unique_indices=True)
     return dots.reshape(n_slots, n_tokens)
 
 
-class XlaRows(RowKernels):
-  """XLA's ops: token-chunked scans that fuse each form (xla_gather.py), the tables' sums as sorted scatter-adds,
-  and on a CPU the gated gather's one walk in row order. Runs everywhere; on a GPU or TPU one chunk holds every
-  token (platform.cpu_chunk), so no cache-sized loop reaches the device."""
+class FusedForward(ModuleRows):
+  """A module's kernels with the gated gather's forward as one kernel (its `fused_forward`): per block of tokens
+  the dots with w_in's rows, the gating and the sum of w_out's rows, so the pre-activations and coefficients
+  never make a round trip through HBM and both tables' rows of a token are read by one program. One method (and
+  the module's `fused_fits`, where a kernel holds whole rows in a fixed budget)."""
 
-  name = "xla"
-  row_order = True
-
-  def row_dots(self, lhs_ND, table_RD, rows_SN, options):
-    return xla_gather.chunked_dots(lhs_ND, table_RD, rows_SN.T, options).T
-
-  def row_accumulate(self, coef_SN, table_RD, rows_SN, out_dtype, options):
-    return xla_gather.chunked_sums(coef_SN.T, table_RD, rows_SN.T, jnp.float32, options).astype(out_dtype)
-
-  def segment_sums(self, values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sums=False):
-    return segment_grads.scatter_segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sums)
+  def refuse(self, device, options, call=None):
+    super().refuse(device, options, call)
+    fits = getattr(self.module, "fused_fits", None)
+    if fits and call and not fits(call["slots"], call["d_model"], jnp.dtype(call["dtype"]).itemsize, device.platform != self.platform):
+      raise NotImplementedError(f"{call['slots']} slots of whole {call['d_model']}-wide rows do not fit its buffers")
 
   def forward(self, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options):
-    return xla_gather.forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options)
+    return self.module.fused_forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options)
+
+
+class XlaRows(FusedForward):
+  """XLA's ops (xla_rows.py), each form fused by XLA over token chunks (xla_gather.py): the forward's gather, dots,
+  gating and sum in one chunked pass, the backward's likewise; the tables' sums as sorted scatter-adds, and on a
+  CPU the gated gather's one walk in row order. Runs everywhere; on a GPU or TPU one chunk holds every token
+  (platform.cpu_chunk), so no cache-sized loop reaches the device."""
+
+  row_order = True
+
+  def __init__(self):
+    super().__init__("xla", "sparsetx.kernels.xla_rows", None)
 
   def forward_from_pre_activation(self, x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating, options):
     return xla_gather.forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating, options)

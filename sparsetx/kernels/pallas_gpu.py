@@ -172,11 +172,13 @@ def segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sum
   return sums_RD, (outs[1][:n_rows] if with_coef_sums else None)
 
 
-def row_order_dots(lhs_ND, table_RD, tokens_P, starts_R1, options):
-  """dots [P] float32 of pairs sorted by row: row r owns the pairs [starts[r], starts[r + 1]) and
+def row_order_dots(lhs_ND, table_RD, tokens_P, rows_P, starts_R1, options):
+  """dots [P] float32 of pairs sorted by row (rows [P], unused: a program knows its rows): row r owns the pairs
+  [starts[r], starts[r + 1]) and
   dots[p] = <lhs[tokens[p]], table[r]>, the table's rows rounded to lhs's dtype, float32 sums. One program per tile
   of SEGMENT_ROWS rows walks its rows' pairs side by side, so a picked row is read by one program only (its later
   reads hit the cache) while the tokens' rows come from L2; each pair's dot is written once (no atomics)."""
+  del rows_P
   n_tokens, d_model = lhs_ND.shape
   n_rows = starts_R1.shape[0] - 1
   dtype = lhs_ND.dtype
@@ -229,3 +231,62 @@ def row_order_dots(lhs_ND, table_RD, tokens_P, starts_R1, options):
     name="row_order_dots",
   )(begins_R, ends_R, tokens_P, lhs_ND, table_pD)
   return dots_P[:n_real]
+
+
+def fused_forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options):
+  """y [N, D] (x's dtype) and h [N, S] float32 in one kernel, one program per block of tokens: per slot the dots
+  of x with w_in's rows (+ bias), the gating (reference.Gating: a = act(g h) or g act(h), rounded to x's dtype) and
+  a * w_out's rows added to the block's float32 sums, which stay in registers (block_tokens x d_model) until the
+  block's y is written. Rows are rounded to x's dtype, as row_dots and row_accumulate round them."""
+  n_tokens, d_model = x_ND.shape
+  n_slots = rows_NS.shape[1]
+  dtype = x_ND.dtype
+  with_bias = bias_R is not None
+  per_slot = [rows_NS.T.astype(jnp.int32), gates_NS.T.astype(jnp.float32)]
+  if with_bias:
+    per_slot.append(bias_R[rows_NS].T.astype(jnp.float32))  # N x S scalars, gathered before the kernel
+  bt, n_padded, per_slot = _token_blocks(n_tokens, options, *per_slot)
+  x_pD = jnp.pad(x_ND, ((0, n_padded - n_tokens), (0, 0)))
+  chunk = _d_chunk(d_model, options)
+  columns = range(0, d_model, chunk)
+
+  def kernel(x_ref, rows_ref, gates_ref, *refs):
+    bias_ref = refs[0] if with_bias else None
+    w_in_ref, w_out_ref, y_ref, h_ref = refs[with_bias:]
+
+    def slot(s, sums):
+      rows_b = rows_ref[s, :]
+      h_b = jnp.zeros((bt,), jnp.float32)
+      for c in columns:  # unrolled: the chunks' gathers are independent loads in flight
+        x_bC = x_ref[:, pl.ds(c, chunk)].astype(jnp.float32)
+        w_in_bC = w_in_ref[rows_b, pl.ds(c, chunk)].astype(dtype).astype(jnp.float32)
+        h_b = h_b + jnp.sum(x_bC * w_in_bC, axis=1)
+      if with_bias:
+        h_b = h_b + bias_ref[s, :]
+      h_ref[s, :] = h_b
+      a_b1 = gating.value(h_b, gates_ref[s, :]).astype(dtype).astype(jnp.float32)[:, None]
+      return tuple(
+        total + a_b1 * w_out_ref[rows_b, pl.ds(c, chunk)].astype(dtype).astype(jnp.float32)
+        for total, c in zip(sums, columns)
+      )
+
+    sums = jax.lax.fori_loop(0, n_slots, slot, (jnp.zeros((bt, chunk), jnp.float32),) * len(columns))
+    for total, c in zip(sums, columns):
+      y_ref[:, pl.ds(c, chunk)] = total.astype(dtype)
+
+  slot_block = pl.BlockSpec((n_slots, bt), lambda i: (0, i))
+  table = pl.BlockSpec(w_in_RD.shape, lambda i: (0, 0))
+  y_pD, h_Sp = pl.pallas_call(
+    kernel,
+    grid=(n_padded // bt,),
+    in_specs=[pl.BlockSpec((bt, d_model), lambda i: (i, 0)), *[slot_block] * len(per_slot), table, table],
+    out_specs=[pl.BlockSpec((bt, d_model), lambda i: (i, 0)), slot_block],
+    out_shape=[
+      jax.ShapeDtypeStruct((n_padded, d_model), dtype),
+      jax.ShapeDtypeStruct((n_slots, n_padded), jnp.float32),
+    ],
+    interpret=device.interpret_off("gpu", options),
+    compiler_params=pltriton.CompilerParams(),
+    name="fused_forward",
+  )(x_pD, *per_slot, w_in_RD, w_out_RD)
+  return y_pD[:n_tokens], h_Sp[:, :n_tokens].T

@@ -401,3 +401,101 @@ def segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sum
   )(lo, hi, values_NW, tokens_P, coefs_P)
   sums = outs[0] if per_word == 1 else jnp.stack(outs[:2], axis=-1).reshape(n_rows, 2 * words)
   return sums[:, :d_model], (outs[per_word][:n_rows] if with_coef_sums else None)
+
+
+def fused_fits(n_slots, d_model, itemsize, interpret=False) -> bool:
+  """Whether a whole row of ROW_BLOCK x n_slots rows of one table fits a slot: the fused forward needs every
+  column of a token's dots before its gating, so it takes whole rows (no d chunks)."""
+  words, dc = _word_layout(d_model, itemsize, ROW_BLOCK * n_slots, slot_bytes(interpret))
+  return dc == words
+
+
+def fused_forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options):
+  """y [N, D] (x's dtype) and h [N, S] float32 in one kernel: per step of ROW_BLOCK tokens both tables' rows land in
+  VMEM by DMA (double-buffered across steps, as row_dots' rows), and per token the dots with w_in's rows (+ bias),
+  the gating (reference.Gating, rounded to x's dtype) and the sum of a * w_out's rows follow without leaving the
+  core. Rows are whole (fused_fits); h is written lane-dense per 128-token group, as row_dots writes its dots."""
+  n_tokens, d_model = x_ND.shape
+  n_slots = rows_NS.shape[1]
+  dtype = x_ND.dtype
+  interpret = _interpret(options)
+  if not fused_fits(n_slots, d_model, w_in_RD.dtype.itemsize, interpret):
+    raise NotImplementedError(f"a block of {ROW_BLOCK} x {n_slots} whole rows of {d_model} exceeds a VMEM slot")
+  w_in_RW, per_word, words, dc, steps = _row_layout(n_tokens, d_model, n_slots, w_in_RD, interpret)
+  w_out_RW, _ = as_words(w_out_RD, words)
+  x_parts = [jnp.pad(part, [(0, steps.n_padded - n_tokens), (0, 0)]) for part in _split_columns(x_ND, per_word, words)]
+  rows_pS = jnp.pad(rows_NS.astype(jnp.int32), [(0, steps.n_padded - n_tokens), (0, 0)])
+  bias_NS = jnp.zeros(rows_NS.shape, jnp.float32) if bias_R is None else bias_R[rows_NS].astype(jnp.float32)
+  gates_Sp, bias_Sp = (
+    jnp.pad(a.T.astype(jnp.float32), [(0, 0), (0, steps.n_padded - n_tokens)]) for a in (gates_NS, bias_NS)
+  )
+  per_group = TOKEN_GROUP // ROW_BLOCK
+
+  def kernel(this_rows, next_rows, *refs):
+    x_refs, refs = refs[:per_word], refs[per_word:]
+    gates_ref, bias_ref, w_in_hbm, w_out_hbm = refs[:4]
+    y_refs, h_ref = refs[4 : 4 + per_word], refs[4 + per_word]
+    in_buf, out_buf, in_sem, out_sem = refs[-4:]
+    q, slot = _double_buffered_rows(steps, n_tokens, n_slots, dc, w_in_hbm, this_rows, next_rows, in_buf, in_sem)
+    _double_buffered_rows(steps, n_tokens, n_slots, dc, w_out_hbm, this_rows, next_rows, out_buf, out_sem)
+    b = steps.block(q)
+
+    @pl.when(b % per_group == 0)
+    def _():
+      h_ref[...] = jnp.zeros(h_ref.shape, jnp.float32)
+
+    @pl.when(b * ROW_BLOCK < n_tokens)
+    def _():
+      lane = jax.lax.broadcasted_iota(jnp.int32, (n_slots, TOKEN_GROUP), 1)
+      sublane = jax.lax.broadcasted_iota(jnp.int32, (ROW_BLOCK, dc), 0)
+      first = (b % per_group) * ROW_BLOCK
+      x_bW = [ref[...].astype(jnp.float32) for ref in x_refs]
+      gates_SG, bias_SG = gates_ref[...], bias_ref[...]
+
+      def column(a_SG, t):  # token t's column of a [S, 128] group block, exactly
+        return jnp.sum(jnp.where(lane == first + t, a_SG, 0.0), axis=1, keepdims=True)
+
+      def token(t, carry):
+        h_SG, ys = carry
+        h_S1 = column(bias_SG, t)
+        for x, rows_SW in zip(x_bW, _columns(in_buf[slot, t], per_word)):
+          x_1W = jnp.sum(jnp.where(sublane == t, x, 0.0), axis=0, keepdims=True)  # row t, exactly
+          rows_SW = rows_SW.astype(dtype).astype(jnp.float32) if per_word == 1 else rows_SW
+          h_S1 = h_S1 + jnp.sum(rows_SW * x_1W, axis=1, keepdims=True)
+        a_S1 = gating.value(h_S1, column(gates_SG, t)).astype(dtype).astype(jnp.float32)
+        new = []
+        for y, rows_SW in zip(ys, _columns(out_buf[slot, t], per_word)):
+          rows_SW = rows_SW.astype(dtype).astype(jnp.float32) if per_word == 1 else rows_SW
+          new.append(jnp.where(sublane == t, jnp.sum(a_S1 * rows_SW, axis=0, keepdims=True), y))
+        return h_SG + jnp.where(lane == first + t, h_S1, 0.0), tuple(new)
+
+      zeros = (jnp.zeros((ROW_BLOCK, dc), jnp.float32),) * per_word
+      h_SG, ys = jax.lax.fori_loop(0, ROW_BLOCK, token, (h_ref[...], zeros))
+      h_ref[...] = h_SG
+      for y_ref, y in zip(y_refs, ys):
+        y_ref[...] = y.astype(dtype)
+
+  buffers = [pltpu.VMEM((2, ROW_BLOCK, n_slots, dc), w_in_RW.dtype)] * 2
+  *parts, h_Sp = pl.pallas_call(
+    kernel,
+    grid=steps.grid,
+    in_specs=[
+      *steps.rows_specs(n_slots),
+      *[steps.token_spec(dc)] * per_word,
+      steps.group_spec(n_slots),
+      steps.group_spec(n_slots),
+      pl.BlockSpec(memory_space=pl.ANY),
+      pl.BlockSpec(memory_space=pl.ANY),
+    ],
+    out_specs=[*[steps.token_spec(dc)] * per_word, steps.group_spec(n_slots)],
+    out_shape=[
+      *[jax.ShapeDtypeStruct((steps.n_padded, words), dtype)] * per_word,
+      jax.ShapeDtypeStruct((n_slots, steps.n_padded), jnp.float32),
+    ],
+    scratch_shapes=[*buffers, pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,))],
+    compiler_params=steps.params(),
+    interpret=interpret,
+    name="fused_forward",
+  )(rows_pS, rows_pS, *x_parts, gates_Sp, bias_Sp, w_in_RW, w_out_RW)
+  y_pD = parts[0] if per_word == 1 else jnp.stack(parts, axis=-1).reshape(steps.n_padded, 2 * words)
+  return y_pD[:n_tokens, :d_model], h_Sp[:, :n_tokens].T

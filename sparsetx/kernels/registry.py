@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from sparsetx import config
 from sparsetx.kernels import autotune_table
-from sparsetx.kernels.backend import ModuleRows, RowKernels, RowOrderDots, XlaRows
+from sparsetx.kernels.backend import FusedForward, ModuleRows, RowKernels, RowOrderDots, XlaRows
 from sparsetx.kernels.device import TracedDevice, target
 from sparsetx.kernels.grouped_ops import GroupedKernels, GroupedXla
 from sparsetx.kernels.options import IMPLEMENTATIONS, KernelOptions
@@ -27,7 +27,10 @@ ROWS: tuple[RowKernels, ...] = (
   ModuleRows("mosaic", "sparsetx.kernels.mosaic_gpu", "gpu", needs=HOPPER, refused_on=("tpu",)),
   ModuleRows("triton", "sparsetx.kernels.pallas_gpu", "gpu", refused_on=("tpu",), interprets_by_default=True),
   RowOrderDots("triton_row_order", "sparsetx.kernels.pallas_gpu", "gpu", refused_on=("tpu",)),
+  FusedForward("triton_fused", "sparsetx.kernels.pallas_gpu", "gpu", refused_on=("tpu",)),
   ModuleRows("tpu", "sparsetx.kernels.pallas_tpu", "tpu", refused_on=("gpu",)),
+  FusedForward("tpu_fused", "sparsetx.kernels.pallas_tpu", "tpu", refused_on=("gpu",)),
+  RowOrderDots("xla_row_order", "sparsetx.kernels.xla_rows", None),
   XlaRows(),
 )
 GROUPED: tuple[GroupedKernels, ...] = (
@@ -90,11 +93,11 @@ def candidates(op: str, options: KernelOptions, device: TracedDevice) -> list:
   xla = by_name(op, "xla")
   if options.implementation in ("xla", "reference") or (options.implementation == "auto" and device.platform == "cpu"):
     return [xla]
-  allowed = [i for i in OPS[op] if i is not xla]
-  if options.gpu_kernel != "auto":  # a GPU kernel named by the config; the TPU's stays
+  allowed = [i for i in OPS[op] if i.platform is not None]  # pallas: the kernels, not XLA's designs
+  if options.gpu_kernel != "auto":  # a GPU kernel named by the config; the TPU's stay
     allowed = [i for i in allowed if i.platform != "gpu" or i.name == options.gpu_kernel]
   if options.implementation == "auto" and options.gpu_kernel == "auto":  # auto may find XLA fastest; a named
-    allowed.append(xla)  # GPU kernel that cannot run is an error, not XLA's program
+    allowed += [i for i in OPS[op] if i.platform is None]  # GPU kernel that cannot run is an error, not XLA's
   order = list(DEFAULT_ORDER[op])
   return sorted(allowed, key=lambda i: order.index(i.name) if i.name in order else len(order))
 
