@@ -22,7 +22,7 @@ from conftest import load_config
 
 from sparsetx import config as config_lib
 from sparsetx import hardware
-from sparsetx.kernels import tree_route
+from sparsetx.kernels import autotune_table, registry, tree_route
 from sparsetx.kernels.grouped_matmul import grouped_matmul
 from sparsetx.kernels.options import KernelOptions
 from sparsetx.models import attention
@@ -153,6 +153,7 @@ ROW_KERNEL_PARTS = {
   "row_dots": {"row gathers", "ffn router + top-k"},
   "row_order_dots": {"row gathers", "ffn router + top-k"},
   "row_accumulate": {"row gathers"},
+  "fused_forward": {"row gathers"},
   "segment_sums": {"table grads: segment sums", "table grads: combine"},
 }
 
@@ -348,6 +349,37 @@ def test_row_order_dots_compile_for_the_h200_in_place_of_row_dots():
   assert found.get("row_order_dots") == 2 * config.model.n_layers and "row_dots" not in found, found
   assert {"row_accumulate", "segment_sums"} <= set(found), found
   assert_row_kernels_in_their_parts(program.as_text(), found)
+
+
+def test_the_fused_forward_compiles_for_the_h200_in_place_of_the_forwards_row_kernels():
+  """kernel.gpu_kernel=triton_fused (registry.py's one line for backend.FusedForward): sgatlin's step compiled for
+  one H200 takes each layer's forward as one Triton kernel; the backward keeps its row_dots and row_accumulate."""
+  config = compile_config("sgatlin", data=1)
+  config.model.ffn.kernel.update(implementation="pallas", gpu_kernel="triton_fused")
+  program, _, _ = aot.compile_for_topology(config_lib.validate(config), "h200:1x1x1")
+  found = kernels(program.as_text())
+  layers = config.model.n_layers
+  assert found.get("fused_forward") == layers and found.get("row_dots") == layers, found
+  assert found.get("row_accumulate") == layers and "segment_sums" in found, found
+  assert_row_kernels_in_their_parts(program.as_text(), found)
+
+
+def test_a_measured_table_puts_the_tpu_fused_forward_into_the_v5p_step(tmp_path, monkeypatch):
+  """On a TPU `auto` takes what the device measured (kernels/autotune_table.py): a table that ranks tpu_fused first
+  for this shape makes the step compiled for a v5p launch it once per layer, in place of the forward's row_dots
+  and row_accumulate; without the table the default order's Pallas TPU kernels run (test_sparse_kernels_compile)."""
+  monkeypatch.setenv(autotune_table.ENV, str(tmp_path / "autotune.json"))
+  config = compile_config("sgatlin")
+  mesh = aot.topology_mesh(config_lib.validate(config), TOPOLOGIES["v5p"])
+  kind = mesh.devices.flat[0].device_kind
+  shape = registry.shape_class(jnp.bfloat16, config.model.d_model, config.model.ffn.n_channels * config.model.ffn.top_k)
+  entry = autotune_table.Entry(("tpu_fused", "tpu", "xla"), {}, {"tpu_fused": 1.0, "tpu": 2.0, "xla": 3.0})
+  autotune_table.record(kind, "rows", shape, entry)
+  program, _, _ = aot.compile_for_topology(config_lib.validate(config), TOPOLOGIES["v5p"])
+  found = kernels(program.as_text())
+  layers = config.model.n_layers
+  assert found.get("fused_forward") == layers and found.get("row_dots") == layers, found
+  assert found.get("row_accumulate") == layers, found
 
 
 @pytest.mark.parametrize("target", ["v5p", "h100"])

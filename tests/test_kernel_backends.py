@@ -24,7 +24,16 @@ def test_each_kernel_module_has_the_row_kernel_interface(implementation):
 
 
 def test_the_registry_lists_each_op_in_one_order_with_xla_last():
-  assert [i.name for i in registry.ROWS] == ["mosaic", "triton", "triton_row_order", "tpu", "xla"]
+  assert [i.name for i in registry.ROWS] == [
+    "mosaic",
+    "triton",
+    "triton_row_order",
+    "triton_fused",
+    "tpu",
+    "tpu_fused",
+    "xla_row_order",
+    "xla",
+  ]
   assert [i.name for i in registry.GROUPED] == ["mosaic", "triton", "tpu", "xla"]
 
 

@@ -27,6 +27,8 @@ from jax._src.tpu_custom_call import tpu as tpu_dialect
 
 from sparsetx.kernels import pallas_tpu
 from sparsetx.kernels.options import KernelOptions
+from sparsetx.kernels.reference import Gating
+from sparsetx.models.ffn.common import gelu_tanh
 from sparsetx.perf import hlo_text
 from sparsetx.train import aot
 
@@ -209,6 +211,28 @@ def test_row_kernels_compile_for_tpu_at_every_d_model(chip, dtype):
     for d_model in D_MODELS:
       for f, *args in kernel_programs(1000, 128, d_model, 4096, dtype).values():
         jax.jit(f).trace(*args).lower().compile()  # raises on Mosaic's refusal
+
+
+@pytest.mark.parametrize("chip", list(TOPOLOGY))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_the_fused_forward_compiles_for_tpu_where_its_whole_rows_fit(chip, dtype):
+  """pallas_tpu.fused_forward holds a step's whole rows of both tables (no d chunks): it compiles at every d_model of
+  D_MODELS whose rows fit the chip's slot, with a bias and tanh-GELU outside the gate, and refuses the others."""
+  spec = jax.ShapeDtypeStruct
+  gating = Gating(gelu_tanh, gate_inside=False)
+  compiled = []
+  with aot.on_topology(TOPOLOGY[chip]):
+    for d_model in D_MODELS:
+      table = spec((4096, d_model), dtype)
+      args = (spec((1000, d_model), dtype), table, table, spec((1000, 128), jnp.int32), spec((1000, 128), jnp.float32))
+      fused = lambda *a: pallas_tpu.fused_forward(*a, jnp.ones((4096,)), gating, KernelOptions("pallas"))  # noqa: E731
+      if pallas_tpu.fused_fits(128, d_model, jnp.dtype(dtype).itemsize):
+        jax.jit(fused).trace(*args).lower().compile()
+        compiled.append(d_model)
+      else:
+        with pytest.raises(NotImplementedError, match="exceeds a VMEM slot"):
+          jax.jit(fused).trace(*args)
+  assert 384 in compiled and 8192 not in compiled, compiled
 
 
 @pytest.mark.parametrize("itemsize", [2, 4])

