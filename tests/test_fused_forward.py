@@ -9,6 +9,7 @@ gamma(D + 1) sum |terms| (Higham eq. 3.5). y is checked from the kernel's own h:
 float32 ulps of |g h| (1 + tanh cancels for negative h) plus one rounding to x's dtype under tanh-GELU.
 """
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -17,9 +18,11 @@ import pytest
 from sparsetx.kernels import registry
 from sparsetx.kernels.backend import FusedForward
 from sparsetx.kernels.device import target
+from sparsetx.kernels.gated_gather import gated_gather
 from sparsetx.kernels.options import KernelOptions
 from sparsetx.kernels.reference import Gating
 from sparsetx.models.ffn.common import gelu_tanh
+from sparsetx.perf import hlo_text
 from sparsetx.train import aot
 
 U32, U64 = 2.0**-24, 2.0**-53
@@ -107,3 +110,24 @@ def test_the_tpu_fused_forward_refuses_rows_wider_than_its_buffers_and_the_next_
     fused.refuse(device, KernelOptions("pallas"), dict(tokens=4096, d_model=512, slots=128, dtype="bfloat16"))
     with pytest.raises(NotImplementedError, match="128 slots of whole 8192-wide rows do not fit"):
       fused.refuse(device, KernelOptions("pallas"), dict(tokens=4096, d_model=8192, slots=128, dtype="bfloat16"))
+
+
+@pytest.mark.parametrize("approximate", [True, False])
+def test_the_tpu_fused_forward_composes_its_row_kernels_where_it_cannot_lower_the_activation(approximate):
+  """Pallas TPU lowers no erf: with exact GELU inside the gate the v5p program's forward is tpu_fused's row_dots and
+  row_accumulate (compiled by libtpu), with tanh-GELU its one fused kernel."""
+  spec = jax.ShapeDtypeStruct
+  fused = registry.by_name("rows", "tpu_fused")
+
+  def forward(x, w_in, w_out, rows, gates):
+    gelu = lambda h: jax.nn.gelu(h, approximate=approximate)  # noqa: E731
+    return gated_gather(x, w_in, w_out, rows, gates, gelu, options=KernelOptions("pallas"), implementation=fused)
+
+  table = spec((512, 256), jnp.bfloat16)
+  args = (spec((1, 64, 256), jnp.bfloat16), table, table, spec((1, 64, 16), jnp.int32), spec((1, 64, 16), jnp.float32))
+  with aot.on_topology("v5p:2x2x1"):
+    lowered = jax.jit(forward).trace(*args).lower()
+    lowered.compile()
+  calls = {name for (target, name) in hlo_text.custom_calls(lowered.as_text()) if target == "tpu_custom_call"}
+  composed = {"row_dots", "row_accumulate"}
+  assert calls == ({"fused_forward"} if approximate else composed), calls

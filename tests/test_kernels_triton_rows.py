@@ -186,6 +186,8 @@ def test_row_kernels_lower_for_cuda_at_ladder_shapes(d):
   with aot.on_topology("a100:1x1x1"), mock.patch.object(triton_lowering, "lower_jaxpr_to_triton_module", verified):
     text = jax.jit(kernels).trace(*args).lower().as_text()
   calls = {name: count for (call, name), count in hlo_text.custom_calls(text).items() if call == "__gpu$xla.gpu.triton"}
-  assert calls == {name: 1 for name in ("row_dots", "row_accumulate", "segment_sums", "row_order_dots", "fused_forward")}
+  assert calls == {
+    name: 1 for name in ("row_dots", "row_accumulate", "segment_sums", "row_order_dots", "fused_forward")
+  }
   assert sorted(modules) == sorted(calls)
   assert not any("atomic" in modules[name] for name in ("segment_sums", "row_order_dots", "fused_forward"))

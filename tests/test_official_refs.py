@@ -51,7 +51,9 @@ def backend(request, monkeypatch):
     monkeypatch.setattr(
       registry,
       "rows",
-      lambda options, key, call=None: chosen if options.implementation == "pallas" else real("rows", options, key, call),
+      lambda options, key, call=None: (
+        chosen if options.implementation == "pallas" else real("rows", options, key, call)
+      ),
     )
   return BACKENDS[name]
 

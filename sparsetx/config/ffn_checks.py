@@ -24,7 +24,13 @@ KERNEL_IMPLEMENTATIONS = (
   "auto",
   "reference",
 )  # sparsetx/kernels/registry.py
-GPU_KERNELS = ("auto", "mosaic", "triton", "triton_row_order", "triton_fused")  # registry.py's GPU implementations (it checks)
+GPU_KERNELS = (
+  "auto",
+  "mosaic",
+  "triton",
+  "triton_row_order",
+  "triton_fused",
+)  # registry.py's GPU implementations (it checks)
 
 
 def n_keys_for(d_ffw: int, field: str = "config.model.ffn.d_ffw") -> int:

@@ -140,16 +140,24 @@ class RowOrderDots(ModuleRows):
 class FusedForward(ModuleRows):
   """A module's kernels with the gated gather's forward as one kernel (its `fused_forward`): per block of tokens
   the dots with w_in's rows, the gating and the sum of w_out's rows, so the pre-activations and coefficients
-  never make a round trip through HBM and both tables' rows of a token are read by one program. One method (and
-  the module's `fused_fits`, where a kernel holds whole rows in a fixed budget)."""
+  never make a round trip through HBM and both tables' rows of a token are read by one program. One method (and,
+  where the module has them, `fused_fits`: whether whole rows fit its buffers, else the call is refused; and
+  `fused_gating`: whether its kernel lowers the activation, else the forward is composed from its row kernels)."""
 
   def refuse(self, device, options, call=None):
     super().refuse(device, options, call)
     fits = getattr(self.module, "fused_fits", None)
-    if fits and call and not fits(call["slots"], call["d_model"], jnp.dtype(call["dtype"]).itemsize, device.platform != self.platform):
+    if (
+      fits
+      and call
+      and not fits(call["slots"], call["d_model"], jnp.dtype(call["dtype"]).itemsize, device.platform != self.platform)
+    ):
       raise NotImplementedError(f"{call['slots']} slots of whole {call['d_model']}-wide rows do not fit its buffers")
 
   def forward(self, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options):
+    takes = getattr(self.module, "fused_gating", None)
+    if takes and not takes(gating):  # its kernel cannot lower this activation: the composed forward
+      return super().forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options)
     return self.module.fused_forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options)
 
 

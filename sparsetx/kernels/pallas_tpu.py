@@ -4,6 +4,8 @@ FFF's walk levels, the d-split's partial dots) and segment_grads.py (the table g
 More: docs/modules.md, sparsetx/kernels/pallas_tpu.py.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -408,6 +410,12 @@ def fused_fits(n_slots, d_model, itemsize, interpret=False) -> bool:
   column of a token's dots before its gating, so it takes whole rows (no d chunks)."""
   words, dc = _word_layout(d_model, itemsize, ROW_BLOCK * n_slots, slot_bytes(interpret))
   return dc == words
+
+
+def fused_gating(gating) -> bool:
+  """Whether the fused kernel lowers this gating: Pallas TPU lowers no erf (exact GELU; FFF's default form)."""
+  jaxpr = str(jax.make_jaxpr(gating.value)(jnp.float32(1), jnp.float32(1)))  # nested jaxprs printed too
+  return re.search(r"\berf(c|_inv)?\b", jaxpr) is None
 
 
 def fused_forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options):
