@@ -30,6 +30,7 @@ def test_the_registry_lists_each_op_in_one_order_with_xla_last():
     "triton_row_order",
     "triton_fused",
     "tpu",
+    "tpu_row_order",
     "tpu_fused",
     "xla_row_order",
     "xla",

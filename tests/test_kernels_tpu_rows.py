@@ -235,6 +235,20 @@ def test_the_fused_forward_compiles_for_tpu_where_its_whole_rows_fit(chip, dtype
   assert 384 in compiled and 8192 not in compiled, compiled
 
 
+@pytest.mark.parametrize("chip", list(TOPOLOGY))
+def test_the_row_order_dots_compile_for_tpu(chip):
+  """pallas_tpu.row_order_dots (tokens resident in VMEM, each step's distinct rows copied from HBM once and spread
+  by local DMAs, a lane-dense [1, 128] block of dots per step) compiles with libtpu: bf16 words at the ladder's
+  640 columns, and 1,000 float32 tokens of 8,192 columns (31 MiB, just under half of a v5p's VMEM)."""
+  spec = jax.ShapeDtypeStruct
+  with aot.on_topology(TOPOLOGY[chip]):
+    for d_model, dtype in ((640, jnp.bfloat16), (8192, jnp.float32)):
+      pairs = spec((128 * 1000,), jnp.int32)
+      args = (spec((1000, d_model), dtype), spec((4096, d_model), dtype), pairs, pairs, spec((4097,), jnp.int32))
+      dots = lambda *a: pallas_tpu.row_order_dots(*a, KernelOptions("pallas"))  # noqa: E731
+      jax.jit(dots).trace(*args).lower().compile()
+
+
 @pytest.mark.parametrize("itemsize", [2, 4])
 @pytest.mark.parametrize("budget", [2 * 2**20, 4 * 2**20])  # the slot bytes of v5p (64 MiB / 32) and v6e
 def test_row_layouts_are_whole_lane_tiles_within_the_slot_budget(itemsize, budget):

@@ -30,10 +30,16 @@ BACKENDS = {
   "tpu_interpret": KernelOptions("pallas", block_tokens=4, interpret=True),
   "triton_fused_interpret": KernelOptions("pallas", block_tokens=4, gpu_kernel="triton_fused", interpret=True),
   "tpu_fused_interpret": KernelOptions("pallas", block_tokens=4, interpret=True),
+  "tpu_row_order_interpret": KernelOptions("pallas", block_tokens=4, interpret=True),
   "xla_row_order": KernelOptions("pallas", block_tokens=4, interpret=True),
 }
 # Off their device, the registry takes these only when measured fastest there: the fixture hands them over.
-CHOSEN = {"tpu_interpret": "tpu", "tpu_fused_interpret": "tpu_fused", "xla_row_order": "xla_row_order"}
+CHOSEN = {
+  "tpu_interpret": "tpu",
+  "tpu_fused_interpret": "tpu_fused",
+  "tpu_row_order_interpret": "tpu_row_order",
+  "xla_row_order": "xla_row_order",
+}
 # Mosaic GPU's interpret mode simulates TMA and barriers (~17 s a case here): its per-slot arithmetic between
 # the row kernels is the XLA path's (reference.Gating), and test_kernels_pallas.py checks it against the XLA
 # path with the gate inside a nonlinear activation, bias and two d_model chunks.

@@ -14,7 +14,9 @@ import pytest
 
 from sparsetx.kernels import registry
 from sparsetx.kernels.backend import RowOrderDots
+from sparsetx.kernels.device import target
 from sparsetx.kernels.options import KernelOptions
+from sparsetx.train import aot
 
 U32, U64 = 2.0**-24, 2.0**-53
 DESIGNS = [i for i in registry.ROWS if isinstance(i, RowOrderDots)]
@@ -30,8 +32,8 @@ def rounded(a, dtype):
   return np.asarray(a, np.float32).astype(dtype).astype(np.float64)
 
 
-def test_the_registry_offers_row_order_dots_for_triton_and_xla():
-  assert {i.name for i in DESIGNS} >= {"triton_row_order", "xla_row_order"}
+def test_the_registry_offers_row_order_dots_for_triton_tpu_and_xla():
+  assert {i.name for i in DESIGNS} == {"triton_row_order", "tpu_row_order", "xla_row_order"}
 
 
 @pytest.mark.parametrize("implementation", DESIGNS, ids=lambda i: i.name)
@@ -42,16 +44,20 @@ def test_each_module_has_the_row_order_dots_interface(implementation):
 
 @pytest.mark.parametrize("implementation", DESIGNS, ids=lambda i: i.name)
 @pytest.mark.parametrize(
-  "n_rows, n, d, dtype, table_dtype",
-  [(21, 13, 384, np.float32, np.float32), (37, 7, 64, ml_dtypes.bfloat16, np.float32)],
+  "n_rows, n, d, dtype, table_dtype, hot",
+  [
+    (21, 13, 384, np.float32, np.float32, 11),
+    (37, 7, 64, ml_dtypes.bfloat16, np.float32, 11),
+    (40, 9, 256, ml_dtypes.bfloat16, ml_dtypes.bfloat16, 300),  # a row's 300 pairs across three TPU steps
+  ],
 )
-def test_row_order_dots_match_the_float64_dots(implementation, n_rows, n, d, dtype, table_dtype):
-  """Each pair's dot, walked by row (Triton: two 16-row tiles; XLA: chunks of 8 pairs): empty rows, one row of 11
-  pairs beside short ones."""
+def test_row_order_dots_match_the_float64_dots(implementation, n_rows, n, d, dtype, table_dtype, hot):
+  """Each pair's dot, walked by row (Triton: 16-row tiles; TPU: steps of 128 pairs, each distinct row copied once;
+  XLA: chunks of 8 pairs): empty rows, one hot row of `hot` pairs beside short ones."""
   rng = np.random.default_rng(n_rows * d + 2)
   lengths = rng.integers(0, 4, n_rows)
   lengths[[0, 6, n_rows - 1]] = 0
-  lengths[5] = 11
+  lengths[5] = hot
   starts_R1 = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
   rows_P = np.repeat(np.arange(n_rows), lengths).astype(np.int32)
   tokens_P = rng.integers(0, n, rows_P.shape[0]).astype(np.int32)
@@ -79,3 +85,13 @@ def test_the_design_gives_each_token_and_slot_its_own_dot(implementation):
   terms_SND = lhs_ND.astype(np.float64)[None] * table_RD.astype(np.float64)[rows_SN]
   excess = np.abs(np.asarray(dots_SN, np.float64) - terms_SND.sum(-1)) - sum_bound(32, np.abs(terms_SND).sum(-1))
   assert np.all(excess <= 0), excess.max()
+
+
+def test_the_tpu_row_order_dots_refuse_tokens_beyond_half_of_vmem():
+  """Its tokens stay in VMEM: 16,384 tokens of 512 bf16 columns (16 MiB) fit a v5p's 64 MiB; 131,072 do not, and
+  the registry passes the call on with the reason."""
+  design = registry.by_name("rows", "tpu_row_order")
+  with aot.on_topology("v5p:2x2x1"):
+    design.refuse(target(), OPTIONS, dict(tokens=16384, d_model=512, slots=128, dtype="bfloat16"))
+    with pytest.raises(NotImplementedError, match="131072 tokens of 512 columns do not fit"):
+      design.refuse(target(), OPTIONS, dict(tokens=131072, d_model=512, slots=128, dtype="bfloat16"))

@@ -121,11 +121,22 @@ class ModuleRows(OnPlatform, RowKernels):
     return self.module.segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sums)
 
 
+def _itemsize(call) -> int:
+  return jnp.dtype(call["dtype"]).itemsize
+
+
 class RowOrderDots(ModuleRows):
   """A module's kernels with the per-pair dots walked in row order (its `row_order_dots`): the pairs sorted by row,
   so each picked row is read once per pass and the tokens' rows come from L2, where token order reads every pick.
   One method: the forward's x . w_in, the backward's dy . w_out, FFF's walk and the d-split's partial dots all
-  take it. Each pass sorts its pairs (the table gradients sort once more)."""
+  take it. Each pass sorts its pairs (the table gradients sort once more). Where the module has `row_order_fits`
+  (its tokens held in a fixed budget), a call whose tokens do not fit is refused."""
+
+  def refuse(self, device, options, call=None):
+    super().refuse(device, options, call)
+    fits = getattr(self.module, "row_order_fits", None)
+    if fits and call and not fits(call["tokens"], call["d_model"], _itemsize(call), device.platform != self.platform):
+      raise NotImplementedError(f"{call['tokens']} tokens of {call['d_model']} columns do not fit its buffers")
 
   def row_dots(self, lhs_ND, table_RD, rows_SN, options):
     n_slots, n_tokens = rows_SN.shape
@@ -147,11 +158,7 @@ class FusedForward(ModuleRows):
   def refuse(self, device, options, call=None):
     super().refuse(device, options, call)
     fits = getattr(self.module, "fused_fits", None)
-    if (
-      fits
-      and call
-      and not fits(call["slots"], call["d_model"], jnp.dtype(call["dtype"]).itemsize, device.platform != self.platform)
-    ):
+    if fits and call and not fits(call["slots"], call["d_model"], _itemsize(call), device.platform != self.platform):
       raise NotImplementedError(f"{call['slots']} slots of whole {call['d_model']}-wide rows do not fit its buffers")
 
   def forward(self, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options):

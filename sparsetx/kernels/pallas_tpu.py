@@ -507,3 +507,111 @@ def fused_forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, op
   )(rows_pS, rows_pS, *x_parts, gates_Sp, bias_Sp, w_in_RW, w_out_RW)
   y_pD = parts[0] if per_word == 1 else jnp.stack(parts, axis=-1).reshape(steps.n_padded, 2 * words)
   return y_pD[:n_tokens, :d_model], h_Sp[:, :n_tokens].T
+
+
+ORDER_PAIRS = 128  # row_order_dots: pairs per grid step, one lane-dense [1, 128] block of dots
+ORDER_GROUPS = ORDER_PAIRS // 8  # its row buffers: [16, 8, words], a pair's row at sublane p % 8 of group p // 8
+
+
+def row_order_fits(n_tokens, d_model, itemsize, interpret=False) -> bool:
+  """Whether row_order_dots' resident tokens (n_tokens rows of 32-bit words) fit half the core's VMEM."""
+  words = -(-d_model * itemsize // (4 * LANES)) * LANES
+  return n_tokens * words * 4 <= _vmem_capacity(interpret) // 2
+
+
+def _vmem_capacity(interpret):
+  return 64 * 2**20 if interpret else pltpu.get_tpu_info().vmem_capacity_bytes
+
+
+def row_order_dots(lhs_ND, table_RD, tokens_P, rows_P, starts_R1, options):
+  """dots [P] float32 of pairs sorted by row: dots[p] = <lhs[tokens[p]], table[rows[p]]>, the table's rows rounded
+  to lhs's dtype, float32 sums. A TPU has no cache to serve a row's repeats, so reuse is explicit: the tokens stay
+  in VMEM (row_order_fits) and a step of ORDER_PAIRS sorted pairs copies each distinct row of its run from HBM
+  once, then spreads it to its pairs and their tokens' rows by local DMAs; at the ladder's ~32 picks per row that
+  reads a picked row about once where token order reads every pick."""
+  del starts_R1  # a step reads its rows themselves
+  n_tokens, d_model = lhs_ND.shape
+  n_real = tokens_P.shape[0]
+  interpret = _interpret(options)
+  if not row_order_fits(n_tokens, d_model, lhs_ND.dtype.itemsize, interpret):
+    raise NotImplementedError(f"{n_tokens} tokens of {d_model} columns exceed half of VMEM")
+  words = -(-d_model * lhs_ND.dtype.itemsize // (4 * LANES)) * LANES
+  lhs_NW, per_word = as_words(lhs_ND, words)
+  table_RW, _ = as_words(table_RD.astype(lhs_ND.dtype), words)  # rounded to lhs's dtype, as row_dots rounds
+  n_steps = max(1, -(-n_real // ORDER_PAIRS))
+  n_pairs = n_steps * ORDER_PAIRS
+  tokens_P, rows_P = (jnp.pad(a.astype(jnp.int32), (0, n_pairs - n_real)) for a in (tokens_P, rows_P))
+  # A pair's run: the index, within its step, of the first pair on its row (the row's one copy from HBM).
+  p_P = jnp.arange(n_pairs, dtype=jnp.int32)
+  # (A step's first pair starts a run: the running max starts at 0 in every step.)
+  new_run_P = jnp.where(rows_P != jnp.roll(rows_P, 1), p_P % ORDER_PAIRS, 0)
+  run_P = jax.lax.cummax(new_run_P.reshape(n_steps, ORDER_PAIRS), axis=1).reshape(-1)
+
+  def kernel(tokens_ref, rows_ref, run_ref, lhs_vmem, table_hbm, dots_ref, tok_buf, row_buf, tab_buf, sems):
+    def at(buf, p):  # pair p's row of a [16, 8, words] buffer
+      return buf.at[p // 8, pl.ds(p % 8, 1)]
+
+    def copies(p):
+      token = pltpu.make_async_copy(lhs_vmem.at[pl.ds(tokens_ref[p], 1)], at(tok_buf, p), sems.at[0])
+      row = pltpu.make_async_copy(table_hbm.at[pl.ds(rows_ref[p], 1)], at(row_buf, p), sems.at[1])
+      return token, row
+
+    @pl.loop(0, ORDER_PAIRS)
+    def _(p):
+      token, row = copies(p)
+      token.start()
+
+      @pl.when(run_ref[p] == p)
+      def _():
+        row.start()
+
+    @pl.loop(0, ORDER_PAIRS)
+    def _(p):
+      token, row = copies(p)
+      token.wait()
+
+      @pl.when(run_ref[p] == p)
+      def _():
+        row.wait()
+
+    def spread(p):  # the run's row to its pair p
+      return pltpu.make_async_copy(at(row_buf, run_ref[p]), at(tab_buf, p), sems.at[2])
+
+    @pl.loop(0, ORDER_PAIRS)
+    def _(p):
+      spread(p).start()
+
+    @pl.loop(0, ORDER_PAIRS)
+    def _(p):
+      spread(p).wait()
+
+    products = None
+    for lhs, row in zip(_columns(tok_buf[...], per_word), _columns(tab_buf[...], per_word)):
+      part = lhs * row
+      products = part if products is None else products + part
+    products_PW = products.reshape(ORDER_PAIRS, words)
+    dots_ref[...] = jnp.sum(products_PW.T, axis=0, keepdims=True)[None]
+
+  pair_block = pl.BlockSpec((ORDER_PAIRS,), lambda i: (i,), memory_space=pltpu.SMEM)
+  buffer = pltpu.VMEM((ORDER_GROUPS, 8, words), lhs_NW.dtype)
+  lhs_bytes = n_tokens * words * 4
+  dots = pl.pallas_call(
+    kernel,
+    grid=(n_steps,),
+    in_specs=[
+      pair_block,
+      pair_block,
+      pair_block,
+      pl.BlockSpec(memory_space=pltpu.VMEM),
+      pl.BlockSpec(memory_space=pl.ANY),
+    ],
+    out_specs=pl.BlockSpec((1, 1, ORDER_PAIRS), lambda i: (i, 0, 0)),
+    out_shape=jax.ShapeDtypeStruct((n_steps, 1, ORDER_PAIRS), jnp.float32),
+    scratch_shapes=[buffer, buffer, buffer, pltpu.SemaphoreType.DMA((3,))],
+    compiler_params=pltpu.CompilerParams(
+      dimension_semantics=("parallel",), vmem_limit_bytes=lhs_bytes + 8 * ORDER_PAIRS * words * 4 + 16 * 2**20
+    ),
+    interpret=interpret,
+    name="row_order_dots",
+  )(tokens_P, rows_P, run_P, lhs_NW, table_RW)
+  return dots.reshape(-1)[:n_real]

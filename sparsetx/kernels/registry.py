@@ -29,6 +29,7 @@ ROWS: tuple[RowKernels, ...] = (
   RowOrderDots("triton_row_order", "sparsetx.kernels.pallas_gpu", "gpu", refused_on=("tpu",)),
   FusedForward("triton_fused", "sparsetx.kernels.pallas_gpu", "gpu", refused_on=("tpu",)),
   ModuleRows("tpu", "sparsetx.kernels.pallas_tpu", "tpu", refused_on=("gpu",)),
+  RowOrderDots("tpu_row_order", "sparsetx.kernels.pallas_tpu", "tpu", refused_on=("gpu",)),
   FusedForward("tpu_fused", "sparsetx.kernels.pallas_tpu", "tpu", refused_on=("gpu",)),
   RowOrderDots("xla_row_order", "sparsetx.kernels.xla_rows", None),
   XlaRows(),
