@@ -36,7 +36,8 @@ def kernel_defaults() -> ml_collections.ConfigDict:
       block_tokens=8,  # pallas (triton): tokens per program
       block_d=128,  # pallas on gpu: d_model chunk (largest fitting divisor; triton: a power of two)
       stages=3,  # pallas (mosaic gpu): gathered [64, block_d] tiles in flight
-      gpu_kernel="auto",  # pallas on GPU: mosaic (sm_90+) | triton | auto (kernels/registry.py decides)
+      # pallas on GPU: mosaic (sm_90+) | triton | triton_row_order | triton_fused | auto (kernels/registry.py)
+      gpu_kernel="auto",
       row_sorted=True,  # xla on CPU: training walks (token, slot) pairs in table-row order (kernels/xla_gather.py)
       segment_chunk=64,  # pallas, table gradients: pairs per segment; a hot row is cut and combined (0: never)
       group_rows=128,  # moe: rows of one expert per grouped-matmul tile (a power of two >= 16; Mosaic GPU: >= 64)
