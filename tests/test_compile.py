@@ -338,25 +338,28 @@ def test_a_ladder_rung_compiles_for_hopper_with_mosaic_gpu_row_kernels():
   assert kernels(step.text)["mosaic_gpu"] >= 6 * layers, kernels(step.text)  # 2 forward, 2 backward, 2 gradients
 
 
-def test_row_order_dots_compile_for_the_h200_in_place_of_row_dots():
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_row_order_dots_compile_for_hopper_in_place_of_row_dots(gpu):
   """kernel.gpu_kernel=triton_row_order (registry.py's one line for backend.RowOrderDots): sgatlin's step compiled
-  for one H200 takes its per-pair dots by row, forward and backward, two per layer, and no token-order row_dots;
-  each launch sits in its part."""
+  for one H100 or H200 takes its per-pair dots by row, forward and backward, two per layer, and no token-order
+  row_dots; each launch sits in its part."""
   config = compile_config("sgatlin", data=1)
   config.model.ffn.kernel.update(implementation="pallas", gpu_kernel="triton_row_order")
-  program, _, _ = aot.compile_for_topology(config_lib.validate(config), "h200:1x1x1")
+  program, _, _ = aot.compile_for_topology(config_lib.validate(config), f"{gpu}:1x1x1")
   found = kernels(program.as_text())
   assert found.get("row_order_dots") == 2 * config.model.n_layers and "row_dots" not in found, found
   assert {"row_accumulate", "segment_sums"} <= set(found), found
   assert_row_kernels_in_their_parts(program.as_text(), found)
 
 
-def test_the_fused_forward_compiles_for_the_h200_in_place_of_the_forwards_row_kernels():
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_the_fused_forward_compiles_for_hopper_in_place_of_the_forwards_row_kernels(gpu):
   """kernel.gpu_kernel=triton_fused (registry.py's one line for backend.FusedForward): sgatlin's step compiled for
-  one H200 takes each layer's forward as one Triton kernel; the backward keeps its row_dots and row_accumulate."""
+  one H100 or H200 takes each layer's forward as one Triton kernel; the backward keeps its row_dots and
+  row_accumulate."""
   config = compile_config("sgatlin", data=1)
   config.model.ffn.kernel.update(implementation="pallas", gpu_kernel="triton_fused")
-  program, _, _ = aot.compile_for_topology(config_lib.validate(config), "h200:1x1x1")
+  program, _, _ = aot.compile_for_topology(config_lib.validate(config), f"{gpu}:1x1x1")
   found = kernels(program.as_text())
   layers = config.model.n_layers
   assert found.get("fused_forward") == layers and found.get("row_dots") == layers, found
