@@ -43,7 +43,7 @@ def case(tokens, n_channels, top_k, d_ffw, d_model, dtype):
   return x, w_in, w_out, rows, gates, dy
 
 
-def kernel_timings(shape, dtype, name, options, repeats) -> list:
+def kernel_timings(shape, dtype, backend_name, options, repeats) -> list:
   """(kernel, pass, seconds, bytes) for one backend (a registry name) at one shape: each row kernel alone, then the
   whole op."""
   x, w_in, w_out, rows, gates, dy = case(*shape, dtype)
@@ -52,7 +52,7 @@ def kernel_timings(shape, dtype, name, options, repeats) -> list:
   R = w_in.shape[0]
   item = dtype.itemsize
   table = w_in.astype(dtype)  # the op streams tables in the compute dtype (gated_gather.py)
-  backend = registry.by_name("rows", name)
+  backend = registry.by_name("rows", backend_name)
   order_P, sorted_rows_P = segment_grads.sort_pairs(rows.reshape(-1), R)
   starts_R1 = segment_grads.row_starts(sorted_rows_P, R)
   tokens_P, coefs_P = order_P // S, gates.reshape(-1)[order_P]

@@ -520,15 +520,16 @@ def row_order_fits(n_tokens, d_model, itemsize, interpret=False) -> bool:
 
 
 def _vmem_capacity(interpret):
+  """A core's VMEM in bytes (interpret mode: a v5p's 64 MiB)."""
   return 64 * 2**20 if interpret else pltpu.get_tpu_info().vmem_capacity_bytes
 
 
 def row_order_dots(lhs_ND, table_RD, tokens_P, rows_P, starts_R1, options):
   """dots [P] float32 of pairs sorted by row: dots[p] = <lhs[tokens[p]], table[rows[p]]>, the table's rows rounded
   to lhs's dtype, float32 sums. A TPU has no cache to serve a row's repeats, so reuse is explicit: the tokens stay
-  in VMEM (row_order_fits) and a step of ORDER_PAIRS sorted pairs copies each distinct row of its run from HBM
-  once, then spreads it to its pairs and their tokens' rows by local DMAs; at the ladder's ~32 picks per row that
-  reads a picked row about once where token order reads every pick."""
+  in VMEM (row_order_fits) and a step of ORDER_PAIRS sorted pairs copies each of its distinct rows from HBM once,
+  then by local DMAs spreads each row to its pairs' slots and copies the pairs' token rows; at the ladder's ~32
+  picks per row that reads a picked row about once where token order reads every pick."""
   del starts_R1  # a step reads its rows themselves
   n_tokens, d_model = lhs_ND.shape
   n_real = tokens_P.shape[0]
@@ -541,9 +542,9 @@ def row_order_dots(lhs_ND, table_RD, tokens_P, rows_P, starts_R1, options):
   n_steps = max(1, -(-n_real // ORDER_PAIRS))
   n_pairs = n_steps * ORDER_PAIRS
   tokens_P, rows_P = (jnp.pad(a.astype(jnp.int32), (0, n_pairs - n_real)) for a in (tokens_P, rows_P))
-  # A pair's run: the index, within its step, of the first pair on its row (the row's one copy from HBM).
+  # A pair's run: the index, within its step, of the first pair on its row (the row's one copy from HBM); a step's
+  # first pair starts one, as the running max starts at 0 in every step.
   p_P = jnp.arange(n_pairs, dtype=jnp.int32)
-  # (A step's first pair starts a run: the running max starts at 0 in every step.)
   new_run_P = jnp.where(rows_P != jnp.roll(rows_P, 1), p_P % ORDER_PAIRS, 0)
   run_P = jax.lax.cummax(new_run_P.reshape(n_steps, ORDER_PAIRS), axis=1).reshape(-1)
 
