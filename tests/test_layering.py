@@ -85,6 +85,15 @@ def test_no_upward_import():
   assert not upward, "imports against the layering (CONTRIBUTING.md):\n" + "\n".join(sorted(upward))
 
 
+def test_the_kernels_import_nothing_from_the_measurement_layer():
+  """The kernels share nothing with perf/ but the scope names (sparsetx/scopes.py, a leaf both read): the kernel
+  benchmarks, which time kernels with perf.timing, sit in train/ (issue 47)."""
+  found = [
+    f"{m} -> {t}" for m, targets in _graph().items() if _room(m) == "kernels" for t in targets if _room(t) == "perf"
+  ]
+  assert not found, found
+
+
 @pytest.mark.parametrize("level", ["module", "room"])
 def test_no_import_cycle(level):
   graph = _graph()

@@ -16,13 +16,13 @@ import numpy as np
 from absl import flags
 
 from sparsetx import cli, hardware
-from sparsetx.kernels import kernel_bench, registry, row_gather, segment_grads
+from sparsetx.kernels import registry, row_gather, segment_grads
 from sparsetx.kernels.device import target
 from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
 from sparsetx.kernels.grouped_matmul import grouped_matmul
 from sparsetx.perf import timing
 from sparsetx.tools import bench_layers
-from sparsetx.train import step_bench
+from sparsetx.train import kernel_bench, step_bench
 
 U32 = 2.0**-24  # float32 unit roundoff
 REASSOCIATION = 4  # a device may sum in another order (tree, split-k): the bound's allowance for it
