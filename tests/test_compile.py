@@ -23,9 +23,11 @@ from conftest import load_config
 from sparsetx import config as config_lib
 from sparsetx import hardware
 from sparsetx.kernels import autotune_table, registry, tree_route
+from sparsetx.kernels.gated_gather import gated_gather
 from sparsetx.kernels.grouped_matmul import grouped_matmul
 from sparsetx.kernels.options import KernelOptions
 from sparsetx.models import attention
+from sparsetx.models.ffn.common import gelu_tanh
 from sparsetx.models.ffn.product_keys import product_key_top_k
 from sparsetx.models.ffn.registry import SPECS
 from sparsetx.parallel import logical_rules
@@ -338,33 +340,57 @@ def test_a_ladder_rung_compiles_for_hopper_with_mosaic_gpu_row_kernels():
   assert kernels(step.text)["mosaic_gpu"] >= 6 * layers, kernels(step.text)  # 2 forward, 2 backward, 2 gradients
 
 
-@pytest.mark.parametrize("gpu", ["h100", "h200"])
-def test_row_order_dots_compile_for_hopper_in_place_of_row_dots(gpu):
+def test_row_order_dots_compile_for_the_h200_in_place_of_row_dots():
   """kernel.gpu_kernel=triton_row_order (registry.py's one line for backend.RowOrderDots): sgatlin's step compiled
-  for one H100 or H200 takes its per-pair dots by row, forward and backward, two per layer, and no token-order
-  row_dots; each launch sits in its part."""
+  for one H200 takes its per-pair dots by row, forward and backward, two per layer, and no token-order row_dots;
+  each launch sits in its part."""
   config = compile_config("sgatlin", data=1)
   config.model.ffn.kernel.update(implementation="pallas", gpu_kernel="triton_row_order")
-  program, _, _ = aot.compile_for_topology(config_lib.validate(config), f"{gpu}:1x1x1")
+  program, _, _ = aot.compile_for_topology(config_lib.validate(config), "h200:1x1x1")
   found = kernels(program.as_text())
   assert found.get("row_order_dots") == 2 * config.model.n_layers and "row_dots" not in found, found
   assert {"row_accumulate", "segment_sums"} <= set(found), found
   assert_row_kernels_in_their_parts(program.as_text(), found)
 
 
-@pytest.mark.parametrize("gpu", ["h100", "h200"])
-def test_the_fused_forward_compiles_for_hopper_in_place_of_the_forwards_row_kernels(gpu):
+def test_the_fused_forward_compiles_for_the_h200_in_place_of_the_forwards_row_kernels():
   """kernel.gpu_kernel=triton_fused (registry.py's one line for backend.FusedForward): sgatlin's step compiled for
-  one H100 or H200 takes each layer's forward as one Triton kernel; the backward keeps its row_dots and
-  row_accumulate."""
+  one H200 takes each layer's forward as one Triton kernel; the backward keeps its row_dots and row_accumulate."""
   config = compile_config("sgatlin", data=1)
   config.model.ffn.kernel.update(implementation="pallas", gpu_kernel="triton_fused")
-  program, _, _ = aot.compile_for_topology(config_lib.validate(config), f"{gpu}:1x1x1")
+  program, _, _ = aot.compile_for_topology(config_lib.validate(config), "h200:1x1x1")
   found = kernels(program.as_text())
   layers = config.model.n_layers
   assert found.get("fused_forward") == layers and found.get("row_dots") == layers, found
   assert found.get("row_accumulate") == layers and "segment_sums" in found, found
   assert_row_kernels_in_their_parts(program.as_text(), found)
+
+
+@pytest.mark.parametrize(
+  "design, launched",
+  [
+    ("triton_row_order", {"row_order_dots": 2, "row_accumulate": 2}),
+    ("triton_fused", {"fused_forward": 1, "row_dots": 1, "row_accumulate": 1}),
+  ],
+)
+def test_the_gpu_designs_compile_for_the_h100(design, launched):
+  """The gated gather with each Triton design, forward and gradients (bf16, sgatlin's 128 slots, tanh-GELU inside
+  the gate), compiled through ptxas for one H100 (sm_90a, as the H200; the step-level tests above use an H200)."""
+  spec = jax.ShapeDtypeStruct
+  implementation = registry.by_name("rows", design)
+  options = KernelOptions("pallas", gpu_kernel=design)
+
+  def loss(x, w_in, w_out, gates, rows):
+    y = gated_gather(x, w_in, w_out, rows, gates, gelu_tanh, options=options, implementation=implementation)
+    return jnp.sum(jnp.sin(y.astype(jnp.float32)))  # the gradient needs y: the forward is kept
+
+  table = spec((4096, 512), jnp.float32)
+  args = (spec((1, 1024, 512), jnp.bfloat16), table, table, spec((1, 1024, 128), jnp.float32))
+  args += (spec((1, 1024, 128), jnp.int32),)
+  with aot.on_topology("h100:1x1x1"):
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(*args).lower().compile()
+  found = kernels(compiled.as_text())
+  assert {name: count for name, count in found.items() if name != "segment_sums"} == launched, found
 
 
 @pytest.mark.parametrize(

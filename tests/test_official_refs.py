@@ -118,8 +118,16 @@ def sgatlin_op(act, options):
   return fn, x, experts, indices, scores
 
 
-@pytest.mark.parametrize("activation", list(ACTS))
-@pytest.mark.parametrize("backend", list(BACKENDS), indirect=True)
+# The row-order designs change only the dots (no activation runs in them): the identity and GELU suffice there.
+SGATLIN_CASES = [
+  (backend, activation)
+  for backend in BACKENDS
+  for activation in ACTS
+  if "row_order" not in backend or activation in ("identity", "gelu")
+]
+
+
+@pytest.mark.parametrize("backend, activation", SGATLIN_CASES, indirect=["backend"])
 def test_sgatlin_gate_inside_activation_equals_listing_1(backend, activation):
   """act(g * <w_in, x>) (official ablation order) in every backend, with raw scores of both signs."""
 
