@@ -15,22 +15,16 @@ class XlaRows(Xla):
 
 
 class Refuses(XlaRows):
-  name = "refuses"
-
   def refuse(self, device, options, call=None):
     raise NotImplementedError("it needs a Hopper GPU (a test implementation)")
 
 
 class Faults(XlaRows):
-  name = "faults"
-
   def forward(self, *args):
     os.kill(os.getpid(), signal.SIGILL)  # an illegal instruction in a kernel ends the process
 
 
 class Wrong(XlaRows):
-  name = "wrong"
-
   def forward(self, *args):
     y_ND, h_NS = super().forward(*args)
     return y_ND * 1.01, h_NS
@@ -38,8 +32,6 @@ class Wrong(XlaRows):
 
 class Slow(XlaRows):
   """XLA's values, after a host callback that sleeps 50 ms on every forward: slower by construction."""
-
-  name = "slow"
 
   def forward(self, *args):
     y_ND, h_NS = super().forward(*args)
@@ -51,4 +43,5 @@ def _after_a_nap(y):
   return y
 
 
-REFUSES, FAULTS, WRONG, SLOW, FAST = Refuses(), Faults(), Wrong(), Slow(), XlaRows()
+REFUSES, FAULTS, WRONG, SLOW = Refuses("refuses"), Faults("faults"), Wrong("wrong"), Slow("slow")
+FAST = XlaRows("fast")

@@ -176,8 +176,8 @@ class XlaRows(FusedForward):
 
   row_order = True
 
-  def __init__(self):
-    super().__init__("xla", "sparsetx.kernels.xla_rows", None)
+  def __init__(self, name: str = "xla"):
+    super().__init__(name, "sparsetx.kernels.xla_rows", None)
 
   def forward_from_pre_activation(self, x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating, options):
     return xla_gather.forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating, options)
