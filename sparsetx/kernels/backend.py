@@ -76,15 +76,65 @@ class RowKernels:
     return f"<row kernels {self.name}>"
 
 
+TILING_KNOBS = ("block_tokens", "block_d", "stages")  # the KernelOptions fields a tiling sets
+
+
+class Tiled(RowKernels):
+  """An implementation at one tiling (`triton@block_tokens=16,block_d=256`): every call's options take the tiling's
+  knobs, so its kernels and the forms composed from them run at it. What the autotuner measures beside the
+  implementation's config tiling, and what `auto` runs where the table ranks it first."""
+
+  def __init__(self, base: RowKernels, tiling: dict):
+    unknown = set(tiling) - set(TILING_KNOBS)
+    if unknown:
+      raise ValueError(f"a tiling sets {TILING_KNOBS}, not {sorted(unknown)}.")
+    self.base, self.tiling = base, dict(tiling)
+    self.name = f"{base.name}@" + ",".join(f"{knob}={value}" for knob, value in sorted(self.tiling.items()))
+    self.platform, self.row_order = base.platform, base.row_order
+
+  def tiled(self, options):
+    return options._replace(**self.tiling)
+
+  def refuse(self, device, options, call=None):
+    self.base.refuse(device, self.tiled(options), call)
+
+  def row_dots(self, lhs_ND, table_RD, rows_SN, options):
+    return self.base.row_dots(lhs_ND, table_RD, rows_SN, self.tiled(options))
+
+  def row_accumulate(self, coef_SN, table_RD, rows_SN, out_dtype, options):
+    return self.base.row_accumulate(coef_SN, table_RD, rows_SN, out_dtype, self.tiled(options))
+
+  def segment_sums(self, values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sums=False):
+    return self.base.segment_sums(values_ND, tokens_P, coefs_P, starts_R1, self.tiled(options), with_coef_sums)
+
+  def forward(self, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options):
+    return self.base.forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, self.tiled(options))
+
+  def forward_from_pre_activation(self, x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating, options):
+    tiled = self.tiled(options)
+    return self.base.forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating, tiled)
+
+  def backward_rows(self, dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options):
+    tiled = self.tiled(options)
+    return self.base.backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, tiled)
+
+  def table_sums(self, x_ND, dy_ND, pairs, n_rows, options, with_bias):
+    return self.base.table_sums(x_ND, dy_ND, pairs, n_rows, self.tiled(options), with_bias)
+
+  def walk(self, options, x_ND, w_in_PMD, b_in_PM, node_NP, n_levels, rows_per_chunk):
+    return self.base.walk(self.tiled(options), x_ND, w_in_PMD, b_in_PM, node_NP, n_levels, rows_per_chunk)
+
+
 class OnPlatform:
   """Where a kernel family runs: natively on `platform` (with what `needs` asks of the device; None: XLA's, every
   platform), refused on the accelerators in `refused_on`, and elsewhere (a CPU) in interpret mode: by default only
   for the family that `interprets_by_default` (Triton's generic interpreter is fast; Mosaic GPU's simulation of TMA
   and barriers is not), otherwise only when the config names it."""
 
-  def __init__(self, name, platform, needs=None, refused_on=(), interprets_by_default=False):
+  def __init__(self, name, platform, needs=None, refused_on=(), interprets_by_default=False, tilings=()):
     self.name, self.platform, self.needs = name, platform, needs
     self.refused_on, self.interprets_by_default = refused_on, interprets_by_default
+    self.tilings = tuple(tilings)  # the tilings the autotuner may measure beside the config's (Tiled)
 
   def refuse(self, device, options, call=None):
     del call

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from sparsetx import config
 from sparsetx.kernels import autotune_table
-from sparsetx.kernels.backend import FusedForward, ModuleRows, RowKernels, RowOrderDots, XlaRows
+from sparsetx.kernels.backend import FusedForward, ModuleRows, RowKernels, RowOrderDots, Tiled, XlaRows
 from sparsetx.kernels.device import TracedDevice, target
 from sparsetx.kernels.grouped_ops import GroupedKernels, GroupedXla
 from sparsetx.kernels.options import IMPLEMENTATIONS, KernelOptions
@@ -23,11 +23,17 @@ from sparsetx.kernels.platform import hopper_or_newer
 
 HOPPER = (lambda device: hopper_or_newer(device.device_kind), "a Hopper or newer GPU (sm_90+)")
 
+# The tilings sparsetx-autotune --tilings measures beside the config's (kernel.block_tokens, block_d, stages): Triton's
+# token block and d chunk, Mosaic GPU's d chunk and pipeline depth (each an upper bound it fits to the device).
+TRITON_TILINGS = ({"block_tokens": 16}, {"block_tokens": 32}, {"block_d": 256}, {"block_tokens": 16, "block_d": 256})
+MOSAIC_TILINGS = ({"stages": 2}, {"stages": 4}, {"block_d": 64}, {"block_d": 256})
+TRITON = dict(refused_on=("tpu",), tilings=TRITON_TILINGS)  # where the Triton family runs, what it offers
+
 ROWS: tuple[RowKernels, ...] = (
-  ModuleRows("mosaic", "sparsetx.kernels.mosaic_gpu", "gpu", needs=HOPPER, refused_on=("tpu",)),
-  ModuleRows("triton", "sparsetx.kernels.pallas_gpu", "gpu", refused_on=("tpu",), interprets_by_default=True),
-  RowOrderDots("triton_row_order", "sparsetx.kernels.pallas_gpu", "gpu", refused_on=("tpu",)),
-  FusedForward("triton_fused", "sparsetx.kernels.pallas_gpu", "gpu", refused_on=("tpu",)),
+  ModuleRows("mosaic", "sparsetx.kernels.mosaic_gpu", "gpu", needs=HOPPER, refused_on=("tpu",), tilings=MOSAIC_TILINGS),
+  ModuleRows("triton", "sparsetx.kernels.pallas_gpu", "gpu", interprets_by_default=True, **TRITON),
+  RowOrderDots("triton_row_order", "sparsetx.kernels.pallas_gpu", "gpu", **TRITON),
+  FusedForward("triton_fused", "sparsetx.kernels.pallas_gpu", "gpu", **TRITON),
   ModuleRows("tpu", "sparsetx.kernels.pallas_tpu", "tpu", refused_on=("gpu",)),
   RowOrderDots("tpu_row_order", "sparsetx.kernels.pallas_tpu", "tpu", refused_on=("gpu",)),
   FusedForward("tpu_fused", "sparsetx.kernels.pallas_tpu", "tpu", refused_on=("gpu",)),
@@ -66,11 +72,27 @@ def grouped_shape_class(dtype, k: int, n: int, experts: int) -> str:
 
 
 def by_name(op: str, name: str):
-  """The implementation of `op` called `name`."""
+  """The implementation of `op` called `name`; `name@knob=value,...` is it at that tiling (backend.Tiled)."""
+  name, _, tiling = name.partition("@")
   for implementation in OPS[op]:
     if implementation.name == name:
-      return implementation
+      return at_tiling(op, implementation, tiling) if tiling else implementation
   raise ValueError(f"{op} has no implementation {name!r}; it has {[i.name for i in OPS[op]]}.")
+
+
+def at_tiling(op: str, implementation, tiling: str):
+  """`implementation` at a tiling written `knob=value,...` (the autotune table's spelling)."""
+  if op != "rows":
+    raise ValueError(f"only the row kernels take a tiling, not {op}.")
+  try:
+    knobs = {knob: int(value) for knob, _, value in (part.partition("=") for part in tiling.split(","))}
+  except ValueError:
+    raise ValueError(f"tiling {tiling!r} is not knob=integer,...; e.g. block_tokens=16,block_d=256.") from None
+  return Tiled(implementation, knobs)
+
+
+def tiling_spec(implementation, tiling: dict) -> str:
+  return Tiled(implementation, tiling).name
 
 
 def accepting(op: str, options_for) -> list:
@@ -111,7 +133,9 @@ def resolve(op: str, options: KernelOptions, key: str, call=None):
   measured = None
   if options.implementation == "auto" and device.platform != "cpu":
     measured = autotune_table.lookup(device.device_kind, op, key)
-  if measured is not None:
+  if measured is not None:  # a tiling the device ranked goes in before its implementation's config tiling
+    offered = {i.name for i in tried}
+    tried += [by_name(op, spec) for spec in measured.ranking if "@" in spec and spec.partition("@")[0] in offered]
     rank = {name: n for n, name in enumerate(measured.ranking)}
     tried.sort(key=lambda i: rank.get(i.name, len(rank)))
   if _recorded is not None:

@@ -28,7 +28,16 @@ def define_flags() -> dict:
     again=flags.DEFINE_bool("again", False, "Measure the shapes the table already holds too."),
     rounds=flags.DEFINE_integer("rounds", 5, "Timed runs per implementation (their median)."),
     implementations=flags.DEFINE_list(
-      "implementations", None, "Measure only these (registry names, e.g. triton,xla); default: all this device runs."
+      "implementations",
+      None,
+      "Measure only these (registry names, e.g. triton,xla, or a tiling: triton@block_tokens=16); default: all this "
+      "device runs.",
+    ),
+    tilings=flags.DEFINE_bool(
+      "tilings",
+      False,
+      "Also measure each implementation's offered tilings (kernels/registry.py; a child process each) beside the "
+      "config's.",
     ),
   )
 
@@ -49,7 +58,7 @@ def absl_main(argv, holders: dict):
   )
   for (op, key), call in sorted(todo.items()):
     options = options_from_config(config.model.ffn.kernel)
-    entry = autotune.tune(op, key, call, options, args.implementations, args.rounds)
+    entry = autotune.tune(op, key, call, options, args.implementations, args.rounds, args.tilings)
     print(f"  {op} {key}: {autotune.describe(entry)}")
 
 

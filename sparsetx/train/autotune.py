@@ -42,18 +42,23 @@ class Measured:
 
 
 def candidate(op: str, spec: str):
-  """The implementation a spec names: a registry name, or module:attribute."""
+  """The implementation a spec names: a registry name, or module:attribute, either with `@knob=value,...` (a
+  tiling, backend.Tiled)."""
   if ":" not in spec:
     return registry.by_name(op, spec)
+  spec, _, tiling = spec.partition("@")
   module, _, attribute = spec.partition(":")
-  return getattr(importlib.import_module(module), attribute)
+  implementation = getattr(importlib.import_module(module), attribute)
+  return registry.at_tiling(op, implementation, tiling) if tiling else implementation
 
 
 def options_for(implementation, base: KernelOptions) -> KernelOptions:
-  """The options that ask for `implementation` by name (its config knobs taken from `base`)."""
-  if implementation.name == "xla":
+  """The options that ask for `implementation` by name (its config knobs taken from `base`; a tiling's come from
+  the implementation itself)."""
+  named = getattr(implementation, "base", implementation)
+  if named.name == "xla":
     return base._replace(implementation="xla")
-  gpu_kernel = implementation.name if getattr(implementation, "platform", None) == "gpu" else base.gpu_kernel
+  gpu_kernel = named.name if getattr(named, "platform", None) == "gpu" else base.gpu_kernel
   return base._replace(implementation="pallas", gpu_kernel=gpu_kernel)
 
 
@@ -161,14 +166,19 @@ def measure(op: str, spec: str, call: dict, options: KernelOptions, rounds: int)
   return Measured(spec, why=f"faulted: {how}: {last[:200]}")
 
 
-def specs_for(op: str) -> list:
-  """The registry's implementations of `op` that this device runs (XLA always)."""
-  return [i.name for i in registry.accepting(op, lambda implementation: options_for(implementation, KernelOptions()))]
+def specs_for(op: str, tilings: bool = False) -> list:
+  """The registry's implementations of `op` that this device runs (XLA always), and with `tilings` each one's
+  offered tilings (registry.TRITON_TILINGS, MOSAIC_TILINGS) beside the config's."""
+  specs = []
+  for i in registry.accepting(op, lambda implementation: options_for(implementation, KernelOptions())):
+    specs += [i.name] + [registry.tiling_spec(i, tiling) for tiling in (getattr(i, "tilings", ()) if tilings else ())]
+  return specs
 
 
-def tune(op: str, key: str, call: dict, options: KernelOptions, specs=None, rounds: int = 5):
-  """Measures every candidate (default: specs_for(op)), records the table entry for this device and returns it."""
-  results = [measure(op, spec, call, options, rounds) for spec in (specs or specs_for(op))]
+def tune(op: str, key: str, call: dict, options: KernelOptions, specs=None, rounds: int = 5, tilings: bool = False):
+  """Measures every candidate (default: specs_for(op, tilings)), records the table entry for this device and
+  returns it."""
+  results = [measure(op, spec, call, options, rounds) for spec in (specs or specs_for(op, tilings))]
   ran = sorted((m for m in results if m.ms is not None), key=lambda m: m.ms)
   entry = autotune_table.Entry(
     ranking=tuple(m.name for m in ran),
