@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 WORKDIR ?= workdir/tiny
 
-.PHONY: train test lint clean
+.PHONY: train test test-long lint clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { scripts/find_python.sh; exit 1; }
@@ -21,7 +21,11 @@ train: $(VENV)/.installed
 
 # 8 simulated CPU devices (tests/conftest.py sets XLA_FLAGS); two workers for the two cores.
 test: $(VENV)/.installed
-	$(PY) -m pytest -n 2 tests
+	$(PY) -m pytest -n 2 -m "not long" tests
+
+# The system cases of minutes each (several processes training, a whole sweep); CI runs them after `make test`.
+test-long: $(VENV)/.installed
+	$(PY) -m pytest -n 2 -m long tests
 
 # The house style (pyproject.toml [tool.ruff]); `ruff format .` and `ruff check --fix .` repair most of it.
 lint: $(VENV)/.installed

@@ -77,6 +77,7 @@ def losses(tmp_path, name) -> dict[int, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_checkpoint_resumes_the_same_batches_on_1_2_and_4_processes(tmp_path):
   documents = {
     "stories": {"train": corpus.stories("train")[:300], "validation": corpus.stories("validation")[:20]},

@@ -134,6 +134,7 @@ exit $rc
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_sbatch_script_tokenizes_then_trains_under_a_simulated_slurm(tmp_path):
   """The sbatch script as written, with SLURM's environment simulated: its tokenize step writes the corpus of the
   config (the embedded one), then srun's 2 tasks (2 CPU devices each, gloo) train from it to the last step and

@@ -70,6 +70,7 @@ def wait_until(condition, processes, timeout, what):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_two_processes_train_like_one_resume_in_one_and_stop_when_a_peer_dies(tmp_path):
   multi, logs = tmp_path / "multi", tmp_path / "logs"
   env = dict(os.environ)  # the session's JAX compilation cache (tests/conftest.py) is shared

@@ -106,6 +106,7 @@ def finished_sweep(tmp_path_factory):
   return root, rows
 
 
+@pytest.mark.long
 def test_sweep_trains_the_budgets_steps_and_collects_each_final_eval(finished_sweep):
   root, rows = finished_sweep
   assert [(r["ffn_type"], r["d_model"]) for r in rows] == [("mlp", 32), ("mlp", 64), ("sgatlin", 32), ("sgatlin", 64)]
@@ -140,6 +141,7 @@ def test_sweep_trains_the_budgets_steps_and_collects_each_final_eval(finished_sw
     assert image.ndim == 3 and image.shape[0] > 200 and image.shape[1] > 200 and image.shape[2] in (3, 4), name
 
 
+@pytest.mark.long
 def test_finished_runs_are_collected_not_rerun(finished_sweep, monkeypatch):
   root, rows = finished_sweep
   monkeypatch.setattr(sweep_tool, "train", lambda *a: pytest.fail("a finished run was trained again"))
@@ -157,6 +159,7 @@ def test_finished_runs_are_collected_not_rerun(finished_sweep, monkeypatch):
   assert matplotlib.image.imread(root / "best_perplexity_vs_compute.png").ndim == 3
 
 
+@pytest.mark.long
 def test_print_mode_prints_one_parsable_command_per_run(finished_sweep):
   root, rows = finished_sweep
   result = run_cli(*cli_flags(tiny_spec(root)), "--mode=print")

@@ -45,6 +45,7 @@ def readers_of(path: str) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_two_ray_workers_write_the_single_process_corpus_and_a_killed_worker_doubles_no_row(tmp_path):
   src = tmp_path / "src"
   big = bench_data.generate_text(str(src / "a"), megabytes=16, files=1)[0]  # shard 0 of 2: seconds of BPE
