@@ -25,7 +25,7 @@ from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib.mlir import ir
 from jax._src.tpu_custom_call import tpu as tpu_dialect
 
-from sparsetx.kernels import pallas_tpu
+from sparsetx.kernels import pallas_tpu, tpu_layout
 from sparsetx.kernels.options import KernelOptions
 from sparsetx.kernels.reference import Gating
 from sparsetx.models.ffn.common import gelu_tanh
@@ -58,9 +58,9 @@ def cast_bound(out_dtype, reference, bound):
 # two; the first case's 128-lane d chunks (3 of D = 384), the second's 260 tokens span two token groups on two cores.
 ROW_CASES = [
   (13, 6, 40, 384, jnp.float32, jnp.float32, 8 * 6 * 128 * 4),
-  (260, 3, 50, 64, jnp.bfloat16, jnp.float32, pallas_tpu.INTERPRET_SLOT_BYTES),
+  (260, 3, 50, 64, jnp.bfloat16, jnp.float32, tpu_layout.INTERPRET_SLOT_BYTES),
   (21, 5, 30, 640, jnp.bfloat16, jnp.bfloat16, 8 * 5 * 128 * 4),  # bf16 rows as uint32 words: 3 chunks of 128 words
-  (9, 4, 20, 192, jnp.float32, jnp.bfloat16, pallas_tpu.INTERPRET_SLOT_BYTES),  # 96 words padded to 128
+  (9, 4, 20, 192, jnp.float32, jnp.bfloat16, tpu_layout.INTERPRET_SLOT_BYTES),  # 96 words padded to 128
 ]
 
 
@@ -74,7 +74,7 @@ def row_case(seed, n_tokens, n_slots, n_rows, d_model, dtype, table_dtype):
 
 @pytest.mark.parametrize("n_tokens, n_slots, n_rows, d_model, dtype, table_dtype, slot_bytes", ROW_CASES)
 def test_row_dots_equals_float64_dots(monkeypatch, n_tokens, n_slots, n_rows, d_model, dtype, table_dtype, slot_bytes):
-  monkeypatch.setattr(pallas_tpu, "INTERPRET_SLOT_BYTES", slot_bytes)
+  monkeypatch.setattr(tpu_layout, "INTERPRET_SLOT_BYTES", slot_bytes)
   rng, table, rows = row_case(1, n_tokens, n_slots, n_rows, d_model, dtype, table_dtype)
   lhs = rng.standard_normal((n_tokens, d_model)).astype(dtype)
   dots = pallas_tpu.row_dots(jnp.asarray(lhs), jnp.asarray(table), jnp.asarray(rows), OPTIONS)
@@ -88,7 +88,7 @@ def test_row_dots_equals_float64_dots(monkeypatch, n_tokens, n_slots, n_rows, d_
 def test_row_accumulate_equals_float64_sums(
   monkeypatch, n_tokens, n_slots, n_rows, d_model, dtype, table_dtype, slot_bytes
 ):
-  monkeypatch.setattr(pallas_tpu, "INTERPRET_SLOT_BYTES", slot_bytes)
+  monkeypatch.setattr(tpu_layout, "INTERPRET_SLOT_BYTES", slot_bytes)
   rng, table, rows = row_case(2, n_tokens, n_slots, n_rows, d_model, dtype, table_dtype)
   coef = rng.standard_normal((n_slots, n_tokens)).astype(np.float32)
   out = pallas_tpu.row_accumulate(jnp.asarray(coef), jnp.asarray(table), jnp.asarray(rows), dtype, OPTIONS)
@@ -253,10 +253,10 @@ def test_the_row_order_dots_compile_for_tpu(chip):
 @pytest.mark.parametrize("budget", [2 * 2**20, 4 * 2**20])  # the slot bytes of v5p (64 MiB / 32) and v6e
 def test_row_layouts_are_whole_lane_tiles_within_the_slot_budget(itemsize, budget):
   for d_model in range(128, 8192 + 1, 128):
-    words, dc = pallas_tpu._word_layout(d_model, itemsize, pallas_tpu.ROW_BLOCK * 128, budget)
-    assert words % pallas_tpu.LANES == 0 and words * 4 >= d_model * itemsize
-    assert dc % pallas_tpu.LANES == 0 and words % dc == 0
-    assert pallas_tpu.ROW_BLOCK * 128 * dc * 4 <= budget or dc == pallas_tpu.LANES, (d_model, dc)
+    words, dc = tpu_layout.word_layout(d_model, itemsize, tpu_layout.ROW_BLOCK * 128, budget)
+    assert words % tpu_layout.LANES == 0 and words * 4 >= d_model * itemsize
+    assert dc % tpu_layout.LANES == 0 and words % dc == 0
+    assert tpu_layout.ROW_BLOCK * 128 * dc * 4 <= budget or dc == tpu_layout.LANES, (d_model, dc)
 
 
 @pytest.mark.parametrize("chip, cores", [("v5p", 2), ("v6e", 1)])
@@ -293,7 +293,7 @@ def test_row_kernels_lower_for_tpu_with_a_sequential_double_buffered_grid(chip, 
     if name == "segment_sums":
       assert bounds == [-(-R // pallas_tpu.SEGMENT_ROWS), 1]  # 128-row tiles, all of d_model per program
     else:
-      assert bounds == [cores, N // cores // pallas_tpu.ROW_BLOCK]  # 8-token steps, d_model = 640 in one chunk
+      assert bounds == [cores, N // cores // tpu_layout.ROW_BLOCK]  # 8-token steps, d_model = 640 in one chunk
       # Two slots of a step's rows, each row 640 bf16 = 320 words padded to 384 (3 lane tiles): 3 MiB of VMEM.
       buffers = re.search(r"memref<2x8x128x384xi32, #tpu.memory_space<vmem>>", module)
       assert buffers, (name, re.findall(r"memref<2x8[^>]*>", module))

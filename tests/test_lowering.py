@@ -241,7 +241,7 @@ def test_per_device_microbatch_loop_lowers_for_tpu_with_its_kernels(ffn_type, ic
   assert_bf16_rows(text)
 
 
-# bf16 rows: as bf16, or on TPU as uint32 words of bf16 pairs (pallas_tpu.as_words; a float32 table stays f32)
+# bf16 rows: as bf16, or on TPU as uint32 words of bf16 pairs (tpu_layout.as_words; a float32 table stays f32)
 BF16_ROWS = ("xbf16", "xui32")
 
 

@@ -11,155 +11,38 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sparsetx.kernels import device
+from sparsetx.kernels.tpu_layout import (
+  LANES,
+  ROW_BLOCK,
+  TOKEN_GROUP,
+  as_words,
+  columns,
+  double_buffered_rows,
+  interpret_params,
+  row_layout,
+  slot_bytes,
+  split_columns,
+  word_layout,
+)
 
 
-def _interpret(options):
-  return pltpu.InterpretParams() if device.interpret_off("tpu", options) else False
+def _token_dots(dots_S1, lhs_parts, row_words_SW, per_word, dtype, sublane, t):
+  """dots_S1 plus token t's dots with its step's rows ([S, words] of one token): the lhs block's row t taken exactly
+  (a masked sum), the rows rounded to the lhs's dtype, each column part's products summed in float32."""
+  for lhs, rows_SW in zip(lhs_parts, columns(row_words_SW, per_word)):
+    lhs_1W = jnp.sum(jnp.where(sublane == t, lhs, 0.0), axis=0, keepdims=True)  # row t, exactly
+    rows_SW = rows_SW.astype(dtype).astype(jnp.float32) if per_word == 1 else rows_SW
+    dots_S1 = dots_S1 + jnp.sum(rows_SW * lhs_1W, axis=1, keepdims=True)
+  return dots_S1
 
 
-ROW_BLOCK = 8  # tokens per step of the row kernels: the sublane tile of their [tokens, D] blocks
-TOKEN_GROUP = 128  # tokens of one lane-dense [S, 128] block of row_dots' output / row_accumulate's coefficients
-LANES = 128  # a d-chunk is a multiple of the 128 lanes (or a whole row)
-
-
-INTERPRET_SLOT_BYTES = 2 * 1024 * 1024  # interpret mode (tests shrink it to take the chunked paths)
-
-
-def slot_bytes(interpret):
-  """VMEM for one step's gathered rows (one of two slots), by generation: 1/32 of the core's VMEM (4 MiB of v5e's
-  and v6e's 128 MiB, 2 MiB of v5p's 64 MiB), so both slots and the token blocks fit the scoped default."""
-  return INTERPRET_SLOT_BYTES if interpret else pltpu.get_tpu_info().vmem_capacity_bytes // 32
-
-
-def _cores(interpret):
-  """TensorCores per chip (the leading parallel grid axis): 2 off TPU, to exercise the split in interpret mode."""
-  return 2 if interpret else device.target().num_cores or 1
-
-
-def as_words(a_ND, width: int):
-  """[N, width] 32-bit words of a [N, D] array, and the columns each word holds: a 32-bit array as is (1), a
-  16-bit one as pairs of columns in uint32 words (2; column 2w in the low half of word w), zero-padded to `width`
-  words. One row DMA'd into VMEM fills a row of 32-bit sublanes; a lone 16-bit row would fill half of a packed
-  sublane pair, a slice Mosaic refuses (its tile is 16 rows of bf16). The pairing is elementwise, so XLA can fuse
-  it into the per-call cast of the float32 tables to bf16 (gated_gather.py); the words are a table-sized temporary
-  per kernel call unless XLA shares them (the analytic memory model omits them: tests/test_compile.py)."""
-  n, d = a_ND.shape
-  per_word = 4 // a_ND.dtype.itemsize
-  if per_word not in (1, 2):
-    raise ValueError(f"Pallas TPU row kernels take 32- or 16-bit arrays, not {a_ND.dtype}.")
-  a_ND = jnp.pad(a_ND, [(0, 0), (0, width * per_word - d)])
-  if per_word == 1:
-    return a_ND, 1
-  return jax.lax.bitcast_convert_type(a_ND.reshape(n, width, 2), jnp.uint32), 2
-
-
-def _columns(words, per_word):
-  """The float32 values of a block of words: [all columns] (32-bit) or [even columns, odd columns] (16-bit: a
-  bf16 is the high half of the float32 it rounds from, so the shifted and masked words are exact)."""
-  if per_word == 1:
-    return [words.astype(jnp.float32)]
-  even = pltpu.bitcast(jax.lax.shift_left(words, jnp.uint32(16)), jnp.float32)
-  odd = pltpu.bitcast(jax.lax.bitwise_and(words, jnp.uint32(0xFFFF0000)), jnp.float32)
-  return [even, odd]
-
-
-def _split_columns(a_ND, per_word, width):
-  """[N, D] -> per_word arrays [N, width]: the columns the words' halves hold (all of them when per_word is 1)."""
-  n, d = a_ND.shape
-  a_ND = jnp.pad(a_ND, [(0, 0), (0, width * per_word - d)])
-  return [a_ND] if per_word == 1 else [a_ND[:, i::2] for i in range(2)]
-
-
-def _word_layout(d_model, itemsize, n_rows, budget):
-  """(words per row, d-chunk in words): a row is whole 128-lane tiles of 32-bit words (zero-padded: Mosaic slices
-  and copies a row of VMEM only at tile boundaries), and the chunk is the whole row when n_rows rows of it fit
-  `budget` bytes, else the largest multiple of 128 lanes that divides the row and fits."""
-  words = -(-d_model * itemsize // (4 * LANES)) * LANES
-  fits = [c for c in range(LANES, words + 1, LANES) if words % c == 0 and n_rows * c * 4 <= budget]
-  return words, fits[-1] if fits else LANES
-
-
-class _Steps:
-  """The row kernels' grid: (cores, steps per core), step q = core * per_core + j visits token block q // n_dc
-  and d chunk q % n_dc. Tokens are padded to whole token groups per core, so no group spans two cores."""
-
-  def __init__(self, n_tokens, words, dc, cores):
-    per_core_tokens = -(-n_tokens // (TOKEN_GROUP * cores)) * TOKEN_GROUP
-    self.n_padded = per_core_tokens * cores
-    self.n_dc = words // dc
-    self.per_core = per_core_tokens // ROW_BLOCK * self.n_dc
-    self.total = self.per_core * cores
-    self.grid = (cores, self.per_core)
-
-  def block(self, q):
-    return q // self.n_dc
-
-  def chunk(self, q):
-    return q % self.n_dc
-
-  def rows_specs(self, n_slots):
-    """SMEM blocks of the [N, S] row ids: this step's and the next step's (clamped at the last step)."""
-    this = lambda i, j: (self.block(i * self.per_core + j), 0)  # noqa: E731
-    after = lambda i, j: (self.block(jnp.minimum(i * self.per_core + j + 1, self.total - 1)), 0)  # noqa: E731
-    return [pl.BlockSpec((ROW_BLOCK, n_slots), m, memory_space=pltpu.SMEM) for m in (this, after)]
-
-  def group_spec(self, n_slots):
-    """[S, 128] blocks over tokens, one per token group (resident over the group's steps)."""
-    per_group = TOKEN_GROUP // ROW_BLOCK
-    return pl.BlockSpec((n_slots, TOKEN_GROUP), lambda i, j: (0, self.block(i * self.per_core + j) // per_group))
-
-  def token_spec(self, dc):
-    q = lambda i, j: i * self.per_core + j  # noqa: E731
-    return pl.BlockSpec((ROW_BLOCK, dc), lambda i, j: (self.block(q(i, j)), self.chunk(q(i, j))))
-
-  def params(self):
-    return pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
-
-
-def _double_buffered_rows(steps, n_tokens, n_slots, dc, table_hbm, this_rows, next_rows, buf, sem):
-  """Makes step j's rows land in buf[j % 2]: step 0 starts its own, every step starts the next step's copies
-  into the other slot, then waits for its own. Returns (q, slot): the global step and the slot to read."""
-  core, j = pl.program_id(0), pl.program_id(1)
-  q = core * steps.per_core + j
-  slot = j % 2
-
-  def each_row(step, rows_smem, fn):
-    b, c = steps.block(step), steps.chunk(step)
-    n_real = jnp.clip(n_tokens - b * ROW_BLOCK, 0, ROW_BLOCK)  # padding tokens: no copies (results dropped)
-
-    @pl.loop(0, n_real * n_slots)
-    def _(k):
-      fn(k // n_slots, k % n_slots, c, rows_smem)
-
-  def start(slot_):
-    def fn(t, s, c, rows_smem):
-      src = table_hbm.at[pl.ds(rows_smem[t, s], 1), pl.ds(pl.multiple_of(c * dc, dc), dc)]
-      pltpu.make_async_copy(src, buf.at[slot_, t, pl.ds(s, 1)], sem.at[slot_]).start()
-
-    return fn
-
-  def wait(t, s, c, rows_smem):
-    del rows_smem  # a wait counts bytes on the slot's semaphore; the source row does not matter
-    src = table_hbm.at[pl.ds(0, 1), pl.ds(0, dc)]
-    pltpu.make_async_copy(src, buf.at[slot, t, pl.ds(s, 1)], sem.at[slot]).wait()
-
-  @pl.when(j == 0)
-  def _():
-    each_row(q, this_rows, start(slot))
-
-  @pl.when(j + 1 < steps.per_core)
-  def _():
-    each_row(q + 1, next_rows, start(1 - slot))
-
-  each_row(q, this_rows, wait)
-  return q, slot
-
-
-def _row_layout(n_tokens, d_model, n_slots, table_RD, interpret):
-  words, dc = _word_layout(d_model, table_RD.dtype.itemsize, ROW_BLOCK * n_slots, slot_bytes(interpret))
-  table_RW, per_word = as_words(table_RD, words)
-  return table_RW, per_word, words, dc, _Steps(n_tokens, words, dc, _cores(interpret))
+def _token_sum(outs, coef_S1, row_words_SW, per_word, dtype, sublane, t):
+  """The out blocks with row t set to sum_s coef[s] * rows[s] (rows rounded to `dtype`, float32 sums), per part."""
+  new = []
+  for out, rows_SW in zip(outs, columns(row_words_SW, per_word)):
+    rows_SW = rows_SW.astype(dtype).astype(jnp.float32) if per_word == 1 else rows_SW
+    new.append(jnp.where(sublane == t, jnp.sum(coef_S1 * rows_SW, axis=0, keepdims=True), out))
+  return tuple(new)
 
 
 def row_dots(lhs_ND, table_RD, rows_SN, options):
@@ -167,17 +50,17 @@ def row_dots(lhs_ND, table_RD, rows_SN, options):
   n_tokens, d_model = lhs_ND.shape
   n_slots = rows_SN.shape[0]
   dtype = lhs_ND.dtype
-  interpret = _interpret(options)
-  table_RW, per_word, words, dc, steps = _row_layout(n_tokens, d_model, n_slots, table_RD, interpret)
+  interpret = interpret_params(options)
+  table_RW, per_word, words, dc, steps = row_layout(n_tokens, d_model, n_slots, table_RD, interpret)
   lhs_parts = [
-    jnp.pad(part, [(0, steps.n_padded - n_tokens), (0, 0)]) for part in _split_columns(lhs_ND, per_word, words)
+    jnp.pad(part, [(0, steps.n_padded - n_tokens), (0, 0)]) for part in split_columns(lhs_ND, per_word, words)
   ]
   rows_pS = jnp.pad(rows_SN.T.astype(jnp.int32), [(0, steps.n_padded - n_tokens), (0, 0)])
   per_group = TOKEN_GROUP // ROW_BLOCK
 
   def kernel(this_rows, next_rows, *refs):
     *lhs_refs, table_hbm, dots_ref, buf, sem = refs
-    q, slot = _double_buffered_rows(steps, n_tokens, n_slots, dc, table_hbm, this_rows, next_rows, buf, sem)
+    q, slot = double_buffered_rows(steps, n_tokens, n_slots, dc, table_hbm, this_rows, next_rows, buf, sem)
     b, c = steps.block(q), steps.chunk(q)
 
     @pl.when(jnp.logical_and(b % per_group == 0, c == 0))
@@ -192,11 +75,7 @@ def row_dots(lhs_ND, table_RD, rows_SN, options):
       lhs_bW = [ref[...].astype(jnp.float32) for ref in lhs_refs]
 
       def token(t, dots):
-        dots_S1 = jnp.zeros((n_slots, 1), jnp.float32)
-        for lhs, rows_SW in zip(lhs_bW, _columns(buf[slot, t], per_word)):
-          lhs_1W = jnp.sum(jnp.where(sublane == t, lhs, 0.0), axis=0, keepdims=True)  # row t, exactly
-          rows_SW = rows_SW.astype(dtype).astype(jnp.float32) if per_word == 1 else rows_SW
-          dots_S1 = dots_S1 + jnp.sum(rows_SW * lhs_1W, axis=1, keepdims=True)
+        dots_S1 = _token_dots(jnp.zeros((n_slots, 1), jnp.float32), lhs_bW, buf[slot, t], per_word, dtype, sublane, t)
         return dots + jnp.where(lane == first + t, dots_S1, 0.0)
 
       dots_ref[...] = jax.lax.fori_loop(0, ROW_BLOCK, token, dots_ref[...])
@@ -224,15 +103,15 @@ def row_accumulate(coef_SN, table_RD, rows_SN, out_dtype, options):
   n_slots, n_tokens = coef_SN.shape
   d_model = table_RD.shape[1]
   out_dtype = jnp.dtype(out_dtype)
-  interpret = _interpret(options)
-  table_RW, per_word, words, dc, steps = _row_layout(n_tokens, d_model, n_slots, table_RD, interpret)
+  interpret = interpret_params(options)
+  table_RW, per_word, words, dc, steps = row_layout(n_tokens, d_model, n_slots, table_RD, interpret)
   coef_Sp = jnp.pad(coef_SN.astype(jnp.float32), [(0, 0), (0, steps.n_padded - n_tokens)])
   rows_pS = jnp.pad(rows_SN.T.astype(jnp.int32), [(0, steps.n_padded - n_tokens), (0, 0)])
   per_group = TOKEN_GROUP // ROW_BLOCK
 
   def kernel(this_rows, next_rows, coef_ref, table_hbm, *refs):
     *out_refs, buf, sem = refs
-    q, slot = _double_buffered_rows(steps, n_tokens, n_slots, dc, table_hbm, this_rows, next_rows, buf, sem)
+    q, slot = double_buffered_rows(steps, n_tokens, n_slots, dc, table_hbm, this_rows, next_rows, buf, sem)
     b = steps.block(q)
 
     @pl.when(b * ROW_BLOCK < n_tokens)
@@ -244,11 +123,7 @@ def row_accumulate(coef_SN, table_RD, rows_SN, out_dtype, options):
 
       def token(t, outs):
         coef_S1 = jnp.sum(jnp.where(lane == first + t, coef_SG, 0.0), axis=1, keepdims=True)  # column t, exactly
-        new = []
-        for out, rows_SW in zip(outs, _columns(buf[slot, t], per_word)):
-          rows_SW = rows_SW.astype(out_dtype).astype(jnp.float32) if per_word == 1 else rows_SW
-          new.append(jnp.where(sublane == t, jnp.sum(coef_S1 * rows_SW, axis=0, keepdims=True), out))
-        return tuple(new)
+        return _token_sum(outs, coef_S1, buf[slot, t], per_word, out_dtype, sublane, t)
 
       zeros = (jnp.zeros((ROW_BLOCK, dc), jnp.float32),) * per_word
       for out_ref, out in zip(out_refs, jax.lax.fori_loop(0, ROW_BLOCK, token, zeros)):
@@ -281,8 +156,8 @@ def segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sum
   coefs[p] * values[tokens[p]], in pair order; each row written once by one program, no atomics."""
   n_rows = starts_R1.shape[0] - 1
   d_model = values_ND.shape[1]
-  interpret = _interpret(options)
-  words, dc = _word_layout(d_model, values_ND.dtype.itemsize, 1, SEGMENT_CHUNK_BYTES)
+  interpret = interpret_params(options)
+  words, dc = word_layout(d_model, values_ND.dtype.itemsize, 1, SEGMENT_CHUNK_BYTES)
   values_NW, per_word = as_words(values_ND, words)
   ring, step = SEGMENT_RING, PAIR_WINDOW
   window = step + ring + PAIR_ALIGN
@@ -354,7 +229,7 @@ def segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sum
 
       wait_row(q)
       coef = coefs_w[j % 2, first + q - base(j)]
-      sums = tuple(total + column * coef for total, column in zip(sums, _columns(buf[q % ring], per_word)))
+      sums = tuple(total + column * coef for total, column in zip(sums, columns(buf[q % ring], per_word)))
 
       @pl.when(q + ring < n)
       def _():
@@ -408,7 +283,7 @@ def segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sum
 def fused_fits(n_slots, d_model, itemsize, interpret=False) -> bool:
   """Whether a whole row of ROW_BLOCK x n_slots rows of one table fits a slot: the fused forward needs every
   column of a token's dots before its gating, so it takes whole rows (no d chunks)."""
-  words, dc = _word_layout(d_model, itemsize, ROW_BLOCK * n_slots, slot_bytes(interpret))
+  words, dc = word_layout(d_model, itemsize, ROW_BLOCK * n_slots, slot_bytes(interpret))
   return dc == words
 
 
@@ -426,12 +301,12 @@ def fused_forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, op
   n_tokens, d_model = x_ND.shape
   n_slots = rows_NS.shape[1]
   dtype = x_ND.dtype
-  interpret = _interpret(options)
+  interpret = interpret_params(options)
   if not fused_fits(n_slots, d_model, w_in_RD.dtype.itemsize, interpret):
     raise NotImplementedError(f"a block of {ROW_BLOCK} x {n_slots} whole rows of {d_model} exceeds a VMEM slot")
-  w_in_RW, per_word, words, dc, steps = _row_layout(n_tokens, d_model, n_slots, w_in_RD, interpret)
+  w_in_RW, per_word, words, dc, steps = row_layout(n_tokens, d_model, n_slots, w_in_RD, interpret)
   w_out_RW, _ = as_words(w_out_RD, words)
-  x_parts = [jnp.pad(part, [(0, steps.n_padded - n_tokens), (0, 0)]) for part in _split_columns(x_ND, per_word, words)]
+  x_parts = [jnp.pad(part, [(0, steps.n_padded - n_tokens), (0, 0)]) for part in split_columns(x_ND, per_word, words)]
   rows_pS = jnp.pad(rows_NS.astype(jnp.int32), [(0, steps.n_padded - n_tokens), (0, 0)])
   bias_NS = jnp.zeros(rows_NS.shape, jnp.float32) if bias_R is None else bias_R[rows_NS].astype(jnp.float32)
   gates_Sp, bias_Sp = (
@@ -444,8 +319,8 @@ def fused_forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, op
     gates_ref, bias_ref, w_in_hbm, w_out_hbm = refs[:4]
     y_refs, h_ref = refs[4 : 4 + per_word], refs[4 + per_word]
     in_buf, out_buf, in_sem, out_sem = refs[-4:]
-    q, slot = _double_buffered_rows(steps, n_tokens, n_slots, dc, w_in_hbm, this_rows, next_rows, in_buf, in_sem)
-    _double_buffered_rows(steps, n_tokens, n_slots, dc, w_out_hbm, this_rows, next_rows, out_buf, out_sem)
+    q, slot = double_buffered_rows(steps, n_tokens, n_slots, dc, w_in_hbm, this_rows, next_rows, in_buf, in_sem)
+    double_buffered_rows(steps, n_tokens, n_slots, dc, w_out_hbm, this_rows, next_rows, out_buf, out_sem)
     b = steps.block(q)
 
     @pl.when(b % per_group == 0)
@@ -465,17 +340,10 @@ def fused_forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, op
 
       def token(t, carry):
         h_SG, ys = carry
-        h_S1 = column(bias_SG, t)
-        for x, rows_SW in zip(x_bW, _columns(in_buf[slot, t], per_word)):
-          x_1W = jnp.sum(jnp.where(sublane == t, x, 0.0), axis=0, keepdims=True)  # row t, exactly
-          rows_SW = rows_SW.astype(dtype).astype(jnp.float32) if per_word == 1 else rows_SW
-          h_S1 = h_S1 + jnp.sum(rows_SW * x_1W, axis=1, keepdims=True)
+        h_S1 = _token_dots(column(bias_SG, t), x_bW, in_buf[slot, t], per_word, dtype, sublane, t)
         a_S1 = gating.value(h_S1, column(gates_SG, t)).astype(dtype).astype(jnp.float32)
-        new = []
-        for y, rows_SW in zip(ys, _columns(out_buf[slot, t], per_word)):
-          rows_SW = rows_SW.astype(dtype).astype(jnp.float32) if per_word == 1 else rows_SW
-          new.append(jnp.where(sublane == t, jnp.sum(a_S1 * rows_SW, axis=0, keepdims=True), y))
-        return h_SG + jnp.where(lane == first + t, h_S1, 0.0), tuple(new)
+        ys = _token_sum(ys, a_S1, out_buf[slot, t], per_word, dtype, sublane, t)
+        return h_SG + jnp.where(lane == first + t, h_S1, 0.0), ys
 
       zeros = (jnp.zeros((ROW_BLOCK, dc), jnp.float32),) * per_word
       h_SG, ys = jax.lax.fori_loop(0, ROW_BLOCK, token, (h_ref[...], zeros))
@@ -533,7 +401,7 @@ def row_order_dots(lhs_ND, table_RD, tokens_P, rows_P, starts_R1, options):
   del starts_R1  # a step reads its rows themselves
   n_tokens, d_model = lhs_ND.shape
   n_real = tokens_P.shape[0]
-  interpret = _interpret(options)
+  interpret = interpret_params(options)
   if not row_order_fits(n_tokens, d_model, lhs_ND.dtype.itemsize, interpret):
     raise NotImplementedError(f"{n_tokens} tokens of {d_model} columns exceed half of VMEM")
   words = -(-d_model * lhs_ND.dtype.itemsize // (4 * LANES)) * LANES
@@ -587,7 +455,7 @@ def row_order_dots(lhs_ND, table_RD, tokens_P, rows_P, starts_R1, options):
       spread(p).wait()
 
     products = None
-    for lhs, row in zip(_columns(tok_buf[...], per_word), _columns(tab_buf[...], per_word)):
+    for lhs, row in zip(columns(tok_buf[...], per_word), columns(tab_buf[...], per_word)):
       part = lhs * row
       products = part if products is None else products + part
     products_PW = products.reshape(ORDER_PAIRS, words)
