@@ -1,5 +1,6 @@
 """Row-kernel implementations the autotune tests measure in child processes (named `autotune_fakes:NAME`): XLA's
-own, but one refuses, one kills its process as a faulting kernel would, one is 1% off, one slow (it sleeps) and one plain."""
+own, but one refuses, one kills its process as a faulting kernel would, one is 1% off (one in its gradients only),
+one slow (it sleeps), one hangs, one reports its environment, and one plain."""
 
 import os
 import signal
@@ -45,3 +46,32 @@ def _after_a_nap(y):
 
 REFUSES, FAULTS, WRONG, SLOW = Refuses("refuses"), Faults("faults"), Wrong("wrong"), Slow("slow")
 FAST = XlaRows("fast")
+
+
+class WrongGradients(XlaRows):
+  """XLA's outputs, but x's gradient 1% off: only a check of the backward catches it."""
+
+  def backward_rows(self, *args):
+    dx_ND, *rest = super().backward_rows(*args)
+    return (dx_ND * 1.01, *rest)
+
+
+class Hangs(XlaRows):
+  """Answers only after 120 s: a child past the autotuner's time limit."""
+
+  def refuse(self, device, options, call=None):
+    time.sleep(120)
+
+
+class ReportsEnvironment(XlaRows):
+  """Refuses with the preallocation setting its process inherited: what the spawning process had at spawn time."""
+
+  def refuse(self, device, options, call=None):
+    raise NotImplementedError(f"XLA_PYTHON_CLIENT_PREALLOCATE={os.environ.get('XLA_PYTHON_CLIENT_PREALLOCATE')}")
+
+
+WRONG_GRADIENTS, HANGS, REPORTS_ENVIRONMENT = (
+  WrongGradients("wrong_gradients"),
+  Hangs("hangs"),
+  ReportsEnvironment("env"),
+)

@@ -126,7 +126,8 @@ def test_a_child_that_dies_is_one_failed_row_and_the_other_sections_still_run(mo
 
 
 def test_triton_runs_first_and_mosaic_gpu_sections_are_isolated_on_a_hopper_gpu(monkeypatch):
-  """On an H100 the Mosaic backend's section, and MoE's where its grouped matmul is Mosaic GPU's, run in children;
+  """On an H100 every section that may run Mosaic GPU under any table runs in a child: its backend's, MoE's (its
+  grouped matmul is Mosaic GPU's by default), and the sparse row types' train steps (a table may rank it first);
   off a GPU nothing is isolated."""
   device = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
   monkeypatch.setattr(accelerator_check, "target", lambda: device)
@@ -134,6 +135,6 @@ def test_triton_runs_first_and_mosaic_gpu_sections_are_isolated_on_a_hopper_gpu(
   names = accelerator_check.section_names(small=False)
   assert names[:2] == ["backend triton", "backend mosaic"]
   isolated = [name for name in names if accelerator_check.may_run_mosaic_gpu(name)]
-  assert isolated == ["backend mosaic", "moe bench", "train moe"]
+  assert isolated == ["backend mosaic", "moe bench", "train sgatlin", "train fff", "train moe"]
   device.platform, device.device_kind = "cpu", "cpu"
   assert not any(accelerator_check.may_run_mosaic_gpu(name) for name in accelerator_check.section_names(True))

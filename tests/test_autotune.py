@@ -12,17 +12,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import MICRO_TRAIN_FLAGS, REPO
+from conftest import MICRO_TRAIN_FLAGS, REPO, load_config
 from kernel_cases import gather_case
 
-from sparsetx.kernels import autotune_table, registry
+from sparsetx import config as config_lib
+from sparsetx.config import ConfigError
+from sparsetx.kernels import autotune_table, op_calls, registry
 from sparsetx.kernels.backend import ModuleRows
 from sparsetx.kernels.device import TracedDevice
 from sparsetx.kernels.gated_gather import gated_gather
 from sparsetx.kernels.options import KernelOptions
+from sparsetx.kernels.reference import identity
 from sparsetx.train import autotune
+from sparsetx.train import state as state_lib
 
-CALL = dict(tokens=1024, d_model=32, slots=4, rows=64, dtype="float32")
+X, TABLE = jax.ShapeDtypeStruct((1024, 32), jnp.float32), jax.ShapeDtypeStruct((64, 32), jnp.float32)
+CALL = op_calls.gather(X, TABLE, jnp.float32, 4, identity, True, False, False, False)  # sgatlin's: identity, no bias
 
 
 @pytest.fixture
@@ -34,7 +39,7 @@ def table(tmp_path, monkeypatch):
 
 
 def test_each_candidate_is_dropped_with_its_reason_and_the_fastest_correct_is_chosen(table):
-  fakes = ["SLOW", "REFUSES", "FAULTS", "WRONG", "FAST", "FAST@block_tokens=16"]
+  fakes = ["SLOW", "REFUSES", "FAULTS", "WRONG", "WRONG_GRADIENTS", "FAST", "FAST@block_tokens=16"]
   entry = autotune.tune("rows", "float32 D32 S4", CALL, KernelOptions(), [f"autotune_fakes:{f}" for f in fakes], 3)
   # three ran and matched XLA's values (FAST at a tiling too, as fast: either may lead); SLOW sleeps 50 ms a run
   assert set(entry.ranking[:2]) == {"autotune_fakes:FAST", "autotune_fakes:FAST@block_tokens=16"}, entry
@@ -42,6 +47,7 @@ def test_each_candidate_is_dropped_with_its_reason_and_the_fastest_correct_is_ch
   assert entry.dropped["autotune_fakes:REFUSES"] == "raised: it needs a Hopper GPU (a test implementation)"
   assert entry.dropped["autotune_fakes:FAULTS"].startswith("faulted: killed by SIGILL"), entry.dropped
   assert entry.dropped["autotune_fakes:WRONG"].startswith("wrong values: "), entry.dropped
+  assert entry.dropped["autotune_fakes:WRONG_GRADIENTS"].startswith("wrong values: "), entry.dropped
   saved = json.loads(table.read_text())["entries"]
   assert list(saved) == [autotune_table.key("cpu", "rows", "float32 D32 S4")]
 
@@ -114,8 +120,10 @@ def test_a_tiling_is_named_by_knob_and_integer():
     registry.by_name("rows", "triton@warps=4")
   with pytest.raises(ValueError, match="only the row kernels take a tiling"):
     registry.by_name("grouped_matmul", "triton@block_d=64")
-  assert "triton@block_tokens=16" in autotune.specs_for("rows", tilings=True)
-  assert not any("@" in spec for spec in autotune.specs_for("rows"))
+  h100 = TracedDevice("gpu", "NVIDIA H100 80GB HBM3", 132)
+  with unittest.mock.patch.object(registry, "target", lambda: h100):
+    assert "triton@block_tokens=16" in autotune.specs_for("rows", tilings=True)
+    assert not any("@" in spec for spec in autotune.specs_for("rows"))
 
 
 @pytest.mark.slow
@@ -139,3 +147,117 @@ def test_a_second_process_reads_the_table_and_measures_nothing(table):
   assert second.returncode == 0, second.stderr[-3000:]
   assert f"{len(measured)} op shapes in the step, 0 to measure" in second.stdout, second.stdout
   assert not [line for line in second.stdout.splitlines() if line.startswith("  rows ")]
+
+
+def test_a_child_past_its_time_is_timed_out_not_faulted(table, monkeypatch):
+  monkeypatch.setattr(autotune, "CHILD_TIMEOUT_S", 5)
+  measured = autotune.measure("rows", "autotune_fakes:HANGS", CALL, KernelOptions(), 1)
+  assert measured.ms is None and measured.why == "timed out: no answer in 5 s", measured
+
+
+def test_what_a_device_runs_is_one_list(table):
+  """A CPU measures XLA's two designs (no kernel in interpret mode unless named); an H100 its GPU kernels and XLA's,
+  never the TPU's; XLA (the reference) first."""
+  assert autotune.specs_for("rows") == ["xla", "xla_row_order"]
+  assert autotune.specs_for("grouped_matmul") == ["xla"]
+  h100 = TracedDevice("gpu", "NVIDIA H100 80GB HBM3", 132)
+  with unittest.mock.patch.object(registry, "target", lambda: h100):
+    specs = autotune.specs_for("rows")
+  assert specs[0] == "xla" and {"mosaic", "triton", "triton_row_order", "xla_row_order"} <= set(specs), specs
+  assert not any(spec.startswith("tpu") for spec in specs), specs
+
+
+def test_the_key_holds_the_device_kind_and_the_jax_version(table, monkeypatch):
+  entry = autotune_table.Entry(("xla",), {}, {"xla": 1.0})
+  autotune_table.record("NVIDIA H100 80GB HBM3", "rows", "bfloat16 D512 S128", entry)
+  assert autotune_table.lookup("NVIDIA H100 80GB HBM3", "rows", "bfloat16 D512 S128") == entry
+  assert autotune_table.lookup("NVIDIA H200", "rows", "bfloat16 D512 S128") is None
+  monkeypatch.setattr(jax, "__version__", "0.0.1")
+  assert autotune_table.lookup("NVIDIA H100 80GB HBM3", "rows", "bfloat16 D512 S128") is None
+
+
+def test_a_call_the_table_lacks_takes_the_nearest_token_count(table):
+  """An evaluation's batch takes what the train step's batch measured; another width or gating does not."""
+  step = autotune_table.Entry(("triton", "xla"), {}, {"triton": 1.0, "xla": 2.0})
+  small = autotune_table.Entry(("xla", "triton"), {}, {"triton": 2.0, "xla": 1.0})
+  for tokens, entry in ((16384, step), (128, small)):
+    call = dict(CALL, tokens=tokens)
+    autotune_table.record("gpu", "rows", op_calls.shape_class(call), entry)
+  near = lambda **fields: autotune_table.lookup("gpu", "rows", op_calls.shape_class(dict(CALL, **fields)), True)  # noqa: E731
+  assert near(tokens=8192) == step and near(tokens=256) == small
+  assert near(tokens=8192, activation="gelu_tanh") is None and near(tokens=8192, d_model=64) is None
+  assert autotune_table.lookup("gpu", "rows", op_calls.shape_class(dict(CALL, tokens=8192))) is None  # exact only
+
+
+def test_an_entry_with_nothing_usable_falls_back_to_the_default_order_and_is_measured_again(table, caplog):
+  """All dropped, or XLA itself failed: `auto` takes DEFAULT_ORDER (one warning), never a blocked call, and the
+  autotuner counts the call as missing."""
+  h100 = TracedDevice("gpu", "NVIDIA H100 80GB HBM3", 132)
+  none_ran = autotune_table.Entry((), {"triton": "faulted: killed by SIGILL", "xla": "timed out"}, {})
+  xla_failed = autotune_table.Entry(("triton",), {"xla": "raised: out of memory"}, {"triton": 1.0})
+  fine = autotune_table.Entry(("mosaic", "xla"), {"triton": "wrong values: 3 times the bound"}, {})
+  calls = {}
+  with (
+    unittest.mock.patch.object(registry, "target", lambda: h100),
+    unittest.mock.patch.object(autotune, "target", lambda: h100),
+  ):
+    for d_model, entry in ((512, none_ran), (256, xla_failed), (128, fine)):
+      call = dict(CALL, d_model=d_model)
+      calls["rows", op_calls.shape_class(call)] = call
+      autotune_table.record(h100.device_kind, "rows", op_calls.shape_class(call), entry)
+    chosen = [registry.rows(KernelOptions(), key, call).name for (_, key), call in calls.items()]
+    assert chosen == ["triton", "triton", "mosaic"]
+    assert [call["d_model"] for call in autotune.missing(calls).values()] == [512, 256]
+  warnings = [r.getMessage() for r in caplog.records if "no usable ranking" in r.getMessage()]
+  assert len(warnings) == 2 and "default order" in warnings[0], warnings
+
+
+def test_a_table_that_cannot_be_read_is_one_sentence_and_off_reads_nothing(table):
+  table.write_text('{"entries": {"k": {"ranking": 3')
+  h100 = TracedDevice("gpu", "NVIDIA H100 80GB HBM3", 132)
+  with unittest.mock.patch.object(registry, "target", lambda: h100):
+    with pytest.raises(ConfigError, match=f"the autotune table {table} cannot be read .*delete it"):
+      registry.rows(KernelOptions(), "bfloat16 D512 S128")
+    with autotune_table.off():  # config.train.autotune=False
+      assert registry.rows(KernelOptions(), "bfloat16 D512 S128").name == "triton"
+      with pytest.raises(RuntimeError, match="nothing may be recorded"):
+        autotune_table.record(h100.device_kind, "rows", "x", autotune_table.Entry((), {}, {}))
+  assert table.read_text() == '{"entries": {"k": {"ranking": 3'
+
+
+def test_a_gpu_parent_that_preallocates_spawns_no_candidate(table, monkeypatch):
+  """A process holding 75% of a GPU would starve every child: the autotuner refuses to spawn from it."""
+  h100 = TracedDevice("gpu", "NVIDIA H100 80GB HBM3", 132)
+  monkeypatch.delenv(autotune.PREALLOCATE, raising=False)
+  monkeypatch.setattr(autotune, "target", lambda: h100)
+  spawned = []
+  monkeypatch.setattr(autotune, "measure", lambda *a: spawned.append(a))
+  with pytest.raises(ConfigError, match="XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX starts"):
+    autotune.tune("rows", "k", CALL, KernelOptions(), ["xla"])
+  assert not spawned
+  autotune.leave_device_memory_to_children()
+  assert os.environ[autotune.PREALLOCATE] == "false"
+
+
+@pytest.mark.parametrize("ffn_type", ["sgatlin", "peer", "fff"])
+def test_the_autotuner_records_the_steps_own_calls(ffn_type):
+  """One trace of the train step on one device: each call holds the step's tokens (8 x 16, not the init's one
+  sequence), the layer's dtypes, activation, gate placement and bias; FFF's walk is its own call."""
+  config = load_config("configs/tiny.py", ffn_type)
+  config.data.update(global_batch_size=8, seq_len=16)
+  config.model.update(max_len=16, n_layers=1)
+  config = config_lib.validate(config)
+  calls = autotune.step_calls(config, state_lib.setup(config, devices=jax.devices()[:1]))
+  forms = {}
+  for (op, key), call in calls.items():
+    assert op == "rows" and key == op_calls.shape_class(call) and call["tokens"] == 8 * 16, (key, call)
+    forms[call["form"]] = call
+  gather = forms.pop("gather")
+  want = {
+    "sgatlin": ("identity", True, False, False),
+    "peer": ("gelu_tanh", False, False, False),
+    "fff": ("gelu", False, True, True),
+  }[ffn_type]
+  assert (gather["activation"], gather["gate_inside"], gather["bias"], gather["given_h"]) == want, gather
+  assert gather["dtype"] == config.model.dtype and gather["table_dtype"] == config.model.param_dtype
+  assert set(forms) == ({"walk"} if ffn_type == "fff" else set()), forms

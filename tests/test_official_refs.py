@@ -22,38 +22,31 @@ from sparsetx.models.ffn.common import gelu_tanh
 from sparsetx.models.ffn.fff import Fff
 
 ACTS = {"identity": lambda h: h, "relu": jax.nn.relu, "gelu": gelu_tanh, "swish": jax.nn.silu}
+# Every row-kernel implementation in the registry (a new one is checked here without an edit), in interpret mode off
+# its device, chosen by name; XLA also in its CPU row-sorted form. Mosaic GPU's interpret mode simulates TMA and
+# barriers (~17 s a case here): its per-slot arithmetic between the row kernels is the XLA path's
+# (reference.Gating), and test_kernels_pallas.py checks it against the XLA path with the gate inside a nonlinear
+# activation, bias and two d_model chunks.
+SLOW_INTERPRETERS = ("mosaic",)
 BACKENDS = {
   "xla": KernelOptions("xla", token_chunk=4, pair_chunk=8, row_sorted=False),
   "xla_row_sorted": KernelOptions("xla", token_chunk=4, pair_chunk=8, row_sorted=True),
-  "triton_interpret": KernelOptions("pallas", block_tokens=4, gpu_kernel="triton", interpret=True),
-  "triton_row_order_interpret": KernelOptions("pallas", block_tokens=4, gpu_kernel="triton_row_order", interpret=True),
-  "tpu_interpret": KernelOptions("pallas", block_tokens=4, interpret=True),
-  "triton_fused_interpret": KernelOptions("pallas", block_tokens=4, gpu_kernel="triton_fused", interpret=True),
-  "tpu_fused_interpret": KernelOptions("pallas", block_tokens=4, interpret=True),
-  "tpu_row_order_interpret": KernelOptions("pallas", block_tokens=4, interpret=True),
-  "xla_row_order": KernelOptions("pallas", block_tokens=4, interpret=True),
+} | {
+  i.name: registry.naming(i, KernelOptions(block_tokens=4, interpret=True))
+  for i in registry.ROWS
+  if i.name not in ("xla", *SLOW_INTERPRETERS)
 }
-# Off their device, the registry takes these only when measured fastest there: the fixture hands them over.
-CHOSEN = {
-  "tpu_interpret": "tpu",
-  "tpu_fused_interpret": "tpu_fused",
-  "tpu_row_order_interpret": "tpu_row_order",
-  "xla_row_order": "xla_row_order",
-}
-# Mosaic GPU's interpret mode simulates TMA and barriers (~17 s a case here): its per-slot arithmetic between
-# the row kernels is the XLA path's (reference.Gating), and test_kernels_pallas.py checks it against the XLA
-# path with the gate inside a nonlinear activation, bias and two d_model chunks.
 B, T, C, K, N, D = 1, 7, 3, 2, 5, 32  # N neurons per channel: few, so rows repeat across tokens (and slots for PEER)
 
 
 @pytest.fixture
 def backend(request, monkeypatch):
-  """The options of the backend named by the test id; one in CHOSEN is chosen off its device by patching the
-  dispatch."""
+  """The options of the backend named by the test id; a registry implementation is chosen by name (off its device
+  the registry would not take it) by patching the dispatch."""
   name = request.param
-  if name in CHOSEN:
+  if name in {i.name for i in registry.ROWS} - {"xla"}:
     real = registry.resolve
-    chosen = registry.by_name("rows", CHOSEN[name])
+    chosen = registry.by_name("rows", name)
     monkeypatch.setattr(
       registry,
       "rows",

@@ -259,9 +259,11 @@ def train_defaults() -> ml_collections.ConfigDict:
       # (TensorBoard's profile tab); "" = none. Process 0 only unless profile_all_processes.
       profile_steps="",
       profile_all_processes=False,
-      # On a GPU or TPU under kernel implementation=auto: before the step compiles, measure the kernel ops whose
-      # shapes the autotune table (kernels/autotune_table.py) lacks and keep the fastest correct implementation.
-      # One process only; a multi-host run reads the table as found (fill it with sparsetx-autotune).
+      # On a GPU or TPU under kernel implementation=auto: before the step compiles, measure the kernel calls of the
+      # step that the autotune table (kernels/autotune_table.py) lacks and keep the fastest correct implementation
+      # (the trainer then starts JAX with XLA_PYTHON_CLIENT_PREALLOCATE=false, unless set: the candidates' child
+      # processes need the memory). One process only; a multi-host run reads the table as found (fill it with
+      # sparsetx-autotune). False: the table is neither read nor written, and `auto` takes the default order.
       autotune=True,
     )
   )

@@ -208,7 +208,12 @@ class FusedForward(ModuleRows):
   def refuse(self, device, options, call=None):
     super().refuse(device, options, call)
     fits = getattr(self.module, "fused_fits", None)
-    if fits and call and not fits(call["slots"], call["d_model"], _itemsize(call), device.platform != self.platform):
+    if (
+      fits
+      and call
+      and call.get("form", "gather") == "gather"
+      and not fits(call["slots"], call["d_model"], _itemsize(call), device.platform != self.platform)
+    ):
       raise NotImplementedError(f"{call['slots']} slots of whole {call['d_model']}-wide rows do not fit its buffers")
 
   def forward(self, x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options):

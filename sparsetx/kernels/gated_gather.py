@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsetx import scopes
-from sparsetx.kernels import platform, registry, segment_grads, sliced_gather, xla_gather
+from sparsetx.kernels import op_calls, platform, registry, segment_grads, sliced_gather, xla_gather
 from sparsetx.kernels.options import IMPLEMENTATIONS, KernelOptions, options_from_config  # noqa: F401 (API)
 from sparsetx.kernels.reference import Gating, gated_gather_reference, identity
 from sparsetx.kernels.row_gather import stream_dtype
@@ -240,8 +240,11 @@ def gated_gather(
   x_ND = x_BTD.reshape(-1, D)
   h_given_NS = None if pre_activation is None else pre_activation.reshape(-1, S).astype(jnp.float32)
   if implementation is None:  # resolved once per call, passed down to every kernel of both passes
-    call = dict(tokens=x_ND.shape[0], d_model=D, slots=S, rows=w_in_RD.shape[0], dtype=jnp.dtype(x_BTD.dtype).name)
-    implementation = registry.rows(options, registry.shape_class(stream, D, S), call)
+    gate_inside, given_h = bool(gate_inside_activation), pre_activation is not None
+    call = op_calls.gather(
+      x_ND, w_in_RD, stream, S, activation, gate_inside, bias_R is not None, given_h, bool(sum_axes)
+    )
+    implementation = registry.rows(options, op_calls.shape_class(call), call)
   y_ND = _gated_gather_ND(
     _form(implementation, options, sum_axes, x_ND, w_in_RD, h_given_NS),
     implementation,

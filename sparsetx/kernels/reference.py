@@ -20,6 +20,20 @@ def identity(h):
   return h
 
 
+def gelu(x):
+  """Exact (erf) GELU, as in GPT-NeoX, the FFF paper and UltraFastBERT (torch's default nn.GELU)."""
+  return jax.nn.gelu(x, approximate=False)
+
+
+def gelu_tanh(x):
+  """GELU's tanh approximation: `jax.nn.gelu`'s default, as the PEER and sgatlin authors' code calls it."""
+  return jax.nn.gelu(x, approximate=True)
+
+
+# The activations a layer hands the kernels, by the name a kernel call is described with (op_calls.py).
+ACTIVATIONS = {"identity": identity, "relu": jax.nn.relu, "gelu": gelu, "gelu_tanh": gelu_tanh, "swish": jax.nn.silu}
+
+
 def derivative(activation, h):
   """act'(h) for an elementwise activation (a JVP with unit tangent): the backward kernels' dL/dh factor."""
   return jax.jvp(activation, (h,), (jnp.ones_like(h),))[1]

@@ -11,7 +11,7 @@ More: docs/modules.md, sparsetx/kernels/registry.py.
 
 import contextlib
 
-import jax.numpy as jnp
+from absl import logging
 
 from sparsetx import config
 from sparsetx.kernels import autotune_table
@@ -58,17 +58,8 @@ assert set(GPU_KERNELS) == set(config.GPU_KERNELS), "name the GPU implementation
 # implementation not listed comes after these: a new design runs where the device measured it fastest.
 DEFAULT_ORDER = {"rows": ("triton", "mosaic", "tpu", "xla"), "grouped_matmul": ("mosaic", "triton", "tpu", "xla")}
 
+_warned = set()  # the warnings already given in this process
 _recorded = None  # the calls resolved while `recording` is active: {(op, shape class): example shapes}
-
-
-def shape_class(dtype, d_model: int, slots: int) -> str:
-  """The key a measured choice is kept under: what decides which kernel is fastest (the streamed dtype, the width
-  of a row and the slots per token), not the token count."""
-  return f"{jnp.dtype(dtype).name} D{d_model} S{slots}"
-
-
-def grouped_shape_class(dtype, k: int, n: int, experts: int) -> str:
-  return f"{jnp.dtype(dtype).name} K{k} N{n} E{experts}"
 
 
 def by_name(op: str, name: str):
@@ -95,16 +86,31 @@ def tiling_spec(implementation, tiling: dict) -> str:
   return Tiled(implementation, tiling).name
 
 
-def accepting(op: str, options_for) -> list:
-  """The implementations of `op` that the target device takes when asked with `options_for(implementation)`."""
+def runs_here(op: str, interpreted: bool = False) -> list:
+  """What the target device runs of `op`, the one list the autotuner, the kernel bench and the acceptance check
+  take: the implementations native to its platform that take it, XLA's designs included. With `interpreted`, also
+  the kernel families that run in interpret mode off their platform without being named (Triton's: a CPU's check
+  of them); another family's interpreter runs only where a caller names it (by_name)."""
   device, found = target(), []
   for implementation in OPS[op]:
+    if not interpreted and implementation.platform not in (None, device.platform):
+      continue
     try:
-      implementation.refuse(device, options_for(implementation), None)
+      implementation.refuse(device, KernelOptions("pallas"), None)
     except NotImplementedError:
       continue
     found.append(implementation)
   return found
+
+
+def naming(implementation, base: KernelOptions) -> KernelOptions:
+  """The options that ask for `implementation` by name (its config knobs taken from `base`; a tiling's come from
+  the implementation itself)."""
+  named = getattr(implementation, "base", implementation)
+  if named.name == "xla":
+    return base._replace(implementation="xla")
+  gpu_kernel = named.name if getattr(named, "platform", None) == "gpu" else base.gpu_kernel
+  return base._replace(implementation="pallas", gpu_kernel=gpu_kernel)
 
 
 def candidates(op: str, options: KernelOptions, device: TracedDevice) -> list:
@@ -132,7 +138,13 @@ def resolve(op: str, options: KernelOptions, key: str, call=None):
   tried = candidates(op, options, device)
   measured = None
   if options.implementation == "auto" and device.platform != "cpu":
-    measured = autotune_table.lookup(device.device_kind, op, key)
+    measured = autotune_table.lookup(device.device_kind, op, key, nearest=True)
+    if measured is not None and not measured.usable:  # nothing ran, or XLA itself failed: the default order
+      _warn_once(
+        f"autotune table: {op} {key} on {device.device_kind} has no usable ranking ({measured.dropped}); "
+        f"auto takes the default order {DEFAULT_ORDER[op]} (sparsetx-autotune --again measures it anew)"
+      )
+      measured = None
   if measured is not None:  # a tiling the device ranked goes in before its implementation's config tiling
     offered = {i.name for i in tried}
     tried += [by_name(op, spec) for spec in measured.ranking if "@" in spec and spec.partition("@")[0] in offered]
@@ -152,6 +164,12 @@ def resolve(op: str, options: KernelOptions, key: str, call=None):
   raise NotImplementedError(f"no {op} implementation takes this call on {device.device_kind}: {'; '.join(reasons)}")
 
 
+def _warn_once(line: str) -> None:
+  if line not in _warned:
+    _warned.add(line)
+    logging.warning(line)
+
+
 def rows(options: KernelOptions, key: str, call=None) -> RowKernels:
   """The row kernels of one layer call (`key`: its shape_class; `call`: its sizes, what the autotuner measures)."""
   return resolve("rows", options, key, call)
@@ -168,4 +186,4 @@ def recording():
     _recorded = outer
 
 
-__all__ = ["KernelOptions", "by_name", "candidates", "recording", "resolve", "rows", "shape_class"]
+__all__ = ["KernelOptions", "by_name", "candidates", "recording", "resolve", "rows"]

@@ -9,7 +9,7 @@ More: docs/modules.md, sparsetx/kernels/tree_route.py.
 import jax
 import jax.numpy as jnp
 
-from sparsetx.kernels import registry
+from sparsetx.kernels import op_calls, registry
 from sparsetx.kernels.gated_gather import gated_gather
 from sparsetx.kernels.tree_walk import next_node  # noqa: F401 (FFF's layer reads it here)
 
@@ -44,9 +44,8 @@ def tree_paths(
   if L > top:
     x_ND, w_in_PMD, b_in_PM = jax.lax.stop_gradient((x_ND, w_in_PMD, b_in_PM))
     options = registry.KernelOptions("xla") if options is None else options  # no options: XLA's walk
-    P, M, D = w_in_PMD.shape
-    call = dict(tokens=x_ND.shape[0], d_model=D, slots=P, rows=P * M, dtype=jnp.dtype(x_ND.dtype).name)
-    implementation = registry.rows(options, registry.shape_class(x_ND.dtype, D, P), call)
+    call = op_calls.walk(x_ND, w_in_PMD, L - top, top)
+    implementation = registry.rows(options, op_calls.shape_class(call), call)
     deep_path, deep_z = implementation.walk(options, x_ND, w_in_PMD, b_in_PM, node_NP, L - top, rows_per_chunk)
     nodes.append(deep_path)
     logits.append(deep_z)

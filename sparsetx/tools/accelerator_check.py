@@ -53,17 +53,18 @@ def section_names(small) -> list:
 
 
 def may_run_mosaic_gpu(section: str) -> bool:
-  """Whether a section may run a Mosaic GPU kernel on this GPU: such a fault (segment_sums stopped with an illegal
-  instruction under jax 0.11.2) poisons the process's CUDA context, and every later row would fail with it."""
-  device = target()
-  if device.platform != "gpu":
+  """Whether a section may run a Mosaic GPU kernel on this GPU, under any autotune table: such a fault (segment_sums
+  stopped with an illegal instruction under jax 0.11.2) poisons the process's CUDA context, and every later row
+  would fail with it. A sparse type's train step runs what `auto` picks, which a table may rank Mosaic GPU first."""
+  if target().platform != "gpu":
     return False
-  try:
-    registry.by_name("grouped_matmul", "mosaic").refuse(device, KernelOptions())
-    grouped = True
-  except NotImplementedError:
-    grouped = False
-  return section == "backend mosaic" or (grouped and section in ("moe bench", "train moe"))
+  takes = {op: "mosaic" in {i.name for i in registry.runs_here(op)} for op in registry.OPS}
+  kind, _, name = section.partition(" ")
+  if kind == "backend":
+    return name.partition("@")[0] == "mosaic"
+  if section in ("moe bench", "train moe"):
+    return takes["grouped_matmul"]
+  return kind == "train" and name in ("sgatlin", "fff") and takes["rows"]
 
 
 def section_rows(section: str, small: bool) -> list:

@@ -2,17 +2,20 @@
 
   python -m sparsetx.tools.autotune --config=configs/ladder.py:sgatlin,4 --config.data.global_batch_size=16
 
-For each kernel op and shape class the step runs (one trace of it), every implementation this device runs is timed
-in a child process and checked against XLA's values; the fastest correct one is recorded with the reason each other
-was dropped (kernels/autotune_table.py; $SPARSETX_AUTOTUNE_TABLE, else ~/.cache/sparsetx/autotune.json). Shapes
-the table already holds are measured again only with --again. On a CPU XLA is the only implementation.
+For each kernel op call the step makes (one trace of the step: its tokens, dtypes and the layer's gating), every
+implementation this device runs natively (registry.runs_here) is timed in a child process and checked against XLA's
+values and gradients; the fastest correct one is recorded with the reason each other was dropped
+(kernels/autotune_table.py; $SPARSETX_AUTOTUNE_TABLE, else ~/.cache/sparsetx/autotune.json). Calls the table already
+holds are measured again only with --again. On a CPU that is XLA's two designs; a kernel in interpret mode only when
+--implementations names it. A table that cannot be read ends in one `error:` line (exit 2), one that cannot be
+written likewise (exit 5), before anything is measured.
 
 More: docs/modules.md, sparsetx/tools/autotune.py.
 """
 
 from absl import flags
 
-from sparsetx import cli
+from sparsetx import cli, paths
 from sparsetx import config as config_lib
 from sparsetx.kernels import autotune_table
 from sparsetx.kernels.device import target
@@ -47,23 +50,28 @@ def absl_main(argv, holders: dict):
   args = cli.flag_values(holders)
   try:
     config = config_lib.validate(holders["config"].value)
-    mesh = state_lib.setup(config).mesh
-    calls = autotune.step_calls(config, mesh)
+    calls = autotune.step_calls(config, state_lib.setup(config))
+    todo = calls if args.again else autotune.missing(calls)
+    device = target().device_kind
+    print(
+      f"autotune on {device}: {len(calls)} op shapes in the step, {len(todo)} to measure; table {autotune_table.path()}"
+    )
+    if todo:
+      autotune.check_parent()
+      autotune_table.check_writable()
+    for (op, key), call in sorted(todo.items()):
+      options = options_from_config(config.model.ffn.kernel)
+      entry = autotune.tune(op, key, call, options, args.implementations, args.rounds, args.tilings)
+      print(f"  {op} {key}: {autotune.describe(entry)}")
   except config_lib.ConfigError as error:
     cli.fail(error)
-  todo = calls if args.again else autotune.missing(calls)
-  device = target().device_kind
-  print(
-    f"autotune on {device}: {len(calls)} op shapes in the step, {len(todo)} to measure; table {autotune_table.path()}"
-  )
-  for (op, key), call in sorted(todo.items()):
-    options = options_from_config(config.model.ffn.kernel)
-    entry = autotune.tune(op, key, call, options, args.implementations, args.rounds, args.tilings)
-    print(f"  {op} {key}: {autotune.describe(entry)}")
+  except paths.StorageError as error:
+    cli.fail(error, paths.STORAGE_EXIT_CODE)
 
 
 def main():
   """The `sparsetx-autotune` entry point."""
+  autotune.leave_device_memory_to_children()  # before JAX starts
   holders = define_flags()
   cli.run(lambda argv: absl_main(argv, holders))
 

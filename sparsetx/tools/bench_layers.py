@@ -13,7 +13,7 @@ from absl import flags
 
 from sparsetx import cli
 from sparsetx.config import ConfigError, default_config, validate
-from sparsetx.kernels import mosaic_gpu, pallas_gpu, pallas_tpu, registry, row_chunks, segment_grads
+from sparsetx.kernels import mosaic_gpu, op_calls, pallas_gpu, pallas_tpu, registry, row_chunks, segment_grads
 from sparsetx.kernels.options import KernelOptions
 from sparsetx.models.ffn import moe
 from sparsetx.models.ffn.common import gini
@@ -193,6 +193,13 @@ def table_grad_rows(tokens, n_channels, top_k, d_ffw, exponent, seed=0):
   return jnp.asarray((local + d_ffw * np.arange(n_channels)[:, None]).reshape(tokens, -1), jnp.int32)
 
 
+def sgatlin_rows(options, tokens, d_model, slots, n_rows, dtype):
+  """The row kernels `auto` picks for an sgatlin layer's gated gather of these sizes (identity, float32 tables)."""
+  x, table = jax.ShapeDtypeStruct((tokens, d_model), dtype), jax.ShapeDtypeStruct((n_rows, d_model), jnp.float32)
+  call = op_calls.gather(x, table, dtype, slots, op_calls.ACTIVATIONS["identity"], True, False, False, False)
+  return registry.rows(options, op_calls.shape_class(call), call)
+
+
 class TableGrads:
   """The table gradients of sgatlin's gated gather (both tables) alone, compiled, for one row distribution."""
 
@@ -202,7 +209,7 @@ class TableGrads:
     tokens = rows.shape[0]
     x, dy = (jax.random.normal(key, (tokens, d_model), jnp.dtype(dtype)) for key in k[:2])
     coef_in, coef_out = (jax.random.normal(key, rows.shape, jnp.float32) for key in k[2:])
-    implementation = registry.rows(options, registry.shape_class(dtype, d_model, rows.shape[1]))
+    implementation = sgatlin_rows(options, tokens, d_model, rows.shape[1], n_rows, dtype)
     step = lambda *a: segment_grads.table_grads(implementation, *a, n_rows, options, with_bias=False)[:2]  # noqa: E731
     self.args = (x, dy, rows, coef_in, coef_out)
     self.step = jax.jit(step).lower(*self.args).compile()
@@ -220,7 +227,7 @@ def table_grads_table(scale, tokens, dtype, rounds, target_gini, chunks, gpu_ker
   dists = {"uniform": table_grad_rows(tokens, n_channels, top_k, d_ffw, 0.0)}
   dists["skewed"] = table_grad_rows(tokens, n_channels, top_k, d_ffw, exponent)
   options = KernelOptions(gpu_kernel=gpu_kernel)
-  backend = registry.rows(options, registry.shape_class(dtype, d, n_channels * top_k))
+  backend = sgatlin_rows(options, tokens, d, n_channels * top_k, n_channels * d_ffw, dtype)
   path = "XLA's scatter-adds: chunks do not apply" if backend.name == "xla" else backend.name
   variants = {
     (dist, chunk): TableGrads(

@@ -16,6 +16,7 @@ from absl import flags
 from sparsetx import cli, hardware
 from sparsetx import config as config_lib
 from sparsetx.data import check_files
+from sparsetx.kernels import autotune_table
 from sparsetx.models.ffn.registry import SPECS
 from sparsetx.parallel import logical_rules, topology
 from sparsetx.parallel import mesh as mesh_lib
@@ -155,14 +156,15 @@ def absl_main(argv, holders: dict):
   try:
     check_files(config_lib.validate(config))
     name = resolve_topology(args.topology, config)
-    if name != "cpu":
-      compile_on_topology(config, name)
-      return
-    devices = jax.devices()[: args.devices]
-    granules = aot.dcn_granule_count(config)
-    mesh = state_lib.checked_mesh(config, devices, granules)
-    start = time.time()
-    report = aot.dry_run(config, mesh, mesh_lib.granule_of(devices, granules))
+    with autotune_table.used(config.train.autotune):  # the kernels a trained step would take
+      if name != "cpu":
+        compile_on_topology(config, name)
+        return
+      devices = jax.devices()[: args.devices]
+      granules = aot.dcn_granule_count(config)
+      mesh = state_lib.checked_mesh(config, devices, granules)
+      start = time.time()
+      report = aot.dry_run(config, mesh, mesh_lib.granule_of(devices, granules))
   except config_lib.ConfigError as error:
     cli.fail(error)
   print(aot.format_report(report))

@@ -58,6 +58,10 @@ def absl_main(argv, holders: dict):
     check_training_files(
       config_lib.validate(args.config)
     )  # before joining peers: a bad value is reported by every process alike
+    if args.config.train.autotune and args.config.model.ffn.kernel.implementation == "auto":
+      from sparsetx.train import autotune  # noqa: PLC0415 (after flags: a fast --help)
+
+      autotune.leave_device_memory_to_children()  # before JAX starts: the kernels' child processes need room
     spec = distributed.detect(
       os.environ,
       coordinator_address=args.coordinator_address,

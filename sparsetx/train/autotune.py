@@ -13,6 +13,7 @@ More: docs/modules.md, sparsetx/train/autotune.py.
 import dataclasses
 import importlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -21,13 +22,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparsetx.config import ConfigError
 from sparsetx.kernels import autotune_table, registry
 from sparsetx.kernels.device import target
 from sparsetx.kernels.gated_gather import gated_gather
 from sparsetx.kernels.options import KernelOptions, options_from_config
-from sparsetx.kernels.reference import identity
+from sparsetx.kernels.reference import ACTIVATIONS, Gating
+from sparsetx.kernels.tree_route import WALK_ROWS_PER_CHUNK
 from sparsetx.perf import timing
 
+PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
 RESULT_MARK = "autotune result: "
 CHILD_TIMEOUT_S = 300
 U32 = 2.0**-24
@@ -52,101 +56,130 @@ def candidate(op: str, spec: str):
   return registry.at_tiling(op, implementation, tiling) if tiling else implementation
 
 
-def options_for(implementation, base: KernelOptions) -> KernelOptions:
-  """The options that ask for `implementation` by name (its config knobs taken from `base`; a tiling's come from
-  the implementation itself)."""
-  named = getattr(implementation, "base", implementation)
-  if named.name == "xla":
-    return base._replace(implementation="xla")
-  gpu_kernel = named.name if getattr(named, "platform", None) == "gpu" else base.gpu_kernel
-  return base._replace(implementation="pallas", gpu_kernel=gpu_kernel)
+def measurable(call: dict) -> bool:
+  """Whether the autotuner can make this call again (a layer's activation it knows by name)."""
+  return call.get("activation", "identity") in ACTIVATIONS
 
 
-def inputs(op: str, call: dict, dtype) -> tuple:
-  """Random operands of the call's shapes in `dtype` (the parameters float32, as the layers keep them)."""
-  k = jax.random.split(jax.random.key(0), 6)
-  if op == "rows":
-    N, D, S, R = call["tokens"], call["d_model"], call["slots"], call["rows"]
-    return (
-      jax.random.normal(k[0], (N, D), dtype),
-      jax.random.normal(k[1], (R, D), jnp.float32) / D**0.5,
-      jax.random.normal(k[2], (R, D), jnp.float32) / D**0.5,
-      jax.random.randint(k[3], (N, S), 0, R).astype(jnp.int32),
-      jax.random.normal(k[4], (N, S), jnp.float32),
-      jax.random.normal(k[5], (N, D), dtype),
-    )
+def inputs(call: dict) -> tuple:
+  """Random operands of the call's shapes and dtypes (the program's arguments, then its constants)."""
+  k = jax.random.split(jax.random.key(0), 7)
+  dtype = jnp.dtype(call["dtype"])
+  if call["form"] == "gather":
+    N, D, S, R, table = call["tokens"], call["d_model"], call["slots"], call["rows"], jnp.dtype(call["table_dtype"])
+    x = jax.random.normal(k[0], (N, D), dtype)
+    w_in, w_out = (jax.random.normal(key, (R, D), table) / D**0.5 for key in k[1:3])
+    gates = jax.random.normal(k[3], (N, S), jnp.float32)
+    bias = jax.random.normal(k[4], (R,), table) if call["bias"] else None
+    rows = jax.random.randint(k[5], (N, S), 0, R).astype(jnp.int32)
+    dy = jax.random.normal(k[6], (N, D), dtype)
+    h = None
+    if call["given_h"]:  # FFF's walk hands the gather its logits: XLA's pre-activations of these operands
+      xla = registry.by_name("rows", "xla")
+      h = jax.jit(lambda *a: xla.forward(*a, Gating(), KernelOptions("xla"))[1])(x, w_in, w_out, rows, gates, bias)
+    return (x, w_in, w_out, gates) + (() if bias is None else (bias,)), (rows, dy, h)
+  if call["form"] == "walk":  # small integers: every dot is exact, so each implementation walks the same path
+    N, D, P, M, start = call["tokens"], call["d_model"], call["trees"], call["nodes"], call["start"]
+    x = jax.random.randint(k[0], (N, D), -2, 3).astype(dtype)
+    w_in = (jax.random.randint(k[1], (P, M, D), -2, 3) / 4).astype(call["table_dtype"])
+    b_in = (jax.random.randint(k[2], (P, M), -8, 9) / 4).astype(call["table_dtype"])
+    node = jax.random.randint(k[3], (N, P), 2**start - 1, 2 ** (start + 1) - 1).astype(jnp.int32)
+    return (x, w_in, b_in, node), ()
   S, K, N, E = call["rows"], call["k"], call["n"], call["experts"]
-  sizes = np.full(E, S // E, np.int32)
-  return (
-    jax.random.normal(k[0], (S, K), dtype),
-    jax.random.normal(k[1], (E, K, N), jnp.float32) / K**0.5,
-    jnp.asarray(sizes),
-    jax.random.normal(k[2], (S, N), dtype),
-  )
+  lhs = jax.random.normal(k[0], (S, K), dtype)
+  rhs = jax.random.normal(k[1], (E, K, N), jnp.float32) / K**0.5
+  dout = jax.random.normal(k[2], (S, N), dtype)
+  return (lhs, rhs), (jnp.asarray(np.full(E, S // E, np.int32)), dout)
 
 
-def program(op: str, implementation, options: KernelOptions):
-  """The jitted forward and backward of one call: (outputs, gradients) the check compares."""
-  if op == "rows":
+def program(call: dict, implementation, options: KernelOptions, constants: tuple):
+  """The jitted call as the step makes it, forward and backward where the step differentiates it: the outputs and
+  gradients the check compares."""
+  if call["form"] == "gather":
+    rows, dy, h = constants
+    gating = dict(activation=ACTIVATIONS[call["activation"]], gate_inside_activation=call["gate_inside"])
 
-    def loss(x, w_in, w_out, gates, rows, dy):
-      y = gated_gather(x, w_in, w_out, rows, gates, identity, options=options, implementation=implementation)
+    def loss(x, w_in, w_out, gates, bias=None):
+      y = gated_gather(
+        x,
+        w_in,
+        w_out,
+        rows,
+        gates,
+        bias_R=bias,
+        options=options,
+        pre_activation=h,
+        implementation=implementation,
+        **gating,
+      )
       return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
 
-    grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
-    return jax.jit(lambda x, w_in, w_out, rows, gates, dy: grads(x, w_in, w_out, gates, rows, dy))
+    argnums = (0, 1, 2, 3, 4) if call["bias"] else (0, 1, 2, 3)
+    return jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))
+  if call["form"] == "walk":
+    levels = call["levels"]
+    return jax.jit(lambda x, w, b, node: implementation.walk(options, x, w, b, node, levels, WALK_ROWS_PER_CHUNK))
+  sizes, dout = constants
 
-  def grouped_loss(lhs, rhs, sizes, dout):
+  def grouped_loss(lhs, rhs):
     out = implementation(lhs, rhs, sizes, options)
     return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)), out
 
-  grouped = jax.value_and_grad(grouped_loss, argnums=(0, 1), has_aux=True)
-  return jax.jit(grouped)
+  return jax.jit(jax.value_and_grad(grouped_loss, argnums=(0, 1), has_aux=True))
 
 
 def worst_error(got, want, dtype, n: int) -> float:
   """The largest |got - want| over its bound, across every output: two roundings to `dtype` of values that may
-  differ by float32 sums of n terms in another order (REASSOCIATION n u32 of the output's scale)."""
+  differ by float32 sums of n terms in another order (REASSOCIATION n u32 of the output's scale); integer outputs
+  (a walk's nodes) must be equal."""
   u = float(jnp.finfo(dtype).eps) / 2
   worst = 0.0
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    a, b = np.asarray(a), np.asarray(b)
+    if np.issubdtype(b.dtype, np.integer):
+      worst = max(worst, 0.0 if np.array_equal(a, b) else np.inf)
+      continue
+    a, b = a.astype(np.float64), b.astype(np.float64)
     scale = max(float(np.abs(b).max()), np.finfo(np.float32).tiny)
     bound = 2 * u * np.abs(b) + REASSOCIATION * n * U32 * scale
     worst = max(worst, float(np.max(np.abs(a - b) / bound)))
   return worst
 
 
+def terms(call: dict, constants: tuple) -> int:
+  """The most terms one output sums: a dot's width, a token's slots, the pairs a table row gathers."""
+  if call["form"] == "gather":
+    return max(call["d_model"], call["slots"], int(np.bincount(np.asarray(constants[0]).reshape(-1)).max()))
+  if call["form"] == "walk":
+    return call["d_model"]
+  return max(call["k"], call["n"], call["rows"] // call["experts"])
+
+
 def measure_here(op: str, spec: str, call: dict, options: KernelOptions, rounds: int) -> Measured:
-  """One candidate in this process: refused, wrong values, or its median milliseconds."""
+  """One candidate in this process: refused, wrong values (outputs or gradients), or its median milliseconds."""
   implementation = candidate(op, spec)
-  options = options_for(implementation, options)
+  options = registry.naming(implementation, options)
   try:
     implementation.refuse(target(), options, call)
   except NotImplementedError as why:
     return Measured(spec, why=f"raised: {why}")
-  dtype = jnp.dtype(call["dtype"])
-  args = inputs(op, call, dtype)
-  step = program(op, implementation, options)
+  args, constants = inputs(call)
+  step = program(call, implementation, options, constants)
   try:
     got = jax.block_until_ready(step(*args))
   except NotImplementedError as why:  # a kernel that does not lower for these operands
     return Measured(spec, why=f"raised: {str(why).splitlines()[0] if str(why) else type(why).__name__}")
   reference = registry.by_name(op, "xla")
-  want = program(op, reference, options_for(reference, options))(*args)
-  n = max(call.get("d_model", 0), call.get("slots", 0), call.get("k", 0), call.get("n", 0), 1)
-  if op == "rows":  # a table row sums the pairs that pick it
-    n = max(n, int(np.bincount(np.asarray(args[3]).reshape(-1)).max()))
-  else:
-    n = max(n, call["rows"] // call["experts"])
-  error = worst_error(got, want, dtype, n)
+  want = program(call, reference, registry.naming(reference, options), constants)(*args)
+  error = worst_error(got, want, jnp.dtype(call["dtype"]), terms(call, constants))
   if not error <= 1.0:
     return Measured(spec, why=f"wrong values: {error:.3g} times the bound against XLA's")
   return Measured(spec, ms=1e3 * timing.interleaved({spec: lambda: step(*args)}, rounds, warm=False)[spec])
 
 
 def measure(op: str, spec: str, call: dict, options: KernelOptions, rounds: int) -> Measured:
-  """One candidate in a child process; one that dies (a signal, an exit) or hangs is dropped, saying how."""
+  """One candidate in a child process; one that dies (a signal, an exit) is dropped as faulted, one that does not
+  answer in CHILD_TIMEOUT_S as timed out."""
   request = json.dumps(dict(op=op, spec=spec, call=call, options=options._asdict(), rounds=rounds))
   try:
     result = subprocess.run(
@@ -156,7 +189,7 @@ def measure(op: str, spec: str, call: dict, options: KernelOptions, rounds: int)
       timeout=CHILD_TIMEOUT_S,
     )
   except subprocess.TimeoutExpired:
-    return Measured(spec, why=f"faulted: no answer in {CHILD_TIMEOUT_S} s")
+    return Measured(spec, why=f"timed out: no answer in {CHILD_TIMEOUT_S} s")
   for line in reversed(result.stdout.splitlines()):
     if line.startswith(RESULT_MARK):
       return Measured(**json.loads(line[len(RESULT_MARK) :]))
@@ -166,11 +199,28 @@ def measure(op: str, spec: str, call: dict, options: KernelOptions, rounds: int)
   return Measured(spec, why=f"faulted: {how}: {last[:200]}")
 
 
+def leave_device_memory_to_children() -> None:
+  """Called by a program before JAX starts when it may measure kernels: its own client then allocates as used,
+  not 75% of the GPU up front, so each candidate's child process finds the memory it needs."""
+  os.environ.setdefault(PREALLOCATE, "false")
+
+
+def check_parent() -> None:
+  """Refuses to spawn candidates from a process that holds most of a GPU's memory: each would fault for want of
+  it, and every implementation, XLA included, would be dropped."""
+  if target().platform == "gpu" and os.environ.get(PREALLOCATE, "true").lower() not in ("false", "0"):
+    raise ConfigError(
+      f"this process preallocates most of the GPU's memory, which the autotuner's child processes need; set "
+      f"{PREALLOCATE}=false before JAX starts (sparsetx-train and sparsetx-autotune do) or fill the table with "
+      f"sparsetx-autotune."
+    )
+
+
 def specs_for(op: str, tilings: bool = False) -> list:
-  """The registry's implementations of `op` that this device runs (XLA always), and with `tilings` each one's
-  offered tilings (registry.TRITON_TILINGS, MOSAIC_TILINGS) beside the config's."""
+  """What this device runs of `op` (registry.runs_here: on a CPU, XLA's designs; interpreted kernels only when
+  named), XLA first (the reference), and with `tilings` each one's offered tilings beside the config's."""
   specs = []
-  for i in registry.accepting(op, lambda implementation: options_for(implementation, KernelOptions())):
+  for i in sorted(registry.runs_here(op), key=lambda i: i.name != "xla"):
     specs += [i.name] + [registry.tiling_spec(i, tiling) for tiling in (getattr(i, "tilings", ()) if tilings else ())]
   return specs
 
@@ -178,6 +228,7 @@ def specs_for(op: str, tilings: bool = False) -> list:
 def tune(op: str, key: str, call: dict, options: KernelOptions, specs=None, rounds: int = 5, tilings: bool = False):
   """Measures every candidate (default: specs_for(op, tilings)), records the table entry for this device and
   returns it."""
+  check_parent()
   results = [measure(op, spec, call, options, rounds) for spec in (specs or specs_for(op, tilings))]
   ran = sorted((m for m in results if m.ms is not None), key=lambda m: m.ms)
   entry = autotune_table.Entry(
@@ -189,30 +240,42 @@ def tune(op: str, key: str, call: dict, options: KernelOptions, specs=None, roun
   return entry
 
 
-def step_calls(config, mesh) -> dict:
-  """{(op, shape class): call} of every kernel op the config's train step resolves, from one trace of it."""
+def step_calls(config, built) -> dict:
+  """{(op, shape class): call} of every kernel op call the config's train step makes, from one trace of the step
+  alone (the model's init, one sequence, is traced by state.setup before), and only calls the autotuner can make
+  again."""
   from sparsetx.parallel import logical_rules  # noqa: PLC0415 (the trainer's modules import this one)
-  from sparsetx.train import aot  # noqa: PLC0415
+  from sparsetx.train import aot, step  # noqa: PLC0415
 
-  with registry.recording() as calls, logical_rules.activate(mesh, config.mesh.rules):
-    aot.trace_train_step(config, mesh)
-  return {found: call for found, call in calls.items() if call is not None}
+  with logical_rules.activate(built.mesh, config.mesh.rules):
+    jitted = step.make_train_step(config, built)
+    with registry.recording() as calls:
+      jitted.trace(built.abstract_state, aot.abstract_batch(config, built.batch_sharding))
+  return {found: call for found, call in calls.items() if call is not None and measurable(call)}
 
 
 def missing(calls: dict) -> dict:
-  """The calls whose shape class this device's table lacks."""
+  """The calls this device's table lacks, or holds with nothing usable (measured again)."""
   kind = target().device_kind
-  return {(op, key): call for (op, key), call in calls.items() if autotune_table.lookup(kind, op, key) is None}
+  return {
+    (op, key): call
+    for (op, key), call in calls.items()
+    if (entry := autotune_table.lookup(kind, op, key)) is None or not entry.usable
+  }
 
 
-def ensure_tuned(config, mesh, report=print) -> dict:
-  """Before a step compiles on a GPU or TPU under `auto`: measures the ops whose shapes the table lacks. Nothing on
-  a CPU (XLA is its only implementation), nothing when the config names its kernels."""
+def ensure_tuned(config, built, report=print) -> dict:
+  """Before a step compiles on a GPU or TPU under `auto`: measures the calls the table lacks. Nothing on a CPU
+  (what it runs is XLA's), nothing when the config names its kernels."""
   kernel = config.model.ffn.kernel
   if target().platform == "cpu" or kernel.implementation != "auto" or kernel.gpu_kernel != "auto":
     return {}
+  todo = missing(step_calls(config, built))
+  if todo:
+    check_parent()
+    autotune_table.check_writable()
   entries = {}
-  for (op, key), call in missing(step_calls(config, mesh)).items():
+  for (op, key), call in todo.items():
     report(f"autotune: measuring {op} {key} on {target().device_kind} ({', '.join(specs_for(op))})")
     entries[op, key] = tune(op, key, call, options_from_config(kernel))
     report(f"autotune: {op} {key}: {describe(entries[op, key])}")

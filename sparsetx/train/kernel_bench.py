@@ -18,15 +18,14 @@ SMALL_SHAPES = [(64, 2, 2, 16**2, 128)]
 
 
 def backends(small: bool) -> list:
-  """(name, KernelOptions) of every row-kernel implementation but XLA's own that this device runs without being named
-  (kernels/registry.py: the kernels and the designs; on a CPU, Triton's and XLA's row order); in interpret mode with
-  --small. Each is timed by its name, not resolved from its options."""
-  found = []
-  for implementation in registry.accepting("rows", lambda _: KernelOptions("pallas")):
-    if implementation.name != "xla":
-      gpu_kernel = implementation.name if implementation.platform == "gpu" else "auto"
-      found.append((implementation.name, KernelOptions("pallas", gpu_kernel=gpu_kernel, interpret=small)))
-  return found
+  """(name, KernelOptions) of every row-kernel implementation but XLA's own that this device runs
+  (registry.runs_here; with --small also Triton's kernels in interpret mode, the CPU's check of them). Each is timed
+  by its name, not resolved from its options."""
+  return [
+    (i.name, registry.naming(i, KernelOptions(interpret=small)))
+    for i in registry.runs_here("rows", interpreted=small)
+    if i.name != "xla"
+  ]
 
 
 def case(tokens, n_channels, top_k, d_ffw, d_model, dtype):

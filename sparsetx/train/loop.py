@@ -19,6 +19,7 @@ from jax.experimental import multihost_utils
 from sparsetx import config as config_lib
 from sparsetx import paths
 from sparsetx.data import check_training_files, global_stream, pretokenize
+from sparsetx.kernels import autotune_table
 from sparsetx.models import ladder
 from sparsetx.parallel import logical_rules
 from sparsetx.train import autotune, checkpointing
@@ -230,11 +231,12 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   check_training_files(config_lib.validate(config))
   check_workdir(workdir)
   config = pretokenize.train_corpus(config, workdir)  # the corpus the stream reads: given, or written in workdir
-  built = state_lib.setup(config)
-  if config.train.autotune and jax.process_count() == 1:  # the device picks its kernels before the step compiles
-    autotune.ensure_tuned(config, built.mesh, report=logging.info)
-  with logical_rules.activate(built.mesh, config.mesh.rules):  # sparse layers trace their expert-parallel form
-    return _run(config, workdir, built)
+  with autotune_table.used(config.train.autotune):  # off: the kernel table is neither read nor written
+    built = state_lib.setup(config)
+    if config.train.autotune and jax.process_count() == 1:  # the device picks its kernels before the step compiles
+      autotune.ensure_tuned(config, built, report=logging.info)
+    with logical_rules.activate(built.mesh, config.mesh.rules):  # sparse layers trace their expert-parallel form
+      return _run(config, workdir, built)
 
 
 def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup) -> dict:

@@ -4,7 +4,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sparsetx.kernels.reference import identity
+from sparsetx.kernels.reference import gelu, gelu_tanh, identity  # noqa: F401 (the layers import them here)
 
 
 def dense_init(std: float, names: tuple):
@@ -24,16 +24,6 @@ def symmetric_uniform(limit: float):
     return jax.random.uniform(key, shape, dtype, minval=-limit, maxval=limit)
 
   return init
-
-
-def gelu(x):
-  """Exact (erf) GELU, as in GPT-NeoX, the FFF paper and UltraFastBERT (torch's default nn.GELU)."""
-  return jax.nn.gelu(x, approximate=False)
-
-
-def gelu_tanh(x):
-  """GELU's tanh approximation: `jax.nn.gelu`'s default, as the PEER and sgatlin authors' code calls it."""
-  return jax.nn.gelu(x, approximate=True)
 
 
 ACTIVATIONS = {
