@@ -128,25 +128,39 @@ def test_a_tiling_is_named_by_knob_and_integer():
 
 @pytest.mark.slow
 def test_a_second_process_reads_the_table_and_measures_nothing(table):
-  """sparsetx-autotune on a micro sgatlin step: the first run measures each op shape the step runs, the second
-  finds them all in the table."""
+  """sparsetx-autotune on a micro sgatlin step: the first run measures each op call the step makes, its children
+  spawned with preallocation off; the second finds them all in the table. A table that cannot be read, or written,
+  ends in one `error:` line (exit 2, exit 5) naming it, and the table already there is untouched."""
   command = [
     sys.executable,
     "-m",
     "sparsetx.tools.autotune",
     "--config=configs/tiny.py",
     *MICRO_TRAIN_FLAGS,
-    "--implementations=xla",
+    "--implementations=xla,autotune_fakes:REPORTS_ENVIRONMENT",
     "--rounds=1",
   ]
-  first = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+  env = {key: value for key, value in os.environ.items() if key != autotune.PREALLOCATE}
+  first = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
   assert first.returncode == 0, first.stderr[-3000:]
   measured = [line for line in first.stdout.splitlines() if line.startswith("  rows ")]
   assert measured and all("chose xla" in line for line in measured), first.stdout
-  second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert all("raised: XLA_PYTHON_CLIENT_PREALLOCATE=false" in line for line in measured), first.stdout
+  second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
   assert second.returncode == 0, second.stderr[-3000:]
   assert f"{len(measured)} op shapes in the step, 0 to measure" in second.stdout, second.stdout
   assert not [line for line in second.stdout.splitlines() if line.startswith("  rows ")]
+
+  saved = table.read_text()
+  unwritable = dict(env, **{autotune_table.ENV: str(table / "autotune.json")})  # under a regular file
+  refused = subprocess.run([*command, "--again"], cwd=REPO, capture_output=True, text=True, timeout=300, env=unwritable)
+  assert refused.returncode == 5 and refused.stderr.count("\n") == 1, refused.stderr[-3000:]
+  assert refused.stderr.startswith(f"error: writing the autotune table {table}/autotune.json failed"), refused.stderr
+  assert "measuring" not in refused.stdout and table.read_text() == saved
+  table.write_text(saved[: len(saved) // 2])
+  corrupt = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+  assert corrupt.returncode == 2 and corrupt.stderr.count("\n") == 1, corrupt.stderr[-3000:]
+  assert corrupt.stderr.startswith(f"error: the autotune table {table} cannot be read"), corrupt.stderr
 
 
 def test_a_child_past_its_time_is_timed_out_not_faulted(table, monkeypatch):
