@@ -107,12 +107,13 @@ def test_the_compiled_table_of_a_gpu_step(capsys):
 
 
 def profile_of(planes: dict):
-  """A loaded trace's shape (jax.profiler.ProfileData): {plane name: {line name: [(op or None, run id or None)]}},
-  each op 1 ms long, one after another."""
+  """A loaded trace's shape (jax.profiler.ProfileData): {plane name: {line name: [(op or None, run id or None[,
+  module])]}}, each op 1 ms long, one after another; module (default jit_train_step) "" names the op by the event
+  alone, as a TPU's "XLA Ops" line does."""
   clock = iter(range(0, 10**9, 10**6))
 
-  def event(op, run):
-    stats = [] if op is None else [("hlo_op", op), ("hlo_module", "jit_train_step")]
+  def event(op, run, module="jit_train_step"):
+    stats = [] if op is None or not module else [("hlo_op", op), ("hlo_module", module)]
     stats += [] if run is None else [("run_id", run)]
     return types.SimpleNamespace(name=op or "kernel", start_ns=next(clock), duration_ns=10**6, stats=stats)
 
@@ -150,3 +151,18 @@ def test_runs_that_differ_from_the_rounds_traced_are_one_error():
   profile = profile_of({"/device:GPU:0": {"Stream #13": [("fusion.1", None), ("fusion.1", None)]}})
   with pytest.raises(step_parts.TraceError, match="holds 1 runs of jit_train_step. .by their run_id stats., not the 2"):
     step_parts.read_profile(profile, PROGRAM, "jit_train_step", rounds=2)
+
+
+def test_another_programs_ops_do_not_count():
+  """An evaluation step traced beside the train step: its ops on the same stream are not the step's."""
+  ops = [("fusion.1", 1), ("fusion.1", 1, "jit_eval_step"), ("fusion.1", 2), ("fusion.1", 2, "jit_eval_step")]
+  breakdown = step_parts.read_profile(profile_of({"/device:GPU:0": {"Stream #13": ops}}), PROGRAM, "jit_train_step", 2)
+  assert breakdown.step_s == pytest.approx(1e-3) and breakdown.parts_s["optimizer"] == pytest.approx(1e-3)
+
+
+def test_a_tpu_trace_is_read_from_its_xla_ops_line():
+  """A TPU's device plane names each op by its event on the "XLA Ops" line, without hlo_op stats; its other lines
+  (the modules, the steps) are not ops."""
+  tpu = {"XLA Ops": [("fusion.1", 1, ""), ("fusion.1", 2, "")], "XLA Modules": [("jit_train_step", 1, "")]}
+  breakdown = step_parts.read_profile(profile_of({"/device:TPU:0": tpu}), PROGRAM, "jit_train_step", rounds=2)
+  assert breakdown.runs == 2 and breakdown.parts_s["optimizer"] == pytest.approx(1e-3)
