@@ -1,5 +1,6 @@
 """The XLA path of the gated gather equals the papers' formulation in values and every gradient."""
 
+import contextlib
 import functools
 
 import jax
@@ -127,3 +128,27 @@ def test_given_pre_activations_give_the_same_values_and_gradients():
   ours = value_and_grads(given, x, w_in, w_out, rows, gates, bias)
   ref = value_and_grads(lambda *a: gated_gather_reference(*a[:5], act, a[5]), x, w_in, w_out, rows, gates, bias)
   assert_match(ours, ref, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("where", ["cpu", "h100", "v5p"])
+def test_each_form_runs_where_its_docstring_says(monkeypatch, where):
+  """Row order only where a CPU differentiates a float32 gather: its forward alone, and every accelerator's, run token
+  order (the sort does not pay for itself without a backward pass)."""
+  from sparsetx.kernels import xla_gather
+  from sparsetx.train import aot
+
+  walked = []
+  real = xla_gather.row_sorted_forward
+  monkeypatch.setattr(xla_gather, "row_sorted_forward", lambda *a: walked.append(1) or real(*a))
+  x, w_in, w_out, rows, gates, _ = gather_case(0, 2, 5, 3, 4, 6, 128)
+  forward = lambda x, w_in, w_out, gates: gated_gather(x, w_in, w_out, rows, gates, options=KernelOptions("xla"))  # noqa: E731
+  loss = lambda *a: jnp.sum(forward(*a))  # noqa: E731
+  ran = {}
+  with (
+    contextlib.nullcontext() if where == "cpu" else aot.on_topology({"h100": "h100:1x1x4", "v5p": "v5p:2x2x1"}[where])
+  ):
+    for name, fn in (("primal", forward), ("gradients", jax.grad(loss, argnums=(0, 1, 2, 3)))):
+      walked.clear()
+      jax.jit(fn).trace(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, w_in, w_out, gates)))
+      ran[name] = "row sorted" if walked else "token order"
+  assert ran == {"primal": "token order", "gradients": "row sorted" if where == "cpu" else "token order"}
