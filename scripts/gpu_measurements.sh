@@ -58,26 +58,26 @@ case $part in
     shape=(--scale=4 --batch=16 --seq_len=1024 --rounds=3)
     [[ ${SMALL:-0} == 1 ]] && shape=(--small --rounds=1)
     run scale4_triton 300 "$PY" -m sparsetx.tools.bench_train_step "${shape[@]}" --types=mlp,sgatlin,peer,fff \
-      --gpu_kernel=triton
+      --implementation=triton
     run scale4_mosaic 240 "$PY" -m sparsetx.tools.bench_train_step "${shape[@]}" --types=mlp,sgatlin,peer \
-      --gpu_kernel=mosaic
+      --implementation=mosaic
     ;;
   parts)  # where the step's time goes at that shape (a jax.profiler trace per type)
     shape=(--scale=4 --batch=16 --seq_len=1024 --rounds=2)
     [[ ${SMALL:-0} == 1 ]] && shape=(--small --rounds=1)
     run parts_scale4 480 "$PY" -m sparsetx.tools.bench_step_parts "${shape[@]}" --types=mlp,sgatlin,peer \
-      --gpu_kernel=triton
+      --implementation=triton
     ;;
   head)  # the same shape with the LM head's dot on bf16 operands over the whole vocabulary (docs/measurements.md)
     shape=(--scale=4 --batch=16 --seq_len=1024 --rounds=3)
     [[ ${SMALL:-0} == 1 ]] && shape=(--small --rounds=1)
-    run head_scale4 300 "$PY" -m sparsetx.tools.bench_train_step "${shape[@]}" --types=mlp,sgatlin --gpu_kernel=triton \
+    run head_scale4 300 "$PY" -m sparsetx.tools.bench_train_step "${shape[@]}" --types=mlp,sgatlin --implementation=triton \
       --nologits_dot_in_fp32 --loss_chunks=0
     ;;
   remat)  # the ladder's remat=full, beside the default the H200 ran (remat none)
     shape=(--scale=4 --batch=16 --seq_len=1024 --rounds=3)
     [[ ${SMALL:-0} == 1 ]] && shape=(--small --rounds=1)
-    run remat_full 300 "$PY" -m sparsetx.tools.bench_train_step "${shape[@]}" --types=mlp,sgatlin --gpu_kernel=triton \
+    run remat_full 300 "$PY" -m sparsetx.tools.bench_train_step "${shape[@]}" --types=mlp,sgatlin --implementation=triton \
       --remat=full
     ;;
   scale8)  # the dense baseline's MFU at scale 8 (d_model 1,024, 16 layers, 16 x 2,048), then sgatlin alone: its
@@ -85,7 +85,7 @@ case $part in
     shape=(--scale=8 --batch=16 --seq_len=2048 --rounds=3)
     [[ ${SMALL:-0} == 1 ]] && shape=(--small --rounds=1)
     run scale8_mlp 240 "$PY" -m sparsetx.tools.bench_train_step "${shape[@]}" --types=mlp
-    run scale8_sgatlin 300 "$PY" -m sparsetx.tools.bench_train_step "${shape[@]}" --types=sgatlin --gpu_kernel=triton
+    run scale8_sgatlin 300 "$PY" -m sparsetx.tools.bench_train_step "${shape[@]}" --types=sgatlin --implementation=triton
     ;;
   *)
     echo "no part '$part': use deps, check, autotune, scale4, parts, head, remat or scale8" >&2

@@ -295,6 +295,11 @@ def _unknown_override(argv: list[str], config_names: list[str], flag_values: fla
             f"--{name}.{override}: {walked} is a value ({node!r}), not a section with a field {part!r}; "
             f"set --{walked}=VALUE instead."
           )
+        if part == "gpu_kernel" and walked.endswith(".kernel"):  # retired: one knob names the implementation
+          return (
+            f"--{name}.{override}: kernel.gpu_kernel is retired; one knob names the implementation on every "
+            f"platform: --{walked}.implementation=NAME (e.g. mosaic, triton, or 'triton,tpu')."
+          )
         if part not in node:
           fields = sorted(node.keys())
           close = difflib.get_close_matches(part, fields, n=1)

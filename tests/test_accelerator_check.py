@@ -57,7 +57,7 @@ def test_a_wrong_kernel_fails_its_check(monkeypatch):
       return super().row_dots(*args) * 1.01
 
   use_for_pallas(monkeypatch, OnePercentOff("triton", "sparsetx.kernels.pallas_gpu", "gpu"))
-  rows = accelerator_check.check_kernels("triton", KernelOptions("pallas", interpret=True), small=True)
+  rows = accelerator_check.check_kernels("triton", KernelOptions("triton", interpret=True), small=True)
   verdicts = {what: verdict for _, what, _, verdict in rows}
   assert verdicts == {
     "triton row_dots": False,
@@ -70,7 +70,7 @@ def test_a_wrong_kernel_fails_its_check(monkeypatch):
 def test_a_wrong_grouped_matmul_fails_its_check(monkeypatch):
   """A grouped matmul whose output is 1% off fails (its bound is float32 sums plus one bf16 rounding, 0.4%)."""
   real = accelerator_check.grouped_matmul
-  options = KernelOptions("pallas", interpret=True)
+  options = KernelOptions("triton", interpret=True)
   assert accelerator_check.check_grouped("triton", options, small=True)[0][-1]
   monkeypatch.setattr(accelerator_check, "grouped_matmul", lambda *a: real(*a) * 1.01)
   assert not accelerator_check.check_grouped("triton", options, small=True)[0][-1]
@@ -97,7 +97,7 @@ def test_a_kernel_that_raises_is_one_failed_row_and_the_others_run(monkeypatch):
       refused()
 
   use_for_pallas(monkeypatch, Refused("mosaic", "sparsetx.kernels.pallas_gpu", "gpu"))
-  rows = accelerator_check.check_kernels("mosaic", KernelOptions("pallas", interpret=True), small=True)
+  rows = accelerator_check.check_kernels("mosaic", KernelOptions("triton", interpret=True), small=True)
   by_kernel = {what: (value, verdict) for _, what, value, verdict in rows}
   assert by_kernel["mosaic row_dots"] == (
     "NotImplementedError: Implicit broadcast not implemented with warpgroup semantics",

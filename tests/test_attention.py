@@ -60,7 +60,7 @@ def test_xla_attention_is_causal_softmax_within_documents():
   )
 
 
-FUSED_ON_CPU = [("splash", attention_lib.splash_attention), ("pallas", attention_lib.pallas_attention)]
+FUSED_ON_CPU = [("splash", attention_lib.splash_attention)]
 
 
 @pytest.mark.parametrize("name, kernel", FUSED_ON_CPU)
@@ -101,7 +101,7 @@ def test_fused_kernel_in_bfloat16_is_within_bfloat16_rounding(name, kernel):
   )
 
 
-@pytest.mark.parametrize("attention", ["splash", "pallas"])
+@pytest.mark.parametrize("attention", ["splash"])
 def test_fused_kernel_on_a_mesh_runs_per_shard_and_equals_xla(attention):
   """Rows over data (4), heads over tensor (2): each device runs the kernel on its own rows and heads."""
   from sparsetx.parallel import logical_rules
@@ -138,7 +138,7 @@ def packed_batch(T=40):
   return tokens, jnp.asarray(positions), segments
 
 
-@pytest.mark.parametrize("attention", ["splash", "pallas"])
+@pytest.mark.parametrize("attention", ["splash"])
 def test_model_with_fused_attention_matches_xla_and_runs_the_kernel(attention):
   tokens, positions, segments = packed_batch()
   fused, reference = Transformer(model_config(attention)), Transformer(model_config("xla"))
@@ -171,7 +171,7 @@ def test_model_with_fused_attention_matches_xla_and_runs_the_kernel(attention):
 
 def test_decoding_with_a_fused_attention_config_equals_the_full_forward():
   """Decode calls use the XLA path over the cache; their logits equal the fused kernel's full forward."""
-  model = Transformer(model_config("pallas"))
+  model = Transformer(model_config("splash"))
   tokens = jax.random.randint(jax.random.key(4), (1, 24), 0, 259)
   variables = jax.jit(model.init)(jax.random.key(0), tokens)
   full = jax.jit(model.apply)(variables, tokens)
@@ -194,7 +194,6 @@ def test_auto_picks_cudnn_on_gpu_splash_on_tpu_xla_on_cpu():
     assert attention_lib.resolve("auto", jnp.float32) == "xla"  # cuDNN has no float32 kernel
   with aot.on_topology("v5p:2x2x1"):
     assert attention_lib.resolve("auto", jnp.float32) == "splash"
-    assert attention_lib.resolve("pallas", jnp.float32) == "pallas"
 
 
 @pytest.mark.parametrize(
@@ -253,9 +252,17 @@ def test_cuda_lowering_runs_cudnn_flash_attention_forward_and_backward(monkeypat
   assert logits_shape() not in text  # cuDNN does not
 
 
-def test_cuda_lowering_of_pallas_attention_is_triton(monkeypatch):
-  text = lowered_train_grads("cuda", "pallas")
-  assert "__gpu$xla.gpu.triton" in text and "mha_forward" in text and "mosaic_gpu" not in text
+def test_the_retired_pallas_attention_names_its_replacement():
+  """JAX deprecated its Pallas GPU attention: a config naming it is one line naming cuDNN's; a saved one reads as auto."""
+  from sparsetx.train import checkpointing
+
+  config = load_config("configs/tiny.py", "mlp")
+  config.model.attention = "pallas"
+  with pytest.raises(config_lib.ConfigError, match=r"config.model.attention='pallas' is retired .* use 'cudnn'"):
+    config_lib.validate(config)
+  saved = config_lib.default_config().to_dict()
+  saved["model"]["attention"] = "pallas"
+  assert checkpointing.config_from_saved(saved).model.attention == "auto"
 
 
 def test_tpu_lowering_runs_splash_attention_forward_and_backward(monkeypatch):

@@ -62,6 +62,11 @@ def in_repo(monkeypatch):
     (["--config.trian.steps=10"], "config has no field 'trian'; did you mean --config.train?"),
     (["--config.train.steps.x=1"], "config.train.steps is a value (300), not a section"),
     (
+      ["--config.model.ffn.kernel.gpu_kernel=mosaic"],
+      "error: --config.model.ffn.kernel.gpu_kernel: kernel.gpu_kernel is retired; one knob names the "
+      "implementation on every platform: --config.model.ffn.kernel.implementation=NAME",
+    ),
+    (
       ["--config.train.steps=ten"],
       "error: --config.train.steps='ten' is not an integer; give one such as --config.train.steps=300.",
     ),

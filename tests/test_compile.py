@@ -145,9 +145,9 @@ def assert_sparse_kernels(found: dict, ffn_type: str, target: str, mosaic_rows: 
     assert GROUPED_KERNELS[target] <= set(found) and not ROW_KERNELS & set(found), found
   elif ffn_type not in GATHER_TYPES:
     assert not ROW_KERNELS & set(found) and "mosaic_gpu" not in found, found
-  elif mosaic_rows:  # kernel.gpu_kernel=mosaic on Hopper: two layers' forward, backward and table gradients
+  elif mosaic_rows:  # kernel.implementation=mosaic on Hopper: two layers' forward, backward and table gradients
     assert found.get("mosaic_gpu", 0) >= 12 and not ROW_KERNELS & set(found), found
-  else:  # Triton on GPUs (kernel.gpu_kernel=auto: registry.DEFAULT_ORDER), Mosaic TPU on TPU
+  else:  # Triton on GPUs (kernel.implementation=auto: registry.DEFAULT_ORDER), Mosaic TPU on TPU
     assert ROW_KERNELS <= set(found), found
 
 
@@ -279,7 +279,7 @@ def test_each_placement_compiles_with_bf16_on_the_wire(ffn_type, ici, placement,
     config.mesh.rules = logical_rules.D_MODEL_SPLIT_RULES + tuple(tuple(r) for r in config.mesh.rules)
   mosaic_rows = target == "h100" and ffn_type != "moe"  # every placement's row kernels also compile in Mosaic GPU
   if mosaic_rows:
-    config.model.ffn.kernel.gpu_kernel = "mosaic"
+    config.model.ffn.kernel.implementation = "mosaic"
   step = compiled(config, target)
   text = step.text
   assert_sparse_kernels(kernels(text), ffn_type, target, mosaic_rows)
@@ -329,10 +329,10 @@ def test_micro_batches_compile_with_the_gradient_reduced_after_the_loop(ffn_type
 @pytest.mark.slow
 def test_a_ladder_rung_compiles_for_hopper_with_mosaic_gpu_row_kernels():
   """configs/ladder.py:sgatlin,2 (d_model 256, 16 x 8 slots, GPT-2's vocabulary, 2,048 tokens a row) with
-  kernel.gpu_kernel=mosaic on 4 H100s: every row kernel compiles through ptxas for sm_90a at the tiling it picks
+  kernel.implementation=mosaic on 4 H100s: every row kernel compiles through ptxas for sm_90a at the tiling it picks
   for the device (kernels/mosaic_tiling.py), one sequence a device."""
   config = load_config("configs/ladder.py", "sgatlin,2")
-  config.model.ffn.kernel.update(implementation="pallas", gpu_kernel="mosaic")
+  config.model.ffn.kernel.update(implementation="mosaic")
   config.data.update(global_batch_size=4, eval_batch_size=4)
   config.mesh.ici.update(data=4, fsdp=1, tensor=1, expert=1)
   step = compiled(config, "h100")
@@ -342,11 +342,11 @@ def test_a_ladder_rung_compiles_for_hopper_with_mosaic_gpu_row_kernels():
 
 
 def test_row_order_dots_compile_for_the_h200_in_place_of_row_dots():
-  """kernel.gpu_kernel=triton_row_order (registry.py's one line for backend.RowOrderDots): sgatlin's step compiled
+  """kernel.implementation=triton_row_order (registry.py's one line for backend.RowOrderDots): sgatlin's step compiled
   for one H200 takes its per-pair dots by row, forward and backward, two per layer, and no token-order row_dots;
   each launch sits in its part."""
   config = compile_config("sgatlin", data=1)
-  config.model.ffn.kernel.update(implementation="pallas", gpu_kernel="triton_row_order")
+  config.model.ffn.kernel.update(implementation="triton_row_order")
   program, _, _ = aot.compile_for_topology(config_lib.validate(config), "h200:1x1x1")
   found = kernels(program.as_text())
   assert found.get("row_order_dots") == 2 * config.model.n_layers and "row_dots" not in found, found
@@ -355,10 +355,10 @@ def test_row_order_dots_compile_for_the_h200_in_place_of_row_dots():
 
 
 def test_the_fused_forward_compiles_for_the_h200_in_place_of_the_forwards_row_kernels():
-  """kernel.gpu_kernel=triton_fused (registry.py's one line for backend.FusedForward): sgatlin's step compiled for
+  """kernel.implementation=triton_fused (registry.py's one line for backend.FusedForward): sgatlin's step compiled for
   one H200 takes each layer's forward as one Triton kernel; the backward keeps its row_dots and row_accumulate."""
   config = compile_config("sgatlin", data=1)
-  config.model.ffn.kernel.update(implementation="pallas", gpu_kernel="triton_fused")
+  config.model.ffn.kernel.update(implementation="triton_fused")
   program, _, _ = aot.compile_for_topology(config_lib.validate(config), "h200:1x1x1")
   found = kernels(program.as_text())
   layers = config.model.n_layers

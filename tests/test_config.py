@@ -38,3 +38,46 @@ def test_bad_config_names_the_field(model, field):
   message = str(error.value)
   assert message.startswith(field + "="), message
   assert message.count(".") >= 2 and "\n" not in message
+
+
+@pytest.mark.parametrize(
+  "old, new",
+  [
+    (dict(implementation="pallas"), "triton,mosaic,tpu"),
+    (dict(implementation="pallas", gpu_kernel="mosaic"), "mosaic,tpu"),
+    (dict(implementation="auto", gpu_kernel="triton_row_order"), "triton_row_order,tpu"),
+    (dict(implementation="xla", gpu_kernel="auto"), "xla"),
+    (dict(implementation="auto", gpu_kernel="auto"), "auto"),
+  ],
+)
+def test_the_retired_kernel_knobs_name_the_one_that_replaced_them(old, new):
+  """A config written with the family value and kernel.gpu_kernel: one line naming the new value; the same config
+  saved in a workdir reads under it."""
+  from sparsetx.train import checkpointing
+
+  config = _config(ffn=dict(type="sgatlin"))
+  config.model.ffn.kernel.update(old)
+  if new != "auto" and new != "xla":
+    with pytest.raises(config_lib.ConfigError) as error:
+      config_lib.validate(config)
+    assert f"config.model.ffn.kernel.implementation={new!r}" in str(error.value) and "\n" not in str(error.value)
+  saved = config_lib.default_config().to_dict()
+  saved["model"]["ffn"]["kernel"].update(old)
+  kernel = checkpointing.config_from_saved(saved).model.ffn.kernel
+  assert kernel.implementation == new and "gpu_kernel" not in kernel
+  config_lib.validate(checkpointing.config_from_saved(saved))
+
+
+def test_an_implementation_the_registry_lacks_is_one_line_at_setup():
+  from sparsetx.train import state as state_lib
+
+  config = _config(ffn=dict(type="sgatlin"))
+  config.model.ffn.kernel.implementation = "triton,cuda"
+  with pytest.raises(
+    config_lib.ConfigError,
+    match="config.model.ffn.kernel.implementation: kernel implementation='cuda' is unknown; use auto, reference, one of mosaic, triton",
+  ):
+    state_lib.setup(config_lib.validate(config))
+  config.model.ffn.kernel.implementation = "Triton!"
+  with pytest.raises(config_lib.ConfigError, match=r"config.model.ffn.kernel.implementation='Triton!' must be auto"):
+    config_lib.validate(config)

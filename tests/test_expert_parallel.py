@@ -208,7 +208,7 @@ def test_row_kernels_on_a_mesh_equal_the_official_formula(ffn_type, mesh_name):
   _, params, x, probe, (want_y, want_grads) = case(ffn_type, activation)
   name = ffn_type.split("_")[0]
   extra = dict(activation=activation) if name == "sgatlin" else {}
-  kernel = dict(implementation="pallas", gpu_kernel="triton")
+  kernel = dict(implementation="triton")
   layer = FFN_LAYERS[name](layer_model_config(name, d_model=D, **LAYERS[ffn_type], **extra, kernel=kernel))
   mesh = make_mesh(**MESHES[mesh_name])
   rules = RULES.get((ffn_type, mesh_name), RULES.get(ffn_type, config_lib.DEFAULT_RULES))

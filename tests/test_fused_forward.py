@@ -28,7 +28,7 @@ from sparsetx.train import aot
 U32, U64 = 2.0**-24, 2.0**-53
 UNIT = {np.dtype(np.float32): U32, np.dtype(ml_dtypes.bfloat16): 2.0**-8}
 DESIGNS = [i for i in registry.ROWS if isinstance(i, FusedForward)]
-OPTIONS = KernelOptions("pallas", interpret=True, block_tokens=4, token_chunk=4)
+OPTIONS = KernelOptions("triton", interpret=True, block_tokens=4, token_chunk=4)
 
 
 def gamma(n):
@@ -107,9 +107,9 @@ def test_the_tpu_fused_forward_refuses_rows_wider_than_its_buffers_and_the_next_
   fused = registry.by_name("rows", "tpu_fused")
   with aot.on_topology("v5p:2x2x1"):
     device = target()
-    fused.refuse(device, KernelOptions("pallas"), dict(tokens=4096, d_model=512, slots=128, dtype="bfloat16"))
+    fused.refuse(device, KernelOptions("triton"), dict(tokens=4096, d_model=512, slots=128, dtype="bfloat16"))
     with pytest.raises(NotImplementedError, match="128 slots of whole 8192-wide rows do not fit"):
-      fused.refuse(device, KernelOptions("pallas"), dict(tokens=4096, d_model=8192, slots=128, dtype="bfloat16"))
+      fused.refuse(device, KernelOptions("triton"), dict(tokens=4096, d_model=8192, slots=128, dtype="bfloat16"))
 
 
 @pytest.mark.parametrize("approximate", [True, False])
@@ -121,7 +121,7 @@ def test_the_tpu_fused_forward_composes_its_row_kernels_where_it_cannot_lower_th
 
   def forward(x, w_in, w_out, rows, gates):
     gelu = lambda h: jax.nn.gelu(h, approximate=approximate)  # noqa: E731
-    return gated_gather(x, w_in, w_out, rows, gates, gelu, options=KernelOptions("pallas"), implementation=fused)
+    return gated_gather(x, w_in, w_out, rows, gates, gelu, options=KernelOptions("triton"), implementation=fused)
 
   table = spec((512, 256), jnp.bfloat16)
   args = (spec((1, 64, 256), jnp.bfloat16), table, table, spec((1, 64, 16), jnp.int32), spec((1, 64, 16), jnp.float32))

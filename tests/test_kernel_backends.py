@@ -45,7 +45,7 @@ def test_mosaic_row_kernels_pad_their_own_tokens():
   table = jax.random.normal(k[1], (n_rows, d_model), jnp.float32)
   rows_SN = jax.random.randint(k[2], (n_slots, n_tokens), 0, n_rows)
   coef_SN = jax.random.normal(k[3], (n_slots, n_tokens), jnp.float32)
-  options = KernelOptions("pallas", gpu_kernel="mosaic", interpret=True)
+  options = KernelOptions("mosaic", interpret=True)
   dots = np.asarray(mosaic_gpu.row_dots(lhs, table, rows_SN, options))
   out = np.asarray(mosaic_gpu.row_accumulate(coef_SN, table, rows_SN, jnp.float32, options))
   lhs64, table64, rows, coef = (np.asarray(a, np.float64) for a in (lhs, table, rows_SN, coef_SN))

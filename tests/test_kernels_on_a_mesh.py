@@ -20,7 +20,7 @@ def test_pallas_gated_gather_on_a_mesh_equals_one_device(ici):
   """Loss and every gradient (x, both tables, gates, bias) agree; the kernels ran in a shard_map manual over every
   mesh axis (the table gradients summed over the devices by its transpose)."""
   x, w_in, w_out, rows, gates, bias = gather_case(11, 8, 4, 2, 2, 5, 16)
-  options = KernelOptions("pallas", block_tokens=4, interpret=True)
+  options = KernelOptions("triton", block_tokens=4, interpret=True)
   fn = lambda *a: gated_gather(*a[:5], ACTIVATIONS["gelu"], a[5], options)  # noqa: E731
   expected = value_and_grads(fn, x, w_in, w_out, rows, gates, bias)
   B, T = x.shape[:2]

@@ -40,7 +40,7 @@ def test_pallas_gpu_kernels_equal_xla_path(shape, dtype, activation, with_bias, 
     lambda *a: gated_gather(*a[:5], act, a[5], options), x, w_in, w_out, rows, gates, bias
   )
   assert_same_loss_and_grads(
-    run(KernelOptions("pallas", block_tokens=block_tokens, interpret=True)),
+    run(KernelOptions("triton", block_tokens=block_tokens, interpret=True)),
     run(KernelOptions("xla", token_chunk=4, pair_chunk=16)),
     rtol,
   )
@@ -53,7 +53,7 @@ def test_pallas_tpu_kernels_equal_xla_path_in_interpret_mode():
   x, w_in, w_out, rows, gates, bias = gather_case(5, 1, 11, 3, 2, 5, 16)
   x, rows, gates = x.reshape(11, 16), rows.reshape(11, 6), gates.reshape(11, 6)
   act = Gating(ACTIVATIONS["gelu"])  # the backends take the op's gating (activation and gate position)
-  options = KernelOptions("pallas", token_chunk=4, block_tokens=4, interpret=True)
+  options = KernelOptions("triton", token_chunk=4, block_tokens=4, interpret=True)
   y_t, h_t = row_gather.forward(pallas_tpu, x, w_in, w_out, rows, gates, bias, act, options)
   y_x, h_x = xla_gather.forward(x, w_in, w_out, rows, gates, bias, act, options)
   np.testing.assert_allclose(y_t, y_x, rtol=1e-5, atol=1e-5)
@@ -84,7 +84,7 @@ def test_mosaic_gpu_kernels_equal_xla_path(shape, dtype, activation, with_bias, 
   run = lambda options: value_and_grads(
     lambda *a: gated_gather(*a[:5], act, a[5], options), x, w_in, w_out, rows, gates, bias
   )
-  mosaic = KernelOptions("pallas", gpu_kernel="mosaic", block_d=block_d, stages=stages, interpret=True)
+  mosaic = KernelOptions("mosaic", block_d=block_d, stages=stages, interpret=True)
   mosaic_result = run(mosaic)
   assert not mosaic_gpu.races_found()  # in the last kernel (backward dx); each kernel alone: the test below
   assert_same_loss_and_grads(mosaic_result, run(KernelOptions("xla", token_chunk=4, pair_chunk=16)), rtol)
@@ -112,7 +112,7 @@ def test_mosaic_gpu_forward_from_given_pre_activations_equals_xla_path():
   y = {
     name: gated_gather(x, w_in, w_out, rows, gates, act, bias, options, pre_activation=h)
     for name, options in [
-      ("mosaic", KernelOptions("pallas", gpu_kernel="mosaic", block_d=32, interpret=True)),
+      ("mosaic", KernelOptions("mosaic", block_d=32, interpret=True)),
       ("xla", KernelOptions("xla")),
     ]
   }
@@ -125,7 +125,7 @@ def test_mosaic_gpu_forward_from_given_pre_activations_equals_xla_path():
 )
 def test_mosaic_gpu_kernels_lower_for_cuda(n_slots, block_d, stages):
   """Lowering for an H100 on CPU runs Mosaic GPU's own checks (register layouts, transfer plans, TMA boxes)."""
-  options = KernelOptions("pallas", gpu_kernel="mosaic", block_d=block_d, stages=stages)
+  options = KernelOptions("mosaic", block_d=block_d, stages=stages)
   n_tokens, n_rows, d_model = 2048, 4096, 768
   spec = jax.ShapeDtypeStruct
   table, x = spec((n_rows, d_model), jnp.float32), spec((n_tokens, d_model), jnp.bfloat16)
@@ -147,6 +147,7 @@ def test_each_device_takes_the_first_implementation_that_accepts_it_in_the_defau
   from sparsetx.kernels.device import TracedDevice
 
   cpu, a100 = TracedDevice("cpu", "cpu", None), TracedDevice("gpu", "NVIDIA A100-SXM4-80GB", 108)
+  tpu = TracedDevice("tpu", "TPU v5", 2)
   h200 = TracedDevice("gpu", "NVIDIA H200", 132)
   bf16_64 = dict(dtype="bfloat16", k=64, n=128)
 
@@ -155,16 +156,19 @@ def test_each_device_takes_the_first_implementation_that_accepts_it_in_the_defau
       return registry.resolve(op, options, "any", call).name
 
   assert chosen("rows", KernelOptions(), cpu) == "xla"
-  assert chosen("rows", KernelOptions("pallas"), cpu) == "triton"  # off GPU, Triton's faster interpreter
+  assert chosen("rows", KernelOptions("triton"), cpu) == "triton"  # named: off its GPU, interpreted
+  assert chosen("rows", KernelOptions("mosaic,tpu"), cpu) == "xla"  # a list: each on its own platform
   assert chosen("rows", KernelOptions(), h200) == "triton"
-  assert chosen("rows", KernelOptions(gpu_kernel="mosaic"), h200) == "mosaic"
+  assert chosen("rows", KernelOptions("mosaic"), h200) == "mosaic"
+  assert chosen("rows", KernelOptions("mosaic,tpu"), tpu) == "tpu"
+  assert chosen("grouped_matmul", KernelOptions("triton_row_order"), h200, bf16_64) == "triton"  # its family's
   assert chosen("grouped_matmul", KernelOptions(), h200, bf16_64) == "mosaic"
   assert chosen("grouped_matmul", KernelOptions(), h200, bf16_64 | {"dtype": "float32"}) == "triton"
   assert chosen("grouped_matmul", KernelOptions(), a100, bf16_64) == "triton"  # before Hopper
   with pytest.raises(NotImplementedError, match="mosaic: it needs a Hopper or newer GPU"):
-    chosen("rows", KernelOptions(gpu_kernel="mosaic"), a100)
-  with pytest.raises(ValueError, match="gpu_kernel='cuda' is unknown"):
-    chosen("rows", KernelOptions(gpu_kernel="cuda"), a100)
+    chosen("rows", KernelOptions("mosaic"), a100)
+  with pytest.raises(ValueError, match="implementation='cuda' is unknown"):
+    chosen("rows", KernelOptions("cuda"), a100)
 
 
 def test_bf16_run_streams_bf16_tables_with_float32_table_gradients():
@@ -177,7 +181,7 @@ def test_bf16_run_streams_bf16_tables_with_float32_table_gradients():
   give |error| <= 4 u * (the same sum over absolute values), plus float32 summation (negligible at these sizes)."""
   x, w_in, w_out, rows, gates, _ = gather_case(11, 1, 13, 3, 2, 5, 128, dtype=jnp.bfloat16)
   dy = jax.random.normal(jax.random.key(12), x.shape, jnp.float32)
-  options = KernelOptions("pallas", gpu_kernel="triton", interpret=True)
+  options = KernelOptions("triton", interpret=True)
 
   def loss(w_in, w_out):
     return jnp.sum(gated_gather(x, w_in, w_out, rows, gates, options=options).astype(jnp.float32) * dy)

@@ -34,7 +34,7 @@ from sparsetx.train import aot
 
 EPS32 = 2.0**-24
 EPS_BF16 = 2.0**-8
-OPTIONS = KernelOptions("pallas", interpret=True)
+OPTIONS = KernelOptions("tpu", interpret=True)
 
 
 def as64(a):
@@ -175,7 +175,7 @@ TOPOLOGY = {"v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
 def kernel_programs(n_tokens, n_slots, d_model, n_rows, dtype):
   """{name: (fn, *abstract args)} of the three row kernels at a shape, tables and tokens in `dtype`."""
   spec = jax.ShapeDtypeStruct
-  options = KernelOptions("pallas")
+  options = KernelOptions("tpu")
   rows, table = spec((n_slots, n_tokens), jnp.int32), spec((n_rows, d_model), dtype)
   return {
     "row_dots": (lambda x, w, r: pallas_tpu.row_dots(x, w, r, options), spec((n_tokens, d_model), dtype), table, rows),
@@ -225,7 +225,7 @@ def test_the_fused_forward_compiles_for_tpu_where_its_whole_rows_fit(chip, dtype
     for d_model in D_MODELS:
       table = spec((4096, d_model), dtype)
       args = (spec((1000, d_model), dtype), table, table, spec((1000, 128), jnp.int32), spec((1000, 128), jnp.float32))
-      fused = lambda *a: pallas_tpu.fused_forward(*a, jnp.ones((4096,)), gating, KernelOptions("pallas"))  # noqa: E731
+      fused = lambda *a: pallas_tpu.fused_forward(*a, jnp.ones((4096,)), gating, KernelOptions("tpu"))  # noqa: E731
       if pallas_tpu.fused_fits(128, d_model, jnp.dtype(dtype).itemsize):
         jax.jit(fused).trace(*args).lower().compile()
         compiled.append(d_model)
@@ -245,7 +245,7 @@ def test_the_row_order_dots_compile_for_tpu(chip):
     for d_model, dtype in ((640, jnp.bfloat16), (8192, jnp.float32)):
       pairs = spec((128 * 1000,), jnp.int32)
       args = (spec((1000, d_model), dtype), spec((4096, d_model), dtype), pairs, pairs, spec((4097,), jnp.int32))
-      dots = lambda *a: pallas_tpu.row_order_dots(*a, KernelOptions("pallas"))  # noqa: E731
+      dots = lambda *a: pallas_tpu.row_order_dots(*a, KernelOptions("tpu"))  # noqa: E731
       jax.jit(dots).trace(*args).lower().compile()
 
 
@@ -264,7 +264,7 @@ def test_row_kernels_lower_for_tpu_with_a_sequential_double_buffered_grid(chip, 
   """Each kernel is one tpu_custom_call; the row kernels' grid is (cores, steps) with the steps in order
   ("arbitrary": step j starts step j + 1's copies) and one in-order chain per TensorCore of the chip."""
   spec = jax.ShapeDtypeStruct
-  options = KernelOptions("pallas")
+  options = KernelOptions("tpu")
   rows, table = spec((S, N), jnp.int32), spec((R, D), jnp.bfloat16)
   kernels = {
     "row_dots": (lambda x, w, r: pallas_tpu.row_dots(x, w, r, options), spec((N, D), jnp.bfloat16), table, rows),

@@ -44,7 +44,7 @@ def assert_within(got, exact, bound, name):
 
 
 def options(block_tokens):
-  return KernelOptions("pallas", block_tokens=block_tokens, interpret=True)
+  return KernelOptions("triton", block_tokens=block_tokens, interpret=True)
 
 
 # (tokens N, slots S, table rows R, d_model D, lhs / out dtype, table dtype, block_tokens): ragged N, S not a
@@ -165,7 +165,7 @@ def test_row_kernels_lower_for_cuda_at_ladder_shapes(d):
     return result
 
   def kernels(lhs_ND, table_RD, rows_SN, coef_SN, tokens_P, coefs_P, starts_R1):
-    o = KernelOptions("pallas", gpu_kernel="triton")
+    o = KernelOptions("triton")
     return (
       pallas_gpu.row_dots(lhs_ND, table_RD, rows_SN, o),
       pallas_gpu.row_accumulate(coef_SN, table_RD, rows_SN, jnp.bfloat16, o),

@@ -30,21 +30,21 @@ from sparsetx.train import aot
 FFN_TYPES = ("mlp", "swiglu", "moe", "peer", "sgatlin", "fff")
 GATHER_TYPES = ("peer", "sgatlin", "fff")
 N_LAYERS = 2
-TARGETS = {  # name: (topology of 8 devices, kernel.gpu_kernel)
-  "cuda-triton": ("a100:1x1x8", "auto"),
+TARGETS = {  # name: (topology of 8 devices, kernel.implementation)
+  "cuda-triton": ("a100:1x1x8", "triton"),
   "cuda-mosaic": ("h100:1x1x8", "mosaic"),  # auto takes Triton rows first (registry.DEFAULT_ORDER)
-  "tpu-v5p": ("v5p:2x2x2", "auto"),
-  "tpu-v6e": ("v6e:2x4", "auto"),
+  "tpu-v5p": ("v5p:2x2x2", "tpu"),
+  "tpu-v6e": ("v6e:2x4", "tpu"),
 }
 TRITON, TPU = "__gpu$xla.gpu.triton", "tpu_custom_call"
 
 
-def lowering_config(ffn_type: str, gpu_kernel: str = "auto", block: str = "sequential"):
+def lowering_config(ffn_type: str, implementation: str = "triton,tpu", block: str = "sequential"):
   config = load_config("configs/tiny.py", ffn_type)
   config.model.update(d_model=128, n_layers=N_LAYERS, head_dim=64, max_len=64, dtype="bfloat16", block=block)
   config.data.update(seq_len=64, global_batch_size=2, eval_batch_size=2)
   if ffn_type in GATHER_TYPES:
-    config.model.ffn.kernel.update(implementation="pallas", gpu_kernel=gpu_kernel)
+    config.model.ffn.kernel.update(implementation=implementation)
   config_lib.validate(config)
   return config
 
@@ -108,17 +108,17 @@ def cases(targets):
 @pytest.mark.parametrize("ffn_type, target", cases(TARGETS))
 def test_train_step_with_the_parallel_block_lowers_with_the_gated_gather_kernels(ffn_type, target):
   """The parallel block (attention and feed-forward side by side); the sequential one: tests/test_compile.py."""
-  topology, gpu_kernel = TARGETS[target]
-  text = aot.lower_train_step(lowering_config(ffn_type, gpu_kernel, "parallel"), topology)
+  topology, implementation = TARGETS[target]
+  text = aot.lower_train_step(lowering_config(ffn_type, implementation, "parallel"), topology)
   assert gather_kernels(text, target) == expected_kernels(ffn_type, target, "train")
 
 
 @pytest.mark.parametrize("program", ["eval", "generate"])
 @pytest.mark.parametrize("ffn_type, target", cases(["cuda-triton", "cuda-mosaic", "tpu-v5p"]))
 def test_eval_and_decoding_lower_with_the_gated_gather_kernels(ffn_type, target, program):
-  topology, gpu_kernel = TARGETS[target]
+  topology, implementation = TARGETS[target]
   lower = aot.lower_eval_step if program == "eval" else decoding_aot.lower_generate
-  text = lower(lowering_config(ffn_type, gpu_kernel), topology)
+  text = lower(lowering_config(ffn_type, implementation), topology)
   assert gather_kernels(text, target) == expected_kernels(ffn_type, target, program)
 
 
@@ -127,9 +127,9 @@ def test_eval_and_decoding_lower_with_the_gated_gather_kernels(ffn_type, target,
 @pytest.mark.parametrize("target", ["cuda-triton", "tpu-v5p"])
 def test_kernels_lower_with_every_activation(target, activation, gate_inside):
   """Every activation and gate position lowers around the row kernels (the per-slot arithmetic stays in XLA)."""
-  topology, gpu_kernel = TARGETS[target]
+  topology, implementation = TARGETS[target]
   act = (lambda h: jax.nn.gelu(h, approximate=True)) if activation == "gelu_tanh" else ACTIVATIONS[activation]
-  options = KernelOptions("pallas", gpu_kernel=gpu_kernel)
+  options = KernelOptions(implementation)
   spec = jax.ShapeDtypeStruct
   x, table = spec((64, 128), jnp.bfloat16), spec((256, 128), jnp.float32)
   rows, gates, bias = spec((64, 16), jnp.int32), spec((64, 16), jnp.float32), spec((256,), jnp.float32)
@@ -160,7 +160,7 @@ def test_kernels_lower_with_every_activation(target, activation, gate_inside):
 def test_programs_traced_on_a_topology_take_its_device(topology, device):
   """kernels/platform.target reads the active mesh's devices: the chip and its cores for Pallas TPU, a GPU's
   shared memory per block for Mosaic GPU's tilings, Mosaic GPU's grouped matmul from Hopper on
-  (kernel.gpu_kernel=auto); outside, this machine's CPU again."""
+  (kernel.implementation=auto); outside, this machine's CPU again."""
   with aot.on_topology(topology):
     assert platform.target() == device
     call = dict(dtype="bfloat16", k=64, n=64)
@@ -196,8 +196,8 @@ def test_custom_calls_table():
 @pytest.mark.parametrize("ffn_type, target", [("sgatlin", "tpu-v5p"), ("fff", "tpu-v6e"), ("peer", "cuda-triton")])
 def test_train_step_lowers_on_a_mesh_with_each_device_on_its_tokens(ffn_type, target, ici):
   """On a mesh the kernels sit in a shard_map (Pallas TPU lowers nothing else) and see one device's tokens."""
-  topology, gpu_kernel = TARGETS[target]
-  config = lowering_config(ffn_type, gpu_kernel)
+  topology, implementation = TARGETS[target]
+  config = lowering_config(ffn_type, implementation)
   config.data.update(global_batch_size=8, eval_batch_size=8)
   config.model.attention = "xla"  # the subject is the gated gather; fused attention on a mesh: test_attention.py
   config.mesh.ici.update(data=1, fsdp=1, tensor=1, expert=1)
@@ -226,8 +226,8 @@ def test_per_device_microbatch_loop_lowers_for_tpu_with_its_kernels(ffn_type, ic
   tables entering as each device's blocks (placement expert) or whole (fsdp, data: config.model.ffn.placement);
   Pallas TPU lowers a kernel only where every mesh axis is manual: the program lowers for TPU with one forward
   and one backward of kernels per layer, as without the loop, and the kernels read bf16 rows."""
-  topology, gpu_kernel = TARGETS["tpu-v5p"]
-  config = lowering_config(ffn_type, gpu_kernel)
+  topology, implementation = TARGETS["tpu-v5p"]
+  config = lowering_config(ffn_type, implementation)
   config.model.ffn.placement = placement
   config.data.update(global_batch_size=16, eval_batch_size=16)
   config.train.microbatches = 2
@@ -266,10 +266,10 @@ def test_sparse_train_step_has_no_loop_that_grows_with_tokens_and_streams_bf16_t
   LOOP_TRIP_BOUND trips (the CPU's cache-sized scans stay on the CPU), and a bf16 run hands the kernels bf16
   operands: tables, tokens and gradients (every [rows, d_model] operand is bf16 but the cut rows' float32
   partial sums)."""
-  topology, gpu_kernel = TARGETS[target]
+  topology, implementation = TARGETS[target]
   loops = {}
   for tokens in TOKENS_PER_DEVICE:
-    config = lowering_config(ffn_type, gpu_kernel)
+    config = lowering_config(ffn_type, implementation)
     config.data.update(seq_len=512, global_batch_size=tokens // 512)
     config.model.max_len = 512
     text = aot.lower_train_step(config_lib.validate(config), topology)

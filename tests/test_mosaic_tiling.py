@@ -88,7 +88,7 @@ def test_the_acceptance_case_drops_a_stage_where_three_do_not_fit():
 def test_a_kernel_no_tiling_fits_is_refused_in_one_line():
   with pytest.raises(ValueError, match="row_dots kernel needs .* bytes of shared memory at its smallest tiling") as e:
     row_dots_case(512, 256, jnp.dtype(jnp.bfloat16), KernelOptions())  # 512 slots: 256 KiB of rows and dots alone
-  assert "kernel.gpu_kernel='triton'" in str(e.value) and "\n" not in str(e.value)
+  assert "kernel.implementation='triton'" in str(e.value) and "\n" not in str(e.value)
   with pytest.raises(ValueError, match="d_model=96 has no chunk <= kernel.block_d=128"):
     row_dots_case(8, 96, jnp.dtype(jnp.bfloat16), KernelOptions())
 

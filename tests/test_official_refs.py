@@ -50,9 +50,7 @@ def backend(request, monkeypatch):
     monkeypatch.setattr(
       registry,
       "rows",
-      lambda options, key, call=None: (
-        chosen if options.implementation == "pallas" else real("rows", options, key, call)
-      ),
+      lambda options, key, call=None: chosen if options.implementation == name else real("rows", options, key, call),
     )
   return BACKENDS[name]
 
@@ -181,7 +179,7 @@ def test_identity_is_the_paper_layer_bit_for_bit_in_either_gate_position():
     ("fff", "sparse", "xla"),
     ("fff_post", "sparse", "xla"),
     ("fff", "masked_dense", "xla"),
-    ("fff", "sparse", "pallas"),
+    ("fff", "sparse", "triton"),
   ],
 )
 def test_fff_equals_a_per_token_tree_walk(variant, implementation, kernel):
@@ -196,7 +194,7 @@ def test_fff_equals_a_per_token_tree_walk(variant, implementation, kernel):
     n_trees=n_trees,
     variant=variant,
     implementation=implementation,
-    kernel=dict(implementation=kernel, gpu_kernel="triton"),
+    kernel=dict(implementation=kernel),
   )
   layer = Fff(cfg)
   x = jax.random.normal(jax.random.key(5), (2, 6, d_model))

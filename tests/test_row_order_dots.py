@@ -20,7 +20,7 @@ from sparsetx.train import aot
 
 U32, U64 = 2.0**-24, 2.0**-53
 DESIGNS = [i for i in registry.ROWS if isinstance(i, RowOrderDots)]
-OPTIONS = KernelOptions("pallas", interpret=True, pair_chunk=8)  # XLA's pairs in chunks of 8 on the CPU
+OPTIONS = KernelOptions("triton", interpret=True, pair_chunk=8)  # XLA's pairs in chunks of 8 on the CPU
 
 
 def sum_bound(n, abs_sum):

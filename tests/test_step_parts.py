@@ -18,7 +18,7 @@ GAPS = 0.3  # the most of a run's span no op runs in (launches between ops, the 
 
 
 def small_args():
-  args = types.SimpleNamespace(scale=None, batch=4, seq_len=None, dtype=None, small=True, gpu_kernel=None)
+  args = types.SimpleNamespace(scale=None, batch=4, seq_len=None, dtype=None, small=True, implementation=None)
   return step_bench.with_defaults(args)
 
 

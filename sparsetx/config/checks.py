@@ -34,6 +34,11 @@ from sparsetx.config.schema import (
 
 def validate_attention(model, prefix: str = "config.model") -> None:
   attention = model.get("attention", "auto")  # configs saved before the field: auto
+  _require(
+    attention != "pallas",
+    f"{prefix}.attention='pallas' is retired (JAX deprecated its Pallas GPU attention for tokamax's); use 'cudnn' "
+    "on a GPU (what 'auto' takes there in bf16) or 'auto'.",
+  )
   _one_of(f"{prefix}.attention", attention, ATTENTION_IMPLEMENTATIONS)
   if attention == "cudnn":
     _require(

@@ -6,6 +6,7 @@ fields and allowed values are checked by its own function here (`FFN_CHECKS`), w
 """
 
 import math
+import re
 
 import ml_collections
 
@@ -18,19 +19,10 @@ SGATLIN_ACTIVATIONS = ("identity", "relu", "gelu", "swish")
 SGATLIN_ROUTERS = ("product", "peer")
 FFF_VARIANTS = ("fff", "fff_post")
 FFF_IMPLEMENTATIONS = ("sparse", "masked_dense")
-KERNEL_IMPLEMENTATIONS = (
-  "xla",
-  "pallas",
-  "auto",
-  "reference",
-)  # sparsetx/kernels/registry.py
-GPU_KERNELS = (
-  "auto",
-  "mosaic",
-  "triton",
-  "triton_row_order",
-  "triton_fused",
-)  # registry.py's GPU implementations (it checks)
+# config.model.ffn.kernel.implementation: auto | reference | a registry name | an ordered list "a,b" of names; the
+# names are the registry's (kernels/registry.py checks them when a step is set up: config imports nothing above it)
+KERNEL_CHOICES = ("auto", "reference")
+_NAME = re.compile(r"^[a-z][a-z0-9_]*(@[a-z_]+=\d+(,[a-z_]+=\d+)*)?$")
 
 
 def n_keys_for(d_ffw: int, field: str = "config.model.ffn.d_ffw") -> int:
@@ -72,11 +64,40 @@ def _check_product_keys(ffn, prefix: str, peer_router: bool) -> None:
   _check_gelu_choice(ffn, prefix)
 
 
+def implementation_for_retired(implementation: str, gpu_kernel: str | None = "auto") -> str:
+  """The one knob's value for a config written with the retired family value and kernel.gpu_kernel: XLA and the
+  reference stay; a GPU kernel named by gpu_kernel goes first with the TPU's after it (as the two knobs chose);
+  `pallas` was the kernels in the default order."""
+  if implementation in ("xla", "reference"):
+    return implementation
+  if gpu_kernel not in (None, "auto"):
+    return f"{gpu_kernel},tpu"
+  return "triton,mosaic,tpu" if implementation == "pallas" else implementation
+
+
+def implementation_names(implementation: str) -> list:
+  """The registry names an implementation value lists (one, or an ordered list)."""
+  return [name.strip() for name in implementation.split(",")] if "@" not in implementation else [implementation]
+
+
 def _check_kernel(ffn, prefix: str) -> None:
-  _one_of(f"{prefix}.kernel.implementation", ffn.kernel.implementation, KERNEL_IMPLEMENTATIONS)
+  kernel = ffn.kernel
+  if "gpu_kernel" in kernel or kernel.implementation == "pallas":
+    new = implementation_for_retired(kernel.implementation, kernel.get("gpu_kernel"))
+    _require(
+      False,
+      f"{prefix}.kernel.gpu_kernel and implementation='pallas' are retired: one knob names the implementation on "
+      f"every platform; set {prefix}.kernel.implementation={new!r} (and drop gpu_kernel).",
+    )
+  implementation = kernel.implementation
+  _require(
+    isinstance(implementation, str)
+    and (implementation in KERNEL_CHOICES or all(_NAME.match(n) for n in implementation_names(implementation))),
+    f"{prefix}.kernel.implementation={implementation!r} must be auto, reference, an implementation's name (e.g. "
+    f"triton, mosaic, tpu, xla) or an ordered list of names ('triton,tpu'); kernels/registry.py lists them.",
+  )
   for field in ("token_chunk", "pair_chunk", "block_tokens", "block_d", "stages"):
-    _positive_int(f"{prefix}.kernel.{field}", ffn.kernel[field])
-  _one_of(f"{prefix}.kernel.gpu_kernel", ffn.kernel.gpu_kernel, GPU_KERNELS)
+    _positive_int(f"{prefix}.kernel.{field}", kernel[field])
   chunk = ffn.kernel.get("segment_chunk", 64)
   _require(
     isinstance(chunk, int) and chunk >= 0,

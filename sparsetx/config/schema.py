@@ -15,7 +15,7 @@ from sparsetx.config.placements import PLACEMENTS
 BLOCK_KINDS = ("sequential", "parallel")
 NORM_KINDS = ("rmsnorm", "layernorm")
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash", "pallas")  # see sparsetx/models/attention.py
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash")  # see sparsetx/models/attention.py
 # Rematerialization per block: none, full (recompute everything), or a jax.checkpoint_policies name (what is saved).
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 # Where a sparse layer's tables live on a mesh: a placement's record (placements.py), or the one of them that moves
@@ -28,18 +28,19 @@ def kernel_defaults() -> ml_collections.ConfigDict:
   takes its defaults from here)."""
   return ml_collections.ConfigDict(
     dict(
-      # xla | pallas | reference (the papers' form) | auto: xla on CPU; on a GPU or TPU the autotune table's
-      # fastest correct implementation, XLA's included, else kernels/registry.DEFAULT_ORDER
+      # The one kernel knob, on every platform (kernels/registry.py): auto (a CPU: xla; a GPU or TPU: the autotune
+      # table's fastest correct implementation, XLA's included, else registry.DEFAULT_ORDER) | reference (the
+      # papers' form) | an implementation by name (xla, xla_row_order, triton, triton_row_order, triton_fused,
+      # mosaic (sm_90+), tpu, tpu_row_order, tpu_fused; off its platform in interpret mode) | an ordered list
+      # "triton,tpu" (each entry on its own platform only; a CPU runs xla where none is its own)
       implementation="auto",
       token_chunk=4,  # xla on CPU: tokens whose gathered rows exist at once (2-8 fastest); elsewhere all
       pair_chunk=2048,  # xla on CPU: sorted (token, slot) pairs added per table-gradient step; elsewhere all
-      block_tokens=8,  # pallas (triton): tokens per program
-      block_d=128,  # pallas on gpu: d_model chunk (largest fitting divisor; triton: a power of two)
-      stages=3,  # pallas (mosaic gpu): gathered [64, block_d] tiles in flight
-      # pallas on GPU: mosaic (sm_90+) | triton | triton_row_order | triton_fused | auto (kernels/registry.py)
-      gpu_kernel="auto",
+      block_tokens=8,  # triton: tokens per program
+      block_d=128,  # GPU kernels: d_model chunk (largest fitting divisor; triton: a power of two)
+      stages=3,  # mosaic: gathered [64, block_d] tiles in flight
       row_sorted=True,  # xla on CPU: training walks (token, slot) pairs in table-row order (kernels/xla_gather.py)
-      segment_chunk=64,  # pallas, table gradients: pairs per segment; a hot row is cut and combined (0: never)
+      segment_chunk=64,  # the kernels' table gradients: pairs per segment; a hot row is cut and combined (0: never)
       group_rows=128,  # moe: rows of one expert per grouped-matmul tile (a power of two >= 16; Mosaic GPU: >= 64)
     )
   )

@@ -127,9 +127,10 @@ class Tiled(RowKernels):
 
 class OnPlatform:
   """Where a kernel family runs: natively on `platform` (with what `needs` asks of the device; None: XLA's, every
-  platform), refused on the accelerators in `refused_on`, and elsewhere (a CPU) in interpret mode: by default only
-  for the family that `interprets_by_default` (Triton's generic interpreter is fast; Mosaic GPU's simulation of TMA
-  and barriers is not), otherwise only when the config names it."""
+  platform), refused on the accelerators in `refused_on`, and elsewhere (a CPU) in interpret mode when named (the
+  registry tries an implementation off its platform only then). `interprets_by_default`: the families whose
+  interpreter is fast enough for the CPU's checks of every kernel (Triton's generic one; Mosaic GPU's simulation of
+  TMA and barriers is not), registry.runs_here(interpreted=True)."""
 
   def __init__(self, name, platform, needs=None, refused_on=(), interprets_by_default=False, tilings=()):
     self.name, self.platform, self.needs = name, platform, needs
@@ -137,16 +138,13 @@ class OnPlatform:
     self.tilings = tuple(tilings)  # the tilings the autotuner may measure beside the config's (Tiled)
 
   def refuse(self, device, options, call=None):
-    del call
+    del options, call
     if self.platform is None:
       return
     if device.platform in self.refused_on:
       raise NotImplementedError(f"it runs on {self.platform.upper()}s, not on a {device.platform.upper()}")
-    if device.platform == self.platform:
-      if self.needs and not self.needs[0](device):
-        raise NotImplementedError(f"it needs {self.needs[1]}; {device.device_kind} is not one")
-    elif not self.interprets_by_default and options.gpu_kernel != self.name:
-      raise NotImplementedError(f"off a {self.platform.upper()} it is interpreted only when named")
+    if device.platform == self.platform and self.needs and not self.needs[0](device):
+      raise NotImplementedError(f"it needs {self.needs[1]}; {device.device_kind} is not one")
 
 
 class ModuleRows(OnPlatform, RowKernels):

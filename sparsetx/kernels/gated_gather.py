@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from sparsetx import scopes
 from sparsetx.kernels import op_calls, platform, registry, segment_grads, sliced_gather, xla_gather
-from sparsetx.kernels.options import IMPLEMENTATIONS, KernelOptions, options_from_config  # noqa: F401 (API)
+from sparsetx.kernels.options import KernelOptions, options_from_config  # noqa: F401 (API)
 from sparsetx.kernels.reference import Gating, gated_gather_reference, identity
 from sparsetx.kernels.row_gather import stream_dtype
 
@@ -271,5 +271,4 @@ __all__ = [
   "Gating",
   "KernelOptions",
   "options_from_config",
-  "IMPLEMENTATIONS",
 ]

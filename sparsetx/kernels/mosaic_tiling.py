@@ -60,7 +60,7 @@ def choose(kernel: str, scratch_of, d_model, itemsize, options, smem_per_block, 
     why = "TMA copies move multiples of 128 bytes" + (f"; a chunk spans {multiple} threads" if multiple > 1 else "")
     raise ValueError(
       f"d_model={d_model} has no chunk <= kernel.block_d={options.block_d} that is a multiple of "
-      f"{copy_step(itemsize, multiple)} values ({why}); raise block_d or use kernel.gpu_kernel='triton'."
+      f"{copy_step(itemsize, multiple)} values ({why}); raise block_d or use kernel.implementation='triton'."
     )
   fewest = min(MIN_STAGES, options.stages)
   for block_d in widths:
@@ -72,5 +72,5 @@ def choose(kernel: str, scratch_of, d_model, itemsize, options, smem_per_block, 
   raise ValueError(
     f"the Mosaic GPU {kernel} kernel needs {smallest} bytes of shared memory at its smallest tiling "
     f"(block_d={widths[-1]}, stages={fewest}), over the device's {smem_per_block} per block; "
-    "use kernel.gpu_kernel='triton'."
+    "use kernel.implementation='triton'."
   )

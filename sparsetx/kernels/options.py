@@ -6,22 +6,20 @@ feed-forward specs check a config's values against the tuples here.
 
 from typing import NamedTuple
 
-from sparsetx.config import KERNEL_IMPLEMENTATIONS, kernel_defaults
+from sparsetx.config import kernel_defaults
 
-IMPLEMENTATIONS = KERNEL_IMPLEMENTATIONS  # xla | pallas | auto | reference: kernels/registry.py
 _DEFAULTS = kernel_defaults()  # config.model.ffn.kernel's defaults, written once in the schema (its comments say why)
 
 
 class KernelOptions(NamedTuple):
   """Static knobs of the op (hashable, so they can ride along as a nondiff argument)."""
 
-  implementation: str = _DEFAULTS.implementation
+  implementation: str = _DEFAULTS.implementation  # auto | reference | a registry name | "a,b": kernels/registry.py
   token_chunk: int = _DEFAULTS.token_chunk
   pair_chunk: int = _DEFAULTS.pair_chunk
   block_tokens: int = _DEFAULTS.block_tokens
   block_d: int = _DEFAULTS.block_d  # an upper bound: mosaic_tiling and the Triton chunk take what fits
   stages: int = _DEFAULTS.stages  # an upper bound (mosaic_tiling)
-  gpu_kernel: str = _DEFAULTS.gpu_kernel
   interpret: bool = False  # pallas: run the kernels in interpret mode (tests on CPU); not a config knob
   row_sorted: bool = _DEFAULTS.row_sorted
   segment_chunk: int = _DEFAULTS.segment_chunk

@@ -18,7 +18,7 @@ from sparsetx.kernels import autotune_table
 from sparsetx.kernels.backend import FusedForward, ModuleRows, RowKernels, RowOrderDots, Tiled, XlaRows
 from sparsetx.kernels.device import TracedDevice, target
 from sparsetx.kernels.grouped_ops import GroupedKernels, GroupedXla
-from sparsetx.kernels.options import IMPLEMENTATIONS, KernelOptions
+from sparsetx.kernels.options import KernelOptions
 from sparsetx.kernels.platform import hopper_or_newer
 
 HOPPER = (lambda device: hopper_or_newer(device.device_kind), "a Hopper or newer GPU (sm_90+)")
@@ -47,10 +47,7 @@ GROUPED: tuple[GroupedKernels, ...] = (
   GroupedXla(),
 )
 OPS = {"rows": ROWS, "grouped_matmul": GROUPED}
-# config.model.ffn.kernel.gpu_kernel's values (config/ffn_checks.py, which cannot import this): auto, or a GPU
-# implementation by name
-GPU_KERNELS = ("auto", *dict.fromkeys(i.name for op in OPS.values() for i in op if i.platform == "gpu"))
-assert set(GPU_KERNELS) == set(config.GPU_KERNELS), "name the GPU implementation in config/ffn_checks.GPU_KERNELS"
+NAMES = tuple(dict.fromkeys(i.name for op in OPS.values() for i in op))  # what kernel.implementation may name
 
 # Without a measured table (a dry run for a topology, a device not yet tuned): the Triton row kernels before Mosaic
 # GPU's, whose segment_sums stopped with an illegal instruction on an H200 under jax 0.11.2 and have not run
@@ -95,40 +92,69 @@ def runs_here(op: str, interpreted: bool = False) -> list:
   for implementation in OPS[op]:
     if not interpreted and implementation.platform not in (None, device.platform):
       continue
+    if implementation.platform not in (None, device.platform) and not implementation.interprets_by_default:
+      continue
     try:
-      implementation.refuse(device, KernelOptions("pallas"), None)
+      implementation.refuse(device, naming(implementation, KernelOptions()), None)
     except NotImplementedError:
       continue
     found.append(implementation)
   return found
 
 
-def naming(implementation, base: KernelOptions) -> KernelOptions:
-  """The options that ask for `implementation` by name (its config knobs taken from `base`; a tiling's come from
-  the implementation itself)."""
-  named = getattr(implementation, "base", implementation)
-  if named.name == "xla":
-    return base._replace(implementation="xla")
-  gpu_kernel = named.name if getattr(named, "platform", None) == "gpu" else base.gpu_kernel
-  return base._replace(implementation="pallas", gpu_kernel=gpu_kernel)
+def for_op(op: str, name: str):
+  """`op`'s implementation of a name kernel.implementation gives: its own, else its family's (a row-kernel design,
+  triton_row_order, names Triton's grouped matmul; xla_row_order XLA's)."""
+  found = {i.name: i for i in OPS[op]}
+  base = name.partition("@")[0]
+  if base in found:
+    return by_name(op, name)
+  family = base.partition("_")[0]
+  if base in NAMES and family in found:
+    return found[family]
+  raise ValueError(unknown(name))
+
+
+def unknown(name: str) -> str:
+  return f"kernel implementation={name!r} is unknown; use auto, reference, one of {', '.join(NAMES)}, or a list 'a,b'."
+
+
+def check_config(kernel, field: str = "config.model.ffn.kernel.implementation") -> None:
+  """Raises ConfigError naming the field where kernel.implementation names what the registry lacks (config checks
+  the value's form; the names are the registry's)."""
+  implementation = kernel.get("implementation", "auto")
+  if implementation in config.KERNEL_CHOICES:
+    return
+  for name in config.implementation_names(implementation):
+    try:
+      for_op("rows", name)
+    except ValueError as error:
+      raise config.ConfigError(f"{field}: {error}") from None
 
 
 def candidates(op: str, options: KernelOptions, device: TracedDevice) -> list:
-  """The implementations `options` allows for `device`, in the order they are tried."""
-  if options.implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"kernel implementation={options.implementation!r} is unknown; use one of {IMPLEMENTATIONS}.")
-  if options.gpu_kernel not in GPU_KERNELS:
-    raise ValueError(f"kernel gpu_kernel={options.gpu_kernel!r} is unknown; use one of {GPU_KERNELS}.")
+  """The implementations `options.implementation` allows for `device`, in the order they are tried: `auto` every
+  implementation (a CPU: XLA's), in DEFAULT_ORDER; one name that implementation, wherever it is (off its platform in
+  interpret mode); a list its entries in order, each only on its own platform (a CPU with none of its own: XLA)."""
   xla = by_name(op, "xla")
-  if options.implementation in ("xla", "reference") or (options.implementation == "auto" and device.platform == "cpu"):
+  chosen = options.implementation
+  if chosen in ("xla", "reference") or (chosen == "auto" and device.platform == "cpu"):
     return [xla]
-  allowed = [i for i in OPS[op] if i.platform is not None]  # pallas: the kernels, not XLA's designs
-  if options.gpu_kernel != "auto":  # a GPU kernel named by the config; the TPU's stay
-    allowed = [i for i in allowed if i.platform != "gpu" or i.name == options.gpu_kernel]
-  if options.implementation == "auto" and options.gpu_kernel == "auto":  # auto may find XLA fastest; a named
-    allowed += [i for i in OPS[op] if i.platform is None]  # GPU kernel that cannot run is an error, not XLA's
-  order = list(DEFAULT_ORDER[op])
-  return sorted(allowed, key=lambda i: order.index(i.name) if i.name in order else len(order))
+  if chosen == "auto":
+    order = list(DEFAULT_ORDER[op])
+    return sorted(OPS[op], key=lambda i: order.index(i.name) if i.name in order else len(order))
+  names = config.implementation_names(chosen)
+  listed = list({id(i): i for i in (for_op(op, name) for name in names)}.values())
+  if len(names) == 1:
+    return listed
+  native = [i for i in listed if i.platform in (None, device.platform)]
+  return native or ([xla] if device.platform == "cpu" else listed)
+
+
+def naming(implementation, base: KernelOptions) -> KernelOptions:
+  """The options that ask for `implementation` by name (its config knobs taken from `base`; a tiling's come from
+  the implementation itself)."""
+  return base._replace(implementation=getattr(implementation, "base", implementation).name)
 
 
 def resolve(op: str, options: KernelOptions, key: str, call=None):

@@ -1,4 +1,4 @@
-"""Causal self-attention over packed rows, four ways: `config.model.attention` = auto | xla | cudnn | splash | pallas.
+"""Causal self-attention over packed rows, three ways: `config.model.attention` = auto | xla | cudnn | splash.
 
 Every implementation computes the same thing: query t reads key s iff s <= t and both belong to the same
 document (segment id), softmax statistics (max, sum, logsumexp) in float32, output in the inputs' dtype.
@@ -10,7 +10,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
@@ -20,7 +19,7 @@ from sparsetx.parallel import attention_placement
 
 IMPLEMENTATIONS = config_lib.ATTENTION_IMPLEMENTATIONS
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
-_TARGET = {"cudnn": "gpu", "splash": "tpu", "pallas": "gpu"}  # where each fused kernel runs natively
+_TARGET = {"cudnn": "gpu", "splash": "tpu"}  # where each fused kernel runs natively
 
 
 def resolve(implementation: str, dtype) -> str:
@@ -54,14 +53,13 @@ def xla_attention(q_BTHK, k_BSHK, v_BSHK, mask_B1TS, on_probabilities=lambda pro
 
 
 def fused_attention(implementation: str, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT):
-  """Causal self-attention within segments by a fused kernel (cudnn | splash | pallas): out [B,T,H,K]."""
+  """Causal self-attention within segments by a fused kernel (cudnn | splash): out [B,T,H,K]."""
   _check_backend(implementation, q_BTHK.dtype)
   if implementation == "cudnn":
     kernel = cudnn_attention
   else:
     interpret = platform.target().platform != _TARGET[implementation]
-    fused = splash_attention if implementation == "splash" else pallas_attention
-    kernel = lambda q, k, v, s: fused(q, k, v, s, interpret=interpret)  # noqa: E731
+    kernel = lambda q, k, v, s: splash_attention(q, k, v, s, interpret=interpret)  # noqa: E731
   return attention_placement.on_own_rows_and_heads(kernel, q_BTHK, k_BTHK, v_BTHK, segment_ids_BT)
 
 
@@ -95,18 +93,6 @@ def splash_attention(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT, interpret: bool = F
   return out_BHTK.transpose(0, 2, 1, 3)[:, :T]
 
 
-def pallas_attention(q_BTHK, k_BTHK, v_BTHK, segment_ids_BT, interpret: bool = False):
-  """The Pallas GPU flash attention (Triton compiler params: lowered by Triton, not Mosaic GPU)."""
-  B, T, H, K = q_BTHK.shape
-  # Blocks of 128 (32 in the backward); Triton wants power-of-two tiles, at least 16 rows for its dots.
-  T_pad = -(-T // 128) * 128 if T > 128 else max(16, 1 << (T - 1).bit_length())
-  q_BTHK, k_BTHK, v_BTHK, segments_BT = (_pad_length(a, T_pad) for a in (q_BTHK, k_BTHK, v_BTHK, segment_ids_BT))
-  out_BTHK = gpu_attention.mha(
-    q_BTHK, k_BTHK, v_BTHK, segments_BT, sm_scale=1.0 / math.sqrt(K), causal=True, interpret=interpret
-  )
-  return out_BTHK[:, :T]
-
-
 def _pad_length(a_BT, length: int):
   """a [B,T,...] zero-padded at the end of T to `length`."""
   pad = [(0, 0)] * a_BT.ndim
@@ -128,7 +114,7 @@ def _check_backend(implementation: str, dtype) -> None:
         "'bfloat16' or 'float16', or use attention='xla'."
       )
   elif backend in ("gpu", "tpu") and backend != _TARGET[implementation]:
-    use = "splash" if backend == "tpu" else "cudnn' or 'pallas"
+    use = "splash" if backend == "tpu" else "cudnn"
     raise config_lib.ConfigError(
       f"config.model.attention={implementation!r} is a {_TARGET[implementation].upper()} kernel and this process "
       f"runs on {backend}; use 'auto' or '{use}'."

@@ -2,7 +2,6 @@
 and of a neuron table's d_model), and the shard_map over them. More: docs/modules.md."""
 
 import dataclasses
-import math
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -19,7 +18,7 @@ def whole_units(n_here: int, logical_name: str) -> int:
   if per_device.no_mesh(mesh):
     return n_here
   manual = per_device.manual_axes(mesh)
-  return n_here * math.prod(mesh.shape[a] for a in active_mesh_axes(mesh, logical_name) if a in manual)
+  return n_here * per_device.shards(mesh, [a for a in active_mesh_axes(mesh, logical_name) if a in manual])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,13 +32,13 @@ class ExpertGroup:
 
   @property
   def n_unit_shards(self) -> int:
-    return math.prod(self.mesh.shape[a] for a in self.units)
+    return per_device.shards(self.mesh, self.units)
 
   @property
   def n_token_shards(self) -> int:
     """Shards of the tokens this code sees: over the batch axes not already manual (inside the step's
     per-device microbatch loop, parallel/microbatches.py, the tokens are one device's along its manual axes)."""
-    return math.prod(self.mesh.shape[a] for a in self.batch if a not in per_device.manual_axes(self.mesh))
+    return per_device.shards(self.mesh, [a for a in self.batch if a not in per_device.manual_axes(self.mesh)])
 
   @property
   def token_spec(self) -> P:

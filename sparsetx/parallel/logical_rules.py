@@ -3,7 +3,6 @@ the mesh for a model's trace (`activate`), and the shapes and specs they give a 
 
 import contextlib
 import contextvars
-import math
 
 import flax.linen as nn
 import jax
@@ -53,7 +52,7 @@ def block_shape(shape, names, local, mesh, rules) -> tuple:
   manual = per_device.manual_axes(mesh)
   spec = table_spec(names, rules)
   return tuple(
-    n // math.prod(mesh.shape[a] for a in sized_axes(mesh, entry) if a in manual) if name in local else n
+    n // per_device.shards(mesh, [a for a in sized_axes(mesh, entry) if a in manual]) if name in local else n
     for n, name, entry in zip(shape, names, spec)
   )
 

@@ -22,7 +22,7 @@ def loop_axes(microbatches: int, rows: int, mesh, rules) -> tuple:
   if microbatches == 1 or per_device.no_mesh(mesh):
     return ()
   axes = logical_rules.per_device_axes(mesh, rules)
-  return axes if (rows // microbatches) % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+  return axes if (rows // microbatches) % per_device.shards(mesh, axes) == 0 else ()
 
 
 def accumulate(device_loss, init_model, params, batch, microbatches, mesh, axes, param_specs):
@@ -37,7 +37,7 @@ def accumulate(device_loss, init_model, params, batch, microbatches, mesh, axes,
   dispatcher splits them over (its collectives run inside the loop on the manual axes; the tables never move),
   every other parameter whole along `axes` (an FSDP- or expert-split one all-gathered once, before the loop).
   """
-  n_devices = math.prod(mesh.shape[a] for a in axes)
+  n_devices = per_device.shards(mesh, axes)
   gather = functools.partial(jax.lax.all_gather, axis_name=axes, axis=0, tiled=True)
   leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
   stored = treedef.flatten_up_to(param_specs)
@@ -94,9 +94,7 @@ def loop_param_bytes(init_model, abstract_params, mesh, axes) -> int:
       {a for a in per_device.axis_tuple(e) if a not in axes} | set(per_device.axis_tuple(b))
       for e, b in zip(tuple(spec) + pad, tuple(block) + pad)
     ]
-    total += (
-      math.prod(n // math.prod(mesh.shape[a] for a in s) for n, s in zip(leaf.shape, split_by)) * leaf.dtype.itemsize
-    )
+    total += math.prod(n // per_device.shards(mesh, s) for n, s in zip(leaf.shape, split_by)) * leaf.dtype.itemsize
   return total
 
 

@@ -1,8 +1,6 @@
 """Running a function on each device's own tokens: the tokens' layout, and the shard_maps that take the tokens
 where they are and the tables as placed."""
 
-import math
-
 import jax
 from jax.sharding import PartitionSpec
 
@@ -64,7 +62,7 @@ def on_own_tokens(fn, tokens, tables, table_names):
   # every axis manual), or every axis manual already: fn runs as it is.
   if not free or not (manual or any(mesh.shape[a] > 1 for a in free)):
     return fn(*tokens, *tables)
-  if tokens[0].shape[0] % math.prod(mesh.shape[a] for a in batch):
+  if tokens[0].shape[0] % per_device.shards(mesh, batch):
     batch = ()  # whole on every device
 
   def body(*args):

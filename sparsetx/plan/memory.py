@@ -5,7 +5,6 @@ The derivation of each term is in device_memory's docstring; docs/modules.md (sp
 the dry run prints it.
 """
 
-import math
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -15,6 +14,7 @@ from sparsetx import config as config_lib
 from sparsetx.models import ladder
 from sparsetx.models.ffn.registry import SPECS
 from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.parallel import per_device
 
 
 def format_bytes(nbytes: float) -> str:
@@ -102,7 +102,7 @@ def device_memory(config, mesh, report) -> DeviceMemory:
   n = (
     config.data.global_batch_size
     // config.train.microbatches
-    // math.prod(mesh.shape[a] for a in mesh_lib.batch_axes(mesh, config.mesh.rules))
+    // per_device.shards(mesh, mesh_lib.batch_axes(mesh, config.mesh.rules))
     * config.data.seq_len
   )
   loop_bytes = max(report.loop_param_bytes, report.param_bytes)
@@ -110,7 +110,7 @@ def device_memory(config, mesh, report) -> DeviceMemory:
   gradients *= 2 if config.train.microbatches > 1 else 1
   logits_spec = nn.logical_to_mesh_axes(("batch", "length", "vocab"), tuple(config.mesh.rules))[-1]
   vocab_axes = logits_spec if isinstance(logits_spec, tuple) else (logits_spec,) if logits_spec else ()
-  vocab_shards = math.prod(mesh.shape[a] for a in vocab_axes)  # often 1: the batch takes `vocab`'s mesh axes
+  vocab_shards = per_device.shards(mesh, vocab_axes)  # often 1: the batch takes `vocab`'s mesh axes
   saved, layer, head = activation_bytes(config, n, vocab_shards, mesh.shape["expert"])
   gathered = loop_bytes - report.param_bytes
   return DeviceMemory(state + memory["temp"], state, gradients, gathered, saved, layer, head, n)

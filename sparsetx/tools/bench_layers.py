@@ -219,14 +219,14 @@ class TableGrads:
     return 1e3 * self.seconds
 
 
-def table_grads_table(scale, tokens, dtype, rounds, target_gini, chunks, gpu_kernel="auto"):
+def table_grads_table(scale, tokens, dtype, rounds, target_gini, chunks, implementation="auto"):
   """sgatlin's table-gradient time with uniform and skewed rows, with whole rows and with rows cut into chunks."""
   d, n_keys, n_channels, top_k = 128 * scale, 16 + 12 * scale, 16, 8
   d_ffw = n_keys**2
   exponent = zipf_exponent(d_ffw, target_gini)
   dists = {"uniform": table_grad_rows(tokens, n_channels, top_k, d_ffw, 0.0)}
   dists["skewed"] = table_grad_rows(tokens, n_channels, top_k, d_ffw, exponent)
-  options = KernelOptions(gpu_kernel=gpu_kernel)
+  options = KernelOptions(implementation)
   backend = sgatlin_rows(options, tokens, d, n_channels * top_k, n_channels * d_ffw, dtype)
   path = "XLA's scatter-adds: chunks do not apply" if backend.name == "xla" else backend.name
   variants = {
@@ -345,7 +345,9 @@ def define_flags() -> dict:
     tables=flags.DEFINE_list("tables", list(TABLES), f"Tables to print, of {', '.join(TABLES)}."),
     grad_scales=cli.define_integer_list("grad_scales", [2], "Ladder rungs of the table-gradient table."),
     grad_gini=flags.DEFINE_float("grad_gini", 0.6, "Usage Gini of the skewed rows (what the model reports)."),
-    grad_gpu_kernel=flags.DEFINE_enum("grad_gpu_kernel", "auto", ["auto", "mosaic", "triton"], "Row kernels on a GPU."),
+    grad_implementation=flags.DEFINE_string(
+      "grad_implementation", "auto", "The table gradients' kernels (a registry name, e.g. mosaic or triton)."
+    ),
     grad_chunks=cli.define_integer_list(
       "grad_chunks", [0, KernelOptions().segment_chunk], "kernel.segment_chunk values to compare (0: whole rows)."
     ),
@@ -374,7 +376,9 @@ def absl_main(argv, holders: dict):
       sweep(args.sweep_n_keys, args.sweep_scale, args.tokens, args.dtype, args.rounds) if on("sweep") else []
     )
     for s in args.grad_scales if on("table_grads") else []:
-      table_grads_table(s, args.tokens, args.dtype, args.rounds, args.grad_gini, args.grad_chunks, args.grad_gpu_kernel)
+      table_grads_table(
+        s, args.tokens, args.dtype, args.rounds, args.grad_gini, args.grad_chunks, args.grad_implementation
+      )
   except ConfigError as error:
     cli.fail(error)
   if args.png:

@@ -268,7 +268,7 @@ def ensure_tuned(config, built, report=print) -> dict:
   """Before a step compiles on a GPU or TPU under `auto`: measures the calls the table lacks. Nothing on a CPU
   (what it runs is XLA's), nothing when the config names its kernels."""
   kernel = config.model.ffn.kernel
-  if target().platform == "cpu" or kernel.implementation != "auto" or kernel.gpu_kernel != "auto":
+  if target().platform == "cpu" or kernel.implementation != "auto":
     return {}
   todo = missing(step_calls(config, built))
   if todo:

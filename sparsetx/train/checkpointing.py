@@ -138,8 +138,20 @@ def _merged(defaults: dict, saved: dict) -> dict:
 
 def config_from_saved(saved: dict) -> ml_collections.ConfigDict:
   """The config a checkpoint was trained with: today's defaults overridden by every saved field, so a
-  checkpoint written before a field existed reads with that field's default."""
-  return ml_collections.ConfigDict(_merged(config_lib.default_config().to_dict(), _tuples(saved)))
+  checkpoint written before a field existed reads with that field's default, and one written with the retired
+  kernel knobs (implementation=pallas, gpu_kernel) reads under the one knob that replaced them (attention=pallas,
+  retired too, as auto)."""
+  saved = _tuples(saved)
+  if saved.get("model", {}).get("attention") == "pallas":  # retired: auto takes cuDNN's fused kernel on a GPU
+    saved = saved | {"model": saved["model"] | {"attention": "auto"}}
+  kernel = saved.get("model", {}).get("ffn", {}).get("kernel")
+  if isinstance(kernel, dict) and ("gpu_kernel" in kernel or kernel.get("implementation") == "pallas"):
+    implementation = config_lib.implementation_for_retired(
+      kernel.get("implementation", "auto"), kernel.get("gpu_kernel")
+    )
+    kernel = {k: v for k, v in kernel.items() if k != "gpu_kernel"} | {"implementation": implementation}
+    saved = saved | {"model": saved["model"] | {"ffn": saved["model"]["ffn"] | {"kernel": kernel}}}
+  return ml_collections.ConfigDict(_merged(config_lib.default_config().to_dict(), saved))
 
 
 def _model_fields(model: dict, prefix: str = "") -> dict:

@@ -8,7 +8,6 @@ sharded state.
 """
 
 import functools
-import math
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -18,9 +17,11 @@ import ml_collections
 from flax.training import train_state
 
 from sparsetx import config as config_lib
+from sparsetx.kernels import registry
 from sparsetx.models.ffn import placement
 from sparsetx.models.transformer import Transformer
 from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.parallel import per_device
 from sparsetx.plan import step_cost
 from sparsetx.train.optimizer import make_optimizer
 
@@ -79,7 +80,7 @@ class Setup(NamedTuple):
 
 def check_batch_divides(config: ml_collections.ConfigDict, mesh) -> None:
   axes = mesh_lib.batch_axes(mesh, config.mesh.rules)
-  shards = math.prod(mesh.shape[a] for a in axes)
+  shards = per_device.shards(mesh, axes)
   for field in ("global_batch_size", "eval_batch_size"):
     size = config.data[field]
     if size % shards:
@@ -117,6 +118,9 @@ def setup(config: ml_collections.ConfigDict, devices=None, mesh=None) -> Setup:
   them; nothing is allocated. The mesh is config.mesh over `devices` (default: all), checked by `checked_mesh`,
   or `mesh` as given (the ahead-of-time compile's target, possibly abstract), of which only the sparse layers'
   units are checked: the batch sizes there are the caller's."""
+  for section in ("ffn", "dense_ffn"):  # the kernels a config names are the registry's
+    if "kernel" in config.model.get(section, {}):
+      registry.check_config(config.model[section].kernel, f"config.model.{section}.kernel.implementation")
   if mesh is None:
     mesh = mesh_lib.make_mesh(config.mesh, devices)
     check_batch_divides(config, mesh)

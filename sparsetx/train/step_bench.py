@@ -11,7 +11,6 @@ from absl import flags
 
 from sparsetx import config as config_lib
 from sparsetx import hardware
-from sparsetx.kernels import registry
 from sparsetx.models import ladder
 from sparsetx.parallel import logical_rules
 from sparsetx.perf import timing
@@ -27,7 +26,9 @@ def define_rung_flags() -> dict:
     seq_len=flags.DEFINE_integer("seq_len", None, "Default 512; 64 with --small."),
     dtype=flags.DEFINE_string("dtype", None, "Default bfloat16; float32 with --small (what a CPU runs fast)."),
     small=flags.DEFINE_bool("small", False, "A CPU-sized shape: scale 1, 2 layers, vocab 512, 8 x 64."),
-    gpu_kernel=flags.DEFINE_enum("gpu_kernel", None, list(registry.GPU_KERNELS), "Row kernels on a GPU."),
+    implementation=flags.DEFINE_string(
+      "implementation", None, "The sparse layers' kernels (config.model.ffn.kernel.implementation; default auto)."
+    ),
     logits_dot_in_fp32=flags.DEFINE_bool("logits_dot_in_fp32", True, "The LM head's dot on float32 operands."),
     loss_chunks=flags.DEFINE_integer("loss_chunks", None, "Vocabulary tiles of the loss (default: the config's)."),
     remat=flags.DEFINE_enum(
@@ -44,8 +45,8 @@ def rung_config(ffn_type: str, args) -> config_lib.ml_collections.ConfigDict:
   if args.small:
     config.model.update(n_layers=2, vocab_size=512)
   config.data.update(seq_len=args.seq_len, global_batch_size=args.batch, eval_batch_size=args.batch)
-  if getattr(args, "gpu_kernel", None) and "kernel" in config.model.ffn:  # the row kernels a GPU runs
-    config.model.ffn.kernel.gpu_kernel = args.gpu_kernel
+  if getattr(args, "implementation", None) and "kernel" in config.model.ffn:  # the kernels the sparse layers run
+    config.model.ffn.kernel.implementation = args.implementation
   config.model.logits_dot_in_fp32 = getattr(args, "logits_dot_in_fp32", True)
   # One device holds a benchmark rung's activations: no recompute unless asked (the ladder trains with "full").
   config.model.remat = getattr(args, "remat", None) or "none"

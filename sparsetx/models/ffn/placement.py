@@ -4,11 +4,10 @@ Checked before anything is compiled (training, evaluation, the ahead-of-time com
 sentence naming the field instead of a sharding error deep inside XLA.
 """
 
-import math
-
 from sparsetx import config as config_lib
 from sparsetx.config.placements import EXPERT, placement_of
 from sparsetx.models.ffn.registry import SPECS
+from sparsetx.parallel import per_device
 from sparsetx.parallel.logical_rules import D_MODEL_SPLIT_RULES, sized_axes, table_spec
 
 
@@ -29,7 +28,7 @@ def _check_layer_units(config, mesh, ffn, prefix: str) -> None:
   placement = placement_of(ffn) if spec.sparse else EXPERT
   if placement.whole_on_device:  # d_model split over the axes its stored name gives (none: replicated)
     axes = sized_axes(mesh, config_lib.rule_axes(config.mesh.rules, placement.d_model_name))
-    shards = math.prod(mesh.shape[a] for a in axes)
+    shards = per_device.shards(mesh, axes)
     if config.model.d_model % shards:
       others = ", ".join(repr(p) for p in config_lib.TABLE_PLACEMENTS if p not in ("auto", placement.name))
       raise config_lib.ConfigError(
@@ -41,7 +40,7 @@ def _check_layer_units(config, mesh, ffn, prefix: str) -> None:
   if spec.neuron_table is not None:
     names = spec.neuron_table
     axes = sized_axes(mesh, table_spec(names, config.mesh.rules)[-1])
-    slices = math.prod(mesh.shape[a] for a in axes)
+    slices = per_device.shards(mesh, axes)
     if config.model.d_model % slices:
       raise config_lib.ConfigError(
         f"config.model.d_model={config.model.d_model} is not divisible by the {slices} devices the "
@@ -52,7 +51,7 @@ def _check_layer_units(config, mesh, ffn, prefix: str) -> None:
     return
   name, field, table_names = spec.units.name, spec.units.field, spec.units.table_axes
   axes = sized_axes(mesh, table_spec(table_names, config.mesh.rules)[table_names.index(name)])
-  shards = math.prod(mesh.shape[a] for a in axes)
+  shards = per_device.shards(mesh, axes)
   if ffn[field] % shards:
     shape = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
     hint = ""
