@@ -8,30 +8,32 @@ import time
 
 import jax
 
-from sparsetx.kernels.backend import XlaRows as Xla
+from sparsetx.kernels.rows import xla
+from sparsetx.kernels.rows.records import Rows
 
 
-class XlaRows(Xla):
-  row_order = False  # their token-order forms run (the CPU's row-order walk would skip them)
+def xla_rows(cls, name):
+  """XLA's record as `cls`, without the CPU's row-order walk (their token-order forms run)."""
+  return cls(name, None, module=xla, fused=True)
 
 
-class Refuses(XlaRows):
+class Refuses(Rows):
   def refuse(self, device, options, call=None):
     raise NotImplementedError("it needs a Hopper GPU (a test implementation)")
 
 
-class Faults(XlaRows):
+class Faults(Rows):
   def forward(self, *args):
     os.kill(os.getpid(), signal.SIGILL)  # an illegal instruction in a kernel ends the process
 
 
-class Wrong(XlaRows):
+class Wrong(Rows):
   def forward(self, *args):
     y_ND, h_NS = super().forward(*args)
     return y_ND * 1.01, h_NS
 
 
-class Slow(XlaRows):
+class Slow(Rows):
   """XLA's values, after a host callback that sleeps 50 ms on every forward: slower by construction."""
 
   def forward(self, *args):
@@ -44,11 +46,13 @@ def _after_a_nap(y):
   return y
 
 
-REFUSES, FAULTS, WRONG, SLOW = Refuses("refuses"), Faults("faults"), Wrong("wrong"), Slow("slow")
-FAST = XlaRows("fast")
+REFUSES, FAULTS, WRONG, SLOW = (
+  xla_rows(c, n) for c, n in ((Refuses, "refuses"), (Faults, "faults"), (Wrong, "wrong"), (Slow, "slow"))
+)
+FAST = xla_rows(Rows, "fast")
 
 
-class WrongGradients(XlaRows):
+class WrongGradients(Rows):
   """XLA's outputs, but x's gradient 1% off: only a check of the backward catches it."""
 
   def backward_rows(self, *args):
@@ -56,14 +60,14 @@ class WrongGradients(XlaRows):
     return (dx_ND * 1.01, *rest)
 
 
-class Hangs(XlaRows):
+class Hangs(Rows):
   """Answers only after 120 s: a child past the autotuner's time limit."""
 
   def refuse(self, device, options, call=None):
     time.sleep(120)
 
 
-class ReportsEnvironment(XlaRows):
+class ReportsEnvironment(Rows):
   """Refuses with the preallocation setting its process inherited: what the spawning process had at spawn time."""
 
   def refuse(self, device, options, call=None):
@@ -71,7 +75,7 @@ class ReportsEnvironment(XlaRows):
 
 
 WRONG_GRADIENTS, HANGS, REPORTS_ENVIRONMENT = (
-  WrongGradients("wrong_gradients"),
-  Hangs("hangs"),
-  ReportsEnvironment("env"),
+  xla_rows(WrongGradients, "wrong_gradients"),
+  xla_rows(Hangs, "hangs"),
+  xla_rows(ReportsEnvironment, "env"),
 )

@@ -9,8 +9,9 @@ import pytest
 from conftest import REPO
 
 from sparsetx.kernels import registry
-from sparsetx.kernels.backend import ModuleRows
 from sparsetx.kernels.options import KernelOptions
+from sparsetx.kernels.rows import triton
+from sparsetx.kernels.rows.records import Rows
 from sparsetx.tools import accelerator_check
 
 
@@ -52,11 +53,11 @@ def test_a_wrong_kernel_fails_its_check(monkeypatch):
   """A row_dots 1% off fails its check (its bound is about D float32 roundings) and the whole op's against the XLA
   path, which runs for real; the correct kernels pass."""
 
-  class OnePercentOff(ModuleRows):
+  class OnePercentOff(Rows):
     def row_dots(self, *args):
       return super().row_dots(*args) * 1.01
 
-  use_for_pallas(monkeypatch, OnePercentOff("triton", "sparsetx.kernels.pallas_gpu", "gpu"))
+  use_for_pallas(monkeypatch, OnePercentOff("triton", "gpu", module=triton))
   rows = accelerator_check.check_kernels("triton", KernelOptions("triton", interpret=True), small=True)
   verdicts = {what: verdict for _, what, _, verdict in rows}
   assert verdicts == {
@@ -92,11 +93,11 @@ def test_a_kernel_that_raises_is_one_failed_row_and_the_others_run(monkeypatch):
   def refused(*args):
     raise NotImplementedError("Implicit broadcast not implemented with warpgroup semantics\n(more lines)")
 
-  class Refused(ModuleRows):
+  class Refused(Rows):
     def row_dots(self, *args):
       refused()
 
-  use_for_pallas(monkeypatch, Refused("mosaic", "sparsetx.kernels.pallas_gpu", "gpu"))
+  use_for_pallas(monkeypatch, Refused("mosaic", "gpu", module=triton))
   rows = accelerator_check.check_kernels("mosaic", KernelOptions("triton", interpret=True), small=True)
   by_kernel = {what: (value, verdict) for _, what, value, verdict in rows}
   assert by_kernel["mosaic row_dots"] == (

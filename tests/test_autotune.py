@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 import unittest.mock
 
 import jax
@@ -18,11 +19,12 @@ from kernel_cases import gather_case
 from sparsetx import config as config_lib
 from sparsetx.config import ConfigError
 from sparsetx.kernels import autotune_table, op_calls, registry
-from sparsetx.kernels.backend import ModuleRows
 from sparsetx.kernels.device import TracedDevice
-from sparsetx.kernels.gated_gather import gated_gather
 from sparsetx.kernels.options import KernelOptions
-from sparsetx.kernels.reference import identity
+from sparsetx.kernels.rows import xla
+from sparsetx.kernels.rows.gated_gather import gated_gather
+from sparsetx.kernels.rows.records import Rows
+from sparsetx.kernels.rows.reference import identity
 from sparsetx.train import autotune
 from sparsetx.train import state as state_lib
 
@@ -74,16 +76,17 @@ def test_a_ranked_tiling_runs_where_the_table_put_it(table):
   with unittest.mock.patch.object(registry, "target", lambda: h100):
     autotune_table.record(h100.device_kind, "rows", "bfloat16 D512 S128", entry)
     chosen = registry.rows(KernelOptions(stages=2), "bfloat16 D512 S128")
-  assert chosen.name == "triton@block_d=256,block_tokens=16" and chosen.base is registry.by_name("rows", "triton")
+  assert chosen.name == "triton@block_d=256,block_tokens=16" and chosen.base == "triton"
+  assert chosen.module is registry.by_name("rows", "triton").module and not chosen.row_order
   assert chosen.tiled(KernelOptions(stages=2)) == KernelOptions(stages=2, block_tokens=16, block_d=256)
 
 
 def test_a_tiling_reaches_every_kernel_of_both_passes():
-  """backend.Tiled hands its knobs to each kernel the forms compose (row_dots, row_accumulate, segment_sums, forward
-  and backward), and the values are the implementation's own."""
+  """A record at a tiling hands its knobs to each kernel the forms compose (row_dots, row_accumulate, segment_sums,
+  forward and backward), and the values are the implementation's own."""
   seen = []
 
-  class Recording(ModuleRows):  # XLA's kernels composed as the accelerators compose theirs
+  class Recording(Rows):  # XLA's kernels composed as the accelerators compose theirs
     def row_dots(self, *args):
       seen.append(("row_dots", args[-1].block_tokens, args[-1].block_d))
       return super().row_dots(*args)
@@ -96,7 +99,10 @@ def test_a_tiling_reaches_every_kernel_of_both_passes():
       seen.append(("segment_sums", options.block_tokens, options.block_d))
       return super().segment_sums(values_ND, tokens_P, coefs_P, starts_R1, options, with_coef_sums)
 
-  plain = Recording("recording", "sparsetx.kernels.xla_rows", None)
+  kernels_only = types.SimpleNamespace(
+    row_dots=xla.row_dots, row_accumulate=xla.row_accumulate, segment_sums=xla.segment_sums
+  )
+  plain = Recording("recording", None, module=kernels_only)
   tiled = registry.at_tiling("rows", plain, "block_tokens=16,block_d=256")
   x, w_in, w_out, rows, gates, bias = gather_case(0, 1, 6, 2, 2, 3, 32)
 

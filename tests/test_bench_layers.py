@@ -15,7 +15,8 @@ from conftest import REPO
 CHECK = r"""
 import numpy as np
 
-from sparsetx.kernels import gated_gather, grouped_ops
+from sparsetx.kernels.rows import gated_gather
+from sparsetx.kernels.grouped_matmul import interface
 from sparsetx.models.ffn.sgatlin import Sgatlin
 from sparsetx.tools import bench_layers
 
@@ -27,7 +28,7 @@ def counting(fn):
   return wrapped
 
 gated_gather.gated_gather_reference = counting(gated_gather.gated_gather_reference)
-grouped_ops.ragged_dot = counting(grouped_ops.ragged_dot)
+interface.ragged_dot = counting(interface.ragged_dot)
 
 cfg = bench_layers.layer_config(32, "float32", type="sgatlin", d_ffw=16**2, n_channels=2, top_k=4, d_key=16)
 op = bench_layers.Variant("op", Sgatlin(cfg), 32, 256, "float32")

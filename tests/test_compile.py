@@ -22,10 +22,11 @@ from conftest import load_config
 
 from sparsetx import config as config_lib
 from sparsetx import hardware
-from sparsetx.kernels import autotune_table, registry, tree_route
-from sparsetx.kernels.gated_gather import gated_gather
-from sparsetx.kernels.grouped_matmul import grouped_matmul
+from sparsetx.kernels import autotune_table, registry
+from sparsetx.kernels.fff import tree_route
+from sparsetx.kernels.grouped_matmul.op import grouped_matmul
 from sparsetx.kernels.options import KernelOptions
+from sparsetx.kernels.rows.gated_gather import gated_gather
 from sparsetx.models import attention
 from sparsetx.models.ffn.common import gelu_tanh
 from sparsetx.models.ffn.product_keys import product_key_top_k
@@ -43,7 +44,7 @@ GATHER_TYPES = ("peer", "sgatlin", "fff")
 ROW_KERNELS = {"row_dots", "row_accumulate", "segment_sums"}
 LOOP_TRIP_BOUND = 8  # the vocabulary tiles of the chunked loss; micro-batches; no loop grows with tokens
 REDUCTIONS = ("all-reduce", "reduce-scatter")
-GROUPED_KERNELS = {  # MoE's grouped matmul (kernels/grouped_matmul.py) per target
+GROUPED_KERNELS = {  # MoE's grouped matmul (kernels/grouped_matmul/op.py) per target
   "v5p": {"ragged-dot-none", "tgmm"},
   "v6e": {"ragged-dot-none", "tgmm"},
   "h100": {"mosaic_gpu", "grouped_matmul_t"},
@@ -330,7 +331,7 @@ def test_micro_batches_compile_with_the_gradient_reduced_after_the_loop(ffn_type
 def test_a_ladder_rung_compiles_for_hopper_with_mosaic_gpu_row_kernels():
   """configs/ladder.py:sgatlin,2 (d_model 256, 16 x 8 slots, GPT-2's vocabulary, 2,048 tokens a row) with
   kernel.implementation=mosaic on 4 H100s: every row kernel compiles through ptxas for sm_90a at the tiling it picks
-  for the device (kernels/mosaic_tiling.py), one sequence a device."""
+  for the device (kernels/rows/mosaic_tiling.py), one sequence a device."""
   config = load_config("configs/ladder.py", "sgatlin,2")
   config.model.ffn.kernel.update(implementation="mosaic")
   config.data.update(global_batch_size=4, eval_batch_size=4)

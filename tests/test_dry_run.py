@@ -261,13 +261,14 @@ def test_a_missing_compiler_is_named_with_what_to_install(monkeypatch):
 def test_a_refused_kernel_is_named_with_its_layer(monkeypatch):
   """A Mosaic refusal (here a 1-D window copy off the 128-element tiles of HBM, which PAIR_ALIGN prevents) is
   reported at the kernel and layer the compiler refused, found by compiling each kernel of the step alone."""
-  from sparsetx.kernels import pallas_tpu
 
   config = load_config("configs/tiny.py", "sgatlin")
   config.model.update(d_model=128, n_layers=2, head_dim=64, max_len=128, dtype="bfloat16")
   config.data.update(seq_len=128, global_batch_size=8, eval_batch_size=8)
   config.mesh.ici.update(data=4)
-  monkeypatch.setattr(pallas_tpu, "PAIR_ALIGN", 8)
+  from sparsetx.kernels.rows import tpu
+
+  monkeypatch.setattr(tpu, "PAIR_ALIGN", 8)
   mesh = aot.topology_mesh(config_lib.validate(config), "v5p:2x2x1")
   with pytest.raises(Exception) as refused:
     aot.compile_for_topology(config, "v5p:2x2x1")

@@ -95,8 +95,8 @@ def test_initialization_follows_ultrafastbert():
 
 def test_dense_top_levels_equal_a_walk_that_gathers_every_level():
   """The top levels come from one matmul; gathering every level instead gives the same paths and outputs."""
-  from sparsetx.kernels.gated_gather import KernelOptions
-  from sparsetx.kernels.tree_route import sparse_forward
+  from sparsetx.kernels.fff.tree_route import sparse_forward
+  from sparsetx.kernels.rows.gated_gather import KernelOptions
 
   depth, n_trees, d_model = 4, 3, 16
   k = jax.random.split(jax.random.key(7), 4)

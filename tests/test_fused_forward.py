@@ -16,18 +16,17 @@ import numpy as np
 import pytest
 
 from sparsetx.kernels import registry
-from sparsetx.kernels.backend import FusedForward
 from sparsetx.kernels.device import target
-from sparsetx.kernels.gated_gather import gated_gather
 from sparsetx.kernels.options import KernelOptions
-from sparsetx.kernels.reference import Gating
+from sparsetx.kernels.rows.gated_gather import gated_gather
+from sparsetx.kernels.rows.reference import Gating
 from sparsetx.models.ffn.common import gelu_tanh
 from sparsetx.perf import hlo_text
 from sparsetx.train import aot
 
 U32, U64 = 2.0**-24, 2.0**-53
 UNIT = {np.dtype(np.float32): U32, np.dtype(ml_dtypes.bfloat16): 2.0**-8}
-DESIGNS = [i for i in registry.ROWS if isinstance(i, FusedForward)]
+DESIGNS = [i for i in registry.ROWS if i.fused]
 OPTIONS = KernelOptions("triton", interpret=True, block_tokens=4, token_chunk=4)
 
 

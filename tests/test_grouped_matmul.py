@@ -1,4 +1,4 @@
-"""MoE's grouped matmul (kernels/grouped_matmul.py) against its definition: out[s] = lhs[s] @ rhs[g(s)] over rows
+"""MoE's grouped matmul (kernels/grouped_matmul/op.py) against its definition: out[s] = lhs[s] @ rhs[g(s)] over rows
 sorted by group, dlhs[s] = dout[s] @ rhs[g(s)].T and drhs[e] = sum_{s in e} outer(lhs[s], dout[s]), computed in
 float64 with numpy. Each backend that runs on a CPU is checked: the XLA tile loop (the CPU's path), the Triton
 kernels in interpret mode (A100s, and 32-bit operands on any GPU) and the TPU's (ragged_dot, and megablox's tgmm
@@ -14,18 +14,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparsetx.kernels import grouped_matmul as gm
-from sparsetx.kernels import grouped_ops, grouped_tpu, grouped_triton, grouped_xla
-from sparsetx.kernels.group_tiles import n_tiles, row_tiles
+from sparsetx.kernels.grouped_matmul import op as gm
+from sparsetx.kernels.grouped_matmul import tpu, triton, xla
+from sparsetx.kernels.grouped_matmul.tiles import n_tiles, row_tiles
 from sparsetx.kernels.options import KernelOptions
 
 F32_U = 2.0**-24
 HALF_ULP = {jnp.dtype(jnp.bfloat16): 2.0**-8, jnp.dtype(jnp.float32): 2.0**-24}
 
 BACKENDS = {
-  "xla": ((grouped_xla.gmm, grouped_xla.tgmm), KernelOptions(implementation="xla", group_rows=32)),
-  "triton": ((grouped_triton.gmm, grouped_triton.tgmm), KernelOptions(group_rows=32, interpret=True)),
-  "tpu": ((grouped_tpu.gmm, grouped_tpu.tgmm), KernelOptions(interpret=True)),  # ragged_dot, megablox tgmm
+  "xla": ((xla.gmm, xla.tgmm), KernelOptions(implementation="xla", group_rows=32)),
+  "triton": ((triton.gmm, triton.tgmm), KernelOptions(group_rows=32, interpret=True)),
+  "tpu": ((tpu.gmm, tpu.tgmm), KernelOptions(interpret=True)),  # ragged_dot, megablox tgmm
 }
 
 # (group sizes, rows): empty groups, one group taking every row, sizes off the 32-row tile, padding rows at the end
@@ -87,7 +87,7 @@ def test_grouped_matmul_and_gradients_equal_float64(backend, sizes_name, dtype):
   sizes, n_rows = SIZES[sizes_name]
   K, N = 48, 40
   lhs, rhs, dout, sizes_E = case(sizes, n_rows, K, N, dtype)
-  out, vjp = jax.vjp(lambda x, w: grouped_ops._grouped(kernels, options, x, w, sizes_E), lhs, rhs)
+  out, vjp = jax.vjp(lambda x, w: gm._grouped(kernels, options, x, w, sizes_E), lhs, rhs)
   dlhs, drhs = vjp(dout)
   (ref_out, out_abs), (ref_dlhs, dlhs_abs), (ref_drhs, drhs_abs) = reference(lhs, rhs, dout, sizes, n_rows)
   half_ulp = HALF_ULP[jnp.dtype(dtype)]

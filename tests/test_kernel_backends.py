@@ -1,4 +1,4 @@
-"""Every accelerator backend implements the row-kernel interface (kernels/backend.py) with its exact signature, and
+"""Every module of row kernels implements the row-kernel interface (kernels/rows/interface.py) with its exact signatures, and
 pads its own operands: Mosaic GPU's row kernels take a token count that is no multiple of their 64-token block."""
 
 import inspect
@@ -8,19 +8,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparsetx.kernels import mosaic_gpu, registry
-from sparsetx.kernels.backend import ModuleRows, RowKernels
+from sparsetx.kernels import registry
 from sparsetx.kernels.options import KernelOptions
+from sparsetx.kernels.rows import mosaic
+from sparsetx.kernels.rows.interface import KERNELS, MODULE_HOOKS, RowKernels
 
-MODULES = [i for i in registry.ROWS if isinstance(i, ModuleRows)]
+MODULES = list(dict.fromkeys(i.module for i in registry.ROWS))
 
 
-@pytest.mark.parametrize("implementation", MODULES, ids=lambda i: i.name)
-def test_each_kernel_module_has_the_row_kernel_interface(implementation):
-  """A module the registry lists (its one line) has the three kernels with the interface's exact signature."""
-  for name in ("row_dots", "row_accumulate", "segment_sums"):
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+def test_each_kernel_module_has_the_row_kernel_interface(module):
+  """A module the registry lists (its one line) has the three kernels with the interface's exact signature, and a
+  design's kernel (row_order_dots, fused_forward) wherever a record composes that design onto it."""
+  for name in KERNELS:
     want = list(inspect.signature(getattr(RowKernels, name)).parameters)[1:]  # without self
-    assert list(inspect.signature(getattr(implementation.module, name)).parameters) == want, name
+    assert list(inspect.signature(getattr(module, name)).parameters) == want, name
+  for record in (i for i in registry.ROWS if i.module is module):
+    assert not record.row_order or hasattr(module, "row_order_dots"), record
+    assert not record.fused or hasattr(module, "fused_forward"), record
+  assert set(MODULE_HOOKS) >= {"row_order_dots", "fused_forward", "row_order_fits", "fused_fits", "fused_gating"}
 
 
 def test_the_registry_lists_each_op_in_one_order_with_xla_last():
@@ -46,8 +52,8 @@ def test_mosaic_row_kernels_pad_their_own_tokens():
   rows_SN = jax.random.randint(k[2], (n_slots, n_tokens), 0, n_rows)
   coef_SN = jax.random.normal(k[3], (n_slots, n_tokens), jnp.float32)
   options = KernelOptions("mosaic", interpret=True)
-  dots = np.asarray(mosaic_gpu.row_dots(lhs, table, rows_SN, options))
-  out = np.asarray(mosaic_gpu.row_accumulate(coef_SN, table, rows_SN, jnp.float32, options))
+  dots = np.asarray(mosaic.row_dots(lhs, table, rows_SN, options))
+  out = np.asarray(mosaic.row_accumulate(coef_SN, table, rows_SN, jnp.float32, options))
   lhs64, table64, rows, coef = (np.asarray(a, np.float64) for a in (lhs, table, rows_SN, coef_SN))
   want_dots = np.einsum("td,std->st", lhs64, table64[rows.astype(int)])
   want_out = np.einsum("st,std->td", coef, table64[rows.astype(int)])

@@ -1,4 +1,4 @@
-"""mosaic_gpu.segment_sums (the table gradient) equals a float64 NumPy segment sum in interpret mode without
+"""mosaic.segment_sums (the table gradient) equals a float64 NumPy segment sum in interpret mode without
 shared-memory races, and lowers for CUDA at a ladder-like shape (Mosaic GPU's layout and TMA checks)."""
 
 import jax
@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparsetx.kernels import mosaic_gpu
 from sparsetx.kernels.options import KernelOptions
+from sparsetx.kernels.rows import mosaic
 from sparsetx.train import aot
 
 EPS32 = 2.0**-24  # float32 rounding unit
@@ -67,9 +67,9 @@ def test_segment_sums_equal_float64_reference(
   assert len(tokens) % 64 and (len(starts) - 1) % 64  # ragged P and R
   assert (-(-counts_R[:64].sum() // 64) > stages) == wraps_ring  # the first block's tiles reuse ring slots
   options = KernelOptions(block_d=block_d, stages=stages, interpret=True)
-  run = jax.jit(lambda *a: mosaic_gpu.segment_sums(*a, options, with_coef_sums=with_coef_sums))
+  run = jax.jit(lambda *a: mosaic.segment_sums(*a, options, with_coef_sums=with_coef_sums))
   sums, coef_sums = run(values, tokens, coefs, starts)
-  assert not mosaic_gpu.races_found()
+  assert not mosaic.races_found()
   expected, expected_coef_sums, bound, coef_bound = reference(values, tokens, coefs, starts)
   assert sums.dtype == jnp.float32 and sums.shape == expected.shape
   assert np.all(np.abs(np.asarray(sums, np.float64) - expected) <= bound)
@@ -92,7 +92,7 @@ def test_segment_sums_lower_for_cuda_at_a_ladder_shape(with_coef_sums):
     spec((n_pairs,), jnp.float32),
     spec((n_rows + 1,), jnp.int32),
   )
-  f = lambda *a: mosaic_gpu.segment_sums(*a, KernelOptions(), with_coef_sums=with_coef_sums)
+  f = lambda *a: mosaic.segment_sums(*a, KernelOptions(), with_coef_sums=with_coef_sums)
   with aot.on_topology("h100:1x1x1"):
     text = jax.jit(f).trace(*args).lower().as_text()
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
@@ -101,7 +101,7 @@ def test_segment_sums_lower_for_cuda_at_a_ladder_shape(with_coef_sums):
 def test_segment_sums_shapes_and_checks():
   """No pairs: zero rows without a kernel; on a GPU a d_model chunk spans the compute warpgroup's 128 threads."""
   values, tokens, coefs = jnp.zeros((4, 64)), jnp.zeros((5,), jnp.int32), jnp.ones((5,))
-  sums, coef_sums = mosaic_gpu.segment_sums(
+  sums, coef_sums = mosaic.segment_sums(
     values, tokens[:0], coefs[:0], jnp.zeros((3,), jnp.int32), KernelOptions(), True
   )
   assert sums.shape == (2, 64) and not np.any(sums) and coef_sums.shape == (2,) and not np.any(coef_sums)
@@ -110,4 +110,4 @@ def test_segment_sums_shapes_and_checks():
     aot.on_topology("h100:1x1x1"),
     pytest.raises(ValueError, match="d_model=64 has no chunk .* multiple of 128 values"),
   ):
-    jax.jit(lambda *a: mosaic_gpu.segment_sums(*a, KernelOptions())).trace(values, tokens, coefs, starts)
+    jax.jit(lambda *a: mosaic.segment_sums(*a, KernelOptions())).trace(values, tokens, coefs, starts)

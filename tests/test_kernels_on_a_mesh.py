@@ -8,7 +8,7 @@ import pytest
 from kernel_cases import gather_case, value_and_grads
 
 from sparsetx.config import DEFAULT_RULES
-from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
+from sparsetx.kernels.rows.gated_gather import KernelOptions, gated_gather
 from sparsetx.models.ffn.common import ACTIVATIONS
 from sparsetx.parallel import logical_rules
 from sparsetx.parallel import mesh as mesh_lib

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from kernel_cases import gather_case, value_and_grads
 
-from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
-from sparsetx.kernels.reference import Gating
+from sparsetx.kernels.rows.gated_gather import KernelOptions, gated_gather
+from sparsetx.kernels.rows.reference import Gating
 from sparsetx.models.ffn.common import ACTIVATIONS
 from sparsetx.train import aot
 
@@ -48,20 +48,20 @@ def test_pallas_gpu_kernels_equal_xla_path(shape, dtype, activation, with_bias, 
 
 def test_pallas_tpu_kernels_equal_xla_path_in_interpret_mode():
   """The gated gather's passes composed from the TPU row kernels (row_gather.py) equal the XLA path's."""
-  from sparsetx.kernels import pallas_tpu, row_gather, xla_gather
+  from sparsetx.kernels.rows import row_gather, tpu, xla_gather
 
   x, w_in, w_out, rows, gates, bias = gather_case(5, 1, 11, 3, 2, 5, 16)
   x, rows, gates = x.reshape(11, 16), rows.reshape(11, 6), gates.reshape(11, 6)
   act = Gating(ACTIVATIONS["gelu"])  # the backends take the op's gating (activation and gate position)
   options = KernelOptions("triton", token_chunk=4, block_tokens=4, interpret=True)
-  y_t, h_t = row_gather.forward(pallas_tpu, x, w_in, w_out, rows, gates, bias, act, options)
+  y_t, h_t = row_gather.forward(tpu, x, w_in, w_out, rows, gates, bias, act, options)
   y_x, h_x = xla_gather.forward(x, w_in, w_out, rows, gates, bias, act, options)
   np.testing.assert_allclose(y_t, y_x, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(h_t, h_x, rtol=1e-5, atol=1e-5)
   dy = jnp.cos(x)
   for name, a, b in zip(
     ("dx", "dgates", "coef_in", "coef_out"),
-    row_gather.backward_rows(pallas_tpu, dy, h_x, w_in, w_out, rows, gates, act, options),
+    row_gather.backward_rows(tpu, dy, h_x, w_in, w_out, rows, gates, act, options),
     xla_gather.backward_rows(dy, h_x, w_in, w_out, rows, gates, act, options),
   ):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
@@ -76,7 +76,7 @@ def test_pallas_tpu_kernels_equal_xla_path_in_interpret_mode():
   ],
 )
 def test_mosaic_gpu_kernels_equal_xla_path(shape, dtype, activation, with_bias, block_d, stages, rtol):
-  from sparsetx.kernels import mosaic_gpu
+  from sparsetx.kernels.rows import mosaic
 
   x, w_in, w_out, rows, gates, bias = gather_case(6, *shape, dtype=dtype)
   bias = bias if with_bias else None
@@ -84,23 +84,23 @@ def test_mosaic_gpu_kernels_equal_xla_path(shape, dtype, activation, with_bias, 
   run = lambda options: value_and_grads(
     lambda *a: gated_gather(*a[:5], act, a[5], options), x, w_in, w_out, rows, gates, bias
   )
-  mosaic = KernelOptions("mosaic", block_d=block_d, stages=stages, interpret=True)
-  mosaic_result = run(mosaic)
-  assert not mosaic_gpu.races_found()  # in the last kernel (backward dx); each kernel alone: the test below
+  mosaic_options = KernelOptions("mosaic", block_d=block_d, stages=stages, interpret=True)
+  mosaic_result = run(mosaic_options)
+  assert not mosaic.races_found()  # in the last kernel (backward dx); each kernel alone: the test below
   assert_same_loss_and_grads(mosaic_result, run(KernelOptions("xla", token_chunk=4, pair_chunk=16)), rtol)
 
 
 def test_mosaic_gpu_row_kernels_equal_einsum_without_races():
-  from sparsetx.kernels import mosaic_gpu
+  from sparsetx.kernels.rows import mosaic
 
   k = jax.random.split(jax.random.key(8), 4)
   lhs, table = jax.random.normal(k[0], (64, 64)), jax.random.normal(k[1], (9, 64))
   rows_SN, coef_SN = jax.random.randint(k[2], (3, 64), 0, 9), jax.random.normal(k[3], (3, 64))
   options = KernelOptions(block_d=32, stages=2, interpret=True)  # 2 chunks x 4 steps through a 2-tile ring
-  dots = jax.jit(lambda *a: mosaic_gpu.row_dots(*a, options))(lhs, table, rows_SN)
-  assert not mosaic_gpu.races_found()
-  out = jax.jit(lambda *a: mosaic_gpu.row_accumulate(*a, jnp.float32, options))(coef_SN, table, rows_SN)
-  assert not mosaic_gpu.races_found()
+  dots = jax.jit(lambda *a: mosaic.row_dots(*a, options))(lhs, table, rows_SN)
+  assert not mosaic.races_found()
+  out = jax.jit(lambda *a: mosaic.row_accumulate(*a, jnp.float32, options))(coef_SN, table, rows_SN)
+  assert not mosaic.races_found()
   np.testing.assert_allclose(dots, jnp.einsum("nd,snd->sn", lhs, table[rows_SN]), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(out, jnp.einsum("sn,snd->nd", coef_SN, table[rows_SN]), rtol=1e-5, atol=1e-5)
 

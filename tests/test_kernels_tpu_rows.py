@@ -25,9 +25,9 @@ from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib.mlir import ir
 from jax._src.tpu_custom_call import tpu as tpu_dialect
 
-from sparsetx.kernels import pallas_tpu, tpu_layout
 from sparsetx.kernels.options import KernelOptions
-from sparsetx.kernels.reference import Gating
+from sparsetx.kernels.rows import tpu, tpu_layout
+from sparsetx.kernels.rows.reference import Gating
 from sparsetx.models.ffn.common import gelu_tanh
 from sparsetx.perf import hlo_text
 from sparsetx.train import aot
@@ -77,7 +77,7 @@ def test_row_dots_equals_float64_dots(monkeypatch, n_tokens, n_slots, n_rows, d_
   monkeypatch.setattr(tpu_layout, "INTERPRET_SLOT_BYTES", slot_bytes)
   rng, table, rows = row_case(1, n_tokens, n_slots, n_rows, d_model, dtype, table_dtype)
   lhs = rng.standard_normal((n_tokens, d_model)).astype(dtype)
-  dots = pallas_tpu.row_dots(jnp.asarray(lhs), jnp.asarray(table), jnp.asarray(rows), OPTIONS)
+  dots = tpu.row_dots(jnp.asarray(lhs), jnp.asarray(table), jnp.asarray(rows), OPTIONS)
   assert dots.shape == (n_slots, n_tokens) and dots.dtype == jnp.float32
   terms = as64(lhs)[None] * as64(table.astype(dtype))[rows]  # [S, N, D]: rows rounded to lhs's dtype
   bound = d_model * EPS32 * np.abs(terms).sum(-1)
@@ -91,7 +91,7 @@ def test_row_accumulate_equals_float64_sums(
   monkeypatch.setattr(tpu_layout, "INTERPRET_SLOT_BYTES", slot_bytes)
   rng, table, rows = row_case(2, n_tokens, n_slots, n_rows, d_model, dtype, table_dtype)
   coef = rng.standard_normal((n_slots, n_tokens)).astype(np.float32)
-  out = pallas_tpu.row_accumulate(jnp.asarray(coef), jnp.asarray(table), jnp.asarray(rows), dtype, OPTIONS)
+  out = tpu.row_accumulate(jnp.asarray(coef), jnp.asarray(table), jnp.asarray(rows), dtype, OPTIONS)
   assert out.shape == (n_tokens, d_model) and out.dtype == dtype
   terms = as64(coef)[:, :, None] * as64(table.astype(dtype))[rows]  # [S, N, D]: rows rounded to out_dtype
   reference = terms.sum(0)
@@ -109,8 +109,8 @@ SEGMENT_CASES = [
 
 @pytest.mark.parametrize("n_tokens, n_rows, d_model, dtype, with_coef_sums", SEGMENT_CASES)
 def test_segment_sums_equal_float64_row_sums(monkeypatch, n_tokens, n_rows, d_model, dtype, with_coef_sums):
-  monkeypatch.setattr(pallas_tpu, "SEGMENT_RING", 4)  # the ring wraps and windows change within a tile
-  monkeypatch.setattr(pallas_tpu, "PAIR_WINDOW", 8)
+  monkeypatch.setattr(tpu, "SEGMENT_RING", 4)  # the ring wraps and windows change within a tile
+  monkeypatch.setattr(tpu, "PAIR_WINDOW", 8)
   rng = np.random.default_rng(3)
   counts = rng.integers(0, 4, n_rows)
   counts[[0, 5, 6, 7, n_rows - 1]] = 0  # empty rows, the first and the last among them
@@ -120,7 +120,7 @@ def test_segment_sums_equal_float64_row_sums(monkeypatch, n_tokens, n_rows, d_mo
   values = rng.standard_normal((n_tokens, d_model)).astype(dtype)
   tokens = rng.integers(0, n_tokens, n_pairs).astype(np.int32)
   coefs = rng.standard_normal(n_pairs).astype(np.float32)
-  sums, coef_sums = pallas_tpu.segment_sums(
+  sums, coef_sums = tpu.segment_sums(
     jnp.asarray(values), jnp.asarray(tokens), jnp.asarray(coefs), jnp.asarray(starts), OPTIONS, with_coef_sums
   )
   assert sums.shape == (n_rows, d_model) and sums.dtype == jnp.float32
@@ -178,15 +178,15 @@ def kernel_programs(n_tokens, n_slots, d_model, n_rows, dtype):
   options = KernelOptions("tpu")
   rows, table = spec((n_slots, n_tokens), jnp.int32), spec((n_rows, d_model), dtype)
   return {
-    "row_dots": (lambda x, w, r: pallas_tpu.row_dots(x, w, r, options), spec((n_tokens, d_model), dtype), table, rows),
+    "row_dots": (lambda x, w, r: tpu.row_dots(x, w, r, options), spec((n_tokens, d_model), dtype), table, rows),
     "row_accumulate": (
-      lambda c, w, r: pallas_tpu.row_accumulate(c, w, r, dtype, options),
+      lambda c, w, r: tpu.row_accumulate(c, w, r, dtype, options),
       spec((n_slots, n_tokens), jnp.float32),
       table,
       rows,
     ),
     "segment_sums": (
-      lambda v, t, c, s: pallas_tpu.segment_sums(v, t, c, s, options, with_coef_sums=True),
+      lambda v, t, c, s: tpu.segment_sums(v, t, c, s, options, with_coef_sums=True),
       spec((n_tokens, d_model), dtype),
       spec((n_tokens * n_slots,), jnp.int32),
       spec((n_tokens * n_slots,), jnp.float32),
@@ -216,7 +216,7 @@ def test_row_kernels_compile_for_tpu_at_every_d_model(chip, dtype):
 @pytest.mark.parametrize("chip", list(TOPOLOGY))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_the_fused_forward_compiles_for_tpu_where_its_whole_rows_fit(chip, dtype):
-  """pallas_tpu.fused_forward holds a step's whole rows of both tables (no d chunks): it compiles at every d_model of
+  """tpu.fused_forward holds a step's whole rows of both tables (no d chunks): it compiles at every d_model of
   D_MODELS whose rows fit the chip's slot, with a bias and tanh-GELU outside the gate, and refuses the others."""
   spec = jax.ShapeDtypeStruct
   gating = Gating(gelu_tanh, gate_inside=False)
@@ -225,8 +225,8 @@ def test_the_fused_forward_compiles_for_tpu_where_its_whole_rows_fit(chip, dtype
     for d_model in D_MODELS:
       table = spec((4096, d_model), dtype)
       args = (spec((1000, d_model), dtype), table, table, spec((1000, 128), jnp.int32), spec((1000, 128), jnp.float32))
-      fused = lambda *a: pallas_tpu.fused_forward(*a, jnp.ones((4096,)), gating, KernelOptions("tpu"))  # noqa: E731
-      if pallas_tpu.fused_fits(128, d_model, jnp.dtype(dtype).itemsize):
+      fused = lambda *a: tpu.fused_forward(*a, jnp.ones((4096,)), gating, KernelOptions("tpu"))  # noqa: E731
+      if tpu.fused_fits(128, d_model, jnp.dtype(dtype).itemsize):
         jax.jit(fused).trace(*args).lower().compile()
         compiled.append(d_model)
       else:
@@ -237,7 +237,7 @@ def test_the_fused_forward_compiles_for_tpu_where_its_whole_rows_fit(chip, dtype
 
 @pytest.mark.parametrize("chip", list(TOPOLOGY))
 def test_the_row_order_dots_compile_for_tpu(chip):
-  """pallas_tpu.row_order_dots (tokens resident in VMEM, each step's distinct rows copied from HBM once and spread
+  """tpu.row_order_dots (tokens resident in VMEM, each step's distinct rows copied from HBM once and spread
   by local DMAs, a lane-dense [1, 128] block of dots per step) compiles with libtpu: bf16 words at the ladder's
   640 columns, and 1,000 float32 tokens of 8,192 columns (31 MiB, just under half of a v5p's VMEM)."""
   spec = jax.ShapeDtypeStruct
@@ -245,7 +245,7 @@ def test_the_row_order_dots_compile_for_tpu(chip):
     for d_model, dtype in ((640, jnp.bfloat16), (8192, jnp.float32)):
       pairs = spec((128 * 1000,), jnp.int32)
       args = (spec((1000, d_model), dtype), spec((4096, d_model), dtype), pairs, pairs, spec((4097,), jnp.int32))
-      dots = lambda *a: pallas_tpu.row_order_dots(*a, KernelOptions("tpu"))  # noqa: E731
+      dots = lambda *a: tpu.row_order_dots(*a, KernelOptions("tpu"))  # noqa: E731
       jax.jit(dots).trace(*args).lower().compile()
 
 
@@ -267,15 +267,15 @@ def test_row_kernels_lower_for_tpu_with_a_sequential_double_buffered_grid(chip, 
   options = KernelOptions("tpu")
   rows, table = spec((S, N), jnp.int32), spec((R, D), jnp.bfloat16)
   kernels = {
-    "row_dots": (lambda x, w, r: pallas_tpu.row_dots(x, w, r, options), spec((N, D), jnp.bfloat16), table, rows),
+    "row_dots": (lambda x, w, r: tpu.row_dots(x, w, r, options), spec((N, D), jnp.bfloat16), table, rows),
     "row_accumulate": (
-      lambda c, w, r: pallas_tpu.row_accumulate(c, w, r, jnp.bfloat16, options),
+      lambda c, w, r: tpu.row_accumulate(c, w, r, jnp.bfloat16, options),
       spec((S, N), jnp.float32),
       table,
       rows,
     ),
     "segment_sums": (
-      lambda v, t, c, s: pallas_tpu.segment_sums(v, t, c, s, options, with_coef_sums=True),
+      lambda v, t, c, s: tpu.segment_sums(v, t, c, s, options, with_coef_sums=True),
       spec((N, D), jnp.bfloat16),
       spec((N * S,), jnp.int32),
       spec((N * S,), jnp.float32),
@@ -291,7 +291,7 @@ def test_row_kernels_lower_for_tpu_with_a_sequential_double_buffered_grid(chip, 
     assert semantics == "#tpu.dimension_semantics<parallel>, #tpu.dimension_semantics<arbitrary>", name
     bounds = [int(b) for b in re.search(r"iteration_bounds = array<i64: ([\d, ]+)>", module)[1].split(",")]
     if name == "segment_sums":
-      assert bounds == [-(-R // pallas_tpu.SEGMENT_ROWS), 1]  # 128-row tiles, all of d_model per program
+      assert bounds == [-(-R // tpu.SEGMENT_ROWS), 1]  # 128-row tiles, all of d_model per program
     else:
       assert bounds == [cores, N // cores // tpu_layout.ROW_BLOCK]  # 8-token steps, d_model = 640 in one chunk
       # Two slots of a step's rows, each row 640 bf16 = 320 words padded to 384 (3 lane tiles): 3 MiB of VMEM.

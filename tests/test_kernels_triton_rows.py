@@ -1,4 +1,4 @@
-"""The Triton row kernels (pallas_gpu.row_dots, row_accumulate, segment_sums; issue 24) in interpret mode
+"""The Triton row kernels (triton.row_dots, row_accumulate, segment_sums; issue 24) in interpret mode
 equal float64 NumPy references within the float32 summation bound, and lower for CUDA at ladder shapes.
 
 Bound: a sum of n float32-rounded products, added in float32 in any order, is within gamma(n) * sum|terms| of
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from jax._src.pallas.triton import lowering as triton_lowering  # the Triton module of each kernel (no public API)
 
-from sparsetx.kernels import pallas_gpu
 from sparsetx.kernels.options import KernelOptions
-from sparsetx.kernels.reference import Gating
+from sparsetx.kernels.rows import triton
+from sparsetx.kernels.rows.reference import Gating
 from sparsetx.perf import hlo_text
 from sparsetx.train import aot
 
@@ -61,7 +61,7 @@ def test_row_dots_match_the_float64_sum(n, s, r, d, dtype, table_dtype, block_to
   lhs_ND = rng.normal(size=(n, d)).astype(dtype)
   table_RD = rng.normal(size=(r, d)).astype(table_dtype)
   rows_SN = rng.integers(0, r, (s, n)).astype(np.int32)
-  dots_SN = pallas_gpu.row_dots(jnp.asarray(lhs_ND), jnp.asarray(table_RD), jnp.asarray(rows_SN), options(block_tokens))
+  dots_SN = triton.row_dots(jnp.asarray(lhs_ND), jnp.asarray(table_RD), jnp.asarray(rows_SN), options(block_tokens))
   assert dots_SN.shape == (s, n) and dots_SN.dtype == jnp.float32
   terms_SND = lhs_ND.astype(np.float64)[None] * rounded(table_RD, dtype)[rows_SN]  # table rounded to lhs's dtype
   assert_within(dots_SN, terms_SND.sum(-1), sum_bound(d, np.abs(terms_SND).sum(-1)), "dots")
@@ -73,7 +73,7 @@ def test_row_accumulate_matches_the_float64_sum(n, s, r, d, out_dtype, table_dty
   coef_SN = rng.normal(size=(s, n)).astype(np.float32)
   table_RD = rng.normal(size=(r, d)).astype(table_dtype)
   rows_SN = rng.integers(0, r, (s, n)).astype(np.int32)
-  out_ND = pallas_gpu.row_accumulate(
+  out_ND = triton.row_accumulate(
     jnp.asarray(coef_SN), jnp.asarray(table_RD), jnp.asarray(rows_SN), out_dtype, options(block_tokens)
   )
   assert out_ND.shape == (n, d) and out_ND.dtype == out_dtype
@@ -108,7 +108,7 @@ def test_segment_sums_match_the_float64_sums(n_rows, n, d, dtype, with_coef_sums
   lengths[5] = 11  # one long row: its tile walks 11 steps while its other rows end early
   starts_R1, tokens_P, coefs_P = sorted_pairs(rng, lengths, n, n_padding)
   values_ND = rng.normal(size=(n, d)).astype(dtype)
-  sums_RD, coef_sums_R = pallas_gpu.segment_sums(
+  sums_RD, coef_sums_R = triton.segment_sums(
     jnp.asarray(values_ND),
     jnp.asarray(tokens_P),
     jnp.asarray(coefs_P),
@@ -140,7 +140,7 @@ def test_segment_sums_match_the_float64_sums(n_rows, n, d, dtype, with_coef_sums
 def test_segment_sums_without_pairs_are_zero():
   starts_R1 = jnp.zeros((4,), jnp.int32)
   empty_i, empty_f = jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32)
-  sums_RD, coef_sums_R = pallas_gpu.segment_sums(
+  sums_RD, coef_sums_R = triton.segment_sums(
     jnp.ones((5, 16), jnp.bfloat16), empty_i, empty_f, starts_R1, options(8), with_coef_sums=True
   )
   np.testing.assert_array_equal(sums_RD, np.zeros((3, 16)))
@@ -167,11 +167,11 @@ def test_row_kernels_lower_for_cuda_at_ladder_shapes(d):
   def kernels(lhs_ND, table_RD, rows_SN, coef_SN, tokens_P, coefs_P, starts_R1):
     o = KernelOptions("triton")
     return (
-      pallas_gpu.row_dots(lhs_ND, table_RD, rows_SN, o),
-      pallas_gpu.row_accumulate(coef_SN, table_RD, rows_SN, jnp.bfloat16, o),
-      pallas_gpu.segment_sums(lhs_ND, tokens_P, coefs_P, starts_R1, o, with_coef_sums=True),
-      pallas_gpu.row_order_dots(lhs_ND, table_RD, tokens_P, tokens_P, starts_R1, o),
-      pallas_gpu.fused_forward(lhs_ND, table_RD, table_RD, rows_SN.T, coef_SN.T, None, Gating(), o),
+      triton.row_dots(lhs_ND, table_RD, rows_SN, o),
+      triton.row_accumulate(coef_SN, table_RD, rows_SN, jnp.bfloat16, o),
+      triton.segment_sums(lhs_ND, tokens_P, coefs_P, starts_R1, o, with_coef_sums=True),
+      triton.row_order_dots(lhs_ND, table_RD, tokens_P, tokens_P, starts_R1, o),
+      triton.fused_forward(lhs_ND, table_RD, table_RD, rows_SN.T, coef_SN.T, None, Gating(), o),
     )
 
   args = [

@@ -4,7 +4,7 @@ sampler's cached decoding, for A100 (Triton), H100 (Mosaic GPU) and TPU (v5p, v6
 token counts. tests/test_compile.py compiles the train step itself; these cases hold what lowering alone shows
 cheaply (a few tenths of a second a program): the kernels' count per program, their operand dtypes and the loops.
 
-Each counts the sparse layers' row kernels in the lowered program (kernels/row_gather.py: row_dots,
+Each counts the sparse layers' row kernels in the lowered program (kernels/rows/row_gather.py: row_dots,
 row_accumulate, segment_sums): Triton and TPU kernels by their names, Mosaic GPU kernels by their custom-call
 target; the dense types have none. Shapes satisfy Mosaic GPU: d_model 128 in bf16 is one 256-byte row chunk, and
 2 x 64 tokens fill its 64-token blocks.
@@ -22,7 +22,7 @@ from sparsetx import config as config_lib
 from sparsetx.evaluate import aot as decoding_aot
 from sparsetx.kernels import platform, registry
 from sparsetx.kernels.device import TracedDevice
-from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
+from sparsetx.kernels.rows.gated_gather import KernelOptions, gated_gather
 from sparsetx.models.ffn.common import ACTIVATIONS
 from sparsetx.perf import hlo_text
 from sparsetx.train import aot
@@ -81,10 +81,10 @@ def kernel_operands(lowered_text: str, names=ROW_KERNELS) -> list:
 
 
 def expected_kernels(ffn_type: str, target: str, program: str) -> dict:
-  """Per program and sparse layer (kernels/row_gather.py): a forward is row_dots (<w_in, x>; FFF's walk: one per
+  """Per program and sparse layer (kernels/rows/row_gather.py): a forward is row_dots (<w_in, x>; FFF's walk: one per
   walked level instead) and row_accumulate (the gated w_out rows); a backward is one more of each (dy . w_out, dx)
   and four segment_sums (per table's gradient: its rows cut at kernel.segment_chunk pairs, then the cut rows
-  combined, kernels/row_chunks.py; every case here has more pairs than one chunk). train = forward + backward,
+  combined, kernels/rows/row_chunks.py; every case here has more pairs than one chunk). train = forward + backward,
   eval = forward, generate = prefill + one decode step. Mosaic GPU's calls carry no kernel name: their total."""
   if ffn_type not in GATHER_TYPES:
     return {}
@@ -247,7 +247,7 @@ BF16_ROWS = ("xbf16", "xui32")
 
 def assert_bf16_rows(text: str) -> None:
   """Every [rows, d_model] operand of a sparse-layer kernel is bf16 (on TPU packed in uint32 words), but the float32
-  partial sums each table's combine of cut rows reads (kernels/row_chunks.py): one per table and layer."""
+  partial sums each table's combine of cut rows reads (kernels/rows/row_chunks.py): one per table and layer."""
   # int32 operands are ids and row ranges (Mosaic GPU's segment_sums takes its [2, R] ranges), not rows
   rows = [t for types in kernel_operands(text) for t in types if re.fullmatch(r"\d+x128x\w+", t) and "xi32" not in t]
   partials = [t for t in rows if t.endswith("xf32")]

@@ -56,3 +56,17 @@ def test_an_entry_under_the_wrong_file_is_found():
   defined = definitions()
   ((file, name),) = listed_names(text)
   assert file not in defined[name] and "sparsetx/parallel/own_tokens.py" in defined[name]
+
+
+def test_every_file_the_page_names_exists():
+  """A section's title, and every path the page writes (`sparsetx/kernels/rows/triton.py`, `rows/records.py`), names
+  a file that exists: a file moved or renamed leaves no section or line behind under its old path."""
+  text = (REPO / "docs" / "modules.md").read_text()
+  titles = [section.partition("\n")[0].strip() for section in re.split(r"^## ", text, flags=re.M)[1:]]
+  files = {str(path.relative_to(REPO / "sparsetx")) for path in (REPO / "sparsetx").rglob("*.py")}
+  missing = [title for title in titles if title.startswith("sparsetx/") and not (REPO / title).exists()]
+  for path in set(re.findall(r"(?<![\w./])((?:sparsetx/)?(?:[a-z_]+/)+[a-z_]+\.py)\b", text)):
+    relative = path.removeprefix("sparsetx/")
+    if not (relative in files or any(f.endswith("/" + relative) for f in files) or (REPO / path).exists()):
+      missing.append(path)
+  assert not missing, sorted(missing)

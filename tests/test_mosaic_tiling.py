@@ -1,4 +1,4 @@
-"""The Mosaic GPU row kernels' tilings (kernels/mosaic_tiling.py): their shared memory counted exactly as JAX counts
+"""The Mosaic GPU row kernels' tilings (kernels/rows/mosaic_tiling.py): their shared memory counted exactly as JAX counts
 it (JAX's own check at lowering is the reference), and a tiling that fits every shipped GPU target at every ladder
 rung."""
 
@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental.mosaic.gpu import core as mosaic_core
 
-from sparsetx.kernels import mosaic_gpu, mosaic_tiling
 from sparsetx.kernels.options import KernelOptions
+from sparsetx.kernels.rows import mosaic, mosaic_tiling
 from sparsetx.models import ladder
 from sparsetx.parallel import topology
 from sparsetx.train import aot
@@ -22,28 +22,28 @@ spec = jax.ShapeDtypeStruct
 
 
 def row_dots_case(n_slots, d_model, dtype, options):
-  scratch = functools.partial(mosaic_gpu.row_dots_scratch, n_slots, dtype, dtype)
+  scratch = functools.partial(mosaic.row_dots_scratch, n_slots, dtype, dtype)
   tiling = mosaic_tiling.choose("row_dots", scratch, d_model, dtype.itemsize, options, H100_SMEM, reduces=True)
   args = spec((200, d_model), dtype), spec((3000, d_model), dtype), spec((n_slots, 200), jnp.int32)
-  return tiling, lambda *a: mosaic_gpu.row_dots(*a, options), args
+  return tiling, lambda *a: mosaic.row_dots(*a, options), args
 
 
 def row_accumulate_case(n_slots, d_model, dtype, options):
-  scratch = functools.partial(mosaic_gpu.row_accumulate_scratch, n_slots, dtype, dtype)
+  scratch = functools.partial(mosaic.row_accumulate_scratch, n_slots, dtype, dtype)
   tiling = mosaic_tiling.choose("row_accumulate", scratch, d_model, dtype.itemsize, options, H100_SMEM, False)
   args = spec((n_slots, 200), jnp.float32), spec((3000, d_model), dtype), spec((n_slots, 200), jnp.int32)
-  return tiling, lambda *a: mosaic_gpu.row_accumulate(*a, dtype, options), args
+  return tiling, lambda *a: mosaic.row_accumulate(*a, dtype, options), args
 
 
 def segment_sums_case(n_slots, d_model, dtype, options):
   del n_slots  # the kernel walks pairs in 64-row blocks: its shared memory does not grow with the slots
-  wide = options._replace(block_d=max(options.block_d, mosaic_gpu.WARPGROUP))
-  scratch = functools.partial(mosaic_gpu.segment_sums_scratch, dtype)
+  wide = options._replace(block_d=max(options.block_d, mosaic.WARPGROUP))
+  scratch = functools.partial(mosaic.segment_sums_scratch, dtype)
   tiling = mosaic_tiling.choose(
-    "segment_sums", scratch, d_model, dtype.itemsize, wide, H100_SMEM, False, mosaic_gpu.WARPGROUP
+    "segment_sums", scratch, d_model, dtype.itemsize, wide, H100_SMEM, False, mosaic.WARPGROUP
   )
   args = spec((200, d_model), dtype), spec((900,), jnp.int32), spec((900,), jnp.float32), spec((3001,), jnp.int32)
-  return tiling, lambda *a: mosaic_gpu.segment_sums(*a, options, with_coef_sums=True), args
+  return tiling, lambda *a: mosaic.segment_sums(*a, options, with_coef_sums=True), args
 
 
 def lowers(kernel, args) -> bool:
@@ -111,15 +111,15 @@ def test_every_ladder_rung_has_a_tiling_that_fits_each_gpu(target):
   stages whose shared memory fits."""
   smem = topology.devices(f"{target}:1x1x1")[0].shared_memory_per_block_optin
   kernels = {
-    "row_dots": (mosaic_gpu.row_dots_scratch, True, 1),
-    "row_accumulate": (mosaic_gpu.row_accumulate_scratch, False, 1),
-    "segment_sums": (None, False, mosaic_gpu.WARPGROUP),
+    "row_dots": (mosaic.row_dots_scratch, True, 1),
+    "row_accumulate": (mosaic.row_accumulate_scratch, False, 1),
+    "segment_sums": (None, False, mosaic.WARPGROUP),
   }
   for ffn_type, scale, d_model, slots in ladder_shapes():
     for dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
       for kernel, (scratch, reduces, multiple) in kernels.items():
         if scratch is None:
-          scratch_of = functools.partial(mosaic_gpu.segment_sums_scratch, dtype)
+          scratch_of = functools.partial(mosaic.segment_sums_scratch, dtype)
         else:
           scratch_of = functools.partial(scratch, slots, dtype, dtype)
         options = KernelOptions(block_d=max(KernelOptions().block_d, multiple))

@@ -17,7 +17,7 @@ import pytest
 from conftest import init_params, layer_model_config
 
 from sparsetx.kernels import registry
-from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
+from sparsetx.kernels.rows.gated_gather import KernelOptions, gated_gather
 from sparsetx.models.ffn.common import gelu_tanh
 from sparsetx.models.ffn.fff import Fff
 

@@ -1,4 +1,4 @@
-"""Table-gradient sums with hot rows cut into chunks (kernels/row_chunks.py) equal a float64 NumPy segment sum.
+"""Table-gradient sums with hot rows cut into chunks (kernels/rows/row_chunks.py) equal a float64 NumPy segment sum.
 
 The reference sums each row's pairs from the definition, sums[r] = sum over pairs p with rows[p] == r of
 coefs[p] * values[tokens[p]], with nothing of the chunking; rows are drawn skewed (a few rows take most pairs)
@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparsetx.kernels import pallas_gpu, row_chunks, segment_grads
 from sparsetx.kernels.options import KernelOptions
+from sparsetx.kernels.rows import row_chunks, segment_grads, triton
 
 
 def skewed_pairs(n_pairs, n_rows, n_tokens, seed):
@@ -42,7 +42,7 @@ def test_chunked_segment_sums_equal_float64_reference(chunk):
     order_P, sorted_rows_P = segment_grads.sort_pairs(rows, n_rows)
     starts_R1 = segment_grads.row_starts(sorted_rows_P, n_rows)
     return row_chunks.segment_sums(
-      pallas_gpu, values, tokens[order_P], coefs[order_P], sorted_rows_P, starts_R1, options, with_coef_sums=True
+      triton, values, tokens[order_P], coefs[order_P], sorted_rows_P, starts_R1, options, with_coef_sums=True
     )
 
   sums, coef_sums = run(values, rows, tokens, coefs)

@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 
 from sparsetx.kernels import registry
-from sparsetx.kernels.backend import RowOrderDots
 from sparsetx.kernels.device import target
 from sparsetx.kernels.options import KernelOptions
 from sparsetx.train import aot
 
 U32, U64 = 2.0**-24, 2.0**-53
-DESIGNS = [i for i in registry.ROWS if isinstance(i, RowOrderDots)]
+DESIGNS = [i for i in registry.ROWS if i.row_order]
 OPTIONS = KernelOptions("triton", interpret=True, pair_chunk=8)  # XLA's pairs in chunks of 8 on the CPU
 
 

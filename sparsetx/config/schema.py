@@ -39,7 +39,7 @@ def kernel_defaults() -> ml_collections.ConfigDict:
       block_tokens=8,  # triton: tokens per program
       block_d=128,  # GPU kernels: d_model chunk (largest fitting divisor; triton: a power of two)
       stages=3,  # mosaic: gathered [64, block_d] tiles in flight
-      row_sorted=True,  # xla on CPU: training walks (token, slot) pairs in table-row order (kernels/xla_gather.py)
+      row_sorted=True,  # xla on CPU: training walks (token, slot) pairs in table-row order (kernels/rows/xla_gather.py)
       segment_chunk=64,  # the kernels' table gradients: pairs per segment; a hot row is cut and combined (0: never)
       group_rows=128,  # moe: rows of one expert per grouped-matmul tile (a power of two >= 16; Mosaic GPU: >= 64)
     )

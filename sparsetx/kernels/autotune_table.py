@@ -1,14 +1,12 @@
 """The measured choices `auto` reads on a GPU or TPU: per device kind, JAX version, op and shape class, the
 implementations that ran correctly, fastest first, and the reason each other one was dropped.
 
-sparsetx-autotune (train/autotune.py) fills it on the device; the trainer does the same before it compiles a step
-whose calls it lacks. One JSON file: $SPARSETX_AUTOTUNE_TABLE, else ~/.cache/sparsetx/autotune.json. It records
-what ran, and where: a kernel that faulted on one device kind and JAX version is dropped there only.
+sparsetx-autotune (train/autotune.py) fills it on the device, as does the trainer before it compiles a step whose
+calls it lacks. One JSON file: $SPARSETX_AUTOTUNE_TABLE, else ~/.cache/sparsetx/autotune.json. A call it lacks
+takes the entry at the nearest token count, all else equal. An unreadable table is one ConfigError, an unwritable
+one a paths.StorageError; inside `off()` (config.train.autotune=False) it is neither read nor written.
 
-A call the table lacks takes the entry measured at the nearest token count with everything else equal (an
-evaluation's batch beside the train step's). A table that cannot be read is one ConfigError naming the file and
-the fix; one that cannot be written, a paths.StorageError. Inside `off()` (config.train.autotune=False) the table
-is neither read nor written.
+More: docs/modules.md, sparsetx/kernels/autotune_table.py.
 """
 
 import contextlib

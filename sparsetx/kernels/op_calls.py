@@ -13,7 +13,7 @@ import re
 
 import jax.numpy as jnp
 
-from sparsetx.kernels.reference import ACTIVATIONS
+from sparsetx.kernels.rows.reference import ACTIVATIONS
 
 _TOKENS = re.compile(r" N(\d+)\b")
 

@@ -1,10 +1,11 @@
-"""Which implementation runs each kernel op: one table per op, in order, XLA one implementation among the others.
+"""Which implementation runs each kernel op: the selection shared by the ops, above their packages.
 
 An op is the sparse layers' row kernels (`rows`: row_dots, row_accumulate, segment_sums and the forms over them,
-backend.RowKernels) or MoE's grouped matmul (`grouped_matmul`). Each lists its implementations once, in the
-order Mosaic GPU, Triton, Pallas TPU, XLA; one that cannot take a call raises NotImplementedError with its reason
-and the next is tried. `auto` tries them in the order the device measured (kernels/autotune_table.py, filled by
-sparsetx-autotune), else in DEFAULT_ORDER. A new implementation is its file and one line in its op's table.
+rows/interface.py) or MoE's grouped matmul (`grouped_matmul`). Each op's package lists its implementations once
+(rows/table.py, grouped_matmul/table.py), in the order Mosaic GPU, Triton, Pallas TPU, XLA; one that cannot take a
+call raises NotImplementedError with its reason and the next is tried. `auto` tries them in the order the device
+measured (kernels/autotune_table.py, filled by sparsetx-autotune), else in DEFAULT_ORDER. A new implementation is
+its file and one line in its op's table.
 
 More: docs/modules.md, sparsetx/kernels/registry.py.
 """
@@ -15,37 +16,12 @@ from absl import logging
 
 from sparsetx import config
 from sparsetx.kernels import autotune_table
-from sparsetx.kernels.backend import FusedForward, ModuleRows, RowKernels, RowOrderDots, Tiled, XlaRows
 from sparsetx.kernels.device import TracedDevice, target
-from sparsetx.kernels.grouped_ops import GroupedKernels, GroupedXla
+from sparsetx.kernels.grouped_matmul.table import GROUPED
 from sparsetx.kernels.options import KernelOptions
-from sparsetx.kernels.platform import hopper_or_newer
+from sparsetx.kernels.rows.interface import RowKernels
+from sparsetx.kernels.rows.table import ROWS
 
-HOPPER = (lambda device: hopper_or_newer(device.device_kind), "a Hopper or newer GPU (sm_90+)")
-
-# The tilings sparsetx-autotune --tilings measures beside the config's (kernel.block_tokens, block_d, stages): Triton's
-# token block and d chunk, Mosaic GPU's d chunk and pipeline depth (each an upper bound it fits to the device).
-TRITON_TILINGS = ({"block_tokens": 16}, {"block_tokens": 32}, {"block_d": 256}, {"block_tokens": 16, "block_d": 256})
-MOSAIC_TILINGS = ({"stages": 2}, {"stages": 4}, {"block_d": 64}, {"block_d": 256})
-TRITON = dict(refused_on=("tpu",), tilings=TRITON_TILINGS)  # where the Triton family runs, what it offers
-
-ROWS: tuple[RowKernels, ...] = (
-  ModuleRows("mosaic", "sparsetx.kernels.mosaic_gpu", "gpu", needs=HOPPER, refused_on=("tpu",), tilings=MOSAIC_TILINGS),
-  ModuleRows("triton", "sparsetx.kernels.pallas_gpu", "gpu", interprets_by_default=True, **TRITON),
-  RowOrderDots("triton_row_order", "sparsetx.kernels.pallas_gpu", "gpu", **TRITON),
-  FusedForward("triton_fused", "sparsetx.kernels.pallas_gpu", "gpu", **TRITON),
-  ModuleRows("tpu", "sparsetx.kernels.pallas_tpu", "tpu", refused_on=("gpu",)),
-  RowOrderDots("tpu_row_order", "sparsetx.kernels.pallas_tpu", "tpu", refused_on=("gpu",)),
-  FusedForward("tpu_fused", "sparsetx.kernels.pallas_tpu", "tpu", refused_on=("gpu",)),
-  RowOrderDots("xla_row_order", "sparsetx.kernels.xla_rows", None),
-  XlaRows(),
-)
-GROUPED: tuple[GroupedKernels, ...] = (
-  GroupedKernels("mosaic", "grouped_mosaic", "gpu", needs=HOPPER, refused_on=("tpu",), tgmm_module="grouped_triton"),
-  GroupedKernels("triton", "grouped_triton", "gpu", refused_on=("tpu",), interprets_by_default=True),
-  GroupedKernels("tpu", "grouped_tpu", "tpu", refused_on=("gpu",)),
-  GroupedXla(),
-)
 OPS = {"rows": ROWS, "grouped_matmul": GROUPED}
 NAMES = tuple(dict.fromkeys(i.name for op in OPS.values() for i in op))  # what kernel.implementation may name
 
@@ -60,7 +36,7 @@ _recorded = None  # the calls resolved while `recording` is active: {(op, shape 
 
 
 def by_name(op: str, name: str):
-  """The implementation of `op` called `name`; `name@knob=value,...` is it at that tiling (backend.Tiled)."""
+  """The implementation of `op` called `name`; `name@knob=value,...` is it at that tiling (rows/records.py)."""
   name, _, tiling = name.partition("@")
   for implementation in OPS[op]:
     if implementation.name == name:
@@ -76,11 +52,11 @@ def at_tiling(op: str, implementation, tiling: str):
     knobs = {knob: int(value) for knob, _, value in (part.partition("=") for part in tiling.split(","))}
   except ValueError:
     raise ValueError(f"tiling {tiling!r} is not knob=integer,...; e.g. block_tokens=16,block_d=256.") from None
-  return Tiled(implementation, knobs)
+  return implementation.at_tiling(knobs)
 
 
 def tiling_spec(implementation, tiling: dict) -> str:
-  return Tiled(implementation, tiling).name
+  return implementation.at_tiling(tiling).name
 
 
 def runs_here(op: str, interpreted: bool = False) -> list:
@@ -154,7 +130,7 @@ def candidates(op: str, options: KernelOptions, device: TracedDevice) -> list:
 def naming(implementation, base: KernelOptions) -> KernelOptions:
   """The options that ask for `implementation` by name (its config knobs taken from `base`; a tiling's come from
   the implementation itself)."""
-  return base._replace(implementation=getattr(implementation, "base", implementation).name)
+  return base._replace(implementation=implementation.name.partition("@")[0])
 
 
 def resolve(op: str, options: KernelOptions, key: str, call=None):

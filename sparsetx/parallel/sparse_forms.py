@@ -6,8 +6,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from sparsetx.config.placements import EXPERT, Placement
-from sparsetx.kernels.gated_gather import gated_gather
-from sparsetx.kernels.tree_route import sparse_forward
+from sparsetx.kernels.fff.tree_route import sparse_forward
+from sparsetx.kernels.rows.gated_gather import gated_gather
 from sparsetx.parallel import expert_collectives, expert_groups
 from sparsetx.parallel.own_tokens import on_own_tokens, on_own_units
 from sparsetx.parallel.tables import NeuronTable
@@ -103,7 +103,7 @@ def split_gated_gather(group, x_ND, experts_2UFD, idx_NUK, gates_NUK, activation
 
   Each device holds experts[:, u-block, :, d-slice] (`expert_groups.table_group`) and never sends it. Inside
   `on_own_units`, x goes to the devices of its d-group by d-slice and the indices and gates are
-  all-gathered over it; the gated gather with `sum_axes` (kernels/sliced_gather.py) sums the partial dots over
+  all-gathered over it; the gated gather with `sum_axes` (kernels/rows/sliced_gather.py) sums the partial dots over
   the d-group before the activation and the gate; y's d-slices come back by the inverse of x's move. Returns
   y [N, D] in x's dtype.
   """

@@ -178,7 +178,7 @@ def gather_kernels(bld: CostBuilder, N, S, d, b, R, with_bias=False, forward_dot
     2 * 2 * pairs * d,
   )
   tails = pairs // segment_chunk if segment_chunk else 0
-  if tails:  # kernels/row_chunks.py: tail segments written, each long row's partials read and its sum written back
+  if tails:  # kernels/rows/row_chunks.py: tail segments written, each long row's partials read and its sum written back
     long_rows = min(R, tails)
     combined = (long_rows + tails) * (d * F32 + INDEX + F32)
     permuted = pairs * 2 * (INDEX + F32)  # the pairs' tokens and coefficients gathered into head/tail order

@@ -16,10 +16,11 @@ import numpy as np
 from absl import flags
 
 from sparsetx import cli, hardware
-from sparsetx.kernels import registry, row_gather, segment_grads
+from sparsetx.kernels import registry
 from sparsetx.kernels.device import target
-from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
-from sparsetx.kernels.grouped_matmul import grouped_matmul
+from sparsetx.kernels.grouped_matmul.op import grouped_matmul
+from sparsetx.kernels.rows import row_gather, segment_grads
+from sparsetx.kernels.rows.gated_gather import KernelOptions, gated_gather
 from sparsetx.perf import timing
 from sparsetx.tools import bench_layers
 from sparsetx.train import kernel_bench, step_bench

@@ -2,13 +2,10 @@
 
   python -m sparsetx.tools.autotune --config=configs/ladder.py:sgatlin,4 --config.data.global_batch_size=16
 
-For each kernel op call the step makes (one trace of the step: its tokens, dtypes and the layer's gating), every
-implementation this device runs natively (registry.runs_here) is timed in a child process and checked against XLA's
-values and gradients; the fastest correct one is recorded with the reason each other was dropped
-(kernels/autotune_table.py; $SPARSETX_AUTOTUNE_TABLE, else ~/.cache/sparsetx/autotune.json). Calls the table already
-holds are measured again only with --again. On a CPU that is XLA's two designs; a kernel in interpret mode only when
---implementations names it. A table that cannot be read ends in one `error:` line (exit 2), one that cannot be
-written likewise (exit 5), before anything is measured.
+For each kernel call the step makes (its tokens, dtypes and the layer's gating), every implementation this device
+runs (registry.runs_here; interpret mode only when --implementations names it) is timed in a child process and
+checked against XLA's values and gradients; the fastest correct one goes into the autotune table with the reason
+each other was dropped (--again: held calls too). An unreadable or unwritable table is one `error:` line.
 
 More: docs/modules.md, sparsetx/tools/autotune.py.
 """

@@ -13,8 +13,9 @@ from absl import flags
 
 from sparsetx import cli
 from sparsetx.config import ConfigError, default_config, validate
-from sparsetx.kernels import mosaic_gpu, op_calls, pallas_gpu, pallas_tpu, registry, row_chunks, segment_grads
+from sparsetx.kernels import op_calls, registry
 from sparsetx.kernels.options import KernelOptions
+from sparsetx.kernels.rows import mosaic, row_chunks, segment_grads, tpu, triton
 from sparsetx.models.ffn import moe
 from sparsetx.models.ffn.common import gini
 from sparsetx.models.ffn.dense import Mlp, SwiGlu
@@ -267,9 +268,9 @@ def table_grads_table(scale, tokens, dtype, rounds, target_gini, chunks, impleme
 
 # segment_sums' programs: (segments per program, whether its segments run side by side in lanes)
 PROGRAM_SHAPES = {
-  "mosaic": (mosaic_gpu.BLOCK_ROWS, False),
-  "tpu": (pallas_tpu.SEGMENT_ROWS, False),
-  "triton": (pallas_gpu.SEGMENT_ROWS, True),
+  "mosaic": (mosaic.BLOCK_ROWS, False),
+  "tpu": (tpu.SEGMENT_ROWS, False),
+  "triton": (triton.SEGMENT_ROWS, True),
 }
 
 

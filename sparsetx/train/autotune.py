@@ -25,10 +25,11 @@ import numpy as np
 from sparsetx.config import ConfigError
 from sparsetx.kernels import autotune_table, registry
 from sparsetx.kernels.device import target
-from sparsetx.kernels.gated_gather import gated_gather
+from sparsetx.kernels.fff.tree_route import WALK_ROWS_PER_CHUNK
+from sparsetx.kernels.grouped_matmul import op as grouped_op
 from sparsetx.kernels.options import KernelOptions, options_from_config
-from sparsetx.kernels.reference import ACTIVATIONS, Gating
-from sparsetx.kernels.tree_route import WALK_ROWS_PER_CHUNK
+from sparsetx.kernels.rows.gated_gather import gated_gather
+from sparsetx.kernels.rows.reference import ACTIVATIONS, Gating
 from sparsetx.perf import timing
 
 PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
@@ -122,7 +123,7 @@ def program(call: dict, implementation, options: KernelOptions, constants: tuple
   sizes, dout = constants
 
   def grouped_loss(lhs, rhs):
-    out = implementation(lhs, rhs, sizes, options)
+    out = grouped_op.run(implementation, lhs, rhs, sizes, options)
     return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)), out
 
   return jax.jit(jax.value_and_grad(grouped_loss, argnums=(0, 1), has_aux=True))

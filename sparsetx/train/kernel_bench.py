@@ -9,8 +9,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from sparsetx.kernels import registry, row_gather, segment_grads
-from sparsetx.kernels.gated_gather import KernelOptions, gated_gather
+from sparsetx.kernels import registry
+from sparsetx.kernels.rows import row_gather, segment_grads
+from sparsetx.kernels.rows.gated_gather import KernelOptions, gated_gather
 from sparsetx.perf import timing
 
 LADDER_SHAPES = [(16384, 16, 8, 40**2, 256), (16384, 16, 8, 64**2, 512), (16384, 16, 8, 112**2, 1024)]

@@ -4,7 +4,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sparsetx.kernels.reference import gelu, gelu_tanh, identity  # noqa: F401 (the layers import them here)
+from sparsetx.kernels.rows.reference import gelu, gelu_tanh, identity  # noqa: F401 (the layers import them here)
 
 
 def dense_init(std: float, names: tuple):

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 from sparsetx import scopes
 from sparsetx.config import ffn_checks
 from sparsetx.config.placements import placement_of
-from sparsetx.kernels.gated_gather import options_from_config
-from sparsetx.kernels.reference import identity
-from sparsetx.kernels.tree_route import DENSE_LEVELS, next_node
+from sparsetx.kernels.fff.tree_route import DENSE_LEVELS, next_node
+from sparsetx.kernels.rows.gated_gather import options_from_config
+from sparsetx.kernels.rows.reference import identity
 from sparsetx.models.ffn.common import gelu_for, gini, symmetric_uniform
 from sparsetx.models.ffn.spec import Circuit, FfnSpec, Units, dense_width
 from sparsetx.parallel import sparse_forms, tables

@@ -2,7 +2,7 @@
 selected logits as mixing weights, SwiGLU experts.
 
 Dispatch is dropless and real: the (token, slot) pairs are sorted by expert and every expert runs
-one grouped matmul (sparsetx/kernels/grouped_matmul.py: Mosaic GPU or Triton kernels on a GPU, the native ragged
+one grouped matmul (sparsetx/kernels/grouped_matmul/op.py: Mosaic GPU or Triton kernels on a GPU, the native ragged
 dot on TPU) over exactly the tokens routed to it. No expert sees a token it was not chosen for, and no token is
 dropped for capacity.
 
@@ -19,7 +19,7 @@ from sparsetx import config as config_lib
 from sparsetx import scopes
 from sparsetx.config import ffn_checks
 from sparsetx.config.placements import placement_of
-from sparsetx.kernels.grouped_matmul import grouped_matmul
+from sparsetx.kernels.grouped_matmul.op import grouped_matmul
 from sparsetx.kernels.options import options_from_config
 from sparsetx.models.ffn.common import dense_init
 from sparsetx.models.ffn.spec import Circuit, FfnSpec, Units

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from sparsetx import scopes
 from sparsetx.config import ffn_checks
 from sparsetx.config.placements import placement_of
-from sparsetx.kernels.gated_gather import options_from_config
+from sparsetx.kernels.rows.gated_gather import options_from_config
 from sparsetx.models.ffn import table_cost
 from sparsetx.models.ffn.common import gelu_for
 from sparsetx.models.ffn.product_keys import make_router

@@ -3,15 +3,15 @@
 Per token and tree the walk evaluates one node per level, each depending on the previous level's
 logit. Two facts make it fast on a CPU, and they hold on accelerators too; docs/modules.md states them.
 
-More: docs/modules.md, sparsetx/kernels/tree_route.py.
+More: docs/modules.md, sparsetx/kernels/fff/tree_route.py.
 """
 
 import jax
 import jax.numpy as jnp
 
 from sparsetx.kernels import op_calls, registry
-from sparsetx.kernels.gated_gather import gated_gather
-from sparsetx.kernels.tree_walk import next_node  # noqa: F401 (FFF's layer reads it here)
+from sparsetx.kernels.fff.tree_walk import next_node  # noqa: F401 (FFF's layer reads it here)
+from sparsetx.kernels.rows.gated_gather import gated_gather
 
 DENSE_LEVELS = 3  # levels computed by one matmul (7 nodes per tree) before the walk starts gathering
 WALK_ROWS_PER_CHUNK = 512  # gathered w_in rows per scan step of the walk (about 1.5 MiB at d_model 768)

@@ -1,8 +1,8 @@
-"""The gated gather on a GPU or TPU, composed from one backend's two row kernels (kernels/backend.py): row_dots
+"""The gated gather on a GPU or TPU, composed from one backend's two row kernels (kernels/rows/backend.py): row_dots
 gives the forward's x . w_in, the backward's dy . w_out and FFF's per-level logits; row_accumulate the forward's y
 from w_out and the backward's dx from w_in.
 
-More: docs/modules.md, sparsetx/kernels/row_gather.py.
+More: docs/modules.md, sparsetx/kernels/rows/row_gather.py.
 """
 
 import jax.numpy as jnp

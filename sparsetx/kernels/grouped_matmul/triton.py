@@ -7,7 +7,7 @@ rows (a masked store): no group touches another's rows, and a block shared by tw
 once per group. tgmm: one program per (group, output tile) walks the group's rows in GROUP_STEP-row steps, a
 loop whose trip count is the group's own size; an empty group writes zeros.
 
-More: docs/modules.md, sparsetx/kernels/grouped_triton.py.
+More: docs/modules.md, sparsetx/kernels/grouped_matmul/triton.py.
 """
 
 import jax
@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from sparsetx.kernels import device
-from sparsetx.kernels.group_tiles import n_tiles, row_tiles
+from sparsetx.kernels.grouped_matmul.tiles import n_tiles, row_tiles
 
 GROUP_STEP = 32  # tgmm: rows of a group added per loop step
 CHUNK = 64  # the largest K or N chunk of one dot

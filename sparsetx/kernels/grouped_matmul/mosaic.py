@@ -2,8 +2,8 @@
 persistent kernel whose row tiles each belong to one group, TMA-pipelined WGMMA in float32 accumulators),
 for the forward and, with the matrices read transposed, the input gradient. Same contract as grouped_xla.gmm.
 
-It takes 16-bit operands, and widths and row tiles that are multiples of 64 (`eligible`); other calls take the Triton
-kernels. The weights' gradient is the Triton tgmm: JAX's `transposed_ragged_dot_mgpu` sizes its grid from
+It takes 16-bit operands, and widths and row tiles that are multiples of 64 (`refusal`, the interface's hook); other
+calls take the Triton kernels. The weights' gradient is the Triton tgmm: JAX's `transposed_ragged_dot_mgpu` sizes its grid from
 `jax.devices()[0]`, so it cannot be compiled for a GPU target from a machine without one.
 """
 
@@ -14,9 +14,12 @@ BLOCK_K = 64  # contraction chunk of one pipeline stage
 STAGES = 4  # pipeline stages in flight: 4 x (128 x 64 + 64 x 128) bf16 = 128 KiB of the 227 KiB of shared memory
 
 
-def eligible(dtype, k: int, n: int, options) -> bool:
-  """Whether the Mosaic GPU kernel takes these operands: 16-bit, both widths (K, N) and the row tile multiples of 64."""
-  return jnp.dtype(dtype).itemsize == 2 and all(width % 64 == 0 for width in (k, n, options.group_rows))
+def refusal(dtype, k: int, n: int, options) -> str | None:
+  """Why the Mosaic GPU kernel refuses these operands (it takes 16-bit ones, both widths (K, N) and the row tile
+  multiples of 64), or None."""
+  if jnp.dtype(dtype).itemsize == 2 and all(width % 64 == 0 for width in (k, n, options.group_rows)):
+    return None
+  return f"Mosaic GPU's grouped matmul takes 16-bit operands whose widths and row tile are multiples of 64, not {jnp.dtype(dtype).name} K={k} N={n} rows {options.group_rows}"
 
 
 def gmm(lhs_SK, rhs_EKN, group_sizes_E, transpose_rhs, options):

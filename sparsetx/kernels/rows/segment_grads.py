@@ -5,7 +5,7 @@ dy. Pairs are sorted by row once (shared by both tables and the bias), then summ
 deterministic, each row written once, nothing accumulated in bf16 (the shape of FBGEMM's table-batched
 embedding backward).
 
-More: docs/modules.md, sparsetx/kernels/segment_grads.py.
+More: docs/modules.md, sparsetx/kernels/rows/segment_grads.py.
 """
 
 from typing import NamedTuple
@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from sparsetx import scopes
-from sparsetx.kernels import platform, row_chunks
+from sparsetx.kernels import platform
+from sparsetx.kernels.rows import row_chunks
 
 _INT32_LIMIT = 2**31 - 1
 

@@ -7,7 +7,7 @@ the gate gradients and the per-pair coefficients the table gradients need (segme
 Small chunks are the point on a CPU: their rows stay in cache. Elsewhere (`kernel.implementation=xla` on a
 GPU or TPU) one chunk holds every token (kernels/platform.py), so no cache-sized loop reaches the device.
 
-More: docs/modules.md, sparsetx/kernels/xla_gather.py.
+More: docs/modules.md, sparsetx/kernels/rows/xla_gather.py.
 """
 
 from typing import NamedTuple

@@ -1,7 +1,7 @@
 """The layout the Pallas TPU row kernels share (pallas_tpu.py): rows as 32-bit words in whole 128-lane tiles, the
 token steps of the row kernels' grid and their double-buffered row DMAs, and the VMEM budget of a step.
 
-More: docs/modules.md, sparsetx/kernels/pallas_tpu.py.
+More: docs/modules.md, sparsetx/kernels/rows/tpu.py.
 """
 
 import jax

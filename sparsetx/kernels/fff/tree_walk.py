@@ -7,8 +7,9 @@ gather of one w_in row per (token, tree) per level, a chunk's rows small enough 
 import jax
 import jax.numpy as jnp
 
-from sparsetx.kernels import platform, row_gather
-from sparsetx.kernels.xla_gather import chunked, unchunk
+from sparsetx.kernels import platform
+from sparsetx.kernels.rows import row_gather
+from sparsetx.kernels.rows.xla_gather import chunked, unchunk
 
 
 def next_node(node, z):

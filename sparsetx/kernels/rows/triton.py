@@ -6,7 +6,7 @@ Row kernels (the interface every GPU/TPU backend shares; callers compose the gat
   row_accumulate:  out[t]     = sum_s coef[s, t] * table[rows[s, t]]    one program per (token block, d chunk)
   segment_sums:    sums[r]    = sum_{p in row r} coefs[p] * values[tokens[p]]   (the table gradient)
 
-More: docs/modules.md, sparsetx/kernels/pallas_gpu.py.
+More: docs/modules.md, sparsetx/kernels/rows/triton.py.
 """
 
 import jax

@@ -1,14 +1,18 @@
-"""XLA's row kernels (backend.RowKernels' three, and the row-order dots), as a module like the Pallas ones, so XLA
-is one implementation among the others in kernels/registry.py. On a CPU each walks cache-sized chunks; elsewhere
-one chunk holds every token or pair (kernels/platform.py).
+"""XLA's row kernels (the interface's three, and the row-order dots), as a module like the Pallas ones, so XLA is
+one implementation among the others in rows/table.py; and XLA's own fused forms of the gated gather (the interface's
+optional hooks: token-chunked scans of the gather, dots, gating and sums; the tables' sorted scatter-adds; FFF's
+gathered walk). On a CPU each walks cache-sized chunks; elsewhere one chunk holds every token or pair
+(kernels/platform.py).
 
-More: docs/modules.md, sparsetx/kernels/xla_rows.py.
+More: docs/modules.md, sparsetx/kernels/rows/xla.py.
 """
 
 import jax
 import jax.numpy as jnp
 
-from sparsetx.kernels import platform, segment_grads, xla_gather
+from sparsetx.kernels import platform
+from sparsetx.kernels.fff import tree_walk
+from sparsetx.kernels.rows import segment_grads, xla_gather
 
 
 def row_dots(lhs_ND, table_RD, rows_SN, options):
@@ -46,3 +50,21 @@ def row_order_dots(lhs_ND, table_RD, tokens_P, rows_P, starts_R1, options):
 def fused_forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options):
   """y [N, D] and h [N, S]: the gather, dots, gating and sum fused by XLA, token chunk by chunk (xla_gather.py)."""
   return xla_gather.forward(x_ND, w_in_RD, w_out_RD, rows_NS, gates_NS, bias_R, gating, options)
+
+
+def forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating, options):
+  return xla_gather.forward_from_pre_activation(x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating, options)
+
+
+def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options):
+  return xla_gather.backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options)
+
+
+def table_sums(x_ND, dy_ND, pairs, n_rows, options, with_bias):
+  """The tables' sums as sorted scatter-adds, pair chunk by chunk (segment_grads.scan_table_sums)."""
+  return segment_grads.scan_table_sums(x_ND, dy_ND, pairs, n_rows, options, with_bias)
+
+
+def walk(x_ND, w_in_PMD, b_in_PM, node_NP, n_levels, rows_per_chunk):
+  """FFF's walk gathering one w_in row per (token, tree) per level, token chunk by chunk (tree_walk.gathered)."""
+  return tree_walk.gathered(x_ND, w_in_PMD, b_in_PM, node_NP, n_levels, rows_per_chunk)

@@ -1,13 +1,13 @@
 """One device's d-slice of the gated gather, for a neuron table whose d_model is split over mesh axes: the
 forward and backward the gated gather's custom VJP runs with `sum_axes`.
 
-More: docs/modules.md, sparsetx/kernels/sliced_gather.py.
+More: docs/modules.md, sparsetx/kernels/rows/sliced_gather.py.
 """
 
 import jax
 import jax.numpy as jnp
 
-from sparsetx.kernels import row_gather, segment_grads
+from sparsetx.kernels.rows import row_gather, segment_grads
 
 
 def rows_dot(implementation, options, a_hd, table_Rd, rows_hS):

@@ -6,7 +6,7 @@ where the slot coefficient a is act(g * h) with `gate_inside_activation=True` (s
 g * act(h) with False (PEER; FFF: gates 1); reference.Gating holds the choice and the slopes every backward
 uses. With `sum_axes` (the d-split) x and the tables are d-slices whose partial dots are summed over those axes.
 
-More: docs/modules.md, sparsetx/kernels/gated_gather.py.
+More: docs/modules.md, sparsetx/kernels/rows/gated_gather.py.
 """
 
 import dataclasses
@@ -17,10 +17,11 @@ import jax
 import jax.numpy as jnp
 
 from sparsetx import scopes
-from sparsetx.kernels import op_calls, platform, registry, segment_grads, sliced_gather, xla_gather
+from sparsetx.kernels import op_calls, platform, registry
 from sparsetx.kernels.options import KernelOptions, options_from_config  # noqa: F401 (API)
-from sparsetx.kernels.reference import Gating, gated_gather_reference, identity
-from sparsetx.kernels.row_gather import stream_dtype
+from sparsetx.kernels.rows import segment_grads, sliced_gather, xla_gather
+from sparsetx.kernels.rows.reference import Gating, gated_gather_reference, identity
+from sparsetx.kernels.rows.row_gather import stream_dtype
 
 
 class TableDtypes(NamedTuple):
@@ -168,7 +169,7 @@ def _form(impl, options, sum_axes, x_ND, w_in_RD, h_given):
     return DSplit(sum_axes)
   if (
     options.row_sorted
-    and impl.row_order
+    and impl.cpu_row_sorted
     and h_given is None
     and platform.on_cpu()  # its scatter-adds into x-sized sums are ordered (deterministic) on a CPU
     and x_ND.dtype == jnp.float32

@@ -5,7 +5,7 @@ rows stays in cache); a GPU or TPU never runs these loops (grouped_matmul.py pic
 import jax
 import jax.numpy as jnp
 
-from sparsetx.kernels.group_tiles import row_tiles
+from sparsetx.kernels.grouped_matmul.tiles import row_tiles
 
 
 def _tiled_rows(a_SX, tile):

@@ -1,7 +1,7 @@
 """Pallas TPU (Mosaic) row kernels of the sparse layers, composed in row_gather.py (the gated gather's passes,
 FFF's walk levels, the d-split's partial dots) and segment_grads.py (the table gradients).
 
-More: docs/modules.md, sparsetx/kernels/pallas_tpu.py.
+More: docs/modules.md, sparsetx/kernels/rows/tpu.py.
 """
 
 import re
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sparsetx.kernels.tpu_layout import (
+from sparsetx.kernels.rows.tpu_layout import (
   LANES,
   ROW_BLOCK,
   TOKEN_GROUP,

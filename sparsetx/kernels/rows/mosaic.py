@@ -4,7 +4,7 @@ the gated gather's forward and backward, FFF's walk levels, the d-split's partia
 Three kernels do all the row work; the per-slot arithmetic between them is elementwise on [N, S] and stays
 in XLA: N * S floats, about 1 MB at 2,048 tokens and S = 128, against ~800 MB of gathered rows.
 
-More: docs/modules.md, sparsetx/kernels/mosaic_gpu.py.
+More: docs/modules.md, sparsetx/kernels/rows/mosaic.py.
 """
 
 import functools
@@ -18,7 +18,8 @@ from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from sparsetx.kernels import device, mosaic_tiling
+from sparsetx.kernels import device
+from sparsetx.kernels.rows import mosaic_tiling
 
 BLOCK_TOKENS = 64  # rows of a WGMMA-layout register tile: one warpgroup's token block
 BLOCK_ROWS = 64  # segment_sums: table rows per program, and pairs per gathered tile
