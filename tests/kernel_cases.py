@@ -28,3 +28,11 @@ def value_and_grads(fn, x, w_in, w_out, rows, gates, bias):
 
   argnums = (0, 1, 2, 3) if bias is None else (0, 1, 2, 3, 4)
   return jax.jit(jax.value_and_grad(loss, argnums=argnums))(x, w_in, w_out, gates, bias)
+
+
+def mosaic_races_found() -> bool:
+  """Whether the last Mosaic GPU kernel run in interpret mode raced on shared memory. JAX keeps the interpreter's
+  verdict private (no public accessor in 0.11 or 0.12), so only the tests read it, here."""
+  from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races  # noqa: PLC0415
+
+  return get_races().races_found

@@ -16,7 +16,7 @@ CHECK = r"""
 import numpy as np
 
 from sparsetx.kernels.rows import gated_gather
-from sparsetx.kernels.grouped_matmul import interface
+from sparsetx.kernels.grouped_matmul import op
 from sparsetx.models.ffn.sgatlin import Sgatlin
 from sparsetx.tools import bench_layers
 
@@ -28,7 +28,7 @@ def counting(fn):
   return wrapped
 
 gated_gather.gated_gather_reference = counting(gated_gather.gated_gather_reference)
-interface.ragged_dot = counting(interface.ragged_dot)
+op.ragged_dot = counting(op.ragged_dot)
 
 cfg = bench_layers.layer_config(32, "float32", type="sgatlin", d_ffw=16**2, n_channels=2, top_k=4, d_key=16)
 op = bench_layers.Variant("op", Sgatlin(cfg), 32, 256, "float32")

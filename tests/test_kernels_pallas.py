@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_cases import gather_case, value_and_grads
+from kernel_cases import gather_case, mosaic_races_found, value_and_grads
 
 from sparsetx.kernels.rows.gated_gather import KernelOptions, gated_gather
 from sparsetx.kernels.rows.reference import Gating
@@ -76,7 +76,6 @@ def test_pallas_tpu_kernels_equal_xla_path_in_interpret_mode():
   ],
 )
 def test_mosaic_gpu_kernels_equal_xla_path(shape, dtype, activation, with_bias, block_d, stages, rtol):
-  from sparsetx.kernels.rows import mosaic
 
   x, w_in, w_out, rows, gates, bias = gather_case(6, *shape, dtype=dtype)
   bias = bias if with_bias else None
@@ -86,7 +85,7 @@ def test_mosaic_gpu_kernels_equal_xla_path(shape, dtype, activation, with_bias, 
   )
   mosaic_options = KernelOptions("mosaic", block_d=block_d, stages=stages, interpret=True)
   mosaic_result = run(mosaic_options)
-  assert not mosaic.races_found()  # in the last kernel (backward dx); each kernel alone: the test below
+  assert not mosaic_races_found()  # in the last kernel (backward dx); each kernel alone: the test below
   assert_same_loss_and_grads(mosaic_result, run(KernelOptions("xla", token_chunk=4, pair_chunk=16)), rtol)
 
 
@@ -98,9 +97,9 @@ def test_mosaic_gpu_row_kernels_equal_einsum_without_races():
   rows_SN, coef_SN = jax.random.randint(k[2], (3, 64), 0, 9), jax.random.normal(k[3], (3, 64))
   options = KernelOptions(block_d=32, stages=2, interpret=True)  # 2 chunks x 4 steps through a 2-tile ring
   dots = jax.jit(lambda *a: mosaic.row_dots(*a, options))(lhs, table, rows_SN)
-  assert not mosaic.races_found()
+  assert not mosaic_races_found()
   out = jax.jit(lambda *a: mosaic.row_accumulate(*a, jnp.float32, options))(coef_SN, table, rows_SN)
-  assert not mosaic.races_found()
+  assert not mosaic_races_found()
   np.testing.assert_allclose(dots, jnp.einsum("nd,snd->sn", lhs, table[rows_SN]), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(out, jnp.einsum("sn,snd->nd", coef_SN, table[rows_SN]), rtol=1e-5, atol=1e-5)
 

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 from jax import lax
 
 # The race verdict of Mosaic GPU's interpret mode is not exported publicly (jax 0.11, 0.12).
-from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -39,11 +38,6 @@ class _Lanes:
 
   def cast(self, array, layout):
     return array if self.interpret else plgpu.layout_cast(array, layout)
-
-
-def races_found() -> bool:
-  """Whether the last kernel run in interpret mode raced on shared memory (tests assert not)."""
-  return get_races().races_found
 
 
 def _pad_tokens(*arrays_SN):
@@ -73,7 +67,7 @@ def _tiling(kernel, scratch_of, d_model, itemsize, options, reduces, multiple=1)
 
 def _interpret_params(options):
   if device.interpret_off("gpu", options):
-    return plgpu.InterpretGPUParams(detect_races=True)  # tests read the verdict: races_found()
+    return plgpu.InterpretGPUParams(detect_races=True)  # tests read the verdict (kernel_cases.mosaic_races_found)
   return None
 
 

@@ -20,14 +20,24 @@ from sparsetx.kernels.rows import row_chunks
 _INT32_LIMIT = 2**31 - 1
 
 
+def packs_in_int32(n_rows: int, n_minor: int) -> bool:
+  """Whether a (row, minor) pair fits one int32 sort key, row * n_minor + minor."""
+  return n_rows * n_minor <= _INT32_LIMIT
+
+
+def packed_keys(rows, minor, n_minor: int):
+  """One int32 sort key per (row, minor) pair, row * n_minor + minor, where packs_in_int32 holds: one single-key
+  sort of them is much faster than a (key, value) sort on a CPU."""
+  return rows.astype(jnp.int32) * n_minor + minor
+
+
 def sort_pairs(rows_P, n_rows):
   """Pair ids ordered by row (ties in any fixed order) and the rows in that order."""
   n_pairs = rows_P.shape[0]
   rows_P = rows_P.astype(jnp.int32)
   pair_P = jax.lax.iota(jnp.int32, n_pairs)
-  if n_rows * n_pairs <= _INT32_LIMIT:
-    # One packed key sorts much faster than a (key, value) pair on CPU.
-    packed_P = jax.lax.sort(rows_P * n_pairs + pair_P, is_stable=False)
+  if packs_in_int32(n_rows, n_pairs):
+    packed_P = jax.lax.sort(packed_keys(rows_P, pair_P, n_pairs), is_stable=False)
     return packed_P % n_pairs, packed_P // n_pairs
   sorted_rows_P, order_P = jax.lax.sort((rows_P, pair_P), num_keys=1, is_stable=False)
   return order_P, sorted_rows_P

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsetx.kernels import platform
+from sparsetx.kernels.rows import segment_grads
 
 
 def pad_rows(a, n_padded):
@@ -137,12 +138,10 @@ def backward_rows(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, opt
 # Row-sorted path (KernelOptions.row_sorted): pairs are walked in table-row order, so each picked row is read
 # from DRAM about once per batch and the random accesses go to x, y, dx and dy (a few MiB, cache-resident).
 
-_INT32_LIMIT = 2**31 - 1
-
 
 def row_sorted_fits(n_tokens, n_rows):
   """Whether the packed (row, token) sort key fits int32 (else callers use the token-order path)."""
-  return n_rows * n_tokens <= _INT32_LIMIT
+  return segment_grads.packs_in_int32(n_rows, n_tokens)
 
 
 class RowOrder(NamedTuple):
@@ -164,7 +163,7 @@ class RowOrder(NamedTuple):
 def row_order(rows_NS, gates_NS, n_rows, pair_chunk, merge_duplicates=True):
   """Sorts the pairs by row with one single-key int32 sort (cheaper than a key-value sort)."""
   n_tokens, n_slots = rows_NS.shape
-  key_NS = rows_NS.astype(jnp.int32) * n_tokens + jax.lax.iota(jnp.int32, n_tokens)[:, None]
+  key_NS = segment_grads.packed_keys(rows_NS, jax.lax.iota(jnp.int32, n_tokens)[:, None], n_tokens)
   sorted_key_P = jax.lax.sort(key_NS.reshape(-1), is_stable=False)
   position_NS = jnp.searchsorted(sorted_key_P, key_NS.reshape(-1)).astype(jnp.int32).reshape(n_tokens, n_slots)
   gates_NS = gates_NS.astype(jnp.float32)
