@@ -343,7 +343,7 @@ def test_a_ladder_rung_compiles_for_hopper_with_mosaic_gpu_row_kernels():
 
 
 def test_row_order_dots_compile_for_the_h200_in_place_of_row_dots():
-  """kernel.implementation=triton_row_order (registry.py's one line for backend.RowOrderDots): sgatlin's step compiled
+  """kernel.implementation=triton_row_order (rows/table.py's one line, a record with row_order=True): sgatlin's step compiled
   for one H200 takes its per-pair dots by row, forward and backward, two per layer, and no token-order row_dots;
   each launch sits in its part."""
   config = compile_config("sgatlin", data=1)
@@ -356,7 +356,7 @@ def test_row_order_dots_compile_for_the_h200_in_place_of_row_dots():
 
 
 def test_the_fused_forward_compiles_for_the_h200_in_place_of_the_forwards_row_kernels():
-  """kernel.implementation=triton_fused (registry.py's one line for backend.FusedForward): sgatlin's step compiled for
+  """kernel.implementation=triton_fused (rows/table.py's one line, a record with fused=True): sgatlin's step compiled for
   one H200 takes each layer's forward as one Triton kernel; the backward keeps its row_dots and row_accumulate."""
   config = compile_config("sgatlin", data=1)
   config.model.ffn.kernel.update(implementation="triton_fused")

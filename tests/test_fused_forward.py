@@ -1,4 +1,4 @@
-"""The fused forward (backend.FusedForward's one method, issue 47: dots, gating and the sum of w_out's rows in one
+"""The fused forward (a record's `fused` design, rows/records.py, issue 47: dots, gating and the sum of w_out's rows in one
 kernel per token block) of every module the registry lists it for equals the gated gather's formula in float64
 (sgatlin eq. 1-2; reference.py's docstring): h = <x, w_in[row]> + bias[row], a = act(g h) or g act(h) rounded to
 x's dtype, y = sum_s a_s w_out[row_s] rounded to x's dtype; both tables' rows rounded to x's dtype.

@@ -1,4 +1,4 @@
-"""The row-order dots (backend.RowOrderDots' one method, issue 47) of every module the registry lists them for equal
+"""The row-order dots (a record's `row_order` design, rows/records.py, issue 47) of every module the registry lists them for equal
 float64 dots of the rounded operands, and the design as a whole equals token-order row_dots' definition.
 
 Bound: a float32 sum of d rounded products is within gamma(d) * sum |terms| of the exact sum (Higham eq. 3.5,

@@ -48,7 +48,7 @@ class Measured:
 
 def candidate(op: str, spec: str):
   """The implementation a spec names: a registry name, or module:attribute, either with `@knob=value,...` (a
-  tiling, backend.Tiled)."""
+  tiling, Rows.at_tiling)."""
   if ":" not in spec:
     return registry.by_name(op, spec)
   spec, _, tiling = spec.partition("@")

@@ -1,6 +1,6 @@
-"""The gated gather on a GPU or TPU, composed from one backend's two row kernels (kernels/rows/backend.py): row_dots
-gives the forward's x . w_in, the backward's dy . w_out and FFF's per-level logits; row_accumulate the forward's y
-from w_out and the backward's dx from w_in.
+"""The gated gather on a GPU or TPU, composed from one implementation's two row kernels (kernels/rows/interface.py):
+row_dots gives the forward's x . w_in, the backward's dy . w_out and FFF's per-level logits; row_accumulate the
+forward's y from w_out and the backward's dx from w_in.
 
 More: docs/modules.md, sparsetx/kernels/rows/row_gather.py.
 """
