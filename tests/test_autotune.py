@@ -281,3 +281,16 @@ def test_the_autotuner_records_the_steps_own_calls(ffn_type):
   assert (gather["activation"], gather["gate_inside"], gather["bias"], gather["given_h"]) == want, gather
   assert gather["dtype"] == config.model.dtype and gather["table_dtype"] == config.model.param_dtype
   assert set(forms) == ({"walk"} if ffn_type == "fff" else set()), forms
+
+
+def test_a_corrupt_table_stops_a_gpu_step_as_one_config_error(table):
+  """The trainer and the dry run trace the step under `auto` for a GPU: an unreadable table is the ConfigError their
+  programs end in one `error:` line (exit 2), raised before anything compiles, never a traceback."""
+  from sparsetx.train import aot
+
+  table.write_text('{"entries": ')
+  config = load_config("configs/tiny.py", "sgatlin")
+  config.model.update(d_model=128, n_layers=1, head_dim=64, max_len=64, dtype="bfloat16")
+  config.data.update(seq_len=64, global_batch_size=2, eval_batch_size=2)
+  with pytest.raises(ConfigError, match=f"the autotune table {table} cannot be read"):
+    aot.lower_train_step(config_lib.validate(config), "h100:1x1x1")
