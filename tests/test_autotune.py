@@ -294,3 +294,22 @@ def test_a_corrupt_table_stops_a_gpu_step_as_one_config_error(table):
   config.data.update(seq_len=64, global_batch_size=2, eval_batch_size=2)
   with pytest.raises(ConfigError, match=f"the autotune table {table} cannot be read"):
     aot.lower_train_step(config_lib.validate(config), "h100:1x1x1")
+
+
+@pytest.mark.parametrize("form", ["fff gather", "walk", "grouped"])
+def test_each_form_of_call_is_made_again_and_checked(form):
+  """The autotuner repeats FFF's gather (exact GELU outside the gate, bias, given pre-activations), FFF's walk (small
+  integers: the paths must be equal) and MoE's grouped matmul, and checks a second implementation against XLA's."""
+  spec = jax.ShapeDtypeStruct
+  x, f32 = spec((64, 32), jnp.float32), jnp.float32
+  op, other, call = {
+    "fff gather": (
+      "rows",
+      "xla_row_order",
+      op_calls.gather(x, spec((30, 32), f32), f32, 4, op_calls.ACTIVATIONS["gelu"], False, True, True, False),
+    ),
+    "walk": ("rows", "xla_row_order", op_calls.walk(x, spec((2, 15, 32), f32), 2, 2)),
+    "grouped": ("grouped_matmul", "xla", op_calls.grouped(x, spec((4, 32, 16), f32))),
+  }[form]
+  measured = autotune.measure_here(op, other, call, KernelOptions(), 1)
+  assert measured.why is None and measured.ms > 0, measured

@@ -66,9 +66,8 @@ def runs_here(op: str, interpreted: bool = False) -> list:
   of them); another family's interpreter runs only where a caller names it (by_name)."""
   device, found = target(), []
   for implementation in OPS[op]:
-    if not interpreted and implementation.platform not in (None, device.platform):
-      continue
-    if implementation.platform not in (None, device.platform) and not implementation.interprets_by_default:
+    off_platform = implementation.platform not in (None, device.platform)
+    if off_platform and not (interpreted and implementation.interprets_by_default):
       continue
     try:
       implementation.refuse(device, naming(implementation, KernelOptions()), None)
@@ -88,11 +87,9 @@ def for_op(op: str, name: str):
   family = base.partition("_")[0]
   if base in NAMES and family in found:
     return found[family]
-  raise ValueError(unknown(name))
-
-
-def unknown(name: str) -> str:
-  return f"kernel implementation={name!r} is unknown; use auto, reference, one of {', '.join(NAMES)}, or a list 'a,b'."
+  raise ValueError(
+    f"kernel implementation={name!r} is unknown; use auto, reference, one of {', '.join(NAMES)}, or a list 'a,b'."
+  )
 
 
 def check_config(kernel, field: str = "config.model.ffn.kernel.implementation") -> None:
