@@ -1,5 +1,6 @@
 """The platform switch: whether the program being traced is for a CPU (where cache-sized chunks apply), which GPUs
-Mosaic GPU runs on, and where each implementation of a kernel op runs (OnPlatform). Which implementation runs each kernel op is kernels/registry.py's.
+Mosaic GPU runs on, and where each implementation of a kernel op runs (OnPlatform). Which implementation runs each
+kernel op is kernels/registry.py's.
 
 The target is the device the program being traced is for: the active mesh's (`jax.set_mesh`), whose devices may
 be a topology's (a TPU pod or GPU node this machine only compiles for), else this process's first device. No

@@ -54,8 +54,7 @@ def absl_main(argv, holders: dict):
       f"autotune on {device}: {len(calls)} op shapes in the step, {len(todo)} to measure; table {autotune_table.path()}"
     )
     if todo:
-      autotune.check_parent()
-      autotune_table.check_writable()
+      autotune.ready_to_measure()
     for (op, key), call in sorted(todo.items()):
       options = options_from_config(config.model.ffn.kernel)
       entry = autotune.tune(op, key, call, options, args.implementations, args.rounds, args.tilings)

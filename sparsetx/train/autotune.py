@@ -217,12 +217,18 @@ def check_parent() -> None:
     )
 
 
+def ready_to_measure() -> None:
+  """Before minutes of measuring: the children will find the GPU's memory, and the table can be written."""
+  check_parent()
+  autotune_table.check_writable()
+
+
 def specs_for(op: str, tilings: bool = False) -> list:
   """What this device runs of `op` (registry.runs_here: on a CPU, XLA's designs; interpreted kernels only when
   named), XLA first (the reference), and with `tilings` each one's offered tilings beside the config's."""
   specs = []
   for i in sorted(registry.runs_here(op), key=lambda i: i.name != "xla"):
-    specs += [i.name] + [registry.tiling_spec(i, tiling) for tiling in (getattr(i, "tilings", ()) if tilings else ())]
+    specs += [i.name] + [registry.tiling_spec(i, tiling) for tiling in (i.tilings if tilings else ())]
   return specs
 
 
@@ -273,8 +279,7 @@ def ensure_tuned(config, built, report=print) -> dict:
     return {}
   todo = missing(step_calls(config, built))
   if todo:
-    check_parent()
-    autotune_table.check_writable()
+    ready_to_measure()
   entries = {}
   for (op, key), call in todo.items():
     report(f"autotune: measuring {op} {key} on {target().device_kind} ({', '.join(specs_for(op))})")

@@ -214,7 +214,7 @@ def gated_gather(
   implementation=None,
 ):
   """y [B, T, D] in x's dtype; `options` is a KernelOptions (defaults: implementation 'auto'); `implementation`
-  (a backend.RowKernels) overrides registry.rows' choice (the autotuner measures each this way).
+  (a rows/interface.RowKernels) overrides registry.rows' choice (the autotuner measures each this way).
 
   `gate_inside_activation` (static): act(g * h) when True (sgatlin, its official code), g * act(h) when
   False (PEER, FFF); see the module docstring.

@@ -94,14 +94,16 @@ class Rows(OnPlatform, RowKernels):
   def forward_from_pre_activation(self, x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating, options):
     options = self.tiled(options)
     own = self._hook("forward_from_pre_activation")
-    compose = row_gather.forward_from_pre_activation
-    return (own or (lambda *a: compose(self, *a)))(x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating, options)
+    if own:
+      return own(x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating, options)
+    return row_gather.forward_from_pre_activation(self, x_ND, w_out_RD, rows_NS, gates_NS, h_NS, gating, options)
 
   def backward_rows(self, dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options):
     options = self.tiled(options)
-    own = None if self.row_order else self._hook("backward_rows")
-    compose = row_gather.backward_rows
-    return (own or (lambda *a: compose(self, *a)))(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options)
+    own = None if self.row_order else self._hook("backward_rows")  # row-order dots: compose from them
+    if own:
+      return own(dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options)
+    return row_gather.backward_rows(self, dy_ND, h_NS, w_in_RD, w_out_RD, rows_NS, gates_NS, gating, options)
 
   def table_sums(self, x_ND, dy_ND, pairs, n_rows, options, with_bias):
     own = self._hook("table_sums")

@@ -4,6 +4,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sparsetx.config import SGATLIN_ACTIVATIONS
+from sparsetx.kernels.rows import reference
 from sparsetx.kernels.rows.reference import gelu, gelu_tanh, identity  # noqa: F401 (the layers import them here)
 
 
@@ -26,12 +28,9 @@ def symmetric_uniform(limit: float):
   return init
 
 
-ACTIVATIONS = {
-  "identity": identity,  # the kernels' own identity: the gated gather knows it is linear in the gate
-  "relu": jax.nn.relu,
-  "gelu": gelu,
-  "swish": jax.nn.silu,
-}
+# config.model.ffn.activation's values (exact GELU; the kernels' own identity, so the gated gather knows it is
+# linear in the gate), from the kernels' table of the activations a layer hands them
+ACTIVATIONS = {name: reference.ACTIVATIONS[name] for name in SGATLIN_ACTIVATIONS}
 
 # `config.model.ffn.gelu_approximate` = None (the default, and what a config saved before the field reads
 # as) takes the form each layer's source code uses: PEER and sgatlin's GELU ablation call `jax.nn.gelu`
