@@ -38,6 +38,7 @@ from sparsetx.config.ffn_checks import (
 )
 from sparsetx.config.schema import (
   ATTENTION_IMPLEMENTATIONS,
+  BAD_STEP_MODES,
   BLOCK_KINDS,
   BYTE_VOCAB_SIZE,
   DATA_EMBEDDED_TASKS,
@@ -66,12 +67,14 @@ from sparsetx.config.schema import (
   profile_steps,
   remat_policy,
   rule_axes,
+  skip_step_windows,
   source_patterns,
   train_defaults,
 )
 
 __all__ = [
   "ATTENTION_IMPLEMENTATIONS",
+  "BAD_STEP_MODES",
   "BLOCK_KINDS",
   "BYTE_VOCAB_SIZE",
   "ConfigError",
@@ -114,6 +117,7 @@ __all__ = [
   "loss_chunk_count",
   "remat_policy",
   "require",
+  "skip_step_windows",
   "source_patterns",
   "train_defaults",
   "validate",

@@ -15,6 +15,7 @@ from sparsetx.config.errors import require as _require
 from sparsetx.config.ffn_checks import validate_ffn
 from sparsetx.config.schema import (
   ATTENTION_IMPLEMENTATIONS,
+  BAD_STEP_MODES,
   BLOCK_KINDS,
   BYTE_VOCAB_SIZE,
   DATA_EMBEDDED_TASKS,
@@ -28,6 +29,7 @@ from sparsetx.config.schema import (
   listed_ffn_layers,
   profile_steps,
   remat_policy,
+  skip_step_windows,
   source_patterns,
 )
 
@@ -218,6 +220,7 @@ def validate_train(
     isinstance(train.get("profile_all_processes", False), bool),
     f"config.train.profile_all_processes={train.get('profile_all_processes')!r} must be True or False.",
   )
+  validate_bad_steps(train)
   _positive_int("config.checkpoint.every", checkpoint.every)
   _positive_int("config.checkpoint.keep", checkpoint.keep)
   _require(
@@ -229,6 +232,36 @@ def validate_train(
     restore_step is None or (isinstance(restore_step, int) and restore_step >= 0),
     f"config.checkpoint.restore_step={restore_step!r} must be a saved step (an integer >= 0), or None for the newest.",
   )
+
+
+def validate_bad_steps(train: ml_collections.ConfigDict) -> None:
+  """config.train.bad_steps and its thresholds (configs saved before them: stop)."""
+  _one_of("config.train.bad_steps", train.get("bad_steps", "stop"), BAD_STEP_MODES)
+  sigmas = train.get("spike_sigmas", 6.0)
+  _require(
+    isinstance(sigmas, (int, float)) and not isinstance(sigmas, bool) and sigmas > 0,
+    f"config.train.spike_sigmas={sigmas!r} must be a positive number of standard deviations (6 is Levanter's).",
+  )
+  for field in ("spike_window", "max_bad_in_row"):
+    _positive_int(f"config.train.{field}", train.get(field, 1))
+  rollbacks = train.get("max_rollbacks", 0)
+  _require(
+    isinstance(rollbacks, int) and not isinstance(rollbacks, bool) and rollbacks >= 0,
+    f"config.train.max_rollbacks={rollbacks!r} must be an integer >= 0.",
+  )
+
+
+def validate_skip_steps(data: ml_collections.ConfigDict, steps: int) -> None:
+  """config.data.skip_steps: windows in order, each reached by a run of `steps` steps (the earlier windows push
+  the later ones' batches back by their lengths)."""
+  skipped = 0
+  for start, end in skip_step_windows(data):
+    _require(
+      start <= steps + skipped,
+      f"config.data.skip_steps={data.skip_steps!r}: window {start}:{end} lies outside the run, whose "
+      f"{steps} steps (config.train.steps) read batches up to {steps + skipped}; drop it or train longer.",
+    )
+    skipped += end - start + 1
 
 
 def validate_mesh(mesh: ml_collections.ConfigDict) -> None:
@@ -267,5 +300,6 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   validate_model(config.model)
   validate_data(config.data, config.model)
   validate_train(config.train, config.checkpoint, config.data.global_batch_size)
+  validate_skip_steps(config.data, config.train.steps)
   validate_mesh(config.mesh)
   return config

@@ -195,12 +195,17 @@ def data_defaults() -> ml_collections.ConfigDict:
       # Training refuses tokenized_dir="" (pod-scale configs: configs/ladder.py rungs on a target); a dry run
       # needs no data.
       require_tokenized=False,
+      # Batches never trained on: "START:END,..." (inclusive, 1-based) names the batches that would train steps
+      # START to END of a run that skips nothing; the steps go on with the batches after them. The windows a
+      # rollback recorded in <workdir>/skipped_data.json are added. "": none.
+      skip_steps="",
     )
   )
 
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 SCHEDULES = ("wsd", "cosine")
+BAD_STEP_MODES = ("stop", "skip", "rollback")
 
 # Logical axis names on parameters and activations -> mesh axes. Flax assigns each mesh axis at
 # most once per array, so `embed` is fsdp-sharded on weights but not on activations whose batch
@@ -266,6 +271,20 @@ def train_defaults() -> ml_collections.ConfigDict:
       # processes need the memory). One process only; a multi-host run reads the table as found (fill it with
       # sparsetx-autotune). False: the table is neither read nor written, and `auto` takes the default order.
       autotune=True,
+      # What a bad step does (sparsetx/train/bad_steps.py, README "Bad steps"): stop | skip | rollback.
+      #   stop: every update is applied; a non-finite loss, gradient norm or parameter norm ends the run (exit 3).
+      #   skip: an update whose loss or gradient norm is non-finite, or spikes (above the mean + spike_sigmas
+      #     standard deviations of the last spike_window accepted steps), is not applied; the step counter, the
+      #     schedule's step and the data stream go on. A non-finite parameter norm still ends the run.
+      #   rollback: skip, and after max_bad_in_row skipped steps in a row (or on a non-finite parameter norm)
+      #     restore the newest checkpoint before them and step over their data (recorded in the workdir).
+      # Default stop: a short or comparative run (the ladder, a sweep) must show a spike, not step over it; long
+      # runs (configs/large.py) take skip.
+      bad_steps="stop",
+      spike_sigmas=6.0,  # skip / rollback: a spike lies more than this many standard deviations above the mean
+      spike_window=100,  # accepted steps whose loss and gradient norm the mean and deviation are taken over
+      max_bad_in_row=5,  # rollback: this many skipped steps in a row roll back
+      max_rollbacks=3,  # rollback: rollbacks recorded in one workdir before the run stops (exit 3)
     )
   )
 
@@ -342,3 +361,29 @@ def profile_steps(train: ml_collections.ConfigDict) -> tuple[int, int] | None:
     "traces steps 10 to 14), or '' for no profile.",
   )
   return int(parts[0]), int(parts[1])
+
+
+def skip_step_windows(data: ml_collections.ConfigDict) -> tuple[tuple[int, int], ...]:
+  """The (START, END) windows of config.data.skip_steps="START:END,..." (inclusive, 1-based), in order; () when
+  empty or absent (configs saved before the field)."""
+  value = data.get("skip_steps", "") or ""
+  text = ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
+  windows = []
+  for part in text.replace(" ", "").split(","):
+    if not part:
+      continue
+    bounds = part.split(":")
+    _require(
+      len(bounds) == 2 and all(b.isdigit() for b in bounds),
+      f"config.data.skip_steps={value!r}: {part!r} is not a window 'START:END' of step numbers; write e.g. "
+      "'1200:1250,3000:3010' (inclusive), or '' for none.",
+    )
+    start, end = map(int, bounds)
+    _require(start >= 1 and start <= end, f"config.data.skip_steps={value!r}: window {part!r} needs 1 <= START <= END.")
+    _require(
+      not windows or start > windows[-1][1],
+      f"config.data.skip_steps={value!r}: window {part!r} starts at or before the end of the one before it; list "
+      "the windows in order, without overlaps.",
+    )
+    windows.append((start, end))
+  return tuple(windows)

@@ -161,7 +161,9 @@ def _require_packing(config: ml_collections.ConfigDict) -> None:
 class GlobalStream:
   """Yields global train batches (dicts of jax.Arrays [B, T]); `save(path)` / `restore(path)` keep its step."""
 
-  def __init__(self, config: ml_collections.ConfigDict, batch_sharding: jax.sharding.Sharding, step: int = 0):
+  def __init__(self, config: ml_collections.ConfigDict, batch_sharding: jax.sharding.Sharding, step: int = 0, skip=()):
+    """`skip`: (START, END) windows of 1-based steps (config.data.skip_steps and the workdir's record) whose
+    batches are never yielded: iteration steps over them, the mapping of step to batch stays as it is."""
     _require_packing(config)
     data = config.data
     self._sharding, self.global_rows, self.seq_len = batch_sharding, data.global_batch_size, data.seq_len
@@ -185,7 +187,8 @@ class GlobalStream:
     self.fingerprint = fingerprint(self.fields)
     shard_info, self.local_rows = batches.data_shard(batch_sharding, self.global_rows)
     self.first_row = shard_info.index * self.local_rows
-    self.step = step  # the next step to yield: batches yielded since the stream's start
+    self.step = step  # the next step to yield (0-based): batches yielded or skipped since the stream's start
+    self.skip = tuple(skip)
     self._seed = data.seed
     self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="global_stream")
     self._pending = None  # (step, future of its local rows)
@@ -235,13 +238,21 @@ class GlobalStream:
   def _submit(self, step: int) -> None:
     self._pending = step, self._executor.submit(self.read_rows, step, self.first_row, self.local_rows)
 
+  def unskipped(self, step: int) -> int:
+    """The first 0-based step >= `step` outside the skipped windows."""
+    for start, end in self.skip:
+      if start - 1 <= step <= end - 1:
+        step = end
+    return step
+
   def next_local(self) -> dict[str, np.ndarray]:
-    """This process's rows of the next batch, as numpy (what `__next__` makes global)."""
+    """This process's rows of the next batch, as numpy (what `__next__` makes global); `step - 1` is its step."""
+    self.step = self.unskipped(self.step)
     if self._pending is None or self._pending[0] != self.step:
       self._submit(self.step)
     local = self._pending[1].result()
     self.step += 1
-    self._submit(self.step)  # read while the devices run this step
+    self._submit(self.unskipped(self.step))  # read while the devices run this step
     return local
 
   def __iter__(self) -> "GlobalStream":
@@ -279,7 +290,11 @@ class GlobalStream:
         change,
         state["step"],
       )
-    self.step = int(state["step"])
+    self.seek(int(state["step"]))
+
+  def seek(self, step: int) -> None:
+    """Continues at 0-based `step` (its batch, or the first after it outside the skipped windows)."""
+    self.step = step
     self._pending = None
 
 

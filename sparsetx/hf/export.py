@@ -337,9 +337,9 @@ def import_hf(
   mesh = mesh_lib.make_mesh(config.mesh)
   _, shardings, model, tx = state_lib.state_shardings(config, mesh)
   with _StagedDirectory(workdir) as staged:
-    state = jax.jit(
-      lambda p: state_lib.TrainState.create(apply_fn=model.apply, params=p, tx=tx), out_shardings=shardings
-    )(jax.device_put(params, shardings.params))
+    state = jax.jit(lambda p: state_lib.new_state(model, p, tx, config.train), out_shardings=shardings)(
+      jax.device_put(params, shardings.params)
+    )
     checkpointer = checkpointing.Checkpointer(staged.path, config.checkpoint)
     try:
       checkpointer.save(0, state, config, data_state=None)  # the stream starts at its beginning

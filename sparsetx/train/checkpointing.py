@@ -371,11 +371,40 @@ class Checkpointer:
     )
 
   def restore_state(self, step: int, abstract_state):
-    """The state at `step`, laid out as `abstract_state`'s shardings: restoring onto any mesh reshards."""
+    """The state at `step`, laid out as `abstract_state`'s shardings: restoring onto any mesh reshards.
+
+    A step saved without the bad-step record (by sparsetx before it kept one), or with another
+    config.train.spike_window, restores everything else and starts the record empty (bad_steps.Health)."""
     with self._reading(step):
-      return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))[
-        "state"
-      ]
+      if self._health_fits(step, abstract_state.health):
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+        return self.manager.restore(step, args=args)["state"]
+      logging.warning(
+        "Checkpoint step %d has no bad-step record of config.train.spike_window=%d steps (it was saved by an older "
+        "sparsetx, or with another window): the record starts empty, so the spike test waits for that many steps.",
+        step,
+        abstract_state.health.losses_W.shape[0],
+      )
+      rest = {"step": abstract_state.step, "params": abstract_state.params, "opt_state": abstract_state.opt_state}
+      restored = self._restore_part(step, rest)
+    empty = jax.jit(
+      lambda: jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype), abstract_state.health),
+      out_shardings=jax.tree.map(lambda a: a.sharding, abstract_state.health),
+    )()
+    return abstract_state.replace(**restored, health=empty)
+
+  def _health_fits(self, step: int, abstract_health) -> bool:
+    handler = ocp.StandardCheckpointHandler()
+    try:
+      saved = handler.metadata(self.directory / str(step) / "state").tree.get("health")
+    finally:
+      handler.close()
+    if not isinstance(saved, dict):
+      return False
+    wanted = {name: tuple(getattr(abstract_health, name).shape) for name in abstract_health.__dataclass_fields__}
+    return {name: tuple(getattr(saved.get(name), "shape", ())) for name in wanted} == wanted and set(saved) == set(
+      wanted
+    )
 
   def _holding_echoes(self, step: int, reported: type[BaseException] = CheckpointError) -> held_errors.HeldErrors:
     """What a failed read or save of `step` echoes from orbax's other tasks, held while it runs (see held_errors)."""
@@ -399,13 +428,16 @@ class Checkpointer:
     """Only the parameters at `step`, laid out as `abstract_params`: a start whose optimizer state may have
     another structure (sparsetx/tools/sparsify.py with other freeze settings, an HF import). Read through a separate
     manager that deletes nothing and keeps this one's save handlers as they are."""
+    with self._reading(step):
+      return self._restore_part(step, {"params": abstract_params})["params"]
+
+  def _restore_part(self, step: int, target: dict) -> dict:
+    """The items of the state at `step` that `target` (abstract arrays by field name) names, the rest left out."""
     reader = ocp.CheckpointManager(self.directory, item_handlers=_item_handlers(ocp.PyTreeCheckpointHandler()))
     try:
-      target = {"params": abstract_params}
       restore_args = ocp.checkpoint_utils.construct_restore_args(target)
       args = ocp.args.Composite(state=ocp.args.PyTreeRestore(target, restore_args=restore_args, partial_restore=True))
-      with self._reading(step):
-        return reader.restore(step, args=args)["state"]["params"]
+      return reader.restore(step, args=args)["state"]
     finally:
       reader.close()
 

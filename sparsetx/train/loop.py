@@ -22,14 +22,11 @@ from sparsetx.data import check_training_files, global_stream, pretokenize
 from sparsetx.kernels import autotune_table
 from sparsetx.models import ladder
 from sparsetx.parallel import logical_rules
-from sparsetx.train import autotune, checkpointing
+from sparsetx.train import autotune, checkpointing, recovery
 from sparsetx.train import metrics as metrics_lib
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
-
-
-class NonFiniteLossError(RuntimeError):
-  """The loss became NaN or infinite; the message names the step."""
+from sparsetx.train.recovery import BadStepsError, NonFiniteLossError  # noqa: F401  (the trainer's errors)
 
 
 class _SigtermFlag:
@@ -78,6 +75,9 @@ def check_workdir(workdir: str) -> None:
     )
 
 
+HEALTH = ("loss", "grad_norm", "param_norm", "skipped", "bad_in_row", "loss_limit", "grad_norm_limit")
+
+
 class _StepReader:
   """Reads each step's metrics once the host has dispatched the next one: the non-finite check,
   the progress report and the metrics log (every config.train.log_every steps and the last)."""
@@ -107,23 +107,19 @@ class _StepReader:
     self._pending = step, metrics
 
   def read(self) -> None:
-    """Reads the pending step's metrics (waiting for the devices); raises NonFiniteLossError naming the step."""
+    """Reads the pending step's metrics (waiting for the devices); a bad step is printed, or raises
+    NonFiniteLossError naming the step, or recovery.RollBack (recovery.verdict)."""
     if self._pending is None:
       return
     (step, metrics), self._pending = self._pending, None
-    health = jax.device_get({k: metrics[k] for k in ("loss", "grad_norm", "param_norm")})
+    health = {k: float(v) for k, v in jax.device_get({k: metrics[k] for k in HEALTH}).items()}
     if not self._compiled and step % self._train.log_every and step != self._train.steps:
       self._window_start = self._since = time.time()  # the rates start after the first step (compiled)
     else:
       self._window_steps += 1
       self._steps_since += 1
     self._compiled = True
-    if not all(np.isfinite(v) for v in health.values()):
-      raise NonFiniteLossError(
-        f"training diverged at step {step} ({', '.join(f'{k}={float(v)}' for k, v in health.items())}); "
-        f"nothing after step {self.saved_step} was saved. Lower config.train.learning_rate or raise "
-        "config.train.warmup_steps, then resume."
-      )
+    recovery.verdict(step, health, self._train, self.saved_step)
     self._progress(step)
     if step % self._train.log_every == 0 or step == self._train.steps:
       elapsed = time.time() - self._window_start
@@ -239,90 +235,143 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
       return _run(config, workdir, built)
 
 
+def _start(config, built: state_lib.Setup, checkpointer, data_iterator, step: int | None):
+  """(state, step) at saved `step` with the stream at its position: a run's start, a resume, or a rollback's
+  restore. None: the config's fresh state and the stream's start."""
+  if step == 0:  # a start written by sparsetx/tools/sparsify.py: its parameters, fresh optimizer state and data stream
+    params = checkpointer.restore_params(0, built.abstract_state.params)
+    data_iterator.seek(0)
+    logging.info("Starting from the step-0 parameters in %s.", checkpointer.directory)
+    return state_lib.state_from_params(params, built.shardings, built.model, built.tx, config.train), 0
+  if step is None:
+    data_iterator.seek(0)
+    return state_lib.create_state(config, built.shardings, built.model, built.tx), 0
+  data_iterator.restore(checkpointer.data_state(step), f"step {step} in {checkpointer.directory}")
+  state = checkpointer.restore_state(step, built.abstract_state)
+  logging.info("Resumed from %s at step %d.", checkpointer.directory, step)
+  return state, step
+
+
+def _roll_back(config, workdir, built, checkpointer, data_iterator, trouble: recovery.RollBack, position: int):
+  """Restores the newest complete checkpoint before `trouble.first_bad` (or the start) and records the data from
+  it through the bad step's batch (0-based stream `position`) as a window every later run steps over."""
+  recovery.check_rollbacks_left(workdir, config.train, trouble)
+  checkpointer.wait()
+  checkpointer.manager.reload()
+  target = max((s for s in checkpointer.manager.all_steps() if s < trouble.first_bad), default=None)
+  state, step = _start(config, built, checkpointer, data_iterator, target)
+  start = data_iterator.unskipped(data_iterator.step) + 1
+  recovery.record(workdir, start, position + 1, trouble, step)
+  data_iterator.skip = tuple(sorted((*data_iterator.skip, (start, position + 1))))
+  checkpointer.set_aside_after(step)
+  logging.warning(
+    "Rolled back to step %d after %s; the batches of steps %d:%d (config.data.skip_steps's numbering) are stepped "
+    "over, recorded in %s.",
+    step,
+    f"step {trouble.step} ({trouble.reason})",
+    start,
+    position + 1,
+    paths.resolve(workdir) / recovery.RECORD,
+  )
+  return state, step
+
+
+class _Run:
+  """What logs a stretch of steps from `start`: the metrics writer, the progress report and the step reader
+  (a rollback opens new ones from the step it restored)."""
+
+  def __init__(self, config, workdir, checkpointer, start: int):
+    self.writer = metrics_lib.make_writer(workdir, start, fix=checkpointer.newest_complete)
+    self.progress = periodic_actions.ReportProgress(
+      num_train_steps=config.train.steps, writer=self.writer, every_steps=config.train.log_every
+    )
+    self.reader = _StepReader(config, self.writer, self.progress, saved_step=start)
+
+  def close(self) -> None:
+    self.writer.flush()
+    self.writer.close()
+
+
 def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup) -> dict:
-  abstract_state, shardings, model, tx = built.abstract_state, built.shardings, built.model, built.tx
-  batch_sharding = built.batch_sharding
+  model, batch_sharding = built.model, built.batch_sharding
 
   checkpointer = checkpointing.Checkpointer(workdir, config.checkpoint)
   start = checkpointer.resume_step(config.checkpoint.get("restore_step"))  # verified: items, arrays' metadata, data
   if start is not None:
     checkpointer.check_compatible(start, config)
-  data_iterator = global_stream.GlobalStream(config, batch_sharding)
-  if start == 0:  # a start written by sparsetx/tools/sparsify.py: its parameters, fresh optimizer state and data stream
-    params = checkpointer.restore_params(0, abstract_state.params)
-    state = state_lib.state_from_params(params, shardings, model, tx)
-    logging.info("Starting from the step-0 parameters in %s.", checkpointer.directory)
-  elif start is not None:
-    data_iterator.restore(checkpointer.data_state(start), f"step {start} in {checkpointer.directory}")
-    state = checkpointer.restore_state(start, abstract_state)
-    logging.info("Resumed from %s at step %d.", checkpointer.directory, start)
-  else:
-    state = state_lib.create_state(config, shardings, model, tx)
-    start = 0
+  data_iterator = global_stream.GlobalStream(config, batch_sharding, skip=recovery.windows(config, workdir))
+  state, start = _start(config, built, checkpointer, data_iterator, start)
   checkpointer.set_aside_after(start)  # a restore_step before the newest: later steps move to superseded/
   with paths.writing(f"writing {paths.resolve(workdir) / 'config.json'}", checkpointer.newest_complete):
     logging.info("%s; config: %s", summary(config, built), write_config(config, workdir))
 
   step_fn = step_lib.make_train_step(config, built)
-  eval_fn = step_lib.make_eval_step(model, shardings.params, batch_sharding)
+  eval_fn = step_lib.make_eval_step(model, built.shardings.params, batch_sharding)
   eval_data = global_stream.TokenizedEvalData(config, batch_sharding, split="validation", required=False)
   if not eval_data.task_names:
     logging.warning("No task of config.data.mixture has a validation split: this run evaluates nothing.")
 
-  writer = metrics_lib.make_writer(workdir, start, fix=checkpointer.newest_complete)
+  run = _Run(config, workdir, checkpointer, start)
   if start == 0 and jax.process_index() == 0:
-    writer.write_hparams(
+    run.writer.write_hparams(
       {k: v for k, v in _flatten(config.to_dict()).items() if isinstance(v, (int, float, str, bool))}
     )
-  progress = periodic_actions.ReportProgress(
-    num_train_steps=config.train.steps, writer=writer, every_steps=config.train.log_every
-  )
 
   sigterm = _SigtermFlag()
   profiler = _Profiler(config.train, metrics_lib.tensorboard_dir(workdir))
-  reader = _StepReader(config, writer, progress, saved_step=start)
   step, saved_step = start, start
-  batch = next(data_iterator) if step < config.train.steps else None
+  positions = {}  # the stream position of each dispatched step's batch, until the step is read
+  if step < config.train.steps:
+    batch, positions[step + 1] = next(data_iterator), data_iterator.step - 1
   try:
     while step < config.train.steps:
-      profiler.before(step + 1)
-      with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
-        state, step_metrics = step_fn(state, batch)
-      step += 1
-      profiler.after(step, step_metrics)
-      reader.dispatched(step, step_metrics)  # reads step - 1's metrics: the devices still run `step`
-      checkpointer.check_saved()  # a save that failed stops the run before another step
-      if eval_data.task_names and (step % config.train.eval_every == 0 or step == config.train.steps):
-        reader.read()  # waits for `step`: evaluate only a state known finite
-        started = time.time()
-        results = evaluate(config, state.params, eval_fn, eval_data)
-        reader.exclude(time.time() - started)
-        writer.write_scalars(step, results)
-        if jax.process_index() == 0:
-          losses = [
-            f"{key[len('eval/') : -len('/loss')]} {value:.4f}" for key, value in results.items() if "/loss" in key
-          ]
-          logging.info("step %d  eval loss: %s", step, ", ".join(losses))
-      if step % config.checkpoint.every == 0 or step == config.train.steps:
-        reader.read()  # waits for `step`: save only a state known finite, before step + 1 takes its buffers
-        started = time.time()
-        checkpointer.save(step, state, config, data_iterator.state())
-        reader.exclude(time.time() - started)
-        saved_step = reader.saved_step = step
-      if step == config.train.steps or sigterm.agreed(step, every=config.train.log_every):
-        break
-      batch = next(data_iterator)  # read and placed on the devices while they run `step`
-    reader.read()
+      try:
+        profiler.before(step + 1)
+        with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
+          state, step_metrics = step_fn(state, batch)
+        step += 1
+        profiler.after(step, step_metrics)
+        run.reader.dispatched(step, step_metrics)  # reads step - 1's metrics: the devices still run `step`
+        checkpointer.check_saved()  # a save that failed stops the run before another step
+        if eval_data.task_names and (step % config.train.eval_every == 0 or step == config.train.steps):
+          run.reader.read()  # waits for `step`: evaluate only a state known finite
+          started = time.time()
+          results = evaluate(config, state.params, eval_fn, eval_data)
+          run.reader.exclude(time.time() - started)
+          run.writer.write_scalars(step, results)
+          if jax.process_index() == 0:
+            losses = [
+              f"{key[len('eval/') : -len('/loss')]} {value:.4f}" for key, value in results.items() if "/loss" in key
+            ]
+            logging.info("step %d  eval loss: %s", step, ", ".join(losses))
+        if step % config.checkpoint.every == 0 or step == config.train.steps:
+          run.reader.read()  # waits for `step`: save only a state known finite, before step + 1 takes its buffers
+          started = time.time()
+          checkpointer.save(step, state, config, data_iterator.state())
+          run.reader.exclude(time.time() - started)
+          saved_step = run.reader.saved_step = step
+        if step == config.train.steps or sigterm.agreed(step, every=config.train.log_every):
+          run.reader.read()
+          break
+        batch, positions[step + 1] = next(data_iterator), data_iterator.step - 1  # placed while `step` runs
+        positions = {s: p for s, p in positions.items() if s >= step - 1}
+      except recovery.RollBack as trouble:
+        run.close()
+        state, step = _roll_back(config, workdir, built, checkpointer, data_iterator, trouble, positions[trouble.step])
+        saved_step = step
+        run = _Run(config, workdir, checkpointer, step)
+        batch, positions = next(data_iterator), {}
+        positions[step + 1] = data_iterator.step - 1
     if step != saved_step:  # stopped by SIGTERM (agreed by all processes) between checkpoints
       checkpointer.save(step, state, config, data_iterator.state())
     checkpointer.wait()
-    writer.flush()
+    run.writer.flush()
   finally:
     profiler.close()
     sigterm.restore()
     checkpointer.close()  # after a failure elsewhere: waits for the save under way
     data_iterator.close()
-  return reader.last
+  return run.reader.last
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

@@ -23,21 +23,29 @@ from sparsetx.models.transformer import Transformer
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.parallel import per_device
 from sparsetx.plan import step_cost
+from sparsetx.train import bad_steps
 from sparsetx.train.optimizer import make_optimizer
 
 
 class TrainState(train_state.TrainState):
-  """Step, float32 master params and optimizer state (apply_fn and tx are static)."""
+  """Step, float32 master params, optimizer state (apply_fn and tx are static) and the bad-step record
+  (bad_steps.Health: the spike test's window, checkpointed with the rest)."""
+
+  health: bad_steps.Health
+
+
+def new_state(model, params, tx, train: ml_collections.ConfigDict) -> TrainState:
+  """A step-0 state around `params`: fresh optimizer state and an empty bad-step record."""
+  return TrainState.create(apply_fn=model.apply, params=params, tx=tx, health=bad_steps.fresh(train))
 
 
 def build_model(config: ml_collections.ConfigDict) -> Transformer:
   return Transformer(ml_collections.FrozenConfigDict(config.model))
 
 
-def _init(model, tx, seq_len, rng):
-  tokens = jnp.zeros((1, seq_len), jnp.int32)
-  params = model.init(rng, tokens)["params"]
-  return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+def _init(model, tx, config, rng):
+  tokens = jnp.zeros((1, config.data.seq_len), jnp.int32)
+  return new_state(model, model.init(rng, tokens)["params"], tx, config.train)
 
 
 def state_shardings(config: ml_collections.ConfigDict, mesh):
@@ -46,7 +54,7 @@ def state_shardings(config: ml_collections.ConfigDict, mesh):
   lays out a state for a mesh lays it out alike."""
   config = step_cost.resolve_placements(config, dict(mesh.shape))
   model, tx = build_model(config), make_optimizer(config.train, config.model)
-  init = functools.partial(_init, model, tx, config.data.seq_len)
+  init = functools.partial(_init, model, tx, config)
   boxed = jax.eval_shape(lambda: init(jax.random.key(0)))  # the key inside: nothing runs eagerly
   shardings = mesh_lib.logical_sharding(nn.get_partition_spec(boxed), mesh, config.mesh.rules)
   abstract = jax.tree.map(
@@ -56,13 +64,13 @@ def state_shardings(config: ml_collections.ConfigDict, mesh):
   return abstract, shardings, model, tx
 
 
-def state_from_params(params, shardings, model, tx) -> TrainState:
+def state_from_params(params, shardings, model, tx, train: ml_collections.ConfigDict) -> TrainState:
   """A step-0 state around given params (a sparsified start): fresh optimizer state, laid out as `shardings`."""
-  return jax.jit(lambda p: TrainState.create(apply_fn=model.apply, params=p, tx=tx), out_shardings=shardings)(params)
+  return jax.jit(lambda p: new_state(model, p, tx, train), out_shardings=shardings)(params)
 
 
 def create_state(config: ml_collections.ConfigDict, shardings, model, tx) -> TrainState:
-  init = functools.partial(_init, model, tx, config.data.seq_len)
+  init = functools.partial(_init, model, tx, config)
   rng = jax.random.key(config.train.seed)
   return jax.jit(lambda r: nn.unbox(init(r)), out_shardings=shardings)(rng)
 

@@ -11,6 +11,7 @@ import optax
 
 from sparsetx import scopes
 from sparsetx.parallel import logical_rules, microbatches
+from sparsetx.train import bad_steps
 from sparsetx.train import loss as loss_lib
 from sparsetx.train.optimizer import learning_rate_schedule
 
@@ -66,16 +67,24 @@ def train_step(state, batch, *, model, train: ml_collections.ConfigDict, schedul
   loss, grads, weight_sum, stats = loss_and_grads(
     state.params, batch, model=model, train=train, param_specs=param_specs
   )
-  # The norms read every gradient and parameter as the update does; the compiler fuses them into its kernels.
+  # The norms read every gradient and parameter as the update does; the compiler fuses them into its kernels, and
+  # the bad-step select (bad_steps.py) with them.
   with jax.named_scope(scopes.OPTIMIZER):
-    new_state = state.apply_gradients(grads=grads)
-    norms = dict(grad_norm=optax.tree.norm(grads), param_norm=optax.tree.norm(new_state.params))
+    grad_norm = optax.tree.norm(grads)
+    skip, limits = bad_steps.judge(state.health, loss, grad_norm, train)
+    new_state = bad_steps.apply_unless(skip, state, state.apply_gradients(grads=grads), loss, grad_norm)
+    param_norm = optax.tree.norm(new_state.params)
   metrics = dict(
     loss=loss,
     perplexity=jnp.exp(loss),
-    learning_rate=schedule(state.step),
-    **norms,
+    learning_rate=schedule(bad_steps.applied_updates(state.opt_state)),
+    grad_norm=grad_norm,
+    param_norm=param_norm,
     tokens=weight_sum,
+    skipped=jnp.asarray(skip, jnp.float32),
+    skipped_steps=new_state.health.skipped,
+    bad_in_row=new_state.health.bad_in_row,
+    **limits,
     **stats,
   )
   return new_state, metrics
