@@ -116,6 +116,20 @@ def test_bad_config_file_is_one_error_line(capsys, bad_config_files):
     ("model.ffn.type=dense", "config.model.ffn.type='dense' is unknown"),
     ("model.ffn.d_ffw=1000", "config.model.ffn.d_ffw=1000 must be a perfect square"),
     ("model.ffn.top_k=40", "config.model.ffn.top_k=40 must be smaller than sqrt(d_ffw)=32"),
+    ("train.bad_steps=ignore", "config.train.bad_steps='ignore' is unknown; use one of 'stop', 'skip', 'rollback'"),
+    ("train.spike_sigmas=0.0", "config.train.spike_sigmas=0.0 must be a positive number"),
+    ("train.spike_sigmas=-6.0", "config.train.spike_sigmas=-6.0 must be a positive number"),
+    ("train.spike_window=0", "config.train.spike_window=0 must be a positive integer"),
+    ("train.max_bad_in_row=0", "config.train.max_bad_in_row=0 must be a positive integer"),
+    ("train.max_rollbacks=-1", "config.train.max_rollbacks=-1 must be an integer >= 0"),
+    ("data.skip_steps=30:20", "window '30:20' needs 1 <= START <= END"),
+    ("data.skip_steps=0:5", "window '0:5' needs 1 <= START <= END"),
+    ("data.skip_steps=40:50,10:20", "window '10:20' starts at or before the end of the one before it"),
+    ("data.skip_steps=40:50,45:60", "window '45:60' starts at or before the end of the one before it"),
+    ("data.skip_steps=10-20", "'10-20' is not a window 'START:END'"),
+    # configs/tiny.py's 300 steps read batches up to 300, and up to 311 once 1:11 is stepped over.
+    ("data.skip_steps=301:400", "window 301:400 lies outside the run, whose 300 steps"),
+    ("data.skip_steps=1:11,312:320", "window 312:320 lies outside the run, whose 300 steps"),
   ],
 )
 def test_bad_value_is_refused_by_validation(override, message):
@@ -150,6 +164,7 @@ def run(*command: str) -> subprocess.CompletedProcess:
       ["-m", "sparsetx.train", "--config.train.learning_rate=inf"],
       "config.train.learning_rate=inf is not a finite number",
     ),
+    (["-m", "sparsetx.train", "--config.data.skip_steps=9:3"], "config.data.skip_steps='9:3': window '9:3'"),
     (
       ["-m", "sparsetx.tools.export", "--config=configs/nope.py", "--import_from=x"],
       "--config=configs/nope.py: no such file",

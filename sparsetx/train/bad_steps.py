@@ -1,16 +1,11 @@
 """Bad steps decided on the device, inside the jitted step: whether an update is applied.
 
 An update is skipped (config.train.bad_steps skip or rollback) when its loss or global gradient norm is
-non-finite, or exceeds the mean by `spike_sigmas` standard deviations of the last `spike_window` accepted steps
-(once that many were seen; Levanter's rule, MaxText's skip_step_on_spikes). A skipped step leaves the parameters
-and the optimizer state bitwise as they were (AdamW's count included, so the schedule follows applied updates);
-the step counter and the data stream go on. The decision reads only the loss and the gradient norm, which the
-update reads anyway (clipping), and it selects between the old and the new values inside the update's own
-kernels: no host round trip, and no extra pass over the parameters or the optimizer state.
+non-finite, or exceeds the mean by `spike_sigmas` standard deviations of the last `spike_window` accepted steps.
+A skipped step leaves the parameters and the optimizer state bitwise as they were; the step counter and the data
+stream go on. The select sits in the update's own kernels: no host round trip, no extra pass over the state.
 
-The window of accepted values and the counts (`Health`) are part of the train state, so they are checkpointed and a
-resume decides exactly as the run it continues. The host reads the verdict with the step's metrics
-(sparsetx/train/rollback.py prints it and rolls back).
+More: docs/modules.md, sparsetx/train/bad_steps.py.
 """
 
 import jax

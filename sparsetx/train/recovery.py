@@ -1,10 +1,7 @@
 """What the host does about bad steps (the device skips them: bad_steps.py): one console line per skipped step, the
 decision to stop or to roll back, and the workdir's record of the data windows stepped over.
 
-Every process reads the same replicated metrics of the same step, so every process decides alike at the same step
-with no collective of its own. The record, <workdir>/skipped_data.json, lists each window a rollback stepped over
-in config.data.skip_steps's notation (1-based steps of a run that skips nothing); every later run in the workdir
-adds its windows to the config's, restarts included.
+More: docs/modules.md, sparsetx/train/recovery.py.
 """
 
 import json
