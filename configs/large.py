@@ -53,4 +53,5 @@ def get_config(arg: str = "sgatlin8,h100"):
   # 4 micro-batches: one 2048-token row per device at a time, so the expert group's gathered tokens
   # (E rows per device) stay small next to the tables (sparsetx/tools/dry_run.py shows temporaries).
   config.train.update(steps=100_000, warmup_steps=2_000, microbatches=4)
+  config.train.bad_steps = "skip"  # weeks on a pod: a spike costs one skipped update, not the run
   return config

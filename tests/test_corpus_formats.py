@@ -6,6 +6,8 @@ command finishes the corpus once the file is fixed; the trainer tokenizes these 
 import collections
 import gzip
 import json
+import re
+import zlib
 
 import datasets
 import ml_collections
@@ -177,3 +179,37 @@ def test_a_datasets_dict_folder_names_the_split_folder(tmp_path):
     config_lib.ConfigError, match=r"holds a DatasetDict: point at one split's folder, e\.g\. .*dict/train"
   ):
     file_checks.check_files(config)
+
+
+def test_the_trainer_ends_bad_data_in_one_line_naming_the_place(tmp_path, capsys):
+  """sparsetx-train on each bad corpus file a user meets: one `error:` line naming the file and the place, exit 2."""
+  from types import SimpleNamespace  # noqa: PLC0415
+
+  from sparsetx.tools import train as train_tool  # noqa: PLC0415
+
+  good = jsonl_bytes(DOCS)
+  gz = gzip.compress(good)
+  cut = gz[: int(len(gz) * 0.6)]
+  readable = len(zlib.decompressobj(zlib.MAX_WBITS | 16).decompress(cut))  # the text before the break
+  lines = good.splitlines(keepends=True)
+  cases = {
+    "short.jsonl": (good[:-9], rf"short\.jsonl: line {len(DOCS)} \(byte {len(good) - len(lines[-1])}\) is not JSON"),
+    "torn.jsonl": (
+      b"".join(lines[:3]) + lines[3][:20] + b"\n" + b"".join(lines[4:]),
+      rf"torn\.jsonl: line 4 \(byte {len(b''.join(lines[:3]))}\) is not JSON",
+    ),
+    "cut.jsonl.gz": (cut, rf"cut\.jsonl\.gz: the compressed stream breaks after byte {readable} of its text"),
+    "plain.jsonl.gz": (good, r"plain\.jsonl\.gz is not gzip-compressed, as its suffix says"),
+  }
+  assert 0 < readable < len(good)
+  for name, (content, pattern) in cases.items():
+    (tmp_path / name).write_bytes(content)
+    config = source_config("jsonl", str(tmp_path / name))
+    config.data.seq_len = config.model.max_len = 32
+    flags = dict(config=config, workdir=str(tmp_path / f"run_{name}"), local_device_ids=None, distributed_timeout=30)
+    flags.update(coordinator_address=None, num_processes=None, process_id=None, heartbeat_timeout=10)
+    with pytest.raises(SystemExit) as exit_info:
+      train_tool.absl_main(None, {k: SimpleNamespace(value=v) for k, v in flags.items()})
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert exit_info.value.code == 2 and len(errors) == 1, (name, errors)
+    assert re.search(pattern, errors[0]) and "then run the same command again" in errors[0], (name, errors[0])

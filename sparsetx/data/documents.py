@@ -7,7 +7,6 @@ A bad file (damaged parquet, a truncated .gz or .zst, a line that is not JSON, a
 not UTF-8) is a `DocumentError` naming the file, the row or byte offset, and the fix.
 """
 
-import gzip
 import itertools
 import json
 import os
@@ -19,13 +18,15 @@ import pyarrow.parquet as pq
 import zstandard
 from etils import epath
 
+from sparsetx.config import ConfigError
+
 CHUNK_BYTES = 1 << 20
 COMPRESSED = (".gz", ".zst")  # JSON lines and text files decompressed by suffix
 BLANK = " \t\n\v\f\r"  # what TensorFlow's strip (the seqio task's blank filter) removes
 FIELD_FIX = "set config.data.sources.<name>.text_field to the column that holds the text"
 
 
-class DocumentError(ValueError):
+class DocumentError(ConfigError):  # bad input: one `error:` line and exit 2 in every program
   """A corpus file cannot be read as documents; the message names the file, where, and the fix."""
 
 
@@ -113,14 +114,29 @@ def _zstd_chunks(f) -> Iterator[bytes]:
     raise EOFError("the zstd stream ends inside a frame")
 
 
+def _gzip_chunks(f) -> Iterator[bytes]:
+  """The decompressed text of a gzip file (every member), yielded as it comes, so a stream cut short or damaged
+  fails after the text before the break (gzip.GzipFile's read fails for the whole read)."""
+  member, inside = zlib.decompressobj(zlib.MAX_WBITS | 16), False
+  while chunk := f.read(CHUNK_BYTES):
+    while chunk:
+      inside = True
+      out = member.decompress(chunk)
+      if out:
+        yield out
+      chunk = b""
+      if member.eof:
+        chunk, member, inside = member.unused_data, zlib.decompressobj(zlib.MAX_WBITS | 16), False
+  if inside:
+    raise EOFError("the gzip stream ends inside a member")
+
+
 def _chunks(path: str) -> Iterator[bytes]:
   with epath.Path(path).open("rb") as f:  # local, or a URL such as gs://bucket/file (through TensorFlow's gfile)
     if path.endswith(".zst"):
       yield from _zstd_chunks(f)
     elif path.endswith(".gz"):
-      with gzip.GzipFile(fileobj=f) as unzipped:
-        while chunk := unzipped.read(CHUNK_BYTES):
-          yield chunk
+      yield from _gzip_chunks(f)
     else:
       while chunk := f.read(CHUNK_BYTES):
         yield chunk
@@ -137,6 +153,11 @@ def _lines(path: str) -> Iterator[tuple[int, int, bytes]]:
         yield number, offset, line
         offset += len(line) + 1
   except (EOFError, OSError, zlib.error, zstandard.ZstdError) as error:
+    if offset + len(rest) == 0 and ("header" in str(error) or "frame descriptor" in str(error)):
+      raise DocumentError(
+        f"{path} is not {'gzip' if path.endswith('.gz') else 'zstd'}-compressed, as its suffix says ({error}); "
+        "compress it, or rename it without the suffix."
+      ) from None
     raise DocumentError(
       f"{path}: the compressed stream breaks after byte {offset + len(rest)} of its text ({error}); the file is "
       "truncated or damaged: copy it again."

@@ -25,7 +25,7 @@ WORKDIR_FIX = "set config.data back to what this run trained on, or start over i
 SPLITS = ("train", "validation")
 
 
-class ShardError(ValueError):
+class ShardError(config_lib.ConfigError):  # bad input: one `error:` line and exit 2 in every program
   """A shard could not be tokenized (its source holds bad input); the message names the shard and the fix."""
 
 

@@ -15,6 +15,7 @@ import tensorstore as ts
 from etils import epath
 
 from sparsetx import paths
+from sparsetx.config import ConfigError
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -24,7 +25,7 @@ _CHUNK_DOCS = 1 << 16
 _END_SAMPLE = 1024  # every 1024th document end is kept in memory to find a row's boundaries in one small read
 
 
-class CorpusError(ValueError):
+class CorpusError(ConfigError):  # bad input: one `error:` line and exit 2 in every program
   """A tokenized corpus, split or shard that is missing, incomplete or damaged (the message names it)."""
 
 

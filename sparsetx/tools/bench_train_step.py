@@ -19,6 +19,11 @@ def define_flags() -> dict:
     types=flags.DEFINE_list("types", list(config_lib.FFN_TYPES), "Feed-forward types; the first one is the baseline."),
     rounds=flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds (median)."),
     peak_tflops=flags.DEFINE_float("peak_tflops", None, "Peak bf16 TFLOP/s per device for MFU."),
+    bad_steps=flags.DEFINE_list(
+      "bad_steps",
+      ["stop"],
+      "config.train.bad_steps modes, each type's step under each (e.g. stop,skip: the cost of the skip decision).",
+    ),
     **rung,
   )
 
@@ -43,7 +48,7 @@ def absl_main(argv, holders: dict):
     f"ratios to {steps[0].name}"
   )
   print(
-    f"{'type':<9}{'total params':>14}{'active':>12}{'compile s':>11}{'step ms':>10}{'tokens/s':>12}"
+    f"{'type':<14}{'total params':>14}{'active':>12}{'compile s':>11}{'step ms':>10}{'tokens/s':>12}"
     f"{'x ' + steps[0].name:>10}{'model TFLOP/s':>15}{'MFU':>8}"
   )
   base = steps[0].tokens / steps[0].seconds
@@ -52,7 +57,7 @@ def absl_main(argv, holders: dict):
     tflops = s.model_flops / s.seconds / 1e12
     mfu = f"{s.model_flops / (s.seconds * len(devices) * peak):.1%}" if peak else "n/a"
     print(
-      f"{s.name:<9}{s.params['total']:>14,}{s.params['active']:>12,}{s.compile_s:>11.1f}{1e3 * s.seconds:>10.1f}"
+      f"{s.name:<14}{s.params['total']:>14,}{s.params['active']:>12,}{s.compile_s:>11.1f}{1e3 * s.seconds:>10.1f}"
       f"{rate:>12,.0f}{rate / base:>10.2f}{tflops:>15.3f}{mfu:>8}"
     )
 

@@ -108,8 +108,17 @@ def with_defaults(args):
 
 
 def measure(args, devices) -> list:
-  """Each type's TypeStep, compiled and timed in `args.rounds` interleaved rounds (the acceptance script too)."""
-  steps = [TypeStep(t, args, devices) for t in args.types]
+  """Each type's TypeStep (under each of `args.bad_steps`' modes, when given: named type/mode), compiled and timed
+  in `args.rounds` interleaved rounds (the acceptance script too)."""
+  modes = getattr(args, "bad_steps", None) or ["stop"]
+  steps = []
+  for ffn_type in args.types:
+    for mode in modes:
+      config = rung_config(ffn_type, args)
+      config.train.bad_steps = mode
+      steps.append(TypeStep(ffn_type, args, devices, config_lib.validate(config)))
+      if len(modes) > 1:
+        steps[-1].name = f"{ffn_type}/{mode}"
   for step, seconds in timing.interleaved({s: s for s in steps}, args.rounds).items():
     step.seconds = seconds
   return steps
