@@ -38,7 +38,16 @@ done
 gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --project="$PROJECT" --worker=0 --command="
   cd $REPO && JAX_PLATFORMS=cpu .venv/bin/python -m sparsetx.tools.tokenize --config=$CONFIG --output_dir=$TOKENIZED_DIR ${CONFIG_FLAGS}
 "
-gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --project="$PROJECT" --worker=all --command="
-  cd $REPO && LIBTPU_INIT_ARGS='$LIBTPU_INIT_ARGS' .venv/bin/python -m sparsetx.train --config=$CONFIG --workdir=$WORKDIR \
-    --config.data.tokenized_dir=$TOKENIZED_DIR ${FLAGS}
-"
+# A hang ends every worker that can still speak with the watchdog's code, 6 (sparsetx/train/watchdog.py): the run
+# starts again and resumes from the newest checkpoint, up to RESTARTS times (default 3); any other code ends here.
+restarts=${RESTARTS:-3}
+while true; do
+  code=0
+  gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --project="$PROJECT" --worker=all --command="
+    cd $REPO && LIBTPU_INIT_ARGS='$LIBTPU_INIT_ARGS' .venv/bin/python -m sparsetx.train --config=$CONFIG \
+      --workdir=$WORKDIR --config.data.tokenized_dir=$TOKENIZED_DIR ${FLAGS}
+  " || code=$?
+  if [ "$code" -ne 6 ] || [ "$restarts" -le 0 ]; then exit "$code"; fi
+  restarts=$((restarts - 1))
+  echo "sparsetx: the hang watchdog ended the run (exit 6); restarting it, $restarts restarts left" >&2
+done

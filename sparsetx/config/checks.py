@@ -221,6 +221,17 @@ def validate_train(
     f"config.train.profile_all_processes={train.get('profile_all_processes')!r} must be True or False.",
   )
   validate_bad_steps(train)
+  timeout = train.get("step_timeout_s")
+  _require(
+    timeout is None or (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout >= 0),
+    f"config.train.step_timeout_s={timeout!r} must be seconds >= 0 (0: no watchdog), or None to derive it from "
+    "the measured step times.",
+  )
+  minutes = checkpoint.get("every_minutes", 0.0)
+  _require(
+    isinstance(minutes, (int, float)) and not isinstance(minutes, bool) and minutes >= 0,
+    f"config.checkpoint.every_minutes={minutes!r} must be minutes >= 0 (0: save by step count only).",
+  )
   _positive_int("config.checkpoint.every", checkpoint.every)
   _positive_int("config.checkpoint.keep", checkpoint.keep)
   _require(

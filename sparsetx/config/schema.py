@@ -285,6 +285,15 @@ def train_defaults() -> ml_collections.ConfigDict:
       spike_window=100,  # accepted steps whose loss and gradient norm the mean and deviation are taken over
       max_bad_in_row=5,  # rollback: this many skipped steps in a row roll back
       max_rollbacks=3,  # rollback: rollbacks recorded in one workdir before the run stops (exit 3)
+      # The hang watchdog (sparsetx/train/watchdog.py): when nothing finishes (a step, an evaluation batch, a
+      # save call) for this many seconds, every process writes its threads' stacks and one error line and exits
+      # with code 6, which the deploy/ recipes restart on. None: derived, max(300 s, 20 x the slowest of the last
+      # 100 steps), armed once the first step (its compile) is done; 0: off.
+      step_timeout_s=ml_collections.config_dict.placeholder(float),
+      # JAX's persistent compilation cache (sparsetx/train/compile_cache.py): a restart reads the compiled step.
+      # "" = <workdir>/compilation_cache (gs:// works); JAX_COMPILATION_CACHE_DIR in the environment wins.
+      compilation_cache=True,
+      compilation_cache_dir="",
     )
   )
 
@@ -296,6 +305,9 @@ def checkpoint_defaults() -> ml_collections.ConfigDict:
       keep=3,  # the newest K are kept
       keep_period=0,  # also keep every step divisible by this permanently; 0 = none
       async_save=True,
+      # Also save when this many minutes passed since the last save (all processes agree on the step, as on
+      # SIGTERM, within about 5 s); 0: by step count only. Levanter's default: 15.
+      every_minutes=15.0,
       # Resume from this saved step instead of the newest (e.g. when the newest is damaged); the steps after
       # it are moved to <workdir>/superseded/ (nothing is deleted). None: the newest.
       restore_step=ml_collections.config_dict.placeholder(int),

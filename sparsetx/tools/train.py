@@ -6,7 +6,8 @@ naming the file or field and exit code 2 (sparsetx/cli.py); a damaged newest che
 older steps to resume from with --config.checkpoint.restore_step=N.
 Multi-host: the process joins the run its environment describes (SLURM, JobSet, TPU VM pod; see
 sparsetx/parallel/distributed.py), the flags --coordinator_address, --num_processes, --process_id
-override it; a run whose peers do not all connect ends with exit code 4.
+override it; a run whose peers do not all connect ends with exit code 4. Exit 3: a divergence
+(config.train.bad_steps); 5: a failed write to storage; 6: the hang watchdog (config.train.step_timeout_s).
 """
 
 import os

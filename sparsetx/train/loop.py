@@ -22,19 +22,32 @@ from sparsetx.data import check_training_files, global_stream, pretokenize
 from sparsetx.kernels import autotune_table
 from sparsetx.models import ladder
 from sparsetx.parallel import logical_rules
-from sparsetx.train import autotune, checkpointing, recovery
+from sparsetx.train import autotune, checkpointing, compile_cache, recovery
 from sparsetx.train import metrics as metrics_lib
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
+from sparsetx.train import watchdog as watchdog_lib
 from sparsetx.train.recovery import BadStepsError, NonFiniteLossError  # noqa: F401  (the trainer's errors)
 
+AGREE_EVERY_S = 5.0  # processes agree on SIGTERM and on a save by time at least this often
 
-class _SigtermFlag:
-  """Set by SIGTERM (preemption); the loop saves and stops at the next step boundary."""
 
-  def __init__(self):
+class _Agreement:
+  """SIGTERM (preemption) and config.checkpoint.every_minutes, agreed by every process at the same step: a signal
+  reaches the processes between different steps, and all must stop (and save) at the same step or their
+  collectives would mismatch.
+
+  One process decides alone, every step. Several agree through a collective (which waits for the step the devices
+  run) at steps all of them know: each agreement also fixes the next one, process 0's measured step time making it
+  about AGREE_EVERY_S seconds later, so a preemption's grace period is never spent waiting for log_every steps."""
+
+  def __init__(self, every_minutes: float):
     self.raised = False
     self._previous = signal.signal(signal.SIGTERM, self._handle)
+    self._save_every_s = 60.0 * every_minutes
+    self._saved_at = time.monotonic()
+    self._next = 1  # the next step to agree at (several processes)
+    self._step_s = None
 
   def _handle(self, signum, frame):
     logging.warning("SIGTERM received: saving a checkpoint at the current step, then stopping.")
@@ -43,17 +56,25 @@ class _SigtermFlag:
   def restore(self):
     signal.signal(signal.SIGTERM, self._previous)
 
-  def agreed(self, step: int, every: int) -> bool:
-    """True if any process got SIGTERM: signals reach processes between different steps, and all
-    processes must stop (and save) at the same step or their collectives would mismatch.
+  def saved(self) -> None:
+    """A checkpoint was saved (by step count or time): the save clock starts again."""
+    self._saved_at = time.monotonic()
 
-    Several processes agree through a collective, which waits for the step the devices are running;
-    they do so every `every` steps (config.train.log_every) so that the host stays a step ahead."""
+  def read(self, step_s: float | None) -> None:
+    """A step's metrics were read, with the host's measure of its time (None: not a plain step)."""
+    self._step_s = step_s or self._step_s
+
+  def at(self, step: int) -> tuple[bool, bool]:
+    """(stop, save) at `step`: SIGTERM reached some process; some process's save clock ran out."""
+    save_due = bool(self._save_every_s) and time.monotonic() - self._saved_at >= self._save_every_s
     if jax.process_count() == 1:
-      return self.raised
-    if step % every:
-      return False
-    return bool(np.any(multihost_utils.process_allgather(np.array(self.raised))))
+      return self.raised, save_due
+    if step < self._next:
+      return False, False
+    interval = max(1, int(AGREE_EVERY_S / self._step_s)) if self._step_s else 1
+    votes = multihost_utils.process_allgather(np.array([self.raised, save_due, interval], np.int64))
+    self._next = step + int(votes[0, 2])  # process 0's proposal: every process takes the same
+    return bool(votes[:, 0].any()), bool(votes[:, 1].any())
 
 
 def check_workdir(workdir: str) -> None:
@@ -82,8 +103,12 @@ class _StepReader:
   """Reads each step's metrics once the host has dispatched the next one: the non-finite check,
   the progress report and the metrics log (every config.train.log_every steps and the last)."""
 
-  def __init__(self, config: ml_collections.ConfigDict, writer, progress, saved_step: int):
+  def __init__(self, config: ml_collections.ConfigDict, writer, progress, saved_step: int, on_read=None):
+    """`on_read(step, step_s)`: after each step read, with the host's measure of its time (None for the first, which
+    compiled, and for one whose interval held an evaluation or a save)."""
     self._train, self._writer, self._progress = config.train, writer, progress
+    self._on_read = on_read or (lambda step, step_s: None)
+    self._read_at, self._plain = time.time(), False
     self._tokens_per_step = config.data.global_batch_size * config.data.seq_len
     self._flops_per_step = (
       3 * ladder.forward_flops_per_token(config.model, config.data.seq_len)["total"] * self._tokens_per_step
@@ -100,6 +125,7 @@ class _StepReader:
   def exclude(self, seconds: float) -> None:
     """Leaves `seconds` (an evaluation, a checkpoint save) out of the current interval's rates."""
     self._window_start += seconds
+    self._plain = False
 
   def dispatched(self, step: int, metrics: dict) -> None:
     """Takes the metrics of the step just dispatched; reads the step before it."""
@@ -119,6 +145,9 @@ class _StepReader:
       self._window_steps += 1
       self._steps_since += 1
     self._compiled = True
+    now = time.time()
+    step_s, self._read_at, self._plain = (now - self._read_at if self._plain else None), now, True
+    self._on_read(step, step_s)
     recovery.verdict(step, health, self._train, self.saved_step)
     self._progress(step)
     if step % self._train.log_every == 0 or step == self._train.steps:
@@ -128,15 +157,21 @@ class _StepReader:
       self.last["model_tflops_per_sec"] = self._window_steps * self._flops_per_step / elapsed / 1e12
       if self._peak:
         self.last["mfu"] = self._window_steps * self._flops_per_step / elapsed / (self._peak * jax.device_count())
+      if self._window_steps:
+        self.last["step_seconds"] = elapsed / self._window_steps
+      self.last.update(metrics_lib.device_memory())
       self._writer.write_scalars(step, self.last)
       if self._console:
         logging.info(
-          "step %d/%d  loss %.4f  %s tokens/s  ETA %s",
+          "step %d/%d  loss %.4f  %s  %s tokens/s%s%s  ETA %s",
           step,
           self._train.steps,
           self.last["loss"],
+          f"{1e3 * self.last['step_seconds']:,.0f} ms/step" if "step_seconds" in self.last else "compiling",
           f"{self.last['tokens_per_sec']:,.0f}",
-          duration((self._train.steps - step) * (time.time() - self._since) / self._steps_since),
+          f"  MFU {self.last['mfu']:.1%}" if "mfu" in self.last else "",
+          metrics_lib.memory_words(self.last),
+          duration((self._train.steps - step) * (time.time() - self._since) / max(self._steps_since, 1)),
         )
       self._window_start, self._window_steps = time.time(), 0
 
@@ -206,8 +241,9 @@ class _Profiler:
       self._active = False
 
 
-def evaluate(config, params, eval_fn, eval_data) -> dict:
-  """Loss and perplexity per validation task, each split read once (or eval_batches batches)."""
+def evaluate(config, params, eval_fn, eval_data, on_batch=lambda: None) -> dict:
+  """Loss and perplexity per validation task, each split read once (or eval_batches batches); `on_batch()` after
+  each batch (the watchdog's progress)."""
   results = {}
   for name in eval_data.task_names:
     loss_sum, tokens = 0.0, 0.0
@@ -216,6 +252,7 @@ def evaluate(config, params, eval_fn, eval_data) -> dict:
         break
       out = eval_fn(params, batch)
       loss_sum, tokens = loss_sum + float(out["loss_sum"]), tokens + float(out["tokens"])
+      on_batch()
     loss = loss_sum / max(tokens, 1.0)
     results[f"eval/{name}/loss"] = loss
     results[f"eval/{name}/perplexity"] = math.exp(min(loss, 50.0))
@@ -224,15 +261,17 @@ def evaluate(config, params, eval_fn, eval_data) -> dict:
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains to config.train.steps (or until SIGTERM); returns the last step's metrics."""
+  started = time.time()
   check_training_files(config_lib.validate(config))
   check_workdir(workdir)
+  compile_cache.use(config.train, workdir)
   config = pretokenize.train_corpus(config, workdir)  # the corpus the stream reads: given, or written in workdir
   with autotune_table.used(config.train.autotune):  # off: the kernel table is neither read nor written
     built = state_lib.setup(config)
     if config.train.autotune and jax.process_count() == 1:  # the device picks its kernels before the step compiles
       autotune.ensure_tuned(config, built, report=logging.info)
     with logical_rules.activate(built.mesh, config.mesh.rules):  # sparse layers trace their expert-parallel form
-      return _run(config, workdir, built)
+      return _run(config, workdir, built, started)
 
 
 def _start(config, built: state_lib.Setup, checkpointer, data_iterator, step: int | None):
@@ -280,19 +319,19 @@ class _Run:
   """What logs a stretch of steps from `start`: the metrics writer, the progress report and the step reader
   (a rollback opens new ones from the step it restored)."""
 
-  def __init__(self, config, workdir, checkpointer, start: int):
+  def __init__(self, config, workdir, checkpointer, start: int, on_read):
     self.writer = metrics_lib.make_writer(workdir, start, fix=checkpointer.newest_complete)
     self.progress = periodic_actions.ReportProgress(
       num_train_steps=config.train.steps, writer=self.writer, every_steps=config.train.log_every
     )
-    self.reader = _StepReader(config, self.writer, self.progress, saved_step=start)
+    self.reader = _StepReader(config, self.writer, self.progress, saved_step=start, on_read=on_read)
 
   def close(self) -> None:
     self.writer.flush()
     self.writer.close()
 
 
-def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup) -> dict:
+def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup, started: float) -> dict:
   model, batch_sharding = built.model, built.batch_sharding
 
   checkpointer = checkpointing.Checkpointer(workdir, config.checkpoint)
@@ -311,32 +350,54 @@ def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup
   if not eval_data.task_names:
     logging.warning("No task of config.data.mixture has a validation split: this run evaluates nothing.")
 
-  run = _Run(config, workdir, checkpointer, start)
+  agreement = _Agreement(config.checkpoint.get("every_minutes", 0.0))
+  watchdog = watchdog_lib.Watchdog(config.train.get("step_timeout_s"), jax.process_index())
+
+  startup = {}  # the first step's compile and its end, after the trainer started: what a warm cache shortens
+
+  def on_read(step: int, step_s: float | None) -> None:
+    watchdog.progress(step, step_s)
+    agreement.read(step_s)
+    if "first_step_seconds" not in startup:
+      startup["first_step_seconds"] = time.time() - started
+      run.writer.write_scalars(step, {f"startup/{k}": v for k, v in startup.items()})
+      if jax.process_index() == 0:
+        logging.info(
+          "Step %d finished %.1f s after the start; its compile took %.1f s.",
+          step,
+          startup["first_step_seconds"],
+          startup["compile_seconds"],
+        )
+
+  run = _Run(config, workdir, checkpointer, start, on_read)
   if start == 0 and jax.process_index() == 0:
     run.writer.write_hparams(
       {k: v for k, v in _flatten(config.to_dict()).items() if isinstance(v, (int, float, str, bool))}
     )
-
-  sigterm = _SigtermFlag()
   profiler = _Profiler(config.train, metrics_lib.tensorboard_dir(workdir))
-  step, saved_step = start, start
+  step = start
   positions = {}  # the stream position of each dispatched step's batch, until the step is read
   if step < config.train.steps:
+    watchdog.doing(f"reading the batch of step {step + 1}")
     batch, positions[step + 1] = next(data_iterator), data_iterator.step - 1
   try:
     while step < config.train.steps:
       try:
         profiler.before(step + 1)
+        watchdog.doing(f"step {step + 1}")
+        dispatched = time.time()
         with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
           state, step_metrics = step_fn(state, batch)
+        startup.setdefault("compile_seconds", time.time() - dispatched)  # the first call traces and compiles
         step += 1
         profiler.after(step, step_metrics)
         run.reader.dispatched(step, step_metrics)  # reads step - 1's metrics: the devices still run `step`
         checkpointer.check_saved()  # a save that failed stops the run before another step
         if eval_data.task_names and (step % config.train.eval_every == 0 or step == config.train.steps):
           run.reader.read()  # waits for `step`: evaluate only a state known finite
+          watchdog.doing(f"the evaluation after step {step}")
           started = time.time()
-          results = evaluate(config, state.params, eval_fn, eval_data)
+          results = evaluate(config, state.params, eval_fn, eval_data, on_batch=watchdog.progress)
           run.reader.exclude(time.time() - started)
           run.writer.write_scalars(step, results)
           if jax.process_index() == 0:
@@ -344,31 +405,38 @@ def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup
               f"{key[len('eval/') : -len('/loss')]} {value:.4f}" for key, value in results.items() if "/loss" in key
             ]
             logging.info("step %d  eval loss: %s", step, ", ".join(losses))
-        if step % config.checkpoint.every == 0 or step == config.train.steps:
+        last = step == config.train.steps
+        stop, save_by_time = (False, False) if last else agreement.at(step)
+        if step % config.checkpoint.every == 0 or last or stop or save_by_time:
           run.reader.read()  # waits for `step`: save only a state known finite, before step + 1 takes its buffers
+          watchdog.doing(f"saving step {step}")
           started = time.time()
           checkpointer.save(step, state, config, data_iterator.state())
           run.reader.exclude(time.time() - started)
-          saved_step = run.reader.saved_step = step
-        if step == config.train.steps or sigterm.agreed(step, every=config.train.log_every):
+          watchdog.progress()
+          run.reader.saved_step = step
+          agreement.saved()
+        if last or stop:
           run.reader.read()
           break
+        watchdog.doing(f"reading the batch of step {step + 1}")
         batch, positions[step + 1] = next(data_iterator), data_iterator.step - 1  # placed while `step` runs
         positions = {s: p for s, p in positions.items() if s >= step - 1}
       except recovery.RollBack as trouble:
         run.close()
+        watchdog.doing(f"the rollback after step {trouble.step}")
         state, step = _roll_back(config, workdir, built, checkpointer, data_iterator, trouble, positions[trouble.step])
-        saved_step = step
-        run = _Run(config, workdir, checkpointer, step)
+        watchdog.progress()
+        run = _Run(config, workdir, checkpointer, step, on_read)
         batch, positions = next(data_iterator), {}
         positions[step + 1] = data_iterator.step - 1
-    if step != saved_step:  # stopped by SIGTERM (agreed by all processes) between checkpoints
-      checkpointer.save(step, state, config, data_iterator.state())
+    watchdog.doing("the last checkpoint's save")
     checkpointer.wait()
     run.writer.flush()
   finally:
+    watchdog.close()
     profiler.close()
-    sigterm.restore()
+    agreement.restore()
     checkpointer.close()  # after a failure elsewhere: waits for the save under way
     data_iterator.close()
   return run.reader.last

@@ -31,6 +31,25 @@ def peak_flops_per_device() -> float | None:
   return chip.peak_flops if chip else None
 
 
+def device_memory() -> dict:
+  """{memory/in_use_gib, memory/peak_gib} of this process's first device, where the backend keeps memory_stats()
+  (GPU, TPU; not the CPU): {} elsewhere."""
+  stats = jax.local_devices()[0].memory_stats() or {}
+  found = {
+    "memory/in_use_gib": stats.get("bytes_in_use"),
+    "memory/peak_gib": stats.get("peak_bytes_in_use"),
+  }
+  return {name: value / 2**30 for name, value in found.items() if value is not None}
+
+
+def memory_words(metrics: dict) -> str:
+  """'  memory 12.3 GiB (peak 15.1 GiB)' for the console line, or '' where the backend keeps none."""
+  if "memory/in_use_gib" not in metrics:
+    return ""
+  peak = f" (peak {metrics['memory/peak_gib']:.1f} GiB)" if "memory/peak_gib" in metrics else ""
+  return f"  memory {metrics['memory/in_use_gib']:.1f} GiB{peak}"
+
+
 def drop_rows_after(path: epath.Path, step: int) -> int:
   """Rewrites metrics.jsonl (atomically) without its rows past `step`; returns how many were dropped."""
   if not path.exists():
