@@ -22,7 +22,7 @@ from sparsetx.data import check_training_files, global_stream, pretokenize
 from sparsetx.kernels import autotune_table
 from sparsetx.models import ladder
 from sparsetx.parallel import logical_rules
-from sparsetx.train import autotune, checkpointing, compile_cache, recovery
+from sparsetx.train import autotune, checkpointing, compile_cache, goodput, recovery
 from sparsetx.train import metrics as metrics_lib
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
@@ -264,6 +264,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   started = time.time()
   check_training_files(config_lib.validate(config))
   check_workdir(workdir)
+  clock = goodput.Goodput(workdir, started)
   compile_cache.use(config.train, workdir)
   config = pretokenize.train_corpus(config, workdir)  # the corpus the stream reads: given, or written in workdir
   with autotune_table.used(config.train.autotune):  # off: the kernel table is neither read nor written
@@ -271,7 +272,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if config.train.autotune and jax.process_count() == 1:  # the device picks its kernels before the step compiles
       autotune.ensure_tuned(config, built, report=logging.info)
     with logical_rules.activate(built.mesh, config.mesh.rules):  # sparse layers trace their expert-parallel form
-      return _run(config, workdir, built, started)
+      return _run(config, workdir, built, started, clock)
 
 
 def _start(config, built: state_lib.Setup, checkpointer, data_iterator, step: int | None):
@@ -331,14 +332,23 @@ class _Run:
     self.writer.close()
 
 
-def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup, started: float) -> dict:
+def _run(
+  config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup, started: float, clock: goodput.Goodput
+) -> dict:
   model, batch_sharding = built.model, built.batch_sharding
 
   checkpointer = checkpointing.Checkpointer(workdir, config.checkpoint)
   start = checkpointer.resume_step(config.checkpoint.get("restore_step"))  # verified: items, arrays' metadata, data
   if start is not None:
     checkpointer.check_compatible(start, config)
-  data_iterator = global_stream.GlobalStream(config, batch_sharding, skip=recovery.windows(config, workdir))
+  skip = recovery.windows(config, workdir)
+  if skip and jax.process_index() == 0:
+    logging.info(
+      "Stepping over the batches of steps %s (config.data.skip_steps and %s).",
+      ", ".join(f"{a}:{b}" for a, b in skip),
+      paths.resolve(workdir) / recovery.RECORD,
+    )
+  data_iterator = global_stream.GlobalStream(config, batch_sharding, skip=skip)
   state, start = _start(config, built, checkpointer, data_iterator, start)
   checkpointer.set_aside_after(start)  # a restore_step before the newest: later steps move to superseded/
   with paths.writing(f"writing {paths.resolve(workdir) / 'config.json'}", checkpointer.newest_complete):
@@ -357,6 +367,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup
 
   def on_read(step: int, step_s: float | None) -> None:
     watchdog.progress(step, step_s)
+    clock.reached(step)
     agreement.read(step_s)
     if "first_step_seconds" not in startup:
       startup["first_step_seconds"] = time.time() - started
@@ -385,10 +396,17 @@ def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup
       try:
         profiler.before(step + 1)
         watchdog.doing(f"step {step + 1}")
+        compiling = "compile_seconds" not in startup  # the first call traces and compiles
+        if compiling:
+          clock.part("compile")
+        else:
+          clock.stepping(step + 1)
         dispatched = time.time()
         with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
           state, step_metrics = step_fn(state, batch)
-        startup.setdefault("compile_seconds", time.time() - dispatched)  # the first call traces and compiles
+        if compiling:
+          startup["compile_seconds"] = time.time() - dispatched
+          clock.stepping(step + 1)
         step += 1
         profiler.after(step, step_metrics)
         run.reader.dispatched(step, step_metrics)  # reads step - 1's metrics: the devices still run `step`
@@ -396,9 +414,10 @@ def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup
         if eval_data.task_names and (step % config.train.eval_every == 0 or step == config.train.steps):
           run.reader.read()  # waits for `step`: evaluate only a state known finite
           watchdog.doing(f"the evaluation after step {step}")
-          started = time.time()
+          clock.part("evaluation")
+          began = time.time()
           results = evaluate(config, state.params, eval_fn, eval_data, on_batch=watchdog.progress)
-          run.reader.exclude(time.time() - started)
+          run.reader.exclude(time.time() - began)
           run.writer.write_scalars(step, results)
           if jax.process_index() == 0:
             losses = [
@@ -410,9 +429,11 @@ def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup
         if step % config.checkpoint.every == 0 or last or stop or save_by_time:
           run.reader.read()  # waits for `step`: save only a state known finite, before step + 1 takes its buffers
           watchdog.doing(f"saving step {step}")
-          started = time.time()
+          clock.part("checkpoint")
+          began = time.time()
           checkpointer.save(step, state, config, data_iterator.state())
-          run.reader.exclude(time.time() - started)
+          clock.save()
+          run.reader.exclude(time.time() - began)
           watchdog.progress()
           run.reader.saved_step = step
           agreement.saved()
@@ -420,19 +441,26 @@ def _run(config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup
           run.reader.read()
           break
         watchdog.doing(f"reading the batch of step {step + 1}")
+        clock.part("data_wait")
         batch, positions[step + 1] = next(data_iterator), data_iterator.step - 1  # placed while `step` runs
         positions = {s: p for s, p in positions.items() if s >= step - 1}
       except recovery.RollBack as trouble:
         run.close()
         watchdog.doing(f"the rollback after step {trouble.step}")
+        clock.part("checkpoint")
         state, step = _roll_back(config, workdir, built, checkpointer, data_iterator, trouble, positions[trouble.step])
         watchdog.progress()
         run = _Run(config, workdir, checkpointer, step, on_read)
         batch, positions = next(data_iterator), {}
         positions[step + 1] = data_iterator.step - 1
     watchdog.doing("the last checkpoint's save")
+    clock.part("checkpoint")
     checkpointer.wait()
+    clock.save()
+    run.writer.write_scalars(step, clock.metrics())
     run.writer.flush()
+    if jax.process_index() == 0:
+      logging.info("%s", clock.table())
   finally:
     watchdog.close()
     profiler.close()
