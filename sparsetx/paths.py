@@ -85,10 +85,23 @@ def writing(what: str, fix: str | Callable[[], str]) -> Iterator[None]:
   except Exception as error:  # noqa: BLE001  (narrowed by storage_failure; the rest re-raised)
     if not storage_failure(error):
       raise
-    raise StorageError(f"{what} failed ({cause(error)}); {fix if isinstance(fix, str) else fix()}") from None
+    words = cause(error)
+    raise StorageError(f"{what} failed ({words}); {fitting(fix if isinstance(fix, str) else fix(), words)}") from None
 
 
 FREE_SPACE = "free space there (or quota) and run the same command again"
+_FIXES = {  # the OS's words for a failed write -> what to do instead of freeing space
+  os.strerror(errno.EROFS): "make the storage writable again (remount it read-write, or copy the workdir to "
+  "writable storage) and run the same command again",
+  os.strerror(errno.EACCES): "give this user write permission there and run the same command again",
+  os.strerror(errno.EPERM): "give this user write permission there and run the same command again",
+}
+
+
+def fitting(fix: str, words: str) -> str:
+  """`fix` with its FREE_SPACE advice replaced by the one for the fault the OS reported (`words`, from `cause`): a
+  read-only filesystem or a permission needs no space freed."""
+  return fix.replace(FREE_SPACE, _FIXES[words]) if words in _FIXES else fix
 
 
 def write_text_atomically(path: epath.Path, text: str) -> None:

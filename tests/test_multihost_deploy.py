@@ -182,3 +182,28 @@ def test_sbatch_script_tokenizes_then_trains_under_a_simulated_slurm(tmp_path):
     assert str(steps) in os.listdir(tmp_path / "run/checkpoints"), os.listdir(tmp_path / "run")
     resumed = ["Resumed from" in (logs / f"task_{i}.log").read_text() and "at step 2." in tasks for i in range(2)]
     assert resumed == [steps == 4] * 2, tasks
+
+
+def test_the_jobset_image_is_built_by_the_dockerfile_with_an_extra_pyproject_has():
+  """deploy/Dockerfile builds what the JobSet runs: an extra pyproject.toml defines, its Python within
+  requires-python, every path the image needs copied, and the JobSet's `python` the image's .venv."""
+  import tomllib  # noqa: PLC0415
+
+  dockerfile = (REPO / "deploy/Dockerfile").read_text()
+  project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+  extra = re.search(r"^ARG EXTRA=(\S+)$", dockerfile, re.M).group(1)
+  assert extra in project["optional-dependencies"] and extra.startswith("cuda")
+  for name in re.findall(r"EXTRA=(\w+)", (REPO / "deploy/README.md").read_text()):
+    assert name in project["optional-dependencies"], name
+  version = re.search(r"^FROM python:(\d+)\.(\d+)", dockerfile, re.M).groups()
+  assert project["requires-python"] == ">=3.12,<3.14" and version in (("3", "12"), ("3", "13"))
+  copied = re.findall(r"^COPY (.+) \S+$", dockerfile, re.M)
+  needed = {"pyproject.toml", "README.md", "sparsetx", "configs"}  # the package, its readme, the configs it runs
+  assert needed <= {word for line in copied for word in line.split()}, copied
+  assert 'pip install --no-cache-dir -e ".[${EXTRA}]"' in dockerfile
+  assert "ENV PATH=/sparsetx/.venv/bin:$PATH" in dockerfile
+  (jobset,) = yaml.safe_load_all((REPO / "deploy/k8s/jobset.yaml").read_text())
+  container = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
+  assert container["command"][0] == "python" and container["image"].endswith("/sparsetx:latest")
+  config = next(arg for arg in container["args"] if arg.startswith("--config="))[len("--config=") :]
+  assert (REPO / config.split(":")[0]).exists()  # the config the image runs is in the image

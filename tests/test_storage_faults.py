@@ -1,7 +1,9 @@
 """A full disk (a real tmpfs, filled) ends a program in one line naming what failed, where, the OS's words and what to
 do, with exit code 5 (paths.STORAGE_EXIT_CODE); nothing complete is damaged, and a rerun with room resumes bitwise."""
 
+import errno
 import json
+import os
 import subprocess
 import sys
 
@@ -105,3 +107,20 @@ def test_tokenize_and_export_on_a_full_disk_end_in_one_line(tmp_path, small_file
   assert "failed (No space left on device); " in errors[0] and "run the same command again" in errors[0]
   if program == "export":
     assert not any(small_filesystem.path.glob("*out*")), list(small_filesystem.path.iterdir())  # nothing partial
+
+
+def test_the_fix_names_the_fault_the_os_reported(tmp_path):
+  fixes = {
+    errno.ENOSPC: "free space there (or quota)",
+    errno.EDQUOT: "free space there (or quota)",
+    errno.EROFS: "make the storage writable again (remount it read-write",
+    errno.EACCES: "give this user write permission there",
+  }
+  for code, fix in fixes.items():
+    with pytest.raises(paths.StorageError) as raised:
+      with paths.writing(f"writing {tmp_path}/x", paths.FREE_SPACE):
+        raise OSError(code, os.strerror(code))
+    assert str(raised.value) == f"writing {tmp_path}/x failed ({os.strerror(code)}); " + (
+      paths.FREE_SPACE if "free space" in fix else paths.fitting(paths.FREE_SPACE, os.strerror(code))
+    )
+    assert fix in str(raised.value), str(raised.value)

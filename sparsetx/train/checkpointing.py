@@ -353,11 +353,12 @@ class Checkpointer:
   def _save_failed(self, error: BaseException) -> None:
     step, held = self._saving
     self._saving, self._failed_save = None, step
-    message = f"saving checkpoint step {step} in {self.directory} failed ({paths.cause(error)})"
+    words = paths.cause(error)
+    message = f"saving checkpoint step {step} in {self.directory} failed ({words})"
     held_errors.drop_frames(error)
     held.settle()
     held.remove(drop_echoes=True)
-    raise paths.StorageError(f"{message}; {self.newest_complete()}") from None
+    raise paths.StorageError(f"{message}; {paths.fitting(self.newest_complete(), words)}") from None
 
   def newest_complete(self) -> str:
     """Which complete step a rerun resumes from, and what to do first: the end of a failed write's one line."""
