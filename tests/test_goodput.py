@@ -4,6 +4,9 @@ an earlier step counts the steps it repeats as redone, and the totals add up ove
 import json
 import time
 
+import jax
+import pytest
+from jax._src import compilation_cache, monitoring
 from test_train import micro_config
 
 from sparsetx.train import goodput, loop
@@ -37,3 +40,37 @@ def test_the_parts_add_up_to_the_wall_time_and_a_resume_counts_redone_steps(tmp_
   assert second["runs"] == 2 and second["seconds"]["redone_steps"] > 0
   assert second["seconds"]["steps"] == first["seconds"]["steps"]  # nothing new was trained
   assert abs(sum(second["seconds"].values()) - wall) <= 0.02 * wall, (second, wall)
+
+
+@pytest.mark.long  # two cold compiles
+def test_a_restart_reads_the_compiled_step_from_the_workdirs_cache(tmp_path):
+  """With no cache in the environment the trainer caches under <workdir>/compilation_cache: a second start on that
+  cache (its in-memory caches cleared, as a new process) reads every program from there instead of compiling."""
+  session_cache = jax.config.jax_compilation_cache_dir  # the tests' (conftest.py), set aside
+  hits, misses = [], []
+
+  def listen(event, **kwargs):
+    if event == "/jax/compilation_cache/cache_hits":
+      hits.append(event)
+    elif event == "/jax/compilation_cache/cache_misses":
+      misses.append(event)
+
+  monitoring.register_event_listener(listen)
+  config = micro_config("mlp", steps=2)
+  config.model.d_model = 48  # a program no other test compiled
+  config.model.head_dim = 16
+  try:
+    for start in ("cold", "warm"):
+      jax.config.update("jax_compilation_cache_dir", None)
+      compilation_cache.reset_cache()
+      jax.clear_caches()
+      hits.clear()
+      misses.clear()
+      loop.train(config, str(tmp_path / start))
+      config.train.compilation_cache_dir = str(tmp_path / "cold" / "compilation_cache")  # as a restart finds it
+    assert hits and not misses, (len(hits), misses)  # every program the warm start ran came from the cache
+    assert (tmp_path / "cold" / "compilation_cache").is_dir() and not (tmp_path / "warm" / "compilation_cache").exists()
+  finally:
+    monitoring.unregister_event_listener(listen)
+    compilation_cache.reset_cache()
+    jax.config.update("jax_compilation_cache_dir", session_cache)
