@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -296,7 +297,19 @@ def test_console_is_a_summary_and_one_line_per_interval(tmp_path):
   )
   lines = finish(process).splitlines()
   assert process.returncode == 0, lines
-  assert len(lines) <= 8, lines  # summary, 2 progress, 2 evaluations, done (and room for a stray warning)
+  table = next(i for i, line in enumerate(lines) if "Where the time went (1 run of this workdir" in line)
+  assert [line.split()[0] for line in lines[table + 1 : table + 8]] == [
+    "init",
+    "compile",
+    "waiting",
+    "productive",
+    "steps",
+    "checkpoint",
+    "evaluation",
+  ], lines[table:]
+  lines = lines[:table] + lines[table + 8 :]
+  # summary, the first step's time, 2 progress, 2 evaluations, done (and room for a stray warning)
+  assert len(lines) <= 9, lines
   assert not [
     line
     for line in lines
@@ -306,6 +319,7 @@ def test_console_is_a_summary_and_one_line_per_interval(tmp_path):
   ], lines
   progress = [line for line in lines if "] step " in line and "loss" in line and "ETA" in line]
   assert [line.split("] ")[1].split()[:2] for line in progress] == [["step", "2/4"], ["step", "4/4"]], lines
+  assert all(re.search(r"loss \d\.\d{4}  [\d,]+ ms/step  [\d,]+ tokens/s  ETA", line) for line in progress), progress
   assert any("mlp model (2 layers, d_model 64)" in line and "256 tokens per step (8 x 32)" in line for line in lines)
   saved = json.loads((workdir / "config.json").read_text())
   assert saved["train"]["steps"] == 4 and saved["model"]["ffn"]["type"] == "mlp"
