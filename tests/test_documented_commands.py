@@ -228,6 +228,18 @@ def plan(command: dict) -> list[dict]:
         missing = set(match.group(1).split(",")) - set(extras)
         assert not missing, f"{where}: pyproject.toml defines no extra {sorted(missing)} (it has {sorted(extras)})"
     return [{"kind": "ok", "where": where, "what": "pip install of existing extras"}]
+  if argv[0] == "docker" and argv[1:2] == ["build"]:  # the image of deploy/k8s: its Dockerfile and an existing extra
+    dockerfile = argv[argv.index("-f") + 1]
+    assert (REPO / dockerfile).is_file(), f"{where}: no {dockerfile}"
+    extras = pyproject()["project"]["optional-dependencies"]
+    for arg in argv:
+      if arg.startswith("EXTRA="):
+        assert arg[len("EXTRA=") :] in extras, (
+          f"{where}: pyproject.toml defines no extra {arg} (it has {sorted(extras)})"
+        )
+    return [{"kind": "ok", "where": where, "what": f"docker build of {dockerfile}"}]
+  if argv[:2] == ["docker", "push"]:
+    return [{"kind": "ok", "where": where, "what": "docker push of the built image"}]
   raise AssertionError(f"{where}: {shlex.join(argv)!r} is not a command this test knows how to check; teach it")
 
 

@@ -31,7 +31,7 @@ def test_sbatch_asks_for_8_gpus_per_node_and_srun_starts_every_task():
   text = (REPO / "deploy/slurm/train.sbatch").read_text()
   directives = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", text, re.M))
   assert directives["gpus-per-node"] == "8" and int(directives["nodes"]) > 1
-  assert re.search(r"^srun .*\\$", text, re.M)
+  assert re.search(r"^\s*srun .*\\$", text, re.M)
 
 
 def test_sbatch_runs_one_process_per_node_with_its_target_recipe():
