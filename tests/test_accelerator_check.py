@@ -15,6 +15,7 @@ from sparsetx.kernels.rows.records import Rows
 from sparsetx.tools import accelerator_check
 
 
+@pytest.mark.long  # a system case of half a minute or more: make test-long
 @pytest.mark.slow
 def test_small_form_prints_one_table_of_passing_checks_and_every_part():
   result = subprocess.run(

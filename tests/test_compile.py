@@ -207,6 +207,7 @@ MOE_TOKENS_PER_DEVICE = 1024
 MOE_TEMP_FACTOR = 1.5  # a GPU step's temporaries over the v5p step's, at most
 
 
+@pytest.mark.long  # a system case of half a minute or more: make test-long
 @pytest.mark.slow
 def test_moe_compiles_at_the_routed_cost():
   """MoE with data=4 on every target: each device sorts and computes its own pairs by grouped matmuls (native
@@ -327,6 +328,7 @@ def test_micro_batches_compile_with_the_gradient_reduced_after_the_loop(ffn_type
   assert n_params <= per_step <= n_params + extra, (per_step, n_params, extra)
 
 
+@pytest.mark.long  # a system case of half a minute or more: make test-long
 @pytest.mark.slow
 def test_a_ladder_rung_compiles_for_hopper_with_mosaic_gpu_row_kernels():
   """configs/ladder.py:sgatlin,2 (d_model 256, 16 x 8 slots, GPT-2's vocabulary, 2,048 tokens a row) with
@@ -407,6 +409,7 @@ def test_every_registered_kernel_implementation_compiles_for_its_device(name):
   "design, launched",
   [("tpu_row_order", {"row_order_dots": 2, "row_accumulate": 2})],  # both dots passes by row, no token-order dots
 )
+@pytest.mark.long  # a system case of half a minute or more: make test-long
 def test_a_measured_table_puts_a_tpu_design_into_the_v5p_step(tmp_path, monkeypatch, design, launched):
   """On a TPU `auto` takes what the device measured (kernels/autotune_table.py): a table that ranks a design first
   for this shape makes the step compiled for a v5p launch its kernels in place of the token-order ones; without the

@@ -109,6 +109,7 @@ def test_cli_on_another_mesh_reports_trainer_eval_and_greedy_sample(workdir, res
   assert lines[-1] == f"sample (float32): {vocabulary.decode(want)!r}"  # --sample_dtype's default
 
 
+@pytest.mark.long  # a system case of half a minute or more: make test-long
 def test_cli_evaluates_and_samples_in_the_dtypes_asked_for(workdir, restored):
   """--eval_dtype / --sample_dtype=bfloat16 run the model in bfloat16 (the same evaluation and sampler, built
   here, agree), and the report says so."""

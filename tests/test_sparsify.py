@@ -143,6 +143,7 @@ def test_ffn_layers_validated(layers, match):
     config_lib.validate(config)
 
 
+@pytest.mark.long  # a system case of half a minute or more: make test-long
 def test_tool_then_trainer_resumes_at_step_0_and_freezes(dense_workdir, mesh, tmp_path):
   """python -m sparsetx.tools.sparsify writes the start, `python -m sparsetx.train` trains it on; copied params are frozen
   for freeze_steps=10, then move; the loss falls."""

@@ -93,6 +93,7 @@ def test_compiled_parts_count_a_loop_bodys_launches_once_per_trip():
   assert sum(part.kernels for part in parts.values()) == sum(launch.runs for launch in launches)
 
 
+@pytest.mark.long  # a system case of half a minute or more: make test-long
 def test_the_compiled_table_of_a_gpu_step(capsys):
   """--topology: the steps compiled for an H100 here, read by part: sgatlin's router, row kernels (forward and
   backward: 4 a layer at least) and table gradients are launched in their parts, the MLP's step has none of them."""

@@ -38,6 +38,7 @@ def directory_bytes(path) -> int:
   return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+@pytest.mark.long  # a system case of half a minute or more: make test-long
 @pytest.mark.slow
 def test_a_full_disk_during_a_save_ends_in_one_line_and_a_rerun_resumes_bitwise(tmp_path, small_filesystem):
   reference = tmp_path / "reference"

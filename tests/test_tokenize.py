@@ -147,6 +147,7 @@ def tool(*args: str, **kwargs) -> subprocess.Popen:
   )
 
 
+@pytest.mark.long  # a system case of half a minute or more: make test-long
 @pytest.mark.slow
 def test_interrupted_run_finishes_on_a_rerun_with_the_same_shards(tmp_path):
   """The program, run with two workers and stopped (SIGTERM, a preemption) once its first shard is complete,

@@ -73,6 +73,7 @@ def test_two_ray_workers_write_the_single_process_corpus_and_a_killed_worker_dou
   assert tree(out) == tree(reference)  # the retry rewrote shard 0 from its start: every byte as one process wrote
 
 
+@pytest.mark.long  # a system case of half a minute or more: make test-long
 @pytest.mark.slow
 def test_a_bad_file_on_ray_is_one_error_line(tmp_path):
   (tmp_path / "web.jsonl").write_text('{"text": "fine"}\nnot json\n')

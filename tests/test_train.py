@@ -189,6 +189,7 @@ def test_sigterm_saves_and_resume_is_bit_identical(tmp_path):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.long  # a system case of half a minute or more: make test-long
 def test_kill_during_async_save_keeps_previous_checkpoint(tmp_path):
   workdir = str(tmp_path / "k")
   process = run_cli(workdir, "--config.checkpoint.every=1", "--config.train.steps=200")

@@ -272,7 +272,11 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if config.train.autotune and jax.process_count() == 1:  # the device picks its kernels before the step compiles
       autotune.ensure_tuned(config, built, report=logging.info)
     with logical_rules.activate(built.mesh, config.mesh.rules):  # sparse layers trace their expert-parallel form
-      return _run(config, workdir, built, started, clock)
+      last = _run(config, workdir, built, started, clock)
+  clock.save()  # after the run's teardown (the last save's wait included): the parts cover the trainer's wall time
+  if jax.process_index() == 0:
+    logging.info("%s", clock.table())
+  return last
 
 
 def _start(config, built: state_lib.Setup, checkpointer, data_iterator, step: int | None):
@@ -456,11 +460,8 @@ def _run(
     watchdog.doing("the last checkpoint's save")
     clock.part("checkpoint")
     checkpointer.wait()
-    clock.save()
     run.writer.write_scalars(step, clock.metrics())
     run.writer.flush()
-    if jax.process_index() == 0:
-      logging.info("%s", clock.table())
   finally:
     watchdog.close()
     profiler.close()
