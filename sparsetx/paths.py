@@ -39,6 +39,17 @@ def reason(error: Exception) -> str:
   return text.splitlines()[0] if text else type(error).__name__
 
 
+def check_writable(path: epath.PathLike, probe_name: str) -> epath.Path:
+  """Creates the directory `path` (local or a URL) and writes and removes a file `probe_name` in it; raises the
+  storage error (`storage_errors()`) when it cannot."""
+  path = resolve(path)
+  path.mkdir(parents=True, exist_ok=True)
+  probe = path / probe_name
+  probe.write_text("ok")
+  probe.unlink()
+  return path
+
+
 STORAGE_EXIT_CODE = 5  # a program whose write to storage failed (a full disk, a quota, a read-only filesystem)
 _STORE_STATUS = re.compile(r"(RESOURCE_EXHAUSTED|PERMISSION_DENIED|UNAVAILABLE|DEADLINE_EXCEEDED): ")  # tensorstore's
 _OS_ERROR_CODE = re.compile(r"\[os_error_code='?(\d+)'?\]|\(os error (\d+)\)")  # tensorstore's, Rust's (safetensors)

@@ -96,11 +96,11 @@ def datasets_files(folder: str) -> list[str]:
   return [os.path.join(folder, name) for name in names]
 
 
-def _zstd_chunks(f) -> Iterator[bytes]:
-  """Decompressed chunks of a zstd stream of one or more frames; a stream that stops inside a frame raises EOFError
-  (zstandard's stream reader would end quietly)."""
-  context = zstandard.ZstdDecompressor()
-  frame, inside = context.decompressobj(), False
+def _frame_chunks(f, new_frame, what: str) -> Iterator[bytes]:
+  """Decompressed chunks of a stream of one or more frames (zstd frames, gzip members), yielded as they come, so a
+  stream cut short or damaged fails after the text before the break (gzip.GzipFile fails for a whole read;
+  zstandard's stream reader ends quietly). `new_frame()`: a decompressor with .eof and .unused_data."""
+  frame, inside = new_frame(), False
   while chunk := f.read(CHUNK_BYTES):
     while chunk:
       inside = True
@@ -109,34 +109,17 @@ def _zstd_chunks(f) -> Iterator[bytes]:
         yield out
       chunk = b""
       if frame.eof:
-        chunk, frame, inside = frame.unused_data, context.decompressobj(), False
+        chunk, frame, inside = frame.unused_data, new_frame(), False
   if inside:
-    raise EOFError("the zstd stream ends inside a frame")
-
-
-def _gzip_chunks(f) -> Iterator[bytes]:
-  """The decompressed text of a gzip file (every member), yielded as it comes, so a stream cut short or damaged
-  fails after the text before the break (gzip.GzipFile's read fails for the whole read)."""
-  member, inside = zlib.decompressobj(zlib.MAX_WBITS | 16), False
-  while chunk := f.read(CHUNK_BYTES):
-    while chunk:
-      inside = True
-      out = member.decompress(chunk)
-      if out:
-        yield out
-      chunk = b""
-      if member.eof:
-        chunk, member, inside = member.unused_data, zlib.decompressobj(zlib.MAX_WBITS | 16), False
-  if inside:
-    raise EOFError("the gzip stream ends inside a member")
+    raise EOFError(f"the {what} stream ends inside a frame")
 
 
 def _chunks(path: str) -> Iterator[bytes]:
   with epath.Path(path).open("rb") as f:  # local, or a URL such as gs://bucket/file (through TensorFlow's gfile)
     if path.endswith(".zst"):
-      yield from _zstd_chunks(f)
+      yield from _frame_chunks(f, zstandard.ZstdDecompressor().decompressobj, "zstd")
     elif path.endswith(".gz"):
-      yield from _gzip_chunks(f)
+      yield from _frame_chunks(f, lambda: zlib.decompressobj(zlib.MAX_WBITS | 16), "gzip")
     else:
       while chunk := f.read(CHUNK_BYTES):
         yield chunk

@@ -32,11 +32,7 @@ def use(train: ml_collections.ConfigDict, workdir: str) -> str | None:
   if wanted is None:
     return None
   try:
-    path = paths.resolve(wanted)
-    path.mkdir(parents=True, exist_ok=True)
-    probe = path / f".write_probe_{jax.process_index()}"
-    probe.write_text("ok")
-    probe.unlink()
+    paths.check_writable(wanted, f".write_probe_{jax.process_index()}")
   except paths.storage_errors() as error:
     raise config_lib.ConfigError(
       f"config.train.compilation_cache_dir={wanted!r} is not writable ({paths.reason(error)}); give a directory "

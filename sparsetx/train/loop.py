@@ -80,11 +80,7 @@ class _Agreement:
 def check_workdir(workdir: str) -> None:
   """Creates the workdir (a local path or a URL such as gs://bucket/run) and checks that it takes a file."""
   try:
-    path = paths.resolve(workdir)
-    path.mkdir(parents=True, exist_ok=True)
-    probe = path / f".write_probe_{jax.process_index()}"
-    probe.write_text("ok")
-    probe.unlink()
+    path = paths.check_writable(workdir, f".write_probe_{jax.process_index()}")
   except paths.storage_errors() as error:  # tf.io.gfile's errors for a remote URL are no OSError
     raise config_lib.ConfigError(
       f"--workdir={workdir} is not writable ({paths.reason(error)}); choose a directory you can write to."
