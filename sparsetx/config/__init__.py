@@ -70,6 +70,7 @@ from sparsetx.config.schema import (
   skip_step_windows,
   source_patterns,
   train_defaults,
+  wandb_on,
 )
 
 __all__ = [
@@ -118,6 +119,7 @@ __all__ = [
   "remat_policy",
   "require",
   "skip_step_windows",
+  "wandb_on",
   "source_patterns",
   "train_defaults",
   "validate",

@@ -5,6 +5,7 @@ instead of a failure deep inside jit. Whether the data and tokenizer files exist
 are opened: `sparsetx.data.check_files(config)`.
 """
 
+import importlib.util
 import math
 
 import ml_collections
@@ -25,12 +26,14 @@ from sparsetx.config.schema import (
   MESH_AXES,
   NORM_KINDS,
   SCHEDULES,
+  WANDB_MODES,
   is_mixed,
   listed_ffn_layers,
   profile_steps,
   remat_policy,
   skip_step_windows,
   source_patterns,
+  wandb_on,
 )
 
 
@@ -245,6 +248,26 @@ def validate_train(
   )
 
 
+def validate_wandb(metrics) -> None:
+  """config.metrics.wandb (configs saved before it: off): a known mode, a project wherever it is on, the package."""
+  wandb = (metrics or {}).get("wandb") or {}
+  for field in ("project", "entity", "name", "mode"):
+    _require(
+      isinstance(wandb.get(field, ""), str), f"config.metrics.wandb.{field}={wandb.get(field)!r} must be a string."
+    )
+  mode = wandb.get("mode", "")
+  _one_of("config.metrics.wandb.mode", mode, WANDB_MODES)
+  _require(
+    mode not in ("online", "offline") or wandb.get("project"),
+    f"config.metrics.wandb.mode={mode!r} needs a W&B project: give --config.metrics.wandb.project=NAME.",
+  )
+  _require(
+    not wandb_on(metrics) or importlib.util.find_spec("wandb") is not None,
+    f"config.metrics.wandb.project={wandb.get('project')!r} needs the wandb package, which is not installed: "
+    "pip install 'sparsetx[wandb]' (or --config.metrics.wandb.mode=disabled).",
+  )
+
+
 def validate_bad_steps(train: ml_collections.ConfigDict) -> None:
   """config.train.bad_steps and its thresholds (configs saved before them: stop)."""
   _one_of("config.train.bad_steps", train.get("bad_steps", "stop"), BAD_STEP_MODES)
@@ -313,4 +336,5 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   validate_train(config.train, config.checkpoint, config.data.global_batch_size)
   validate_skip_steps(config.data, config.train.steps)
   validate_mesh(config.mesh)
+  validate_wandb(config.get("metrics"))
   return config

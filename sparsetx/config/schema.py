@@ -206,6 +206,7 @@ def data_defaults() -> ml_collections.ConfigDict:
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 SCHEDULES = ("wsd", "cosine")
 BAD_STEP_MODES = ("stop", "skip", "rollback")
+WANDB_MODES = ("", "online", "offline", "disabled")  # "": online when a project is named, else off
 
 # Logical axis names on parameters and activations -> mesh axes. Flax assigns each mesh axis at
 # most once per array, so `embed` is fsdp-sharded on weights but not on activations whose batch
@@ -331,6 +332,25 @@ def mesh_defaults() -> ml_collections.ConfigDict:
   )
 
 
+def metrics_defaults() -> ml_collections.ConfigDict:
+  """Where metrics go besides metrics.jsonl and TensorBoard (both always written)."""
+  return ml_collections.ConfigDict(
+    dict(
+      # Weights & Biases (sparsetx/train/wandb_writer.py; `pip install 'sparsetx[wandb]'`), from process 0. mode: ""
+      # (online when a project is named, else off) | online | offline (`wandb sync` later) | disabled.
+      wandb=dict(project="", entity="", name="", mode=""),
+    )
+  )
+
+
+def wandb_on(metrics) -> bool:
+  """Whether config.metrics.wandb logs: mode online or offline, or mode "" with a project named (configs saved
+  before the section: off)."""
+  wandb = (metrics or {}).get("wandb") or {}
+  mode = wandb.get("mode", "")
+  return mode in ("online", "offline") or (mode == "" and bool(wandb.get("project")))
+
+
 def default_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.model = model_defaults()
@@ -338,6 +358,7 @@ def default_config() -> ml_collections.ConfigDict:
   config.train = train_defaults()
   config.checkpoint = checkpoint_defaults()
   config.mesh = mesh_defaults()
+  config.metrics = metrics_defaults()
   return config
 
 

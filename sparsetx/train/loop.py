@@ -321,7 +321,9 @@ class _Run:
   (a rollback opens new ones from the step it restored)."""
 
   def __init__(self, config, workdir, checkpointer, start: int, on_read):
-    self.writer = metrics_lib.make_writer(workdir, start, fix=checkpointer.newest_complete)
+    self.writer = metrics_lib.make_writer(
+      workdir, start, fix=checkpointer.newest_complete, metrics_config=config.get("metrics")
+    )
     self.progress = periodic_actions.ReportProgress(
       num_train_steps=config.train.steps, writer=self.writer, every_steps=config.train.log_every
     )
@@ -457,7 +459,7 @@ def _run(
     clock.part("checkpoint")
     checkpointer.wait()
     run.writer.write_scalars(step, clock.metrics())
-    run.writer.flush()
+    run.close()  # a failure leaves W&B's run to W&B's own exit hook, which marks it failed
   finally:
     watchdog.close()
     profiler.close()

@@ -1,4 +1,4 @@
-"""Metric writers (clu: TensorBoard event files, plus metrics.jsonl) and MFU.
+"""Metric writers (clu: TensorBoard event files, metrics.jsonl, and W&B where config.metrics.wandb says) and MFU.
 
 Only process 0 writes; other processes get a writer that writes nothing. The console gets the loop's one
 progress line per log interval (sparsetx/train/loop.py), not every metric. Model FLOPs come from the
@@ -22,7 +22,9 @@ from etils import epath
 from tensorboard.compat.proto import event_pb2
 from tensorflow.python.ops import summary_ops_v2
 
+from sparsetx import config as config_lib
 from sparsetx import hardware, paths
+from sparsetx.train import wandb_writer
 
 
 def peak_flops_per_device() -> float | None:
@@ -144,9 +146,11 @@ class RunWriter(metric_writers.MultiWriter):
       super().flush()
 
 
-def make_writer(workdir: str, start_step: int = 0, fix: Callable[[], str] = lambda: paths.FREE_SPACE) -> RunWriter:
+def make_writer(
+  workdir: str, start_step: int = 0, fix: Callable[[], str] = lambda: paths.FREE_SPACE, metrics_config=None
+) -> RunWriter:
   """The writer of a run starting at `start_step`: what an earlier run logged past it is dropped (see above).
-  `fix()` ends the line of a failed write."""
+  `fix()` ends the line of a failed write; `metrics_config` (config.metrics) adds Weights & Biases."""
   workdir = paths.resolve(workdir)
   if jax.process_index() != 0:
     return RunWriter([], workdir, fix)
@@ -157,4 +161,6 @@ def make_writer(workdir: str, start_step: int = 0, fix: Callable[[], str] = lamb
         "Starting at step %d: dropped %d rows of %s logged after it by an earlier run.", start_step, dropped, jsonl
       )
     writers = [tensorboard_writer(tensorboard_dir(workdir), start_step), JsonlWriter(jsonl)]
+  if config_lib.wandb_on(metrics_config):
+    writers.append(wandb_writer.WandbWriter(metrics_config.wandb, workdir))
   return RunWriter(writers, workdir, fix)
