@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import MICRO_TRAIN_FLAGS, REPO, load_config
+from etils import epath
 from kernel_cases import gather_case
 
 from sparsetx import config as config_lib
@@ -313,3 +314,22 @@ def test_each_form_of_call_is_made_again_and_checked(form):
   }[form]
   measured = autotune.measure_here(op, other, call, KernelOptions(), 1)
   assert measured.why is None and measured.ms > 0, measured
+
+
+def test_a_workdirs_copy_fills_a_fresh_hosts_table_and_the_hosts_own_entries_win(table, tmp_path):
+  """A restart in a fresh container (an empty ~/.cache) takes the choices its workdir's run measured."""
+  workdir = epath.Path(tmp_path / "run")
+  workdir.mkdir()
+  measured, own = autotune_table.Entry(("triton", "xla"), {}, {}), autotune_table.Entry(("xla",), {}, {})
+  for shape_class in ("float32 D32 S4", "float32 D64 S4"):
+    autotune_table.record("NVIDIA H100", "rows", shape_class, measured)
+  autotune_table.keep_in(workdir)
+  table.unlink()  # the next host
+  autotune_table.record("NVIDIA H100", "rows", "float32 D64 S4", own)
+  assert autotune_table.take_from(workdir) == 1
+  assert autotune_table.lookup("NVIDIA H100", "rows", "float32 D32 S4") == measured
+  assert autotune_table.lookup("NVIDIA H100", "rows", "float32 D64 S4") == own
+  assert autotune_table.take_from(workdir) == 0
+  (workdir / autotune_table.WORKDIR_COPY).write_text('{"entries": {"x": {"ranking": 3}}}')
+  with pytest.raises(ConfigError, match=r"the autotune table's copy .*autotune.json cannot be read \(TypeError"):
+    autotune_table.take_from(workdir)

@@ -2,11 +2,11 @@
 implementations that ran correctly, fastest first, and the reason each other one was dropped.
 
 sparsetx-autotune (train/autotune.py) fills it on the device, as does the trainer before it compiles a step whose
-calls it lacks. One JSON file: $SPARSETX_AUTOTUNE_TABLE, else ~/.cache/sparsetx/autotune.json. A call it lacks
-takes the entry at the nearest token count, all else equal. An unreadable table is one ConfigError, an unwritable
-one a paths.StorageError; inside `off()` (config.train.autotune=False) it is neither read nor written.
-
-More: docs/modules.md, sparsetx/kernels/autotune_table.py.
+calls it lacks. One JSON file: $SPARSETX_AUTOTUNE_TABLE, else ~/.cache/sparsetx/autotune.json; the trainer keeps a
+copy in its workdir and adds what the copy has to a table that lacks it (a restart on a fresh host measures nothing
+again). A call it lacks takes the entry at the nearest token count, all else equal. An unreadable table is one
+ConfigError, an unwritable one a paths.StorageError; inside `off()` (config.train.autotune=False) it is neither read
+nor written. More: docs/modules.md.
 """
 
 import contextlib
@@ -17,6 +17,7 @@ import pathlib
 import tempfile
 
 import jax
+from etils import epath
 
 from sparsetx import paths
 from sparsetx.config import ConfigError
@@ -126,11 +127,48 @@ def record(device_kind: str, op: str, shape_class: str, entry: Entry) -> None:
   """Adds (or replaces) one entry; the file is rewritten whole and renamed into place (never left half-written)."""
   if _off:
     raise RuntimeError("the autotune table is off (config.train.autotune=False): nothing may be recorded.")
-  file = path()
   entries = dict(_entries())
   entries[key(device_kind, op, shape_class)] = dataclasses.asdict(entry) | {"ranking": list(entry.ranking)}
+  _write(entries)
+
+
+def _write(entries: dict) -> None:
+  file = path()
   with paths.writing(f"writing the autotune table {file}", _WRITE_FIX):
     file.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=file.parent, suffix=".tmp", delete=False) as out:
       json.dump({"entries": entries}, out, indent=1, sort_keys=True)
     os.replace(out.name, file)
+
+
+WORKDIR_COPY = "autotune.json"  # the trainer's copy of the table in its workdir: a restart elsewhere reads it
+
+
+def take_from(workdir: epath.Path) -> int:
+  """Adds the entries of the workdir's copy that this table lacks (this table's own win); returns how many. A
+  restart in a fresh container (an empty ~/.cache) measures nothing that the workdir's run measured before."""
+  source = workdir / WORKDIR_COPY
+  if _off or not source.exists():
+    return 0
+  try:
+    copied = json.loads(source.read_text())["entries"]
+    for entry in copied.values():
+      _entry(entry)
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+    raise ConfigError(
+      f"the autotune table's copy {source} cannot be read ({type(error).__name__}: {str(error)[:120]}); delete it "
+      "(the trainer measures again) or set --config.train.autotune=false."
+    ) from None
+  entries = _entries()
+  added = {name: entry for name, entry in copied.items() if name not in entries}
+  if added:
+    _write(entries | added)
+  return len(added)
+
+
+def keep_in(workdir: epath.Path) -> None:
+  """Writes this table's entries to the workdir's copy (atomically), where there are any."""
+  if not _off and (entries := _entries()):
+    target = workdir / WORKDIR_COPY
+    with paths.writing(f"writing {target}", paths.FREE_SPACE):
+      paths.write_text_atomically(target, json.dumps({"entries": entries}, indent=1, sort_keys=True))

@@ -264,9 +264,12 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   compile_cache.use(config.train, workdir)
   config = pretokenize.train_corpus(config, workdir)  # the corpus the stream reads: given, or written in workdir
   with autotune_table.used(config.train.autotune):  # off: the kernel table is neither read nor written
+    if taken := autotune_table.take_from(paths.resolve(workdir)):
+      logging.info("Took %d measured kernel choices from %s.", taken, paths.resolve(workdir) / "autotune.json")
     built = state_lib.setup(config)
     if config.train.autotune and jax.process_count() == 1:  # the device picks its kernels before the step compiles
       autotune.ensure_tuned(config, built, report=logging.info)
+      autotune_table.keep_in(paths.resolve(workdir))
     with logical_rules.activate(built.mesh, config.mesh.rules):  # sparse layers trace their expert-parallel form
       last = _run(config, workdir, built, started, clock)
   clock.save()  # after the run's teardown (the last save's wait included): the parts cover the trainer's wall time
