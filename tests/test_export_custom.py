@@ -12,6 +12,7 @@ import jax
 import ml_collections
 import numpy as np
 import pytest
+from export_checks import assert_same_export, random_params
 from test_train import micro_config
 
 from sparsetx import config as config_lib
@@ -51,29 +52,6 @@ def case_config(name: str, **model) -> ml_collections.ConfigDict:
   return config
 
 
-def random_params(model_config, seed: int = 0) -> dict:
-  """A full flax param tree of random values (scales near 1, small biases, weights ~ 1/sqrt(d_model))."""
-  rng = np.random.default_rng(seed)
-  tensors = {}
-  for name, shape in custom.expected_shapes(model_config).items():
-    leaf = name.rsplit(".", 1)[-1]
-    if leaf == "scale":
-      value = 1.0 + 0.1 * rng.standard_normal(shape)
-    elif leaf in ("bias", "b_in", "b_out"):
-      value = 0.1 * rng.standard_normal(shape)
-    else:
-      value = rng.standard_normal(shape) / np.sqrt(model_config.d_model)
-    tensors[name] = value.astype(np.float32)
-  params = {}
-  for name, value in tensors.items():
-    *parents, leaf = custom.flax_path(name)
-    node = params
-    for part in parents:
-      node = node.setdefault(part, {})
-    node[leaf] = value.astype(jax.numpy.dtype(model_config.param_dtype))
-  return params
-
-
 def assert_same_tree(expected, actual):
   assert jax.tree.structure(expected) == jax.tree.structure(actual)
   for e, a in zip(jax.tree.leaves(expected), jax.tree.leaves(actual)):
@@ -92,8 +70,12 @@ def test_transformers_logits_match_jax(case, tmp_path):
 
   assert export.write_hf(full_config, params, str(tmp_path / "hf")) == "hf_custom"
   assert {os.path.basename(f) for f in custom.MODELING_FILES} <= set(os.listdir(tmp_path / "hf"))
+  # transformers loads the sharded export, whose tensors are the unsharded one's bit for bit
+  cap = os.path.getsize(tmp_path / "hf" / "model.safetensors") // 5
+  export.write_hf(full_config, params, str(tmp_path / "sharded"), max_shard_size=cap)
+  assert_same_export(tmp_path / "hf", tmp_path / "sharded", shards=3)
   model, info = transformers.AutoModelForCausalLM.from_pretrained(
-    tmp_path / "hf", trust_remote_code=True, output_loading_info=True
+    tmp_path / "sharded", trust_remote_code=True, output_loading_info=True
   )
   assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
   layer_types = [config_lib.layer_ffn_config(config, i).type for i in range(config.n_layers)]

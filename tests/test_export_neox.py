@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import seqio
 from conftest import init_params, load_config
+from export_checks import assert_same_export
 
 from sparsetx import config as config_lib
 from sparsetx.data import vocab as vocab_lib
@@ -78,6 +79,10 @@ def test_transformers_logits_match_jax(exported, tmp_path, variant):
     config = neox_config(block="sequential", tie_embeddings=True)
     params, out = random_params(config, seed=1), tmp_path / "hf"
     export.write_hf(config, params, str(out))
+  cap = os.path.getsize(out / "model.safetensors") // 4  # transformers loads the sharded export
+  export.write_hf(config, params, str(tmp_path / "sharded"), max_shard_size=cap)
+  assert_same_export(out, tmp_path / "sharded", shards=4)
+  out = tmp_path / "sharded"
   hf_config = json.loads((out / "config.json").read_text())
   assert hf_config["architectures"] == ["GPTNeoXForCausalLM"] and "auto_map" not in hf_config
   assert hf_config["tie_word_embeddings"] == config.model.tie_embeddings and hf_config["vocab_size"] == 272

@@ -9,14 +9,17 @@ faked from Python: its writer is pointed at a local directory here. Anything wri
 outside epath would land in a local 'gs:' directory of the working directory, which the test checks.
 """
 
+import errno
 import json
 import os
+import unittest.mock
 
 import jax
 import numpy as np
 import pytest
 from etils.epath import backend as backend_lib
 from etils.epath import gpath
+from export_checks import assert_same_export, random_params
 from orbax.checkpoint._src.path import gcs_utils
 from tensorboard.backend.event_processing import plugin_event_accumulator
 from test_train import micro_config
@@ -173,11 +176,36 @@ def test_unwritable_gs_workdir_is_one_line(fake_gcs):
     loop.check_workdir("gs://bucket/run")
 
 
-def test_export_and_import_refuse_a_url_target_in_one_line(fake_gcs, tmp_path):
-  with pytest.raises(loop.config_lib.ConfigError, match=r"^--out='gs://bucket/hf' is a URL, but this writes a local"):
-    export.export(str(tmp_path / "run"), "gs://bucket/hf")
+def test_export_to_gs_uploads_every_shard_before_the_index_and_a_failed_upload_leaves_nothing(fake_gcs, tmp_path):
+  config = micro_config("mlp")
+  hf, run = tmp_path / "hf", str(tmp_path / "run")
+  export.write_hf(config, random_params(config.model), str(hf))
+  export.import_hf(str(hf), run)  # a checkpoint of those parameters
+  cap = os.path.getsize(hf / "model.safetensors") // 4
+  summary = export.export(run, "gs://bucket/hf", max_shard_size=cap)
+  assert summary["out"] == "gs://bucket/hf"
+  assert_same_export(hf, fake_gcs / "bucket" / "hf", shards=3)
+
+  copy, uploaded = _FakeGcsBackend.copy, []
+
+  def failing_second_shard(self, path, dst, overwrite):
+    if "model-00002-of-" in os.fspath(dst):
+      raise OSError(errno.ENOSPC, "No space left on device", os.fspath(dst))
+    uploaded.append(os.fspath(dst))
+    return copy(self, path, dst, overwrite)
+
+  with unittest.mock.patch.object(_FakeGcsBackend, "copy", failing_second_shard):
+    with pytest.raises(paths.StorageError, match=r"^writing gs://bucket/hf2 failed \(No space left on device\)"):
+      export.export(run, "gs://bucket/hf2", max_shard_size=cap)
+  assert any("model-00001-of-" in name for name in uploaded)  # the first shard was there, and was removed
+  assert list((fake_gcs / "bucket" / "hf2").iterdir()) == []
+  with pytest.raises(loop.config_lib.ConfigError, match=r"^--out='gs://bucket/hf' already holds files"):
+    export.export(run, "gs://bucket/hf")
   with pytest.raises(
-    loop.config_lib.ConfigError, match=r"^--workdir='gs://bucket/run' is a URL, but this writes a local"
+    loop.config_lib.ConfigError, match=r"^--workdir='gs://bucket/run' is a URL, but import writes a local"
   ):
-    export.import_hf(str(tmp_path / "hf"), "gs://bucket/run")
-  assert os.listdir(fake_gcs) == []
+    export.import_hf(str(hf), "gs://bucket/run")
+  assert not (fake_gcs / "bucket" / "run").exists()
+  (fake_gcs / "nobucket").write_text("")  # where no object can be created: refused before the checkpoint is read
+  with pytest.raises(loop.config_lib.ConfigError, match=r"^--out='gs://nobucket/hf' cannot be written \(.+\); check"):
+    export.export(run, "gs://nobucket/hf")

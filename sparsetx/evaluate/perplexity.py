@@ -56,7 +56,7 @@ def restore(workdir: str, step: int | None = None, mesh: str = "one", tasks: lis
   def device_mesh(config):
     return state_lib.checked_mesh(config, jax.devices()[:1] if mesh == "one" else None)
 
-  config, params, step = checkpointing.load(workdir, step, device_mesh, adjust=adjust, full_state=True)
+  config, params, step = checkpointing.load(workdir, step, device_mesh, adjust=adjust)  # parameters only
   config = pretokenize.train_corpus(config, workdir)  # the run's corpus (a run saved without one: written now)
   return config, jax.tree.leaves(params)[0].sharding.mesh, state_lib.build_model(config), params, step
 

@@ -11,14 +11,13 @@ More: docs/modules.md, sparsetx/hf/custom.py.
 import pathlib
 import re
 
-import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from sparsetx import config as config_lib
 from sparsetx.config import ConfigError
+from sparsetx.hf import lazy_tensors
 from sparsetx.hf.neox import EOS_ID, PAD_ID, SPARSETX_KEY
 from sparsetx.hf.neox import START_ID as BOS_ID
 from sparsetx.train import checkpointing
@@ -57,22 +56,23 @@ def flax_path(name: str) -> tuple:
 
 def expected_shapes(model_config) -> dict:
   """Tensor name -> shape of every parameter the model config builds (traced abstractly, nothing computed)."""
-  from sparsetx.models.transformer import Transformer  # deferred: the model pulls in the kernels
-
-  frozen = ml_collections.FrozenConfigDict(model_config)
-  abstract = jax.eval_shape(Transformer(frozen).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
-  flat = jax.tree_util.tree_flatten_with_path(nn.unbox(abstract)["params"])[0]
-  return {tensor_name(tuple(k.key for k in path)): tuple(leaf.shape) for path, leaf in flat}
+  return {tensor_name(path): shape for path, shape in lazy_tensors.param_shapes(model_config).items()}
 
 
 def to_hf(model_config, params) -> tuple[dict, dict]:
-  """(config.json dict, {tensor name: float32 numpy array}) for a model config and its flax params."""
+  """(config.json dict, {tensor name: float32 numpy array}) for a model config and its flax params, in memory."""
+  shapes = {tensor_name(path): shape for path, shape in lazy_tensors.tree_shapes(params).items()}
+  config_json, tensors = hf_tensors(model_config)
+  _check_shapes(model_config, shapes, "the parameters")
+  read = lazy_tensors.tree_reader(params)
+  return config_json, {name: lazy_tensors.made(tensor, read) for name, tensor in tensors.items()}
+
+
+def hf_tensors(model_config) -> tuple[dict, dict[str, lazy_tensors.HfTensor]]:
+  """(config.json dict, {tensor name: the parameter it is}) for a model config: one tensor per parameter."""
   reason = unsupported_reason(model_config)
   if reason is not None:
     raise ConfigError(f"cannot export as kind 'custom': {reason}")
-  flat = jax.tree_util.tree_flatten_with_path(nn.unbox(params))[0]
-  tensors = {tensor_name(tuple(k.key for k in path)): np.asarray(leaf).astype(np.float32) for path, leaf in flat}
-  _check_tensors(model_config, tensors, "the parameters")
   m = model_config
   config_json = dict(
     model_type=MODEL_TYPE,
@@ -91,7 +91,7 @@ def to_hf(model_config, params) -> tuple[dict, dict]:
     pad_token_id=PAD_ID,
     dtype="float32",
   )
-  return config_json, tensors
+  return config_json, {tensor_name(path): lazy_tensors.HfTensor((path,)) for path in lazy_tensors.param_shapes(m)}
 
 
 def from_hf(config_json: dict, tensors: dict) -> tuple[ml_collections.ConfigDict, dict]:
@@ -107,7 +107,7 @@ def from_hf(config_json: dict, tensors: dict) -> tuple[ml_collections.ConfigDict
     config_lib.validate_model(model_config)
   except ConfigError as error:
     raise ConfigError(f"config.json's {SPARSETX_KEY!r} model config is invalid: {error}") from None
-  _check_tensors(model_config, tensors, "model.safetensors")
+  _check_shapes(model_config, {name: np.shape(array) for name, array in tensors.items()}, "model.safetensors")
   param_dtype = jnp.dtype(model_config.param_dtype)
   params = {}
   for name, array in tensors.items():
@@ -119,8 +119,8 @@ def from_hf(config_json: dict, tensors: dict) -> tuple[ml_collections.ConfigDict
   return model_config, params
 
 
-def _check_tensors(model_config, tensors: dict, source: str) -> None:
-  """One clear error when the tensors do not match what the model config builds (names and shapes)."""
+def _check_shapes(model_config, tensors: dict, source: str) -> None:
+  """One clear error when the tensors ({name: shape}) do not match what the model config builds."""
   expected = expected_shapes(model_config)
   missing = sorted(set(expected) - set(tensors))
   unexpected = sorted(set(tensors) - set(expected))
@@ -130,8 +130,8 @@ def _check_tensors(model_config, tensors: dict, source: str) -> None:
       f"{' (and more)' if len(missing) > 3 or len(unexpected) > 3 else ''}; export and import the same model."
     )
   for name, shape in expected.items():
-    if tuple(np.shape(tensors[name])) != shape:
+    if tuple(tensors[name]) != shape:
       raise ConfigError(
-        f"{source}: tensor {name!r} has shape {tuple(np.shape(tensors[name]))} but the model config builds {shape}; "
+        f"{source}: tensor {name!r} has shape {tuple(tensors[name])} but the model config builds {shape}; "
         "export and import the same model."
       )

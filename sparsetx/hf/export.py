@@ -1,23 +1,22 @@
 """Checkpoints <-> directories in the Hugging Face layout (safetensors + config.json + tokenizer files).
 
-`export` writes a trained model so that `transformers` loads it: dense GPT-NeoX-block models as
-plain `GPTNeoXForCausalLM` (`sparsetx.hf.neox`), every other architecture with its own
-PyTorch modeling files bundled (`sparsetx.hf.custom`, `trust_remote_code=True`).
-`load_hf` reads either kind back into a sparsetx config and param tree; `import_hf` writes that as a
-step-0 checkpoint from which `python -m sparsetx.train` continues.
-
-Both writers build their output in a hidden sibling directory and rename it into place at the end,
-so a failure leaves no half-written directory, and an existing one is replaced only when asked.
+`export` writes a trained model that `transformers` loads: dense GPT-NeoX-block models as `GPTNeoXForCausalLM`
+(`hf/neox.py`), every other architecture with its PyTorch modeling files (`hf/custom.py`, `trust_remote_code`).
+It reads the parameters one tensor at a time on the host (train/param_reader.py) and writes size-capped shards
+(hf/shards.py), one in memory at a time, locally or to gs:// (hf/output.py). `load_hf` reads either kind back into
+a config and param tree; `import_hf` writes that as a step-0 checkpoint that `python -m sparsetx.train` continues.
 """
 
 import importlib
 import json
+import math
 import os
+import re
 import shutil
-import tempfile
 
 import jax
 import ml_collections
+import ml_dtypes
 import numpy as np
 import safetensors.flax
 import safetensors.numpy
@@ -25,24 +24,15 @@ import safetensors.numpy
 from sparsetx import config as config_lib
 from sparsetx import paths
 from sparsetx.data import check_files
-from sparsetx.hf import neox, tokenizer_files
+from sparsetx.hf import lazy_tensors, neox, output, shards, tokenizer_files
+from sparsetx.hf.shards import WEIGHTS, WEIGHTS_INDEX
 from sparsetx.train import checkpointing
 from sparsetx.train import state as state_lib
+from sparsetx.train.param_reader import ParamReader
 
 KINDS = ("auto", "neox", "custom")
 DTYPES = ("float32", "bfloat16")
-WEIGHTS = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"
 ConfigError = config_lib.ConfigError
-
-
-# ---------------------------------------------------------------------------------------------- reading checkpoints
-
-
-def load_checkpoint(workdir: str, step: int | None = None) -> tuple[ml_collections.ConfigDict, dict, int]:
-  """(config, params as numpy, step) of the checkpoint at `step` (default: the latest), on one device."""
-  config, params, step = checkpointing.load(workdir, step, full_state=True)
-  return config, jax.tree.map(np.asarray, jax.device_get(params)), step
 
 
 # ---------------------------------------------------------------------------------------------- choosing the mapping
@@ -79,83 +69,9 @@ def mapping_for(model: ml_collections.ConfigDict, kind: str = "auto"):
 # ---------------------------------------------------------------------------------------------- writing directories
 
 
-def _check_target(out_dir: str, overwrite: bool, what: str, marker: str) -> None:
-  """Refuses a target that holds files unless `overwrite`, and then only one holding `marker`."""
-  if paths.is_remote(out_dir):  # _StagedDirectory's commit is a local rename
-    raise ConfigError(
-      f"{what}={out_dir!r} is a URL, but this writes a local directory (staged, then renamed into "
-      "place); write it to a local path, then copy it (e.g. gsutil -m cp -r)."
-    )
-  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-    raise ConfigError(f"{what}={out_dir!r} is a file; give a directory path.")
-  if not os.path.isdir(out_dir) or not os.listdir(out_dir):
-    return
-  if not overwrite:
-    raise ConfigError(f"{what}={out_dir!r} already holds files; choose a new directory or pass --overwrite.")
-  if not os.path.exists(os.path.join(out_dir, marker)):
-    raise ConfigError(
-      f"{what}={out_dir!r} holds files but no {marker}, so it is not an earlier output of this tool; "
-      "--overwrite only replaces those. Choose a new directory."
-    )
-
-
-class _StagedDirectory:
-  """A hidden sibling of `target` to write into; `commit()` puts it in place of `target` in one rename.
-
-  As a context manager it commits when the block ends normally and discards what was written otherwise.
-  """
-
-  def __init__(self, target: str):
-    self.target = os.path.abspath(target)
-    parent = os.path.dirname(self.target)
-    os.makedirs(parent, exist_ok=True)
-    self.path = tempfile.mkdtemp(prefix=f".{os.path.basename(self.target)}.partial-", dir=parent)
-
-  def commit(self) -> None:
-    old = None
-    if os.path.isdir(self.target):
-      old = tempfile.mkdtemp(prefix=f".{os.path.basename(self.target)}.old-", dir=os.path.dirname(self.target))
-      os.rename(self.target, os.path.join(old, "replaced"))
-    try:
-      os.rename(self.path, self.target)
-    except OSError:
-      if old:  # put the previous directory back
-        os.rename(os.path.join(old, "replaced"), self.target)
-        os.rmdir(old)
-      raise
-    if old:
-      shutil.rmtree(old, ignore_errors=True)
-
-  def discard(self) -> None:
-    shutil.rmtree(self.path, ignore_errors=True)
-
-  def __enter__(self) -> "_StagedDirectory":
-    return self
-
-  def __exit__(self, error_type, error, traceback) -> None:
-    if error_type is not None:
-      self.discard()
-      return
-    try:
-      self.commit()
-    except BaseException:
-      self.discard()
-      raise
-
-
 def _inside(path: str, directory: str) -> bool:
   path, directory = os.path.realpath(path), os.path.realpath(directory)
   return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
-
-
-def _save_weights(tensors: dict[str, np.ndarray], path: str, dtype: str) -> None:
-  metadata = {"format": "pt"}  # transformers refuses safetensors files without a known format
-  if dtype == "float32":
-    safetensors.numpy.save_file({k: np.asarray(v, np.float32) for k, v in tensors.items()}, path, metadata=metadata)
-  else:  # safetensors.numpy has no bfloat16; its flax writer does
-    with jax.default_device(jax.devices("cpu")[0]):
-      arrays = {k: jax.numpy.asarray(v, jax.numpy.bfloat16) for k, v in tensors.items()}
-    safetensors.flax.save_file(arrays, path, metadata=metadata)
 
 
 def _write_json(path: str, value: dict) -> None:
@@ -171,33 +87,80 @@ def write_hf(
   overwrite: bool = False,
   kind: str = "auto",
   dtype: str = "float32",
+  max_shard_size: str | int = shards.MAX_SHARD_SIZE,
 ) -> str:
-  """Writes `params` of `config`'s model as an HF directory at `out_dir`; returns the mapping used."""
+  """Writes `params` (in memory) of `config`'s model as an HF directory at `out_dir`; returns the mapping used."""
+  return _write(
+    config,
+    lazy_tensors.tree_reader(params),
+    lazy_tensors.tree_shapes(params),
+    out_dir,
+    overwrite,
+    kind,
+    dtype,
+    max_shard_size,
+  )
+
+
+def _write(config, read, source_shapes: dict, out_dir: str, overwrite, kind, dtype, max_shard_size) -> str:
+  """The one writer: tensors made one at a time from `read`, in shards of at most `max_shard_size` bytes."""
   if dtype not in DTYPES:
     raise ConfigError(f"--dtype={dtype!r} is unknown; use one of {', '.join(DTYPES)}.")
+  cap = shards.parse_size(max_shard_size)
   mapping = mapping_for(config.model, kind)
-  _check_target(out_dir, overwrite, "--out", "config.json")
-  config_json, tensors = mapping.to_hf(config.model, params)
+  output.check_target(out_dir, overwrite, "--out", "config.json")
+  _check_sources(config.model, source_shapes)
+  config_json, tensors = mapping.hf_tensors(config.model)
   config_json = dict(config_json, dtype=dtype, torch_dtype=dtype)  # torch_dtype: the transformers 4.x name
+  itemsize = np.dtype(_NUMPY_DTYPES[dtype]).itemsize
+  sizes = {name: math.prod(shape) * itemsize for name, shape in lazy_tensors.shapes(tensors, source_shapes).items()}
+  files = shards.plan(sizes, cap)
   with (
     paths.writing(f"writing {out_dir}", f"nothing was left there; {paths.FREE_SPACE}"),
-    _StagedDirectory(out_dir) as staged,
+    output.open_output(out_dir, first_removed=(WEIGHTS_INDEX, WEIGHTS), stale=_SHARD.fullmatch) as out,
   ):
-    _save_weights(tensors, os.path.join(staged.path, WEIGHTS), dtype)
-    _write_json(os.path.join(staged.path, "config.json"), config_json)
-    _write_json(
-      os.path.join(staged.path, "generation_config.json"),
-      dict(
-        bos_token_id=config_json["bos_token_id"],
-        eos_token_id=config_json["eos_token_id"],
-        pad_token_id=config_json["pad_token_id"],
-        max_length=config.model.max_len,
-      ),
-    )
-    for path in getattr(mapping, "MODELING_FILES", ()):
-      shutil.copyfile(path, os.path.join(staged.path, os.path.basename(path)))
-    tokenizer_files.write(config.data, config.model.max_len, staged.path)
+    out.put(lambda directory: _write_small_files(config, mapping, config_json, directory))
+    for file, names in files.items():  # one shard's tensors in memory at a time
+      arrays = {name: lazy_tensors.made(tensors[name], read).astype(_NUMPY_DTYPES[dtype]) for name in names}
+      out.put(lambda directory, f=file, a=arrays: safetensors.numpy.save_file(a, os.path.join(directory, f), _FORMAT))
+      del arrays
+    if len(files) > 1:  # last: an index names only shards already written
+      out.put(lambda directory: _write_json(os.path.join(directory, WEIGHTS_INDEX), shards.index(files, sizes)))
   return "hf_" + mapping.__name__.rsplit(".", 1)[-1]  # the export kind: hf_neox | hf_custom
+
+
+_NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+_FORMAT = {"format": "pt"}  # transformers refuses safetensors files without a known format
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _check_sources(model: ml_collections.ConfigDict, source_shapes: dict) -> None:
+  """One sentence when the parameters are not the ones the model config builds (names or shapes)."""
+  expected = lazy_tensors.param_shapes(model)
+  for path in sorted(set(expected) | set(source_shapes)):
+    if expected.get(path) != source_shapes.get(path):
+      raise ConfigError(
+        f"the parameters do not match the model of the config: {'/'.join(path)} has shape "
+        f"{source_shapes.get(path, 'none (missing)')} where the model builds {expected.get(path, 'none')}; "
+        "export the parameters with the config they were trained with."
+      )
+
+
+def _write_small_files(config, mapping, config_json: dict, directory: str) -> None:
+  """config.json, generation_config.json, the modeling files of a custom export, the tokenizer files."""
+  _write_json(os.path.join(directory, "config.json"), config_json)
+  _write_json(
+    os.path.join(directory, "generation_config.json"),
+    dict(
+      bos_token_id=config_json["bos_token_id"],
+      eos_token_id=config_json["eos_token_id"],
+      pad_token_id=config_json["pad_token_id"],
+      max_length=config.model.max_len,
+    ),
+  )
+  for path in getattr(mapping, "MODELING_FILES", ()):
+    shutil.copyfile(path, os.path.join(directory, os.path.basename(path)))
+  tokenizer_files.write(config.data, config.model.max_len, directory)
 
 
 def export(
@@ -207,19 +170,34 @@ def export(
   overwrite: bool = False,
   kind: str = "auto",
   dtype: str = "float32",
+  max_shard_size: str | int = shards.MAX_SHARD_SIZE,
 ) -> dict:
-  """Exports the checkpoint at `step` (default: latest) of `workdir` to `out_dir`; returns a summary."""
+  """Exports the checkpoint at `step` (default: latest) of `workdir` to `out_dir` (local or gs://), reading the
+  parameters one tensor at a time on the host; returns a summary."""
   if kind not in KINDS:
     raise ConfigError(f"--kind={kind!r} is unknown; use one of {', '.join(KINDS)}.")
-  if _inside(workdir, out_dir):
+  shards.parse_size(max_shard_size)
+  if not paths.is_remote(out_dir) and _inside(workdir, out_dir):
     raise ConfigError(f"--out={out_dir!r} contains --workdir={workdir!r}; export into a directory of its own.")
-  _check_target(out_dir, overwrite, "--out", "config.json")  # before the (slow) restore
-  config, params, step = load_checkpoint(workdir, step)
-  used = write_hf(config, params, out_dir, overwrite=overwrite, kind=kind, dtype=dtype)
-  return dict(step=step, kind=used, out=os.path.abspath(out_dir), dtype=dtype)
+  output.check_target(out_dir, overwrite, "--out", "config.json")  # before anything is read
+  _check_reachable(out_dir)
+  with ParamReader(workdir, step) as reader:
+    used = _write(reader.config, reader.read, reader.shapes, out_dir, overwrite, kind, dtype, max_shard_size)
+  out = out_dir if paths.is_remote(out_dir) else os.path.abspath(out_dir)
+  return dict(step=reader.step, kind=used, out=out, dtype=dtype)
 
 
-# ---------------------------------------------------------------------------------------------- reading directories
+def _check_reachable(out_dir: str) -> None:
+  """A gs:// target that cannot be written (no such bucket, no permission, no network): one sentence, before the
+  checkpoint is read."""
+  if paths.is_remote(out_dir):
+    try:
+      paths.check_writable(out_dir, ".sparsetx-export-probe")
+    except paths.storage_errors() as error:
+      raise ConfigError(
+        f"--out={out_dir!r} cannot be written ({paths.cause(error)}); check the bucket's name and this account's "
+        "write permission there."
+      ) from None
 
 
 def read_tensors(hf_dir: str) -> dict[str, np.ndarray]:
@@ -322,7 +300,12 @@ def import_hf(
   """
   from sparsetx.parallel import mesh as mesh_lib
 
-  _check_target(workdir, overwrite, "--workdir", "checkpoints")
+  if paths.is_remote(workdir):  # the staged workdir's commit is a local rename
+    raise ConfigError(
+      f"--workdir={workdir!r} is a URL, but import writes a local directory (staged, then renamed into place); "
+      "import to a local path, then copy it (e.g. gsutil -m cp -r)."
+    )
+  output.check_target(workdir, overwrite, "--workdir", "checkpoints")
   if _inside(hf_dir, workdir) or _inside(workdir, hf_dir):
     raise ConfigError(f"--workdir={workdir!r} and the HF directory {hf_dir!r} overlap; give a new workdir.")
   imported, params = load_hf(hf_dir)
@@ -336,7 +319,7 @@ def import_hf(
     check_files(config_lib.validate(config))
   mesh = mesh_lib.make_mesh(config.mesh)
   _, shardings, model, tx = state_lib.state_shardings(config, mesh)
-  with _StagedDirectory(workdir) as staged:
+  with output.StagedDirectory(workdir) as staged:
     state = jax.jit(lambda p: state_lib.new_state(model, p, tx, config.train), out_shardings=shardings)(
       jax.device_put(params, shardings.params)
     )

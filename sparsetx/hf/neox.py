@@ -7,6 +7,7 @@ import ml_collections
 import numpy as np
 
 from sparsetx import config as config_lib
+from sparsetx.hf import lazy_tensors
 
 MODEL_TYPE = "gpt_neox"
 ARCHITECTURE = "GPTNeoXForCausalLM"
@@ -35,12 +36,21 @@ def _require_supported(model: ml_collections.ConfigDict) -> None:
     raise config_lib.ConfigError(f"this model cannot be exported as {ARCHITECTURE}: {reason}.")
 
 
-def _f32(x) -> np.ndarray:
-  return np.ascontiguousarray(np.asarray(x, dtype=np.float32))
-
-
 def to_hf(model: ml_collections.ConfigDict, params) -> tuple[dict, dict[str, np.ndarray]]:
-  """(config.json dict, {HF tensor name: float32 array}) of a sparsetx model and its params."""
+  """(config.json dict, {HF tensor name: float32 array}) of a sparsetx model and its params, all in memory."""
+  config_json, tensors = hf_tensors(model)
+  read = lazy_tensors.tree_reader(params)
+  return config_json, {name: lazy_tensors.made(tensor, read) for name, tensor in tensors.items()}
+
+
+def _stack_qkv(xp, q_DHK, k_DHK, v_DHK):
+  """(D, H, K) kernels -> (H, 3, K, D) -> (3D, D): output feature h*3K + j*K + k, j in (q, k, v)."""
+  qkv_H3KD = xp.stack([x.transpose(1, 2, 0) for x in (q_DHK, k_DHK, v_DHK)], 1)
+  return qkv_H3KD.reshape(-1, qkv_H3KD.shape[-1])
+
+
+def hf_tensors(model: ml_collections.ConfigDict) -> tuple[dict, dict[str, lazy_tensors.HfTensor]]:
+  """(config.json dict, {HF tensor name: how it is made from the params}) of a sparsetx model."""
   _require_supported(model)
   D, K = model.d_model, model.head_dim
   H = D // K
@@ -73,29 +83,30 @@ def to_hf(model: ml_collections.ConfigDict, params) -> tuple[dict, dict[str, np.
   )
   config_json[SPARSETX_KEY] = model.to_dict()
 
-  tensors = {"gpt_neox.embed_in.weight": _f32(params["embed"]["embedding"])}
+  same, transposed = lazy_tensors.HfTensor, lambda *path: lazy_tensors.HfTensor((path,), lambda xp, x: x.T)
+  tensors = {"gpt_neox.embed_in.weight": same((("embed", "embedding"),))}
   for i in range(model.n_layers):
-    layer, prefix = params[f"layers_{i}"], f"gpt_neox.layers.{i}."
+    layer, prefix = f"layers_{i}", f"gpt_neox.layers.{i}."
     for ours, theirs in (("attention_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm")):
-      tensors[prefix + theirs + ".weight"] = _f32(layer[ours]["scale"])
-      tensors[prefix + theirs + ".bias"] = _f32(layer[ours]["bias"])
-    attention = layer["attention"]
-    # (D, H, K) kernels -> (H, 3, K, D): output feature h*3K + j*K + k, j in (q, k, v).
-    qkv_H3KD = np.stack([np.transpose(_f32(attention[n]["kernel"]), (1, 2, 0)) for n in ("query", "key", "value")], 1)
-    qkv_H3K = np.stack([_f32(attention[n]["bias"]) for n in ("query", "key", "value")], 1)
-    tensors[prefix + "attention.query_key_value.weight"] = _f32(qkv_H3KD.reshape(3 * D, D))
-    tensors[prefix + "attention.query_key_value.bias"] = _f32(qkv_H3K.reshape(3 * D))
-    tensors[prefix + "attention.dense.weight"] = _f32(_f32(attention["out"]["kernel"]).reshape(D, D).T)
-    tensors[prefix + "attention.dense.bias"] = _f32(attention["out"]["bias"])
-    mlp = layer["mlp"]
-    tensors[prefix + "mlp.dense_h_to_4h.weight"] = _f32(_f32(mlp["wi"]["kernel"]).T)
-    tensors[prefix + "mlp.dense_h_to_4h.bias"] = _f32(mlp["wi"]["bias"])
-    tensors[prefix + "mlp.dense_4h_to_h.weight"] = _f32(_f32(mlp["wo"]["kernel"]).T)
-    tensors[prefix + "mlp.dense_4h_to_h.bias"] = _f32(mlp["wo"]["bias"])
-  tensors["gpt_neox.final_layer_norm.weight"] = _f32(params["final_norm"]["scale"])
-  tensors["gpt_neox.final_layer_norm.bias"] = _f32(params["final_norm"]["bias"])
+      tensors[prefix + theirs + ".weight"] = same(((layer, ours, "scale"),))
+      tensors[prefix + theirs + ".bias"] = same(((layer, ours, "bias"),))
+    qkv = [(layer, "attention", n) for n in ("query", "key", "value")]
+    tensors[prefix + "attention.query_key_value.weight"] = same(tuple((*p, "kernel") for p in qkv), _stack_qkv)
+    tensors[prefix + "attention.query_key_value.bias"] = same(
+      tuple((*p, "bias") for p in qkv), lambda xp, *b_HK: xp.stack(b_HK, 1).reshape(-1)
+    )
+    tensors[prefix + "attention.dense.weight"] = same(
+      ((layer, "attention", "out", "kernel"),), lambda xp, o_HKD: o_HKD.reshape(-1, o_HKD.shape[-1]).T
+    )
+    tensors[prefix + "attention.dense.bias"] = same(((layer, "attention", "out", "bias"),))
+    tensors[prefix + "mlp.dense_h_to_4h.weight"] = transposed(layer, "mlp", "wi", "kernel")
+    tensors[prefix + "mlp.dense_h_to_4h.bias"] = same(((layer, "mlp", "wi", "bias"),))
+    tensors[prefix + "mlp.dense_4h_to_h.weight"] = transposed(layer, "mlp", "wo", "kernel")
+    tensors[prefix + "mlp.dense_4h_to_h.bias"] = same(((layer, "mlp", "wo", "bias"),))
+  tensors["gpt_neox.final_layer_norm.weight"] = same((("final_norm", "scale"),))
+  tensors["gpt_neox.final_layer_norm.bias"] = same((("final_norm", "bias"),))
   if not model.tie_embeddings:
-    tensors["embed_out.weight"] = _f32(_f32(params["lm_head"]["kernel"]).T)
+    tensors["embed_out.weight"] = transposed("lm_head", "kernel")
   return config_json, tensors
 
 

@@ -1,6 +1,7 @@
 """Export a checkpoint to the Hugging Face layout, or import an HF directory as a checkpoint.
 
-  .venv/bin/python -m sparsetx.tools.export --workdir=workdir/pythia --out=exports/pythia [--step=N] [--dtype=bfloat16]
+  .venv/bin/python -m sparsetx.tools.export --workdir=workdir/pythia --out=exports/pythia (or gs://...) [--step=N]
+      [--dtype=bfloat16] [--max_shard_size=5GB]
   .venv/bin/python -m sparsetx.tools.export --import_from=exports/pythia --workdir=workdir/pythia-ft [--config=configs/pythia.py]
 
 More: docs/modules.md, sparsetx/tools/export.py.
@@ -26,6 +27,12 @@ def define_flags() -> dict:
       "kind", "auto", ["auto", "neox", "custom"], "Export: GPT-NeoX when exact (auto), or forced."
     ),
     dtype=flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Export: dtype of the saved weights."),
+    max_shard_size=flags.DEFINE_string(
+      "max_shard_size",
+      "5GB",
+      "Export: the largest safetensors shard (transformers' units: 5GB, 500MB); a tensor "
+      "larger than it gets a shard of its own.",
+    ),
     import_from=flags.DEFINE_string("import_from", None, "Import: an HF directory to convert into a checkpoint."),
     config=cli.define_config_file("config", None, "Import: the training config (data, train) to continue with."),
   )
@@ -58,7 +65,13 @@ def absl_main(argv, holders: dict):
       if not args.out:
         raise ConfigError("--out is required to export: the directory to write the Hugging Face files to.")
       summary = export.export(
-        args.workdir, args.out, step=args.step, overwrite=args.overwrite, kind=args.kind, dtype=args.dtype
+        args.workdir,
+        args.out,
+        step=args.step,
+        overwrite=args.overwrite,
+        kind=args.kind,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
       )
       print(json.dumps(summary, indent=1))
   except ConfigError as error:

@@ -376,7 +376,7 @@ class Checkpointer:
 
     A step saved without the bad-step record (by sparsetx before it kept one), or with another
     config.train.spike_window, restores everything else and starts the record empty (bad_steps.Health)."""
-    with self._reading(step):
+    with self.reading(step):
       if self._health_fits(step, abstract_state.health):
         args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
         return self.manager.restore(step, args=args)["state"]
@@ -412,7 +412,7 @@ class Checkpointer:
     return held_errors.HeldErrors(str(self.directory / str(step)), reported=reported)
 
   @contextlib.contextmanager
-  def _reading(self, step: int):
+  def reading(self, step: int):
     """Turns a failed read of a file of `step` into its `damaged` error; other errors pass unchanged."""
     with self._holding_echoes(step):
       try:
@@ -429,7 +429,7 @@ class Checkpointer:
     """Only the parameters at `step`, laid out as `abstract_params`: a start whose optimizer state may have
     another structure (sparsetx/tools/sparsify.py with other freeze settings, an HF import). Read through a separate
     manager that deletes nothing and keeps this one's save handlers as they are."""
-    with self._reading(step):
+    with self.reading(step):
       return self._restore_part(step, {"params": abstract_params})["params"]
 
   def _restore_part(self, step: int, target: dict) -> dict:

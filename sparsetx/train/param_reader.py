@@ -1,0 +1,65 @@
+"""A checkpoint's parameters, one array at a time on the host (numpy), never the optimizer state.
+
+Export and import hold one tensor's arrays at a time, not the model: each read is an orbax partial restore of one
+leaf of the `state` item as a numpy array, so no device memory is used and peak host memory does not grow with the
+model. Shapes come from the checkpoint's metadata before anything is read.
+"""
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from sparsetx import config as config_lib
+from sparsetx.data import check_training_files
+from sparsetx.train import checkpointing
+
+Path = tuple[str, ...]
+
+
+class ParamReader:
+  """The saved config and the parameter arrays of `step` (default: the latest) of a training workdir."""
+
+  def __init__(self, workdir: str, step: int | None = None, workdir_flag: str = "--workdir", step_flag="--step"):
+    self._checkpointer = checkpointing.open_read_only(workdir, workdir_flag, step_flag)
+    try:
+      self.step = self._checkpointer.checked_step(step, workdir_flag)
+      self.config = self._checkpointer.saved_config(self.step)
+      check_training_files(config_lib.validate(self.config))
+      self._directory = self._checkpointer.directory / str(self.step) / "state"
+      with self._checkpointer.reading(self.step):
+        metadata = ocp.PyTreeCheckpointHandler().metadata(self._directory).tree["params"]
+    except BaseException:
+      self._checkpointer.close()
+      raise
+    flat = jax.tree_util.tree_flatten_with_path(metadata)[0]
+    self.shapes = {_path(keys): tuple(leaf.shape) for keys, leaf in flat}
+    self._dtypes = {_path(keys): np.dtype(leaf.dtype) for keys, leaf in flat}
+    self._reader = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+
+  def read(self, path: Path) -> np.ndarray:
+    """The array at `path` (as saved: its shape and dtype), read from storage now."""
+    item = leaf = jax.ShapeDtypeStruct(self.shapes[path], self._dtypes[path])
+    for part in reversed(("params", *path)):
+      item = {part: item}
+    restore_args = jax.tree.map(lambda a: ocp.RestoreArgs(restore_type=np.ndarray, dtype=a.dtype), item)
+    with self._checkpointer.reading(self.step):
+      restored = self._reader.restore(
+        self._directory, args=ocp.args.PyTreeRestore(item, restore_args=restore_args, partial_restore=True)
+      )
+    (array,) = jax.tree.leaves(restored)
+    assert array.shape == leaf.shape, (path, array.shape)
+    return array
+
+  def close(self) -> None:
+    self._reader.close()
+    self._checkpointer.close()
+
+  def __enter__(self) -> "ParamReader":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def _path(keys) -> Path:
+  return tuple(str(getattr(k, "key", k)) for k in keys)
