@@ -64,8 +64,8 @@ def to_hf(model_config, params) -> tuple[dict, dict]:
   shapes = {tensor_name(path): shape for path, shape in lazy_tensors.tree_shapes(params).items()}
   config_json, tensors = hf_tensors(model_config)
   _check_shapes(model_config, shapes, "the parameters")
-  read = lazy_tensors.tree_reader(params)
-  return config_json, {name: lazy_tensors.made(tensor, read) for name, tensor in tensors.items()}
+  arrays = lazy_tensors.tree_reader(params)(list(lazy_tensors.tree_shapes(params)))
+  return config_json, {name: lazy_tensors.made(tensor, arrays) for name, tensor in tensors.items()}
 
 
 def hf_tensors(model_config) -> tuple[dict, dict[str, lazy_tensors.HfTensor]]:

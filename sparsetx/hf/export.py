@@ -13,6 +13,7 @@ import math
 import os
 import re
 import shutil
+import time
 
 import jax
 import ml_collections
@@ -99,11 +100,12 @@ def write_hf(
     kind,
     dtype,
     max_shard_size,
-  )
+  )["kind"]
 
 
-def _write(config, read, source_shapes: dict, out_dir: str, overwrite, kind, dtype, max_shard_size) -> str:
-  """The one writer: tensors made one at a time from `read`, in shards of at most `max_shard_size` bytes."""
+def _write(config, read, source_shapes: dict, out_dir: str, overwrite, kind, dtype, max_shard_size) -> dict:
+  """The one writer: tensors made one at a time from `read`, in shards of at most `max_shard_size` bytes; returns
+  the kind, the shards, the weights' bytes and the seconds spent reading (and making) and writing them."""
   if dtype not in DTYPES:
     raise ConfigError(f"--dtype={dtype!r} is unknown; use one of {', '.join(DTYPES)}.")
   cap = shards.parse_size(max_shard_size)
@@ -120,18 +122,36 @@ def _write(config, read, source_shapes: dict, out_dir: str, overwrite, kind, dty
     output.open_output(out_dir, first_removed=(WEIGHTS_INDEX, WEIGHTS), stale=_SHARD.fullmatch) as out,
   ):
     out.put(lambda directory: _write_small_files(config, mapping, config_json, directory))
+    seconds = dict(read_seconds=0.0, write_seconds=0.0)
     for file, names in files.items():  # one shard's tensors in memory at a time
-      arrays = {name: lazy_tensors.made(tensors[name], read).astype(_NUMPY_DTYPES[dtype]) for name in names}
-      out.put(lambda directory, f=file, a=arrays: safetensors.numpy.save_file(a, os.path.join(directory, f), _FORMAT))
-      del arrays
+      began = time.perf_counter()
+      shard = _made(tensors, names, read, _NUMPY_DTYPES[dtype])
+      made = time.perf_counter()
+      out.put(lambda directory, f=file, a=shard: safetensors.numpy.save_file(a, os.path.join(directory, f), _FORMAT))
+      seconds["read_seconds"] += made - began
+      seconds["write_seconds"] += time.perf_counter() - made
+      del shard
     if len(files) > 1:  # last: an index names only shards already written
       out.put(lambda directory: _write_json(os.path.join(directory, WEIGHTS_INDEX), shards.index(files, sizes)))
-  return "hf_" + mapping.__name__.rsplit(".", 1)[-1]  # the export kind: hf_neox | hf_custom
+  kind = "hf_" + mapping.__name__.rsplit(".", 1)[-1]  # the export kind: hf_neox | hf_custom
+  return dict(kind=kind, shards=len(files), bytes=sum(sizes.values()), **seconds)
 
 
 _NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 _FORMAT = {"format": "pt"}  # transformers refuses safetensors files without a known format
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _made(tensors: dict, names: list[str], read, dtype) -> dict[str, np.ndarray]:
+  """The tensors `names` of one shard: their sources read together (in parallel), each source dropped once its
+  tensor is made, so a transform (neox's fused QKV) adds one tensor, not a shard."""
+  arrays = read(list(dict.fromkeys(path for name in names for path in tensors[name].sources)))
+  shard = {}
+  for name in names:
+    shard[name] = lazy_tensors.made(tensors[name], arrays).astype(dtype, copy=False)
+    for path in tensors[name].sources:
+      arrays.pop(path, None)
+  return shard
 
 
 def _check_sources(model: ml_collections.ConfigDict, source_shapes: dict) -> None:
@@ -182,9 +202,9 @@ def export(
   output.check_target(out_dir, overwrite, "--out", "config.json")  # before anything is read
   _check_reachable(out_dir)
   with ParamReader(workdir, step) as reader:
-    used = _write(reader.config, reader.read, reader.shapes, out_dir, overwrite, kind, dtype, max_shard_size)
+    written = _write(reader.config, reader.read, reader.shapes, out_dir, overwrite, kind, dtype, max_shard_size)
   out = out_dir if paths.is_remote(out_dir) else os.path.abspath(out_dir)
-  return dict(step=reader.step, kind=used, out=out, dtype=dtype)
+  return dict(step=reader.step, out=out, dtype=dtype, **written)
 
 
 def _check_reachable(out_dir: str) -> None:

@@ -32,15 +32,15 @@ def shapes(tensors: dict[str, HfTensor], source_shapes: dict[Path, tuple]) -> di
   return found
 
 
-def made(tensor: HfTensor, read: Callable[[Path], np.ndarray]) -> np.ndarray:
-  """The tensor in float32, C-contiguous, from its sources as `read` gives them."""
-  return np.ascontiguousarray(np.asarray(tensor.make(np, *(read(path) for path in tensor.sources)), np.float32))
+def made(tensor: HfTensor, arrays: dict[Path, np.ndarray]) -> np.ndarray:
+  """The tensor in float32, C-contiguous, from its sources in `arrays`."""
+  return np.ascontiguousarray(np.asarray(tensor.make(np, *(arrays[path] for path in tensor.sources)), np.float32))
 
 
-def tree_reader(params) -> Callable[[Path], np.ndarray]:
-  """`read` over a param tree in memory (numpy or jax arrays, boxed or not)."""
+def tree_reader(params) -> Callable[[list[Path]], dict[Path, np.ndarray]]:
+  """`read` over a param tree in memory (numpy or jax arrays, boxed or not): {path: array} of the paths asked."""
   params = nn.unbox(params)
-  return lambda path: np.asarray(_get(params, path))
+  return lambda wanted: {path: np.asarray(_get(params, path)) for path in wanted}
 
 
 def tree_shapes(params) -> dict[Path, tuple]:

@@ -39,8 +39,8 @@ def _require_supported(model: ml_collections.ConfigDict) -> None:
 def to_hf(model: ml_collections.ConfigDict, params) -> tuple[dict, dict[str, np.ndarray]]:
   """(config.json dict, {HF tensor name: float32 array}) of a sparsetx model and its params, all in memory."""
   config_json, tensors = hf_tensors(model)
-  read = lazy_tensors.tree_reader(params)
-  return config_json, {name: lazy_tensors.made(tensor, read) for name, tensor in tensors.items()}
+  arrays = lazy_tensors.tree_reader(params)(list(lazy_tensors.tree_shapes(params)))
+  return config_json, {name: lazy_tensors.made(tensor, arrays) for name, tensor in tensors.items()}
 
 
 def _stack_qkv(xp, q_DHK, k_DHK, v_DHK):
