@@ -115,3 +115,18 @@ def test_a_peer_that_never_connects_ends_the_trainer_with_the_coordinator_named(
     .splitlines()[-1]
     .startswith(f"error: process 0 of 2 could not join the run at coordinator localhost:{port} within 2s")
   )
+
+
+def test_processes_that_fail_between_two_polls_give_the_first_ones_code():
+  """A watchdog ends every process at once: all may have exited before the supervisor's next look."""
+  from sparsetx.tools import launch_local
+
+  done = [subprocess.Popen([sys.executable, "-c", f"import sys; sys.exit({code})"]) for code in (0, 6, 7)]
+  for process in done:
+    process.wait()
+  handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    assert launch_local.supervise(done, grace_period=1) == 6
+  finally:
+    for signum, handler in handlers.items():  # supervise forwards these to its processes; this one is pytest's
+      signal.signal(signum, handler)

@@ -140,6 +140,8 @@ def supervise(processes: list[subprocess.Popen], grace_period: float) -> int:
           killed.add(i)
       deadline = None
     time.sleep(0.1)
+  if first_failure is None:  # all ended between two polls (a watchdog ends every process at once)
+    first_failure = next((i for i, p in enumerate(processes) if p.returncode != 0), None)
   for p in processes:
     p.wait()
     if getattr(p, "relay", None) is not None:
