@@ -129,6 +129,9 @@ def test_bad_config_file_is_one_error_line(capsys, bad_config_files):
     ("data.skip_steps=10-20", "'10-20' is not a window 'START:END'"),
     ("train.step_timeout_s=-1.0", "config.train.step_timeout_s=-1.0 must be seconds >= 0"),
     ("checkpoint.every_minutes=-5.0", "config.checkpoint.every_minutes=-5.0 must be minutes >= 0"),
+    ("train.usage_window=0", "config.train.usage_window=0 must be a multiple of config.train.log_every=20 in"),
+    ("train.usage_window=330", "config.train.usage_window=330 must be a multiple of config.train.log_every=20 in"),
+    ("train.usage_window=600", "config.train.usage_window=600 must be a multiple of config.train.log_every=20 in"),
     ("metrics.wandb.mode=offline", "config.metrics.wandb.mode='offline' needs a W&B project: give"),
     ("metrics.wandb.mode=cloud", "config.metrics.wandb.mode='cloud' is unknown; use one of '', 'online', 'offline'"),
     # configs/tiny.py's 300 steps read batches up to 300, and up to 311 once 1:11 is stepped over.

@@ -60,6 +60,7 @@ def one_step(config, mesh):
   with logical_rules.activate(mesh, config.mesh.rules):  # as the trainer runs it
     loss_and_grads = jax.device_get(grads(state.params, batch))
     new_state, metrics = step(state, batch)
+  metrics = dict(metrics, **{f"usage_counts/{name}": counts for name, counts in new_state.usage.items()})
   return jax.device_get(new_state.params), jax.device_get(metrics), loss_and_grads
 
 
@@ -88,6 +89,8 @@ def assert_same_step(config, step, want):
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
   for name in ("loss", "grad_norm", "tokens"):
     np.testing.assert_allclose(metrics[name], want_metrics[name], rtol=1e-5, err_msg=name)
+  for name in (name for name in want_metrics if name.startswith("usage_counts/")):  # the window's counts: the picks
+    np.testing.assert_array_equal(metrics[name], want_metrics[name], err_msg=name)
   for (path, a), b in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max(), err_msg=jax.tree_util.keystr(path))
   lr = config.train.learning_rate

@@ -224,6 +224,12 @@ def validate_train(
     f"config.train.profile_all_processes={train.get('profile_all_processes')!r} must be True or False.",
   )
   validate_bad_steps(train)
+  window = train.get("usage_window")
+  _require(
+    window is None or (isinstance(window, int) and 0 < window <= train.steps and window % train.log_every == 0),
+    f"config.train.usage_window={window!r} must be a multiple of config.train.log_every={train.log_every} in "
+    f"[{train.log_every}, config.train.steps={train.steps}] (None: 10 log intervals).",
+  )
   timeout = train.get("step_timeout_s")
   _require(
     timeout is None or (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout >= 0),

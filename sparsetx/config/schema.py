@@ -295,6 +295,10 @@ def train_defaults() -> ml_collections.ConfigDict:
       # "" = <workdir>/compilation_cache (gs:// works); JAX_COMPILATION_CACHE_DIR in the environment wins.
       compilation_cache=True,
       compilation_cache_dir="",
+      # The sparse layers' usage over a window of steps (sparsetx/train/usage_window.py, README "Sparse layers'
+      # health"): counts summed on the device, logged as usage/layers_i/* and reset every this many steps (a
+      # multiple of log_every, at most the run). None: 10 x log_every, at most the run.
+      usage_window=ml_collections.config_dict.placeholder(int),
     )
   )
 

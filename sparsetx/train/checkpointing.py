@@ -39,6 +39,7 @@ COMPUTE_ONLY = (
   "router_z_loss",
   "logits_dot_in_fp32",
 )  # may change on resume (MoE balancing weights: the loss, not the parameters)
+_RECORDS = {"health": "bad-step record", "usage": "usage counts"}  # state fields a resume may start empty
 ITEMS = ("state", "config")  # in every step; `data` in every step a run saved (all but step-0 starts)
 SUPERSEDED = "superseded"  # <workdir>/superseded/<time>/: the steps after a restore_step, set aside
 # Status codes of tensorstore / TensorFlow read failures (a damaged file), as opposed to a structure mismatch.
@@ -374,38 +375,48 @@ class Checkpointer:
   def restore_state(self, step: int, abstract_state):
     """The state at `step`, laid out as `abstract_state`'s shardings: restoring onto any mesh reshards.
 
-    A step saved without the bad-step record (by sparsetx before it kept one), or with another
-    config.train.spike_window, restores everything else and starts the record empty (bad_steps.Health)."""
+    A record the step was saved without, or with other shapes (the bad-step record of another
+    config.train.spike_window; the usage counts of another model, or a sparsetx before they existed), starts
+    empty; everything else is restored, with one warning naming what starts empty."""
     with self.reading(step):
-      if self._health_fits(step, abstract_state.health):
+      misfits = [name for name in _RECORDS if not self._record_fits(step, name, getattr(abstract_state, name))]
+      if not misfits:
         args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
         return self.manager.restore(step, args=args)["state"]
       logging.warning(
-        "Checkpoint step %d has no bad-step record of config.train.spike_window=%d steps (it was saved by an older "
-        "sparsetx, or with another window): the record starts empty, so the spike test waits for that many steps.",
+        "Checkpoint step %d has no %s of this run's shapes (saved by an older sparsetx, or with another "
+        "config.train.spike_window): %s empty.",
         step,
-        abstract_state.health.losses_W.shape[0],
+        " or ".join(_RECORDS[name] for name in misfits),
+        "it starts" if len(misfits) == 1 else "they start",
       )
-      rest = {"step": abstract_state.step, "params": abstract_state.params, "opt_state": abstract_state.opt_state}
-      restored = self._restore_part(step, rest)
-    empty = jax.jit(
-      lambda: jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype), abstract_state.health),
-      out_shardings=jax.tree.map(lambda a: a.sharding, abstract_state.health),
-    )()
-    return abstract_state.replace(**restored, health=empty)
+      kept = [name for name in ("step", "params", "opt_state", *_RECORDS) if name not in misfits]
+      restored = self._restore_part(step, {name: getattr(abstract_state, name) for name in kept})
+    empty = {
+      name: jax.jit(
+        lambda tree=getattr(abstract_state, name): jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype), tree),
+        out_shardings=jax.tree.map(lambda a: a.sharding, getattr(abstract_state, name)),
+      )()
+      for name in misfits
+    }
+    return abstract_state.replace(**restored, **empty)
 
-  def _health_fits(self, step: int, abstract_health) -> bool:
+  def _record_fits(self, step: int, name: str, abstract) -> bool:
+    """Whether the step holds the record `name` with the shapes of `abstract`."""
     handler = ocp.StandardCheckpointHandler()
     try:
-      saved = handler.metadata(self.directory / str(step) / "state").tree.get("health")
+      saved = handler.metadata(self.directory / str(step) / "state").tree.get(name)
     finally:
       handler.close()
-    if not isinstance(saved, dict):
-      return False
-    wanted = {name: tuple(getattr(abstract_health, name).shape) for name in abstract_health.__dataclass_fields__}
-    return {name: tuple(getattr(saved.get(name), "shape", ())) for name in wanted} == wanted and set(saved) == set(
-      wanted
-    )
+    if saved is None:
+      return not jax.tree.leaves(abstract)  # a model without sparse layers keeps no usage counts
+    shapes = lambda tree: {  # noqa: E731
+      jax.tree_util.keystr(path): tuple(getattr(leaf, "shape", ()))
+      for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    }
+    wanted = shapes(abstract.__dict__ if hasattr(abstract, "__dataclass_fields__") else abstract)
+    found = shapes(dict(saved) if isinstance(saved, dict) else saved)
+    return wanted == found
 
   def _holding_echoes(self, step: int, reported: type[BaseException] = CheckpointError) -> held_errors.HeldErrors:
     """What a failed read or save of `step` echoes from orbax's other tasks, held while it runs (see held_errors)."""

@@ -22,7 +22,7 @@ from sparsetx.data import check_training_files, global_stream, pretokenize
 from sparsetx.kernels import autotune_table
 from sparsetx.models import ladder
 from sparsetx.parallel import logical_rules
-from sparsetx.train import autotune, checkpointing, compile_cache, goodput, recovery
+from sparsetx.train import autotune, checkpointing, compile_cache, goodput, recovery, usage_window
 from sparsetx.train import metrics as metrics_lib
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
@@ -366,6 +366,7 @@ def _run(
     logging.warning("No task of config.data.mixture has a validation split: this run evaluates nothing.")
 
   agreement = _Agreement(config.checkpoint.get("every_minutes", 0.0))
+  usage, usage_every = usage_window.Reader(config.model, built.shardings.usage), usage_window.window(config.train)
   watchdog = watchdog_lib.Watchdog(config.train.get("step_timeout_s"), jax.process_index())
 
   startup = {}  # the first step's compile and its end, after the trainer started: what a warm cache shortens
@@ -415,6 +416,8 @@ def _run(
         step += 1
         profiler.after(step, step_metrics)
         run.reader.dispatched(step, step_metrics)  # reads step - 1's metrics: the devices still run `step`
+        if state.usage and (step % usage_every == 0 or step == config.train.steps):
+          state = usage.read(step, state, run.writer)
         checkpointer.check_saved()  # a save that failed stops the run before another step
         if eval_data.task_names and (step % config.train.eval_every == 0 or step == config.train.steps):
           run.reader.read()  # waits for `step`: evaluate only a state known finite

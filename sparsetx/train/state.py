@@ -23,20 +23,24 @@ from sparsetx.models.transformer import Transformer
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.parallel import per_device
 from sparsetx.plan import step_cost
-from sparsetx.train import bad_steps
+from sparsetx.train import bad_steps, usage_window
 from sparsetx.train.optimizer import make_optimizer
 
 
 class TrainState(train_state.TrainState):
-  """Step, float32 master params, optimizer state (apply_fn and tx are static) and the bad-step record
-  (bad_steps.Health: the spike test's window, checkpointed with the rest)."""
+  """Step, float32 master params, optimizer state (apply_fn and tx are static), the bad-step record
+  (bad_steps.Health: the spike test's window) and the sparse layers' usage counts of the current window
+  (usage_window.py), both checkpointed with the rest."""
 
   health: bad_steps.Health
+  usage: dict
 
 
 def new_state(model, params, tx, train: ml_collections.ConfigDict) -> TrainState:
-  """A step-0 state around `params`: fresh optimizer state and an empty bad-step record."""
-  return TrainState.create(apply_fn=model.apply, params=params, tx=tx, health=bad_steps.fresh(train))
+  """A step-0 state around `params`: fresh optimizer state, an empty bad-step record and zero usage counts."""
+  return TrainState.create(
+    apply_fn=model.apply, params=params, tx=tx, health=bad_steps.fresh(train), usage=usage_window.fresh(model.cfg)
+  )
 
 
 def build_model(config: ml_collections.ConfigDict) -> Transformer:

@@ -11,7 +11,7 @@ import optax
 
 from sparsetx import scopes
 from sparsetx.parallel import logical_rules, microbatches
-from sparsetx.train import bad_steps
+from sparsetx.train import bad_steps, usage_window
 from sparsetx.train import loss as loss_lib
 from sparsetx.train.optimizer import learning_rate_schedule
 
@@ -74,6 +74,13 @@ def train_step(state, batch, *, model, train: ml_collections.ConfigDict, schedul
     skip, limits = bad_steps.judge(state.health, loss, grad_norm, train)
     new_state = bad_steps.apply_unless(skip, state, state.apply_gradients(grads=grads), loss, grad_norm)
     param_norm = optax.tree.norm(new_state.params)
+  # The window's usage counts (usage_window.py): the step's own, summed over its micro-batches (stats are their mean).
+  counts = {
+    key.removeprefix(usage_window.COUNTS): stats.pop(key) for key in list(stats) if key.startswith(usage_window.COUNTS)
+  }
+  new_state = new_state.replace(
+    usage={name: state.usage[name] + train.microbatches * counts[name] for name in state.usage}
+  )
   metrics = dict(
     loss=loss,
     perplexity=jnp.exp(loss),

@@ -1,0 +1,109 @@
+"""Sparse layers' usage over a window of steps: which units were never picked, and how unevenly the rest were.
+
+Each step adds the counts it already computes for its per-step stats (sparse_stats.py) to the train state's
+`usage` (one float32 vector per sparse layer; no host transfer, no collective beyond the step's own). Every
+config.train.usage_window steps (and at the run's last step) the loop reads the vectors, logs `usage/layers_i/*`
+and resets them. They are checkpointed with the state: a resume continues the window it stopped in, with the
+counts the uninterrupted run would have. Units, and the statistics of one window (definitions in README):
+  units    sgatlin: each channel's neurons (n_channels x d_ffw); PEER: the shared table's neurons; MoE: experts;
+           FFF: each tree's nodes (heap order), the leaves the last half
+More: docs/modules.md.
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from sparsetx import config as config_lib
+from sparsetx.models.ffn.registry import SPECS
+
+COUNTS = "usage_counts/"  # the per-step stats' key prefix of a layer's counts (popped by the step)
+
+
+def sparse_layers(model_cfg) -> dict[str, ml_collections.ConfigDict]:
+  """{'layers_i': its ffn config} of the layers whose type taps a circuit."""
+  layers = {}
+  for i in range(model_cfg.n_layers):
+    ffn = config_lib.layer_ffn_config(model_cfg, i)
+    spec = SPECS.get(ffn.type)
+    if spec is not None and spec.circuit is not None:
+      layers[f"layers_{i}"] = ffn
+  return layers
+
+
+def fresh(model_cfg) -> dict[str, jax.Array]:
+  """Zero counts for every sparse layer: a window's start."""
+  return {
+    name: jnp.zeros((SPECS[ffn.type].circuit.usage_units(ffn),), jnp.float32)
+    for name, ffn in sparse_layers(model_cfg).items()
+  }
+
+
+def window(train: ml_collections.ConfigDict) -> int:
+  """config.train.usage_window, or derived (None): 10 log intervals, at most the run, a multiple of log_every."""
+  given = train.get("usage_window")
+  if given is not None:
+    return given
+  return max(train.log_every, min(10 * train.log_every, train.steps // train.log_every * train.log_every))
+
+
+def stats(ffn, counts_U) -> dict[str, float]:
+  """One window's statistics of a layer from its counts (numpy)."""
+  counts_U = np.asarray(counts_U, np.float64)
+  total = counts_U.sum()
+  p_U = counts_U / max(total, 1e-30)
+  n = counts_U.size
+  found = dict(
+    dead=float((counts_U == 0).mean()),
+    usage=float((counts_U > 0).mean()),
+    kl_uniform=float(np.sum(np.where(p_U > 0, p_U * np.log(np.where(p_U > 0, p_U * n, 1.0)), 0.0))),
+    gini=gini(counts_U),
+    max_load=float(counts_U.max() / max(total / n, 1e-30)),
+  )
+  if ffn.type in ("sgatlin", "peer"):  # neuron i*n_keys + j: sub-key i of the first half, j of the second
+    n_keys = round(ffn.d_ffw**0.5)
+    grid_CIJ = counts_U.reshape(-1, n_keys, n_keys)
+    found["dead_subkeys_half1"] = float((grid_CIJ.sum(2) == 0).mean())
+    found["dead_subkeys_half2"] = float((grid_CIJ.sum(1) == 0).mean())
+  if ffn.type == "fff":
+    leaves_PL = counts_U.reshape(ffn.n_trees, -1)[:, 2**ffn.depth - 1 :]
+    share_PL = leaves_PL / np.maximum(leaves_PL.sum(1, keepdims=True), 1e-30)
+    found["top_leaf_share"] = float(share_PL.max(1).mean())
+    found["path_entropy"] = float(
+      -np.sum(np.where(share_PL > 0, share_PL * np.log2(np.where(share_PL > 0, share_PL, 1.0)), 0.0), 1).mean()
+    )
+  return found
+
+
+def gini(counts) -> float:
+  """Gini coefficient of non-negative counts: 0 uniform, (n - 1) / n one unit takes all."""
+  sorted_U = np.sort(np.asarray(counts, np.float64))
+  n, total = sorted_U.size, sorted_U.sum()
+  if total <= 0:
+    return 0.0
+  return float((2 * np.arange(1, n + 1) - n - 1).dot(sorted_U) / (n * total))
+
+
+class Reader:
+  """Reads a window's counts from the state, logs them, and gives back the state with the counts reset."""
+
+  def __init__(self, model_cfg, shardings: dict):
+    self._model_cfg = model_cfg
+    self._zeros = jax.jit(lambda: fresh(model_cfg), out_shardings=shardings)
+
+  def read(self, step: int, state, writer):
+    usage = jax.device_get(state.usage)  # waits for `step`: once a window
+    writer.write_scalars(step, metrics(self._model_cfg, usage))
+    writer.write_histograms(step, {f"usage/{name}/counts": counts for name, counts in usage.items()})
+    return state.replace(usage=self._zeros())
+
+
+def metrics(model_cfg, usage: dict) -> dict[str, float]:
+  """{'usage/layers_i/<stat>': value} of a window's counts (read from the device)."""
+  layers = sparse_layers(model_cfg)
+  return {
+    f"usage/{name}/{stat}": value
+    for name, counts in usage.items()
+    for stat, value in stats(layers[name], np.asarray(jax.device_get(counts))).items()
+  }
