@@ -366,7 +366,10 @@ def _run(
     logging.warning("No task of config.data.mixture has a validation split: this run evaluates nothing.")
 
   agreement = _Agreement(config.checkpoint.get("every_minutes", 0.0))
-  usage, usage_every = usage_window.Reader(config.model, built.shardings.usage), usage_window.window(config.train)
+  usage, usage_every = (
+    usage_window.Reader(config.model, built.shardings.usage, workdir),
+    usage_window.window(config.train),
+  )
   watchdog = watchdog_lib.Watchdog(config.train.get("step_timeout_s"), jax.process_index())
 
   startup = {}  # the first step's compile and its end, after the trainer started: what a warm cache shortens

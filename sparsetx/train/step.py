@@ -11,7 +11,7 @@ import optax
 
 from sparsetx import scopes
 from sparsetx.parallel import logical_rules, microbatches
-from sparsetx.train import bad_steps, usage_window
+from sparsetx.train import bad_steps, param_groups, usage_window
 from sparsetx.train import loss as loss_lib
 from sparsetx.train.optimizer import learning_rate_schedule
 
@@ -74,6 +74,9 @@ def train_step(state, batch, *, model, train: ml_collections.ConfigDict, schedul
     skip, limits = bad_steps.judge(state.health, loss, grad_norm, train)
     new_state = bad_steps.apply_unless(skip, state, state.apply_gradients(grads=grads), loss, grad_norm)
     param_norm = optax.tree.norm(new_state.params)
+    updates = jax.tree.map(jnp.subtract, new_state.params, state.params)
+    groups = {f"grad_norm/{g}": norm for g, norm in param_groups.group_norms(grads).items()}
+    groups.update({f"update_norm/{g}": norm for g, norm in param_groups.group_norms(updates).items()})
   # The window's usage counts (usage_window.py): the step's own, summed over its micro-batches (stats are their mean).
   counts = {
     key.removeprefix(usage_window.COUNTS): stats.pop(key) for key in list(stats) if key.startswith(usage_window.COUNTS)
@@ -92,6 +95,7 @@ def train_step(state, batch, *, model, train: ml_collections.ConfigDict, schedul
     skipped_steps=new_state.health.skipped,
     bad_in_row=new_state.health.bad_in_row,
     **limits,
+    **groups,
     **stats,
   )
   return new_state, metrics

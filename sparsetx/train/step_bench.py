@@ -68,11 +68,13 @@ def step_words(config) -> str:
 class TypeStep:
   """One type's compiled train step, its state and a fixed batch; times one step at a time."""
 
-  def __init__(self, ffn_type: str, args, devices, config=None):
-    """`config`: the rung's (rung_config) unless given."""
+  def __init__(self, ffn_type: str, args, devices, config=None, usage: bool = True):
+    """`config`: the rung's (rung_config) unless given. `usage` False: the state keeps no usage counts
+    (usage_window.py), so the step leaves out their accumulation (its cost, side by side)."""
     self.name = ffn_type
     config = self.config = config or rung_config(ffn_type, args)
     built = state_lib.setup(config, devices)
+    shardings = built.shardings
     B, T = args.batch, args.seq_len
     tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (B, T + 1), dtype=np.int32)
     batch = dict(
@@ -84,7 +86,10 @@ class TypeStep:
     )
     self.batch = jax.device_put(batch, built.batch_sharding)
     with logical_rules.activate(built.mesh, config.mesh.rules):
-      self.state = state_lib.create_state(config, built.shardings, built.model, built.tx)
+      self.state = state_lib.create_state(config, shardings, built.model, built.tx)
+      if not usage:
+        self.state = self.state.replace(usage={})
+        built = built._replace(shardings=shardings.replace(usage={}))
       with timing.Stopwatch() as clock:
         self.step = step_lib.make_train_step(config, built).lower(self.state, self.batch).compile()
       self.compile_s = clock.seconds
@@ -108,17 +113,20 @@ def with_defaults(args):
 
 
 def measure(args, devices) -> list:
-  """Each type's TypeStep (under each of `args.bad_steps`' modes, when given: named type/mode), compiled and timed
-  in `args.rounds` interleaved rounds (the acceptance script too)."""
+  """Each type's TypeStep (under each of `args.bad_steps`' modes and `args.usage_counts`' on/off, when given: named
+  type/mode/counts), compiled and timed in `args.rounds` interleaved rounds (the acceptance script too)."""
   modes = getattr(args, "bad_steps", None) or ["stop"]
+  counting = getattr(args, "usage_counts", None) or ["on"]
   steps = []
   for ffn_type in args.types:
     for mode in modes:
-      config = rung_config(ffn_type, args)
-      config.train.bad_steps = mode
-      steps.append(TypeStep(ffn_type, args, devices, config_lib.validate(config)))
-      if len(modes) > 1:
-        steps[-1].name = f"{ffn_type}/{mode}"
+      for counts in counting:
+        config = rung_config(ffn_type, args)
+        config.train.bad_steps = mode
+        steps.append(TypeStep(ffn_type, args, devices, config_lib.validate(config), usage=counts == "on"))
+        steps[-1].name = "/".join(
+          [ffn_type] + ([mode] if len(modes) > 1 else []) + ([f"counts {counts}"] if len(counting) > 1 else [])
+        )
   for step, seconds in timing.interleaved({s: s for s in steps}, args.rounds).items():
     step.seconds = seconds
   return steps
@@ -127,3 +135,24 @@ def measure(args, devices) -> list:
 def peak_flops(args, devices) -> float | None:
   chip = hardware.chip_of(devices[0].device_kind)
   return args.peak_tflops * 1e12 if args.peak_tflops else chip.peak_flops if chip else None
+
+
+def compiled_usage_cost(config, topology_name: str) -> dict:
+  """{'on'|'off': aot.Report} of the train step compiled for a topology by its own compiler (libtpu, XLA's GPU
+  compiler), with and without the window's usage counts in its state: what accumulating them adds."""
+  from sparsetx.train import aot  # noqa: PLC0415  (the target's compiler: only when asked)
+
+  mesh = aot.topology_mesh(config, topology_name)
+  found = {}
+  for counts in ("on", "off"):
+    built = state_lib.setup(config, mesh=mesh)
+    if counts == "off":
+      built = built._replace(
+        abstract_state=built.abstract_state.replace(usage={}), shardings=built.shardings.replace(usage={})
+      )
+    with logical_rules.activate(mesh, config.mesh.rules):
+      traced = step_lib.make_train_step(config, built).trace(
+        built.abstract_state, aot.abstract_batch(config, built.batch_sharding)
+      )
+      found[counts] = aot.report_of(traced.lower().compile(), built, config, mesh)
+  return found

@@ -10,12 +10,15 @@ counts the uninterrupted run would have. Units, and the statistics of one window
 More: docs/modules.md.
 """
 
+import io
+
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from sparsetx import config as config_lib
+from sparsetx import paths
 from sparsetx.models.ffn.registry import SPECS
 
 COUNTS = "usage_counts/"  # the per-step stats' key prefix of a layer's counts (popped by the step)
@@ -85,17 +88,28 @@ def gini(counts) -> float:
   return float((2 * np.arange(1, n + 1) - n - 1).dot(sorted_U) / (n * total))
 
 
-class Reader:
-  """Reads a window's counts from the state, logs them, and gives back the state with the counts reset."""
+LAST_WINDOW = "usage_last_window.npz"  # <workdir>/: the last window's counts, per layer (sparsetx-usage draws them)
 
-  def __init__(self, model_cfg, shardings: dict):
-    self._model_cfg = model_cfg
+
+class Reader:
+  """Reads a window's counts from the state, logs them (and keeps them in <workdir>/LAST_WINDOW), and gives back
+  the state with the counts reset."""
+
+  def __init__(self, model_cfg, shardings: dict, workdir: str):
+    self._model_cfg, self._workdir = model_cfg, paths.resolve(workdir)
     self._zeros = jax.jit(lambda: fresh(model_cfg), out_shardings=shardings)
 
   def read(self, step: int, state, writer):
     usage = jax.device_get(state.usage)  # waits for `step`: once a window
     writer.write_scalars(step, metrics(self._model_cfg, usage))
     writer.write_histograms(step, {f"usage/{name}/counts": counts for name, counts in usage.items()})
+    if jax.process_index() == 0:
+      buffer = io.BytesIO()
+      np.savez(buffer, step=step, **usage)
+      with paths.writing(f"writing {self._workdir / LAST_WINDOW}", paths.FREE_SPACE):
+        staged = self._workdir / f".{LAST_WINDOW}.partial"
+        staged.write_bytes(buffer.getvalue())
+        staged.replace(self._workdir / LAST_WINDOW)
     return state.replace(usage=self._zeros())
 
 

@@ -1,0 +1,126 @@
+"""One picture of a run's sparse layers over time: `sparsetx-usage --workdir=W [--out=W/usage.png]`.
+
+Top: each layer's dead fraction and KL of its usage from uniform against step (the windows the trainer logged to
+metrics.jsonl as usage/layers_i/*). Below: the last window's counts (<workdir>/usage_last_window.npz) as heat
+maps, log scale: per sgatlin or PEER layer the sub-keys of both halves (one row per channel: a dead sub-key is a
+dark cell), per MoE layer its experts, per FFF layer each tree's leaves. More: README, "Sparse layers' health".
+"""
+
+import json
+import math
+
+import numpy as np
+from absl import flags
+
+from sparsetx import cli, paths
+from sparsetx.config import ConfigError
+
+
+def define_flags() -> dict:
+  """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
+  return dict(
+    workdir=flags.DEFINE_string("workdir", None, "The training run."),
+    out=flags.DEFINE_string("out", None, "The PNG to write (default: <workdir>/usage.png)."),
+  )
+
+
+def windows(workdir) -> dict[str, dict[str, list]]:
+  """{layer: {stat: [(step, value)]}} of the usage/ rows of metrics.jsonl."""
+  found = {}
+  path = paths.resolve(workdir) / "metrics.jsonl"
+  if not path.exists():
+    raise ConfigError(f"--workdir={workdir!r} has no metrics.jsonl; give the workdir of a training run.")
+  for line in path.read_text().splitlines():
+    try:
+      row = json.loads(line)
+    except ValueError:  # a row cut short by a kill
+      continue
+    for key, value in row.items():
+      if key.startswith("usage/"):
+        _, layer, stat = key.split("/")
+        found.setdefault(layer, {}).setdefault(stat, []).append((row["step"], value))
+  if not found:
+    raise ConfigError(
+      f"metrics.jsonl in {workdir!r} holds no usage/ rows: the run has no sparse layer, or logged no window yet "
+      "(config.train.usage_window)."
+    )
+  return found
+
+
+def heat_map(ffn, counts_U) -> np.ndarray:
+  """The last window's counts as rows to draw: sub-keys of both halves per channel, experts, or leaves per tree."""
+  if ffn["type"] in ("sgatlin", "peer"):
+    n_keys = math.isqrt(ffn["d_ffw"])
+    grid_CIJ = counts_U.reshape(-1, n_keys, n_keys)
+    return np.concatenate([grid_CIJ.sum(2), grid_CIJ.sum(1)], axis=1)
+  if ffn["type"] == "fff":
+    return counts_U.reshape(ffn["n_trees"], -1)[:, 2 ** ffn["depth"] - 1 :]
+  return counts_U.reshape(1, -1)
+
+
+def layer_ffn(model: dict, layer: str) -> dict:
+  """The ffn config of `layers_i` (a mixed model's dense layers keep dense_ffn)."""
+  listed = [int(i) for i in str(model.get("ffn_layers", "")).split(",") if i.strip()]
+  index = int(layer.removeprefix("layers_"))
+  return model["ffn"] if not listed or index in listed else model["dense_ffn"]
+
+
+def draw(workdir: str, out: str) -> str:
+  import matplotlib  # noqa: PLC0415  (after flags: a fast --help)
+
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt  # noqa: PLC0415
+
+  series = windows(workdir)
+  resolved = paths.resolve(workdir)
+  model = json.loads((resolved / "config.json").read_text())["model"]
+  last_path = resolved / "usage_last_window.npz"
+  last = dict(np.load(last_path.open("rb"))) if last_path.exists() else {}
+  layers = sorted(series, key=lambda name: int(name.removeprefix("layers_")))
+  fig, axes = plt.subplots(2 + len(layers), 1, figsize=(9, 5 + 1.6 * len(layers)), squeeze=False)
+  for row, stat, label in ((0, "dead", "dead fraction"), (1, "kl_uniform", "KL from uniform (nats)")):
+    ax = axes[row, 0]
+    for layer in layers:
+      steps, values = zip(*series[layer].get(stat, [])) if series[layer].get(stat) else ((), ())
+      ax.plot(steps, values, marker="o", markersize=3, label=layer)
+    ax.set_ylabel(label)
+    ax.set_xlabel("step")
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
+  step = int(last.pop("step")) if "step" in last else None
+  for k, layer in enumerate(layers):
+    ax = axes[2 + k, 0]
+    if layer not in last:
+      ax.set_axis_off()
+      continue
+    ffn = layer_ffn(model, layer)
+    image = ax.imshow(np.log1p(heat_map(ffn, np.asarray(last[layer]))), aspect="auto", cmap="magma")
+    what = {"sgatlin": "sub-keys: half 1 | half 2, a row per channel", "peer": "sub-keys: half 1 | half 2"}
+    what.update(moe="experts", fff="leaves, a row per tree")
+    ax.set_title(f"{layer} ({ffn['type']}): {what.get(ffn['type'], 'units')}, window ending at step {step}", fontsize=9)
+    fig.colorbar(image, ax=ax, label="log(1 + picks)")
+  fig.tight_layout()
+  paths.save_figure(fig, out)
+  plt.close(fig)
+  return out
+
+
+def absl_main(argv, holders: dict) -> None:
+  del argv
+  args = cli.flag_values(holders)
+  try:
+    if not args.workdir:
+      raise ConfigError("--workdir is required: the training run to draw.")
+    out = args.out or str(paths.resolve(args.workdir) / "usage.png")
+    print(draw(args.workdir, out))
+  except ConfigError as error:
+    cli.fail(error)
+
+
+def main():
+  """The `sparsetx-usage` entry point."""
+  holders = define_flags()
+  cli.run(lambda argv: absl_main(argv, holders))
+
+
+if __name__ == "__main__":
+  main()

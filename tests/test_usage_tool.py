@@ -1,0 +1,32 @@
+"""sparsetx-usage (sparsetx/tools/usage.py) draws a run's windows and its last window's counts, and says in one
+sentence when the workdir holds nothing to draw."""
+
+import json
+
+import numpy as np
+import pytest
+from test_train import micro_config
+
+from sparsetx.config import ConfigError
+from sparsetx.tools import usage
+
+
+def test_a_run_with_windows_is_drawn_and_one_without_is_one_sentence(tmp_path):
+  config = micro_config("sgatlin")
+  config.model.ffn.update(d_ffw=16, n_channels=2)
+  (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+  with pytest.raises(ConfigError, match="has no metrics.jsonl; give the workdir of a training run"):
+    usage.draw(str(tmp_path), str(tmp_path / "usage.png"))
+  (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.0}) + "\n")
+  with pytest.raises(ConfigError, match="holds no usage/ rows"):
+    usage.draw(str(tmp_path), str(tmp_path / "usage.png"))
+  rows = [{"step": s, "usage/layers_0/dead": 0.5 - s / 100, "usage/layers_0/kl_uniform": 1.0} for s in (10, 20)]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"step": 3')
+  counts = np.zeros(32, np.float32)
+  counts[4:8] = 5  # channel 0's sub-key 1 of half 1: the only one picked
+  np.savez(tmp_path / "usage_last_window.npz", step=20, layers_0=counts)
+  heat = usage.heat_map(config.model.ffn.to_dict(), counts)
+  np.testing.assert_array_equal(heat[0], [0, 20, 0, 0, 5, 5, 5, 5])  # half 1 | half 2 of channel 0
+  assert usage.windows(str(tmp_path))["layers_0"]["dead"] == [(10, 0.4), (20, 0.3)]
+  out = usage.draw(str(tmp_path), str(tmp_path / "usage.png"))
+  assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
