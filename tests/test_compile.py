@@ -267,10 +267,15 @@ PLACEMENTS = [  # (ffn type, mesh, placement, d-split rules)
   ("fff", dict(data=1, expert=4), "expert", False),
   ("moe", dict(data=1, expert=4), "auto", False),
 ]
+# make test compiles every placement for v5p and the first for the H100 too; make test-long the rest for the H100.
+PLACEMENT_TARGETS = [
+  *[(*placement, "v5p") for placement in PLACEMENTS],
+  (*PLACEMENTS[0], "h100"),
+  *[pytest.param(*placement, "h100", marks=pytest.mark.long) for placement in PLACEMENTS[1:]],
+]
 
 
-@pytest.mark.parametrize("target", ["v5p", "h100"])
-@pytest.mark.parametrize("ffn_type, ici, placement, d_split", PLACEMENTS)
+@pytest.mark.parametrize("ffn_type, ici, placement, d_split, target", PLACEMENT_TARGETS)
 def test_each_placement_compiles_with_bf16_on_the_wire(ffn_type, ici, placement, d_split, target):
   config = compile_config(ffn_type, **ici)
   if ffn_type != "moe":
@@ -306,8 +311,15 @@ def test_each_placement_compiles_with_bf16_on_the_wire(ffn_type, ici, placement,
     assert {(dtype, int(rows)) for dtype, rows in first} == {("bf16", n * k), ("bf16", 4 * n * k)}, ragged
 
 
-@pytest.mark.parametrize("target", ["v5p", "h100"])
-@pytest.mark.parametrize("ffn_type", ["mlp", "sgatlin", "moe"])
+@pytest.mark.parametrize(
+  "ffn_type, target",
+  [
+    *[(ffn_type, "v5p") for ffn_type in ("mlp", "sgatlin", "moe")],
+    ("mlp", "h100"),
+    pytest.param("sgatlin", "h100", marks=pytest.mark.long),  # make test-long: the sparse types for the H100 too
+    pytest.param("moe", "h100", marks=pytest.mark.long),
+  ],
+)
 def test_micro_batches_compile_with_the_gradient_reduced_after_the_loop(ffn_type, target):
   """train.microbatches=2: the per-device loop (parallel/microbatches.py) runs 2 trips with the fused attention and the row
   kernels inside it, and no gradient is reduced inside it."""
@@ -469,7 +481,7 @@ def head_dot_operand_dtypes(text) -> set:
   return found
 
 
-@pytest.mark.parametrize("target", ["h100", "a100"])
+@pytest.mark.parametrize("target", ["h100", pytest.param("a100", marks=pytest.mark.long)])
 def test_the_lm_head_reads_its_operands_in_the_configured_dtype(target):
   """config.model.logits_dot_in_fp32: the compiled head's dots on a GPU (the chunked loss's tiles: forward,
   recompute and both gradients) read float32 operands by default (TF32 at best: half the bf16 rate) and bf16 ones

@@ -97,7 +97,7 @@ def test_each_statistic_is_its_definition_on_dead_units_and_a_collapsed_subkey(f
   "ffn_type, microbatches",
   [
     ("sgatlin", 1),
-    ("moe", 2),
+    pytest.param("moe", 2, marks=pytest.mark.long),  # micro-batches: the counts summed, not averaged
     pytest.param("peer", 1, marks=pytest.mark.long),  # a compile each: the step's counting is the same code
     pytest.param("fff", 1, marks=pytest.mark.long),
   ],

@@ -4,9 +4,9 @@ Each step adds the counts it already computes for its per-step stats (sparse_sta
 `usage` (one float32 vector per sparse layer; no host transfer, no collective beyond the step's own). Every
 config.train.usage_window steps (and at the run's last step) the loop reads the vectors, logs `usage/layers_i/*`
 and resets them. They are checkpointed with the state: a resume continues the window it stopped in, with the
-counts the uninterrupted run would have. Units, and the statistics of one window (definitions in README):
-  units    sgatlin: each channel's neurons (n_channels x d_ffw); PEER: the shared table's neurons; MoE: experts;
-           FFF: each tree's nodes (heap order), the leaves the last half
+counts the uninterrupted run would have. The units (each statistic's definition and source: README):
+  sgatlin: each channel's neurons (n_channels x d_ffw); PEER: the shared table's neurons; MoE: experts;
+  FFF: each tree's nodes (heap order), the leaves the last half
 More: docs/modules.md.
 """
 
