@@ -24,7 +24,6 @@ from tensorflow.python.ops import summary_ops_v2
 
 from sparsetx import config as config_lib
 from sparsetx import hardware, paths
-from sparsetx.train import wandb_writer
 
 
 def peak_flops_per_device() -> float | None:
@@ -69,17 +68,8 @@ def drop_rows_after(path: epath.Path, step: int) -> int:
   return len(lines) - len(kept)
 
 
-class JsonlWriter(interface.MetricWriter):
-  """Appends one JSON object per write_scalars call to <workdir>/metrics.jsonl, each written and closed at once
-  (tail -f works; a failed write, a full disk, leaves nothing buffered to fail again)."""
-
-  def __init__(self, path: epath.Path):
-    self._path = path
-
-  def write_scalars(self, step, scalars):
-    row = json.dumps({"step": int(step), **{k: float(v) for k, v in scalars.items()}}) + "\n"
-    with self._path.open("a", encoding="utf-8") as file:
-      file.write(row)
+class ScalarsOnly(interface.MetricWriter):
+  """A writer of scalars that takes every other kind of write and drops it (metrics.jsonl, W&B's base)."""
 
   def write_summaries(self, step, values, metadata=None):
     pass
@@ -107,6 +97,19 @@ class JsonlWriter(interface.MetricWriter):
 
   def close(self):
     pass
+
+
+class JsonlWriter(ScalarsOnly):
+  """Appends one JSON object per write_scalars call to <workdir>/metrics.jsonl, each written and closed at once
+  (tail -f works; a failed write, a full disk, leaves nothing buffered to fail again)."""
+
+  def __init__(self, path: epath.Path):
+    self._path = path
+
+  def write_scalars(self, step, scalars):
+    row = json.dumps({"step": int(step), **{k: float(v) for k, v in scalars.items()}}) + "\n"
+    with self._path.open("a", encoding="utf-8") as file:
+      file.write(row)
 
 
 def tensorboard_dir(workdir: str) -> epath.Path:
@@ -162,5 +165,7 @@ def make_writer(
       )
     writers = [tensorboard_writer(tensorboard_dir(workdir), start_step), JsonlWriter(jsonl)]
   if config_lib.wandb_on(metrics_config):
+    from sparsetx.train import wandb_writer  # noqa: PLC0415  (the optional extra, imported only when used)
+
     writers.append(wandb_writer.WandbWriter(metrics_config.wandb, workdir))
   return RunWriter(writers, workdir, fix)

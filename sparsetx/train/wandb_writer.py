@@ -10,11 +10,11 @@ import secrets
 
 import numpy as np
 from absl import logging
-from clu.metric_writers import interface
 from etils import epath
 
 from sparsetx import paths
 from sparsetx.config import ConfigError
+from sparsetx.train import metrics
 
 RUN_ID = "wandb_run_id"
 
@@ -29,7 +29,7 @@ def run_id(workdir: epath.Path) -> str:
   return new
 
 
-class WandbWriter(interface.MetricWriter):
+class WandbWriter(metrics.ScalarsOnly):
   """clu's writer interface over one W&B run; `settings` is config.metrics.wandb."""
 
   def __init__(self, settings, workdir: epath.Path):
@@ -74,24 +74,6 @@ class WandbWriter(interface.MetricWriter):
 
   def write_hparams(self, hparams):
     self._run.config.update(dict(hparams), allow_val_change=True)
-
-  def write_summaries(self, step, values, metadata=None):
-    pass
-
-  def write_images(self, step, images):
-    pass
-
-  def write_videos(self, step, videos):
-    pass
-
-  def write_audios(self, step, audios, *, sample_rate):
-    pass
-
-  def write_texts(self, step, texts):
-    pass
-
-  def flush(self):
-    pass
 
   def close(self):
     self._run.finish()
