@@ -24,6 +24,7 @@ from tensorflow.python.ops import summary_ops_v2
 
 from sparsetx import config as config_lib
 from sparsetx import hardware, paths
+from sparsetx.train import scalars_only
 
 
 def peak_flops_per_device() -> float | None:
@@ -68,38 +69,7 @@ def drop_rows_after(path: epath.Path, step: int) -> int:
   return len(lines) - len(kept)
 
 
-class ScalarsOnly(interface.MetricWriter):
-  """A writer of scalars that takes every other kind of write and drops it (metrics.jsonl, W&B's base)."""
-
-  def write_summaries(self, step, values, metadata=None):
-    pass
-
-  def write_images(self, step, images):
-    pass
-
-  def write_videos(self, step, videos):
-    pass
-
-  def write_audios(self, step, audios, *, sample_rate):
-    pass
-
-  def write_texts(self, step, texts):
-    pass
-
-  def write_histograms(self, step, arrays, num_buckets=None):
-    pass
-
-  def write_hparams(self, hparams):
-    pass
-
-  def flush(self):
-    pass
-
-  def close(self):
-    pass
-
-
-class JsonlWriter(ScalarsOnly):
+class JsonlWriter(scalars_only.ScalarsOnly):
   """Appends one JSON object per write_scalars call to <workdir>/metrics.jsonl, each written and closed at once
   (tail -f works; a failed write, a full disk, leaves nothing buffered to fail again)."""
 

@@ -14,7 +14,7 @@ from etils import epath
 
 from sparsetx import paths
 from sparsetx.config import ConfigError
-from sparsetx.train import metrics
+from sparsetx.train import scalars_only
 
 RUN_ID = "wandb_run_id"
 
@@ -29,7 +29,7 @@ def run_id(workdir: epath.Path) -> str:
   return new
 
 
-class WandbWriter(metrics.ScalarsOnly):
+class WandbWriter(scalars_only.ScalarsOnly):
   """clu's writer interface over one W&B run; `settings` is config.metrics.wandb."""
 
   def __init__(self, settings, workdir: epath.Path):
