@@ -10,10 +10,12 @@ More: docs/modules.md, sparsetx/hf/custom.py.
 
 import pathlib
 import re
+from collections.abc import Iterator
 
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from flax import traverse_util
 
 from sparsetx import config as config_lib
 from sparsetx.config import ConfigError
@@ -94,8 +96,14 @@ def hf_tensors(model_config) -> tuple[dict, dict[str, lazy_tensors.HfTensor]]:
   return config_json, {tensor_name(path): lazy_tensors.HfTensor((path,)) for path in lazy_tensors.param_shapes(m)}
 
 
-def from_hf(config_json: dict, tensors: dict) -> tuple[ml_collections.ConfigDict, dict]:
+def from_hf(config_json: dict, tensors) -> tuple[ml_collections.ConfigDict, dict]:
   """(model config, flax param tree of numpy arrays in config.param_dtype) from an exported directory's contents."""
+  model_config = model_config_of(config_json)
+  return model_config, traverse_util.unflatten_dict(dict(param_parts(model_config, tensors)))
+
+
+def model_config_of(config_json: dict) -> ml_collections.ConfigDict:
+  """The sparsetx model config an export keeps in its config.json."""
   if config_json.get("model_type") != MODEL_TYPE or not isinstance(config_json.get(SPARSETX_KEY), dict):
     raise ConfigError(
       f"config.json has model_type={config_json.get('model_type')!r} without a {SPARSETX_KEY!r} model config; "
@@ -107,31 +115,42 @@ def from_hf(config_json: dict, tensors: dict) -> tuple[ml_collections.ConfigDict
     config_lib.validate_model(model_config)
   except ConfigError as error:
     raise ConfigError(f"config.json's {SPARSETX_KEY!r} model config is invalid: {error}") from None
-  _check_shapes(model_config, {name: np.shape(array) for name, array in tensors.items()}, "model.safetensors")
+  return model_config
+
+
+def param_parts(model_config, tensors) -> Iterator[tuple[tuple, np.ndarray]]:
+  """(flax path, array in config.param_dtype) of each parameter, each read from `tensors` (a dict, or a lazy
+  mapping that reads it now) when reached. Names are checked before anything is read, shapes as each is."""
+  expected = expected_shapes(model_config)
+  _check_names(expected, tensors, "the weights")
   param_dtype = jnp.dtype(model_config.param_dtype)
-  params = {}
-  for name, array in tensors.items():
-    *parents, leaf = flax_path(name)
-    node = params
-    for part in parents:
-      node = node.setdefault(part, {})
-    node[leaf] = np.asarray(array).astype(param_dtype)
-  return model_config, params
+  for name, shape in expected.items():
+    array = np.asarray(tensors[name])
+    _check_shape(name, array.shape, shape, "the weights")
+    yield flax_path(name), array.astype(param_dtype, copy=False)
 
 
 def _check_shapes(model_config, tensors: dict, source: str) -> None:
   """One clear error when the tensors ({name: shape}) do not match what the model config builds."""
   expected = expected_shapes(model_config)
-  missing = sorted(set(expected) - set(tensors))
-  unexpected = sorted(set(tensors) - set(expected))
+  _check_names(expected, tensors, source)
+  for name, shape in expected.items():
+    _check_shape(name, tuple(tensors[name]), shape, source)
+
+
+def _check_names(expected: dict, names, source: str) -> None:
+  missing = sorted(set(expected) - set(names))
+  unexpected = sorted(set(names) - set(expected))
   if missing or unexpected:
     raise ConfigError(
       f"the tensors of {source} do not match the model config: missing {missing[:3]}, unexpected {unexpected[:3]}"
       f"{' (and more)' if len(missing) > 3 or len(unexpected) > 3 else ''}; export and import the same model."
     )
-  for name, shape in expected.items():
-    if tuple(tensors[name]) != shape:
-      raise ConfigError(
-        f"{source}: tensor {name!r} has shape {tuple(tensors[name])} but the model config builds {shape}; "
-        "export and import the same model."
-      )
+
+
+def _check_shape(name: str, shape: tuple, expected: tuple, source: str) -> None:
+  if tuple(shape) != tuple(expected):
+    raise ConfigError(
+      f"{source}: tensor {name!r} has shape {tuple(shape)} but the model config builds {tuple(expected)}; "
+      "export and import the same model."
+    )

@@ -19,16 +19,15 @@ import jax
 import ml_collections
 import ml_dtypes
 import numpy as np
-import safetensors.flax
 import safetensors.numpy
+from flax import traverse_util
 
 from sparsetx import config as config_lib
 from sparsetx import paths
 from sparsetx.data import check_files
-from sparsetx.hf import lazy_tensors, neox, output, shards, tokenizer_files
+from sparsetx.hf import lazy_tensors, neox, output, shards, tokenizer_files, weight_files
 from sparsetx.hf.shards import WEIGHTS, WEIGHTS_INDEX
-from sparsetx.train import checkpointing
-from sparsetx.train import state as state_lib
+from sparsetx.train import param_writer
 from sparsetx.train.param_reader import ParamReader
 
 KINDS = ("auto", "neox", "custom")
@@ -221,42 +220,14 @@ def _check_reachable(out_dir: str) -> None:
 
 
 def read_tensors(hf_dir: str) -> dict[str, np.ndarray]:
-  """Every tensor of the safetensors weights in `hf_dir` (one file or an index of shards), float32."""
-  index = os.path.join(hf_dir, WEIGHTS_INDEX)
-  if os.path.isfile(index):
-    with open(index) as f:
-      files = sorted(set(json.load(f)["weight_map"].values()))
-  elif os.path.isfile(os.path.join(hf_dir, WEIGHTS)):
-    files = [WEIGHTS]
-  else:
-    pickled = [
-      n for n in ("pytorch_model.bin", "pytorch_model.bin.index.json") if os.path.exists(os.path.join(hf_dir, n))
-    ]
-    hint = (
-      f"it holds {pickled[0]} (pickle, which sparsetx never loads); re-save it with "
-      "save_pretrained(dir, safe_serialization=True)"
-      if pickled
-      else "export the model again"
-    )
-    raise ConfigError(f"{hf_dir!r} has no {WEIGHTS} or {WEIGHTS_INDEX}; {hint}.")
-  tensors = {}
-  with jax.default_device(jax.devices("cpu")[0]):  # the flax reader knows bfloat16; keep it off accelerators
-    for name in files:
-      path = os.path.join(hf_dir, name)
-      if not os.path.isfile(path):
-        raise ConfigError(
-          f"{WEIGHTS_INDEX} in {hf_dir!r} names {name!r}, which is missing; the directory is incomplete."
-        )
-      try:
-        loaded = safetensors.flax.load_file(path)
-      except Exception as error:  # safetensors raises its own error types for a corrupt header
-        raise ConfigError(f"{path!r} is not a readable safetensors file ({error}); export the model again.") from error
-      tensors.update({k: np.asarray(v, np.float32) for k, v in loaded.items()})
-  return tensors
+  """Every tensor of the safetensors weights in `hf_dir` (one file or an index of shards), float32, in memory."""
+  with weight_files.WeightFiles(hf_dir) as weights:
+    return {name: np.asarray(weights[name], np.float32) for name in weights}
 
 
-def _in_param_dtype(model: ml_collections.ConfigDict, params) -> dict:
-  """`params` as numpy in the model's param dtype (neox reads float32; a saved param_dtype may be bfloat16).
+def _in_param_dtype(model: ml_collections.ConfigDict, params):
+  """`params` (a tree or one part) as numpy in the model's param dtype (neox reads float32; a saved param_dtype may
+  be bfloat16).
 
   Names and shapes are the mappings' to check: both refuse weights that do not fit config.json.
   """
@@ -265,88 +236,123 @@ def _in_param_dtype(model: ml_collections.ConfigDict, params) -> dict:
 
 
 def load_hf(hf_dir: str) -> tuple[ml_collections.ConfigDict, dict]:
-  """(full sparsetx config, flax params as numpy in the param dtype) of an HF directory (GPT-NeoX or sparsetx custom).
+  """(full sparsetx config, flax params as numpy in the param dtype) of a local HF directory (GPT-NeoX or sparsetx
+  custom), the whole model in memory; `import_hf` writes one part at a time instead.
 
   The config is `default_config()` with the model section from config.json, the vocabulary from the
   tokenizer files when they are sparsetx's (byte or SentencePiece), and seq_len fitted to the context.
   """
-  if not os.path.isdir(hf_dir):
+  if paths.is_remote(hf_dir):
+    raise ConfigError(
+      f"{hf_dir!r} is a URL, but this reads a local directory; copy it here first (e.g. gsutil -m cp -r), or import "
+      "it with --import_from, which reads gs://."
+    )
+  with weight_files.WeightFiles(_checked_hf_dir(hf_dir)) as weights:
+    config, parts = _hf_parts(weights)
+    check_files(config_lib.validate(config))
+    return config, traverse_util.unflatten_dict(dict(parts))
+
+
+def _checked_hf_dir(hf_dir: str) -> str:
+  """`hf_dir` (local or gs://), refused in one sentence when it holds no config.json."""
+  directory = paths.resolve(hf_dir)
+  try:
+    found = directory.is_dir(), (directory / "config.json").is_file()
+  except paths.storage_errors() as error:
+    raise ConfigError(
+      f"{hf_dir!r} cannot be read ({paths.cause(error)}); check the bucket's name and this account's read "
+      "permission there."
+    ) from None
+  if not found[0]:
     raise ConfigError(
       f"{hf_dir!r} is not a directory; give a directory written by python -m sparsetx.tools.export or save_pretrained."
     )
-  config_path = os.path.join(hf_dir, "config.json")
-  if not os.path.isfile(config_path):
+  if not found[1]:
     raise ConfigError(f"{hf_dir!r} has no config.json; it is not a Hugging Face model directory.")
+  return hf_dir
+
+
+def _hf_parts(weights: weight_files.WeightFiles) -> tuple[ml_collections.ConfigDict, object]:
+  """(full config, the params as (flax path, subtree) parts in the param dtype, each made when reached) of the HF
+  directory `weights` reads; its config.json and tokenizer files are read from `weights.local_dir`."""
+  config_path = os.path.join(weights.local_dir, "config.json")
+  shown = os.path.join(weights.hf_dir, "config.json")
   try:
     with open(config_path) as f:
       config_json = json.load(f)
   except (json.JSONDecodeError, UnicodeDecodeError) as error:
-    raise ConfigError(f"{config_path!r} is not valid JSON ({error}); export the model again.") from error
+    raise ConfigError(f"{shown!r} is not valid JSON ({error}); export the model again.") from error
   if not isinstance(config_json, dict):
-    raise ConfigError(f"{config_path!r} holds no JSON object; export the model again.")
+    raise ConfigError(f"{shown!r} holds no JSON object; export the model again.")
   if config_json.get("model_type") == neox.MODEL_TYPE:
-    mapping = neox
+    model = neox.model_config(config_json)
+    parts = neox.param_parts(model, weights)
   elif config_json.get("model_type") == "sparsetx" or "auto_map" in config_json:
-    mapping = _custom_module()
+    custom = _custom_module()
+    model = custom.model_config_of(config_json)
+    parts = custom.param_parts(model, weights)
   else:
     raise ConfigError(
-      f"{config_path!r} describes model_type={config_json.get('model_type')!r}; sparsetx imports GPT-NeoX "
+      f"{shown!r} describes model_type={config_json.get('model_type')!r}; sparsetx imports GPT-NeoX "
       "('gpt_neox') directories and its own custom exports (with auto_map)."
     )
-  model, params = mapping.from_hf(config_json, read_tensors(hf_dir))
   config = config_lib.default_config()
   config.model = model
   config.data.seq_len = min(config.data.seq_len, model.max_len)
-  vocab = tokenizer_files.vocab_of(hf_dir)
+  vocab = tokenizer_files.vocab_of(weights.local_dir)
   if vocab is not None:
     config.data.vocab = vocab
-  check_files(config_lib.validate(config))
-  return config, _in_param_dtype(config.model, params)
+  return config, ((path, _in_param_dtype(model, value)) for path, value in parts)
 
 
 # ---------------------------------------------------------------------------------------------- writing checkpoints
 
 
 def import_hf(
-  hf_dir: str, workdir: str, overwrite: bool = False, config: ml_collections.ConfigDict | None = None
-) -> ml_collections.ConfigDict:
-  """Writes the model of `hf_dir` as the step-0 checkpoint of a new `workdir`; returns the config saved.
+  hf_dir: str,
+  workdir: str,
+  overwrite: bool = False,
+  config: ml_collections.ConfigDict | None = None,
+  max_shard_size: str | int = shards.MAX_SHARD_SIZE,
+) -> dict:
+  """Writes the model of `hf_dir` (local or gs://) as the step-0 checkpoint of a new local `workdir`, one group of
+  at most `max_shard_size` bytes of parameters at a time (train/param_writer.py); returns a summary: the config
+  saved (`config`), the parameters and their bytes, the most bytes written at once and the seconds taken.
 
   `config` (optional) is the training config to continue with: its data, train, checkpoint and mesh
   sections are kept and its model section is replaced by the imported one (its compute dtype and
-  remat are kept). The step-0 checkpoint holds the params, a fresh optimizer state and no data
-  position (the stream starts at its beginning), so `python -m sparsetx.train --workdir=WORKDIR` with a config of the same model
-  resumes there like any other run.
+  remat are kept). The step-0 checkpoint holds the params and no data position (the stream starts at its
+  beginning); `python -m sparsetx.train --workdir=WORKDIR` with a config of the same model starts there with a
+  fresh optimizer state. A gs:// directory's tokenizer file is kept in WORKDIR/tokenizer/.
   """
-  from sparsetx.parallel import mesh as mesh_lib
-
   if paths.is_remote(workdir):  # the staged workdir's commit is a local rename
     raise ConfigError(
       f"--workdir={workdir!r} is a URL, but import writes a local directory (staged, then renamed into place); "
       "import to a local path, then copy it (e.g. gsutil -m cp -r)."
     )
+  group_bytes = shards.parse_size(max_shard_size)
   output.check_target(workdir, overwrite, "--workdir", "checkpoints")
-  if _inside(hf_dir, workdir) or _inside(workdir, hf_dir):
+  if not paths.is_remote(hf_dir) and (_inside(hf_dir, workdir) or _inside(workdir, hf_dir)):
     raise ConfigError(f"--workdir={workdir!r} and the HF directory {hf_dir!r} overlap; give a new workdir.")
-  imported, params = load_hf(hf_dir)
-  if config is None:
-    config = imported
-  else:
-    config = config.copy_and_resolve_references()
-    compute = {k: config.model[k] for k in ("dtype", "remat")}
-    config.model = imported.model
-    config.model.update(compute)
-    check_files(config_lib.validate(config))
-  mesh = mesh_lib.make_mesh(config.mesh)
-  _, shardings, model, tx = state_lib.state_shardings(config, mesh)
-  with output.StagedDirectory(workdir) as staged:
-    state = jax.jit(lambda p: state_lib.new_state(model, p, tx, config.train), out_shardings=shardings)(
-      jax.device_put(params, shardings.params)
-    )
-    checkpointer = checkpointing.Checkpointer(staged.path, config.checkpoint)
-    try:
-      checkpointer.save(0, state, config, data_state=None)  # the stream starts at its beginning
-      checkpointer.wait()
-    finally:
-      checkpointer.close()
-  return config
+  with weight_files.WeightFiles(_checked_hf_dir(hf_dir)) as weights:
+    imported, parts = _hf_parts(weights)
+    if config is None:
+      config = imported
+    else:
+      config = config.copy_and_resolve_references()
+      compute = {k: config.model[k] for k in ("dtype", "remat")}
+      config.model = imported.model
+      config.model.update(compute)
+    with output.StagedDirectory(workdir) as staged:
+      if config.data.vocab.path.startswith(weights.local_dir + os.sep):  # a downloaded tokenizer file: kept
+        name = os.path.basename(config.data.vocab.path)
+        os.makedirs(os.path.join(staged.path, "tokenizer"))
+        shutil.copyfile(config.data.vocab.path, os.path.join(staged.path, "tokenizer", name))
+        config.data.vocab.path = os.path.join(staged.path, "tokenizer", name)
+        check_files(config_lib.validate(config))
+        config.data.vocab.path = os.path.join(staged.target, "tokenizer", name)
+      else:
+        check_files(config_lib.validate(config))
+      began = time.perf_counter()
+      written = param_writer.write_start(staged.path, config, parts, group_bytes)
+  return dict(config=config, seconds=time.perf_counter() - began, **written)

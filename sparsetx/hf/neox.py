@@ -3,8 +3,11 @@
 More: docs/modules.md, sparsetx/hf/neox.py.
 """
 
+from collections.abc import Iterator
+
 import ml_collections
 import numpy as np
+from flax import traverse_util
 
 from sparsetx import config as config_lib
 from sparsetx.hf import lazy_tensors
@@ -170,18 +173,20 @@ def model_config(config_json: dict) -> ml_collections.ConfigDict:
 
 
 class _Tensors:
-  """Takes tensors by name with shape checks, and reports what is missing or left over."""
+  """Takes tensors by name with shape checks, and reports what is missing or left over. `tensors` may be a dict or
+  a lazy mapping (hf/weight_files.py) that reads each tensor when it is taken."""
 
-  def __init__(self, tensors: dict[str, np.ndarray]):
-    self._tensors = {HEAD_ALIASES.get(k, k): v for k, v in tensors.items() if not k.endswith(IGNORED_SUFFIXES)}
+  def __init__(self, tensors):
+    self._tensors = tensors
+    self._names = {HEAD_ALIASES.get(k, k): k for k in tensors if not k.endswith(IGNORED_SUFFIXES)}
     self._taken = set()
 
   def take(self, name: str, shape: tuple) -> np.ndarray:
-    if name not in self._tensors:
+    if name not in self._names:
       raise config_lib.ConfigError(
         f"the weights have no tensor {name!r}, which config.json's GPT-NeoX model needs; the directory is incomplete."
       )
-    value = np.asarray(self._tensors[name], dtype=np.float32)
+    value = np.asarray(self._tensors[self._names[name]], dtype=np.float32)
     if value.shape != tuple(shape):
       raise config_lib.ConfigError(
         f"tensor {name!r} has shape {value.shape} but config.json implies {tuple(shape)}; "
@@ -191,7 +196,7 @@ class _Tensors:
     return value
 
   def check_all_taken(self, allowed: tuple = ()) -> None:
-    left = sorted(set(self._tensors) - self._taken - set(allowed))
+    left = sorted(set(self._names) - self._taken - set(allowed))
     if left:
       raise config_lib.ConfigError(
         f"the weights hold {len(left)} tensor(s) a GPT-NeoX model of this config.json does not have "
@@ -199,13 +204,19 @@ class _Tensors:
       )
 
 
-def from_hf(config_json: dict, tensors: dict[str, np.ndarray]) -> tuple[ml_collections.ConfigDict, dict]:
+def from_hf(config_json: dict, tensors) -> tuple[ml_collections.ConfigDict, dict]:
   """(sparsetx model config, flax params as float32 numpy) of a GPT-NeoX config.json and its tensors."""
   model = model_config(config_json)
+  return model, traverse_util.unflatten_dict(dict(param_parts(model, tensors)))
+
+
+def param_parts(model: ml_collections.ConfigDict, tensors) -> Iterator[tuple[lazy_tensors.Path, dict]]:
+  """The params of `model` as (path, subtree) parts, each made when reached from the tensors it needs (the
+  embedding, each layer, the final norm, the head), so a reader of a lazy `tensors` holds one part at a time."""
   D, K, V, F = model.d_model, model.head_dim, model.vocab_size, model.ffn.d_ffw
   H = D // K
   source = _Tensors(tensors)
-  params = {"embed": {"embedding": source.take("gpt_neox.embed_in.weight", (V, D))}}
+  yield ("embed",), {"embedding": source.take("gpt_neox.embed_in.weight", (V, D))}
   for i in range(model.n_layers):
     prefix, layer = f"gpt_neox.layers.{i}.", {}
     for ours, theirs in (("attention_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm")):
@@ -222,6 +233,7 @@ def from_hf(config_json: dict, tensors: dict[str, np.ndarray]) -> tuple[ml_colle
       }
       for j, name in enumerate(("query", "key", "value"))
     }
+    del qkv_H3KD
     attention["out"] = {
       "kernel": np.ascontiguousarray(source.take(prefix + "attention.dense.weight", (D, D)).T).reshape(H, K, D),
       "bias": source.take(prefix + "attention.dense.bias", (D,)),
@@ -237,14 +249,17 @@ def from_hf(config_json: dict, tensors: dict[str, np.ndarray]) -> tuple[ml_colle
         "bias": source.take(prefix + "mlp.dense_4h_to_h.bias", (D,)),
       },
     }
-    params[f"layers_{i}"] = layer
-  params["final_norm"] = {
-    "scale": source.take("gpt_neox.final_layer_norm.weight", (D,)),
-    "bias": source.take("gpt_neox.final_layer_norm.bias", (D,)),
-  }
+    yield (f"layers_{i}",), layer
+  yield (
+    ("final_norm",),
+    {
+      "scale": source.take("gpt_neox.final_layer_norm.weight", (D,)),
+      "bias": source.take("gpt_neox.final_layer_norm.bias", (D,)),
+    },
+  )
   if model.tie_embeddings:
     source.check_all_taken(allowed=("embed_out.weight",))  # some writers store the tied copy too
   else:
-    params["lm_head"] = {"kernel": np.ascontiguousarray(source.take("embed_out.weight", (V, D)).T)}
+    head = np.ascontiguousarray(source.take("embed_out.weight", (V, D)).T)
     source.check_all_taken()
-  return model, params
+    yield ("lm_head",), {"kernel": head}

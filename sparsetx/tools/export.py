@@ -2,7 +2,8 @@
 
   .venv/bin/python -m sparsetx.tools.export --workdir=workdir/pythia --out=exports/pythia (or gs://...) [--step=N]
       [--dtype=bfloat16] [--max_shard_size=5GB]
-  .venv/bin/python -m sparsetx.tools.export --import_from=exports/pythia --workdir=workdir/pythia-ft [--config=configs/pythia.py]
+  .venv/bin/python -m sparsetx.tools.export --import_from=exports/pythia (or gs://...) --workdir=workdir/pythia-ft
+      [--config=configs/pythia.py] [--max_shard_size=5GB]
 
 More: docs/modules.md, sparsetx/tools/export.py.
 """
@@ -30,8 +31,8 @@ def define_flags() -> dict:
     max_shard_size=flags.DEFINE_string(
       "max_shard_size",
       "5GB",
-      "Export: the largest safetensors shard (transformers' units: 5GB, 500MB); a tensor "
-      "larger than it gets a shard of its own.",
+      "Export: the largest safetensors shard (transformers' units: 5GB, 500MB); a tensor larger than it gets a "
+      "shard of its own. Import: the most parameter bytes written at once.",
     ),
     import_from=flags.DEFINE_string("import_from", None, "Import: an HF directory to convert into a checkpoint."),
     config=cli.define_config_file("config", None, "Import: the training config (data, train) to continue with."),
@@ -49,18 +50,12 @@ def absl_main(argv, holders: dict):
     if args.import_from:
       if args.out:
         raise ConfigError("--out and --import_from exclude each other: export writes --out, import writes --workdir.")
-      config = export.import_hf(args.import_from, args.workdir, overwrite=args.overwrite, config=args.config)
-      print(
-        json.dumps(
-          dict(
-            imported=os.path.abspath(args.import_from),
-            workdir=os.path.abspath(args.workdir),
-            step=0,
-            model=config.model.to_dict(),
-          ),
-          indent=1,
-        )
+      summary = export.import_hf(
+        args.import_from, args.workdir, args.overwrite, args.config, max_shard_size=args.max_shard_size
       )
+      imported = args.import_from if paths.is_remote(args.import_from) else os.path.abspath(args.import_from)
+      model = summary.pop("config").model.to_dict()
+      print(json.dumps(dict(imported=imported, workdir=os.path.abspath(args.workdir), step=0, **summary, model=model)))
     else:
       if not args.out:
         raise ConfigError("--out is required to export: the directory to write the Hugging Face files to.")

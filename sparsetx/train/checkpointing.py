@@ -183,6 +183,19 @@ def _first_index(key: str, *orders: dict) -> int:
   return 0
 
 
+def _record_fits(saved, abstract) -> bool:
+  """Whether a saved record (its metadata tree, None when the step has none) has the shapes of `abstract`."""
+  if saved is None:
+    return not jax.tree.leaves(abstract)  # a model without sparse layers keeps no usage counts
+  shapes = lambda tree: {  # noqa: E731
+    jax.tree_util.keystr(path): tuple(getattr(leaf, "shape", ()))
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+  }
+  wanted = shapes(abstract.__dict__ if hasattr(abstract, "__dataclass_fields__") else abstract)
+  found = shapes(dict(saved) if isinstance(saved, dict) else saved)
+  return wanted == found
+
+
 class Checkpointer:
   """`step_flag` is the flag that picks another saved step, named when a step cannot be read."""
 
@@ -325,10 +338,13 @@ class Checkpointer:
     return config_from_saved(saved)
 
   def save(self, step: int, state, config: ml_collections.ConfigDict, data_state: dict | None) -> None:
-    """Saves `step` (asynchronously with config.checkpoint.async_save); `data_state` None for a step-0 start.
-    A failed save, this one or the one before it, raises a one-line `paths.StorageError` (see `check_saved`)."""
+    """Saves `step` (asynchronously with config.checkpoint.async_save); `data_state` None for a step-0 start,
+    `state` None for one whose state item is written apart (train/param_writer.py). A failed save, this one or the
+    one before it, raises a one-line `paths.StorageError` (see `check_saved`)."""
     self.check_saved(wait=True)
-    items = dict(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict()))
+    items = dict(config=ocp.args.JsonSave(config.to_dict()))
+    if state is not None:
+      items["state"] = ocp.args.StandardSave(state)
     if data_state is not None:
       items["data"] = ocp.args.JsonSave(data_state)
     self._saving = step, self._holding_echoes(step, reported=paths.StorageError).install()
@@ -379,7 +395,13 @@ class Checkpointer:
     config.train.spike_window; the usage counts of another model, or a sparsetx before they existed), starts
     empty; everything else is restored, with one warning naming what starts empty."""
     with self.reading(step):
-      misfits = [name for name in _RECORDS if not self._record_fits(step, name, getattr(abstract_state, name))]
+      saved = self._saved_tree(step)
+      if "opt_state" not in saved:
+        raise CheckpointError(
+          f"checkpoint step {step} in {self.directory} holds parameters only (a start written by an import), no "
+          "train state to restore; the trainer starts it with a fresh optimizer state (restore_params)."
+        )
+      misfits = [name for name in _RECORDS if not _record_fits(saved.get(name), getattr(abstract_state, name))]
       if not misfits:
         args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
         return self.manager.restore(step, args=args)["state"]
@@ -401,22 +423,13 @@ class Checkpointer:
     }
     return abstract_state.replace(**restored, **empty)
 
-  def _record_fits(self, step: int, name: str, abstract) -> bool:
-    """Whether the step holds the record `name` with the shapes of `abstract`."""
+  def _saved_tree(self, step: int) -> dict:
+    """The metadata tree of the state saved at `step` (arrays' shapes and dtypes by field)."""
     handler = ocp.StandardCheckpointHandler()
     try:
-      saved = handler.metadata(self.directory / str(step) / "state").tree.get(name)
+      return dict(handler.metadata(self.directory / str(step) / "state").tree)
     finally:
       handler.close()
-    if saved is None:
-      return not jax.tree.leaves(abstract)  # a model without sparse layers keeps no usage counts
-    shapes = lambda tree: {  # noqa: E731
-      jax.tree_util.keystr(path): tuple(getattr(leaf, "shape", ()))
-      for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-    }
-    wanted = shapes(abstract.__dict__ if hasattr(abstract, "__dataclass_fields__") else abstract)
-    found = shapes(dict(saved) if isinstance(saved, dict) else saved)
-    return wanted == found
 
   def _holding_echoes(self, step: int, reported: type[BaseException] = CheckpointError) -> held_errors.HeldErrors:
     """What a failed read or save of `step` echoes from orbax's other tasks, held while it runs (see held_errors)."""
