@@ -5,8 +5,10 @@ each tensor's mapping is exercised) is exported; plain `transformers` loads it a
 JAX model's; importing gives back the same bits; the trainer resumes from the imported step-0 checkpoint.
 """
 
+import errno
 import json
 import os
+import unittest.mock
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +16,9 @@ import ml_collections
 import numpy as np
 import pytest
 import seqio
+import test_workdir_fs
 from conftest import init_params, load_config
+from etils import epath
 from export_checks import assert_same_export
 
 from sparsetx import config as config_lib
@@ -26,6 +30,7 @@ from sparsetx.tools import build_vocab
 from sparsetx.train import checkpointing
 from sparsetx.train import state as state_lib
 
+fake_gcs = test_workdir_fs.fake_gcs  # the fixture
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
@@ -192,6 +197,47 @@ def test_import_checkpoint_export_round_trip_and_trainer_resume(exported, tmp_pa
   with pytest.raises(checkpointing.CheckpointError, match=r"^checkpoint step 0 in .+ holds parameters only"):
     checkpointer.restore_state(0, abstract)
   checkpointer.close()
+
+
+def test_import_from_gs_reads_each_shard_once_keeps_the_tokenizer_and_a_failed_read_leaves_nothing(tmp_path, fake_gcs):
+  config = neox_config(vocab_size=512)
+  config.data.vocab.update(
+    kind="sentencepiece", path=build_vocab.build_vocab(str(tmp_path / "spm"), 400, max_documents=200)
+  )
+  params = random_params(config)
+  cap = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(params)) // 4
+  export.write_hf(config, params, str(fake_gcs / "bucket" / "hf"), max_shard_size=cap)  # the bucket's files
+  fetched = []
+  copy = type(epath.Path("gs://bucket")._backend).copy  # noqa: SLF001  (the fake store's copy)
+
+  def counted(self, path, dst, overwrite):
+    fetched.append(os.path.basename(os.fspath(path)))
+    return copy(self, path, dst, overwrite)
+
+  workdir = tmp_path / "run"
+  with unittest.mock.patch.object(type(epath.Path("gs://bucket")._backend), "copy", counted):  # noqa: SLF001
+    summary = export.import_hf("gs://bucket/hf", str(workdir), max_shard_size=cap)
+  index = json.loads((fake_gcs / "bucket" / "hf" / "model.safetensors.index.json").read_text())
+  shards = sorted(set(index["weight_map"].values()))
+  assert len(shards) > 2 and sorted(n for n in fetched if n.endswith(".safetensors")) == shards  # each one once
+  assert summary["config"].data.vocab.path == str(workdir / "tokenizer" / "tokenizer.model")
+  saved_config, imported, step = checkpointing.load(str(workdir))  # the kept tokenizer passes the file checks
+  assert step == 0 and saved_config.data.vocab.kind == "sentencepiece"
+  assert_same_params(params, jax.device_get(imported))
+
+  def failing_third(self, path, dst, overwrite):
+    if "model-00003-of-" in os.fspath(path):
+      raise OSError(errno.EIO, "Input/output error", os.fspath(path))
+    return copy(self, path, dst, overwrite)
+
+  with unittest.mock.patch.object(type(epath.Path("gs://bucket")._backend), "copy", failing_third):  # noqa: SLF001
+    with pytest.raises(
+      config_lib.ConfigError, match=r"^gs://bucket/hf/model-00003-of-\d{5}.safetensors cannot be read \(Input/output"
+    ):
+      export.import_hf("gs://bucket/hf", str(tmp_path / "run2"), max_shard_size=cap)
+  assert sorted(os.listdir(tmp_path)) == ["buckets", "cwd", "run", "spm.model", "spm.vocab"]  # nothing staged left
+  with pytest.raises(config_lib.ConfigError, match=r"^'gs://nobucket/hf' is not a directory"):
+    export.import_hf("gs://nobucket/hf", str(tmp_path / "run3"))
 
 
 def test_errors_are_one_clear_sentence_and_nothing_is_overwritten(exported, tmp_path):

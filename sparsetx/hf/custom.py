@@ -128,6 +128,7 @@ def param_parts(model_config, tensors) -> Iterator[tuple[tuple, np.ndarray]]:
     array = np.asarray(tensors[name])
     _check_shape(name, array.shape, shape, "the weights")
     yield flax_path(name), array.astype(param_dtype, copy=False)
+    del array  # before the next read: a consumer that let go of it holds one tensor, not two
 
 
 def _check_shapes(model_config, tensors: dict, source: str) -> None:

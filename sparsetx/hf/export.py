@@ -27,7 +27,6 @@ from sparsetx import paths
 from sparsetx.data import check_files
 from sparsetx.hf import lazy_tensors, neox, output, shards, tokenizer_files, weight_files
 from sparsetx.hf.shards import WEIGHTS, WEIGHTS_INDEX
-from sparsetx.train import param_writer
 from sparsetx.train.param_reader import ParamReader
 
 KINDS = ("auto", "neox", "custom")
@@ -302,7 +301,14 @@ def _hf_parts(weights: weight_files.WeightFiles) -> tuple[ml_collections.ConfigD
   vocab = tokenizer_files.vocab_of(weights.local_dir)
   if vocab is not None:
     config.data.vocab = vocab
-  return config, ((path, _in_param_dtype(model, value)) for path, value in parts)
+  return config, _in_dtype(model, parts)
+
+
+def _in_dtype(model: ml_collections.ConfigDict, parts):
+  for path, value in parts:
+    value = _in_param_dtype(model, value)
+    yield path, value
+    del value  # before the next part is made (a generator's frame would hold it)
 
 
 # ---------------------------------------------------------------------------------------------- writing checkpoints
@@ -325,12 +331,14 @@ def import_hf(
   beginning); `python -m sparsetx.train --workdir=WORKDIR` with a config of the same model starts there with a
   fresh optimizer state. A gs:// directory's tokenizer file is kept in WORKDIR/tokenizer/.
   """
+  from sparsetx.train import param_writer  # noqa: PLC0415  (orbax's v1 API changes how an export's reads use memory)
+
   if paths.is_remote(workdir):  # the staged workdir's commit is a local rename
     raise ConfigError(
       f"--workdir={workdir!r} is a URL, but import writes a local directory (staged, then renamed into place); "
       "import to a local path, then copy it (e.g. gsutil -m cp -r)."
     )
-  group_bytes = shards.parse_size(max_shard_size)
+  cap = shards.parse_size(max_shard_size)
   output.check_target(workdir, overwrite, "--workdir", "checkpoints")
   if not paths.is_remote(hf_dir) and (_inside(hf_dir, workdir) or _inside(workdir, hf_dir)):
     raise ConfigError(f"--workdir={workdir!r} and the HF directory {hf_dir!r} overlap; give a new workdir.")
@@ -354,5 +362,5 @@ def import_hf(
       else:
         check_files(config_lib.validate(config))
       began = time.perf_counter()
-      written = param_writer.write_start(staged.path, config, parts, group_bytes)
+      written = param_writer.write_start(staged.path, config, parts, cap)
   return dict(config=config, seconds=time.perf_counter() - began, **written)

@@ -1,11 +1,11 @@
-"""Export's host memory and speed at two model sizes: `python -m sparsetx.tools.bench_export [--models=...]`.
+"""Export's and import's host memory and speed at two model sizes: `python -m sparsetx.tools.bench_export`.
 
 For each model (the tiny baseline, then the ladder's sgatlin rungs 2 and 4: 80M and 599M parameters, on tiny's
-data) a checkpoint with its full train state is written, then exported in a child process of its own with a shard
-cap small enough that the largest spans at least 8 shards. One table, side by side: each export's peak RSS above the
-baseline's (the same export of the tiny model: the program's own imports and constants), divided by the shard cap
-plus the model's largest tensor (the bound: at most 1.5), and the export's throughput beside a raw safetensors
-write of the same tensors in the same shards.
+data) a checkpoint with its full train state is written, exported and imported back, each in a child process of its
+own, with a cap small enough that the largest spans at least 8 shards. One table, side by side: each export's and
+import's peak RSS above the baseline's (the same of the tiny model: the program's own imports and constants),
+divided by the cap plus the model's largest tensor (the bound: at most 1.5), and the throughputs beside a raw
+safetensors write of the same tensors in the same shards.
 """
 
 import json
@@ -37,7 +37,9 @@ def define_flags() -> dict:
     models=flags.DEFINE_list("models", ["sgatlin2", "sgatlin4"], f"Models beside the tiny baseline: {list(MODELS)}."),
     max_shard_size=flags.DEFINE_string("max_shard_size", "256MB", "The export's shard cap."),
     scratch=flags.DEFINE_string("scratch", None, "Directory for the checkpoints and exports (default: a temp)."),
-    child=flags.DEFINE_string("child", None, "Internal: export WORKDIR,OUT here and print the measurements."),
+    child=flags.DEFINE_string(
+      "child", None, "Internal: export,WORKDIR,OUT or import,HF_DIR,WORKDIR here and print the measurements."
+    ),
   )
 
 
@@ -70,21 +72,26 @@ def peak_rss() -> int:
     return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
-def child_export(workdir: str, out: str, max_shard_size: str) -> dict:
-  """Exports in this process; its peak RSS, the seconds and the bytes written."""
+def child_run(kind: str, source: str, target: str, max_shard_size: str) -> dict:
+  """Exports (a workdir to an HF directory) or imports (back to a new workdir) in this process; its peak RSS, the
+  seconds and the bytes written."""
   from sparsetx.hf import export  # noqa: PLC0415
 
   began = time.perf_counter()
-  summary = export.export(workdir, out, max_shard_size=max_shard_size)
+  if kind == "export":
+    summary = export.export(source, target, max_shard_size=max_shard_size)
+  else:
+    summary = export.import_hf(source, target, max_shard_size=max_shard_size)
+    summary.pop("config")
   return dict(summary, seconds=time.perf_counter() - began, peak_rss=peak_rss())
 
 
-def measured_export(workdir: str, out: str, max_shard_size: str) -> dict:
-  """child_export in a new process (its peak RSS is its own)."""
-  command = [sys.executable, "-m", "sparsetx.tools.bench_export", f"--child={workdir},{out}"]
+def measured(kind: str, source: str, target: str, max_shard_size: str) -> dict:
+  """child_run in a new process (its peak RSS is its own)."""
+  command = [sys.executable, "-m", "sparsetx.tools.bench_export", f"--child={kind},{source},{target}"]
   result = subprocess.run([*command, f"--max_shard_size={max_shard_size}"], capture_output=True, text=True)
   if result.returncode:
-    raise RuntimeError(f"exporting {workdir} failed (exit {result.returncode}): {result.stderr.strip()[-2000:]}")
+    raise RuntimeError(f"{kind} of {source} failed (exit {result.returncode}): {result.stderr.strip()[-2000:]}")
   return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -120,7 +127,8 @@ def measure(names: list[str], max_shard_size: str, scratch: str, report=print) -
     write_checkpoint(config, workdir)
     shapes = hf_shapes(config)
     largest = max(4 * math.prod(shape) for shape in shapes.values())
-    found = measured_export(workdir, out, max_shard_size)
+    found = measured("export", workdir, out, max_shard_size)
+    imported = measured("import", out, os.path.join(scratch, name, "imported"), max_shard_size)
     raw_dir = os.path.join(scratch, name, "raw")
     os.makedirs(raw_dir)
     raw = raw_write_seconds(shapes, cap, raw_dir)
@@ -134,9 +142,12 @@ def measure(names: list[str], max_shard_size: str, scratch: str, report=print) -
       read_gb_s=found["bytes"] / found["read_seconds"] / 1e9,
       write_gb_s=found["bytes"] / found["write_seconds"] / 1e9,
       raw_gb_s=found["bytes"] / raw / 1e9,
+      import_peak_rss=imported["peak_rss"],
+      import_gb_s=imported["bytes"] / imported["seconds"] / 1e9,
     )
     if name != "tiny":
       row["rss_over_bound"] = (found["peak_rss"] - rows["tiny"]["peak_rss"]) / (cap + largest)
+      row["import_rss_over_bound"] = (imported["peak_rss"] - rows["tiny"]["import_peak_rss"]) / (cap + largest)
     rows[name] = row
     report(f"{name}: {json.dumps(row)}")
   return rows
@@ -144,18 +155,24 @@ def measure(names: list[str], max_shard_size: str, scratch: str, report=print) -
 
 def table(rows: dict, cap: int) -> str:
   lines = [
-    f"shard cap {cap / 1e6:.0f} MB. above/bound: peak RSS above the tiny export's over (cap + largest tensor), at "
-    "most 1.5. GB/s of the weights: the whole export; its reading (orbax, decompressing) and its writing; a raw "
-    "safetensors write of the same tensors in the same shards; write / raw",
+    f"shard cap {cap / 1e6:.0f} MB. above/bound: peak RSS above the tiny model's (its export, its import) over (cap + "
+    "largest tensor), at most 1.5. GB/s of the weights: the whole export; its reading (orbax, decompressing) and its "
+    "writing; a raw safetensors write of the same tensors in the same shards; write / raw; the whole import",
     f"{'model':9} {'params':>7} {'largest':>8} {'shards':>6} {'peak RSS':>9} {'above/bound':>11} "
-    f"{'export':>7} {'read':>7} {'write':>7} {'raw':>7} {'ratio':>6}",
+    f"{'export':>7} {'read':>7} {'write':>7} {'raw':>7} {'ratio':>6} | {'import RSS':>10} {'above/bound':>11} "
+    f"{'import':>7}",
   ]
   for name, row in rows.items():
-    above = f"{row['rss_over_bound']:.2f}" if "rss_over_bound" in row else "baseline"
+    above, import_above = (
+      (f"{row['rss_over_bound']:.2f}", f"{row['import_rss_over_bound']:.2f}")
+      if "rss_over_bound" in row
+      else ("baseline", "baseline")
+    )
     lines.append(
       f"{name:9} {row['parameters'] / 1e6:6.0f}M {row['largest_tensor'] / 1e6:6.0f}MB {row['shards']:6d} "
       f"{row['peak_rss'] / 2**30:6.2f}GiB {above:>11} {row['export_gb_s']:7.2f} {row['read_gb_s']:7.2f} "
-      f"{row['write_gb_s']:7.2f} {row['raw_gb_s']:7.2f} {row['write_gb_s'] / row['raw_gb_s']:6.2f}"
+      f"{row['write_gb_s']:7.2f} {row['raw_gb_s']:7.2f} {row['write_gb_s'] / row['raw_gb_s']:6.2f} | "
+      f"{row['import_peak_rss'] / 2**30:7.2f}GiB {import_above:>11} {row['import_gb_s']:7.2f}"
     )
   return "\n".join(lines)
 
@@ -165,8 +182,8 @@ def absl_main(argv, holders: dict) -> None:
   args = cli.flag_values(holders)
   try:
     if args.child:
-      workdir, out = args.child.split(",")
-      print(json.dumps(child_export(workdir, out, args.max_shard_size)))
+      kind, source, target = args.child.split(",")
+      print(json.dumps(child_run(kind, source, target, args.max_shard_size)))
       return
     unknown = [name for name in args.models if name not in MODELS or name == "tiny"]
     if unknown:

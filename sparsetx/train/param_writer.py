@@ -1,38 +1,46 @@
 """A step-0 checkpoint written from parameters given in parts (an HF import), never the whole model at once.
 
-Parts are gathered into groups of at most `group_bytes` and each group goes through orbax's partial save
-(orbax.checkpoint.experimental.v1.partial), which adds it to a pending pytree; the finalize merges them into the
-step's `state` item, which the trainer's step-0 start and every reader restore as any step's (parameters only: a
-step-0 start builds its fresh optimizer state, so none is written). The config item is saved by the run's own
-checkpoint manager. The workdir must be local and new (the import stages it); nothing else writes there meanwhile.
+Parts are moved into jax arrays on the host and gathered into groups of half of `max_bytes` (or one larger part),
+each one orbax partial save (orbax.checkpoint.experimental.v1.partial) into a pending pytree, which the finalize
+merges into the step's `state` item: at most about half the cap plus two parts are held. Parameters only: every
+reader of a step-0 start reads its params, and the trainer builds the optimizer state there. The config item is the
+run's own checkpoint manager's. More: docs/modules.md.
 """
 
 import jax
 import numpy as np
 from flax import traverse_util
+from orbax.checkpoint.experimental import v1 as ocp_v1
 from orbax.checkpoint.experimental.v1 import partial
 
 from sparsetx import paths
 from sparsetx.train import checkpointing
 
 PENDING = "params-pending"  # under the workdir while the parts are written (no leading dot: orbax globs it)
+# Uncompressed: tensorstore's compressed write holds a second buffer of the group (float weights shrink little).
+_UNCOMPRESSED = ocp_v1.options.ArrayOptions(saving=ocp_v1.options.ArrayOptions.Saving(use_compression=False))
 
 
-def write_start(workdir: str, config, parts, group_bytes: int) -> dict:
+def write_start(workdir: str, config, parts, max_bytes: int) -> dict:
   """Writes step 0 of the new local `workdir` from `parts`, (flax path, array or subtree of arrays) pairs; returns
-  its summary (the parameter count and bytes, and the most bytes held in one group)."""
+  its summary: the parameters, their bytes, and the most bytes of one group."""
   pending = paths.resolve(workdir) / PENDING
+  cpu = jax.devices("cpu")[0]  # host memory, also beside an accelerator
   group, held, largest, count, total = {}, 0, 0, 0, 0
-  with paths.writing(f"writing the step-0 checkpoint in {workdir}", f"nothing was left there; {paths.FREE_SPACE}"):
+  with (
+    paths.writing(f"writing the step-0 checkpoint in {workdir}", f"nothing was left there; {paths.FREE_SPACE}"),
+    ocp_v1.Context(array_options=_UNCOMPRESSED),
+  ):
     for path, value in parts:
-      group[path] = value
-      leaves = jax.tree.leaves(value)
+      group[path] = jax.device_put(value, cpu)  # orbax writes a jax array's host buffer as it is, numpy via copies
+      del value
+      leaves = jax.tree.leaves(group[path])
       held += sum(leaf.nbytes for leaf in leaves)
       count, total = count + sum(leaf.size for leaf in leaves), total + sum(leaf.nbytes for leaf in leaves)
-      if held >= group_bytes:
+      if 2 * held >= max_bytes:
         largest = max(largest, held)
         _save(pending, group)
-        group, held = {}, 0
+        held = 0
     largest = max(largest, held)
     _save(pending, group)
     partial.save(pending, {"step": np.zeros((), np.int32)})
@@ -49,7 +57,7 @@ def write_start(workdir: str, config, parts, group_bytes: int) -> dict:
 
 
 def _save(pending, group: dict) -> None:
-  """One partial save of `group` ({flax path: array or subtree}) as the part of the params tree it is."""
+  """One partial save of `group` ({flax path: array or subtree}) as the part of the params tree it is; emptied."""
   if group:
     partial.save(pending, {"params": traverse_util.unflatten_dict(group)})
     group.clear()
