@@ -250,6 +250,7 @@ def param_parts(model: ml_collections.ConfigDict, tensors) -> Iterator[tuple[laz
       },
     }
     yield (f"layers_{i}",), layer
+    del layer, attention  # before the next layer is read (see custom.param_parts)
   yield (
     ("final_norm",),
     {

@@ -17,8 +17,6 @@ from sparsetx import paths
 from sparsetx.train import checkpointing
 
 PENDING = "params-pending"  # under the workdir while the parts are written (no leading dot: orbax globs it)
-# Uncompressed: tensorstore's compressed write holds a second buffer of the group (float weights shrink little).
-_UNCOMPRESSED = ocp_v1.options.ArrayOptions(saving=ocp_v1.options.ArrayOptions.Saving(use_compression=False))
 
 
 def write_start(workdir: str, config, parts, max_bytes: int) -> dict:
@@ -29,7 +27,7 @@ def write_start(workdir: str, config, parts, max_bytes: int) -> dict:
   group, held, largest, count, total = {}, 0, 0, 0, 0
   with (
     paths.writing(f"writing the step-0 checkpoint in {workdir}", f"nothing was left there; {paths.FREE_SPACE}"),
-    ocp_v1.Context(array_options=_UNCOMPRESSED),
+    _uncompressed(),
   ):
     for path, value in parts:
       group[path] = jax.device_put(value, cpu)  # orbax writes a jax array's host buffer as it is, numpy via copies
@@ -54,6 +52,14 @@ def write_start(workdir: str, config, parts, max_bytes: int) -> dict:
     (pending / "state").rename(checkpointer.directory / "0" / "state")
     pending.rmtree()
   return dict(params=count, bytes=total, largest_group_bytes=largest)
+
+
+def _uncompressed() -> ocp_v1.Context:
+  """Orbax's context for the saves: tensorstore's compressed write holds a second buffer of the group, and float
+  weights shrink little."""
+  context = ocp_v1.Context()
+  context.array.saving.use_compression = False
+  return context
 
 
 def _save(pending, group: dict) -> None:
