@@ -27,6 +27,7 @@ from sparsetx import paths
 from sparsetx.data import check_files
 from sparsetx.hf import lazy_tensors, neox, output, shards, tokenizer_files, weight_files
 from sparsetx.hf.shards import WEIGHTS, WEIGHTS_INDEX
+from sparsetx.train import param_writer
 from sparsetx.train.param_reader import ParamReader
 
 KINDS = ("auto", "neox", "custom")
@@ -321,9 +322,9 @@ def import_hf(
   config: ml_collections.ConfigDict | None = None,
   max_shard_size: str | int = shards.MAX_SHARD_SIZE,
 ) -> dict:
-  """Writes the model of `hf_dir` (local or gs://) as the step-0 checkpoint of a new local `workdir`, one group of
-  at most `max_shard_size` bytes of parameters at a time (train/param_writer.py); returns a summary: the config
-  saved (`config`), the parameters and their bytes, the most bytes written at once and the seconds taken.
+  """Writes the model of `hf_dir` (local or gs://) as the step-0 checkpoint of a new local `workdir`, holding about
+  `max_shard_size` bytes of parameters at a time (train/param_writer.py); returns a summary: the config saved
+  (`config`), the parameters and their bytes, the largest group written and the seconds taken.
 
   `config` (optional) is the training config to continue with: its data, train, checkpoint and mesh
   sections are kept and its model section is replaced by the imported one (its compute dtype and
@@ -331,8 +332,6 @@ def import_hf(
   beginning); `python -m sparsetx.train --workdir=WORKDIR` with a config of the same model starts there with a
   fresh optimizer state. A gs:// directory's tokenizer file is kept in WORKDIR/tokenizer/.
   """
-  from sparsetx.train import param_writer  # noqa: PLC0415  (orbax's v1 API changes how an export's reads use memory)
-
   if paths.is_remote(workdir):  # the staged workdir's commit is a local rename
     raise ConfigError(
       f"--workdir={workdir!r} is a URL, but import writes a local directory (staged, then renamed into place); "

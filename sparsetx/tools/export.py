@@ -32,7 +32,7 @@ def define_flags() -> dict:
       "max_shard_size",
       "5GB",
       "Export: the largest safetensors shard (transformers' units: 5GB, 500MB); a tensor larger than it gets a "
-      "shard of its own. Import: the most parameter bytes written at once.",
+      "shard of its own. Import: the parameter bytes held at once (written in groups of half of it).",
     ),
     import_from=flags.DEFINE_string("import_from", None, "Import: an HF directory to convert into a checkpoint."),
     config=cli.define_config_file("config", None, "Import: the training config (data, train) to continue with."),
