@@ -117,8 +117,12 @@ def fitting(fix: str, words: str) -> str:
 
 def write_text_atomically(path: epath.Path, text: str) -> None:
   """Writes `path` so that a reader (or a crash) sees the old content or the new, never half of it."""
+  write_bytes_atomically(path, text.encode())
+
+
+def write_bytes_atomically(path: epath.Path, data: bytes) -> None:
   staged = path.parent / f".{path.name}.partial"
-  staged.write_text(text)
+  staged.write_bytes(data)
   staged.replace(path)
 
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import linen as nn
+from flax import traverse_util
 
 Path = tuple[str, ...]  # a flax parameter path: ('layers_0', 'attention', 'query', 'kernel')
 
@@ -39,19 +40,12 @@ def made(tensor: HfTensor, arrays: dict[Path, np.ndarray]) -> np.ndarray:
 
 def tree_reader(params) -> Callable[[list[Path]], dict[Path, np.ndarray]]:
   """`read` over a param tree in memory (numpy or jax arrays, boxed or not): {path: array} of the paths asked."""
-  params = nn.unbox(params)
-  return lambda wanted: {path: np.asarray(_get(params, path)) for path in wanted}
+  flat = traverse_util.flatten_dict(nn.unbox(params))
+  return lambda wanted: {path: np.asarray(flat[path]) for path in wanted}
 
 
 def tree_shapes(params) -> dict[Path, tuple]:
-  flat = jax.tree_util.tree_flatten_with_path(nn.unbox(params))[0]
-  return {tuple(k.key for k in path): tuple(np.shape(leaf)) for path, leaf in flat}
-
-
-def _get(tree, path: Path):
-  for part in path:
-    tree = tree[part]
-  return tree
+  return {path: tuple(np.shape(leaf)) for path, leaf in traverse_util.flatten_dict(nn.unbox(params)).items()}
 
 
 def param_shapes(model_config) -> dict[Path, tuple]:

@@ -1,11 +1,14 @@
 """Size-capped safetensors shards and their index, named as transformers' save_pretrained names them.
 
-The rule is huggingface_hub's (split_state_dict_into_shards_factory): tensors in order fill a shard until the next
-would pass the cap; a tensor larger than the cap gets a shard of its own. One shard is `model.safetensors` with no
-index; n shards are `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`.
+The plan is huggingface_hub's own (split_state_dict_into_shards_factory, on the tensors' sizes alone): tensors in
+order fill a shard until the next would pass the cap; a tensor larger than the cap gets a shard of its own. One shard
+is `model.safetensors` with no index; n shards are `model-0000i-of-0000n.safetensors` with
+`model.safetensors.index.json`.
 """
 
 import re
+
+from huggingface_hub.serialization import split_state_dict_into_shards_factory
 
 from sparsetx.config import ConfigError
 
@@ -28,22 +31,10 @@ def parse_size(size: str | int) -> int:
 
 def plan(sizes: dict[str, int], cap: int) -> dict[str, list[str]]:
   """{file name: its tensors' names, in order} for tensors of `sizes` (bytes, in the order written)."""
-  shards, current, current_size = [], [], 0
-  for name, size in sizes.items():
-    if size > cap:
-      shards.append([name])
-      continue
-    if current and current_size + size > cap:
-      shards.append(current)
-      current, current_size = [], 0
-    current.append(name)
-    current_size += size
-  if current:
-    shards.append(current)
-  if len(shards) <= 1:
-    return {WEIGHTS: shards[0] if shards else []}
-  n = len(shards)
-  return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": names for i, names in enumerate(shards)}
+  split = split_state_dict_into_shards_factory(
+    sizes, get_storage_size=lambda size: size, filename_pattern="model{suffix}.safetensors", max_shard_size=cap
+  )
+  return split.filename_to_tensors if sizes else {WEIGHTS: []}
 
 
 def index(files: dict[str, list[str]], sizes: dict[str, int]) -> dict:

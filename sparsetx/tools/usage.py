@@ -7,12 +7,13 @@ dark cell), per MoE layer its experts, per FFF layer each tree's leaves. More: R
 """
 
 import json
-import math
 
+import ml_collections
 import numpy as np
 from absl import flags
 
 from sparsetx import cli, paths
+from sparsetx import config as config_lib
 from sparsetx.config import ConfigError
 
 
@@ -49,20 +50,13 @@ def windows(workdir) -> dict[str, dict[str, list]]:
 
 def heat_map(ffn, counts_U) -> np.ndarray:
   """The last window's counts as rows to draw: sub-keys of both halves per channel, experts, or leaves per tree."""
+  from sparsetx.train import usage_window  # noqa: PLC0415  (after flags: a fast --help)
+
   if ffn["type"] in ("sgatlin", "peer"):
-    n_keys = math.isqrt(ffn["d_ffw"])
-    grid_CIJ = counts_U.reshape(-1, n_keys, n_keys)
-    return np.concatenate([grid_CIJ.sum(2), grid_CIJ.sum(1)], axis=1)
+    return np.concatenate(usage_window.subkey_counts(ffn, counts_U), axis=1)
   if ffn["type"] == "fff":
-    return counts_U.reshape(ffn["n_trees"], -1)[:, 2 ** ffn["depth"] - 1 :]
+    return usage_window.leaf_counts(ffn, counts_U)
   return counts_U.reshape(1, -1)
-
-
-def layer_ffn(model: dict, layer: str) -> dict:
-  """The ffn config of `layers_i` (a mixed model's dense layers keep dense_ffn)."""
-  listed = [int(i) for i in str(model.get("ffn_layers", "")).split(",") if i.strip()]
-  index = int(layer.removeprefix("layers_"))
-  return model["ffn"] if not listed or index in listed else model["dense_ffn"]
 
 
 def draw(workdir: str, out: str) -> str:
@@ -73,7 +67,7 @@ def draw(workdir: str, out: str) -> str:
 
   series = windows(workdir)
   resolved = paths.resolve(workdir)
-  model = json.loads((resolved / "config.json").read_text())["model"]
+  model = ml_collections.ConfigDict(json.loads((resolved / "config.json").read_text())["model"])
   last_path = resolved / "usage_last_window.npz"
   last = dict(np.load(last_path.open("rb"))) if last_path.exists() else {}
   layers = sorted(series, key=lambda name: int(name.removeprefix("layers_")))
@@ -92,11 +86,11 @@ def draw(workdir: str, out: str) -> str:
     if layer not in last:
       ax.set_axis_off()
       continue
-    ffn = layer_ffn(model, layer)
+    ffn = config_lib.layer_ffn_config(model, int(layer.removeprefix("layers_")))
     image = ax.imshow(np.log1p(heat_map(ffn, np.asarray(last[layer]))), aspect="auto", cmap="magma")
     what = {"sgatlin": "sub-keys: half 1 | half 2, a row per channel", "peer": "sub-keys: half 1 | half 2"}
     what.update(moe="experts", fff="leaves, a row per tree")
-    ax.set_title(f"{layer} ({ffn['type']}): {what.get(ffn['type'], 'units')}, window ending at step {step}", fontsize=9)
+    ax.set_title(f"{layer} ({ffn.type}): {what.get(ffn.type, 'units')}, window ending at step {step}", fontsize=9)
     fig.colorbar(image, ax=ax, label="log(1 + picks)")
   fig.tight_layout()
   paths.save_figure(fig, out)

@@ -8,6 +8,7 @@ the checkpoint's metadata before anything is read.
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from flax import traverse_util
 
 from sparsetx import config as config_lib
 from sparsetx.data import check_training_files
@@ -31,32 +32,24 @@ class ParamReader:
     except BaseException:
       self._checkpointer.close()
       raise
-    flat = jax.tree_util.tree_flatten_with_path(metadata)[0]
-    self.shapes = {_path(keys): tuple(leaf.shape) for keys, leaf in flat}
-    self._dtypes = {_path(keys): np.dtype(leaf.dtype) for keys, leaf in flat}
+    flat = traverse_util.flatten_dict(dict(metadata))
+    self.shapes = {path: tuple(leaf.shape) for path, leaf in flat.items()}
+    self._dtypes = {path: np.dtype(leaf.dtype) for path, leaf in flat.items()}
     self._reader = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
 
   def read(self, wanted: list[Path]) -> dict[Path, np.ndarray]:
     """The arrays at `wanted` (as saved: shapes and dtypes), read from storage now in one restore (orbax reads
     them in parallel)."""
-    item = {}
-    for path in wanted:
-      node = item.setdefault("params", {})
-      for part in path[:-1]:
-        node = node.setdefault(part, {})
-      node[path[-1]] = jax.ShapeDtypeStruct(self.shapes[path], self._dtypes[path])
+    item = {
+      "params": traverse_util.unflatten_dict({p: jax.ShapeDtypeStruct(self.shapes[p], self._dtypes[p]) for p in wanted})
+    }
     restore_args = jax.tree.map(lambda a: ocp.RestoreArgs(restore_type=np.ndarray, dtype=a.dtype), item)
     with self._checkpointer.reading(self.step):
       restored = self._reader.restore(
         self._directory, args=ocp.args.PyTreeRestore(item, restore_args=restore_args, partial_restore=True)
       )
-    found = {}
-    for path in wanted:
-      node = restored["params"]
-      for part in path:
-        node = node[part]
-      found[path] = node
-    return found
+    flat = traverse_util.flatten_dict(restored["params"])
+    return {path: flat[path] for path in wanted}
 
   def close(self) -> None:
     self._reader.close()
@@ -67,7 +60,3 @@ class ParamReader:
 
   def __exit__(self, *exc) -> None:
     self.close()
-
-
-def _path(keys) -> Path:
-  return tuple(str(getattr(k, "key", k)) for k in keys)

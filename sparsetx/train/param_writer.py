@@ -33,8 +33,8 @@ def write_start(workdir: str, config, parts, max_bytes: int) -> dict:
       group[path] = jax.device_put(value, cpu)  # orbax writes a jax array's host buffer as it is, numpy via copies
       del value
       leaves = jax.tree.leaves(group[path])
-      held += sum(leaf.nbytes for leaf in leaves)
-      count, total = count + sum(leaf.size for leaf in leaves), total + sum(leaf.nbytes for leaf in leaves)
+      nbytes = sum(leaf.nbytes for leaf in leaves)
+      held, total, count = held + nbytes, total + nbytes, count + sum(leaf.size for leaf in leaves)
       if 2 * held >= max_bytes:
         largest = max(largest, held)
         _save(pending, group)

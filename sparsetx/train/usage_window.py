@@ -11,6 +11,7 @@ More: docs/modules.md.
 """
 
 import io
+import math
 
 import jax
 import jax.numpy as jnp
@@ -64,19 +65,31 @@ def stats(ffn, counts_U) -> dict[str, float]:
     gini=gini(counts_U),
     max_load=float(counts_U.max() / max(total / n, 1e-30)),
   )
-  if ffn.type in ("sgatlin", "peer"):  # neuron i*n_keys + j: sub-key i of the first half, j of the second
-    n_keys = round(ffn.d_ffw**0.5)
-    grid_CIJ = counts_U.reshape(-1, n_keys, n_keys)
-    found["dead_subkeys_half1"] = float((grid_CIJ.sum(2) == 0).mean())
-    found["dead_subkeys_half2"] = float((grid_CIJ.sum(1) == 0).mean())
+  if ffn.type in ("sgatlin", "peer"):
+    half1_CI, half2_CJ = subkey_counts(ffn, counts_U)
+    found["dead_subkeys_half1"] = float((half1_CI == 0).mean())
+    found["dead_subkeys_half2"] = float((half2_CJ == 0).mean())
   if ffn.type == "fff":
-    leaves_PL = counts_U.reshape(ffn.n_trees, -1)[:, 2**ffn.depth - 1 :]
+    leaves_PL = leaf_counts(ffn, counts_U)
     share_PL = leaves_PL / np.maximum(leaves_PL.sum(1, keepdims=True), 1e-30)
     found["top_leaf_share"] = float(share_PL.max(1).mean())
     found["path_entropy"] = float(
       -np.sum(np.where(share_PL > 0, share_PL * np.log2(np.where(share_PL > 0, share_PL, 1.0)), 0.0), 1).mean()
     )
   return found
+
+
+def subkey_counts(ffn, counts_U) -> tuple[np.ndarray, np.ndarray]:
+  """Picks per sub-key of each half, per channel, of sgatlin's or PEER's neuron counts: neuron i*n_keys + j is
+  sub-key i of the first half and j of the second. `ffn`: its config (a ConfigDict, or a dict as config.json has it)."""
+  n_keys = math.isqrt(ffn["d_ffw"])
+  grid_CIJ = np.asarray(counts_U).reshape(-1, n_keys, n_keys)
+  return grid_CIJ.sum(2), grid_CIJ.sum(1)
+
+
+def leaf_counts(ffn, counts_U) -> np.ndarray:
+  """Picks per leaf of each FFF tree, from its node counts in heap order (the leaves the last half)."""
+  return np.asarray(counts_U).reshape(ffn["n_trees"], -1)[:, 2 ** ffn["depth"] - 1 :]
 
 
 def gini(counts) -> float:
@@ -107,9 +120,7 @@ class Reader:
       buffer = io.BytesIO()
       np.savez(buffer, step=step, **usage)
       with paths.writing(f"writing {self._workdir / LAST_WINDOW}", paths.FREE_SPACE):
-        staged = self._workdir / f".{LAST_WINDOW}.partial"
-        staged.write_bytes(buffer.getvalue())
-        staged.replace(self._workdir / LAST_WINDOW)
+        paths.write_bytes_atomically(self._workdir / LAST_WINDOW, buffer.getvalue())
     return state.replace(usage=self._zeros())
 
 
