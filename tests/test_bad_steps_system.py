@@ -18,9 +18,8 @@ from test_train import finish, losses, micro_config, wait_for_steps
 from sparsetx.train import loop, recovery
 
 TESTS = str(REPO / "tests")
-SETTINGS = dict(
-  steps=24, warmup_steps=5, log_every=1, eval_every=1000, eval_batches=1, spike_window=5, max_bad_in_row=2
-)
+SETTINGS = dict(steps=24, warmup_steps=5, log_every=1, eval_every=1000, eval_batches=1, spike_window=5)
+BAD_IN_ROW = dict(skip=3, rollback=2)  # skip: the two spikes in a row go by; rollback: they roll back
 
 
 def flags(mode: str) -> list[str]:
@@ -31,13 +30,14 @@ def flags(mode: str) -> list[str]:
     "--config.data.shuffle_buffer=64",
     *(f"--config.train.{k}={v}" for k, v in SETTINGS.items()),
     f"--config.train.bad_steps={mode}",
+    f"--config.train.max_bad_in_row={BAD_IN_ROW[mode]}",
     "--config.checkpoint.every=4",
     "--config.checkpoint.keep=10",
   ]
 
 
 def config(mode: str):
-  config = micro_config("mlp", bad_steps=mode, **SETTINGS)
+  config = micro_config("mlp", bad_steps=mode, **dict(SETTINGS, max_bad_in_row=BAD_IN_ROW[mode]))
   config.checkpoint.update(every=4, keep=10)
   return config
 
@@ -107,12 +107,12 @@ def test_two_processes_roll_back_together(tmp_path, monkeypatch):
   assert launcher.returncode == 0, launcher.stdout[-3000:] + launcher.stderr[-3000:]
   for process in (0, 1):  # each process decided at the same step, from the same metrics
     log = (logs / f"process_{process}.log").read_text()
-    assert "Rolled back to step 8 after step 13 (2 steps skipped in a row" in log, log[-3000:]
+    assert "Rolled back to step 12 after step 13 (2 steps skipped in a row" in log, log[-3000:]
   windows = json.loads((two / recovery.RECORD).read_text())["windows"]
-  assert [(w["steps"], w["restored_step"]) for w in windows] == [("9:13", 8)]  # before the first bad step, 12
+  assert [(w["steps"], w["restored_step"]) for w in windows] == [("13:13", 12)]  # step 12, skipped, kept step 11's
   poisoned_stream.install(monkeypatch, spikes=[12, 13])
   loop.train(config("rollback"), str(one))  # one process, 8 devices: the same decisions, the same batches
-  assert json.loads((one / recovery.RECORD).read_text())["windows"][0]["steps"] == "9:13"
+  assert json.loads((one / recovery.RECORD).read_text())["windows"][0]["steps"] == "13:13"
   want, got = losses(one), losses(two)
   assert sorted(got) == list(range(1, 25))
   # Another reduction order across processes (gloo): float32 rounding, far below a batch's difference.

@@ -236,6 +236,13 @@ def validate_train(
     f"config.train.step_timeout_s={timeout!r} must be seconds >= 0 (0: no watchdog), or None to derive it from "
     "the measured step times.",
   )
+  for kind in ("compile", "save", "restore"):
+    timeout = train.get(f"{kind}_timeout_s")
+    _require(
+      timeout is None or (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0),
+      f"config.train.{kind}_timeout_s={timeout!r} must be seconds > 0, or None to derive it from the measured "
+      f"{kind} times (config.train.step_timeout_s=0 turns the watchdog off).",
+    )
   minutes = checkpoint.get("every_minutes", 0.0)
   _require(
     isinstance(minutes, (int, float)) and not isinstance(minutes, bool) and minutes >= 0,
@@ -282,8 +289,13 @@ def validate_bad_steps(train: ml_collections.ConfigDict) -> None:
     isinstance(sigmas, (int, float)) and not isinstance(sigmas, bool) and sigmas > 0,
     f"config.train.spike_sigmas={sigmas!r} must be a positive number of standard deviations (6 is Levanter's).",
   )
-  for field in ("spike_window", "max_bad_in_row"):
+  for field in ("spike_window", "max_bad_in_row", "skipped_share_window"):
     _positive_int(f"config.train.{field}", train.get(field, 1))
+  share = train.get("max_skipped_share", 0.05)
+  _require(
+    isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share < 1,
+    f"config.train.max_skipped_share={share!r} must be a fraction in [0, 1) of config.train.skipped_share_window.",
+  )
   rollbacks = train.get("max_rollbacks", 0)
   _require(
     isinstance(rollbacks, int) and not isinstance(rollbacks, bool) and rollbacks >= 0,

@@ -276,21 +276,37 @@ def train_defaults() -> ml_collections.ConfigDict:
       #   stop: every update is applied; a non-finite loss, gradient norm or parameter norm ends the run (exit 3).
       #   skip: an update whose loss or gradient norm is non-finite, or spikes (above the mean + spike_sigmas
       #     standard deviations of the last spike_window accepted steps), is not applied; the step counter, the
-      #     schedule's step and the data stream go on. A non-finite parameter norm still ends the run.
+      #     schedule's step and the data stream go on. max_bad_in_row skipped steps in a row, more than
+      #     max_skipped_share of the last skipped_share_window steps, or a non-finite parameter norm end the run
+      #     (exit 3), naming the steps and the fix.
       #   rollback: skip, and after max_bad_in_row skipped steps in a row (or on a non-finite parameter norm)
-      #     restore the newest checkpoint before them and step over their data (recorded in the workdir).
+      #     restore the newest checkpoint whose parameters are those before them (one saved inside the row
+      #     included) and step over their data (recorded in the workdir); the skipped share ends it as under skip.
       # Default stop: a short or comparative run (the ladder, a sweep) must show a spike, not step over it; long
       # runs (configs/large.py) take skip.
       bad_steps="stop",
       spike_sigmas=6.0,  # skip / rollback: a spike lies more than this many standard deviations above the mean
       spike_window=100,  # accepted steps whose loss and gradient norm the mean and deviation are taken over
-      max_bad_in_row=5,  # rollback: this many skipped steps in a row roll back
+      # skip / rollback: this many skipped steps in a row end the run (skip) or roll back (rollback). Five: a 6-sigma
+      # spike recurring five times running is no spike; the run has diverged or its data went bad.
+      max_bad_in_row=5,
+      # skip / rollback: the run ends when more than this share of the last skipped_share_window steps it read were
+      # skipped (judged once that many were read). 10 of 200: a healthy run skips at a 6-sigma rate, PaLM's 540B
+      # run about 20 spikes in its whole run; skips this often are instability, and already 5% of the compute.
+      max_skipped_share=0.05,
+      skipped_share_window=200,
       max_rollbacks=3,  # rollback: rollbacks recorded in one workdir before the run stops (exit 3)
       # The hang watchdog (sparsetx/train/watchdog.py): when nothing finishes (a step, an evaluation batch, a
-      # save call) for this many seconds, every process writes its threads' stacks and one error line and exits
-      # with code 6, which the deploy/ recipes restart on. None: derived, max(300 s, 20 x the slowest of the last
-      # 100 steps), armed once the first step (its compile) is done; 0: off.
+      # save call) within its limit, every process writes its threads' stacks and one error line and exits with
+      # code 6, which the deploy/ recipes restart on. step_timeout_s: steps and data reads; None: derived,
+      # max(300 s, 20 x the slowest of the last 100 steps), armed once the first step is done; 0: the watchdog off.
       step_timeout_s=ml_collections.config_dict.placeholder(float),
+      # What is slow on purpose has its own limit, None: derived, max(1,800 s, 4 x the slowest of its kind measured
+      # in the run). compile: the first train step and the first evaluation; save: a save call (it waits for the
+      # previous save) and the last save's wait; restore: a rollback's wait and restore.
+      compile_timeout_s=ml_collections.config_dict.placeholder(float),
+      save_timeout_s=ml_collections.config_dict.placeholder(float),
+      restore_timeout_s=ml_collections.config_dict.placeholder(float),
       # JAX's persistent compilation cache (sparsetx/train/compile_cache.py): a restart reads the compiled step.
       # "" = <workdir>/compilation_cache (gs:// works); JAX_COMPILATION_CACHE_DIR in the environment wins.
       compilation_cache=True,

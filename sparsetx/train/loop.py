@@ -3,6 +3,8 @@
 More: docs/modules.md, sparsetx/train/loop.py.
 """
 
+import contextlib
+import functools
 import json
 import math
 import signal
@@ -60,6 +62,12 @@ class _Agreement:
     """A checkpoint was saved (by step count or time): the save clock starts again."""
     self._saved_at = time.monotonic()
 
+  def rewound(self, step: int) -> None:
+    """A rollback restored `step`: the next agreement is at the next step (every process rolled back at the same
+    step, so all agree on it), and the save clock starts again from the restored checkpoint."""
+    self._next = step + 1
+    self.saved()
+
   def read(self, step_s: float | None) -> None:
     """A step's metrics were read, with the host's measure of its time (None: not a plain step)."""
     self._step_s = step_s or self._step_s
@@ -116,6 +124,7 @@ class _StepReader:
     self._compiled = False  # the first step read includes the compilation: its time is left out of the rates
     self._since, self._steps_since = time.time(), 0  # for the ETA: every step after the first, evaluations included
     self.saved_step = saved_step  # named by the divergence message
+    self.recent = recovery.recent_skips(config.train)  # which of the last steps were skipped (the share's bound)
     self.last = {}  # the last metrics logged
 
   def exclude(self, seconds: float) -> None:
@@ -130,7 +139,7 @@ class _StepReader:
 
   def read(self) -> None:
     """Reads the pending step's metrics (waiting for the devices); a bad step is printed, or raises
-    NonFiniteLossError naming the step, or recovery.RollBack (recovery.verdict)."""
+    NonFiniteLossError naming the step, or recovery.RollBack or BadStepsError (recovery.verdict)."""
     if self._pending is None:
       return
     (step, metrics), self._pending = self._pending, None
@@ -144,7 +153,7 @@ class _StepReader:
     now = time.time()
     step_s, self._read_at, self._plain = (now - self._read_at if self._plain else None), now, True
     self._on_read(step, step_s)
-    recovery.verdict(step, health, self._train, self.saved_step)
+    recovery.verdict(step, health, self._train, self.saved_step, self.recent)
     self._progress(step)
     if step % self._train.log_every == 0 or step == self._train.steps:
       elapsed = time.time() - self._window_start
@@ -261,62 +270,88 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   check_training_files(config_lib.validate(config))
   check_workdir(workdir)
   clock = goodput.Goodput(workdir, started)
-  compile_cache.use(config.train, workdir)
-  config = pretokenize.train_corpus(config, workdir)  # the corpus the stream reads: given, or written in workdir
-  with autotune_table.used(config.train.autotune):  # off: the kernel table is neither read nor written
-    if taken := autotune_table.take_from(paths.resolve(workdir)):
-      logging.info("Took %d measured kernel choices from %s.", taken, paths.resolve(workdir) / "autotune.json")
-    built = state_lib.setup(config)
-    if config.train.autotune and jax.process_count() == 1:  # the device picks its kernels before the step compiles
-      autotune.ensure_tuned(config, built, report=logging.info)
-      autotune_table.keep_in(paths.resolve(workdir))
-    with logical_rules.activate(built.mesh, config.mesh.rules):  # sparse layers trace their expert-parallel form
-      last = _run(config, workdir, built, started, clock)
+  try:
+    with compile_cache.used(config.train, workdir):
+      config = pretokenize.train_corpus(config, workdir)  # the corpus the stream reads: given, or written in workdir
+      with autotune_table.used(config.train.autotune):  # off: the kernel table is neither read nor written
+        if taken := autotune_table.take_from(paths.resolve(workdir)):
+          logging.info("Took %d measured kernel choices from %s.", taken, paths.resolve(workdir) / "autotune.json")
+        built = state_lib.setup(config)
+        if config.train.autotune and jax.process_count() == 1:  # the device picks its kernels before the step compiles
+          autotune.ensure_tuned(config, built, report=logging.info)
+          autotune_table.keep_in(paths.resolve(workdir))
+        with logical_rules.activate(built.mesh, config.mesh.rules):  # sparse layers trace their expert-parallel form
+          last = _run(config, workdir, built, started, clock)
+  except BaseException:
+    with contextlib.suppress(Exception):  # the failure's own error is the one to report
+      clock.save()  # not ended: a restart counts the time from here to itself as lost
+    raise
   clock.save()  # after the run's teardown (the last save's wait included): the parts cover the trainer's wall time
   if jax.process_index() == 0:
     logging.info("%s", clock.table())
   return last
 
 
-def _start(config, built: state_lib.Setup, checkpointer, data_iterator, step: int | None):
-  """(state, step) at saved `step` with the stream at its position: a run's start, a resume, or a rollback's
-  restore. None: the config's fresh state and the stream's start."""
+def _seek(checkpointer, data_iterator, step: int | None) -> None:
+  """The stream at saved `step`'s position (None or 0: the start)."""
+  if step:
+    data_iterator.restore(checkpointer.data_state(step), f"step {step} in {checkpointer.directory}")
+  else:
+    data_iterator.seek(0)
+
+
+def _state_at(config, built: state_lib.Setup, checkpointer, step: int | None):
+  """The train state saved at `step`; None: the config's fresh state."""
   if step == 0:  # a start written by sparsetx/tools/sparsify.py: its parameters, fresh optimizer state and data stream
     params = checkpointer.restore_params(0, built.abstract_state.params)
-    data_iterator.seek(0)
     logging.info("Starting from the step-0 parameters in %s.", checkpointer.directory)
-    return state_lib.state_from_params(params, built.shardings, built.model, built.tx, config.train), 0
+    return state_lib.state_from_params(params, built.shardings, built.model, built.tx, config.train)
   if step is None:
-    data_iterator.seek(0)
-    return state_lib.create_state(config, built.shardings, built.model, built.tx), 0
-  data_iterator.restore(checkpointer.data_state(step), f"step {step} in {checkpointer.directory}")
+    return state_lib.create_state(config, built.shardings, built.model, built.tx)
   state = checkpointer.restore_state(step, built.abstract_state)
   logging.info("Resumed from %s at step %d.", checkpointer.directory, step)
-  return state, step
+  return state
 
 
-def _roll_back(config, workdir, built, checkpointer, data_iterator, trouble: recovery.RollBack, position: int):
-  """Restores the newest complete checkpoint before `trouble.first_bad` (or the start) and records the data from
-  it through the bad step's batch (0-based stream `position`) as a window every later run steps over."""
+def _roll_back(config, workdir, built, checkpointer, data_iterator, trouble: recovery.RollBack, window, watchdog):
+  """Restores the newest complete checkpoint at or before `trouble.usable` and records the data from it through the
+  bad step's batch as a window every later run steps over (before the restore, so a restart after a kill during it
+  steps over the window too). `window`: the bad row's batches (1-based stream positions)."""
   recovery.check_rollbacks_left(workdir, config.train, trouble)
+  watchdog.doing(f"the wait for the last save, for the rollback after step {trouble.step}", "save")
   checkpointer.wait()
   checkpointer.manager.reload()
-  target = max((s for s in checkpointer.manager.all_steps() if s < trouble.first_bad), default=None)
-  state, step = _start(config, built, checkpointer, data_iterator, target)
-  start = data_iterator.unskipped(data_iterator.step) + 1
-  recovery.record(workdir, start, position + 1, trouble, step)
-  data_iterator.skip = tuple(sorted((*data_iterator.skip, (start, position + 1))))
-  checkpointer.set_aside_after(step)
+  target = max((s for s in checkpointer.manager.all_steps() if s <= trouble.usable), default=None)
+  if target is None:
+    raise recovery.BadStepsError(
+      f"step {trouble.step} went bad ({trouble.reason}) and no checkpoint at or before step {trouble.usable} exists "
+      f"in {checkpointer.directory} to roll back to (config.checkpoint.every={config.checkpoint.every}); rather than "
+      f"start over from nothing, the run stops. Step over the bad batches with --config.data.skip_steps="
+      f"{window[0]}:{window[1]}, or lower config.train.learning_rate, then run again."
+    )
+  _seek(checkpointer, data_iterator, target)
+  start, end = data_iterator.unskipped(data_iterator.step) + 1, window[1]
+  recovery.record(workdir, start, end, trouble, target)
+  data_iterator.skip = tuple(sorted((*data_iterator.skip, (start, end))))
+  checkpointer.set_aside_after(target)
+  watchdog.doing(f"the restore of step {target} for the rollback after step {trouble.step}", "restore")
+  began = time.time()
+  state = _state_at(config, built, checkpointer, target)
+  jax.block_until_ready(state)
+  watchdog.measured("restore", time.time() - began)
+  watchdog.progress()
+  # The row's count starts again: the steps after the restore train on other data.
+  state = state.replace(health=state.health.replace(bad_in_row=state.health.bad_in_row * 0))
   logging.warning(
     "Rolled back to step %d after %s; the batches of steps %d:%d (config.data.skip_steps's numbering) are stepped "
     "over, recorded in %s.",
-    step,
+    target,
     f"step {trouble.step} ({trouble.reason})",
     start,
-    position + 1,
+    end,
     paths.resolve(workdir) / recovery.RECORD,
   )
-  return state, step
+  return state, target
 
 
 class _Run:
@@ -354,7 +389,13 @@ def _run(
       paths.resolve(workdir) / recovery.RECORD,
     )
   data_iterator = global_stream.GlobalStream(config, batch_sharding, skip=skip)
-  state, start = _start(config, built, checkpointer, data_iterator, start)
+  _seek(checkpointer, data_iterator, start)
+  began = time.time()
+  state = _state_at(config, built, checkpointer, start)
+  restore_s = time.time() - began if start else None  # a restore's blocking time (the fresh init is not one)
+  if restore_s is not None:
+    clock.measured("restore_seconds", restore_s)
+  start = start or 0
   checkpointer.set_aside_after(start)  # a restore_step before the newest: later steps move to superseded/
   with paths.writing(f"writing {paths.resolve(workdir) / 'config.json'}", checkpointer.newest_complete):
     logging.info("%s; config: %s", summary(config, built), write_config(config, workdir))
@@ -370,7 +411,13 @@ def _run(
     usage_window.Reader(config.model, built.shardings.usage, workdir),
     usage_window.window(config.train),
   )
-  watchdog = watchdog_lib.Watchdog(config.train.get("step_timeout_s"), jax.process_index())
+  watchdog = watchdog_lib.Watchdog(
+    config.train.get("step_timeout_s"),
+    jax.process_index(),
+    slow={kind: config.train.get(f"{kind}_timeout_s") for kind in ("compile", "save", "restore")},
+  )
+  if restore_s is not None:
+    watchdog.measured("restore", restore_s)
 
   startup = {}  # the first step's compile and its end, after the trainer started: what a warm cache shortens
 
@@ -378,8 +425,11 @@ def _run(
     watchdog.progress(step, step_s)
     clock.reached(step)
     agreement.read(step_s)
+    if step % config.train.log_every == 0:
+      clock.save()  # a run that dies later leaves this record: its restart counts what came after as lost
     if "first_step_seconds" not in startup:
       startup["first_step_seconds"] = time.time() - started
+      clock.measured("restart_seconds", startup["first_step_seconds"])
       run.writer.write_scalars(step, {f"startup/{k}": v for k, v in startup.items()})
       if jax.process_index() == 0:
         logging.info(
@@ -389,6 +439,21 @@ def _run(
           startup["compile_seconds"],
         )
 
+  def save(step: int, what: str) -> None:
+    """Saves `step` (its blocking part: the wait for the previous save and the copy off the devices)."""
+    watchdog.doing(what, "save")
+    clock.part("checkpoint")
+    began = time.time()
+    checkpointer.save(step, state, config, data_iterator.state())
+    took = time.time() - began
+    watchdog.measured("save", took)
+    clock.measured("save_seconds", took)
+    clock.save()
+    run.reader.exclude(took)
+    watchdog.progress()
+    run.reader.saved_step = step
+    agreement.saved()
+
   run = _Run(config, workdir, checkpointer, start, on_read)
   if start == 0 and jax.process_index() == 0:
     run.writer.write_hparams(
@@ -396,7 +461,9 @@ def _run(
     )
   profiler = _Profiler(config.train, metrics_lib.tensorboard_dir(workdir))
   step = start
-  positions = {}  # the stream position of each dispatched step's batch, until the step is read
+  evaluated = False  # the first evaluation compiles its step
+  # The stream position of each dispatched step's batch, kept for the last max_bad_in_row steps (a bad row's window).
+  positions = {}
   if step < config.train.steps:
     watchdog.doing(f"reading the batch of step {step + 1}")
     batch, positions[step + 1] = next(data_iterator), data_iterator.step - 1
@@ -404,8 +471,8 @@ def _run(
     while step < config.train.steps:
       try:
         profiler.before(step + 1)
-        watchdog.doing(f"step {step + 1}")
         compiling = "compile_seconds" not in startup  # the first call traces and compiles
+        watchdog.doing(f"step {step + 1}{' (its compile)' if compiling else ''}", "compile" if compiling else "step")
         if compiling:
           clock.part("compile")
         else:
@@ -415,6 +482,7 @@ def _run(
           state, step_metrics = step_fn(state, batch)
         if compiling:
           startup["compile_seconds"] = time.time() - dispatched
+          watchdog.measured("compile", startup["compile_seconds"])
           clock.stepping(step + 1)
         step += 1
         profiler.after(step, step_metrics)
@@ -424,10 +492,12 @@ def _run(
         checkpointer.check_saved()  # a save that failed stops the run before another step
         if eval_data.task_names and (step % config.train.eval_every == 0 or step == config.train.steps):
           run.reader.read()  # waits for `step`: evaluate only a state known finite
-          watchdog.doing(f"the evaluation after step {step}")
+          what = f"the evaluation after step {step}"
+          watchdog.doing(f"{what} (its compile)" if not evaluated else what, "step" if evaluated else "compile")
           clock.part("evaluation")
           began = time.time()
-          results = evaluate(config, state.params, eval_fn, eval_data, on_batch=watchdog.progress)
+          results = evaluate(config, state.params, eval_fn, eval_data, on_batch=functools.partial(watchdog.doing, what))
+          evaluated = True
           run.reader.exclude(time.time() - began)
           run.writer.write_scalars(step, results)
           if jax.process_index() == 0:
@@ -439,34 +509,32 @@ def _run(
         stop, save_by_time = (False, False) if last else agreement.at(step)
         if step % config.checkpoint.every == 0 or last or stop or save_by_time:
           run.reader.read()  # waits for `step`: save only a state known finite, before step + 1 takes its buffers
-          watchdog.doing(f"saving step {step}")
-          clock.part("checkpoint")
-          began = time.time()
-          checkpointer.save(step, state, config, data_iterator.state())
-          clock.save()
-          run.reader.exclude(time.time() - began)
-          watchdog.progress()
-          run.reader.saved_step = step
-          agreement.saved()
+          save(step, f"saving step {step}")
         if last or stop:
           run.reader.read()
           break
         watchdog.doing(f"reading the batch of step {step + 1}")
         clock.part("data_wait")
         batch, positions[step + 1] = next(data_iterator), data_iterator.step - 1  # placed while `step` runs
-        positions = {s: p for s, p in positions.items() if s >= step - 1}
+        positions = {s: p for s, p in positions.items() if s >= step - config.train.max_bad_in_row}
       except recovery.RollBack as trouble:
+        # The row's batches, 1-based as config.data.skip_steps (a row begun before a resume: from the resume on).
+        first = positions.get(trouble.first_bad, min(positions.values()))
+        window = first + 1, positions[trouble.step] + 1
+        if config.train.get("bad_steps", "stop") != "rollback":
+          raise recovery.skipped_in_row(trouble, window, run.reader.saved_step) from None
         run.close()
-        watchdog.doing(f"the rollback after step {trouble.step}")
         clock.part("checkpoint")
-        state, step = _roll_back(config, workdir, built, checkpointer, data_iterator, trouble, positions[trouble.step])
-        watchdog.progress()
+        state, step = _roll_back(config, workdir, built, checkpointer, data_iterator, trouble, window, watchdog)
+        agreement.rewound(step)
         run = _Run(config, workdir, checkpointer, step, on_read)
         batch, positions = next(data_iterator), {}
         positions[step + 1] = data_iterator.step - 1
-    watchdog.doing("the last checkpoint's save")
+    watchdog.doing("the last checkpoint's save", "save")
     clock.part("checkpoint")
     checkpointer.wait()
+    if step == config.train.steps:
+      clock.ended()
     run.writer.write_scalars(step, clock.metrics())
     run.close()  # a failure leaves W&B's run to W&B's own exit hook, which marks it failed
   finally:

@@ -4,6 +4,7 @@ decision to stop or to roll back, and the workdir's record of the data windows s
 More: docs/modules.md, sparsetx/train/recovery.py.
 """
 
+import collections
 import json
 import math
 import time
@@ -28,11 +29,17 @@ class BadStepsError(NonFiniteLossError):
 
 
 class RollBack(Exception):  # noqa: N818  (a signal to the loop, not a failure)
-  """Raised by `verdict` to the loop: restore the newest checkpoint before `first_bad` and step over the data."""
+  """Raised by `verdict` to the loop: steps `first_bad` to `step` went bad. Under `rollback` the loop restores the
+  newest checkpoint at or before `usable` and steps over the data; under `skip` it stops (`skipped_in_row`).
 
-  def __init__(self, step: int, first_bad: int, reason: str):
+  `usable`: the newest step whose saved parameters are the good ones. A row of skipped steps left the parameters
+  and the optimizer state as they were before it, so a checkpoint saved inside the row holds them too (`usable` is
+  `step`); non-finite parameters are usable only before the step that made them (`step - 1`)."""
+
+  def __init__(self, step: int, first_bad: int, reason: str, usable: int | None = None):
     super().__init__(f"step {step}: {reason}")
     self.step, self.first_bad, self.reason = step, first_bad, reason
+    self.usable = first_bad - 1 if usable is None else usable
 
 
 def _reason(values: dict, sigmas: float) -> str:
@@ -48,29 +55,68 @@ def _reason(values: dict, sigmas: float) -> str:
   return f"{' and '.join(over)} (the window's mean + {sigmas:g} standard deviations)"
 
 
-def verdict(step: int, values: dict, train: ml_collections.ConfigDict, saved_step: int) -> None:
+def skipped_share_limit(train: ml_collections.ConfigDict) -> tuple[int, float]:
+  """(window W, share): the run stops when more than share x W of the last W steps it read were skipped."""
+  return train.get("skipped_share_window", 200), train.get("max_skipped_share", 0.05)
+
+
+def recent_skips(train: ml_collections.ConfigDict) -> collections.deque:
+  """The host's record of which of the last steps were skipped, for `verdict` (each run or rollback starts one)."""
+  return collections.deque(maxlen=skipped_share_limit(train)[0])
+
+
+def verdict(step: int, values: dict, train: ml_collections.ConfigDict, saved_step: int, recent=None) -> None:
   """Reads one step's health values (host floats: loss, grad_norm, param_norm, skipped, bad_in_row, the limits):
-  prints the line of a skipped step; raises NonFiniteLossError to stop, or RollBack."""
+  prints the line of a skipped step; raises NonFiniteLossError to stop, or RollBack (a row of max_bad_in_row
+  skipped steps, or non-finite parameters under rollback), or BadStepsError when more than the bounded share of the
+  last steps in `recent` (recent_skips) were skipped."""
   mode = train.get("bad_steps", "stop")
   norms = ("loss", "grad_norm", "param_norm") if mode == "stop" else ("param_norm",)  # else the device skipped
   if not all(math.isfinite(values[k]) for k in norms):
     reason = ", ".join(f"{k}={values[k]}" for k in ("loss", "grad_norm", "param_norm"))
     if mode == "rollback":
-      raise RollBack(step, step, f"non-finite parameters ({reason})")
+      raise RollBack(step, step, f"non-finite parameters ({reason})", usable=step - 1)
     other = "skip" if math.isfinite(values["param_norm"]) else "rollback"
     raise NonFiniteLossError(
       f"training diverged at step {step} ({reason}); nothing after step {saved_step} was saved. Lower "
       "config.train.learning_rate or raise config.train.warmup_steps (or set config.train.bad_steps="
       f"{other}), then resume."
     )
+  if recent is not None:
+    recent.append(bool(values["skipped"]))
   if not values["skipped"]:
     return
   reason = _reason(values, float(train.spike_sigmas))
   if jax.process_index() == 0:
     logging.warning("step %d skipped: %s; the update was not applied.", step, reason)
   in_row = int(values["bad_in_row"])
-  if mode == "rollback" and in_row >= train.max_bad_in_row:
-    raise RollBack(step, step - in_row + 1, f"{in_row} steps skipped in a row, the last for {reason}")
+  if in_row >= train.max_bad_in_row:
+    raise RollBack(step, step - in_row + 1, f"{in_row} steps skipped in a row, the last for {reason}", usable=step)
+  window, share = skipped_share_limit(train)
+  if recent is not None and len(recent) == window and sum(recent) > share * window:
+    raise BadStepsError(
+      f"{sum(recent)} of the last {window} steps were skipped, through step {step} (more than "
+      f"config.train.max_skipped_share={share:g} of config.train.skipped_share_window={window}); the run is not "
+      f"spiking, it is unstable ({newest(saved_step)}). Lower config.train.learning_rate or "
+      "raise config.train.warmup_steps, then resume."
+    )
+
+
+def newest(saved_step: int) -> str:
+  return f"the newest checkpoint is step {saved_step}" if saved_step else "no checkpoint was saved yet"
+
+
+def skipped_in_row(trouble: RollBack, window: tuple[int, int], saved_step: int) -> BadStepsError:
+  """What ends a `skip` run at max_bad_in_row skipped steps in a row: the steps, the reason and the fixes.
+  `window`: the rows' batches, 1-based, in config.data.skip_steps's numbering."""
+  return BadStepsError(
+    f"steps {trouble.first_bad} to {trouble.step} were all skipped ({trouble.reason}; "
+    f"config.train.max_bad_in_row={trouble.step - trouble.first_bad + 1}): the run cannot get past them by "
+    f"skipping ({newest(saved_step)}). Lower "
+    "config.train.learning_rate or raise config.train.warmup_steps, or step over these batches with "
+    f"--config.data.skip_steps={window[0]}:{window[1]} (or config.train.bad_steps=rollback, which does so itself), "
+    "then resume."
+  )
 
 
 # The workdir's record.

@@ -1,6 +1,11 @@
 """The hang watchdog: a run in which nothing finishes (a step, an evaluation batch, a checkpoint's save call) within
-config.train.step_timeout_s ends with every thread's stack in its log, one `error:` line and WATCHDOG_EXIT_CODE,
-which the deploy/ recipes restart on (the restart resumes from the newest checkpoint).
+its limit ends with every thread's stack in its log, one `error:` line and WATCHDOG_EXIT_CODE, which the deploy/
+recipes restart on (the restart resumes from the newest checkpoint).
+
+What is slow on purpose has its own limit, so a healthy run is never ended by it: a step or a data read has
+config.train.step_timeout_s; a first call that compiles (the train step, the evaluation) compile_timeout_s; a save
+or a wait for one save_timeout_s; a restore restore_timeout_s. Each None is derived: max(its floor, a factor x the
+slowest of its kind measured in this process).
 
 More: docs/modules.md, sparsetx/train/watchdog.py.
 """
@@ -13,24 +18,35 @@ import threading
 import time
 
 WATCHDOG_EXIT_CODE = 6
-FLOOR_S = 300.0  # the derived timeout's least value: longer than JAX's heartbeat timeout (100 s), see docs
-STEP_FACTOR = 20.0  # the derived timeout: this many times the slowest of the last measured steps
+FLOOR_S = 300.0  # the derived step timeout's least value: longer than JAX's heartbeat timeout (100 s), see docs
+STEP_FACTOR = 20.0  # the derived step timeout: this many times the slowest of the last measured steps
 MEASURED = 100  # steps whose times the derived timeout reads
+KINDS = ("step", "compile", "save", "restore")
+# The derived limits of what is slow on purpose. A 16-layer sgatlin step compiled in 174 s for a v5p here and a
+# pod's in minutes more; a multi-GB state on slow object storage saves and restores in minutes: half an hour each
+# is far above a healthy one and still ends a true hang within the hour.
+SLOW_FLOORS_S = dict(compile=1800.0, save=1800.0, restore=1800.0)
+SLOW_FACTOR = 4.0  # the derived slow limits: this many times the slowest of the kind measured so far
 
 
-def timeout_words(setting) -> str:
-  return f"config.train.step_timeout_s={setting}" if setting else "the derived step timeout"
+def timeout_words(setting, kind: str = "step") -> str:
+  return f"config.train.{kind}_timeout_s={setting}" if setting else f"the derived {kind} timeout"
 
 
 class Watchdog:
-  """Armed by the first finished step (its compile is not timed); `progress` after each step, evaluation batch and
-  save call; `doing` names what runs (the error line says it)."""
+  """`doing` names what runs and its kind (the error line says both); `progress` after each step, evaluation batch
+  and save call; `measured` adds a slow kind's duration. The step kind is armed by the first finished step; the
+  slow kinds always are."""
 
-  def __init__(self, setting: float | None, process: int = 0):
-    """`setting`: seconds, 0 (off) or None (derived: max(FLOOR_S, STEP_FACTOR x the slowest measured step))."""
-    self._setting, self._process = setting, process
-    self._steps_s = collections.deque(maxlen=MEASURED)
-    self._last, self._last_step, self._doing = time.monotonic(), None, "the first step"
+  def __init__(self, setting: float | None, process: int = 0, slow: dict | None = None):
+    """`setting`: the step limit in seconds, 0 (the watchdog off) or None (derived: max(FLOOR_S, STEP_FACTOR x the
+    slowest measured step)); `slow`: {compile|save|restore: seconds or None (derived)}."""
+    self._settings = dict.fromkeys(KINDS) | (slow or {}) | dict(step=setting)
+    self._process = process
+    self._measured = {kind: collections.deque(maxlen=MEASURED) for kind in KINDS}
+    # (when the last thing finished, what runs, its kind): one tuple, which the watching thread reads whole
+    self._since = time.monotonic(), "the first step", "compile"
+    self._last_step = None
     self._armed = False
     self._stop = threading.Event()
     self._thread = None
@@ -38,10 +54,16 @@ class Watchdog:
       self._thread = threading.Thread(target=self._watch, name="sparsetx-watchdog", daemon=True)
       self._thread.start()
 
-  def limit(self) -> float:
-    if self._setting:
-      return float(self._setting)
-    return max(FLOOR_S, STEP_FACTOR * max(self._steps_s, default=0.0))
+  def limit(self, kind: str = "step") -> float:
+    if self._settings[kind]:
+      return float(self._settings[kind])
+    if kind == "step":
+      return max(FLOOR_S, STEP_FACTOR * max(self._measured["step"], default=0.0))
+    return max(SLOW_FLOORS_S[kind], SLOW_FACTOR * max(self._measured[kind], default=0.0))
+
+  def measured(self, kind: str, seconds: float) -> None:
+    """A compile, save or restore took `seconds`: its kind's derived limit follows the slowest."""
+    self._measured[kind].append(seconds)
 
   def progress(self, step: int | None = None, step_s: float | None = None) -> None:
     """Something finished: `step` (with its time `step_s` when it is a plain step: no compile, save or evaluation
@@ -50,32 +72,33 @@ class Watchdog:
     if step is not None:
       self._last_step, self._armed = step, True
       if step_s is not None:
-        self._steps_s.append(step_s)
-    self._last = now
+        self._measured["step"].append(step_s)
+    self._since = now, *self._since[1:]
 
-  def doing(self, what: str) -> None:
-    """What runs now, for the error line ('step 120', 'the evaluation after step 100', 'saving step 200')."""
-    self._doing = what
-    self._last = time.monotonic()
+  def doing(self, what: str, kind: str = "step") -> None:
+    """What runs now, for the error line ('step 120', 'the evaluation after step 100', 'saving step 200'), and
+    which limit it has."""
+    self._since = time.monotonic(), what, kind
 
   def close(self) -> None:
     self._stop.set()
 
   def _watch(self) -> None:
-    while not self._stop.wait(min(5.0, self.limit() / 4)):
-      waited = time.monotonic() - self._last
-      if self._armed and waited > self.limit():
-        self._fire(waited)
+    while not self._stop.wait(min(5.0, min(self.limit(kind) for kind in KINDS) / 4)):
+      last, doing, kind = self._since
+      waited = time.monotonic() - last
+      if (self._armed or kind != "step") and waited > self.limit(kind):
+        self._fire(waited, doing, kind)
 
-  def _fire(self, waited: float) -> None:
+  def _fire(self, waited: float, doing: str, kind: str) -> None:
     """Writes every thread's stack and one line to stderr, then ends the process at once (a hung collective or read
     would never return to let it end otherwise)."""
     sys.stderr.write(f"\nsparsetx watchdog, process {self._process}: the stacks of all threads:\n")
     sys.stderr.flush()
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     sys.stderr.write(
-      f"error: process {self._process}: nothing finished for {waited:.0f} s ({timeout_words(self._setting)}: "
-      f"{self.limit():.0f} s) while running {self._doing}; the last finished step is {self._last_step}. A peer or "
+      f"error: process {self._process}: nothing finished for {waited:.0f} s ({timeout_words(self._settings[kind], kind)}: "
+      f"{self.limit(kind):.0f} s) while running {doing}; the last finished step is {self._last_step}. A peer or "
       "a read hangs; the stacks are in the log above. Exiting with code "
       f"{WATCHDOG_EXIT_CODE}: run the same command again to resume from the newest checkpoint.\n"
     )
