@@ -1,7 +1,6 @@
 """Per-group gradient and update norms (sparsetx/train/param_groups.py): every parameter of every type lands in the
 group its role says, and the groups' norms make up the global norm."""
 
-import jax
 import numpy as np
 import optax
 import pytest
@@ -31,19 +30,47 @@ def test_each_parameter_lands_in_its_roles_group(ffn_type):
   assert set(groups.values()) == set(param_groups.GROUPS) - ({"routers"} if ffn_type == "fff" else set())  # hard-routed
 
 
-def test_the_groups_norms_make_up_the_global_norm():
-  shapes = lazy_tensors.param_shapes(micro_config("sgatlin").model)
+HAND_TREE = {  # a gradient tree's paths as the models name them (sgatlin, a dense MLP), each with its group by hand
+  "embed/embedding": ("embeddings", (7, 4)),
+  "layers_0/attention_norm/scale": ("norms", (4,)),
+  "layers_0/attention/query/kernel": ("attention", (4, 2, 2)),
+  "layers_0/attention/out/kernel": ("attention", (2, 2, 4)),
+  "layers_0/mlp_norm/scale": ("norms", (4,)),
+  "layers_0/mlp/router/query/kernel": ("routers", (4, 3)),
+  "layers_0/mlp/router/keys/kernel": ("routers", (3, 2, 2, 2)),
+  "layers_0/mlp/experts": ("tables", (2, 2, 4, 4)),
+  "layers_1/mlp/wi/kernel": ("tables", (4, 8)),
+  "layers_1/mlp/wo/bias": ("tables", (4,)),
+  "final_norm/scale": ("norms", (4,)),
+  "final_norm/bias": ("norms", (4,)),
+  "lm_head/kernel": ("embeddings", (4, 7)),
+}
+
+
+def test_the_groups_norms_are_their_members_and_make_up_the_global_norm():
+  """Each group's norm is that of the leaves listed for it by hand (in float64), and the groups' squares add up to
+  optax's global norm squared, both within the float32 rounding of a sum of squares."""
   rng = np.random.default_rng(0)
-  tree = {}
-  for path, shape in shapes.items():
+  tree, members = {}, {}
+  for name, (group, shape) in HAND_TREE.items():
+    leaf = rng.standard_normal(shape).astype(np.float32)
+    *parents, last = name.split("/")
     node = tree
-    for part in path[:-1]:
+    for part in parents:
       node = node.setdefault(part, {})
-    node[path[-1]] = rng.standard_normal(shape).astype(np.float32)
+    node[last] = leaf
+    members.setdefault(group, []).append(leaf.astype(np.float64).ravel())
+  unit = float(np.finfo(np.float32).eps) / 2  # a float32 rounding
   norms = param_groups.group_norms(tree)
-  total = float(optax.tree.norm(tree))
-  assert np.sqrt(sum(float(n) ** 2 for n in norms.values())) == pytest.approx(total, rel=1e-5)
-  tables = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree) if "experts" in jax.tree_util.keystr(path)]
-  assert float(norms["tables"]) == pytest.approx(
-    float(np.sqrt(sum((t.astype(np.float64) ** 2).sum() for t in tables))), rel=1e-5
+  assert set(norms) == set(members) == set(param_groups.GROUPS)
+  for group, leaves in members.items():
+    values = np.concatenate(leaves)
+    # n squares and n - 1 additions in float32 (any order): relative error of the sum at most (n + 1) u, of its
+    # square root half that, plus the root's own rounding.
+    want = float(np.sqrt(np.sum(values**2)))
+    assert float(norms[group]) == pytest.approx(want, rel=((values.size + 1) / 2 + 1) * unit), group
+  n = sum(int(np.prod(shape)) for _, shape in HAND_TREE.values())
+  # Each side is a float32 sum of the n squares, squared back from a float32 norm: at most (n + 3) u from the exact sum.
+  assert sum(float(v) ** 2 for v in norms.values()) == pytest.approx(
+    float(optax.tree.norm(tree)) ** 2, rel=2 * (n + 3) * unit
   )

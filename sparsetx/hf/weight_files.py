@@ -4,7 +4,8 @@ A read opens the tensor's file with safetensors' safe_open and closes it after, 
 import holds the parts it is making, never a whole shard or the model. The names (and the file of each) come from
 the index, or from the one file's header. A gs:// directory is read through a local copy: its small files
 (config.json, tokenizer files) at once, each weights file when a tensor in it is first asked for, removed once
-every tensor in it has been read.
+every tensor in it has been read. The index's file names are checked before any other file is read or copied: each must
+be a plain name in the directory, so no index reads (or, from gs://, writes and removes) a file outside it.
 """
 
 import collections
@@ -24,6 +25,12 @@ from sparsetx.hf.shards import WEIGHTS, WEIGHTS_INDEX
 _PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
+def is_plain_file_name(name) -> bool:
+  """Whether `name` (an index's weight_map value) names a file in the directory itself: a string with no path
+  separator of any system, not empty, '.' or '..' (an absolute path has a separator)."""
+  return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
+
+
 class WeightFiles(collections.abc.Mapping):
   """{tensor name: numpy array in its saved dtype} of `hf_dir`, read when asked for; use as a context manager."""
 
@@ -32,25 +39,63 @@ class WeightFiles(collections.abc.Mapping):
     self._source = paths.resolve(hf_dir)
     self._staging = None
     self._unread = {}  # file -> its tensors not read yet (a downloaded copy is removed once none is left)
+    self._weight_map = None  # the index's, checked on entry
 
   def __enter__(self):
     if paths.is_remote(self.hf_dir):
       self._staging = tempfile.TemporaryDirectory(prefix="sparsetx-hf-")
       self.local_dir = self._staging.name
+    else:
+      self.local_dir = self.hf_dir
+    try:
+      self._stage()
+    except BaseException:
+      self.__exit__(None, None, None)
+      raise
+    return self
+
+  def _stage(self) -> None:
+    """Reads and checks the index (if any), then copies a gs:// directory's small files to the local staging."""
+    listed = []
+    if self._staging is not None:
       try:
         listed = list(self._source.iterdir())
       except paths.storage_errors() as error:
-        self.__exit__(None, None, None)
         raise ConfigError(
           f"{self.hf_dir!r} cannot be read ({paths.cause(error)}); check the bucket's name and this account's "
           "read permission there."
         ) from None
-      for path in listed:
-        if not path.name.endswith(".safetensors") and path.is_file():
-          path.copy(epath.Path(self.local_dir) / path.name)
-    else:
-      self.local_dir = self.hf_dir
-    return self
+    self._weight_map = self._read_index()
+    for path in listed:
+      if not path.name.endswith(".safetensors") and path.is_file():
+        path.copy(epath.Path(self.local_dir) / path.name)
+
+  def _read_index(self) -> dict[str, str] | None:
+    """The index's weight_map ({tensor name: file}), None without an index; refused in one sentence unless every
+    file is a plain name in the directory (the names are joined to it as given)."""
+    index_path = self._source / WEIGHTS_INDEX
+    shown = os.path.join(self.hf_dir, WEIGHTS_INDEX)
+    try:
+      if not index_path.is_file():
+        return None
+      index = json.loads(index_path.read_text())
+    except paths.storage_errors() as error:
+      raise ConfigError(f"{shown!r} cannot be read ({paths.cause(error)}); check that it is there.") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+      raise ConfigError(f"{shown!r} is not valid JSON ({error}); export the model again.") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+      raise ConfigError(
+        f"{shown!r} holds no weight_map object (tensor name: file name); export the model again or fix the index."
+      )
+    for name, file in weight_map.items():
+      if not is_plain_file_name(file):
+        raise ConfigError(
+          f"{shown!r} maps {name!r} to {file!r}, which is not a plain file name in that directory; every weight_map "
+          "value must name a file beside the index (e.g. 'model-00001-of-00002.safetensors'): fix the index or "
+          "export the model again."
+        )
+    return weight_map
 
   def __exit__(self, *exc) -> None:
     if self._staging is not None:
@@ -59,12 +104,10 @@ class WeightFiles(collections.abc.Mapping):
 
   @functools.cached_property
   def _file_of(self) -> dict[str, str]:
-    """{tensor name: its file}, from the index or the one file's header (read when first needed, so a directory's
-    config.json is judged before its weights)."""
-    index = os.path.join(self.local_dir, WEIGHTS_INDEX)
-    if os.path.isfile(index):
-      with open(index) as f:
-        file_of = dict(json.load(f)["weight_map"])
+    """{tensor name: its file}, from the index (checked on entry) or the one file's header (read when first needed,
+    so a directory's config.json is judged before its weights)."""
+    if self._weight_map is not None:
+      file_of = dict(self._weight_map)
       for file in sorted(set(file_of.values())):
         if not (self._source / file).is_file():
           raise ConfigError(
