@@ -57,26 +57,3 @@ def test_the_derived_timeout_follows_the_slowest_measured_step():
   finally:
     dog.close()
   assert watchdog.Watchdog(0)._thread is None  # 0: off
-
-
-def test_an_unwritable_compilation_cache_is_one_line(tmp_path):
-  import jax  # noqa: PLC0415
-  import pytest  # noqa: PLC0415
-
-  from sparsetx import config as config_lib  # noqa: PLC0415
-  from sparsetx.train import compile_cache  # noqa: PLC0415
-
-  (tmp_path / "file").write_text("")
-  train = config_lib.default_config().train
-  train.compilation_cache_dir = str(tmp_path / "file" / "cache")
-  session_cache = jax.config.jax_compilation_cache_dir  # the tests' (conftest.py), set aside
-  jax.config.update("jax_compilation_cache_dir", None)
-  try:
-    with pytest.raises(config_lib.ConfigError, match=r"compilation_cache_dir='.*file/cache' is not writable"):
-      compile_cache.use(train, str(tmp_path))
-    train.compilation_cache = False
-    assert compile_cache.use(train, str(tmp_path)) is None
-  finally:
-    jax.config.update("jax_compilation_cache_dir", session_cache)
-  train.compilation_cache, train.compilation_cache_dir = True, ""
-  assert compile_cache.directory(train, str(tmp_path)) == str(tmp_path / "compilation_cache")

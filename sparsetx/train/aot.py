@@ -23,6 +23,7 @@ from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.perf import roofline
 from sparsetx.perf.hlo_text import COLLECTIVES, collectives, compiled_kernels, compiled_loops, dcn_granules
 from sparsetx.plan.memory import format_bytes
+from sparsetx.train import compile_cache
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
 
@@ -105,8 +106,16 @@ def _compile_with_setup(config, mesh):
   """(the compiled train step, the state_lib.Setup it was built from)."""
   with logical_rules.activate(mesh, config.mesh.rules):
     traced, built = trace_train_step(config, mesh)
-    compiled = traced.lower().compile()
+    compiled = compile_traced(traced, mesh)
   return compiled, built
+
+
+def compile_traced(traced, mesh):
+  """`traced` lowered and compiled; for devices this machine lacks (a topology's), with the persistent cache off
+  (compile_cache.off)."""
+  deviceless = not set(mesh.devices.flat) <= set(jax.devices())
+  with compile_cache.off() if deviceless else contextlib.nullcontext():
+    return traced.lower().compile()
 
 
 # Compiling for a machine this one does not have -----------------------------------------------------------

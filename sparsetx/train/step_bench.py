@@ -154,5 +154,5 @@ def compiled_usage_cost(config, topology_name: str) -> dict:
       traced = step_lib.make_train_step(config, built).trace(
         built.abstract_state, aot.abstract_batch(config, built.batch_sharding)
       )
-      found[counts] = aot.report_of(traced.lower().compile(), built, config, mesh)
+      found[counts] = aot.report_of(aot.compile_traced(traced, mesh), built, config, mesh)
   return found
