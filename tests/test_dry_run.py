@@ -275,3 +275,110 @@ def test_a_refused_kernel_is_named_with_its_layer(monkeypatch):
   line = aot.describe_rejection(refused.value, "v5p:2x2x1", aot.rejected_kernel(config, mesh))
   assert re.match(r"the compiler for v5p:2x2x1 rejected the train step at layers_\d's segment_sums kernel: ", line)
   assert "Mosaic failed to compile TPU kernel" in line and "\n" not in line
+
+
+# The save cadence (sparsetx/plan/save_cadence.py) through the program, without compiling ------------------------
+
+LLAMA3_CHIP_MTBF_S = 54 * 24 * 16384 / 419 * 3600  # Llama 3 report, section 3.3.4: 419 interruptions, 54 days
+
+
+def cadence_rows(out: str) -> dict:
+  """{row label: [[value per chip count], ...]} of the printed save-cadence table, a list per label in the order
+  printed ("its goodput" follows each interval)."""
+  rows = {}
+  for line in out.splitlines():
+    match = re.match(r"  \s*(\S.*?)\s{2,}((?:[\d.,]+%?(?: (?:min|ms|s|h))?\s*)+)$", line)
+    if match:
+      rows.setdefault(match[1].strip(), []).append(re.findall(r"[\d.,]+%?(?: (?:min|ms|s|h))?", match[2]))
+  return rows
+
+
+def minutes(value: str) -> float:
+  assert value.endswith(" min"), value
+  return float(value[: -len(" min")])
+
+
+def percent(value: str) -> float:
+  assert value.endswith("%"), value
+  return float(value[:-1]) / 100
+
+
+def test_save_cadence_of_configs_large_at_1024_and_8192_chips_without_compiling():
+  """The estimated table: M from Llama 3's per-chip rate, the numeric optimum beside Daly's and Young's (which
+  agree to a hundredth of a minute at delta << M) and above both configured intervals' goodput, every figure
+  labelled estimated, nothing compiled."""
+  result = run_dry_run(
+    "--config=configs/large.py:sgatlin8,h100", "--target=h100", "--chips=1024,8192", "--save_cadence_only"
+  )
+  assert result.returncode == 0, result.stderr
+  out = result.stdout
+  assert "compiled in" not in out and "measured (" not in out
+  rows = cadence_rows(out)
+  assert rows["system MTBF M"] == [[f"{LLAMA3_CHIP_MTBF_S / n / 3600:.1f} h" for n in (1024, 8192)]]
+  assert re.search(r"save delta: estimated \([\d.]+ GB of parameters and AdamW moments per device", out), out
+  assert "restart R at 8,192 chips: estimated (" in out and "step time: estimated (" in out
+  (by_time, by_steps, optimum) = rows["its goodput"]
+  for i, chips in enumerate((1024, 8192)):
+    save_s = float(rows["blocking save delta"][0][i].removesuffix(" ms")) / 1000  # printed to the ms
+    young = math.sqrt(2 * save_s * LLAMA3_CHIP_MTBF_S / chips) / 60
+    assert minutes(rows["Young's sqrt(2 delta M)"][0][i]) == pytest.approx(young, abs=0.011)
+    optimal = minutes(rows["optimal every_minutes (numeric)"][0][i])
+    assert optimal == pytest.approx(minutes(rows["Daly's closed form"][0][i]), abs=0.011)
+    assert minutes(rows["configured every_minutes=15"][0][i]) == 15.0
+    assert percent(optimum[i]) >= max(percent(by_time[i]), percent(by_steps[i]))
+
+
+def test_save_cadence_from_a_workdirs_measured_costs(tmp_path):
+  """A hand-written goodput.json: saves 0.5, 1.5, 1.0 s (delta = 1 s), restarts 20 and 30 s (R = 25 s), steps of
+  0.25 s. The printed optimum, its steps and goodput, Daly's form and the configured 100 steps' goodput are those
+  computed here, and the figures say measured."""
+  import json
+
+  costs = dict(save_seconds=[0.5, 1.5, 1.0], restore_seconds=[3.0], restart_seconds=[20.0, 30.0], step_seconds=0.25)
+  (tmp_path / "goodput.json").write_text(json.dumps(dict(seconds={}, wall=100.0, runs=2, costs=costs)))
+  result = run_dry_run(
+    "--config=configs/large.py:sgatlin8,h100", f"--costs_from={tmp_path}", "--chips=1024,8192", "--save_cadence_only"
+  )
+  assert result.returncode == 0, result.stderr
+  out = result.stdout
+  rows = cadence_rows(out)
+  assert rows["blocking save delta"] == [["1.00 s", "1.00 s"]]
+  assert rows["restart R (init, restore, compile)"] == [["25.0 s", "25.0 s"]]
+  assert f"save delta: measured (mean of 3 blocking save calls in {tmp_path}/goodput.json)" in out
+  assert "estimated" not in out
+  (_, by_steps, optimum) = rows["its goodput"]
+
+  def daly_goodput(tau, mtbf):  # Daly's: tau / (M e^(R/M) (e^((tau + delta)/M) - 1)), delta = 1 s, R = 25 s
+    return tau / (mtbf * math.exp(25.0 / mtbf) * math.expm1((tau + 1.0) / mtbf))
+
+  for i, chips in enumerate((1024, 8192)):
+    mtbf = LLAMA3_CHIP_MTBF_S / chips
+    # The optimum by bisection on the stationary point of log goodput: d/dtau [log tau - log(e^((tau + delta)/M)
+    # - 1)] = 0 where tau = M (1 - e^(-(tau + delta)/M)), below it to the left and above it to the right.
+    lo, hi = 0.0, mtbf
+    for _ in range(200):
+      mid = (lo + hi) / 2
+      lo, hi = (mid, hi) if mid < mtbf * (1 - math.exp(-(mid + 1.0) / mtbf)) else (lo, mid)
+    assert minutes(rows["optimal every_minutes (numeric)"][0][i]) == pytest.approx(lo / 60, abs=0.006)
+    assert int(rows["in steps"][0][i].replace(",", "")) == pytest.approx(lo / 0.25, abs=1)
+    assert percent(optimum[i]) == pytest.approx(daly_goodput(lo, mtbf), abs=6e-6)
+    x = math.sqrt(1.0 / (2 * mtbf))  # Daly's closed form, transcribed: sqrt(2 delta M) (1 + x/3 + x^2/9) - delta
+    daly = math.sqrt(2 * mtbf) * (1 + x / 3 + x * x / 9) - 1.0
+    assert minutes(rows["Daly's closed form"][0][i]) == pytest.approx(daly / 60, abs=0.006)
+    assert minutes(rows["configured every=100 steps"][0][i]) == pytest.approx(25 / 60, abs=0.006)
+    assert percent(by_steps[i]) == pytest.approx(daly_goodput(25.0, mtbf), abs=6e-6)
+
+
+@pytest.mark.parametrize(
+  "costs, words",
+  [(dict(save_seconds=[1.0], restart_seconds=[]), "measured no restart"), (None, "holds no measured costs")],
+)
+def test_a_goodput_record_without_measurements_is_one_error_line(tmp_path, costs, words):
+  import json
+
+  record = dict(seconds={}, wall=1.0) if costs is None else dict(seconds={}, costs=costs)
+  (tmp_path / "goodput.json").write_text(json.dumps(record))
+  result = run_dry_run("--config=configs/large.py:sgatlin8,h100", f"--costs_from={tmp_path}", "--chips=1024")
+  assert result.returncode == 2 and result.stdout == ""
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and words in errors[0] and f"{tmp_path}/goodput.json" in errors[0], result.stderr

@@ -1,6 +1,8 @@
 """Dry run: compile a config's train step for a declared mesh on simulated CPU devices, allocating nothing.
 
   .venv/bin/python -m sparsetx.tools.dry_run --config=configs/large.py:sgatlin8,h100 --devices=64
+  .venv/bin/python -m sparsetx.tools.dry_run --config=configs/large.py:sgatlin8,h100 --target=h100 \
+      --chips=1024,8192 --save_cadence_only  # how often to save (plan/save_cadence.py), no compile
   .venv/bin/python -m sparsetx.tools.dry_run --config=configs/ladder.py:sgatlin,8 --devices=64 \
       --config.mesh.ici.data=8 --config.mesh.ici.fsdp=2 --config.mesh.ici.expert=4 \
       --config.data.global_batch_size=64 --config.data.eval_batch_size=64
@@ -13,7 +15,7 @@ import time
 import jax
 from absl import flags
 
-from sparsetx import cli, hardware
+from sparsetx import cli, hardware, paths
 from sparsetx import config as config_lib
 from sparsetx.data import check_files
 from sparsetx.kernels import autotune_table
@@ -21,8 +23,8 @@ from sparsetx.models.ffn.registry import SPECS
 from sparsetx.parallel import logical_rules, topology
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.perf import roofline
-from sparsetx.plan import memory, step_cost, targets
-from sparsetx.train import aot
+from sparsetx.plan import memory, save_cadence, step_cost, targets
+from sparsetx.train import aot, goodput
 from sparsetx.train import state as state_lib
 
 
@@ -47,6 +49,27 @@ def define_flags() -> dict:
     ),
     split_d_model=flags.DEFINE_bool(
       "split_d_model", False, "Split neuron tables by d_model over the expert axis (D_MODEL_SPLIT_RULES first)."
+    ),
+    chips=cli.define_integer_list(
+      "chips",
+      [],
+      "Chip counts of a save-cadence table (e.g. 1024,8192): the checkpoint.every_minutes that maximises the "
+      "expected goodput under random failures, next to the configured one's (README, 'How often to save').",
+    ),
+    chip_mtbf_hours=flags.DEFINE_float(
+      "chip_mtbf_hours",
+      save_cadence.LLAMA3_CHIP_MTBF_HOURS,
+      "One chip's mean time between failures, hours (default: Llama 3's report, 419 interruptions in 54 days on "
+      "16,384 H100s).",
+    ),
+    costs_from=flags.DEFINE_string(
+      "costs_from",
+      "",
+      "A workdir whose goodput.json measured the save, restart and step times (the cadence uses their means); "
+      "empty: the plan's estimates for the config on --target's chips.",
+    ),
+    save_cadence_only=flags.DEFINE_bool(
+      "save_cadence_only", False, "Print the save-cadence table of --chips and stop before compiling anything."
     ),
   )
 
@@ -92,9 +115,44 @@ def resolve_topology(flag: str, config) -> str:
   return targets.topology_name(target) if target else "cpu"
 
 
-def compile_on_topology(config, name: str) -> None:
+def cadence_chip(target_flag: str, config) -> str:
+  """The chip the estimated save cadence sizes the run on: --target's, else config.mesh.target's."""
+  if target_flag != "all":
+    return target_flag
+  target = config.mesh.get("target", "")
+  if not target:
+    raise config_lib.ConfigError(
+      "the estimated save cadence needs the chip the run trains on: give --target (e.g. --target=h100), set "
+      "config.mesh.target, or give --costs_from=WORKDIR to use a run's measured costs."
+    )
+  return next(chip for chip in hardware.TARGET_CHIPS if targets.parse(target).chip is hardware.CHIPS[chip])
+
+
+def save_cadence_table(config, args, compile_s: float | None = None) -> str:
+  """The save-cadence table of --chips: from --costs_from's measured costs, else the plan's estimates (with the
+  compile this dry run measured, `compile_s`, in place of the assumed one)."""
+  if any(chips < 1 for chips in args.chips) or args.chip_mtbf_hours <= 0:
+    raise config_lib.ConfigError(
+      f"--chips={','.join(map(str, args.chips))} and --chip_mtbf_hours={args.chip_mtbf_hours:g} must be > 0."
+    )
+  if args.costs_from:
+    costs = save_cadence.read_costs(paths.resolve(args.costs_from) / goodput.RECORD)
+    rows = [save_cadence.cadence_row(config, n, args.chip_mtbf_hours, costs) for n in args.chips]
+  else:
+    chip = cadence_chip(args.target, config)
+    rows = [
+      save_cadence.cadence_row(
+        config, n, args.chip_mtbf_hours, *save_cadence.estimated_costs(config, chip, n, compile_s)
+      )
+      for n in args.chips
+    ]
+  return save_cadence.format_table(rows, args.chip_mtbf_hours, config.checkpoint)
+
+
+def compile_on_topology(config, name: str) -> float:
   """Compiles the step for a topology's devices with its compiler and prints what the compiler decided: memory,
-  FLOPs, collectives, loops, kernels, and the step projected on its chip. A rejection is one `error:` line."""
+  FLOPs, collectives, loops, kernels, and the step projected on its chip; returns the compile's seconds. A rejection
+  is one `error:` line."""
   devices = topology.devices(name)
   chip = hardware.chip_of(devices[0].device_kind)
   if chip is not None:  # the topology's chip sizes what may stay replicated, as a target's does
@@ -114,16 +172,18 @@ def compile_on_topology(config, name: str) -> None:
     f"  analytic estimate {memory.format_bytes(estimate)} ({estimate / max(report.peak_bytes, 1):.2f} x the compiled peak)"
   )
   print(aot.format_program(report))
-  print(f"compiled for {name} ({devices[0].device_kind}, {len(devices)} devices) in {time.time() - start:.0f} s")
+  seconds = time.time() - start
+  print(f"compiled for {name} ({devices[0].device_kind}, {len(devices)} devices) in {seconds:.0f} s")
   if topology.is_gpu(name):
     print(topology.GPU_COMPILE_NOTE)
   if chip is None:
-    return
+    return seconds
   if report.compiled_flops > 0 and report.bytes_accessed > 0:
     print(roofline.format_projections([roofline.project(report, chip)]))
   else:
     print(NO_COMPILED_COST_NOTE)
     print_analytic(config, mesh, [chip], report)
+  return seconds
 
 
 NO_COMPILED_COST_NOTE = (
@@ -154,22 +214,34 @@ def absl_main(argv, holders: dict):
   jax.config.update("jax_num_cpu_devices", args.devices)  # set before anything starts the backend
   config = with_d_model_split(args.config) if args.split_d_model else args.config
   try:
+    if (args.save_cadence_only or args.costs_from) and not args.chips:
+      raise config_lib.ConfigError(
+        "--save_cadence_only and --costs_from size the save cadence for --chips; give them, e.g. --chips=1024,8192."
+      )
+    if args.chips:  # before the compile: a bad workdir or chip count is refused in seconds, not after it
+      cadence = save_cadence_table(config_lib.validate(config), args)
+      if args.save_cadence_only:
+        print(cadence)
+        return
     check_files(config_lib.validate(config))
     name = resolve_topology(args.topology, config)
     with autotune_table.used(config.train.autotune):  # the kernels a trained step would take
       if name != "cpu":
-        compile_on_topology(config, name)
+        compile_s = compile_on_topology(config, name)
+        if args.chips:
+          print(save_cadence_table(config, args, compile_s))
         return
       devices = jax.devices()[: args.devices]
       granules = aot.dcn_granule_count(config)
       mesh = state_lib.checked_mesh(config, devices, granules)
       start = time.time()
       report = aot.dry_run(config, mesh, mesh_lib.granule_of(devices, granules))
+      compile_s = time.time() - start
   except config_lib.ConfigError as error:
     cli.fail(error)
   print(aot.format_report(report))
   print(memory.format_device_memory(memory.device_memory(config, mesh, report), hardware.chips(args.target)))
-  print(f"lowered and compiled in {time.time() - start:.0f} s")
+  print(f"lowered and compiled in {compile_s:.0f} s")
   print(roofline.format_projections([roofline.project(report, chip) for chip in hardware.chips(args.target)]))
   print_analytic(config, mesh, hardware.chips(args.target), report)
   if args.remat_sweep:
@@ -183,6 +255,11 @@ def absl_main(argv, holders: dict):
       cli.fail(error)
     for expert, nbytes, layout in rows:
       print(f"  {expert:>6}  {nbytes:>14,}  {nbytes * expert:>14,}  {layout}")
+  if args.chips:  # with the compile this run measured in place of the assumed one
+    try:
+      print(save_cadence_table(config, args, compile_s))
+    except config_lib.ConfigError as error:
+      cli.fail(error)
 
 
 def main():
