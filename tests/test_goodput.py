@@ -74,3 +74,14 @@ def test_a_restart_reads_the_compiled_step_from_the_workdirs_cache(tmp_path):
     monitoring.unregister_event_listener(listen)
     compilation_cache.reset_cache()
     jax.config.update("jax_compilation_cache_dir", session_cache)
+
+
+def test_a_start_after_a_run_that_did_not_finish_counts_the_time_since_its_record_as_lost(tmp_path):
+  for ended, lost in ((False, 100.0), (True, 0.0)):
+    earlier = dict(seconds=dict(steps=50.0, init=10.0), wall=60.0, reached=7, runs=1, ended=ended)
+    earlier["written_at"] = time.time() - 100.0
+    (tmp_path / goodput.RECORD).write_text(json.dumps(earlier))
+    clock = goodput.Goodput(str(tmp_path), started=earlier["written_at"] + 100.0)
+    totals = clock.totals()
+    assert totals["lost"] == pytest.approx(lost, abs=1e-6) and totals["steps"] == 50.0
+    assert sum(totals[name] for name in goodput.PARTS) == pytest.approx(totals["wall"], rel=1e-12)

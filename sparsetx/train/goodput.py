@@ -61,10 +61,12 @@ class Goodput:
       return {}
     return record if isinstance(record, dict) else {}
 
-  def part(self, name: str) -> None:
+  def part(self, name: str) -> float:
+    """Switches the clock to `name`; returns the time of the switch."""
     now = time.time()
     self._seconds[self._part] += now - self._mark
     self._part, self._mark = name, now
+    return now
 
   def stepping(self, step: int) -> None:
     """The clock runs for `step` (about to run): redone when some run of the workdir finished it before."""
@@ -86,10 +88,10 @@ class Goodput:
 
   def totals(self) -> dict:
     """{part: seconds} over every run of the workdir, this one up to now, and `wall`."""
-    self.part(self._part)
+    now = self.part(self._part)
     earlier = self._previous.get("seconds", {})
     totals = {name: float(earlier.get(name, 0.0)) + self._seconds[name] for name in PARTS}
-    totals["wall"] = float(self._previous.get("wall", 0.0)) + self._seconds["lost"] + time.time() - self._started
+    totals["wall"] = float(self._previous.get("wall", 0.0)) + self._seconds["lost"] + now - self._started
     return totals
 
   def metrics(self) -> dict:
