@@ -91,6 +91,7 @@ def test_skip_leaves_the_state_bitwise_as_it_was_and_names_each_skipped_step(tmp
   poisoned_stream.install(monkeypatch, spikes=[10, 11], nans=[13])
   config = config_for("skip", steps=14)
   config.checkpoint.every = 1
+  config.train.max_bad_in_row = 3  # two in a row (10, 11) are skipped and the run goes on
   with caplog.at_level(logging.WARNING, logger="absl"):
     loop.train(config, str(tmp_path))
   rows = metric_rows(tmp_path)

@@ -2,6 +2,7 @@
 an earlier step counts the steps it repeats as redone, and the totals add up over the runs of one workdir."""
 
 import json
+import logging
 import time
 
 import jax
@@ -76,12 +77,45 @@ def test_a_restart_reads_the_compiled_step_from_the_workdirs_cache(tmp_path):
     jax.config.update("jax_compilation_cache_dir", session_cache)
 
 
-def test_a_start_after_a_run_that_did_not_finish_counts_the_time_since_its_record_as_lost(tmp_path):
-  for ended, lost in ((False, 100.0), (True, 0.0)):
-    earlier = dict(seconds=dict(steps=50.0, init=10.0), wall=60.0, reached=7, runs=1, ended=ended)
+def test_a_start_counts_the_time_since_a_killed_or_preempted_runs_record_as_lost(tmp_path):
+  # running: killed or hung after its last record; stopped: SIGTERM. failed and finished: a person goes on.
+  for status, lost in (("running", 100.0), ("stopped", 100.0), ("failed", 0.0), ("finished", 0.0)):
+    earlier = dict(seconds=dict(steps=50.0, init=10.0), wall=60.0, reached=7, runs=1, status=status)
     earlier["written_at"] = time.time() - 100.0
     (tmp_path / goodput.RECORD).write_text(json.dumps(earlier))
     clock = goodput.Goodput(str(tmp_path), started=earlier["written_at"] + 100.0)
     totals = clock.totals()
-    assert totals["lost"] == pytest.approx(lost, abs=1e-6) and totals["steps"] == 50.0
+    assert totals["lost"] == pytest.approx(lost, abs=1e-6) and totals["steps"] == 50.0, status
     assert sum(totals[name] for name in goodput.PARTS) == pytest.approx(totals["wall"], rel=1e-12)
+
+
+@pytest.mark.parametrize(
+  "damage",
+  [
+    '{"costs": null}',
+    '{"costs": {"save_seconds": 5}}',
+    '{"written_at": "yesterday"}',
+    '{"seconds": [1]}',
+    '{"reached": "x"}',
+    '{"status": "paused"}',
+    "[]",
+    "{not json",
+  ],
+)
+def test_a_damaged_record_is_set_aside_with_a_warning_and_replaced(tmp_path, damage, caplog):
+  (tmp_path / goodput.RECORD).write_text(damage)
+  with caplog.at_level(logging.WARNING, logger="absl"):
+    clock = goodput.Goodput(str(tmp_path), started=time.time())
+  assert any("goodput.json is damaged" in r.getMessage() for r in caplog.records)
+  clock.save()
+  assert goodput.check_record(record(tmp_path)) is None and record(tmp_path)["runs"] == 1
+
+
+def test_a_failed_write_is_a_warning_not_the_end_of_the_run(tmp_path, caplog):
+  clock = goodput.Goodput(str(tmp_path / "file" / "run"), started=time.time())
+  (tmp_path / "file").write_text("")  # the workdir's parent is a file: every write fails
+  with caplog.at_level(logging.WARNING, logger="absl"):
+    clock.save()
+    clock.save()
+  assert [r.getMessage() for r in caplog.records].count(next(iter(caplog.records)).getMessage()) == 1
+  assert "goodput.json failed" in caplog.records[0].getMessage()

@@ -43,6 +43,28 @@ def test_a_skip_run_stops_when_too_many_of_its_last_steps_were_skipped(tmp_path,
   assert [s for s, row in metric_rows(tmp_path).items() if row["skipped"]] == [8]  # step 10 stopped it
 
 
+def test_the_skipped_share_holds_across_a_resume(tmp_path, monkeypatch):
+  # The same spikes, the run stopped at step 9 and resumed: the device's record of the last steps came along.
+  poisoned_stream.install(monkeypatch, spikes=[8, 10])
+  config = config_for("skip", steps=9, skipped_share_window=6, max_skipped_share=0.3)
+  loop.train(config, str(tmp_path))
+  config.train.steps = 14
+  with pytest.raises(recovery.BadStepsError, match=r"^2 of the last 6 steps were skipped, through step 10 \(more "):
+    loop.train(config, str(tmp_path))
+
+
+def test_a_resume_inside_a_row_counts_its_own_row_and_names_its_own_batches(tmp_path, monkeypatch):
+  # Steps 10 and 11 skipped and saved; the resume at 11 skips 12 to 14 before it stops, and names them.
+  poisoned_stream.install(monkeypatch, spikes=range(10, 16))
+  config = config_for("skip", steps=11)
+  config.checkpoint.every = 1
+  config.train.max_bad_in_row = 3
+  loop.train(config, str(tmp_path))
+  config.train.steps = 20
+  with pytest.raises(recovery.BadStepsError, match=r"^steps 12 to 14 were all skipped .*skip_steps=12:14 "):
+    loop.train(config, str(tmp_path))
+
+
 def test_a_rollback_with_keep_1_restores_the_checkpoint_saved_inside_the_row(tmp_path, monkeypatch, caplog):
   # Every step saved, one kept: when step 13 rolls back, the only checkpoint is step 12, skipped, whose parameters
   # are step 11's. The run goes on from it, stepping over batch 13 only, as a run given that window by hand does.

@@ -122,13 +122,14 @@ def test_a_run_killed_mid_way_is_counted_lost_and_its_repeated_steps_redone(tmp_
   process.send_signal(signal.SIGKILL)
   finish(process)
   record = json.loads((tmp_path / "run" / goodput.RECORD).read_text())
-  assert not record["ended"] and record["reached"] >= 14 and record["seconds"]["lost"] == 0.0
+  assert record["status"] == "running" and record["reached"] >= 14 and record["seconds"]["lost"] == 0.0
   time.sleep(1.0)
   restarted = time.time()
   loop.train(config, workdir)  # resumes from step 10: steps 11 to `reached` again
   after = json.loads((tmp_path / "run" / goodput.RECORD).read_text())
-  assert after["ended"] and after["runs"] == 2 and after["reached"] == 30
+  assert after["status"] == "finished" and after["runs"] == 2 and after["reached"] == 30
   assert after["seconds"]["lost"] >= restarted - record["written_at"], (after, record)
   assert after["seconds"]["redone_steps"] > 0 and after["productive_steps"] == 30
   assert abs(sum(after["seconds"].values()) - after["wall"]) < 1e-6 * after["wall"]
-  assert len(after["costs"]["restart_seconds"]) == 2 and len(after["costs"]["restore_seconds"]) == 1
+  # Only the resumed start measured what a restart costs (the first had no restore, and tokenized the corpus).
+  assert len(after["costs"]["restart_seconds"]) == 1 and len(after["costs"]["restore_seconds"]) == 1

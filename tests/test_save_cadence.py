@@ -142,3 +142,13 @@ def test_machines_of_a_chip_count():
   assert save_cadence.machine("v5p", 8192).name == "v5p-8192x2"  # 6,144 chips at most per slice: two of 4,096
   with pytest.raises(config_lib.ConfigError, match="not whole nodes of 8"):
     save_cadence.machine("h100", 1020)
+
+
+def test_extreme_costs_give_a_number_not_an_overflow():
+  # A save of 800 MTBFs: every interval loses nearly all, and goodput falls as e^-(tau/M) once tau > M, while
+  # tau / (e^(tau/M) - 1) rises toward M: the optimum is M itself (d/dtau of log tau - tau/M is 0 at tau = M).
+  assert save_cadence.optimal_interval(80000.0, 10.0, 100.0) == pytest.approx(100.0, rel=1e-3)
+  # A restart of a thousand MTBFs (an MTBF typed for the system, not the chip): a goodput of e^-1000, not a traceback.
+  assert float(save_cadence.goodput(600.0, 60.0, 3.6e6, 3600.0)) == 0.0
+  tau = save_cadence.optimal_interval(60.0, 3.6e6, 3600.0)  # R/M only scales goodput: the optimum is R's absent one
+  assert tau == pytest.approx(save_cadence.optimal_interval(60.0, 0.0, 3600.0), rel=1e-5)  # a flat optimum

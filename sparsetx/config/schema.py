@@ -303,7 +303,8 @@ def train_defaults() -> ml_collections.ConfigDict:
       step_timeout_s=ml_collections.config_dict.placeholder(float),
       # What is slow on purpose has its own limit, None: derived, max(1,800 s, 4 x the slowest of its kind measured
       # in the run). compile: the first train step and the first evaluation; save: a save call (it waits for the
-      # previous save) and the last save's wait; restore: a rollback's wait and restore.
+      # previous save), the waits for a save (the last one, a rollback's, the close); restore: the start (the
+      # checkpoint's checks and restore, or a fresh state's init) and a rollback's restore.
       compile_timeout_s=ml_collections.config_dict.placeholder(float),
       save_timeout_s=ml_collections.config_dict.placeholder(float),
       restore_timeout_s=ml_collections.config_dict.placeholder(float),

@@ -53,10 +53,19 @@ def system_mtbf_seconds(chips: int, chip_mtbf_hours: float) -> float:
   return chip_mtbf_hours * 3600.0 / chips
 
 
-def goodput(tau, save_s: float, restart_s: float, mtbf_s: float):
-  """Daly's expected goodput: tau / (M e^(R/M) (e^((tau + delta)/M) - 1)) (numpy arrays too)."""
+def log_goodput(tau, save_s: float, restart_s: float, mtbf_s: float):
+  """The log of `goodput`, finite wherever tau > 0: log tau - log M - R/M - log(e^x - 1), x = (tau + delta)/M, with
+  log(e^x - 1) as x + log(1 - e^-x) once e^x would overflow (a restart or interval of hundreds of MTBFs)."""
   tau = np.asarray(tau, dtype=np.float64)
-  return tau / (mtbf_s * math.exp(restart_s / mtbf_s) * np.expm1((tau + save_s) / mtbf_s))
+  x = (tau + save_s) / mtbf_s
+  log_expm1 = np.where(x > 30.0, x + np.log1p(-np.exp(-np.minimum(x, 700.0))), np.log(np.expm1(np.minimum(x, 30.0))))
+  return np.log(tau) - math.log(mtbf_s) - restart_s / mtbf_s - log_expm1
+
+
+def goodput(tau, save_s: float, restart_s: float, mtbf_s: float):
+  """Daly's expected goodput: tau / (M e^(R/M) (e^((tau + delta)/M) - 1)) (numpy arrays too; 0 where it
+  underflows)."""
+  return np.exp(log_goodput(tau, save_s, restart_s, mtbf_s))
 
 
 def optimal_interval(save_s: float, restart_s: float, mtbf_s: float) -> float:
@@ -65,12 +74,12 @@ def optimal_interval(save_s: float, restart_s: float, mtbf_s: float) -> float:
   if save_s <= 0:
     raise config_lib.ConfigError(f"a blocking save of {save_s!r} s leaves no optimum; the save cost must be > 0.")
   grid = np.geomspace(min(save_s, mtbf_s) / 10, 10 * mtbf_s, 4001)
-  best = int(np.argmax(goodput(grid, save_s, restart_s, mtbf_s)))
+  best = int(np.argmax(log_goodput(grid, save_s, restart_s, mtbf_s)))  # the same argmax, and no underflow
   lo, hi = math.log(grid[max(best - 1, 0)]), math.log(grid[min(best + 1, len(grid) - 1)])
   ratio = (math.sqrt(5) - 1) / 2
 
   def value(log_tau: float) -> float:
-    return float(goodput(math.exp(log_tau), save_s, restart_s, mtbf_s))
+    return float(log_goodput(math.exp(log_tau), save_s, restart_s, mtbf_s))
 
   a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
   fa, fb = value(a), value(b)

@@ -238,7 +238,7 @@ def rejected_kernel(config: ml_collections.ConfigDict, mesh) -> tuple[str, str] 
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
     try:
       with jax.set_mesh(one_device):
-        jax.jit(lambda *a, eqn=eqn: eqn.primitive.bind(*a, **eqn.params)).trace(*args).lower().compile()
+        compile_traced(jax.jit(lambda *a, eqn=eqn: eqn.primitive.bind(*a, **eqn.params)).trace(*args), one_device)
     except Exception:  # noqa: BLE001  (this kernel is the one refused)
       return layer or "the model", name
   return None

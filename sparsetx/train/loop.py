@@ -100,7 +100,10 @@ def check_workdir(workdir: str) -> None:
     )
 
 
-HEALTH = ("loss", "grad_norm", "param_norm", "skipped", "bad_in_row", "loss_limit", "grad_norm_limit")
+HEALTH = (
+  *("loss", "grad_norm", "param_norm", "skipped", "bad_in_row", "loss_limit", "grad_norm_limit"),
+  *("recent_skips", "judged_steps"),
+)
 
 
 class _StepReader:
@@ -124,7 +127,6 @@ class _StepReader:
     self._compiled = False  # the first step read includes the compilation: its time is left out of the rates
     self._since, self._steps_since = time.time(), 0  # for the ETA: every step after the first, evaluations included
     self.saved_step = saved_step  # named by the divergence message
-    self.recent = recovery.recent_skips(config.train)  # which of the last steps were skipped (the share's bound)
     self.last = {}  # the last metrics logged
 
   def exclude(self, seconds: float) -> None:
@@ -153,7 +155,7 @@ class _StepReader:
     now = time.time()
     step_s, self._read_at, self._plain = (now - self._read_at if self._plain else None), now, True
     self._on_read(step, step_s)
-    recovery.verdict(step, health, self._train, self.saved_step, self.recent)
+    recovery.verdict(step, health, self._train, self.saved_step)
     self._progress(step)
     if step % self._train.log_every == 0 or step == self._train.steps:
       elapsed = time.time() - self._window_start
@@ -283,8 +285,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
         with logical_rules.activate(built.mesh, config.mesh.rules):  # sparse layers trace their expert-parallel form
           last = _run(config, workdir, built, started, clock)
   except BaseException:
-    with contextlib.suppress(Exception):  # the failure's own error is the one to report
-      clock.save()  # not ended: a restart counts the time from here to itself as lost
+    if clock.written:  # a bad config, path or checkpoint found before the first step leaves no record
+      clock.stopped_as("failed")
+      with contextlib.suppress(Exception):  # the failure's own error is the one to report
+        clock.save()
     raise
   clock.save()  # after the run's teardown (the last save's wait included): the parts cover the trainer's wall time
   if jax.process_index() == 0:
@@ -313,15 +317,28 @@ def _state_at(config, built: state_lib.Setup, checkpointer, step: int | None):
   return state
 
 
-def _roll_back(config, workdir, built, checkpointer, data_iterator, trouble: recovery.RollBack, window, watchdog):
+def new_row(state):
+  """`state` with its count of skipped steps in a row at 0: each start and each rollback counts its own row, so a
+  row that ends a run names batches this run read (a row saved inside a checkpoint would start before them)."""
+  return state.replace(health=state.health.replace(bad_in_row=state.health.bad_in_row * 0))
+
+
+def _roll_back(
+  config, workdir, built, checkpointer, data_iterator, trouble: recovery.RollBack, window, watchdog, clock
+):
   """Restores the newest complete checkpoint at or before `trouble.usable` and records the data from it through the
   bad step's batch as a window every later run steps over (before the restore, so a restart after a kill during it
   steps over the window too). `window`: the bad row's batches (1-based stream positions)."""
   recovery.check_rollbacks_left(workdir, config.train, trouble)
   watchdog.doing(f"the wait for the last save, for the rollback after step {trouble.step}", "save")
+  began = time.monotonic()
   checkpointer.wait()
+  watchdog.measured("save", time.monotonic() - began)
   checkpointer.manager.reload()
   target = max((s for s in checkpointer.manager.all_steps() if s <= trouble.usable), default=None)
+  if jax.process_count() > 1:  # process 0's listing for all: a stale one elsewhere must not pick another state
+    target = int(multihost_utils.broadcast_one_to_all(np.int64(-1 if target is None else target)))
+    target = None if target < 0 else target
   if target is None:
     raise recovery.BadStepsError(
       f"step {trouble.step} went bad ({trouble.reason}) and no checkpoint at or before step {trouble.usable} exists "
@@ -335,13 +352,12 @@ def _roll_back(config, workdir, built, checkpointer, data_iterator, trouble: rec
   data_iterator.skip = tuple(sorted((*data_iterator.skip, (start, end))))
   checkpointer.set_aside_after(target)
   watchdog.doing(f"the restore of step {target} for the rollback after step {trouble.step}", "restore")
-  began = time.time()
-  state = _state_at(config, built, checkpointer, target)
-  jax.block_until_ready(state)
-  watchdog.measured("restore", time.time() - began)
+  began = time.monotonic()
+  state = jax.block_until_ready(_state_at(config, built, checkpointer, target))
+  watchdog.measured("restore", time.monotonic() - began)
+  clock.measured("restore_seconds", time.monotonic() - began)
   watchdog.progress()
-  # The row's count starts again: the steps after the restore train on other data.
-  state = state.replace(health=state.health.replace(bad_in_row=state.health.bad_in_row * 0))
+  state = new_row(state)  # the steps after the restore train on other data
   logging.warning(
     "Rolled back to step %d after %s; the batches of steps %d:%d (config.data.skip_steps's numbering) are stepped "
     "over, recorded in %s.",
@@ -375,8 +391,22 @@ class _Run:
 def _run(
   config: ml_collections.ConfigDict, workdir: str, built: state_lib.Setup, started: float, clock: goodput.Goodput
 ) -> dict:
+  watchdog = watchdog_lib.Watchdog(
+    config.train.get("step_timeout_s"),
+    jax.process_index(),
+    slow={kind: config.train.get(f"{kind}_timeout_s") for kind in ("compile", "save", "restore")},
+  )
+  try:
+    return _watched_run(config, workdir, built, started, clock, watchdog)
+  finally:
+    watchdog.close()  # after the checkpointer's close, which waits for the save under way
+
+
+def _watched_run(config, workdir, built, started, clock: goodput.Goodput, watchdog: watchdog_lib.Watchdog) -> dict:
   model, batch_sharding = built.model, built.batch_sharding
 
+  # A read or restore that hangs at the start is a hang too; a fresh state's init compiles under the same limit.
+  watchdog.doing("the start (the newest checkpoint's checks and restore, or a fresh state's init)", "restore")
   checkpointer = checkpointing.Checkpointer(workdir, config.checkpoint)
   start = checkpointer.resume_step(config.checkpoint.get("restore_step"))  # verified: items, arrays' metadata, data
   if start is not None:
@@ -390,11 +420,13 @@ def _run(
     )
   data_iterator = global_stream.GlobalStream(config, batch_sharding, skip=skip)
   _seek(checkpointer, data_iterator, start)
-  began = time.time()
-  state = _state_at(config, built, checkpointer, start)
-  restore_s = time.time() - began if start else None  # a restore's blocking time (the fresh init is not one)
-  if restore_s is not None:
-    clock.measured("restore_seconds", restore_s)
+  began = time.monotonic()
+  state = jax.block_until_ready(_state_at(config, built, checkpointer, start))
+  resumed = bool(start)  # from a checkpoint the run saved (not a fresh state, nor a sparsified step-0 start)
+  if resumed:
+    state = new_row(state)
+    clock.measured("restore_seconds", time.monotonic() - began)
+    watchdog.measured("restore", time.monotonic() - began)
   start = start or 0
   checkpointer.set_aside_after(start)  # a restore_step before the newest: later steps move to superseded/
   with paths.writing(f"writing {paths.resolve(workdir) / 'config.json'}", checkpointer.newest_complete):
@@ -411,13 +443,6 @@ def _run(
     usage_window.Reader(config.model, built.shardings.usage, workdir),
     usage_window.window(config.train),
   )
-  watchdog = watchdog_lib.Watchdog(
-    config.train.get("step_timeout_s"),
-    jax.process_index(),
-    slow={kind: config.train.get(f"{kind}_timeout_s") for kind in ("compile", "save", "restore")},
-  )
-  if restore_s is not None:
-    watchdog.measured("restore", restore_s)
 
   startup = {}  # the first step's compile and its end, after the trainer started: what a warm cache shortens
 
@@ -429,7 +454,8 @@ def _run(
       clock.save()  # a run that dies later leaves this record: its restart counts what came after as lost
     if "first_step_seconds" not in startup:
       startup["first_step_seconds"] = time.time() - started
-      clock.measured("restart_seconds", startup["first_step_seconds"])
+      if resumed:  # what a restart costs: the start, the restore and the compile, to the first step
+        clock.measured("restart_seconds", startup["first_step_seconds"])
       run.writer.write_scalars(step, {f"startup/{k}": v for k, v in startup.items()})
       if jax.process_index() == 0:
         logging.info(
@@ -443,9 +469,9 @@ def _run(
     """Saves `step` (its blocking part: the wait for the previous save and the copy off the devices)."""
     watchdog.doing(what, "save")
     clock.part("checkpoint")
-    began = time.time()
+    began = time.monotonic()
     checkpointer.save(step, state, config, data_iterator.state())
-    took = time.time() - began
+    took = time.monotonic() - began
     watchdog.measured("save", took)
     clock.measured("save_seconds", took)
     clock.save()
@@ -464,6 +490,7 @@ def _run(
   evaluated = False  # the first evaluation compiles its step
   # The stream position of each dispatched step's batch, kept for the last max_bad_in_row steps (a bad row's window).
   positions = {}
+  clock.save()  # the run's first record: one killed from here on is counted lost at the next start
   if step < config.train.steps:
     watchdog.doing(f"reading the batch of step {step + 1}")
     batch, positions[step + 1] = next(data_iterator), data_iterator.step - 1
@@ -522,25 +549,26 @@ def _run(
         first = positions.get(trouble.first_bad, min(positions.values()))
         window = first + 1, positions[trouble.step] + 1
         if config.train.get("bad_steps", "stop") != "rollback":
-          raise recovery.skipped_in_row(trouble, window, run.reader.saved_step) from None
+          raise recovery.skipped_in_row(trouble, window, run.reader.saved_step, config.train.max_bad_in_row) from None
         run.close()
         clock.part("checkpoint")
-        state, step = _roll_back(config, workdir, built, checkpointer, data_iterator, trouble, window, watchdog)
+        state, step = _roll_back(config, workdir, built, checkpointer, data_iterator, trouble, window, watchdog, clock)
         agreement.rewound(step)
         run = _Run(config, workdir, checkpointer, step, on_read)
         batch, positions = next(data_iterator), {}
         positions[step + 1] = data_iterator.step - 1
     watchdog.doing("the last checkpoint's save", "save")
     clock.part("checkpoint")
+    began = time.monotonic()
     checkpointer.wait()
-    if step == config.train.steps:
-      clock.ended()
+    watchdog.measured("save", time.monotonic() - began)
+    clock.stopped_as("finished" if step == config.train.steps else "stopped")
     run.writer.write_scalars(step, clock.metrics())
     run.close()  # a failure leaves W&B's run to W&B's own exit hook, which marks it failed
   finally:
-    watchdog.close()
     profiler.close()
     agreement.restore()
+    watchdog.doing("the checkpointer's close (the wait for the save under way)", "save")
     checkpointer.close()  # after a failure elsewhere: waits for the save under way
     data_iterator.close()
   return run.reader.last

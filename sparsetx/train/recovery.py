@@ -4,7 +4,6 @@ decision to stop or to roll back, and the workdir's record of the data windows s
 More: docs/modules.md, sparsetx/train/recovery.py.
 """
 
-import collections
 import json
 import math
 import time
@@ -55,21 +54,12 @@ def _reason(values: dict, sigmas: float) -> str:
   return f"{' and '.join(over)} (the window's mean + {sigmas:g} standard deviations)"
 
 
-def skipped_share_limit(train: ml_collections.ConfigDict) -> tuple[int, float]:
-  """(window W, share): the run stops when more than share x W of the last W steps it read were skipped."""
-  return train.get("skipped_share_window", 200), train.get("max_skipped_share", 0.05)
-
-
-def recent_skips(train: ml_collections.ConfigDict) -> collections.deque:
-  """The host's record of which of the last steps were skipped, for `verdict` (each run or rollback starts one)."""
-  return collections.deque(maxlen=skipped_share_limit(train)[0])
-
-
-def verdict(step: int, values: dict, train: ml_collections.ConfigDict, saved_step: int, recent=None) -> None:
-  """Reads one step's health values (host floats: loss, grad_norm, param_norm, skipped, bad_in_row, the limits):
-  prints the line of a skipped step; raises NonFiniteLossError to stop, or RollBack (a row of max_bad_in_row
-  skipped steps, or non-finite parameters under rollback), or BadStepsError when more than the bounded share of the
-  last steps in `recent` (recent_skips) were skipped."""
+def verdict(step: int, values: dict, train: ml_collections.ConfigDict, saved_step: int) -> None:
+  """Reads one step's health values (host floats: loss, grad_norm, param_norm, skipped, bad_in_row, the limits, and
+  the device's recent_skips among the last skipped_share_window judged_steps): prints the line of a skipped step;
+  raises NonFiniteLossError to stop, or RollBack (a row of max_bad_in_row skipped steps, or non-finite parameters
+  under rollback), or BadStepsError when more than max_skipped_share of the last skipped_share_window steps were
+  skipped."""
   mode = train.get("bad_steps", "stop")
   norms = ("loss", "grad_norm", "param_norm") if mode == "stop" else ("param_norm",)  # else the device skipped
   if not all(math.isfinite(values[k]) for k in norms):
@@ -82,8 +72,6 @@ def verdict(step: int, values: dict, train: ml_collections.ConfigDict, saved_ste
       "config.train.learning_rate or raise config.train.warmup_steps (or set config.train.bad_steps="
       f"{other}), then resume."
     )
-  if recent is not None:
-    recent.append(bool(values["skipped"]))
   if not values["skipped"]:
     return
   reason = _reason(values, float(train.spike_sigmas))
@@ -92,10 +80,11 @@ def verdict(step: int, values: dict, train: ml_collections.ConfigDict, saved_ste
   in_row = int(values["bad_in_row"])
   if in_row >= train.max_bad_in_row:
     raise RollBack(step, step - in_row + 1, f"{in_row} steps skipped in a row, the last for {reason}", usable=step)
-  window, share = skipped_share_limit(train)
-  if recent is not None and len(recent) == window and sum(recent) > share * window:
+  window, share = train.get("skipped_share_window", 200), train.get("max_skipped_share", 0.05)
+  recent = int(values.get("recent_skips", 0))
+  if values.get("judged_steps", 0) >= window and recent > share * window:
     raise BadStepsError(
-      f"{sum(recent)} of the last {window} steps were skipped, through step {step} (more than "
+      f"{recent} of the last {window} steps were skipped, through step {step} (more than "
       f"config.train.max_skipped_share={share:g} of config.train.skipped_share_window={window}); the run is not "
       f"spiking, it is unstable ({newest(saved_step)}). Lower config.train.learning_rate or "
       "raise config.train.warmup_steps, then resume."
@@ -106,12 +95,12 @@ def newest(saved_step: int) -> str:
   return f"the newest checkpoint is step {saved_step}" if saved_step else "no checkpoint was saved yet"
 
 
-def skipped_in_row(trouble: RollBack, window: tuple[int, int], saved_step: int) -> BadStepsError:
+def skipped_in_row(trouble: RollBack, window: tuple[int, int], saved_step: int, max_bad_in_row: int) -> BadStepsError:
   """What ends a `skip` run at max_bad_in_row skipped steps in a row: the steps, the reason and the fixes.
   `window`: the rows' batches, 1-based, in config.data.skip_steps's numbering."""
   return BadStepsError(
     f"steps {trouble.first_bad} to {trouble.step} were all skipped ({trouble.reason}; "
-    f"config.train.max_bad_in_row={trouble.step - trouble.first_bad + 1}): the run cannot get past them by "
+    f"config.train.max_bad_in_row={max_bad_in_row}): the run cannot get past them by "
     f"skipping ({newest(saved_step)}). Lower "
     "config.train.learning_rate or raise config.train.warmup_steps, or step over these batches with "
     f"--config.data.skip_steps={window[0]}:{window[1]} (or config.train.bad_steps=rollback, which does so itself), "

@@ -38,9 +38,11 @@ class TrainState(train_state.TrainState):
 
 def new_state(model, params, tx, train: ml_collections.ConfigDict) -> TrainState:
   """A step-0 state around `params`: fresh optimizer state, an empty bad-step record and zero usage counts."""
-  return TrainState.create(
+  state = TrainState.create(
     apply_fn=model.apply, params=params, tx=tx, health=bad_steps.fresh(train), usage=usage_window.fresh(model.cfg)
   )
+  # A strong int32 step, as a restored one is: a step jitted on a fresh state is not traced again after a restore.
+  return state.replace(step=jnp.zeros((), jnp.int32))
 
 
 def build_model(config: ml_collections.ConfigDict) -> Transformer:

@@ -67,8 +67,8 @@ def train_step(state, batch, *, model, train: ml_collections.ConfigDict, schedul
   loss, grads, weight_sum, stats = loss_and_grads(
     state.params, batch, model=model, train=train, param_specs=param_specs
   )
-  # The norms read every gradient and parameter as the update does; the compiler fuses them into its kernels, and
-  # the bad-step select (bad_steps.py) with them.
+  # The norms read every gradient and parameter as the update does; the compiler fuses them into its kernels. The
+  # bad-step select (bad_steps.py) stays out of them, so that a run that skips nothing computes what `stop` does.
   with jax.named_scope(scopes.OPTIMIZER):
     grad_norm = optax.tree.norm(grads)
     skip, limits = bad_steps.judge(state.health, loss, grad_norm, train)
@@ -77,13 +77,13 @@ def train_step(state, batch, *, model, train: ml_collections.ConfigDict, schedul
     updates = jax.tree.map(jnp.subtract, new_state.params, state.params)
     groups = {f"grad_norm/{g}": norm for g, norm in param_groups.group_norms(grads).items()}
     groups.update({f"update_norm/{g}": norm for g, norm in param_groups.group_norms(updates).items()})
-  # The window's usage counts (usage_window.py): the step's own, summed over its micro-batches (stats are their mean).
+  # The window's usage counts (usage_window.py): the step's own, summed over its micro-batches (stats are their mean),
+  # left out with a skipped update, whose routing came from the batch that made it bad.
   counts = {
     key.removeprefix(usage_window.COUNTS): stats.pop(key) for key in list(stats) if key.startswith(usage_window.COUNTS)
   }
-  new_state = new_state.replace(
-    usage={name: state.usage[name] + train.microbatches * counts[name] for name in state.usage}
-  )
+  usage = {name: state.usage[name] + train.microbatches * counts[name] for name in state.usage}
+  new_state = new_state.replace(usage=bad_steps.keep_old_if(skip, state.usage, usage))
   metrics = dict(
     loss=loss,
     perplexity=jnp.exp(loss),
@@ -94,6 +94,7 @@ def train_step(state, batch, *, model, train: ml_collections.ConfigDict, schedul
     skipped=jnp.asarray(skip, jnp.float32),
     skipped_steps=new_state.health.skipped,
     bad_in_row=new_state.health.bad_in_row,
+    **dict(zip(("recent_skips", "judged_steps"), bad_steps.recent_share(new_state.health))),
     **limits,
     **groups,
     **stats,
