@@ -72,9 +72,13 @@ def test_a_rollback_with_keep_1_restores_the_checkpoint_saved_inside_the_row(tmp
   rolled, by_hand = tmp_path / "rolled", tmp_path / "by_hand"
   config = config_for("rollback", steps=15)
   config.checkpoint.update(every=1, keep=1)
+  steps = []
+  make_train_step = loop.step_lib.make_train_step
+  monkeypatch.setattr(loop.step_lib, "make_train_step", lambda *a: steps.append(make_train_step(*a)) or steps[-1])
   with caplog.at_level(logging.WARNING, logger="absl"):
     loop.train(config, str(rolled))
   assert any(r.getMessage().startswith("Rolled back to step 12 after step 13") for r in caplog.records)
+  assert steps[0]._cache_size() == 1  # the restored state is typed as the fresh one: the step compiled once
   windows = json.loads((rolled / recovery.RECORD).read_text())["windows"]
   assert [(w["steps"], w["restored_step"]) for w in windows] == [("13:13", 12)]
   hand = config_for("rollback", steps=15)
