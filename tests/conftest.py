@@ -1,6 +1,7 @@
 """Test setup: 8 simulated CPU devices, float32 layer configs, and loading of config files."""
 
 import atexit
+import hashlib
 import importlib.util
 import os
 import pathlib
@@ -150,6 +151,16 @@ MICRO_TRAIN_FLAGS = [  # a micro dense model the multi-process and command-line 
   "--config.data.global_batch_size=8",
   "--config.data.eval_batch_size=8",
 ]
+
+
+@pytest.fixture(autouse=True)
+def own_autotune_table(request, monkeypatch):
+  """Every test (and the programs it starts) reads and writes a kernel table of its own, empty until written: never
+  the developer's ~/.cache/sparsetx/autotune.json. A test that sets the variable itself sets it after this."""
+  from sparsetx.kernels import autotune_table
+
+  name = hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
+  monkeypatch.setenv(autotune_table.ENV, os.path.join(_SESSION_TMP, "autotune-tables", f"{name}.json"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -135,14 +135,13 @@ def resolve(op: str, options: KernelOptions, key: str, call=None):
   under `auto`, a measured table's ranking for this device and `key` goes first and what it dropped is refused."""
   device = target()
   tried = candidates(op, options, device)
-  measured = None
-  if options.implementation == "auto" and device.platform != "cpu":
-    measured = autotune_table.lookup(device.device_kind, op, key, nearest=True)
-    if measured is not None and not measured.usable:  # nothing ran, or XLA itself failed: the default order
-      _warn_once(
-        f"autotune table: {op} {key} on {device.device_kind} has no usable ranking ({measured.dropped}); "
-        f"auto takes the default order {DEFAULT_ORDER[op]} (sparsetx-autotune --again measures it anew)"
-      )
+  measured = miss = None
+  if options.implementation == "auto" and device.platform != "cpu" and not autotune_table.is_off():
+    measured = autotune_table.lookup(device.device_kind, op, key, options, nearest=True)
+    if measured is None:
+      miss = f"has no entry in {autotune_table.source()} (sparsetx-autotune measures it)"
+    elif not measured.usable:  # nothing ran, or XLA itself failed: the default order
+      miss = f"has no usable ranking ({measured.dropped}; sparsetx-autotune --again measures it anew)"
       measured = None
   if measured is not None:  # a tiling the device ranked goes in before its implementation's config tiling
     offered = {i.name for i in tried}
@@ -157,6 +156,11 @@ def resolve(op: str, options: KernelOptions, key: str, call=None):
       if measured is not None and implementation.name in measured.dropped:
         raise NotImplementedError(f"dropped by the measured table: {measured.dropped[implementation.name]}")
       implementation.refuse(device, options, call)
+      if miss is not None:  # once per call in a process (the line names it): what runs instead of a measured choice
+        _warn_once(
+          f"autotune: {op} {key} on {device.device_kind} {miss}; auto runs {implementation.name}, the first of "
+          f"the default order {DEFAULT_ORDER[op]} that takes it"
+        )
       return implementation
     except NotImplementedError as why:
       reasons.append(f"{implementation.name}: {why}")
