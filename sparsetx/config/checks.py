@@ -236,6 +236,12 @@ def validate_train(
     f"config.train.step_timeout_s={timeout!r} must be seconds >= 0 (0: no watchdog), or None to derive it from "
     "the measured step times.",
   )
+  budget = train.get("autotune_budget_s", 600.0)
+  _require(
+    isinstance(budget, (int, float)) and not isinstance(budget, bool) and math.isfinite(budget) and budget >= 0,
+    f"config.train.autotune_budget_s={budget!r} must be seconds >= 0 (0: measure nothing at start-up; "
+    "sparsetx-autotune fills the table).",
+  )
   for kind in ("compile", "save", "restore"):
     timeout = train.get(f"{kind}_timeout_s")
     _require(

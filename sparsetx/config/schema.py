@@ -272,6 +272,9 @@ def train_defaults() -> ml_collections.ConfigDict:
       # processes need the memory). One process only; a multi-host run reads the table as found (fill it with
       # sparsetx-autotune). False: the table is neither read nor written, and `auto` takes the default order.
       autotune=True,
+      # The seconds the trainer may spend measuring kernels before its first step; the calls left are not measured
+      # (one line names them) and `auto` takes the default order for them. 0: measure nothing at start-up.
+      autotune_budget_s=600.0,
       # What a bad step does (sparsetx/train/bad_steps.py, README "Bad steps"): stop | skip | rollback.
       #   stop: every update is applied; a non-finite loss, gradient norm or parameter norm ends the run (exit 3).
       #   skip: an update whose loss or gradient norm is non-finite, or spikes (above the mean + spike_sigmas

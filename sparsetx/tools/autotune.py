@@ -2,10 +2,10 @@
 
   python -m sparsetx.tools.autotune --config=configs/ladder.py:sgatlin,4 --config.data.global_batch_size=16
 
-For each kernel call the step makes (its tokens, dtypes and the layer's gating), every implementation this device
-runs (registry.runs_here; interpret mode only when --implementations names it) is timed in a child process and
-checked against XLA's values and gradients; the fastest correct one goes into the autotune table with the reason
-each other was dropped (--again: held calls too). An unreadable or unwritable table is one `error:` line.
+For each kernel call the step makes, every implementation this device runs is timed (a child process each; on a
+TPU in this process) and checked against XLA's values and gradients; the fastest correct one goes into the autotune
+table with the reason each other was dropped (--again: held calls too; --budget_s: stop measuring after that many
+seconds). An unreadable or unwritable table is one `error:` line.
 
 More: docs/modules.md, sparsetx/tools/autotune.py.
 """
@@ -33,6 +33,12 @@ def define_flags() -> dict:
       "Measure only these (registry names, e.g. triton,xla, or a tiling: triton@block_tokens=16); default: all this "
       "device runs.",
     ),
+    budget_s=flags.DEFINE_float(
+      "budget_s",
+      None,
+      "Stop measuring after this many seconds: the calls left are named in one line and `auto` takes the default "
+      "order for them (default: no limit).",
+    ),
     tilings=flags.DEFINE_bool(
       "tilings",
       False,
@@ -46,19 +52,18 @@ def absl_main(argv, holders: dict):
   del argv
   args = cli.flag_values(holders)
   try:
+    if args.budget_s is not None and not args.budget_s >= 0:
+      raise config_lib.ConfigError(f"--budget_s={args.budget_s} must be >= 0 seconds (omit it for no limit).")
     config = config_lib.validate(holders["config"].value)
+    options = options_from_config(config.model.ffn.kernel)
     calls = autotune.step_calls(config, state_lib.setup(config))
-    todo = calls if args.again else autotune.missing(calls)
-    device = target().device_kind
-    print(
-      f"autotune on {device}: {len(calls)} op shapes in the step, {len(todo)} to measure; table {autotune_table.path()}"
-    )
+    todo = calls if args.again else autotune.missing(calls, options)
+    summary = autotune.summary(calls, todo, options, args.again)
+    print(f"autotune on {target().device_kind}: {summary}; table {autotune_table.path()}")
     if todo:
       autotune.ready_to_measure()
-    for (op, key), call in sorted(todo.items()):
-      options = options_from_config(config.model.ffn.kernel)
-      entry = autotune.tune(op, key, call, options, args.implementations, args.rounds, args.tilings)
-      print(f"  {op} {key}: {autotune.describe(entry)}")
+    report = lambda line: print("  " + line.removeprefix("autotune: "))  # noqa: E731
+    autotune.tune_all(todo, options, report, args.budget_s, args.implementations, args.rounds, args.tilings)
   except config_lib.ConfigError as error:
     cli.fail(error)
   except paths.StorageError as error:

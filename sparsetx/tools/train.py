@@ -59,10 +59,6 @@ def absl_main(argv, holders: dict):
     check_training_files(
       config_lib.validate(args.config)
     )  # before joining peers: a bad value is reported by every process alike
-    if args.config.train.autotune and args.config.model.ffn.kernel.implementation == "auto":
-      from sparsetx.train import autotune  # noqa: PLC0415 (after flags: a fast --help)
-
-      autotune.leave_device_memory_to_children()  # before JAX starts: the kernels' child processes need room
     spec = distributed.detect(
       os.environ,
       coordinator_address=args.coordinator_address,
@@ -71,6 +67,10 @@ def absl_main(argv, holders: dict):
       local_device_ids=[int(i) for i in args.local_device_ids or []],
       tpu_present=distributed.tpu_vm_present(),
     )
+    from sparsetx.train import autotune  # noqa: PLC0415 (after flags: a fast --help)
+
+    if autotune.will_measure(args.config, spec):  # before JAX starts: the kernels' child processes need room
+      autotune.leave_device_memory_to_children()
     distributed.initialize(spec, timeout_s=args.distributed_timeout, heartbeat_timeout_s=args.heartbeat_timeout)
   except ConfigError as error:
     cli.fail(error, 2)

@@ -273,17 +273,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   check_workdir(workdir)
   clock = goodput.Goodput(workdir, started)
   try:
-    with compile_cache.used(config.train, workdir):
-      config = pretokenize.train_corpus(config, workdir)  # the corpus the stream reads: given, or written in workdir
-      with autotune_table.used(config.train.autotune):  # off: the kernel table is neither read nor written
-        if taken := autotune_table.take_from(paths.resolve(workdir)):
-          logging.info("Took %d measured kernel choices from %s.", taken, paths.resolve(workdir) / "autotune.json")
-        built = state_lib.setup(config)
-        if config.train.autotune and jax.process_count() == 1:  # the device picks its kernels before the step compiles
-          autotune.ensure_tuned(config, built, report=logging.info)
-          autotune_table.keep_in(paths.resolve(workdir))
-        with logical_rules.activate(built.mesh, config.mesh.rules):  # sparse layers trace their expert-parallel form
-          last = _run(config, workdir, built, started, clock)
+    last = _set_up_and_run(config, workdir, started, clock)
   except BaseException:
     if clock.written:  # a bad config, path or checkpoint found before the first step leaves no record
       clock.stopped_as("failed")
@@ -294,6 +284,26 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if jax.process_index() == 0:
     logging.info("%s", clock.table())
   return last
+
+
+def _set_up_and_run(config, workdir: str, started: float, clock: goodput.Goodput) -> dict:
+  """The run inside what it sets up for itself: its compilation cache, the corpus, the kernel table (process 0's,
+  on every process) and the model's logical axis rules."""
+  with compile_cache.used(config.train, workdir):
+    config = pretokenize.train_corpus(config, workdir)  # the corpus the stream reads: given, or written in workdir
+    with autotune_table.used(config.train.autotune):  # off: the kernel table is neither read nor written
+      # Only process 0's table counts (agreed): it alone takes the workdir's copy, so hosts never race on a shared one.
+      if jax.process_index() == 0 and (taken := autotune_table.take_from(paths.resolve(workdir))):
+        logging.info("Took %d measured kernel choices from %s.", taken, paths.resolve(workdir) / "autotune.json")
+      with autotune_table.agreed() as agreed:  # every process traces with process 0's choices: one program
+        if agreed:
+          logging.info("Agreed on %d kernel choices from process 0's autotune table.", agreed)
+        built = state_lib.setup(config)
+        if config.train.autotune and jax.process_count() == 1:  # the device picks its kernels before the step compiles
+          autotune.ensure_tuned(config, built, report=logging.info)
+          autotune_table.keep_in(paths.resolve(workdir))
+        with logical_rules.activate(built.mesh, config.mesh.rules):  # sparse layers trace their expert-parallel form
+          return _run(config, workdir, built, started, clock)
 
 
 def _seek(checkpointer, data_iterator, step: int | None) -> None:
