@@ -9,6 +9,7 @@ import contextlib
 import errno
 import os
 import re
+import secrets
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -121,7 +122,8 @@ def write_text_atomically(path: epath.Path, text: str) -> None:
 
 
 def write_bytes_atomically(path: epath.Path, data: bytes) -> None:
-  staged = path.parent / f".{path.name}.partial"
+  # A name of this writer's own: two writers of one file (two runs sharing a table) never rename each other's.
+  staged = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.partial"
   staged.write_bytes(data)
   staged.replace(path)
 

@@ -130,6 +130,7 @@ def test_a_miss_on_a_gpu_is_one_line_naming_the_call_and_what_runs(caplog):
 AGREEING = r"""
 import json, sys
 import jax
+from etils import epath
 from sparsetx.config import ConfigError
 from sparsetx.kernels import autotune_table
 i, port, shape = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -147,18 +148,27 @@ try:
   autotune_table.agree()
 except ConfigError as error:
   seen["corrupt"] = str(error)
+workdir = epath.Path(sys.argv[4])  # process 0 takes the workdir's copy inside agree(): its failure stops both
+if i == 0:
+  autotune_table.path().write_text('{"entries": {}}')
+  (workdir / autotune_table.WORKDIR_COPY).write_text("{damaged")
+try:
+  autotune_table.agree(workdir)
+except ConfigError as error:
+  seen["copy"] = str(error)
 print(json.dumps(seen))
 """
 
 
 def test_two_processes_with_different_tables_follow_process_0(tmp_path):
   """Two hosts' tables rank one call the other way round: after agree() both trace with process 0's ranking, a
-  table rewritten afterwards changes nothing, and process 0's unreadable table stops both with one sentence."""
+  table rewritten afterwards changes nothing, and process 0's unreadable table, or its damaged workdir copy, stops
+  both with one sentence."""
   port, started = launch_local.free_port(), []
   try:
     for i in range(2):
       env = launch_local.child_env(1) | {autotune_table.ENV: str(tmp_path / f"host{i}.json")}
-      command = [sys.executable, "-c", AGREEING, str(i), str(port), SHAPE]
+      command = [sys.executable, "-c", AGREEING, str(i), str(port), SHAPE, str(tmp_path)]
       started.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     outputs = [process.communicate(timeout=120) for process in started]
   finally:
@@ -172,6 +182,8 @@ def test_two_processes_with_different_tables_follow_process_0(tmp_path):
   assert [s["after record"] for s in seen] == [["xla", "triton"]] * 2, seen
   assert seen[0]["corrupt"].startswith(f"the autotune table {tmp_path}/host0.json cannot be read"), seen
   assert seen[1]["corrupt"].startswith("process 0's autotune table cannot be read"), seen
+  assert seen[0]["copy"].startswith(f"the autotune table's copy {tmp_path}/autotune.json cannot be read"), seen
+  assert seen[1]["copy"].startswith("process 0's autotune table cannot be read"), seen
 
 
 def test_each_test_reads_a_table_of_its_own():

@@ -58,7 +58,7 @@ def code_version() -> str:
   if _code_version is None:
     package = pathlib.Path(__file__).resolve().parent
     digest = hashlib.sha256()
-    for source in sorted(package.rglob("*.py")):
+    for source in sorted(p for p in package.rglob("*.py") if p.is_file()):  # not an editor's dangling lock link
       digest.update(source.relative_to(package).as_posix().encode() + b"\0" + source.read_bytes() + b"\0")
     _code_version = digest.hexdigest()[:12]
   return _code_version
@@ -165,11 +165,12 @@ def lookup(
   return _entry(entries[min(near)[1]]) if near else None
 
 
-def agree() -> int:
+def agree(workdir: epath.Path | None = None) -> int:
   """Makes every process of a multi-process run trace with process 0's entries: process 0 sends its table, every
   process keeps it in memory for lookup (its own file is still what `record` writes). Different hosts' tables
   (node-local caches, a replaced node, a table rewritten between two traces) would give one program different
-  kernels in different processes. Called by every process before the step is traced; returns the entry count."""
+  kernels in different processes. Called by every process before the step is traced; returns the entry count.
+  Process 0 first adds `workdir`'s copy (take_from); a failure there or in its read stops every process alike."""
   global _pinned
   if _off or jax.process_count() == 1:
     return 0
@@ -178,8 +179,10 @@ def agree() -> int:
   sent, failure = b"", None
   if jax.process_index() == 0:
     try:
+      if workdir is not None:
+        take_from(workdir)
       sent = json.dumps(_entries(), sort_keys=True).encode()
-    except ConfigError as error:  # the others must not wait for a table that never comes
+    except Exception as error:  # noqa: BLE001  (the others must not wait for a table that never comes)
       failure = error
   length = int(multihost_utils.broadcast_one_to_all(np.int32(-1 if failure else len(sent))))
   if length < 0:
@@ -193,10 +196,10 @@ def agree() -> int:
 
 
 @contextlib.contextmanager
-def agreed():
-  """`agree()` for the block (yields its entry count), this process's own file again after it."""
+def agreed(workdir: epath.Path | None = None):
+  """`agree(workdir)` for the block (yields its entry count), this process's own file again after it."""
   try:
-    yield agree()
+    yield agree(workdir)
   finally:
     unpin()
 

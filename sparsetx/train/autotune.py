@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -198,9 +199,11 @@ def bounds(call: dict, constants: tuple) -> dict:
   dtype = jnp.dtype(call["dtype"])
   if call["form"] == "gather":
     D, S, table = call["d_model"], call["slots"], jnp.dtype(call["table_dtype"])
-    hottest = int(np.bincount(np.asarray(constants[0]).reshape(-1)).max())
+    # A table row's gradient sums its own pairs (each coefficient a float32 dot of D terms): its own count, so a row
+    # few tokens pick is held to its own bound, not the hot row's.
+    pairs_R = np.bincount(np.asarray(constants[0]).reshape(-1), minlength=call["rows"]) + D
     found = dict(y=(dtype, max(D, S)), dx=(dtype, max(D, S)), dgates=(jnp.dtype(jnp.float32), D))
-    found.update(dw_in=(table, max(D, hottest)), dw_out=(table, max(D, hottest)), dbias=(table, max(D, hottest)))
+    found.update(dw_in=(table, pairs_R), dw_out=(table, pairs_R), dbias=(table, pairs_R))
     return found
   if call["form"] == "walk":
     return dict(nodes=(dtype, call["d_model"]), logits=(dtype, call["d_model"]))
@@ -211,7 +214,8 @@ def bounds(call: dict, constants: tuple) -> dict:
 def worst_error(got: dict, want: dict, bound_of: dict) -> float:
   """The largest |got - want| over its bound, across every output: bound = 2 u |want| + REASSOCIATION n u32 max|want|
   with (u's dtype, n) from `bounds` per output, i.e. two roundings to that dtype plus float32 sums of n terms in
-  another order; integer outputs must be equal (else inf)."""
+  another order (n per row where `bounds` gives one count per row: the output's largest value, a sum of many terms,
+  bounds any term; a row's own |want| would not, where its terms cancel); integer outputs must be equal (else inf)."""
   worst = 0.0
   for name, b in want.items():
     a, b = np.asarray(got[name]), np.asarray(b)
@@ -221,6 +225,8 @@ def worst_error(got: dict, want: dict, bound_of: dict) -> float:
     dtype, n = bound_of[name]
     u = float(jnp.finfo(dtype).eps) / 2
     a, b = a.astype(np.float64), b.astype(np.float64)
+    if np.ndim(n):  # one count per row (a table gradient): each row's own terms
+      n = np.asarray(n, np.float64).reshape((-1,) + (1,) * (b.ndim - 1))
     scale = max(float(np.abs(b).max(initial=0.0)), np.finfo(np.float32).tiny)
     bound = 2 * u * np.abs(b) + REASSOCIATION * n * U32 * scale
     worst = max(worst, float(np.max(np.abs(a - b) / bound, initial=0.0)))
@@ -293,19 +299,29 @@ def measure(op: str, spec: str, call: dict, options: KernelOptions, rounds: int,
   return Measured(spec, why=f"faulted: {how}: {last}")
 
 
+class Hung(NotMeasured):
+  """A candidate measured in this process did not finish within its cap: the device is held by a program nothing
+  can cancel, so the process must end (tune records the verdict first)."""
+
+
 def measure_in_process(op: str, spec: str, call: dict, options: KernelOptions, rounds: int, cap_s: float) -> Measured:
   """One candidate in this process (a TPU, which a child cannot open): the same gate as a child's; an exception is
-  dropped as faulted, and a candidate that took longer than `cap_s` as timed out (nothing can stop it sooner)."""
-  started = time.monotonic()
-  try:
-    measured = measure_here(op, spec, call, options, rounds)
-  except Exception as error:  # noqa: BLE001 (a child would have died of it: dropped, and the next one measured)
-    first = (str(error).splitlines() or [""])[0][:200]
-    measured = Measured(spec, why=f"faulted: raised {type(error).__name__}: {first}", device=this_device())
-  took = time.monotonic() - started
-  if took > cap_s:
-    return Measured(spec, why=f"timed out: {took:.0f} s in this process, over {cap_s:g} s", device=measured.device)
-  return measured
+  dropped as faulted; one still running after `cap_s` raises Hung (it runs in a daemon thread, so the wait ends)."""
+  done = {}
+
+  def run():
+    try:
+      done["measured"] = measure_here(op, spec, call, options, rounds)
+    except Exception as error:  # noqa: BLE001 (a child would have died of it: dropped, and the next one measured)
+      first = (str(error).splitlines() or [""])[0][:200]
+      done["measured"] = Measured(spec, why=f"faulted: raised {type(error).__name__}: {first}", device=this_device())
+
+  worker = threading.Thread(target=run, name=f"sparsetx-autotune-{spec}", daemon=True)
+  worker.start()
+  worker.join(cap_s)
+  if worker.is_alive():
+    raise Hung(f"{spec} ran for more than {cap_s:g} s in this process")
+  return done["measured"]
 
 
 def in_process() -> bool:
@@ -329,6 +345,8 @@ def will_measure(config, spec=None) -> bool:
   from sparsetx.parallel import distributed  # noqa: PLC0415
 
   if not (config.train.get("autotune", True) and config.model.ffn.kernel.get("implementation", "auto") == "auto"):
+    return False
+  if config.train.get("autotune_budget_s", DEFAULT_BUDGET_S) <= 0:
     return False
   if not SPECS[config.model.ffn.type].sparse:
     return False
@@ -371,32 +389,64 @@ def tune(op: str, key: str, call: dict, options: KernelOptions, specs=None, roun
     raise WrongDevice(f"this process runs on {this_device()}, not on {kind} (nothing timed here belongs under {kind})")
   if not here:
     check_parent()
-  results = []
-  for spec in specs or specs_for(op, tilings):
+  results, specs, stopped = [], list(specs or specs_for(op, tilings)), None
+  for i, spec in enumerate(specs):
     left = None if deadline is None else deadline - time.monotonic()
     if left is not None and left <= 0:
-      raise OutOfBudget(f"the budget ran out before {spec}")
-    cap = CHILD_TIMEOUT_S if left is None else min(CHILD_TIMEOUT_S, left)
-    if here:
-      measured = measure_in_process(op, spec, call, options, rounds, cap)
+      stopped = OutOfBudget(f"the budget ran out before {spec}")
     else:
-      measured = measure(op, spec, call, options, rounds, cap)
-    if measured.why and measured.why.startswith("timed out") and cap < CHILD_TIMEOUT_S:
-      raise OutOfBudget(f"the budget ran out while {spec} ran")
-    if measured.device is not None and measured.device != kind:
-      raise WrongDevice(
-        f"{spec}'s child process ran on {measured.device}, not on {kind} (a device a child cannot share: a GPU "
-        "in exclusive-process mode?)"
-      )
+      cap = CHILD_TIMEOUT_S if left is None else min(CHILD_TIMEOUT_S, left)
+      try:
+        measured = (
+          measure_in_process(op, spec, call, options, rounds, cap)
+          if here
+          else measure(op, spec, call, options, rounds, cap)
+        )
+      except Hung as why:  # the verdict so far is kept, then the process ends: the restart goes on from it
+        results.append(Measured(spec, why=f"timed out: {why} (the process ended)", device=kind))
+        _record(kind, op, key, options, results, specs[i + 1 :], f"not measured: {spec} hung the process before it")
+        _end_hung(f"{op} {key}: {why}")
+      if measured.why and measured.why.startswith("timed out") and cap < CHILD_TIMEOUT_S:
+        stopped = OutOfBudget(f"the budget ran out while {spec} ran")
+      elif measured.device is not None and measured.device != kind:
+        raise WrongDevice(
+          f"{spec}'s child process ran on {measured.device}, not on {kind} (a device a child cannot share: a GPU "
+          "in exclusive-process mode?)"
+        )
+    if stopped is not None:  # kept when the reference answered: a restart does not spend its budget here again
+      if any(m.name == "xla" and m.device == kind for m in results):
+        return _record(kind, op, key, options, results, specs[i:], "not measured: the autotune budget ran out")
+      raise stopped
     results.append(measured)
+  reference = next((m for m in results if m.name == "xla"), None)
+  if reference is not None and reference.device is None:  # XLA never reached the device: no verdict is trusted
+    raise NotMeasured(f"XLA's reference never answered on {kind} ({reference.why})")
+  return _record(kind, op, key, options, results)
+
+
+def _record(kind, op, key, options, results, unmeasured=(), why=""):
+  """Records (and returns) the entry of `results`, the `unmeasured` candidates dropped with `why`."""
   ran = sorted((m for m in results if m.ms is not None), key=lambda m: m.ms)
   entry = autotune_table.Entry(
     ranking=tuple(m.name for m in ran),
-    dropped={m.name: m.why for m in results if m.ms is None},
+    dropped={m.name: m.why for m in results if m.ms is None} | dict.fromkeys(unmeasured, why),
     ms={m.name: round(m.ms, 4) for m in ran},
   )
   autotune_table.record(kind, op, key, entry, options=options)
   return entry
+
+
+def _end_hung(what: str) -> None:
+  """One line and WATCHDOG_EXIT_CODE, as the watchdog ends a hang: a program that holds the TPU cannot be stopped,
+  and the deploy/ recipes restart on this code (the restart reads the verdict recorded before)."""
+  from sparsetx.train.watchdog import WATCHDOG_EXIT_CODE  # noqa: PLC0415
+
+  sys.stderr.write(
+    f"error: autotune: {what}; its verdict is recorded and the process ends (a program holding the device cannot be "
+    f"stopped). Exiting with code {WATCHDOG_EXIT_CODE}: run the same command again to go on.\n"
+  )
+  sys.stderr.flush()
+  os._exit(WATCHDOG_EXIT_CODE)
 
 
 def tune_all(todo: dict, options: KernelOptions, report=print, budget_s=None, specs=None, rounds=5, tilings=False):
@@ -412,11 +462,11 @@ def tune_all(todo: dict, options: KernelOptions, report=print, budget_s=None, sp
     report(f"autotune: measuring {op} {key} on {target().device_kind} ({', '.join(specs or specs_for(op, tilings))})")
     try:
       entries[op, key] = tune(op, key, call, options, specs, rounds, tilings, deadline=deadline)
-    except WrongDevice as why:
-      why_left = str(why)
+    except OutOfBudget:
       left.append(f"{op} {key}")
       continue
-    except OutOfBudget:
+    except NotMeasured as why:  # another device, or no reference: nothing trusted is measured on this host
+      why_left = str(why)
       left.append(f"{op} {key}")
       continue
     report(f"autotune: {op} {key}: {describe(entries[op, key])}")
@@ -483,6 +533,9 @@ def ensure_tuned(config, built, report=print, budget_s=None) -> dict:
   todo = missing(calls, options)
   report(f"autotune on {target().device_kind}: {summary(calls, todo, options)}; budget {budget_s:g} s")
   if not todo:
+    return {}
+  if budget_s <= 0:
+    report(f"autotune: no budget to measure {len(todo)} op shapes: auto takes the default order for them")
     return {}
   ready_to_measure()
   return tune_all(todo, options, report, budget_s)

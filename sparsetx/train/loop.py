@@ -292,10 +292,11 @@ def _set_up_and_run(config, workdir: str, started: float, clock: goodput.Goodput
   with compile_cache.used(config.train, workdir):
     config = pretokenize.train_corpus(config, workdir)  # the corpus the stream reads: given, or written in workdir
     with autotune_table.used(config.train.autotune):  # off: the kernel table is neither read nor written
-      # Only process 0's table counts (agreed): it alone takes the workdir's copy, so hosts never race on a shared one.
-      if jax.process_index() == 0 and (taken := autotune_table.take_from(paths.resolve(workdir))):
+      if jax.process_count() == 1 and (taken := autotune_table.take_from(paths.resolve(workdir))):
         logging.info("Took %d measured kernel choices from %s.", taken, paths.resolve(workdir) / "autotune.json")
-      with autotune_table.agreed() as agreed:  # every process traces with process 0's choices: one program
+      # Several processes trace with process 0's table, which alone takes the workdir's copy (hosts never race on a
+      # shared one, and a failure there stops every process alike).
+      with autotune_table.agreed(paths.resolve(workdir)) as agreed:
         if agreed:
           logging.info("Agreed on %d kernel choices from process 0's autotune table.", agreed)
         built = state_lib.setup(config)
