@@ -124,8 +124,13 @@ def write_text_atomically(path: epath.Path, text: str) -> None:
 def write_bytes_atomically(path: epath.Path, data: bytes) -> None:
   # A name of this writer's own: two writers of one file (two runs sharing a table) never rename each other's.
   staged = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.partial"
-  staged.write_bytes(data)
-  staged.replace(path)
+  try:
+    staged.write_bytes(data)
+    staged.replace(path)
+  except BaseException:
+    with contextlib.suppress(*storage_errors()):  # a failed write leaves no staged file behind
+      staged.unlink(missing_ok=True)
+    raise
 
 
 def copy_tree(source: epath.Path, target: epath.Path) -> None:
