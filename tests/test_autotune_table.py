@@ -156,14 +156,20 @@ try:
   autotune_table.agree(workdir)
 except ConfigError as error:
   seen["copy"] = str(error)
+if i == 1:  # another install on this host
+  autotune_table._code_version = "0123456789ab"
+try:
+  autotune_table.agree()
+except ConfigError as error:
+  seen["install"] = str(error)
 print(json.dumps(seen))
 """
 
 
 def test_two_processes_with_different_tables_follow_process_0(tmp_path):
   """Two hosts' tables rank one call the other way round: after agree() both trace with process 0's ranking, a
-  table rewritten afterwards changes nothing, and process 0's unreadable table, or its damaged workdir copy, stops
-  both with one sentence."""
+  table rewritten afterwards changes nothing, and process 0's unreadable table, its damaged workdir copy, or another
+  install on one host stops both with one sentence."""
   port, started = launch_local.free_port(), []
   try:
     for i in range(2):
@@ -184,6 +190,7 @@ def test_two_processes_with_different_tables_follow_process_0(tmp_path):
   assert seen[1]["corrupt"].startswith("process 0's autotune table cannot be read"), seen
   assert seen[0]["copy"].startswith(f"the autotune table's copy {tmp_path}/autotune.json cannot be read"), seen
   assert seen[1]["copy"].startswith("process 0's autotune table cannot be read"), seen
+  assert all(s["install"].startswith("processes [1] run other kernels or another JAX than process 0") for s in seen)
 
 
 def test_each_test_reads_a_table_of_its_own():

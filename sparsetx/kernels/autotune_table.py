@@ -192,6 +192,16 @@ def agree(workdir: epath.Path | None = None) -> int:
   buffer = np.frombuffer(sent, np.uint8) if jax.process_index() == 0 else np.zeros(length, np.uint8)
   received = multihost_utils.broadcast_one_to_all(buffer) if length else buffer
   _pinned = json.loads(np.asarray(received, np.uint8).tobytes() or b"{}")
+  # The same entries give the same choices only under the same key: every process must run the same JAX and kernels.
+  mine = int(hashlib.sha256(f"{jax.__version__} {code_version()}".encode()).hexdigest()[:15], 16)
+  found = np.asarray(multihost_utils.process_allgather(np.array([mine], np.int64))).reshape(-1)
+  if len(set(found.tolist())) > 1:
+    others = [i for i, h in enumerate(found.tolist()) if h != found[0]]
+    raise ConfigError(
+      f"processes {others} run other kernels or another JAX than process 0 (sparsetx/kernels' code {code_version()} "
+      f"and jax {jax.__version__} here): one program would mix kernels; install the same sparsetx and JAX on every "
+      "host."
+    )
   return len(_pinned)
 
 
