@@ -307,3 +307,12 @@ def test_a_table_row_few_tokens_pick_is_held_to_its_own_bound():
   assert autotune.worst_error(dict(dw=cold_zeroed), dict(dw=want), bound_of) > 1.0
   noise = want * (1 + rng.uniform(-1, 1, want.shape) * 2**-24 * pairs_R[:, None])  # n roundings of each row's own
   assert autotune.worst_error(dict(dw=noise), dict(dw=want), bound_of) <= 1.0
+
+
+def test_moe_weights_are_measured_in_their_own_dtype():
+  """bf16 expert weights make another call than float32 ones (another table entry) and are drawn in bf16."""
+  f32, bf16 = (op_calls.grouped(SPEC((64, 32), jnp.bfloat16), SPEC((4, 32, 16), w)) for w in (F32, jnp.bfloat16))
+  assert op_calls.shape_class(f32) != op_calls.shape_class(bf16)
+  (_, rhs), _ = autotune.inputs(bf16, KernelOptions())
+  assert rhs.dtype == jnp.bfloat16
+  assert autotune.measure_here("grouped_matmul", "xla", bf16, KernelOptions(), 1).ms is not None

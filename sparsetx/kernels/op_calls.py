@@ -65,13 +65,15 @@ def walk(x_ND, w_in_PMD, levels: int, start: int):
 def grouped(lhs_SK, rhs_EKN):
   """MoE's grouped matmul: S rows sorted by group, E groups of [K, N]."""
   E, K, N = rhs_EKN.shape
-  return dict(form="grouped", rows=lhs_SK.shape[0], k=K, n=N, experts=E, dtype=jnp.dtype(lhs_SK.dtype).name)
+  dtypes = dict(dtype=jnp.dtype(lhs_SK.dtype).name, table_dtype=jnp.dtype(rhs_EKN.dtype).name)  # bf16 weights too
+  return dict(form="grouped", rows=lhs_SK.shape[0], k=K, n=N, experts=E, **dtypes)
 
 
 def shape_class(call: dict) -> str:
   """The table's key for a call: every field that makes calls differ, the tokens as `N<count>`."""
   if call["form"] == "grouped":
-    return f"{call['dtype']} N{call['rows']} K{call['k']} out{call['n']} E{call['experts']}"
+    weights = f" {call['table_dtype']} weights" if "table_dtype" in call else ""
+    return f"{call['dtype']} N{call['rows']} K{call['k']} out{call['n']} E{call['experts']}{weights}"
   if call["form"] == "walk":
     return (
       f"walk {call['dtype']} N{call['tokens']} D{call['d_model']} P{call['trees']} M{call['nodes']} "

@@ -208,7 +208,9 @@ def bounds(call: dict, constants: tuple) -> dict:
   if call["form"] == "walk":
     return dict(nodes=(dtype, call["d_model"]), logits=(dtype, call["d_model"]))
   largest = int(np.asarray(constants[0]).max(initial=0))
-  return dict(out=(dtype, call["k"]), dlhs=(dtype, call["n"]), drhs=(dtype, max(largest, 1)))
+  weights = jnp.dtype(call.get("table_dtype", dtype))
+  coarser = max(dtype, weights, key=lambda d: float(jnp.finfo(d).eps))  # the weights' gradient is rounded to both
+  return dict(out=(dtype, call["k"]), dlhs=(dtype, call["n"]), drhs=(coarser, max(largest, 1)))
 
 
 def worst_error(got: dict, want: dict, bound_of: dict) -> float:
