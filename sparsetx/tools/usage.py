@@ -50,13 +50,10 @@ def windows(workdir) -> dict[str, dict[str, list]]:
 
 def heat_map(ffn, counts_U) -> np.ndarray:
   """The last window's counts as rows to draw: sub-keys of both halves per channel, experts, or leaves per tree."""
-  from sparsetx.train import usage_window  # noqa: PLC0415  (after flags: a fast --help)
+  from sparsetx.models.ffn.registry import SPECS  # noqa: PLC0415  (after flags: a fast --help)
 
-  if ffn["type"] in ("sgatlin", "peer"):
-    return np.concatenate(usage_window.subkey_counts(ffn, counts_U), axis=1)
-  if ffn["type"] == "fff":
-    return usage_window.leaf_counts(ffn, counts_U)
-  return counts_U.reshape(1, -1)
+  rows = SPECS[ffn["type"]].count_rows
+  return rows(ffn, counts_U) if rows else counts_U.reshape(1, -1)
 
 
 def draw(workdir: str, out: str) -> str:

@@ -11,7 +11,6 @@ More: docs/modules.md.
 """
 
 import io
-import math
 
 import jax
 import jax.numpy as jnp
@@ -65,31 +64,8 @@ def stats(ffn, counts_U) -> dict[str, float]:
     gini=gini(counts_U),
     max_load=float(counts_U.max() / max(total / n, 1e-30)),
   )
-  if ffn.type in ("sgatlin", "peer"):
-    half1_CI, half2_CJ = subkey_counts(ffn, counts_U)
-    found["dead_subkeys_half1"] = float((half1_CI == 0).mean())
-    found["dead_subkeys_half2"] = float((half2_CJ == 0).mean())
-  if ffn.type == "fff":
-    leaves_PL = leaf_counts(ffn, counts_U)
-    share_PL = leaves_PL / np.maximum(leaves_PL.sum(1, keepdims=True), 1e-30)
-    found["top_leaf_share"] = float(share_PL.max(1).mean())
-    found["path_entropy"] = float(
-      -np.sum(np.where(share_PL > 0, share_PL * np.log2(np.where(share_PL > 0, share_PL, 1.0)), 0.0), 1).mean()
-    )
-  return found
-
-
-def subkey_counts(ffn, counts_U) -> tuple[np.ndarray, np.ndarray]:
-  """Picks per sub-key of each half, per channel, of sgatlin's or PEER's neuron counts: neuron i*n_keys + j is
-  sub-key i of the first half and j of the second. `ffn`: its config (a ConfigDict, or a dict as config.json has it)."""
-  n_keys = math.isqrt(ffn["d_ffw"])
-  grid_CIJ = np.asarray(counts_U).reshape(-1, n_keys, n_keys)
-  return grid_CIJ.sum(2), grid_CIJ.sum(1)
-
-
-def leaf_counts(ffn, counts_U) -> np.ndarray:
-  """Picks per leaf of each FFF tree, from its node counts in heap order (the leaves the last half)."""
-  return np.asarray(counts_U).reshape(ffn["n_trees"], -1)[:, 2 ** ffn["depth"] - 1 :]
+  by_type = SPECS[ffn["type"]].window_stats  # what the type's units add: sub-keys, leaves
+  return found | (by_type(ffn, counts_U) if by_type else {})
 
 
 def gini(counts) -> float:

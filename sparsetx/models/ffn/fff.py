@@ -9,6 +9,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sparsetx import scopes
 from sparsetx.config import ffn_checks
@@ -164,6 +165,18 @@ def fff_cost(bld, model, ffn, n, E, G, b, devices):
   tokens("reduce-scatter", n * D * cost.F32, E, "dx partial sums (float32)")
 
 
+def leaf_counts(ffn, counts_U) -> np.ndarray:
+  """Picks per leaf of each tree, from its node counts in heap order (the leaves the last half)."""
+  return np.asarray(counts_U).reshape(ffn["n_trees"], -1)[:, 2 ** ffn["depth"] - 1 :]
+
+
+def _leaf_window_stats(leaves_PL) -> dict:
+  """How concentrated the trees' paths are: the top leaf's share and the leaf distribution's entropy (bits)."""
+  share_PL = leaves_PL / np.maximum(leaves_PL.sum(1, keepdims=True), 1e-30)
+  entropy_P = -np.sum(np.where(share_PL > 0, share_PL * np.log2(np.where(share_PL > 0, share_PL, 1.0)), 0.0), 1)
+  return dict(top_leaf_share=float(share_PL.max(1).mean()), path_entropy=float(entropy_P.mean()))
+
+
 SPEC = FfnSpec(
   name="fff",
   module=Fff,
@@ -188,4 +201,6 @@ SPEC = FfnSpec(
     tree_paths=True,
   ),
   usage_stats=_usage_stats,
+  window_stats=lambda ffn, counts_U: _leaf_window_stats(leaf_counts(ffn, counts_U)),
+  count_rows=lambda ffn, counts_U: leaf_counts(ffn, counts_U),
 )

@@ -22,7 +22,15 @@ from sparsetx.kernels.rows.gated_gather import options_from_config
 from sparsetx.models.ffn import table_cost
 from sparsetx.models.ffn.common import gelu_for
 from sparsetx.models.ffn.product_keys import make_router
-from sparsetx.models.ffn.spec import Circuit, FfnSpec, product_key_flops, product_key_params, product_key_width
+from sparsetx.models.ffn.spec import (
+  Circuit,
+  FfnSpec,
+  product_key_flops,
+  product_key_params,
+  product_key_width,
+  subkey_rows,
+  subkey_window_stats,
+)
 from sparsetx.models.taps import tap
 from sparsetx.parallel import own_tokens, sparse_forms, tables
 
@@ -82,6 +90,8 @@ SPEC = FfnSpec(
   cost=functools.partial(table_cost.neuron_table_cost, shared=True),
   residual_bytes=table_cost.residual_bytes,
   neuron_table=TABLE_AXES,
+  window_stats=subkey_window_stats,
+  count_rows=subkey_rows,
   # Channels index one shared table: the circuit keeps (channel, neuron) apart, usage counts neurons.
   circuit=Circuit(
     "gate_indices",

@@ -21,6 +21,8 @@ from sparsetx.models.ffn.spec import (
   product_key_flops,
   product_key_params,
   product_key_width,
+  subkey_rows,
+  subkey_window_stats,
 )
 from sparsetx.models.taps import tap
 from sparsetx.parallel import own_tokens, sparse_forms, tables
@@ -84,6 +86,8 @@ SPEC = FfnSpec(
   residual_bytes=table_cost.residual_bytes,
   units=Units("channel", "n_channels", TABLE_AXES),
   neuron_table=TABLE_AXES,
+  window_stats=subkey_window_stats,
+  count_rows=subkey_rows,
   # Each channel owns its table: a unit is a (channel, neuron) pair.
   circuit=Circuit(
     "gate_indices", "gate_scores", size=lambda ffn: ffn.n_channels * ffn.d_ffw, block=lambda ffn: ffn.d_ffw

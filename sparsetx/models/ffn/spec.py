@@ -80,10 +80,32 @@ class FfnSpec:
   neuron_table: tuple | None = None  # logical axes of a neuron table whose d_model may be split (sgatlin, PEER)
   circuit: Circuit | None = None  # sparse: how to read a token's circuit from the taps
   usage_stats: Callable | None = None  # (ffn, counts_U, taps, token_weights_BT) -> stats beyond used and gini
+  # (ffn, counts_U) -> {statistic: value} of a training usage window beyond the common ones (train/usage_window.py)
+  window_stats: Callable | None = None
+  count_rows: Callable | None = None  # (ffn, counts_U) -> [rows, columns] of counts sparsetx-usage draws
 
   @property
   def sparse(self) -> bool:
     return self.circuit is not None
+
+
+def subkey_counts(ffn, counts_U) -> tuple[np.ndarray, np.ndarray]:
+  """Picks per sub-key of each half, per channel, of product-key neuron counts (sgatlin, PEER): neuron
+  i*n_keys + j is sub-key i of the first half and j of the second. `ffn`: a ConfigDict, or config.json's dict."""
+  n_keys = math.isqrt(ffn["d_ffw"])
+  grid_CIJ = np.asarray(counts_U).reshape(-1, n_keys, n_keys)
+  return grid_CIJ.sum(2), grid_CIJ.sum(1)
+
+
+def subkey_window_stats(ffn, counts_U) -> dict:
+  """A dead sub-key silences a whole row of the product grid (Lample et al. 2019): the dead share of each half."""
+  half1_CI, half2_CJ = subkey_counts(ffn, counts_U)
+  return dict(dead_subkeys_half1=float((half1_CI == 0).mean()), dead_subkeys_half2=float((half2_CJ == 0).mean()))
+
+
+def subkey_rows(ffn, counts_U) -> np.ndarray:
+  """Both halves' sub-key counts side by side, one row per channel."""
+  return np.concatenate(subkey_counts(ffn, counts_U), axis=1)
 
 
 def dense_width(d_model: int) -> int:
