@@ -67,6 +67,11 @@ def ffn_defaults() -> ml_collections.ConfigDict:
       experts_per_token=2,
       aux_loss=0.0,  # Switch load-balancing loss weight (N * sum_i f_i P_i); 0 = off (the paper's baseline)
       router_z_loss=0.0,  # ST-MoE router z-loss weight (mean logsumexp(router logits)**2); 0 = off
+      # Loss-free balancing (moe; sgatlin and peer per sub-key): a bias on the routing scores for the choice only,
+      # moved by this much after each step against the step's load (models/ffn/selection_bias.py); 0 = off
+      bias_update_rate=0.0,
+      n_shared_experts=0,  # moe: dense SwiGLU experts of d_ffw every token passes through (DeepSeek); 0 = none
+      router_scores="softmax",  # moe: softmax (over the k picked logits) | sigmoid (normalized over the k picked)
       # fff
       depth=6,
       n_trees=4,
@@ -104,6 +109,9 @@ def model_defaults() -> ml_collections.ConfigDict:
       # auto: cudnn on GPU (xla in float32), splash on TPU, xla on CPU | xla | cudnn | splash | pallas
       attention="auto",
       remat="none",  # none | full | dots_saveable | dots_with_no_batch_dims_saveable (saved True/False: full/none)
+      # Runs of consecutive like layers as one lax.scan (compile time flat in depth; parameters stay per layer:
+      # models/transformer.py scan_blocks); False = the per-layer loop, for comparison and debugging.
+      scan_layers=True,
       ffn=ffn_defaults(),
       # Mixed layers (sparse fine-tuning of some layers, sparsetx/tools/sparsify.py): the listed layer indices ("1,3")
       # use `ffn`, the others `dense_ffn`; "" = every layer uses `ffn` (and `dense_ffn` is unused). A string,

@@ -209,8 +209,19 @@ class Transformer(nn.Module):
     x_BTD = tap(self, "token_embeddings", x_BTD)
 
     block = remat_block(cfg) if not decode else Block  # remat saves memory for gradients only
-    for i in range(cfg.n_layers):
-      x_BTD = block(block_config(cfg, i), decode, name=f"layers_{i}")(x_BTD, positions_BT, mask_B1TS, segment_ids_BT)
+    scan = scans_layers(cfg) and not decode and not self.is_initializing() and not self._patched()
+    for group in layer_groups(cfg) if scan else [(i,) for i in range(cfg.n_layers)]:
+      if len(group) == 1:
+        i = group[0]
+        x_BTD = block(block_config(cfg, i), decode, name=f"layers_{i}")(x_BTD, positions_BT, mask_B1TS, segment_ids_BT)
+        continue
+      record = self.is_mutable_collection("intermediates")
+      layer_params = [nn.meta.unbox(self.variables["params"][f"layers_{i}"]) for i in group]
+      x_BTD, sown = scan_blocks(
+        block_config(cfg, group[0]), layer_params, x_BTD, positions_BT, mask_B1TS, segment_ids_BT, record
+      )
+      for j, i in enumerate(group if record else ()):  # each layer's taps under its own name, as the loop sows them
+        self.put_variable("intermediates", f"layers_{i}", jax.tree.map(lambda a, j=j: a[j], sown))
 
     x_BTD = tap(self, "final_norm_output", make_norm(cfg, "final_norm")(x_BTD))
     if not head and not self.is_initializing():
@@ -221,6 +232,10 @@ class Transformer(nn.Module):
       logits_BTV = LMHead(cfg, name="lm_head")(x_BTD)
     logits_BTV = tap(self, "logits", logits_BTV.astype(jnp.float32))
     return nn.with_logical_constraint(logits_BTV, ("batch", "length", "vocab"))
+
+  def _patched(self) -> bool:
+    """Whether the caller passed patches (interp's do-interventions name them per layer: the loop applies them)."""
+    return any(col in self.variables for col in ("patches", "patch_masks"))
 
   def _decode_positions(self, tokens_BT, positions_BT, segment_ids_BT):
     """(positions [B,T], mask [B,1,T,max_len]) of a decode call; advances the cache index past its tokens."""
@@ -308,6 +323,53 @@ def remat_block(cfg):
   if policy == "none":
     return Block
   return nn.remat(Block, policy=None if policy == "full" else getattr(jax.checkpoint_policies, policy))
+
+
+def scans_layers(cfg) -> bool:
+  """Whether the forward runs each group of like layers as one `lax.scan` (`cfg.scan_layers`; configs saved
+  before the field read True). Init, decoding and patched calls always run the per-layer loop."""
+  return bool(cfg.get("scan_layers", True))
+
+
+def layer_groups(cfg) -> tuple[tuple[int, ...], ...]:
+  """The runs of consecutive layers built from the same block config (`block_config`: the sparse `ffn` or
+  `dense_ffn` of a mixed model), in order: each run of two or more compiles as one scanned body."""
+  sparse = set(config_lib.ffn_layer_indices(cfg))
+  groups: list[list[int]] = []
+  for i in range(cfg.n_layers):
+    if groups and (groups[-1][-1] in sparse) == (i in sparse):
+      groups[-1].append(i)
+    else:
+      groups.append([i])
+  return tuple(tuple(group) for group in groups)
+
+
+def scan_blocks(cfg, layer_params: list, x_BTD, positions_BT, mask_B1TS, segment_ids_BT, record: bool):
+  """(output, each layer's sown `intermediates` stacked on a leading layer axis) of the blocks whose parameter
+  trees are `layer_params`, run in order as one `lax.scan` over their parameters stacked inside the step.
+
+  Why stack here and not in the state: the train state, every checkpoint and every reader (restore, elastic resume,
+  export, import, interp, sparsify) keep the per-layer tree `layers_i`, so the format is the same scanned or not and
+  either form resumes the other's checkpoints. The price is one stacked copy of the group's parameters (and of
+  their gradients) inside the step. Each layer's body is rematerialized by `cfg.remat` as `remat_block` does.
+  """
+  block = Block(cfg)
+
+  def body(x_BTD, params):
+    variables = {"params": params}
+    args = (x_BTD, positions_BT, mask_B1TS, segment_ids_BT)
+    if not record:
+      return block.apply(variables, *args), {}
+    out_BTD, state = block.apply(variables, *args, mutable=["intermediates"])
+    return out_BTD, state.get("intermediates", {})
+
+  policy = config_lib.remat_policy(cfg)
+  if policy != "none":
+    body = jax.checkpoint(
+      body, policy=None if policy == "full" else getattr(jax.checkpoint_policies, policy), prevent_cse=False
+    )
+  stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *layer_params)
+  return jax.lax.scan(body, x_BTD, stacked)
 
 
 def init_cache(model: Transformer, batch_size: int):

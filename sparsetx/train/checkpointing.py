@@ -38,6 +38,7 @@ COMPUTE_ONLY = (
   "aux_loss",
   "router_z_loss",
   "logits_dot_in_fp32",
+  "scan_layers",
 )  # may change on resume (MoE balancing weights: the loss, not the parameters)
 _RECORDS = {"health": "bad-step record", "usage": "usage counts"}  # state fields a resume may start empty
 ITEMS = ("state", "config")  # in every step; `data` in every step a run saved (all but step-0 starts)
