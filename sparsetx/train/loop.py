@@ -406,6 +406,7 @@ def _run(
     config.train.get("step_timeout_s"),
     jax.process_index(),
     slow={kind: config.train.get(f"{kind}_timeout_s") for kind in ("compile", "save", "restore")},
+    peers=watchdog_lib.Peers.of_this_run(jax.process_index()),
   )
   try:
     return _watched_run(config, workdir, built, started, clock, watchdog)

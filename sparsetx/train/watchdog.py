@@ -7,7 +7,8 @@ config.train.step_timeout_s; a first call that compiles (the train step, the eva
 or a wait for one save_timeout_s; a restore restore_timeout_s. Each None is derived: max(its floor, a factor x the
 slowest of its kind measured in this process).
 
-More: docs/modules.md, sparsetx/train/watchdog.py.
+On several processes the first to fire tells the others (Peers), so each writes its own stacks and line before any
+exits: the process stuck in a read is the one whose stacks say why. More: docs/modules.md.
 """
 
 import collections
@@ -27,6 +28,38 @@ KINDS = ("step", "compile", "save", "restore")
 # is far above a healthy one and still ends a true hang within the hour.
 SLOW_FLOORS_S = dict(compile=1800.0, save=1800.0, restore=1800.0)
 SLOW_FACTOR = 4.0  # the derived slow limits: this many times the slowest of the kind measured so far
+PEER_WAIT_PERIODS = 4  # a fired process waits this many watch periods for its peers' lines before it exits
+COORDINATOR_LINGER_S = 1.0  # process 0 hosts the coordination service: it exits after its peers, so none aborts first
+
+
+class Peers:
+  """The run's processes, through JAX's coordination key-value store: each that fires posts its line under its own
+  key. A peer's watchdog reads the posts (on a thread of its own: a read from a stopped coordinator may never
+  return) and fires too; a fired process waits, bounded, for every post before it exits, because an exit first ends
+  the others: their collectives fail, and process 0's exit takes the coordination service with it."""
+
+  PREFIX = "sparsetx_watchdog/"
+
+  def __init__(self, client, count: int, process: int):
+    self._client, self.count, self.process = client, count, process
+
+  @classmethod
+  def of_this_run(cls, process: int) -> "Peers | None":
+    """None on one process; else the client `jax.distributed.initialize` made (JAX keeps it in a private module,
+    as orbax and multihost_utils read it)."""
+    import jax
+    from jax._src import distributed
+
+    if jax.process_count() == 1 or distributed.global_state.client is None:
+      return None
+    return cls(distributed.global_state.client, jax.process_count(), process)
+
+  def posted(self) -> dict[int, str]:
+    """{process: its error line} of every process that has fired."""
+    return {int(key.rsplit("/", 1)[-1]): line for key, line in self._client.key_value_dir_get(self.PREFIX)}
+
+  def post(self, line: str) -> None:
+    self._client.key_value_set(f"{self.PREFIX}{self.process}", line, allow_overwrite=True)
 
 
 def timeout_words(setting, kind: str = "step") -> str:
@@ -38,9 +71,10 @@ class Watchdog:
   and save call; `measured` adds a slow kind's duration. The step kind is armed by the first finished step; the
   slow kinds always are."""
 
-  def __init__(self, setting: float | None, process: int = 0, slow: dict | None = None):
+  def __init__(self, setting: float | None, process: int = 0, slow: dict | None = None, peers: Peers | None = None):
     """`setting`: the step limit in seconds, 0 (the watchdog off) or None (derived: max(FLOOR_S, STEP_FACTOR x the
-    slowest measured step)); `slow`: {compile|save|restore: seconds or None (derived)}."""
+    slowest measured step)); `slow`: {compile|save|restore: seconds or None (derived)}; `peers`: the run's other
+    processes (None: this one alone)."""
     self._settings = dict.fromkeys(KINDS) | (slow or {}) | dict(step=setting)
     self._process = process
     self._measured = {kind: collections.deque(maxlen=MEASURED) for kind in KINDS}
@@ -49,10 +83,14 @@ class Watchdog:
     self._last_step = None
     self._armed = False
     self._stop = threading.Event()
+    self._peers = peers
+    self._peer_fired = None  # the lowest process whose post the listening thread has read
     self._thread = None
     if setting != 0:
       self._thread = threading.Thread(target=self._watch, name="sparsetx-watchdog", daemon=True)
       self._thread.start()
+      if peers is not None:
+        threading.Thread(target=self._listen, name="sparsetx-watchdog-peers", daemon=True).start()
 
   def limit(self, kind: str = "step") -> float:
     if self._settings[kind]:
@@ -83,24 +121,53 @@ class Watchdog:
   def close(self) -> None:
     self._stop.set()
 
+  def _period(self) -> float:
+    return min(5.0, min(self.limit(kind) for kind in KINDS) / 4)
+
   def _watch(self) -> None:
-    while not self._stop.wait(min(5.0, min(self.limit(kind) for kind in KINDS) / 4)):
+    while not self._stop.wait(self._period()):
       last, doing, kind = self._since
       waited = time.monotonic() - last
-      if (self._armed or kind != "step") and waited > self.limit(kind):
+      if ((self._armed or kind != "step") and waited > self.limit(kind)) or self._peer_fired is not None:
         self._fire(waited, doing, kind)
 
+  def _listen(self) -> None:
+    while not self._stop.wait(self._period()):
+      try:
+        posted = self._peers.posted()
+      except Exception:  # noqa: BLE001 (the coordinator is gone: this process's own limit still holds)
+        return
+      if posted:
+        self._peer_fired = min(posted)
+        return
+
   def _fire(self, waited: float, doing: str, kind: str) -> None:
-    """Writes every thread's stack and one line to stderr, then ends the process at once (a hung collective or read
-    would never return to let it end otherwise)."""
+    """Writes every thread's stack and one line to stderr, posts the line to the peers and waits for theirs
+    (bounded), then ends the process (a hung collective or read would never return to let it end otherwise)."""
     sys.stderr.write(f"\nsparsetx watchdog, process {self._process}: the stacks of all threads:\n")
     sys.stderr.flush()
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    sys.stderr.write(
+    told = "" if self._peer_fired is None else f" (process {self._peer_fired}'s watchdog fired first)"
+    line = (
       f"error: process {self._process}: nothing finished for {waited:.0f} s ({timeout_words(self._settings[kind], kind)}: "
-      f"{self.limit(kind):.0f} s) while running {doing}; the last finished step is {self._last_step}. A peer or "
+      f"{self.limit(kind):.0f} s) while running {doing}; the last finished step is {self._last_step}{told}. A peer or "
       "a read hangs; the stacks are in the log above. Exiting with code "
-      f"{WATCHDOG_EXIT_CODE}: run the same command again to resume from the newest checkpoint.\n"
+      f"{WATCHDOG_EXIT_CODE}: run the same command again to resume from the newest checkpoint."
     )
+    sys.stderr.write(line + "\n")
     sys.stderr.flush()
+    if self._peers is not None:
+      waiting = threading.Thread(target=self._wait_for_peers, args=(line,), name="sparsetx-watchdog-post", daemon=True)
+      waiting.start()
+      waiting.join(PEER_WAIT_PERIODS * self._period())  # a stopped peer or coordinator never answers
     os._exit(WATCHDOG_EXIT_CODE)
+
+  def _wait_for_peers(self, line: str) -> None:
+    try:
+      self._peers.post(line)
+      while len(self._peers.posted()) < self._peers.count:
+        time.sleep(0.2)
+    except Exception:  # noqa: BLE001 (the coordinator is gone: nobody is left to wait for)
+      return
+    if self._process == 0:
+      time.sleep(COORDINATOR_LINGER_S)
