@@ -1,13 +1,13 @@
 """`python -m sparsetx.train --config=configs/tiny.py --workdir=DIR [--config.train.steps=200 ...]`.
 
-Every config field can be overridden on the command line (ml_collections config_flags). A bad
-config file, override, mesh, batch size, workdir or checkpoint ends the run with one `error:` line
-naming the file or field and exit code 2 (sparsetx/cli.py); a damaged newest checkpoint names the
-older steps to resume from with --config.checkpoint.restore_step=N.
+Every config field can be overridden on the command line (ml_collections config_flags). A bad config file, override,
+mesh, batch size, workdir or checkpoint ends the run with one `error:` line naming the file or field and exit code 2
+(sparsetx/cli.py); a damaged newest checkpoint names the older steps to resume from with --config.checkpoint.restore_step=N.
 Multi-host: the process joins the run its environment describes (SLURM, JobSet, TPU VM pod; see
 sparsetx/parallel/distributed.py), the flags --coordinator_address, --num_processes, --process_id
 override it; a run whose peers do not all connect ends with exit code 4. Exit 3: a divergence
-(config.train.bad_steps); 5: a failed write to storage; 6: the hang watchdog (config.train.step_timeout_s).
+(config.train.bad_steps); 5: a failed write to storage; 6: the hang watchdog (config.train.step_timeout_s);
+0 after SIGTERM or a first Ctrl-C (a checkpoint at the agreed step); 130: Ctrl-C again, or outside the steps.
 """
 
 import os
@@ -79,6 +79,7 @@ def absl_main(argv, holders: dict):
   # After joining (a missing peer is reported before the slow imports) and after flags (fast --help).
   from sparsetx import paths
   from sparsetx.data.token_store import CorpusError
+  from sparsetx.train import ctrl_c
   from sparsetx.train.loop import NonFiniteLossError, train
 
   try:
@@ -89,6 +90,12 @@ def absl_main(argv, holders: dict):
     cli.fail(error, 3)
   except paths.StorageError as error:  # a full disk, a quota, a read-only store: one line, the newest complete step
     cli.fail(error, paths.STORAGE_EXIT_CODE)
+  except KeyboardInterrupt:  # Ctrl-C before the steps (the loop's own handler saves) or after them: no traceback
+    cli.fail(
+      f"stopped by Ctrl-C outside the training steps, where nothing is saved; the same command resumes from the "
+      f"newest complete checkpoint in {args.workdir}/checkpoints, or starts over if there is none.",
+      ctrl_c.ABORT_EXIT_CODE,
+    )
   distributed.shutdown()
   logging.info("Done. Checkpoints: %s/checkpoints, TensorBoard: %s/tensorboard", args.workdir, args.workdir)
 

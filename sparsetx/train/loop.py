@@ -24,7 +24,7 @@ from sparsetx.data import check_training_files, global_stream, pretokenize
 from sparsetx.kernels import autotune_table
 from sparsetx.models import ladder
 from sparsetx.parallel import logical_rules
-from sparsetx.train import autotune, checkpointing, compile_cache, goodput, recovery, usage_window
+from sparsetx.train import autotune, checkpointing, compile_cache, ctrl_c, goodput, recovery, usage_window
 from sparsetx.train import metrics as metrics_lib
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
@@ -35,7 +35,7 @@ AGREE_EVERY_S = 5.0  # processes agree on SIGTERM and on a save by time at least
 
 
 class _Agreement:
-  """SIGTERM (preemption) and config.checkpoint.every_minutes, agreed by every process at the same step: a signal
+  """SIGTERM (preemption) or a first Ctrl-C, and config.checkpoint.every_minutes, agreed by every process at the same step: a signal
   reaches the processes between different steps, and all must stop (and save) at the same step or their
   collectives would mismatch.
 
@@ -46,6 +46,7 @@ class _Agreement:
   def __init__(self, every_minutes: float):
     self.raised = False
     self._previous = signal.signal(signal.SIGTERM, self._handle)
+    self._ctrl_c = ctrl_c.CtrlC(self._interrupted)  # the first Ctrl-C as SIGTERM; a second aborts at once
     self._save_every_s = 60.0 * every_minutes
     self._saved_at = time.monotonic()
     self._next = 1  # the next step to agree at (several processes)
@@ -55,8 +56,16 @@ class _Agreement:
     logging.warning("SIGTERM received: saving a checkpoint at the current step, then stopping.")
     self.raised = True
 
+  def _interrupted(self):
+    logging.warning(
+      "Ctrl-C received: saving a checkpoint at the current step, then stopping (Ctrl-C again stops at once, "
+      "without saving)."
+    )
+    self.raised = True
+
   def restore(self):
     signal.signal(signal.SIGTERM, self._previous)
+    self._ctrl_c.restore()
 
   def saved(self) -> None:
     """A checkpoint was saved (by step count or time): the save clock starts again."""
@@ -575,6 +584,13 @@ def _watched_run(config, workdir, built, started, clock: goodput.Goodput, watchd
     checkpointer.wait()
     watchdog.measured("save", time.monotonic() - began)
     clock.stopped_as("finished" if step == config.train.steps else "stopped")
+    if step < config.train.steps and jax.process_index() == 0:
+      logging.info(
+        "Stopped at step %d of %d, saved in %s; the same command resumes from it.",
+        step,
+        config.train.steps,
+        checkpointer.directory,
+      )
     run.writer.write_scalars(step, clock.metrics())
     run.close()  # a failure leaves W&B's run to W&B's own exit hook, which marks it failed
   finally:
