@@ -290,7 +290,7 @@ def test_the_trainer_measures_what_its_table_lacks_and_a_restart_takes_the_workd
 
   table.unlink()  # the next host
   no_children(monkeypatch)
-  config.train.steps = 2
+  config.train.update(steps=2, accept_schedule_change=True)  # a longer run: its schedule changes
   loop.train(config_lib.validate(config), str(workdir))
   assert json.loads(table.read_text())["entries"] == entries
 

@@ -165,6 +165,7 @@ def test_sbatch_script_tokenizes_then_trains_under_a_simulated_slurm(tmp_path):
     "--config.data.mixture=(('facts', 1.0),)",
     "--config.train.eval_every=1000",
     "--config.checkpoint.every=2",
+    "--config.train.accept_schedule_change=True",  # the second run, 4 steps, extends the first
   ]
   for steps in (2, 4):
     result = subprocess.run(

@@ -48,7 +48,7 @@ def test_the_skipped_share_holds_across_a_resume(tmp_path, monkeypatch):
   poisoned_stream.install(monkeypatch, spikes=[8, 10])
   config = config_for("skip", steps=9, skipped_share_window=6, max_skipped_share=0.3)
   loop.train(config, str(tmp_path))
-  config.train.steps = 14
+  config.train.update(steps=14, accept_schedule_change=True)  # a longer run: its schedule changes
   with pytest.raises(recovery.BadStepsError, match=r"^2 of the last 6 steps were skipped, through step 10 \(more "):
     loop.train(config, str(tmp_path))
 
@@ -60,7 +60,7 @@ def test_a_resume_inside_a_row_counts_its_own_row_and_names_its_own_batches(tmp_
   config.checkpoint.every = 1
   config.train.max_bad_in_row = 3
   loop.train(config, str(tmp_path))
-  config.train.steps = 20
+  config.train.update(steps=20, accept_schedule_change=True)  # a longer run: its schedule changes
   with pytest.raises(recovery.BadStepsError, match=r"^steps 12 to 14 were all skipped .*skip_steps=12:14 "):
     loop.train(config, str(tmp_path))
 

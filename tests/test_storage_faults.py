@@ -21,6 +21,7 @@ TRAIN_FLAGS = [  # micro_config(steps=6) on the command line, the checkpoint sav
   *MICRO_TRAIN_FLAGS,
   "--config.data.shuffle_buffer=64",
   "--config.train.steps=6",
+  "--config.train.accept_schedule_change=True",  # it extends a run of 2 steps
   "--config.train.warmup_steps=1",
   "--config.train.log_every=1",
   "--config.train.eval_every=1000",
@@ -66,7 +67,7 @@ def test_a_full_disk_during_a_save_ends_in_one_line_and_a_rerun_resumes_bitwise(
   assert checkpointing.open_read_only(str(workdir)).manager.all_steps() == [2]  # the incomplete step is no step
 
   small_filesystem.make_room()
-  loop.train(micro_config(steps=6), str(workdir))
+  loop.train(micro_config(steps=6, accept_schedule_change=True), str(workdir))
   _, params, step = checkpointing.load(str(workdir))
   _, want, _ = checkpointing.load(str(reference))
   assert step == 6

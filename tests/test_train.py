@@ -204,7 +204,7 @@ def test_kill_during_async_save_keeps_previous_checkpoint(tmp_path):
   latest = manager.latest_step()
   manager.close()
   assert latest is not None and latest >= 1
-  config.train.steps = latest + 2
+  config.train.update(steps=latest + 2, accept_schedule_change=True)  # a shorter run: its schedule changes
   loop.train(config, workdir)
   assert max(losses(workdir)) == latest + 2
 

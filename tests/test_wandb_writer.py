@@ -36,7 +36,7 @@ def test_an_offline_run_holds_the_logged_scalars_and_a_resume_continues_it(tmp_p
   config.checkpoint.update(every=2, every_minutes=0.0)
   config.metrics.wandb.update(project="sparsetx-test", mode="offline")
   loop.train(config, str(tmp_path))
-  config.train.steps = 6  # a restart that goes on from step 4
+  config.train.update(steps=6, accept_schedule_change=True)  # a restart that goes on from step 4
   loop.train(config, str(tmp_path))
 
   ids, history = wandb_records(tmp_path)

@@ -270,6 +270,9 @@ def train_defaults() -> ml_collections.ConfigDict:
       # Sparse fine-tuning: for the first N steps only the feed-forward layers of config.model.ffn_layers
       # (every layer's when empty) train; everything else (copied by sparsetx/tools/sparsify.py) has learning rate 0.
       freeze_steps=0,
+      # A resume whose schedule (steps, schedule, learning_rate, warmup_steps, decay_fraction) differs from the
+      # checkpoint's is refused, naming the change, unless this is True (train/loop.py check_schedule).
+      accept_schedule_change=False,
       # "START,COUNT": a jax.profiler trace of COUNT steps from step START, under <workdir>/tensorboard
       # (TensorBoard's profile tab); "" = none. Process 0 only unless profile_all_processes.
       profile_steps="",

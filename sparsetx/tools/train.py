@@ -11,19 +11,32 @@ override it; a run whose peers do not all connect ends with exit code 4. Exit 3:
 """
 
 import os
+import pathlib
+import re
+import sys
 
 from absl import flags, logging
 
 from sparsetx import cli
 from sparsetx.config import ConfigError
 
+# The default job, `make train`'s, found beside the package (a checkout or an editable install) from any directory;
+# an install without the repository's configs/ has no default.
+DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "tiny.py"
+
+
+def default_config() -> str | None:
+  return str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None
+
+
+def config_given(argv: list[str]) -> bool:
+  return any(re.fullmatch(r"--?config(=.*)?", arg, re.S) for arg in argv[1:])
+
 
 def define_flags() -> dict:
   """The program's absl flags; defined only when run as a program, so tests import this module next to others."""
   return dict(
-    config=cli.define_config_file(
-      "config", "configs/tiny.py", "Config file, optionally with ':ARG'.", lock_config=True
-    ),
+    config=cli.define_config_file("config", default_config(), "Config file, optionally with ':ARG'.", lock_config=True),
     workdir=flags.DEFINE_string(
       "workdir", None, "Directory for checkpoints, metrics and TensorBoard logs.", required=True
     ),
@@ -48,9 +61,17 @@ def define_flags() -> dict:
   )
 
 
-def absl_main(argv, holders: dict):
+def absl_main(argv, holders: dict, defaulted: bool = False):
   del argv
   args = cli.flag_values(holders)
+  if args.config is None:  # no --config, and no checkout's configs/ beside the package
+    cli.fail(ConfigError("--config is required (e.g. --config=configs/tiny.py from a checkout of sparsetx)."))
+  if defaulted:
+    logging.info(
+      "No --config given: training the default, configs/tiny.py (%s: the tiny sgatlin model on the embedded "
+      "corpus); --config=FILE[:ARG] picks another.",
+      DEFAULT_CONFIG,
+    )
   from sparsetx import config as config_lib
   from sparsetx.data import check_training_files
   from sparsetx.parallel import distributed
@@ -102,8 +123,8 @@ def absl_main(argv, holders: dict):
 
 def main():
   """`python -m sparsetx.train` and the `sparsetx-train` script."""
-  holders = define_flags()
-  cli.run(lambda argv: absl_main(argv, holders))
+  holders, defaulted = define_flags(), not config_given(sys.argv)
+  cli.run(lambda argv: absl_main(argv, holders, defaulted))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from sparsetx.data import check_training_files, global_stream, pretokenize
 from sparsetx.kernels import autotune_table
 from sparsetx.models import ladder
 from sparsetx.parallel import logical_rules
-from sparsetx.train import autotune, checkpointing, compile_cache, ctrl_c, goodput, recovery, usage_window
+from sparsetx.train import autotune, checkpointing, compile_cache, ctrl_c, goodput, optimizer, recovery, usage_window
 from sparsetx.train import metrics as metrics_lib
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
@@ -107,6 +107,37 @@ def check_workdir(workdir: str) -> None:
       f"--workdir={workdir} holds a run started by an older sparsetx (its data state is in {path / 'data_state'}), "
       "which this version cannot resume; start over with a new --workdir (or delete this one)."
     )
+
+
+SCHEDULE_FIELDS = ("steps", "schedule", "learning_rate", "warmup_steps", "decay_fraction")  # what sets each step's rate
+
+
+def check_schedule(saved: ml_collections.ConfigDict, train: ml_collections.ConfigDict, step: int, where: str) -> None:
+  """Refuses to resume `step` (saved in `where` with config.train `saved`) under a learning-rate schedule that gives
+  the steps still to run other rates, naming what changes and the next step's rate before and after, unless
+  config.train.accept_schedule_change: a longer `steps` moves the decay, so the rate jumps back up from where the
+  saved run had decayed it."""
+  changed = [name for name in SCHEDULE_FIELDS if name in saved and saved[name] != train[name]]
+  if not changed:
+    return
+  counts = np.arange(step, max(step + 1, train.steps))  # the optimizer counts of the updates still to run
+  rates = [np.asarray(optimizer.learning_rate_schedule(t)(counts)) for t in (saved, train)]
+  if np.allclose(rates[0], rates[1], rtol=1e-6, atol=0.0):  # e.g. a longer run without decay: the same rates
+    return
+  before, after = float(rates[0][0]), float(rates[1][0])
+  what = ", ".join(f"config.train.{name} {saved[name]!r} -> {train[name]!r}" for name in changed)
+  if train.get("accept_schedule_change", False):
+    logging.warning(
+      "Resuming step %d with a new schedule (%s, config.train.accept_schedule_change): the learning rate of step "
+      "%d is %.3g (the saved schedule's: %.3g).",
+      *(step, what, step + 1, after, before),
+    )
+    return
+  raise config_lib.ConfigError(
+    f"the checkpoint at step {step} in {where} was trained with another learning-rate schedule ({what}): step "
+    f"{step + 1}'s rate would be {after:.3g} instead of the saved schedule's {before:.3g}; add "
+    "--config.train.accept_schedule_change=True to resume under the new one, or set the fields back."
+  )
 
 
 HEALTH = (
@@ -331,6 +362,8 @@ def _state_at(config, built: state_lib.Setup, checkpointer, step: int | None):
     logging.info("Starting from the step-0 parameters in %s.", checkpointer.directory)
     return state_lib.state_from_params(params, built.shardings, built.model, built.tx, config.train)
   if step is None:
+    if jax.process_index() == 0:
+      logging.info("No checkpoint in %s: starting at step 0.", checkpointer.directory)
     return state_lib.create_state(config, built.shardings, built.model, built.tx)
   state = checkpointer.restore_state(step, built.abstract_state)
   logging.info("Resumed from %s at step %d.", checkpointer.directory, step)
@@ -432,6 +465,8 @@ def _watched_run(config, workdir, built, started, clock: goodput.Goodput, watchd
   start = checkpointer.resume_step(config.checkpoint.get("restore_step"))  # verified: items, arrays' metadata, data
   if start is not None:
     checkpointer.check_compatible(start, config)
+  if start:  # a step-0 start (sparsify, import) has no schedule of its own yet
+    check_schedule(checkpointer.saved_config(start).train, config.train, start, str(checkpointer.directory))
   skip = recovery.windows(config, workdir)
   if skip and jax.process_index() == 0:
     logging.info(
@@ -453,6 +488,13 @@ def _watched_run(config, workdir, built, started, clock: goodput.Goodput, watchd
   with paths.writing(f"writing {paths.resolve(workdir) / 'config.json'}", checkpointer.newest_complete):
     logging.info("%s; config: %s", summary(config, built), write_config(config, workdir))
 
+  if start >= config.train.steps and jax.process_index() == 0:
+    logging.info(
+      "The run in %s is finished (step %d, config.train.steps=%d): nothing to train. To train further, run again "
+      "with a larger --config.train.steps and --config.train.accept_schedule_change=True (the schedule is recomputed "
+      "for the new length), or start another --workdir.",
+      *(paths.resolve(workdir), start, config.train.steps),
+    )
   step_fn = step_lib.make_train_step(config, built)
   eval_fn = step_lib.make_eval_step(model, built.shardings.params, batch_sharding)
   eval_data = global_stream.TokenizedEvalData(config, batch_sharding, split="validation", required=False)
