@@ -1,0 +1,132 @@
+"""Layers as a scan (models/transformer.py: layer_groups, scan_blocks): the scanned forward equals the per-layer
+loop in the train step (loss, gradients, sparse statistics, usage counts) on 8 devices with micro-batches; a
+checkpoint written by either form resumes the other bitwise; decoding (the loop) continues the scanned forward."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from conftest import synthetic_batch
+from test_train import assert_same_step, micro_config, one_step
+
+from sparsetx.models import transformer
+from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.train import checkpointing
+from sparsetx.train import state as state_lib
+
+
+def layered(ffn_type: str, n_layers: int = 3, ffn_layers: str = "", **train):
+  config = micro_config(ffn_type, warmup_steps=0, **train)
+  config.model.update(n_layers=n_layers, ffn_layers=ffn_layers)
+  return config
+
+
+def scan_lengths(config) -> list:
+  """The lengths of the scans over layers in the traced forward (a scan's length is its layer count)."""
+  model = transformer.Transformer(ml_collections.FrozenConfigDict(config.model))
+  tokens = jnp.zeros((2, 8), jnp.int32)
+  params = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), tokens)))
+  jaxpr = jax.make_jaxpr(lambda p: model.apply(p, tokens))(params)
+  return [e.params["length"] for e in jaxpr.eqns if e.primitive.name == "scan"]
+
+
+def test_groups_are_the_runs_of_like_layers():
+  config = layered("sgatlin", n_layers=6, ffn_layers="1,2,3")
+  assert transformer.layer_groups(config.model) == ((0,), (1, 2, 3), (4, 5))
+  assert transformer.layer_groups(layered("fff", n_layers=4).model) == ((0, 1, 2, 3),)
+  assert scan_lengths(config) == [3, 2]  # the lone dense layer 0 runs unscanned
+  config.model.scan_layers = False
+  assert [n for n in scan_lengths(config) if n > 1] == []  # the sparse layers' own token-chunk scans have length 1
+
+
+def test_scanned_forward_and_gradients_equal_the_loop():
+  """One device, every tap: the scanned model's logits, taps (each under its `layers_i`) and parameter gradients
+  equal the loop's within float32 rounding (another fusion and summation order; 1e-4 of each leaf's largest)."""
+  config = layered("sgatlin", n_layers=4, ffn_layers="1,2,3")
+  tokens = jnp.asarray(synthetic_batch(config)["inputs"][:2])
+
+  def run(scan: bool):
+    config.model.scan_layers = scan
+    model = transformer.Transformer(ml_collections.FrozenConfigDict(config.model))
+    params = nn.unbox(model.init(jax.random.key(0), tokens))["params"]
+
+    def loss(params):
+      logits, state = model.apply({"params": params}, tokens, mutable=["intermediates"])
+      return jnp.mean(jax.nn.log_softmax(logits)[..., 0]), (logits, state["intermediates"])
+
+    return jax.jit(jax.grad(loss, has_aux=True))(params)
+
+  got, want = run(True), run(False)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for (path, a), b in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(want)):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max(), err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.long  # two train steps compiled on 8 devices: about a minute each
+@pytest.mark.parametrize("ffn_type", ["sgatlin", "fff", "moe", "peer", "mixed"])
+def test_scanned_step_equals_the_loop_on_a_mesh_with_micro_batches(ffn_type):
+  """Scan and loop run the same float32 arithmetic in another fusion and summation order: gradients agree within
+  float32 rounding of their sums (assert_same_step: 1e-4 of each leaf's largest element), the routed picks exactly."""
+  config = layered("sgatlin", n_layers=4, ffn_layers="1,2") if ffn_type == "mixed" else layered(ffn_type)
+  config.data.global_batch_size = 16
+  config.train.microbatches = 2
+  config.mesh.ici.update(data=2, fsdp=2, expert=2)
+  mesh = mesh_lib.make_mesh(config.mesh)
+  scanned = one_step(config, mesh)
+  config.model.scan_layers = False
+  looped = one_step(config, mesh)
+  assert_same_step(config, scanned, looped)
+  metrics, want = scanned[1], looped[1]
+  assert set(metrics) == set(want)
+  for name in want:  # the sparse statistics of every layer, each under its own layers_i name
+    np.testing.assert_allclose(metrics[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+  assert any(name.startswith("usage_counts/") for name in want) or ffn_type == "mlp"
+
+
+def shapes(tree) -> list:
+  """(path, shape, dtype) of every leaf: the tree a checkpoint holds (the state's apply_fn, a static field that
+  carries the config, is not saved)."""
+  return [(jax.tree_util.keystr(path), leaf.shape, leaf.dtype) for path, leaf in jax.tree.leaves_with_path(tree)]
+
+
+def test_a_checkpoint_written_by_either_form_resumes_the_other_bitwise(tmp_path):
+  """Parameters stay per layer (`layers_i`) in the state, so the saved tree is the same scanned or not."""
+  config = layered("sgatlin")
+  loop_config = config.copy_and_resolve_references()
+  loop_config.model.scan_layers = False
+  for write, read, directory in ((loop_config, config, "loop"), (config, loop_config, "scan")):
+    built = state_lib.setup(write, mesh=state_lib.single_device_mesh(write))
+    state = state_lib.create_state(write, built.shardings, built.model, built.tx)
+    checkpointer = checkpointing.Checkpointer(str(tmp_path / directory), write.checkpoint)
+    checkpointer.save(1, state, write, data_state=None)
+    checkpointer.wait()
+    checkpointer.check_compatible(1, read)  # scan_layers is compute-only: either may resume the other
+    reader = state_lib.setup(read, mesh=state_lib.single_device_mesh(read))
+    assert shapes(reader.abstract_state) == shapes(built.abstract_state)  # the same tree to read into
+    restored = checkpointer.restore_state(1, reader.abstract_state)
+    checkpointer.close()
+    for (path, got), want in zip(jax.tree.leaves_with_path(restored), jax.tree.leaves(state)):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=jax.tree_util.keystr(path))
+
+
+def test_decoding_with_the_cache_continues_the_scanned_forward():
+  """Decoding runs the per-layer loop on the same parameters: its logits, token by token, equal the scanned full
+  forward's within float32 rounding (attention over a cache of another length sums in another order)."""
+  config = layered("sgatlin")
+  model = transformer.Transformer(ml_collections.FrozenConfigDict(config.model))
+  tokens = jnp.asarray(synthetic_batch(config)["inputs"][:2, :12])
+  params = nn.unbox(model.init(jax.random.key(0), tokens))["params"]
+  assert transformer.scans_layers(model.cfg)
+  full = model.apply({"params": params}, tokens)
+  cache = transformer.init_cache(model, 2)
+  steps = []
+  for t in range(tokens.shape[1]):
+    logits, variables = model.apply(
+      {"params": params, "cache": cache}, tokens[:, t : t + 1], decode=True, mutable=["cache"]
+    )
+    cache = variables["cache"]
+    steps.append(logits)
+  np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-4, atol=1e-4)
