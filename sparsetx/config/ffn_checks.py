@@ -18,6 +18,7 @@ from sparsetx.config.schema import TABLE_PLACEMENTS
 SGATLIN_ACTIVATIONS = ("identity", "relu", "gelu", "swish")
 SGATLIN_ROUTERS = ("product", "peer")
 FFF_VARIANTS = ("fff", "fff_post")
+MOE_ROUTER_SCORES = ("softmax", "sigmoid")
 FFF_IMPLEMENTATIONS = ("sparse", "masked_dense")
 # config.model.ffn.kernel.implementation: auto | reference | a registry name | an ordered list "a,b" of names; the
 # names are the registry's (kernels/registry.py checks them when a step is set up: config imports nothing above it)
@@ -137,6 +138,22 @@ def check_moe(ffn: ml_collections.ConfigDict, d_model: int, prefix: str) -> None
       isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0,
       f"{prefix}.{field}={value!r} must be a finite number >= 0 (0 turns it off).",
     )
+  _check_bias_update_rate(ffn, prefix)
+  shared = ffn.get("n_shared_experts", 0)
+  _require(
+    isinstance(shared, int) and not isinstance(shared, bool) and shared >= 0,
+    f"{prefix}.n_shared_experts={shared!r} must be a whole number >= 0 (0: no shared experts).",
+  )
+  _one_of(f"{prefix}.router_scores", ffn.get("router_scores", "softmax"), MOE_ROUTER_SCORES)
+
+
+def _check_bias_update_rate(ffn, prefix: str) -> None:
+  value = ffn.get("bias_update_rate", 0.0)
+  _require(
+    isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0,
+    f"{prefix}.bias_update_rate={value!r} must be a finite number >= 0 (0 turns loss-free balancing off; "
+    "DeepSeek-V3 uses 0.001).",
+  )
 
 
 def check_peer(ffn: ml_collections.ConfigDict, d_model: int, prefix: str) -> None:

@@ -22,6 +22,7 @@ from sparsetx.config import ConfigError
 from sparsetx.hf import lazy_tensors
 from sparsetx.hf.neox import EOS_ID, PAD_ID, SPARSETX_KEY
 from sparsetx.hf.neox import START_ID as BOS_ID
+from sparsetx.models.ffn import selection_bias
 from sparsetx.train import checkpointing
 
 MODEL_TYPE = "sparsetx"
@@ -127,7 +128,8 @@ def param_parts(model_config, tensors) -> Iterator[tuple[tuple, np.ndarray]]:
   for name, shape in expected.items():
     array = np.asarray(tensors[name])
     _check_shape(name, array.shape, shape, "the weights")
-    yield flax_path(name), array.astype(param_dtype, copy=False)
+    path = flax_path(name)
+    yield path, array.astype(jnp.float32 if path[-1] == selection_bias.NAME else param_dtype, copy=False)
     del array  # before the next read: a consumer that let go of it holds one tensor, not two
 
 

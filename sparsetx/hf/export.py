@@ -27,6 +27,7 @@ from sparsetx import paths
 from sparsetx.data import check_files
 from sparsetx.hf import lazy_tensors, neox, output, shards, tokenizer_files, weight_files
 from sparsetx.hf.shards import WEIGHTS, WEIGHTS_INDEX
+from sparsetx.models.ffn import selection_bias
 from sparsetx.train import param_writer
 from sparsetx.train.param_reader import ParamReader
 
@@ -307,7 +308,8 @@ def _hf_parts(weights: weight_files.WeightFiles) -> tuple[ml_collections.ConfigD
 
 def _in_dtype(model: ml_collections.ConfigDict, parts):
   for path, value in parts:
-    value = _in_param_dtype(model, value)
+    # a selection bias stays float32 whatever param_dtype, as the model holds it (models/ffn/selection_bias.py)
+    value = np.asarray(value, np.float32) if path[-1] == selection_bias.NAME else _in_param_dtype(model, value)
     yield path, value
     del value  # before the next part is made (a generator's frame would hold it)
 

@@ -25,7 +25,7 @@ def loop_axes(microbatches: int, rows: int, mesh, rules) -> tuple:
   return axes if (rows // microbatches) % per_device.shards(mesh, axes) == 0 else ()
 
 
-def accumulate(device_loss, init_model, params, batch, microbatches, mesh, axes, param_specs):
+def accumulate(device_loss, init_model, params, batch, microbatches, mesh, axes, param_specs, constants=()):
   """(loss sum, weight sum, gradients, stats) of the global batch in `microbatches` row blocks, per device.
 
   device_loss(n_devices, gather, params, microbatch) -> (summed loss, (weight sum, stats)) of one device's rows;
@@ -36,16 +36,18 @@ def accumulate(device_loss, init_model, params, batch, microbatches, mesh, axes,
   Parameters enter as `_loop_specs` gives: the sparse layers' tables as this device's blocks along the axes their
   dispatcher splits them over (its collectives run inside the loop on the manual axes; the tables never move),
   every other parameter whole along `axes` (an FSDP- or expert-split one all-gathered once, before the loop).
+  `constants` (a tuple of replicated pytrees: what the loss reads but is not differentiated by) enter whole and
+  follow the microbatch in device_loss's arguments.
   """
   n_devices = per_device.shards(mesh, axes)
   gather = functools.partial(jax.lax.all_gather, axis_name=axes, axis=0, tiled=True)
   leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
   stored = treedef.flatten_up_to(param_specs)
   loop = _loop_specs(init_model, leaves, stored, axes)
-  grad_fn = jax.value_and_grad(functools.partial(device_loss, n_devices, gather), has_aux=True)
 
-  def on_device(params, micro):
-    loss_sum, weight_sum, grads, stats = sum_over(grad_fn, params, micro)
+  def on_device(params, micro, constants):
+    loss = lambda params, microbatch: device_loss(n_devices, gather, params, microbatch, *constants)  # noqa: E731
+    loss_sum, weight_sum, grads, stats = sum_over(jax.value_and_grad(loss, has_aux=True), params, micro)
     # The step's one reduction of each gradient, over every batch axis but its blocks'.
     reduced = [_reduce_once(g, spec, block, axes) for g, spec, block in zip(jax.tree.leaves(grads), stored, loop)]
     loss_sum, weight_sum = jax.lax.psum((loss_sum, weight_sum), axes)
@@ -55,8 +57,8 @@ def accumulate(device_loss, init_model, params, batch, microbatches, mesh, axes,
   # so the same balancing losses and stats); each device takes its rows of each.
   micro = split(batch, microbatches)
   grad_specs = treedef.unflatten([_manual_spec(spec, axes) for spec in stored])
-  in_specs = (treedef.unflatten(loop), P(None, axes))
-  return per_device.shard_map(on_device, mesh, in_specs, (P(), P(), grad_specs, P()), axes)(params, micro)
+  in_specs = (treedef.unflatten(loop), P(None, axes), P())
+  return per_device.shard_map(on_device, mesh, in_specs, (P(), P(), grad_specs, P()), axes)(params, micro, constants)
 
 
 def sum_over(grad_fn, params, micro):

@@ -2,7 +2,7 @@
 
 tables      the feed-forward weights beside the router: neuron tables (sgatlin, PEER), experts (MoE), tree nodes
             (FFF), dense MLP and SwiGLU weights
-routers     what picks them: sgatlin's query and sub-keys, PEER's, MoE's router
+routers     what picks them: sgatlin's query and sub-keys, PEER's, MoE's router, the selection biases
 attention   query, key, value and output projections
 embeddings  the token embedding and the LM head
 norms       every normalization's scale and bias
@@ -10,6 +10,8 @@ norms       every normalization's scale and bias
 
 import jax
 import jax.numpy as jnp
+
+from sparsetx.models.ffn import selection_bias
 
 GROUPS = ("tables", "routers", "attention", "embeddings", "norms")
 
@@ -22,7 +24,7 @@ def group_of(path: tuple[str, ...]) -> str:
     return "embeddings"
   if "attention" in path:
     return "attention"
-  if "router" in path:
+  if "router" in path or path[-1] == selection_bias.NAME:  # the selection bias routes too
     return "routers"
   return "tables"
 

@@ -10,6 +10,8 @@ import ml_collections
 import optax
 
 from sparsetx import scopes
+from sparsetx.models.ffn import selection_bias
+from sparsetx.models.ffn.registry import SPECS
 from sparsetx.parallel import logical_rules, microbatches
 from sparsetx.train import bad_steps, param_groups, usage_window
 from sparsetx.train import loss as loss_lib
@@ -27,18 +29,32 @@ def loss_and_grads(params, batch, *, model, train: ml_collections.ConfigDict, pa
   mesh = jax.sharding.get_abstract_mesh()
   rows, seq_len = batch["inputs"].shape
   axes = () if param_specs is None else microbatches.loop_axes(m, rows, mesh, logical_rules.active_rules())
+  # The selection biases (selection_bias.py) are read, not differentiated: no gradient (nor its reduction) exists
+  # for them; they enter as constants. Without balancing, `biases` is empty and the step is the one before them.
+  params, biases = selection_bias.split(params)
+  constants = (biases,) if biases else ()
   summed = functools.partial(loss_lib.summed_loss, model, train)
+  if biases:
+    summed = functools.partial(_with_biases, summed)
   if axes:
+    param_specs = selection_bias.split(param_specs)[0]
     loss_sum, weight_sum, grads, stats = microbatches.accumulate(
-      summed, init_model(model, seq_len), params, batch, m, mesh, axes, param_specs
+      summed, init_model(model, seq_len), params, batch, m, mesh, axes, param_specs, constants
     )
   else:  # the compiler's loop: the whole batch on every call, its sharding left to the compiler
-    grad_fn = jax.value_and_grad(functools.partial(summed, 1, lambda tap: tap), has_aux=True)
+    loss = lambda params, microbatch: summed(1, lambda tap: tap, params, microbatch, *constants)  # noqa: E731
+    grad_fn = jax.value_and_grad(loss, has_aux=True)
     if m == 1:
       (loss_sum, (weight_sum, stats)), grads = grad_fn(params, batch)
     else:
       loss_sum, weight_sum, grads, stats = microbatches.sum_over(grad_fn, params, microbatches.split(batch, m))
+  grads = selection_bias.merge(grads, {path: jnp.zeros_like(bias) for path, bias in biases.items()})
   return _mean(loss_sum, weight_sum, grads, stats)
+
+
+def _with_biases(summed, n_devices, gather, params, microbatch, biases):
+  """`summed` on the params with the selection biases put back."""
+  return summed(n_devices, gather, selection_bias.merge(params, biases), microbatch)
 
 
 def _mean(loss_sum, weight_sum, grads, stats):
@@ -67,21 +83,26 @@ def train_step(state, batch, *, model, train: ml_collections.ConfigDict, schedul
   loss, grads, weight_sum, stats = loss_and_grads(
     state.params, batch, model=model, train=train, param_specs=param_specs
   )
+  # The window's usage counts (usage_window.py): the step's own, summed over its micro-batches (stats are their mean).
+  counts = {
+    key.removeprefix(usage_window.COUNTS): stats.pop(key) for key in list(stats) if key.startswith(usage_window.COUNTS)
+  }
   # The norms read every gradient and parameter as the update does; the compiler fuses them into its kernels. The
   # bad-step select (bad_steps.py) stays out of them, so that a run that skips nothing computes what `stop` does.
   with jax.named_scope(scopes.OPTIMIZER):
     grad_norm = optax.tree.norm(grads)
     skip, limits = bad_steps.judge(state.health, loss, grad_norm, train)
-    new_state = bad_steps.apply_unless(skip, state, state.apply_gradients(grads=grads), loss, grad_norm)
+    applied = state.apply_gradients(grads=grads)
+    biases = selection_bias.split(state.params)[1]
+    if biases:  # moved by their rule from the step's counts, not by the optimizer (their gradient is 0)
+      moved = selection_bias.moved(biases, counts, model.cfg, lambda ffn, c: SPECS[ffn.type].bias_loads(ffn, c))
+      applied = applied.replace(params=selection_bias.merge(applied.params, moved))
+    new_state = bad_steps.apply_unless(skip, state, applied, loss, grad_norm)
     param_norm = optax.tree.norm(new_state.params)
     updates = jax.tree.map(jnp.subtract, new_state.params, state.params)
     groups = {f"grad_norm/{g}": norm for g, norm in param_groups.group_norms(grads).items()}
     groups.update({f"update_norm/{g}": norm for g, norm in param_groups.group_norms(updates).items()})
-  # The window's usage counts (usage_window.py): the step's own, summed over its micro-batches (stats are their mean),
-  # left out with a skipped update, whose routing came from the batch that made it bad.
-  counts = {
-    key.removeprefix(usage_window.COUNTS): stats.pop(key) for key in list(stats) if key.startswith(usage_window.COUNTS)
-  }
+  # Counts are left out with a skipped update, whose routing came from the batch that made it bad.
   usage = {name: state.usage[name] + train.microbatches * counts[name] for name in state.usage}
   new_state = new_state.replace(usage=bad_steps.keep_old_if(skip, state.usage, usage))
   metrics = dict(

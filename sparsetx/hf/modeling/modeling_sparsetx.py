@@ -277,7 +277,9 @@ class Fff(nn.Module):
 
 
 class Moe(nn.Module):
-  """GPT-OSS-style MoE: router with bias, top-k experts, softmax over the k logits, SwiGLU experts."""
+  """GPT-OSS-style MoE: router with bias, top-k experts, softmax over the k logits, SwiGLU experts. Options: sigmoid
+  scores normalized over the k picked; a selection bias added to the scores for the choice only (loss-free
+  balancing); shared SwiGLU experts every token passes through."""
 
   def __init__(self, cfg, ffn):
     super().__init__()
@@ -287,12 +289,27 @@ class Moe(nn.Module):
     self.wi_gate = nn.Parameter(torch.empty(E, D, F_))
     self.wi_up = nn.Parameter(torch.empty(E, D, F_))
     self.wo = nn.Parameter(torch.empty(E, F_, D))
+    self.sigmoid = ffn.get("router_scores", "softmax") == "sigmoid"
+    self.selection_bias = nn.Parameter(torch.empty(E)) if ffn.get("bias_update_rate", 0.0) else None
+    shared = ffn.get("n_shared_experts", 0)
+    self.shared = SwiGlu(cfg, {"d_ffw": shared * F_}) if shared else None
 
   def forward(self, x_BTD):
     B, T, D = x_BTD.shape
     x_ND = x_BTD.reshape(B * T, D)
-    top_logits_NK, expert_ids_NK = torch.topk(self.router(x_ND), self.top_k, dim=-1)
-    weights_NK = torch.softmax(top_logits_NK, dim=-1)
+    scores_NE = self.router(x_ND)
+    if self.sigmoid:
+      scores_NE = torch.sigmoid(scores_NE)
+    if self.selection_bias is None:
+      top_logits_NK, expert_ids_NK = torch.topk(scores_NE, self.top_k, dim=-1)
+    else:  # the biased affinities (sigmoid scores, or softmax over every logit) pick, the unbiased scores gate
+      affinity_NE = scores_NE if self.sigmoid else torch.softmax(scores_NE, dim=-1)
+      expert_ids_NK = _top_k_lowest_first(affinity_NE + self.selection_bias.float(), self.top_k)[1]
+      top_logits_NK = torch.gather(scores_NE, -1, expert_ids_NK)
+    if self.sigmoid:
+      weights_NK = top_logits_NK / (top_logits_NK.sum(-1, keepdim=True) + 1e-20)
+    else:
+      weights_NK = torch.softmax(top_logits_NK, dim=-1)
     y_ND = torch.zeros_like(x_ND, dtype=torch.float32)
     for expert in range(self.wi_gate.shape[0]):
       token, slot = torch.nonzero(expert_ids_NK == expert, as_tuple=True)
@@ -301,7 +318,8 @@ class Moe(nn.Module):
       x_nD = x_ND[token]
       h_nF = F.silu(x_nD @ self.wi_gate[expert]) * (x_nD @ self.wi_up[expert])
       y_ND = y_ND.index_add(0, token, (h_nF @ self.wo[expert]).float() * weights_NK[token, slot, None])
-    return y_ND.reshape(B, T, D).to(x_BTD.dtype)
+    y_BTD = y_ND.reshape(B, T, D).to(x_BTD.dtype)
+    return y_BTD if self.shared is None else y_BTD + self.shared(x_BTD)
 
 
 class Mlp(nn.Module):

@@ -12,7 +12,7 @@ from sparsetx.models.ffn.spec import FfnSpec, dense_width
 from sparsetx.models.taps import tap
 
 
-def _projection(cfg, features: int, names: tuple, name: str) -> nn.Dense:
+def projection(cfg, features: int, names: tuple, name: str) -> nn.Dense:
   return nn.Dense(
     features,
     use_bias=cfg.use_bias,
@@ -31,10 +31,10 @@ class Mlp(nn.Module):
 
   @nn.compact
   def __call__(self, x_BTD):
-    h_BTF = gelu(_projection(self.cfg, self.cfg.ffn.d_ffw, ("embed", "mlp"), "wi")(x_BTD))
+    h_BTF = gelu(projection(self.cfg, self.cfg.ffn.d_ffw, ("embed", "mlp"), "wi")(x_BTD))
     h_BTF = nn.with_logical_constraint(h_BTF, ("batch", "length", "mlp"))
     h_BTF = tap(self, "mlp_neurons", h_BTF)
-    return _projection(self.cfg, self.cfg.d_model, ("mlp", "embed"), "wo")(h_BTF)
+    return projection(self.cfg, self.cfg.d_model, ("mlp", "embed"), "wo")(h_BTF)
 
 
 class SwiGlu(nn.Module):
@@ -44,11 +44,11 @@ class SwiGlu(nn.Module):
 
   @nn.compact
   def __call__(self, x_BTD):
-    gate_BTF = _projection(self.cfg, self.cfg.ffn.d_ffw, ("embed", "mlp"), "wi_gate")(x_BTD)
-    up_BTF = _projection(self.cfg, self.cfg.ffn.d_ffw, ("embed", "mlp"), "wi_up")(x_BTD)
+    gate_BTF = projection(self.cfg, self.cfg.ffn.d_ffw, ("embed", "mlp"), "wi_gate")(x_BTD)
+    up_BTF = projection(self.cfg, self.cfg.ffn.d_ffw, ("embed", "mlp"), "wi_up")(x_BTD)
     h_BTF = nn.with_logical_constraint(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "length", "mlp"))
     h_BTF = tap(self, "mlp_neurons", h_BTF)
-    return _projection(self.cfg, self.cfg.d_model, ("mlp", "embed"), "wo")(h_BTF)
+    return projection(self.cfg, self.cfg.d_model, ("mlp", "embed"), "wo")(h_BTF)
 
 
 def _mlp_params(model, ffn) -> tuple[int, int]:

@@ -21,6 +21,7 @@ from sparsetx.config import ffn_checks
 from sparsetx.config.placements import placement_of
 from sparsetx.kernels.grouped_matmul.op import grouped_matmul
 from sparsetx.kernels.options import options_from_config
+from sparsetx.models.ffn import dense, selection_bias
 from sparsetx.models.ffn.common import dense_init
 from sparsetx.models.ffn.spec import Circuit, FfnSpec, Units
 from sparsetx.models.taps import tap
@@ -107,9 +108,17 @@ class Moe(nn.Module):
         name="router",
       )(x_BTD.astype(jnp.float32))
       self.sow("intermediates", "router_logits", logits_BTE)  # the balancing losses' input (unused ones are pruned)
-      top_k = lambda logits: jax.lax.top_k(logits, A)
-      top_logits_BTA, expert_ids_BTA = own_tokens.on_own_tokens_BT(top_k, logits_BTE)
-    weights_BTA = jax.nn.softmax(top_logits_BTA, axis=-1)
+      sigmoid = ffn.get("router_scores", "softmax") == "sigmoid"
+      scores_BTE = jax.nn.sigmoid(logits_BTE) if sigmoid else logits_BTE
+      if selection_bias.rate(ffn):  # the bias picks the experts; the gates read the unbiased scores
+        choice_BTE = (
+          affinities(scores_BTE, sigmoid) + jax.lax.stop_gradient(selection_bias.param(self, (E,)))[None, None, :]
+        )
+        top_scores_BTA, expert_ids_BTA = own_tokens.on_own_tokens_BT(functools.partial(pick, A), choice_BTE, scores_BTE)
+      else:
+        top_k = lambda logits: jax.lax.top_k(logits, A)
+        top_scores_BTA, expert_ids_BTA = own_tokens.on_own_tokens_BT(top_k, scores_BTE)
+    weights_BTA = gates(top_scores_BTA, sigmoid)
     expert_ids_BTA = tap(self, "expert_ids", expert_ids_BTA)
     weights_BTA = tap(self, "expert_weights", weights_BTA)
 
@@ -123,7 +132,7 @@ class Moe(nn.Module):
     wi_up = table("wi_up", (E, D, F), TABLE_AXES)
     wo = table("wo", (E, F, D), OUT_AXES)
     options = options_from_config(ffn.get("kernel"))
-    return moe_all_to_all.expert_dispatch(
+    y_BTD = moe_all_to_all.expert_dispatch(
       functools.partial(dispatch_experts, options),
       functools.partial(sorted_experts, options),
       x_BTD,
@@ -134,17 +143,69 @@ class Moe(nn.Module):
       placement=placement,
       table_names=(TABLE_AXES, TABLE_AXES, OUT_AXES),
     )
+    if not ffn.get("n_shared_experts", 0):
+      return y_BTD
+    return y_BTD + SharedExperts(self.cfg, name="shared")(x_BTD)
+
+
+def pick(A: int, choice_NE, scores_NE):
+  """(scores of the A experts with the highest `choice`, their ids): a choice made on biased scores, the gates' own
+  scores unbiased."""
+  expert_ids_NA = jax.lax.top_k(choice_NE, A)[1]
+  return jnp.take_along_axis(scores_NE, expert_ids_NA, axis=-1), expert_ids_NA
+
+
+def affinities(scores_BTE, sigmoid: bool):
+  """What the selection bias is added to: each expert's affinity in [0, 1], the sigmoid scores (DeepSeek-V3) or the
+  softmax over all the experts' logits (torchtitan), which ranks them as the logits do. A bias moved by a fixed step
+  needs a bounded scale: on raw logits, whose spread grows as the router trains, 0.001 a step barely moves a choice."""
+  return scores_BTE if sigmoid else jax.nn.softmax(scores_BTE, axis=-1)
+
+
+def gates(top_scores_BTA, sigmoid: bool):
+  """The mixing weights of the picked experts: softmax over their logits (GPT-OSS), or their sigmoid scores divided by
+  their sum (DeepSeek-V3; 1e-20 keeps k scores that underflow to 0 from dividing 0 by 0, as torchtitan)."""
+  if not sigmoid:
+    return jax.nn.softmax(top_scores_BTA, axis=-1)
+  return top_scores_BTA / (top_scores_BTA.sum(-1, keepdims=True) + 1e-20)
+
+
+class SharedExperts(nn.Module):
+  """n_shared_experts SwiGLU experts of d_ffw every token passes through (DeepSeek's shared experts), summed: one
+  SwiGLU of n_shared_experts * d_ffw, laid out as the dense layers (dense.py)."""
+
+  cfg: object  # the model config (FrozenConfigDict)
+
+  @nn.compact
+  def __call__(self, x_BTD):
+    width = self.cfg.ffn.n_shared_experts * self.cfg.ffn.d_ffw
+    gate_BTF = dense.projection(self.cfg, width, ("embed", "mlp"), "wi_gate")(x_BTD)
+    up_BTF = dense.projection(self.cfg, width, ("embed", "mlp"), "wi_up")(x_BTD)
+    h_BTF = nn.with_logical_constraint(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "length", "mlp"))
+    return dense.projection(self.cfg, self.cfg.d_model, ("mlp", "embed"), "wo")(h_BTF)
+
+
+def _shared_width(ffn) -> int:
+  return ffn.get("n_shared_experts", 0) * ffn.d_ffw
 
 
 def _params(model, ffn) -> tuple[int, int]:
-  D, E = model.d_model, ffn.n_experts
-  router = D * E + E
-  return router + E * 3 * D * ffn.d_ffw, router + ffn.experts_per_token * 3 * D * ffn.d_ffw
+  """(total, active per token): the router (with its selection bias when balancing), the experts and the shared
+  experts (every token's)."""
+  D, E, S = model.d_model, ffn.n_experts, _shared_width(ffn)
+  router = D * E + E + (E if selection_bias.rate(ffn) else 0)
+  shared = 3 * D * S + int(model.use_bias) * (2 * S + D) if S else 0
+  return router + shared + E * 3 * D * ffn.d_ffw, router + shared + ffn.experts_per_token * 3 * D * ffn.d_ffw
+
+
+SIGMOID_FLOPS = 4  # per router score: exp, add, divide, and the k picked scores' sum and division (about)
 
 
 def _flops(model, ffn) -> int:
+  """Forward FLOPs per token: router, sigmoid scores if chosen, the k experts' SwiGLUs and the shared experts'."""
   D = model.d_model
-  return 2 * (D * ffn.n_experts + ffn.experts_per_token * 3 * D * ffn.d_ffw)
+  sigmoid = SIGMOID_FLOPS * ffn.n_experts if ffn.get("router_scores", "softmax") == "sigmoid" else 0
+  return 2 * (D * ffn.n_experts + ffn.experts_per_token * 3 * D * ffn.d_ffw + 3 * D * _shared_width(ffn)) + sigmoid
 
 
 def _usage_stats(ffn, counts_E, taps: dict, token_weights_BT) -> dict:
@@ -203,7 +264,16 @@ def moe_cost(bld, model, ffn, n, E, G, b, devices):
 SPEC = FfnSpec(
   name="moe",
   module=Moe,
-  fields=("d_ffw", "n_experts", "experts_per_token", "aux_loss", "router_z_loss"),
+  fields=(
+    "d_ffw",
+    "n_experts",
+    "experts_per_token",
+    "aux_loss",
+    "router_z_loss",
+    "bias_update_rate",
+    "n_shared_experts",
+    "router_scores",
+  ),
   check=ffn_checks.check_moe,
   params=_params,
   flops=_flops,
@@ -218,4 +288,5 @@ SPEC = FfnSpec(
   units=Units("expert", "n_experts", TABLE_AXES),
   circuit=Circuit("expert_ids", "expert_weights", size=lambda ffn: ffn.n_experts, block=None),
   usage_stats=_usage_stats,
+  bias_loads=lambda ffn, counts_E: counts_E,  # one bias per expert
 )

@@ -83,6 +83,9 @@ class FfnSpec:
   # (ffn, counts_U) -> {statistic: value} of a training usage window beyond the common ones (train/usage_window.py)
   window_stats: Callable | None = None
   count_rows: Callable | None = None  # (ffn, counts_U) -> [rows, columns] of counts sparsetx-usage draws
+  # (ffn, counts_U) -> a step's loads in the shape of the layer's selection bias (selection_bias.py), last axis the
+  # units balanced against each other; None: the type has no bias_update_rate
+  bias_loads: Callable | None = None
 
   @property
   def sparse(self) -> bool:
