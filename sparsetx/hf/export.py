@@ -169,13 +169,15 @@ def _check_sources(model: ml_collections.ConfigDict, source_shapes: dict) -> Non
 def _write_small_files(config, mapping, config_json: dict, directory: str) -> None:
   """config.json, generation_config.json, the modeling files of a custom export, the tokenizer files."""
   _write_json(os.path.join(directory, "config.json"), config_json)
+  # generate() fills finished rows with pad_token_id and, given no attention_mask, masks every input equal to it
+  # unless it is the EOS: id 0 pads but also starts every document, so EOS stands in (as GPT-2's exports do) and a
+  # prompt without a mask runs as with one. No max_length: transformers warns when max_new_tokens overrides it.
   _write_json(
     os.path.join(directory, "generation_config.json"),
     dict(
       bos_token_id=config_json["bos_token_id"],
       eos_token_id=config_json["eos_token_id"],
-      pad_token_id=config_json["pad_token_id"],
-      max_length=config.model.max_len,
+      pad_token_id=config_json["eos_token_id"],
     ),
   )
   for path in getattr(mapping, "MODELING_FILES", ()):
