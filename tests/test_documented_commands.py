@@ -90,6 +90,27 @@ def documented_commands() -> list[dict]:
   return commands
 
 
+# A reader who followed README's set-up has .venv (which the environment running these tests stands for) and, once they
+# activate it as README says near its top, its bin/ on the PATH; make and docker are the machine's own.
+VENV_BIN = os.path.dirname(sys.executable)
+ACTIVATE = "source .venv/bin/activate"
+MACHINE_PROGRAMS = {"make", "docker"}
+
+
+def reader_finds(program: str, where: str, readme: str | None = None) -> None:
+  """The program a command starts is where a reader after README's set-up runs it from: `.venv/bin/NAME` names a file
+  of .venv/bin; a bare NAME is one too, and README tells the reader to activate .venv; else the machine's own."""
+  if program in MACHINE_PROGRAMS:
+    return
+  name = program.removeprefix(".venv/bin/")
+  assert "/" not in name and os.path.isfile(os.path.join(VENV_BIN, name)), (
+    f"{where}: {program} is not found after README's set-up (no {name} in .venv/bin)"
+  )
+  if name == program:
+    readme = (REPO / "README.md").read_text() if readme is None else readme
+    assert ACTIVATE in readme, f"{where}: {program} is on the PATH only in an activated .venv, and README never says so"
+
+
 PROGRAM_START = re.compile(r"^(\.venv/bin/)?python3? -m sparsetx\.|^sparsetx-[\w-]+ ")
 SYNOPSIS = re.compile(r"\[|\.\.\.|\b[A-Z]{3,}\b")  # [optional] parts, `...`, placeholders such as DIR
 
@@ -162,8 +183,8 @@ def expand_make(line: str, variables: dict) -> str:
 def program_of(argv: list[str]) -> tuple[str, list[str]] | None:
   """(module, arguments) of a Python program command, else None."""
   scripts = pyproject()["project"]["scripts"]
-  if argv[0] in scripts:
-    module = scripts[argv[0]].split(":")[0]
+  if argv[0].removeprefix(".venv/bin/") in scripts:
+    module = scripts[argv[0].removeprefix(".venv/bin/")].split(":")[0]
     module = {"sparsetx.tools.train": "sparsetx.train", "sparsetx.tools.evaluate": "sparsetx.evaluate"}.get(
       module, module
     )
@@ -185,6 +206,13 @@ def runs_for_real(module: str, args: list[str]) -> bool:
 def plan(command: dict) -> list[dict]:
   """What checking `command` takes: [{kind: run|program|ok, ...}], or an AssertionError naming what is wrong."""
   argv, env, where = command["argv"], command["env"], command["where"]
+  if argv[0] == "source":  # README's activation of .venv
+    assert argv[1:] == [".venv/bin/activate"] and os.path.isfile(os.path.join(VENV_BIN, "activate")), where
+    return [{"kind": "ok", "where": where, "what": "activating .venv"}]
+  reader_finds(argv[0], where)
+  if argv[0].removeprefix(".venv/bin/") == "tensorboard":  # make train's closing line: a server, not run here
+    assert argv[1:2] == ["--logdir"] and len(argv) == 3, f"{where}: tensorboard takes --logdir DIR"
+    return [{"kind": "ok", "where": where, "what": "tensorboard, installed in .venv"}]
   program = program_of(argv)
   if program is not None and not program[0].startswith("sparsetx"):  # another package's program (make test's pytest)
     module, args = program
@@ -429,6 +457,27 @@ def test_the_documents_hold_the_commands_of_each_kind():
   assert {"sparsetx.train", "sparsetx.tools.dry_run", "sparsetx.tools.sweep", "sparsetx.tools.launch_local"} <= modules
   assert any(command["argv"][:2] == ["make", "train"] for command in COMMANDS)
   assert any("XLA_FLAGS" in command["env"] for command in COMMANDS)
+  assert any(command["argv"][0] == "sparsetx-tokenize" for command in COMMANDS)  # a bare program: found once activated
+
+
+def test_a_program_the_reader_cannot_find_is_refused():
+  reader_finds(".venv/bin/sparsetx-train", "x")
+  reader_finds("sparsetx-train", "x", readme=f"... {ACTIVATE} ...")
+  with pytest.raises(AssertionError, match="no sparsetx-nonesuch in .venv/bin"):
+    reader_finds("sparsetx-nonesuch", "x")
+  with pytest.raises(AssertionError, match="README never says so"):
+    reader_finds("sparsetx-train", "x", readme="no word of activating")
+  with pytest.raises(AssertionError, match="/opt/tools/tensorboard is not found after README"):
+    reader_finds("/opt/tools/tensorboard", "x")  # a path of the writer's machine
+
+
+def test_make_trains_closing_line_runs_as_printed():
+  """The line `make train` ends with names the TensorBoard command a reader copies: installed where it says."""
+  _, recipes = make_recipes()
+  (echo,) = [line for line in recipes["train"] if line.startswith("echo ") and "TensorBoard:" in line]
+  command = re.search(r"TensorBoard: (.*?)(?:  |\"$)", echo).group(1)
+  argv = shlex.split(expand_make(command, {"WORKDIR": "workdir/tiny"}))
+  assert [step["kind"] for step in plan({"where": "make train's last line", "env": {}, "argv": argv})] == ["ok"]
 
 
 @pytest.mark.parametrize("where,body", python_blocks(), ids=[w for w, _ in python_blocks()])
