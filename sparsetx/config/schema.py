@@ -17,7 +17,8 @@ NORM_KINDS = ("rmsnorm", "layernorm")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash")  # see sparsetx/models/attention.py
 # Rematerialization per block: none, full (recompute everything), or a jax.checkpoint_policies name (what is saved).
-REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+# save_dots = dots_saveable; save_routing keeps the attention output and the sparse layers' routing (scopes.py).
+REMAT_POLICIES = ("none", "full", "save_routing", "save_dots", "dots_saveable", "dots_with_no_batch_dims_saveable")
 # Where a sparse layer's tables live on a mesh: a placement's record (placements.py), or the one of them that moves
 # the fewest bytes per step (auto: sparsetx/plan/step_cost.py, docs/expert_parallel.md).
 TABLE_PLACEMENTS = ("auto", *PLACEMENTS)

@@ -10,6 +10,9 @@ pass, which is what a position-wise do-intervention needs.
 """
 
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from sparsetx import scopes
 
 
 def tap(module, name: str, value):
@@ -18,5 +21,7 @@ def tap(module, name: str, value):
     if module.has_variable("patch_masks", name):  # patch only where the mask (broadcast to value) is True
       patch = jnp.where(module.get_variable("patch_masks", name), patch, value)
     value = patch
+  if name in scopes.SAVED_BY_NAME:  # what config.model.remat=save_routing keeps (models/transformer.py)
+    value = checkpoint_name(value, name)
   module.sow("intermediates", name, value)
   return value

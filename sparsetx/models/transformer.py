@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from sparsetx import config as config_lib
+from sparsetx import scopes
 from sparsetx.models import attention as attention_lib
 from sparsetx.models.ffn.common import dense_init
 from sparsetx.models.ffn.registry import make_ffn
@@ -322,7 +323,18 @@ def remat_block(cfg):
   policy = config_lib.remat_policy(cfg)
   if policy == "none":
     return Block
-  return nn.remat(Block, policy=None if policy == "full" else getattr(jax.checkpoint_policies, policy))
+  return nn.remat(Block, policy=checkpoint_policy(policy))
+
+
+def checkpoint_policy(policy: str):
+  """The jax.checkpoint policy of a remat name other than none: full saves nothing (None) but the block's input;
+  save_routing the values named in scopes.SAVED_BY_NAME (the attention output, the sparse layers' routed indices
+  and gates), so the backward recomputes no router or top-k; save_dots the matmul outputs (dots_saveable)."""
+  if policy == "full":
+    return None
+  if policy == "save_routing":
+    return jax.checkpoint_policies.save_only_these_names(*scopes.SAVED_BY_NAME)
+  return getattr(jax.checkpoint_policies, "dots_saveable" if policy == "save_dots" else policy)
 
 
 def scans_layers(cfg) -> bool:
@@ -365,9 +377,7 @@ def scan_blocks(cfg, layer_params: list, x_BTD, positions_BT, mask_B1TS, segment
 
   policy = config_lib.remat_policy(cfg)
   if policy != "none":
-    body = jax.checkpoint(
-      body, policy=None if policy == "full" else getattr(jax.checkpoint_policies, policy), prevent_cse=False
-    )
+    body = jax.checkpoint(body, policy=checkpoint_policy(policy), prevent_cse=False)
   stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *layer_params)
   return jax.lax.scan(body, x_BTD, stacked)
 

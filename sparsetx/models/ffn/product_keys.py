@@ -8,7 +8,9 @@ suffice instead of d_ffw. Router scores and both top-k stages stay float32: bf16
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from sparsetx import scopes
 from sparsetx.config import ConfigError, n_keys_for
 from sparsetx.kernels import platform
 from sparsetx.models.ffn.common import router_init
@@ -125,6 +127,7 @@ def product_key_top_k(scores1_N: jax.Array, scores2_N: jax.Array, k: int, cpu_ro
     indices = _neuron_ids_cpu(order_key(s1), order_key(s2), k, cpu_rows_per_chunk)
   else:
     indices = _neuron_ids_top_k(order_key(s1), order_key(s2), k)  # integer keys: no gradient flows into the choice
+  indices = checkpoint_name(indices, scopes.ROUTED_INDICES)  # what remat=save_routing keeps: no top-k in the backward
   values = jnp.take_along_axis(s1, indices // n_keys, axis=-1) + jnp.take_along_axis(s2, indices % n_keys, axis=-1)
   return values, indices
 
