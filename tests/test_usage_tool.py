@@ -30,3 +30,33 @@ def test_a_run_with_windows_is_drawn_and_one_without_is_one_sentence(tmp_path):
   assert usage.windows(str(tmp_path))["layers_0"]["dead"] == [(10, 0.4), (20, 0.3)]
   out = usage.draw(str(tmp_path), str(tmp_path / "usage.png"))
   assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def zero_colour_pixels(path) -> int:
+  """Pixels of the picture in ZERO_COLOUR (a colour the magma map never takes)."""
+  from matplotlib import colors, image
+
+  rgb = (image.imread(path)[..., :3] * 255).round().astype(int)
+  want = (np.array(colors.to_rgb(usage.ZERO_COLOUR)) * 255).round().astype(int)
+  return int((np.abs(rgb - want).max(-1) <= 2).sum())
+
+
+def test_the_picture_shows_zero_picks_apart_and_labels_windows_halves_and_axes(tmp_path):
+  config = micro_config("sgatlin")
+  config.model.ffn.update(d_ffw=16, n_channels=2)
+  ffn = config.model.ffn.to_dict()
+  (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+  rows = [{"step": s, "usage/layers_0/dead": 0.1, "usage/layers_0/kl_uniform": 1.0} for s in (200, 300, 340)]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+  assert usage.window_lengths([200, 300, 340]) == [200, 100, 40]  # the last, partial window is shorter
+  assert usage.halves(ffn) and usage.axis_labels(ffn, 2) == ("sub-key: half 1 | half 2", "channel")
+  assert usage.axis_labels(dict(type="fff"), 4) == ("leaf", "tree")
+
+  counts = np.full(32, 3000.0, np.float32)  # every sub-key picked thousands of times: nothing in the zero colour
+  np.savez(tmp_path / "usage_last_window.npz", step=340, layers_0=counts)
+  assert zero_colour_pixels(usage.draw(str(tmp_path), str(tmp_path / "busy.png"))) == 0
+  counts[:4] = 0  # channel 0's sub-key 0 of half 1 is dead (its grid row)
+  counts[4:16] = 1  # the rest of channel 0 picked once each: a single pick is no zero
+  np.savez(tmp_path / "usage_last_window.npz", step=340, layers_0=counts)
+  assert usage.heat_map(ffn, counts)[0].tolist() == [0, 4, 4, 4, 3, 3, 3, 3]
+  assert zero_colour_pixels(usage.draw(str(tmp_path), str(tmp_path / "dead.png"))) > 100

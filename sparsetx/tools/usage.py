@@ -1,9 +1,10 @@
 """One picture of a run's sparse layers over time: `sparsetx-usage --workdir=W [--out=W/usage.png]`.
 
-Top: each layer's dead fraction and KL of its usage from uniform against step (the windows the trainer logged to
-metrics.jsonl as usage/layers_i/*). Below: the last window's counts (<workdir>/usage_last_window.npz) as heat
-maps, log scale: per sgatlin or PEER layer the sub-keys of both halves (one row per channel: a dead sub-key is a
-dark cell), per MoE layer its experts, per FFF layer each tree's leaves. More: README, "Sparse layers' health".
+Top: each layer's dead fraction and KL of its usage from uniform at the end of each window the trainer logged to
+metrics.jsonl (usage/layers_i/*), each point labelled with its window's length in steps. Below: the last window's
+counts (<workdir>/usage_last_window.npz) as heat maps on a log scale from 0, a unit never picked in its own colour
+(ZERO_COLOUR): per sgatlin or PEER layer the sub-keys of both halves, divided, per MoE layer its experts, per FFF
+layer each tree's leaves. More: README, "Sparse layers' health".
 """
 
 import json
@@ -15,6 +16,8 @@ from absl import flags
 from sparsetx import cli, paths
 from sparsetx import config as config_lib
 from sparsetx.config import ConfigError
+
+ZERO_COLOUR = "deepskyblue"  # a unit with no pick in the window: outside the colour map's black-to-yellow range
 
 
 def define_flags() -> dict:
@@ -56,6 +59,28 @@ def heat_map(ffn, counts_U) -> np.ndarray:
   return rows(ffn, counts_U) if rows else counts_U.reshape(1, -1)
 
 
+def halves(ffn) -> bool:
+  """Whether the heat map's columns are the two halves of product-key sub-keys (divided in the picture)."""
+  from sparsetx.models.ffn.registry import SPECS  # noqa: PLC0415
+  from sparsetx.models.ffn.spec import subkey_rows  # noqa: PLC0415
+
+  return SPECS[ffn["type"]].count_rows is subkey_rows
+
+
+def window_lengths(steps) -> list[int]:
+  """Each logged window's length in steps: from the step the one before it ended (0 for the first)."""
+  return [int(b - a) for a, b in zip((0, *steps[:-1]), steps)]
+
+
+def axis_labels(ffn, rows: int) -> tuple[str, str]:
+  """(x, y) labels of a layer's heat map."""
+  if halves(ffn):
+    return "sub-key: half 1 | half 2", "channel" if rows > 1 else ""
+  if ffn["type"] == "fff":
+    return "leaf", "tree"
+  return ("expert", "") if ffn["type"] == "moe" else ("unit", "")
+
+
 def draw(workdir: str, out: str) -> str:
   import matplotlib  # noqa: PLC0415  (after flags: a fast --help)
 
@@ -74,8 +99,11 @@ def draw(workdir: str, out: str) -> str:
     for layer in layers:
       steps, values = zip(*series[layer].get(stat, [])) if series[layer].get(stat) else ((), ())
       ax.plot(steps, values, marker="o", markersize=3, label=layer)
+    if steps and row == 0:  # every layer's windows are the same steps: one label per window
+      for x, length in zip(steps, window_lengths(steps)):
+        ax.annotate(f"{length}", (x, 1.0), xycoords=("data", "axes fraction"), fontsize=7, ha="center", va="bottom")
     ax.set_ylabel(label)
-    ax.set_xlabel("step")
+    ax.set_xlabel("step at the end of each window (above: the window's length in steps)" if row == 0 else "step")
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
   step = int(last.pop("step")) if "step" in last else None
   for k, layer in enumerate(layers):
@@ -84,10 +112,23 @@ def draw(workdir: str, out: str) -> str:
       ax.set_axis_off()
       continue
     ffn = config_lib.layer_ffn_config(model, int(layer.removeprefix("layers_")))
-    image = ax.imshow(np.log1p(heat_map(ffn, np.asarray(last[layer]))), aspect="auto", cmap="magma")
-    what = {"sgatlin": "sub-keys: half 1 | half 2, a row per channel", "peer": "sub-keys: half 1 | half 2"}
-    what.update(moe="experts", fff="leaves, a row per tree")
-    ax.set_title(f"{layer} ({ffn.type}): {what.get(ffn.type, 'units')}, window ending at step {step}", fontsize=9)
+    counts = heat_map(ffn, np.asarray(last[layer]))
+    colours = matplotlib.colormaps["magma"].with_extremes(bad=ZERO_COLOUR)
+    shown = np.ma.masked_equal(np.log1p(counts.astype(np.float64)), 0.0)  # zero picks: the "bad" colour
+    image = ax.imshow(shown, aspect="auto", cmap=colours, vmin=0.0, vmax=max(float(np.log1p(counts.max())), 1.0))
+    if halves(ffn):
+      ax.axvline(counts.shape[1] / 2 - 0.5, color="white", linewidth=1.5)
+    x_label, y_label = axis_labels(ffn, counts.shape[0])
+    ax.set_xlabel(x_label, fontsize=8)
+    ax.set_ylabel(y_label, fontsize=8)
+    if not y_label:
+      ax.set_yticks([])
+    zeros = int((counts == 0).sum())
+    ax.set_title(
+      f"{layer} ({ffn.type}), the window ending at step {step}: {zeros} of {counts.size} never picked "
+      f"({ZERO_COLOUR} cells)",
+      fontsize=9,
+    )
     fig.colorbar(image, ax=ax, label="log(1 + picks)")
   fig.tight_layout()
   paths.save_figure(fig, out)
