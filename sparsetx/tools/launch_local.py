@@ -21,6 +21,8 @@ from sparsetx import cli
 from sparsetx.config import ConfigError
 
 PREFIX = "launch_local:"
+# Gloo's line per pair of processes as the CPU collectives connect (N * (N - 1) of them, all alike): not relayed.
+GLOO_CONNECTED = re.compile(rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 
 
 def define_flags() -> dict:
@@ -108,6 +110,8 @@ def say(line: str) -> None:
 def relay(stream, prefix: str) -> None:
   """Copies a process's output to this stdout line by line, each line prefixed (whole lines: no interleaving)."""
   for line in iter(stream.readline, b""):
+    if GLOO_CONNECTED.match(line):
+      continue
     with _print_lock:
       sys.stdout.buffer.write(prefix.encode() + line if line.endswith(b"\n") else prefix.encode() + line + b"\n")
       sys.stdout.flush()

@@ -299,7 +299,7 @@ def format_report(report: Report) -> str:
   mesh = " x ".join(f"{axis}={size}" for axis, size in report.mesh_shape.items())
   lines = [
     f"mesh                      {mesh} ({math.prod(report.mesh_shape.values())} devices)",
-    f"parameters                {report.n_params:,} ({report.n_params / 1e9:.2f} B)",
+    f"parameters                {report.n_params:,} ({report.n_params / 1e6:,.2f} M)",  # B rounded 4.7M to 0.00
     "per device:",
     f"  parameters              {format_bytes(report.param_bytes)}",
     f"  optimizer state         {format_bytes(report.optimizer_bytes)}",

@@ -42,9 +42,10 @@ class WandbWriter(scalars_only.ScalarsOnly):
         name=settings.name or None,
         mode=settings.mode or "online",
         id=run_id(workdir),
-        resume="allow",
+        resume=None if settings.mode == "offline" else "allow",  # offline ignores it, with a warning
         dir=None if paths.is_remote(workdir) else str(workdir),
-        settings=wandb.Settings(console="off"),  # the console stays the trainer's; its log is in the workdir
+        # The console stays the trainer's (its log is in the workdir); quiet: no run summary of its own at the end.
+        settings=wandb.Settings(console="off", quiet=True),
       )
     except (wandb.Error, OSError) as error:
       raise ConfigError(
