@@ -11,8 +11,11 @@ import pytest
 from conftest import synthetic_batch
 from test_train import assert_same_step, micro_config, one_step
 
+from sparsetx import config as config_lib
+from sparsetx import scopes
 from sparsetx.models import transformer
 from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.perf import hlo_text
 from sparsetx.train import checkpointing
 from sparsetx.train import state as state_lib
 
@@ -130,3 +133,56 @@ def test_decoding_with_the_cache_continues_the_scanned_forward():
     cache = variables["cache"]
     steps.append(logits)
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.long  # two compiles for TPU v5p, about a minute
+def test_a_deeper_model_compiles_to_one_loop_over_its_layers_with_the_same_kernels():
+  """16 layers against 4, compiled by libtpu (the compile suite's shapes and HLO reader): one while loop over the
+  layers in the forward and one in the backward, and the same kernel launches in the program (the body's)."""
+  from test_compile import compile_config, compiled, kernels
+
+  found = {}
+  for n_layers in (4, 16):
+    config = compile_config("sgatlin")
+    config.model.n_layers = n_layers
+    text = compiled(config, "v5p").text
+    assert [loop.trips for loop in hlo_text.compiled_loops(text)].count(n_layers) == 2, hlo_text.compiled_loops(text)
+    found[n_layers] = kernels(text)
+  assert found[4] and found[16] == found[4], found
+
+
+def router_top_k_ops(jaxpr, under: bool = False) -> int:
+  """Top-k operations (lax.top_k, sort, the CPU passes' reduce_max) under the router scope (a sub-jaxpr's names
+  are relative to its equation's), sub-jaxprs included: a forward's own plus any the backward recomputes."""
+  found = 0
+  for eqn in jaxpr.eqns:
+    here = under or scopes.ROUTER in str(eqn.source_info.name_stack).split("/")
+    found += here and eqn.primitive.name in ("top_k", "sort", "reduce_max")
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (list, tuple)) else [value]:
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          found += router_top_k_ops(inner, here)
+  return found
+
+
+@pytest.mark.parametrize("scan", [True, pytest.param(False, marks=pytest.mark.long)])  # 4 policies: ~30 s each
+def test_each_remat_policy_has_nones_gradients_and_save_routing_no_second_top_k(scan):
+  """Remat recomputes the same float32 operations: gradients equal within rounding of a fused recompute (1e-5 of
+  each leaf's largest). save_routing keeps the routed indices and gates, so its backward runs no router top-k
+  (full recomputes them)."""
+  config = layered("sgatlin", n_layers=2)
+  config.model.scan_layers = scan
+  tokens = jnp.asarray(synthetic_batch(config)["inputs"][:2])
+  grads, top_k = {}, {}
+  for policy in ("none", "full", "save_routing", "save_dots"):
+    config.model.remat = policy
+    model = transformer.Transformer(ml_collections.FrozenConfigDict(config_lib.validate(config).model))
+    params = nn.unbox(model.init(jax.random.key(0), tokens))["params"]
+    grad = jax.grad(lambda p: jnp.mean(jax.nn.log_softmax(model.apply({"params": p}, tokens))[..., 0]))  # noqa: B023
+    top_k[policy] = router_top_k_ops(jax.make_jaxpr(grad)(params).jaxpr)
+    grads[policy] = jax.jit(grad)(params)
+  for policy in ("full", "save_routing", "save_dots"):
+    for (path, a), b in zip(jax.tree.leaves_with_path(grads[policy]), jax.tree.leaves(grads["none"])):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max(), err_msg=f"{policy} {path}")
+  assert top_k["save_routing"] == top_k["none"] < top_k["full"], top_k
