@@ -201,3 +201,26 @@ def test_export_applies_the_bias_and_imports_it_back(tmp_path):
     got = selection_bias.split(nn.unbox(imported))[1][path]
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got, bias)
+
+
+@pytest.mark.long  # four compiles of 10 to 30 s: make test-long
+@pytest.mark.parametrize("target", ["v5p", "h100"])
+def test_the_bias_update_adds_no_collective_to_the_compiled_step(target):
+  """The v5p and H100 programs of MoE on data=2 x expert=2 (the ragged all-to-all) with two micro-batches (the
+  per-device loop) have the same collectives with balancing on as off, the reductions and gathers byte for byte:
+  the update reads the counts the step already reduces, and the bias has no gradient to reduce. (The ragged
+  all-to-alls are compared by op and group: the compiler may run one of them as a start/done pair instead, whose
+  tuple the byte reader does not size.)"""
+  from test_compile import compile_config, compiled  # noqa: PLC0415  (the compile helpers: libtpu, CUDA wheels)
+
+  from sparsetx.perf import hlo_text  # noqa: PLC0415
+
+  found = {}
+  for rate in (0.0, RATE):
+    config = compile_config("moe", data=2, expert=2)
+    config.model.ffn.update(bias_update_rate=rate)
+    config.train.microbatches = 2
+    collectives = hlo_text.collectives(compiled(config, target).text)
+    found[rate] = sorted((c.op, 0 if c.op == "ragged-all-to-all" else c.nbytes, c.group) for c in collectives)
+  assert found[RATE] == found[0.0]
+  assert any(op == "ragged-all-to-all" for op, _, _ in found[0.0])  # the expert-parallel program indeed
