@@ -53,8 +53,12 @@ def get_config(arg: str = "sgatlin,2"):
 
 
 def remat_for(config, target) -> str:
-  """`none` when the step without remat is planned to use at most half of a chip's HBM, else `full`."""
-  plain = config.copy_and_resolve_references()
-  plain.model.remat = "none"
+  """The cheapest policy in recompute (none, save_routing, full) whose step is planned (plan/memory.py) to use at
+  most half of a chip's HBM; `full` when none does."""
   expert = targets.expert_size(target, units(config.model))
-  return "none" if memory.planned_device_bytes(plain, target.devices, expert) <= target.chip.hbm_bytes / 2 else "full"
+  for policy in ("none", "save_routing"):
+    plain = config.copy_and_resolve_references()
+    plain.model.remat = policy
+    if memory.planned_device_bytes(plain, target.devices, expert) <= target.chip.hbm_bytes / 2:
+      return policy
+  return "full"

@@ -2,6 +2,10 @@
 loop in the train step (loss, gradients, sparse statistics, usage counts) on 8 devices with micro-batches; a
 checkpoint written by either form resumes the other bitwise; decoding (the loop) continues the scanned forward."""
 
+import dataclasses
+import importlib.util
+import pathlib
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -16,13 +20,14 @@ from sparsetx import scopes
 from sparsetx.models import transformer
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.perf import hlo_text
+from sparsetx.plan import memory, targets
 from sparsetx.train import checkpointing
 from sparsetx.train import state as state_lib
 
 
 def layered(ffn_type: str, n_layers: int = 3, ffn_layers: str = "", **train):
   config = micro_config(ffn_type, warmup_steps=0, **train)
-  config.model.update(n_layers=n_layers, ffn_layers=ffn_layers)
+  config.model.update(n_layers=n_layers, ffn_layers=ffn_layers, scan_layers=True)
   return config
 
 
@@ -144,7 +149,7 @@ def test_a_deeper_model_compiles_to_one_loop_over_its_layers_with_the_same_kerne
   found = {}
   for n_layers in (4, 16):
     config = compile_config("sgatlin")
-    config.model.n_layers = n_layers
+    config.model.update(n_layers=n_layers, scan_layers=True)
     text = compiled(config, "v5p").text
     assert [loop.trips for loop in hlo_text.compiled_loops(text)].count(n_layers) == 2, hlo_text.compiled_loops(text)
     found[n_layers] = kernels(text)
@@ -186,3 +191,30 @@ def test_each_remat_policy_has_nones_gradients_and_save_routing_no_second_top_k(
     for (path, a), b in zip(jax.tree.leaves_with_path(grads[policy]), jax.tree.leaves(grads["none"])):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max(), err_msg=f"{policy} {path}")
   assert top_k["save_routing"] == top_k["none"] < top_k["full"], top_k
+
+
+def test_the_plan_puts_save_routing_between_full_and_none_and_the_ladder_picks_it_when_only_it_fits():
+  """save_routing keeps the block's input and attention output (2 nD, bf16) and per channel and slot two int32
+  picks and a float32 gate; the ladder takes the cheapest recompute whose planned step fits half the HBM."""
+  spec = importlib.util.spec_from_file_location(
+    "ladder_config", pathlib.Path(__file__).parents[1] / "configs/ladder.py"
+  )
+  ladder_config = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(ladder_config)
+  config = ladder_config.get_config("sgatlin,4,h100x8")
+  model, n = config.model, 8192
+  full, routing, none = (memory.layer_residual_bytes(config, n, p) for p in ("full", "save_routing", "none"))
+  assert routing == 2 * n * model.d_model * 2 + n * model.ffn.n_channels * model.ffn.top_k * 12
+  assert full < routing < none
+  target = targets.parse("h100x8")
+  expert = targets.expert_size(target, ladder_config.units(model))
+  planned = {}
+  for policy in ("none", "save_routing", "full"):
+    config.model.remat = policy
+    planned[policy] = memory.planned_device_bytes(config, target.devices, expert)
+  assert planned["full"] < planned["save_routing"] < planned["none"]
+  for hbm, want in ((2 * planned["none"], "none"), (planned["none"] + planned["save_routing"], "save_routing")):
+    chip = dataclasses.replace(target.chip, hbm_bytes=hbm)
+    assert ladder_config.remat_for(config, dataclasses.replace(target, chip=chip)) == want
+  chip = dataclasses.replace(target.chip, hbm_bytes=planned["save_routing"])
+  assert ladder_config.remat_for(config, dataclasses.replace(target, chip=chip)) == "full"

@@ -110,9 +110,10 @@ def model_defaults() -> ml_collections.ConfigDict:
       # auto: cudnn on GPU (xla in float32), splash on TPU, xla on CPU | xla | cudnn | splash | pallas
       attention="auto",
       remat="none",  # none | full | dots_saveable | dots_with_no_batch_dims_saveable (saved True/False: full/none)
-      # Runs of consecutive like layers as one lax.scan (compile time flat in depth; parameters stay per layer:
-      # models/transformer.py scan_blocks); False = the per-layer loop, for comparison and debugging.
-      scan_layers=True,
+      # Runs of consecutive like layers as one lax.scan (parameters stay per layer: models/transformer.py
+      # scan_blocks). Off by default: the step holds a stacked copy of the layers' parameters and gradients (peak
+      # memory up) and XLA's cost analysis counts a loop body once (docs/measurements.md, issue 63).
+      scan_layers=False,
       ffn=ffn_defaults(),
       # Mixed layers (sparse fine-tuning of some layers, sparsetx/tools/sparsify.py): the listed layer indices ("1,3")
       # use `ffn`, the others `dense_ffn`; "" = every layer uses `ffn` (and `dense_ffn` is unused). A string,

@@ -339,8 +339,8 @@ def checkpoint_policy(policy: str):
 
 def scans_layers(cfg) -> bool:
   """Whether the forward runs each group of like layers as one `lax.scan` (`cfg.scan_layers`; configs saved
-  before the field read True). Init, decoding and patched calls always run the per-layer loop."""
-  return bool(cfg.get("scan_layers", True))
+  before the field read False). Init, decoding and patched calls always run the per-layer loop."""
+  return bool(cfg.get("scan_layers", False))
 
 
 def layer_groups(cfg) -> tuple[tuple[int, ...], ...]:

@@ -51,13 +51,16 @@ def layer_residual_bytes(config, tokens: int, policy: str, expert: int = 1) -> i
   the selected slots' scores and indices (n C k, float32 and int32), the gated pre-activations (n C k) and the
   product-key router's scores (2 n C sqrt(F) float32), fff the visited nodes (n trees (depth+1), float32 and
   int32); a sparse layer on `expert` > 1 devices also keeps the expert group's gathered tokens (expert n D).
-  dots_saveable / dots_with_no_batch_dims_saveable keep the matmul outputs, about the same as none.
-  Compute-dtype bytes (config.model.dtype) except where noted."""
+  save_routing: the block's input and attention output (2 nD) and the routing its feed-forward layer names
+  (`routing_bytes`). save_dots / dots_saveable / dots_with_no_batch_dims_saveable keep the matmul outputs, about
+  the same as none. Compute-dtype bytes (config.model.dtype) except where noted."""
   model = config.model
   itemsize = jnp.dtype(model.dtype).itemsize
   D = model.d_model
   if policy == "full":
     return tokens * D * itemsize
+  if policy == "save_routing":
+    return 2 * tokens * D * itemsize + routing_bytes(model.ffn, tokens)
   heads = D // model.head_dim
   attention = tokens * (2 * D + 4 * heads * model.head_dim + D) * itemsize + tokens * heads * 4
   spec = SPECS[model.ffn.type]
@@ -65,6 +68,17 @@ def layer_residual_bytes(config, tokens: int, policy: str, expert: int = 1) -> i
   if spec.sparse and expert > 1:
     feed_forward += expert * tokens * D * itemsize
   return attention + feed_forward
+
+
+def routing_bytes(ffn, tokens: int) -> int:
+  """What remat=save_routing keeps of one feed-forward layer (scopes.ROUTING) over `tokens` tokens: sgatlin and
+  PEER the top-k's picks twice (the router's and the tapped ones, int32) and the gates (float32) per channel
+  and slot, MoE its experts' ids and weights per token; 0 for the others (dense layers, FFF's walk)."""
+  if ffn.type in ("sgatlin", "peer"):
+    return tokens * ffn.n_channels * ffn.top_k * 3 * 4
+  if ffn.type == "moe":
+    return tokens * ffn.experts_per_token * 2 * 4
+  return 0
 
 
 def activation_bytes(config, tokens: int, vocab_shards: int = 1, expert: int = 1) -> tuple[int, int, int]:
