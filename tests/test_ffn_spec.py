@@ -32,7 +32,12 @@ REQUIRED = ("name", "module", "fields", "check", "params", "flops", "ladder_size
 SMALL = {
   "mlp": [dict(d_ffw=48)],
   "swiglu": [dict(d_ffw=48)],
-  "moe": [dict(d_ffw=16, n_experts=4, experts_per_token=2)],
+  "moe": [
+    dict(d_ffw=16, n_experts=4, experts_per_token=2),
+    dict(
+      d_ffw=16, n_experts=4, experts_per_token=2, bias_update_rate=0.001, n_shared_experts=2, router_scores="sigmoid"
+    ),
+  ],
   "peer": [dict(d_ffw=36, n_channels=2, top_k=2, d_key=8)],
   "sgatlin": [
     dict(d_ffw=36, n_channels=2, top_k=2, d_key=8),

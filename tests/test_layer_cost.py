@@ -376,3 +376,21 @@ def test_dry_run_tool_prints_the_layer_table():
   rows = [line.split() for line in text.splitlines() if line.startswith(("  H100", "  H200", "  TPU"))]
   # the compiled program's roofline, then the analytic projection: a row per chip in each
   assert [" ".join(r[:2]) for r in rows] == ["H100 SXM", "H200 SXM", "TPU v5p", "TPU v6e"] * 2
+
+
+def test_moe_shared_experts_and_sigmoid_scores_by_hand():
+  """2 shared experts of d_ffw 16 (one SwiGLU of 32) on the device's 64 tokens, and sigmoid scores: the phases the
+  options add; the forward dots still the spec's FLOPs (the sigmoid's 4 a score beside them)."""
+  model = model_config(
+    "moe", 32, n_experts=4, d_ffw=16, experts_per_token=2, n_shared_experts=2, router_scores="sigmoid"
+  )
+  got = phases(layer_cost.layer_cost(model, model.ffn, 64, expert_group=2, devices=2))
+  assert got["shared experts: gate and up"] == (64 * 32 * 2 + 32 * 64 * 2 + 64 * 64 * 2, 2 * 64 * 32 * 64)
+  assert got["shared experts: down"] == (64 * 32 * 2 + 32 * 32 * 2 + 64 * 32 * 2, 2 * 64 * 32 * 32)
+  assert got["router sigmoid"] == (2 * 64 * 4 * 4, 4 * 64 * 4)
+  forward_dots = sum(
+    got[name][1]
+    for name in ("router", "experts: gate and up (grouped)", "experts: down (grouped)", "shared experts: gate and up")
+  )
+  forward_dots += got["shared experts: down"][1] + got["router sigmoid"][1]
+  assert forward_dots == 64 * SPECS["moe"].flops(model, model.ffn)

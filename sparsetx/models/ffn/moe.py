@@ -225,6 +225,9 @@ def moe_cost(bld, model, ffn, n, E, G, b, devices):
   pairs_all, pairs = N * A, n * A
   weights = 3 * x_local * D * F
   bld.matmul("router", n, D, X, b, cost.F32, cost.F32)
+  if ffn.get("router_scores", "softmax") == "sigmoid":  # read and write each score once, each way
+    bld.add("router sigmoid", 2 * n * X * cost.F32, SIGMOID_FLOPS * n * X, forward=True)
+    bld.add("router sigmoid backward", 3 * n * X * cost.F32, 3 * n * X)
   bld.add(
     "router top-k", n * X * cost.F32 + n * A * (cost.F32 + cost.INDEX), n * X * cost.TOP_K_OPS_PER_SCORE, forward=True
   )
@@ -252,6 +255,17 @@ def moe_cost(bld, model, ffn, n, E, G, b, devices):
   router = D * X + X
   bld.optimizer(bld.tables(weights / G, devices // (E * G)) + router)
   bld.grad_sync(router, devices)
+  S = _shared_width(ffn)
+  if S:  # the shared experts: a dense SwiGLU of S on the device's own tokens, laid out as the dense layers
+    shared = 3 * D * S
+    bld.cast(shared, b)
+    bld.fsdp(shared, G, "shared experts over fsdp (FSDP)")
+    bld.matmul("shared experts: gate and up", n, D, 2 * S, b, b, b)
+    bld.add("shared experts: swish(gate) * up", 3 * n * S * b, 4 * n * S, forward=True)
+    bld.add("shared experts: swish(gate) * up backward", 5 * n * S * b, 8 * n * S)
+    bld.matmul("shared experts: down", n, S, D, b, b, b)
+    bld.optimizer(shared / G)
+    bld.grad_sync(shared / G, devices // G)
   # moe_all_to_all.all_to_all_experts: ragged all-to-alls of the n k pairs' rows, in the compute dtype, each way
   tokens = functools.partial(bld.collective, placed=True)
   tokens("all-gather", E * X * cost.INDEX, E, "per-expert pair counts (sizes and offsets)", forward=True)
