@@ -6,9 +6,9 @@ which also defines the FFF rung). GPT-2 vocabulary padded to 50,304, context 204
 TARGET (optional) sizes the run for a machine (sparsetx/plan/targets.py): the paper's 128 x 2,048 tokens
 per step, the sparse layer's units split over `expert` inside one node or slice (NVLink / ICI), `data` over the
 rest and over the nodes (DCN), the vocabulary over `expert` (nothing large replicated), micro-batches so each
-device holds at most 8,192 tokens at a time on an 80 GB chip (scaled with the HBM), and remat `none` (no forward
-recomputed, nor its collectives) where the planned device memory (plan/memory.planned_device_bytes) leaves half the HBM
-free for what the analytic count omits, `full` otherwise. sparsetx/tools/dry_run.py prints the device memory of
+device holds at most 8,192 tokens at a time on an 80 GB chip (scaled with the HBM), and the cheapest remat of
+`none`, `save_routing` (the routing kept, no router recomputed) and `full` whose planned device memory
+(plan/memory.planned_device_bytes) leaves half the HBM free for what the analytic count omits. sparsetx/tools/dry_run.py prints the device memory of
 the compiled step (plan/memory.device_memory). E.g.
   configs/ladder.py:sgatlin,5,h100x8    one node of 8 H100s: expert=8, 4 micro-batches of 2 rows per GPU
   configs/ladder.py:fff,2,h200x8        one node of 8 H200s: expert=4 (FFF's 4 trees), data=2
