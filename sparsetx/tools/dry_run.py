@@ -19,6 +19,7 @@ from sparsetx import cli, hardware, paths
 from sparsetx import config as config_lib
 from sparsetx.data import check_files
 from sparsetx.kernels import autotune_table
+from sparsetx.models import transformer
 from sparsetx.models.ffn.registry import SPECS
 from sparsetx.parallel import logical_rules, topology
 from sparsetx.parallel import mesh as mesh_lib
@@ -149,6 +150,16 @@ def save_cadence_table(config, args, compile_s: float | None = None) -> str:
   return save_cadence.format_table(rows, args.chip_mtbf_hours, config.checkpoint)
 
 
+def layers_line(config) -> str:
+  """How the compiled step runs its layers (what its compile time grows with): one loop per layer, or scanned by
+  groups of like layers (config.model.scan_layers; docs/measurements.md compares them against depth)."""
+  model = config.model
+  if not transformer.scans_layers(model):
+    return f"{model.n_layers} layers, one by one"
+  groups = transformer.layer_groups(model)
+  return f"{model.n_layers} layers scanned in {len(groups)} group(s) of {', '.join(str(len(g)) for g in groups)}"
+
+
 def compile_on_topology(config, name: str) -> float:
   """Compiles the step for a topology's devices with its compiler and prints what the compiler decided: memory,
   FLOPs, collectives, loops, kernels, and the step projected on its chip; returns the compile's seconds. A rejection
@@ -173,7 +184,9 @@ def compile_on_topology(config, name: str) -> float:
   )
   print(aot.format_program(report))
   seconds = time.time() - start
-  print(f"compiled for {name} ({devices[0].device_kind}, {len(devices)} devices) in {seconds:.0f} s")
+  print(
+    f"compiled for {name} ({devices[0].device_kind}, {len(devices)} devices) in {seconds:.0f} s ({layers_line(config)})"
+  )
   if topology.is_gpu(name):
     print(topology.GPU_COMPILE_NOTE)
   if chip is None:
@@ -241,7 +254,7 @@ def absl_main(argv, holders: dict):
     cli.fail(error)
   print(aot.format_report(report))
   print(memory.format_device_memory(memory.device_memory(config, mesh, report), hardware.chips(args.target)))
-  print(f"lowered and compiled in {compile_s:.0f} s")
+  print(f"lowered and compiled in {compile_s:.0f} s ({layers_line(config)})")
   print(roofline.format_projections([roofline.project(report, chip) for chip in hardware.chips(args.target)]))
   print_analytic(config, mesh, hardware.chips(args.target), report)
   if args.remat_sweep:
