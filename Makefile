@@ -1,6 +1,6 @@
 # Each target sets up .venv on first use (and again whenever pyproject.toml changes), with what it needs: `make train`
 # the package alone (CPU JAX; TensorFlow comes with seqio), the others the `test` extra on top (the CUDA and TPU
-# compilers, PyTorch, transformers, lm-eval, ruff). Sizes and times as measured (README.md, "Setting up").
+# compilers, PyTorch, transformers, lm-eval, ruff). Sizes and times as measured: README.md, its first section.
 # Python 3.12 or 3.13 (pyproject.toml's requires-python): found on the PATH or under pyenv by scripts/find_python.sh.
 PYTHON ?= $(shell scripts/find_python.sh)
 VENV := .venv
