@@ -38,10 +38,14 @@ SMALL = {
       d_ffw=16, n_experts=4, experts_per_token=2, bias_update_rate=0.001, n_shared_experts=2, router_scores="sigmoid"
     ),
   ],
-  "peer": [dict(d_ffw=36, n_channels=2, top_k=2, d_key=8)],
+  "peer": [
+    dict(d_ffw=36, n_channels=2, top_k=2, d_key=8),
+    dict(d_ffw=36, n_channels=2, top_k=2, d_key=8, bias_update_rate=0.001),
+  ],
   "sgatlin": [
     dict(d_ffw=36, n_channels=2, top_k=2, d_key=8),
     dict(d_ffw=36, n_channels=2, top_k=2, d_key=8, router="peer"),
+    dict(d_ffw=36, n_channels=2, top_k=2, d_key=8, router="peer", bias_update_rate=0.001),
   ],
   "fff": [dict(depth=2, n_trees=3)],
 }

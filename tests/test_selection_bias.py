@@ -224,3 +224,76 @@ def test_the_bias_update_adds_no_collective_to_the_compiled_step(target):
     found[rate] = sorted((c.op, 0 if c.op == "ragged-all-to-all" else c.nbytes, c.group) for c in collectives)
   assert found[RATE] == found[0.0]
   assert any(op == "ragged-all-to-all" for op, _, _ in found[0.0])  # the expert-parallel program indeed
+
+
+def subkey_loads_by_hand(counts, channels, n_keys):
+  """[channel][half][sub-key] picks: neuron i * n_keys + j of a channel is sub-key i of half 1 and j of half 2."""
+  return [
+    [
+      [sum(counts[c * n_keys**2 + i * n_keys + j] for j in range(n_keys)) for i in range(n_keys)],
+      [sum(counts[c * n_keys**2 + i * n_keys + j] for i in range(n_keys)) for j in range(n_keys)],
+    ]
+    for c in range(channels)
+  ]
+
+
+@pytest.mark.parametrize("ffn_type", ["sgatlin", "peer"])
+def test_a_step_moves_the_subkey_bias_by_the_rule(ffn_type):
+  """Product keys: a bias per sub-key of each half (per channel for sgatlin's own tables, one for PEER's shared
+  table), moved against each half's picks, the halves and channels balanced apart."""
+  config = micro_config(ffn_type, warmup_steps=0)
+  config.model.ffn.bias_update_rate = RATE
+  before, after, _ = run_step(config, edit=biased_params)
+  n_keys = int(np.sqrt(config.model.ffn.d_ffw))
+  channels = config.model.ffn.n_channels if ffn_type == "sgatlin" else 1
+  biases, moved = selection_bias.split(before.params)[1], selection_bias.split(after.params)[1]
+  assert sorted(biases) == [(f"layers_{i}", "mlp", "router", selection_bias.NAME) for i in range(2)]
+  for path, bias in biases.items():
+    loads = subkey_loads_by_hand(list(after.usage[path[0]]), channels, n_keys)
+    want = [
+      [rule_by_hand(b, x, RATE) for b, x in zip(bc, lc)] for bc, lc in zip(bias.reshape(channels, 2, n_keys), loads)
+    ]
+    np.testing.assert_allclose(moved[path], np.reshape(want, bias.shape), rtol=0, atol=1e-6)
+
+
+def test_the_subkey_bias_picks_and_the_gates_ignore_it():
+  """A bias of +100 on sub-key 3 of each channel's first half: every pick lies in row 3 of the product grid, and the
+  gate is the unbiased s1[3] + s2[j]."""
+  from sparsetx.models.ffn.product_keys import ProductKeyRouter  # noqa: PLC0415
+
+  router = ProductKeyRouter(d_ffw=16, n_channels=2, top_k=2, d_key=4, bias_shape=(2, 2, 4))
+  x = jax.random.normal(jax.random.key(0), (2, 5, 8))
+  params = init_params(router, x)
+  params[selection_bias.NAME] = jnp.zeros((2, 2, 4)).at[:, 0, 3].set(100.0)
+  values, ids = jax.jit(router.apply)({"params": params}, x)
+  ids = np.asarray(ids)
+  assert (ids // 4 == 3).all()
+  query = np.asarray(x, np.float64) @ np.asarray(params["query"]["kernel"], np.float64)
+  scores = np.einsum("btq,qscn->btscn", query, np.asarray(params["keys"]["kernel"], np.float64))  # [B, T, 2, C, 4]
+  want = np.take_along_axis(scores[:, :, 0], ids // 4, -1) + np.take_along_axis(scores[:, :, 1], ids % 4, -1)
+  np.testing.assert_allclose(np.asarray(values), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ffn_type", ["sgatlin", "peer"])
+def test_export_applies_the_subkey_bias(ffn_type, tmp_path):
+  pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  import torch  # noqa: PLC0415
+  from export_checks import random_params  # noqa: PLC0415
+
+  from sparsetx.hf import export  # noqa: PLC0415
+
+  config = micro_config(ffn_type)
+  config.model.ffn.bias_update_rate = RATE
+  params = biased_params(random_params(config.model), seed=3)
+  tokens = np.random.default_rng(1).integers(0, config.model.vocab_size, (2, config.model.max_len)).astype(np.int32)
+  apply = jax.jit(Transformer(ml_collections.FrozenConfigDict(config.model)).apply)
+  expected = np.asarray(apply({"params": params}, tokens))
+  rest, biases = selection_bias.split(params)
+  unbiased = selection_bias.merge(rest, {path: 0 * b for path, b in biases.items()})
+  assert np.abs(np.asarray(apply({"params": unbiased}, tokens)) - expected).max() > 1e-2  # the bias matters here
+  export.write_hf(config, params, str(tmp_path / "hf"))
+  model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True)
+  with torch.no_grad():
+    logits = model(torch.as_tensor(tokens, dtype=torch.long)).logits.numpy()
+  np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-4)

@@ -160,6 +160,7 @@ def check_peer(ffn: ml_collections.ConfigDict, d_model: int, prefix: str) -> Non
   """peer: one shared table of d_ffw (a square) neurons, n_channels heads of top_k, the PEER router."""
   _check_product_keys(ffn, prefix, peer_router=True)
   _check_kernel(ffn, prefix)
+  _check_bias_update_rate(ffn, prefix)
 
 
 def check_sgatlin(ffn: ml_collections.ConfigDict, d_model: int, prefix: str) -> None:
@@ -168,6 +169,7 @@ def check_sgatlin(ffn: ml_collections.ConfigDict, d_model: int, prefix: str) -> 
   _one_of(f"{prefix}.activation", ffn.activation, SGATLIN_ACTIVATIONS)
   _one_of(f"{prefix}.router", ffn.router, SGATLIN_ROUTERS)
   _check_kernel(ffn, prefix)
+  _check_bias_update_rate(ffn, prefix)
 
 
 def check_fff(ffn: ml_collections.ConfigDict, d_model: int, prefix: str) -> None:

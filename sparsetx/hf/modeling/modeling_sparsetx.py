@@ -163,33 +163,56 @@ def product_key_top_k(scores1, scores2, k: int):
   return values, torch.gather(ids, -1, best)
 
 
+def subkey_bias(ffn, channels):
+  """The sub-keys' selection bias (loss-free balancing), [C, 2, n_keys] or, for a table the channels share
+  (channels None), [2, n_keys]; None without bias_update_rate."""
+  if not ffn.get("bias_update_rate", 0.0):
+    return None
+  n_keys = n_keys_for(ffn["d_ffw"])
+  return nn.Parameter(torch.empty(*(() if channels is None else (channels,)), 2, n_keys))
+
+
+def biased_product_key_top_k(scores1, scores2, bias, k: int):
+  """product_key_top_k chosen on the scores plus the selection bias (broadcast to [C, 2, n_keys]), valued by the
+  unbiased scores."""
+  if bias is None:
+    return product_key_top_k(scores1, scores2, k)
+  n_keys = scores1.shape[-1]
+  bias_C2N = bias.float().expand(scores1.shape[-2], 2, n_keys)
+  _, ids = product_key_top_k(scores1 + bias_C2N[:, 0], scores2 + bias_C2N[:, 1], k)
+  values = torch.gather(scores1, -1, ids // n_keys) + torch.gather(scores2, -1, ids % n_keys)
+  return values, ids
+
+
 class ProductKeyRouter(nn.Module):
   """sgatlin's router: query = x W_query (shared by the channels); per channel, keys score it in two halves."""
 
-  def __init__(self, ffn, d_model):
+  def __init__(self, ffn, d_model, bias_channels=None):
     super().__init__()
     self.top_k, n_keys = ffn["top_k"], n_keys_for(ffn["d_ffw"])
     self.query = Dense((d_model,), (ffn["d_key"],), float32=True)
     self.keys = Dense((ffn["d_key"],), (2, ffn["n_channels"], n_keys), float32=True)
+    self.selection_bias = subkey_bias(ffn, bias_channels)
 
   def forward(self, x_BTD):
     scores_BT2CN = self.keys(self.query(x_BTD))
-    return product_key_top_k(scores_BT2CN[:, :, 0], scores_BT2CN[:, :, 1], self.top_k)
+    return biased_product_key_top_k(scores_BT2CN[:, :, 0], scores_BT2CN[:, :, 1], self.selection_bias, self.top_k)
 
 
 class PeerRouter(nn.Module):
   """PEER's router: a query per channel split in two halves, scored against two sub-key sets."""
 
-  def __init__(self, ffn, d_model):
+  def __init__(self, ffn, d_model, bias_channels=None):
     super().__init__()
     C, half = ffn["n_channels"], ffn["d_key"] // 2
     self.top_k, n_keys = ffn["top_k"], n_keys_for(ffn["d_ffw"])
     self.query = Dense((d_model,), (C, 2, half), float32=True)
     self.sub_keys = nn.Parameter(torch.empty(C, 2, n_keys, half))
+    self.selection_bias = subkey_bias(ffn, bias_channels)
 
   def forward(self, x_BTD):
     scores_BTC2N = torch.einsum("btcsh,csnh->btcsn", self.query(x_BTD), self.sub_keys.float())
-    return product_key_top_k(scores_BTC2N[..., 0, :], scores_BTC2N[..., 1, :], self.top_k)
+    return biased_product_key_top_k(scores_BTC2N[..., 0, :], scores_BTC2N[..., 1, :], self.selection_bias, self.top_k)
 
 
 ROUTERS = {"product": ProductKeyRouter, "peer": PeerRouter}
@@ -202,7 +225,7 @@ class Sgatlin(nn.Module):
     super().__init__()
     self.C, self.N, self.router_kind = ffn["n_channels"], ffn["d_ffw"], ffn["router"]
     self.activation = activation_for(ffn)
-    self.router = ROUTERS[self.router_kind](ffn, cfg["d_model"])
+    self.router = ROUTERS[self.router_kind](ffn, cfg["d_model"], bias_channels=self.C)
     self.experts = nn.Parameter(torch.empty(2, self.C, self.N, cfg["d_model"]))
 
   def forward(self, x_BTD):

@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 
 from sparsetx import scopes
-from sparsetx.config import ffn_checks
+from sparsetx.config import ffn_checks, n_keys_for
 from sparsetx.config.placements import placement_of
 from sparsetx.kernels.rows.gated_gather import options_from_config
 from sparsetx.models.ffn import table_cost
 from sparsetx.models.ffn.common import gelu_for
-from sparsetx.models.ffn.product_keys import make_router
+from sparsetx.models.ffn.product_keys import make_router, subkey_loads
 from sparsetx.models.ffn.spec import (
   Circuit,
   FfnSpec,
@@ -47,7 +47,8 @@ class Peer(nn.Module):
     table = tables.NeuronTable(TABLE_AXES, None, 1, placement_of(ffn))
     x_BTD = own_tokens.keep_on_token_shards(x_BTD, table)
     with jax.named_scope(scopes.ROUTER):
-      scores_BTCK, idx_BTCK = make_router("peer", ffn, jnp.dtype(self.cfg.param_dtype))(x_BTD)
+      bias_shape = (2, n_keys_for(F))  # one bias per sub-key, shared by the channels as the table is
+      scores_BTCK, idx_BTCK = make_router("peer", ffn, jnp.dtype(self.cfg.param_dtype), bias_shape)(x_BTD)
     scores_BTCK = own_tokens.keep_on_token_shards(scores_BTCK, table)
     idx_BTCK = own_tokens.keep_on_token_shards(idx_BTCK, table)
     gates_BTCK = jax.nn.softmax(scores_BTCK, axis=-1)
@@ -80,7 +81,7 @@ class Peer(nn.Module):
 SPEC = FfnSpec(
   name="peer",
   module=Peer,
-  fields=("d_ffw", "n_channels", "top_k", "d_key", "gelu_approximate", "kernel"),
+  fields=("d_ffw", "n_channels", "top_k", "d_key", "gelu_approximate", "kernel", "bias_update_rate"),
   check=ffn_checks.check_peer,
   params=lambda model, ffn: product_key_params(model, ffn, peer_router=True, table_rows=ffn.d_ffw),
   flops=lambda model, ffn: product_key_flops(model, ffn, peer_router=True),
@@ -92,6 +93,7 @@ SPEC = FfnSpec(
   neuron_table=TABLE_AXES,
   window_stats=subkey_window_stats,
   count_rows=subkey_rows,
+  bias_loads=subkey_loads,  # the shared table's picks per sub-key of each half
   # Channels index one shared table: the circuit keeps (channel, neuron) apart, usage counts neurons.
   circuit=Circuit(
     "gate_indices",

@@ -5,6 +5,8 @@ A neuron index is `i1 * n_keys + i2` and its score `s1[i1] + s2[i2]`. The exact 
 suffice instead of d_ffw. Router scores and both top-k stages stay float32: bf16 creates ties.
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -13,6 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 from sparsetx import scopes
 from sparsetx.config import ConfigError, n_keys_for
 from sparsetx.kernels import platform
+from sparsetx.models.ffn import selection_bias
 from sparsetx.models.ffn.common import router_init
 from sparsetx.parallel.own_tokens import on_own_tokens_BT
 
@@ -132,6 +135,29 @@ def product_key_top_k(scores1_N: jax.Array, scores2_N: jax.Array, k: int, cpu_ro
   return values, indices
 
 
+def pick_unbiased(k: int, scores1, scores2, choice1, choice2):
+  """Product-key top-k chosen on `choice` (the scores plus the selection bias), valued by the unbiased `scores`:
+  (s1[i1] + s2[i2] of the k picked, their indices)."""
+  n_keys = scores1.shape[-1]
+  _, indices = product_key_top_k(choice1, choice2, k)
+  s1, s2 = scores1.astype(jnp.float32), scores2.astype(jnp.float32)
+  values = jnp.take_along_axis(s1, indices // n_keys, axis=-1) + jnp.take_along_axis(s2, indices % n_keys, axis=-1)
+  return values, indices
+
+
+def routed(module, top_k: int, bias_shape, scores1, scores2):
+  """on_own_tokens_BT of the product-key top-k on the halves [..., C, n_keys]; with `bias_shape` the layer's
+  selection bias ([C, 2, n_keys], or [2, n_keys] shared by the channels) moves the choice, not the values."""
+  if bias_shape is None:
+    return on_own_tokens_BT(lambda s1, s2: product_key_top_k(s1, s2, top_k), scores1, scores2)
+  bias_C2N = jnp.broadcast_to(
+    jax.lax.stop_gradient(selection_bias.param(module, bias_shape)), scores1.shape[-2:-1] + (2, scores1.shape[-1])
+  )
+  lead = (None,) * (scores1.ndim - 2)
+  choice1, choice2 = scores1 + bias_C2N[lead + (slice(None), 0)], scores2 + bias_C2N[lead + (slice(None), 1)]
+  return on_own_tokens_BT(functools.partial(pick_unbiased, top_k), scores1, scores2, choice1, choice2)
+
+
 class ProductKeyRouter(nn.Module):
   """sgatlin's gating network: one query shared by the channels, per-channel keys.
 
@@ -143,6 +169,7 @@ class ProductKeyRouter(nn.Module):
   top_k: int
   d_key: int
   param_dtype: jnp.dtype = jnp.float32
+  bias_shape: tuple | None = None  # the selection bias's (selection_bias.py); None: no balancing
 
   @nn.compact
   def __call__(self, x_BTD):
@@ -163,8 +190,7 @@ class ProductKeyRouter(nn.Module):
       kernel_init=router_init(("key", None, "channel", None)),
       name="keys",
     )(query)
-    top_k = lambda s1, s2: product_key_top_k(s1, s2, self.top_k)  # noqa: E731
-    return on_own_tokens_BT(top_k, scores_BT2CN[:, :, 0], scores_BT2CN[:, :, 1])
+    return routed(self, self.top_k, self.bias_shape, scores_BT2CN[:, :, 0], scores_BT2CN[:, :, 1])
 
 
 class PeerRouter(nn.Module):
@@ -175,6 +201,7 @@ class PeerRouter(nn.Module):
   top_k: int
   d_key: int
   param_dtype: jnp.dtype = jnp.float32
+  bias_shape: tuple | None = None  # the selection bias's (selection_bias.py); None: no balancing
 
   @nn.compact
   def __call__(self, x_BTD):
@@ -198,11 +225,11 @@ class PeerRouter(nn.Module):
       self.param_dtype,
     )
     scores_BTC2N = jnp.einsum("btcsh,csnh->btcsn", query_BTC2H, sub_keys_C2NH.astype(jnp.float32), precision="highest")
-    top_k = lambda s1, s2: product_key_top_k(s1, s2, self.top_k)  # noqa: E731
-    return on_own_tokens_BT(top_k, scores_BTC2N[..., 0, :], scores_BTC2N[..., 1, :])
+    return routed(self, self.top_k, self.bias_shape, scores_BTC2N[..., 0, :], scores_BTC2N[..., 1, :])
 
 
-def make_router(kind: str, cfg, param_dtype) -> nn.Module:
+def make_router(kind: str, cfg, param_dtype, bias_shape=None) -> nn.Module:
+  """The router `kind`; `bias_shape` (with cfg.bias_update_rate > 0) its sub-keys' selection bias."""
   router = {"product": ProductKeyRouter, "peer": PeerRouter}[kind]
   return router(
     d_ffw=cfg.d_ffw,
@@ -210,5 +237,14 @@ def make_router(kind: str, cfg, param_dtype) -> nn.Module:
     top_k=cfg.top_k,
     d_key=cfg.d_key,
     param_dtype=param_dtype,
+    bias_shape=bias_shape if selection_bias.rate(cfg) else None,
     name="router",
   )
+
+
+def subkey_loads(ffn, counts_U):
+  """A step's picks per sub-key of each half, [channels, 2, n_keys], from product-key neuron counts (neuron
+  i * n_keys + j: sub-key i of half 1, j of half 2); one channel row for a shared table (PEER)."""
+  n_keys = n_keys_for(ffn.d_ffw)
+  grid_CIJ = counts_U.reshape(-1, n_keys, n_keys)
+  return jnp.stack([grid_CIJ.sum(2), grid_CIJ.sum(1)], axis=1)

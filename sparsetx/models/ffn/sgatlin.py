@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 
 from sparsetx import scopes
-from sparsetx.config import ffn_checks
+from sparsetx.config import ffn_checks, n_keys_for
 from sparsetx.config.placements import placement_of
 from sparsetx.kernels.rows.gated_gather import options_from_config
 from sparsetx.models.ffn import table_cost
 from sparsetx.models.ffn.common import activation_for
-from sparsetx.models.ffn.product_keys import make_router
+from sparsetx.models.ffn.product_keys import make_router, subkey_loads
 from sparsetx.models.ffn.spec import (
   Circuit,
   FfnSpec,
@@ -48,7 +48,9 @@ class Sgatlin(nn.Module):
     table = tables.NeuronTable(TABLE_AXES, "channel", C, placement_of(ffn))
     x_BTD = own_tokens.keep_on_token_shards(x_BTD, table)
     with jax.named_scope(scopes.ROUTER):
-      scores_BTCK, idx_BTCK = make_router(ffn.router, ffn, jnp.dtype(self.cfg.param_dtype))(x_BTD)
+      scores_BTCK, idx_BTCK = make_router(ffn.router, ffn, jnp.dtype(self.cfg.param_dtype), (C, 2, n_keys_for(F)))(
+        x_BTD
+      )
     scores_BTCK = own_tokens.keep_on_token_shards(scores_BTCK, table)
     idx_BTCK = own_tokens.keep_on_token_shards(idx_BTCK, table)
     gates_BTCK = scores_BTCK if ffn.router == "product" else jax.nn.softmax(scores_BTCK, axis=-1)
@@ -73,11 +75,21 @@ class Sgatlin(nn.Module):
 SPEC = FfnSpec(
   name="sgatlin",
   module=Sgatlin,
-  fields=("d_ffw", "n_channels", "top_k", "d_key", "activation", "gelu_approximate", "router", "kernel"),
+  fields=(
+    "d_ffw",
+    "n_channels",
+    "top_k",
+    "d_key",
+    "activation",
+    "gelu_approximate",
+    "router",
+    "kernel",
+    "bias_update_rate",
+  ),
   check=ffn_checks.check_sgatlin,
   params=lambda model, ffn: product_key_params(
     model, ffn, peer_router=ffn.router == "peer", table_rows=ffn.n_channels * ffn.d_ffw
-  ),
+  ),  # (+ the sub-keys' selection bias, C 2 sqrt(d_ffw), with bias_update_rate: product_key_params)
   flops=lambda model, ffn: product_key_flops(model, ffn, peer_router=ffn.router == "peer"),
   ladder_size=lambda d_model: dict(d_ffw=product_key_width(16, 12, d_model)),
   served_names=("gate_indices", "gate_scores", "gate_vector"),
@@ -88,6 +100,7 @@ SPEC = FfnSpec(
   neuron_table=TABLE_AXES,
   window_stats=subkey_window_stats,
   count_rows=subkey_rows,
+  bias_loads=subkey_loads,  # per channel and half, per sub-key
   # Each channel owns its table: a unit is a (channel, neuron) pair.
   circuit=Circuit(
     "gate_indices", "gate_scores", size=lambda ffn: ffn.n_channels * ffn.d_ffw, block=lambda ffn: ffn.d_ffw

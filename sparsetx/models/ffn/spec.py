@@ -129,6 +129,8 @@ def product_key_params(model, ffn, peer_router: bool, table_rows: int) -> tuple[
     router = C * D * ffn.d_key + C * n_keys * ffn.d_key
   else:  # one shared query, 2 key halves per channel
     router = D * ffn.d_key + ffn.d_key * 2 * C * n_keys
+  if ffn.get("bias_update_rate", 0.0):  # the sub-keys' selection bias: per channel's table, or the shared table's
+    router += 2 * n_keys * (C if table_rows == C * ffn.d_ffw else 1)
   return router + 2 * table_rows * D, router + C * ffn.top_k * 2 * D
 
 
