@@ -5,10 +5,8 @@ recipes restart on (the restart resumes from the newest checkpoint).
 What is slow on purpose has its own limit, so a healthy run is never ended by it: a step or a data read has
 config.train.step_timeout_s; a first call that compiles (the train step, the evaluation) compile_timeout_s; a save
 or a wait for one save_timeout_s; a restore restore_timeout_s. Each None is derived: max(its floor, a factor x the
-slowest of its kind measured in this process).
-
-On several processes the first to fire tells the others (Peers), so each writes its own stacks and line before any
-exits: the process stuck in a read is the one whose stacks say why. More: docs/modules.md.
+slowest of its kind measured in this process). On several processes the first to fire tells the others (Peers), so
+each writes its own stacks and line before any exits: the one stuck in a read says why. More: docs/modules.md.
 """
 
 import collections
