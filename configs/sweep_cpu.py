@@ -3,7 +3,7 @@ model family (configs/tiny.py:FFN) cut to a size whose runs train in seconds on 
 
 2 layers of 32-wide heads (so d_model 32 fits), context 32, batches of 8 x 32 tokens, float32, a 2-step
 warmup, validation on the facts task (one batch). The sweep sets d_model and sizes the feed-forward
-layer from it (sparsetx/train/sweep.py); everything here is held equal across the types.
+layer from it (sparsetx/measure/sweep.py); everything here is held equal across the types.
 """
 
 import importlib.util

@@ -24,6 +24,7 @@ from ml_collections.config_flags import config_flags as config_flags_lib  # is_c
 from sparsetx.config import ConfigError
 
 USAGE_EXIT_CODE = 2
+WATCHDOG_EXIT_CODE = 6  # a hang ended (the watchdog, an autotune candidate): the deploy/ recipes restart on it
 
 _running = False  # inside `run`: a `fail` is the program's last word
 _failed = False  # `fail` has printed its line inside `run`

@@ -21,8 +21,9 @@ from sparsetx import paths
 from sparsetx.config import ConfigError
 from sparsetx.data import check_files
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import checkpointing, optimizer
+from sparsetx.train import optimizer
 from sparsetx.train import state as state_lib
+from sparsetx.train.checkpoints import checkpointing
 
 # Model fields the target may set freely: the feed-forward choice and compute-only knobs. Every other
 # field (d_model, head_dim, vocab_size, n_layers, block, norm, biases, rotary, param_dtype, ...) shapes or

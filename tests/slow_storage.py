@@ -10,8 +10,8 @@ import time
 import poisoned_stream
 
 from sparsetx.data import global_stream
-from sparsetx.train import checkpointing
 from sparsetx.train import step as step_lib
+from sparsetx.train.checkpoints import checkpointing
 
 
 def _slowed(method, seconds: float, times: int | None = None):

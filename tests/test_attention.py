@@ -186,7 +186,7 @@ def test_decoding_with_a_fused_attention_config_equals_the_full_forward():
 
 def test_auto_picks_cudnn_on_gpu_splash_on_tpu_xla_on_cpu():
   """By the device the program is for (a topology's, kernels/platform.target)."""
-  from sparsetx.train import aot
+  from sparsetx.measure import aot
 
   assert attention_lib.resolve("auto", jnp.bfloat16) == "xla"
   with aot.on_topology("h100:1x1x1"):
@@ -234,7 +234,7 @@ TOPOLOGIES = {"cuda": "h100:1x1x1", "tpu": "v5p:2x2x1"}
 
 def lowered_train_grads(platform: str, attention: str) -> str:
   """StableHLO of the loss gradients of a bf16 model at T = 256, lowered for one H100 or v5p on this CPU machine."""
-  from sparsetx.train import aot
+  from sparsetx.measure import aot
 
   model = Transformer(model_config(attention, dtype="bfloat16", max_len=256))
   tokens = jax.ShapeDtypeStruct((2, 256), jnp.int32)
@@ -254,7 +254,7 @@ def test_cuda_lowering_runs_cudnn_flash_attention_forward_and_backward(monkeypat
 
 def test_the_retired_pallas_attention_names_its_replacement():
   """JAX deprecated its Pallas GPU attention: a config naming it is one line naming cuDNN's; a saved one reads as auto."""
-  from sparsetx.train import checkpointing
+  from sparsetx.train.checkpoints import checkpointing
 
   config = load_config("configs/tiny.py", "mlp")
   config.model.attention = "pallas"
@@ -288,8 +288,8 @@ def test_tpu_lowering_runs_splash_attention_forward_and_backward(monkeypatch):
 )
 def test_train_step_lowers_with_the_fused_attention_by_default(platform, calls):
   """The whole train step (bf16, attention=auto) lowered as the trainer jits it: the fused calls, no XLA logits."""
+  from sparsetx.measure import aot
   from sparsetx.perf import hlo_text
-  from sparsetx.train import aot
 
   config = load_config("configs/tiny.py", "mlp")
   config.model.update(max_len=256, n_layers=2)
@@ -303,8 +303,8 @@ def test_train_step_lowers_with_the_fused_attention_by_default(platform, calls):
 @pytest.mark.parametrize("ici", [dict(data=8), dict(data=4, tensor=2)])
 def test_splash_train_step_lowers_on_a_tpu_mesh(ici):
   """On a mesh splash runs in a shard_map over every free axis (Pallas TPU refuses a partially manual region)."""
+  from sparsetx.measure import aot
   from sparsetx.perf import hlo_text
-  from sparsetx.train import aot
 
   config = load_config("configs/tiny.py", "mlp")
   config.model.update(max_len=256, n_layers=1)

@@ -1,4 +1,4 @@
-"""The device chooses its kernels (train/autotune.py): every candidate measured in its own child process, checked
+"""The device chooses its kernels (plan/autotune.py): every candidate measured in its own child process, checked
 against XLA's values, the fastest correct one kept with the reason each other was dropped; `auto` then reads the
 table, and a second process measures nothing again."""
 
@@ -26,8 +26,9 @@ from sparsetx.kernels.rows import xla
 from sparsetx.kernels.rows.gated_gather import gated_gather
 from sparsetx.kernels.rows.records import Rows
 from sparsetx.kernels.rows.reference import identity
-from sparsetx.train import autotune
+from sparsetx.plan import autotune
 from sparsetx.train import state as state_lib
+from sparsetx.train import step_kernels
 
 X, TABLE = jax.ShapeDtypeStruct((1024, 32), jnp.float32), jax.ShapeDtypeStruct((64, 32), jnp.float32)
 CALL = op_calls.gather(X, TABLE, jnp.float32, 4, identity, True, False, False, False)  # sgatlin's: identity, no bias
@@ -270,7 +271,7 @@ def test_the_autotuner_records_the_steps_own_calls(ffn_type):
   config.data.update(global_batch_size=8, seq_len=16)
   config.model.update(max_len=16, n_layers=1)
   config = config_lib.validate(config)
-  calls = autotune.step_calls(config, state_lib.setup(config, devices=jax.devices()[:1]))
+  calls = step_kernels.step_calls(config, state_lib.setup(config, devices=jax.devices()[:1]))
   forms = {}
   for (op, key), call in calls.items():
     assert op == "rows" and key == op_calls.shape_class(call) and call["tokens"] == 8 * 16, (key, call)
@@ -289,7 +290,7 @@ def test_the_autotuner_records_the_steps_own_calls(ffn_type):
 def test_a_corrupt_table_stops_a_gpu_step_as_one_config_error(table):
   """The trainer and the dry run trace the step under `auto` for a GPU: an unreadable table is the ConfigError their
   programs end in one `error:` line (exit 2), raised before anything compiles, never a traceback."""
-  from sparsetx.train import aot
+  from sparsetx.measure import aot
 
   table.write_text('{"entries": ')
   config = load_config("configs/tiny.py", "sgatlin")

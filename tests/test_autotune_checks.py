@@ -1,4 +1,4 @@
-"""The autotuner's checks (train/autotune.py): each timing taken on the device its table entry names (a child on
+"""The autotuner's checks (plan/autotune.py): each timing taken on the device its table entry names (a child on
 another one refused; a TPU measured in-process), candidates checked on the shapes training meets (ragged groups,
 hot rows, the d-split form, bf16 tables, a child's exit code), a budget, and the trainer's take_from ->
 ensure_tuned -> keep_in path."""
@@ -21,7 +21,8 @@ from sparsetx.kernels.device import TracedDevice
 from sparsetx.kernels.options import KernelOptions
 from sparsetx.kernels.rows.reference import identity
 from sparsetx.parallel import distributed
-from sparsetx.train import autotune, loop
+from sparsetx.plan import autotune
+from sparsetx.train.run import loop
 
 SPEC, F32, BF16 = jax.ShapeDtypeStruct, jnp.float32, jnp.bfloat16
 CALL = op_calls.gather(SPEC((1024, 32), F32), SPEC((64, 32), F32), F32, 4, identity, True, False, False, False)

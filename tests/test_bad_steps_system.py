@@ -15,7 +15,7 @@ from conftest import MICRO_TRAIN_FLAGS, REPO
 from test_bad_steps import saved_states
 from test_train import finish, losses, micro_config, wait_for_steps
 
-from sparsetx.train import loop, recovery
+from sparsetx.train.run import loop, recovery
 
 TESTS = str(REPO / "tests")
 SETTINGS = dict(steps=24, warmup_steps=5, log_every=1, eval_every=1000, eval_batches=1, spike_window=5)

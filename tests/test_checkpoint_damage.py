@@ -24,7 +24,8 @@ from conftest import REPO, load_config
 
 from sparsetx import paths
 from sparsetx.interp import checkpoint as interp_checkpoint
-from sparsetx.train import checkpointing, held_errors, loop
+from sparsetx.train.checkpoints import checkpointing, held_errors
+from sparsetx.train.run import loop
 
 
 def micro_config(ffn_type: str = "mlp", **train):

@@ -10,9 +10,9 @@ import pytest
 from conftest import init_params, load_config
 
 from sparsetx import config as config_lib
+from sparsetx.measure import aot
 from sparsetx.models import transformer
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import aot
 from sparsetx.train import loss as loss_lib
 from sparsetx.train import step as step_lib
 

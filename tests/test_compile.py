@@ -27,6 +27,7 @@ from sparsetx.kernels.fff import tree_route
 from sparsetx.kernels.grouped_matmul.op import grouped_matmul
 from sparsetx.kernels.options import KernelOptions
 from sparsetx.kernels.rows.gated_gather import gated_gather
+from sparsetx.measure import aot
 from sparsetx.models import attention
 from sparsetx.models.ffn.common import gelu_tanh
 from sparsetx.models.ffn.product_keys import product_key_top_k
@@ -35,8 +36,8 @@ from sparsetx.parallel import logical_rules
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.perf import hlo_text, roofline, step_parts
 from sparsetx.plan import memory
-from sparsetx.train import aot, autotune
 from sparsetx.train import state as state_lib
+from sparsetx.train import step_kernels
 
 TOPOLOGIES = {"v5p": "v5p:2x2x1", "v6e": "v6e:2x2", "h100": "h100:1x1x4", "a100": "a100:1x1x4"}
 FFN_TYPES = ("mlp", "swiglu", "moe", "peer", "sgatlin", "fff")
@@ -430,7 +431,7 @@ def test_a_measured_table_puts_a_tpu_design_into_the_v5p_step(tmp_path, monkeypa
   config = compile_config("sgatlin")
   mesh = aot.topology_mesh(config_lib.validate(config), TOPOLOGIES["v5p"])
   kind = mesh.devices.flat[0].device_kind
-  calls = autotune.step_calls(config_lib.validate(config), state_lib.setup(config_lib.validate(config), mesh=mesh))
+  calls = step_kernels.step_calls(config_lib.validate(config), state_lib.setup(config_lib.validate(config), mesh=mesh))
   entry = autotune_table.Entry((design, "tpu", "xla"), {}, {design: 1.0, "tpu": 2.0, "xla": 3.0})
   for op, shape in calls:
     autotune_table.record(kind, op, shape, entry)

@@ -1,4 +1,4 @@
-"""The trainer's compilation cache (sparsetx/train/compile_cache.py) is the run's only: a program compiled inside
+"""The trainer's compilation cache (sparsetx/train/run/compile_cache.py) is the run's only: a program compiled inside
 `used` is written to the run's directory, one compiled after it is not and JAX's setting is as before; a directory
 the caller set is left alone; an unwritable directory is one sentence."""
 
@@ -8,7 +8,7 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from sparsetx import config as config_lib
-from sparsetx.train import compile_cache
+from sparsetx.train.run import compile_cache
 
 _SETTINGS = (
   "jax_compilation_cache_dir",
@@ -79,8 +79,8 @@ def test_an_unwritable_compilation_cache_is_one_line(tmp_path, no_session_cache)
 def test_a_compile_for_devices_this_machine_lacks_leaves_the_cache_alone(tmp_path, no_session_cache):
   """A TPU topology's program is neither written to nor read from a cache that is on (JAX reads an entry back
   through a device client, which a compile-only one lacks); a local program still is, after it."""
+  from sparsetx.measure import aot  # noqa: PLC0415
   from sparsetx.parallel import topology  # noqa: PLC0415
-  from sparsetx.train import aot  # noqa: PLC0415
 
   cache = tmp_path / "cache"
   jax.config.update("jax_compilation_cache_dir", str(cache))

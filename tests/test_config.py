@@ -53,7 +53,7 @@ def test_bad_config_names_the_field(model, field):
 def test_the_retired_kernel_knobs_name_the_one_that_replaced_them(old, new):
   """A config written with the family value and kernel.gpu_kernel: one line naming the new value; the same config
   saved in a workdir reads under it."""
-  from sparsetx.train import checkpointing
+  from sparsetx.train.checkpoints import checkpointing
 
   config = _config(ffn=dict(type="sgatlin"))
   config.model.ffn.kernel.update(old)

@@ -21,7 +21,7 @@ from test_tokenize import decoded
 
 from sparsetx import config as config_lib
 from sparsetx.data import documents, file_checks, pretokenize, token_store
-from sparsetx.train import loop
+from sparsetx.train.run import loop
 
 DOCS = [f"document {i}: naïve café ☕ {'x' * (i % 7)}" for i in range(40)] + ["line\nbreak \"quoted\"", "  "]
 

@@ -13,7 +13,8 @@ import pytest
 from conftest import REPO
 from test_train import finish, losses, micro_config, run_cli, wait_for_steps
 
-from sparsetx.train import checkpointing, ctrl_c, loop
+from sparsetx.train.checkpoints import checkpointing
+from sparsetx.train.run import ctrl_c, loop
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Dry run (sparsetx/train/aot.py, sparsetx/tools/dry_run.py): per-device bytes, compiled step report, large configs."""
+"""Dry run (sparsetx/measure/aot.py, sparsetx/tools/dry_run.py): per-device bytes, compiled step report, large configs."""
 
 import math
 import re
@@ -9,11 +9,11 @@ from conftest import load_config
 
 from sparsetx import config as config_lib
 from sparsetx import hardware
+from sparsetx.measure import aot
 from sparsetx.models.ffn import placement
 from sparsetx.parallel import logical_rules
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.plan import targets
-from sparsetx.train import aot
 
 
 def micro_config(ffn_type):

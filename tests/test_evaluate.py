@@ -16,8 +16,8 @@ from test_train import micro_config
 from sparsetx import config as config_lib
 from sparsetx.evaluate import perplexity, sampling
 from sparsetx.interp import checkpoint as checkpoint_lib
-from sparsetx.train import loop
 from sparsetx.train import state as state_lib
+from sparsetx.train.run import loop
 
 
 def trained_workdir(tmp_path_factory) -> str:

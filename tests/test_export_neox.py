@@ -27,8 +27,8 @@ from sparsetx.hf import export, neox, tokenizer_files
 from sparsetx.models.transformer import Transformer
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.tools import build_vocab
-from sparsetx.train import checkpointing
 from sparsetx.train import state as state_lib
+from sparsetx.train.checkpoints import checkpointing
 
 fake_gcs = test_workdir_fs.fake_gcs  # the fixture
 torch = pytest.importorskip("torch")

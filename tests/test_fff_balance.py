@@ -1,4 +1,4 @@
-"""FFF routing balance (train/sparse_stats.py, interp/usage.py): Gini per level and over leaves, leftmost-leaf
+"""FFF routing balance (train/tracking/sparse_stats.py, interp/usage.py): Gini per level and over leaves, leftmost-leaf
 share, left turns; a balanced tree scores 0 at every depth, an unbalanced one matches a hand computation."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 from conftest import layer_model_config
 
 from sparsetx.interp import circuits, usage
-from sparsetx.train import sparse_stats
+from sparsetx.train.tracking import sparse_stats
 
 
 def balanced_paths(depth: int, n_trees: int):

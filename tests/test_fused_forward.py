@@ -20,9 +20,9 @@ from sparsetx.kernels.device import target
 from sparsetx.kernels.options import KernelOptions
 from sparsetx.kernels.rows.gated_gather import gated_gather
 from sparsetx.kernels.rows.reference import Gating
+from sparsetx.measure import aot
 from sparsetx.models.ffn.common import gelu_tanh
 from sparsetx.perf import hlo_text
-from sparsetx.train import aot
 
 U32, U64 = 2.0**-24, 2.0**-53
 UNIT = {np.dtype(np.float32): U32, np.dtype(ml_dtypes.bfloat16): 2.0**-8}

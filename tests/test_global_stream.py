@@ -173,7 +173,7 @@ def test_tokenized_evaluation_is_one_ordered_pass_padded_alike_on_every_process(
 
 
 def test_the_stream_state_is_an_item_of_the_checkpoint_step_read_on_any_process_count(tokenized_corpus, tmp_path):
-  from sparsetx.train import checkpointing
+  from sparsetx.train.checkpoints import checkpointing
 
   config = _config(tokenized_corpus)
   config.checkpoint.update(async_save=False)
@@ -202,7 +202,7 @@ def test_the_stream_state_is_an_item_of_the_checkpoint_step_read_on_any_process_
 
 
 def test_a_run_of_the_older_data_state_layout_is_told_to_start_over(tmp_path):
-  from sparsetx.train import loop
+  from sparsetx.train.run import loop
 
   (tmp_path / "data_state" / "10").mkdir(parents=True)
   with pytest.raises(config_lib.ConfigError, match=r"started by an older sparsetx .*start over with a new --workdir"):
@@ -210,7 +210,7 @@ def test_a_run_of_the_older_data_state_layout_is_told_to_start_over(tmp_path):
 
 
 def test_a_ladder_rung_on_a_target_trains_only_from_a_tokenized_corpus(tmp_path):
-  from sparsetx.train import loop
+  from sparsetx.train.run import loop
 
   config = load_config("configs/ladder.py", "sgatlin,5,h100x8")
   assert config.data.require_tokenized and not load_config("configs/ladder.py", "sgatlin,5").data.require_tokenized

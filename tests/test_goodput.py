@@ -1,4 +1,4 @@
-"""Goodput (sparsetx/train/goodput.py): the trainer's parts add up to the wall time measured around it, a resume from
+"""Goodput (sparsetx/train/run/goodput.py): the trainer's parts add up to the wall time measured around it, a resume from
 an earlier step counts the steps it repeats as redone, and the totals add up over the runs of one workdir."""
 
 import json
@@ -10,7 +10,7 @@ import pytest
 from jax._src import compilation_cache, monitoring
 from test_train import micro_config
 
-from sparsetx.train import goodput, loop
+from sparsetx.train.run import goodput, loop
 
 
 def record(workdir) -> dict:

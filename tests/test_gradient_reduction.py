@@ -12,9 +12,9 @@ import pytest
 from conftest import load_config, synthetic_batch
 
 from sparsetx import config as config_lib
+from sparsetx.measure import aot
 from sparsetx.parallel import logical_rules
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import aot
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
 

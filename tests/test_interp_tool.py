@@ -14,8 +14,8 @@ from sparsetx import cli, sparsify
 from sparsetx.interp.circuits import CircuitDatabase
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.tools import circuits as circuits_tool
-from sparsetx.train import loop
 from sparsetx.train import state as state_lib
+from sparsetx.train.run import loop
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

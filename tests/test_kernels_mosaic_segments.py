@@ -9,7 +9,7 @@ from kernel_cases import mosaic_races_found
 
 from sparsetx.kernels.options import KernelOptions
 from sparsetx.kernels.rows import mosaic
-from sparsetx.train import aot
+from sparsetx.measure import aot
 
 EPS32 = 2.0**-24  # float32 rounding unit
 

@@ -10,8 +10,8 @@ from kernel_cases import gather_case, mosaic_races_found, value_and_grads
 
 from sparsetx.kernels.rows.gated_gather import KernelOptions, gated_gather
 from sparsetx.kernels.rows.reference import Gating
+from sparsetx.measure import aot
 from sparsetx.models.ffn.common import ACTIVATIONS
-from sparsetx.train import aot
 
 
 def assert_same_loss_and_grads(result, expected, rtol):

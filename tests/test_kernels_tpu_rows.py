@@ -28,9 +28,9 @@ from jax._src.tpu_custom_call import tpu as tpu_dialect
 from sparsetx.kernels.options import KernelOptions
 from sparsetx.kernels.rows import tpu, tpu_layout
 from sparsetx.kernels.rows.reference import Gating
+from sparsetx.measure import aot
 from sparsetx.models.ffn.common import gelu_tanh
 from sparsetx.perf import hlo_text
-from sparsetx.train import aot
 
 EPS32 = 2.0**-24
 EPS_BF16 = 2.0**-8

@@ -18,8 +18,8 @@ from jax._src.pallas.triton import lowering as triton_lowering  # the Triton mod
 from sparsetx.kernels.options import KernelOptions
 from sparsetx.kernels.rows import triton
 from sparsetx.kernels.rows.reference import Gating
+from sparsetx.measure import aot
 from sparsetx.perf import hlo_text
-from sparsetx.train import aot
 
 U32, U64 = 2.0**-24, 2.0**-53
 UNIT = {np.dtype(np.float32): U32, np.dtype(ml_dtypes.bfloat16): 2.0**-8}

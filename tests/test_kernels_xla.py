@@ -135,7 +135,7 @@ def test_each_form_runs_where_its_docstring_says(monkeypatch, where):
   """Row order only where a CPU differentiates a float32 gather: its forward alone, and every accelerator's, run token
   order (the sort does not pay for itself without a backward pass)."""
   from sparsetx.kernels.rows import xla_gather
-  from sparsetx.train import aot
+  from sparsetx.measure import aot
 
   walked = []
   real = xla_gather.row_sorted_forward

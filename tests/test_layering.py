@@ -22,6 +22,7 @@ LAYERS = (
   ("models",),
   ("plan",),
   ("train",),
+  ("measure",),
   ("evaluate", "interp", "hf", "sparsify"),
   ("tools",),
 )
@@ -87,7 +88,7 @@ def test_no_upward_import():
 
 def test_the_kernels_import_nothing_from_the_measurement_layer():
   """The kernels share nothing with perf/ but the scope names (sparsetx/scopes.py, a leaf both read): the kernel
-  benchmarks, which time kernels with perf.timing, sit in train/ (issue 47)."""
+  benchmarks, which time kernels with perf.timing, sit in measure/ (issues 47, 64)."""
   found = [
     f"{m} -> {t}" for m, targets in _graph().items() if _room(m) == "kernels" for t in targets if _room(t) == "perf"
   ]

@@ -23,9 +23,9 @@ from sparsetx.evaluate import aot as decoding_aot
 from sparsetx.kernels import platform, registry
 from sparsetx.kernels.device import TracedDevice
 from sparsetx.kernels.rows.gated_gather import KernelOptions, gated_gather
+from sparsetx.measure import aot
 from sparsetx.models.ffn.common import ACTIVATIONS
 from sparsetx.perf import hlo_text
-from sparsetx.train import aot
 
 FFN_TYPES = ("mlp", "swiglu", "moe", "peer", "sgatlin", "fff")
 GATHER_TYPES = ("peer", "sgatlin", "fff")

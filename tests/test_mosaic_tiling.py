@@ -11,9 +11,9 @@ from jax.experimental.mosaic.gpu import core as mosaic_core
 
 from sparsetx.kernels.options import KernelOptions
 from sparsetx.kernels.rows import mosaic, mosaic_tiling
+from sparsetx.measure import aot
 from sparsetx.models import ladder
 from sparsetx.parallel import topology
-from sparsetx.train import aot
 
 H100_SMEM = 232448  # h100.txtpb's shared_memory_per_block_optin, what the kernels size themselves for there
 GPU_TARGETS = ("h100", "h200", "a100")

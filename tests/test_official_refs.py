@@ -214,7 +214,7 @@ def test_gelu_form_defaults_to_each_layers_code_also_for_configs_saved_before_th
   """gelu_approximate None (the default, and a saved config without it): tanh for peer and sgatlin, erf for fff."""
   from sparsetx import config as config_lib
   from sparsetx.models.ffn.common import gelu_approximate
-  from sparsetx.train import checkpointing
+  from sparsetx.train.checkpoints import checkpointing
 
   saved = config_lib.default_config().to_dict()
   del saved["model"]["ffn"]["gelu_approximate"]

@@ -5,8 +5,9 @@ summary of its own."""
 import io
 import types
 
+from sparsetx.measure import aot
 from sparsetx.tools import launch_local
-from sparsetx.train import aot, wandb_writer
+from sparsetx.train.tracking import wandb_writer
 
 
 def test_the_dry_runs_parameter_count_reads_in_millions():

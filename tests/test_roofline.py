@@ -3,8 +3,8 @@
 import pytest
 
 from sparsetx import hardware
+from sparsetx.measure import aot
 from sparsetx.perf import hlo_text, roofline
-from sparsetx.train import aot
 
 MB = 1e6
 

@@ -15,7 +15,7 @@ import pytest
 from sparsetx.kernels import registry
 from sparsetx.kernels.device import target
 from sparsetx.kernels.options import KernelOptions
-from sparsetx.train import aot
+from sparsetx.measure import aot
 
 U32, U64 = 2.0**-24, 2.0**-53
 DESIGNS = [i for i in registry.ROWS if i.row_order]

@@ -17,7 +17,7 @@ from conftest import REPO
 from test_bad_steps import config_for, metric_rows, saved_states
 from test_train import losses
 
-from sparsetx.train import loop, recovery, watchdog
+from sparsetx.train.run import loop, recovery, watchdog
 
 
 def test_a_row_of_skips_ends_a_skip_run_naming_the_steps_and_the_window(tmp_path, monkeypatch):

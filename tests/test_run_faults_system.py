@@ -14,7 +14,7 @@ import pytest
 from conftest import MICRO_TRAIN_FLAGS, REPO
 from test_train import finish, losses, micro_config, wait_for_steps
 
-from sparsetx.train import goodput, loop, recovery, watchdog
+from sparsetx.train.run import goodput, loop, recovery, watchdog
 
 TESTS = str(REPO / "tests")
 FLAGS = [

@@ -125,7 +125,7 @@ def test_estimated_checkpoint_bytes_match_the_abstract_state():
   which also hold the step, the bad-step window and the usage counts: configs/large.py:sgatlin8,h100 on 64 H100s."""
   import jax
 
-  from sparsetx.train import aot
+  from sparsetx.measure import aot
 
   config = config_lib.validate(load_config("configs/large.py", "sgatlin8,h100"))
   mesh = jax.sharding.AbstractMesh((8, 1, 1, 8), config_lib.MESH_AXES)

@@ -21,8 +21,8 @@ from sparsetx.models import transformer
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.perf import hlo_text
 from sparsetx.plan import memory, targets
-from sparsetx.train import checkpointing
 from sparsetx.train import state as state_lib
+from sparsetx.train.checkpoints import checkpointing
 
 
 def layered(ffn_type: str, n_layers: int = 3, ffn_layers: str = "", **train):

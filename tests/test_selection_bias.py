@@ -16,9 +16,9 @@ from sparsetx.models.ffn.moe import Moe
 from sparsetx.models.transformer import Transformer
 from sparsetx.parallel import logical_rules
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import checkpointing
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
+from sparsetx.train.checkpoints import checkpointing
 
 RATE = 0.001  # DeepSeek-V3's
 

@@ -15,8 +15,9 @@ from sparsetx import config as config_lib
 from sparsetx import sparsify
 from sparsetx.models import ladder
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import checkpointing, loop
 from sparsetx.train import state as state_lib
+from sparsetx.train.checkpoints import checkpointing
+from sparsetx.train.run import loop
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ from conftest import REPO
 from test_train import losses, micro_config
 
 from sparsetx import config as config_lib
-from sparsetx.train import checkpointing, loop
+from sparsetx.train.checkpoints import checkpointing
+from sparsetx.train.run import loop
 
 
 def messages(caplog) -> str:

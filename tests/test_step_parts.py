@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import pytest
 
 from sparsetx import scopes
+from sparsetx.measure import step_bench
 from sparsetx.perf import hlo_text, step_parts
 from sparsetx.tools import bench_step_parts
-from sparsetx.train import step_bench
 
 GAPS = 0.3  # the most of a run's span no op runs in (launches between ops, the trace's overhead; 2-7% seen); a part
 # the trace missed would show below it (attention alone is about 40% of the MLP step here)

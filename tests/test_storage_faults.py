@@ -14,7 +14,8 @@ from conftest import MICRO_TRAIN_FLAGS, REPO
 from test_checkpoint_damage import micro_config
 
 from sparsetx import paths
-from sparsetx.train import checkpointing, loop
+from sparsetx.train.checkpoints import checkpointing
+from sparsetx.train.run import loop
 
 TRAIN_FLAGS = [  # micro_config(steps=6) on the command line, the checkpoint saved asynchronously (the default)
   "--config=configs/tiny.py:mlp",
@@ -77,7 +78,7 @@ def test_a_full_disk_during_a_save_ends_in_one_line_and_a_rerun_resumes_bitwise(
 
 def test_a_full_disk_under_the_metrics_is_one_storage_error(tmp_path, small_filesystem):
   """metrics.jsonl and TensorBoard's events: the write's failure names the step, the workdir and the OS's words."""
-  from sparsetx.train import metrics
+  from sparsetx.train.tracking import metrics
 
   writer = metrics.make_writer(str(small_filesystem.path / "run"), fix=lambda: "resume from step 2.")
   writer.write_scalars(1, {"loss": 1.0})

@@ -14,9 +14,9 @@ from absl import flags
 from conftest import REPO, load_config
 from ml_collections import config_flags
 
+from sparsetx.measure import sweep
 from sparsetx.models import ladder
 from sparsetx.tools import sweep as sweep_tool
-from sparsetx.train import sweep
 
 BUDGET = 3e9  # 18 to 53 steps of 256 tokens per run
 # The feed-forward widths the ladder's rules give, by hand: mlp 8/3 d rounded down to a multiple of 256, or of

@@ -10,12 +10,12 @@ from conftest import load_config
 
 from sparsetx import config as config_lib
 from sparsetx import hardware
+from sparsetx.measure import aot
 from sparsetx.models import ladder
 from sparsetx.models.ffn import placement
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.perf import hlo_text, roofline
 from sparsetx.plan import memory, targets
-from sparsetx.train import aot
 from sparsetx.train import state as state_lib
 
 TARGETS = ("h100x8", "h200x8", "h100x8x4", "v5p-64")

@@ -17,9 +17,10 @@ from sparsetx import config as config_lib
 from sparsetx.data import global_stream, pretokenize
 from sparsetx.parallel import logical_rules
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import checkpointing, loop
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
+from sparsetx.train.checkpoints import checkpointing
+from sparsetx.train.run import loop
 
 
 def micro_config(ffn_type="sgatlin", **train):

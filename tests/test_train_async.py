@@ -13,9 +13,10 @@ from sparsetx import config as config_lib
 from sparsetx import paths
 from sparsetx.data import global_stream
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import checkpointing, loop
-from sparsetx.train import metrics as metrics_lib
 from sparsetx.train import state as state_lib
+from sparsetx.train.checkpoints import checkpointing
+from sparsetx.train.run import loop
+from sparsetx.train.tracking import metrics as metrics_lib
 
 
 class _Recorded:

@@ -1,4 +1,4 @@
-"""Sparse layers' usage over a window (sparsetx/train/usage_window.py): each statistic against NumPy written from
+"""Sparse layers' usage over a window (sparsetx/train/tracking/usage_window.py): each statistic against NumPy written from
 its definition, on hand-built counts with known dead units and a collapsed sub-key; the step's counts against a
 bincount of the units its layers routed, for every sparse type; the counts through a checkpoint."""
 
@@ -13,10 +13,11 @@ from test_train import micro_config
 from sparsetx import config as config_lib
 from sparsetx.models.ffn.registry import SPECS
 from sparsetx.parallel import logical_rules
-from sparsetx.train import checkpointing, usage_window
 from sparsetx.train import loss as loss_lib
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
+from sparsetx.train.checkpoints import checkpointing
+from sparsetx.train.tracking import usage_window
 
 
 def reference(counts, n_keys=None, tree=None) -> dict:

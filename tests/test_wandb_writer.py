@@ -1,4 +1,4 @@
-"""Weights & Biases (sparsetx/train/wandb_writer.py), offline: the run's .wandb files, read back with wandb's own
+"""Weights & Biases (sparsetx/train/tracking/wandb_writer.py), offline: the run's .wandb files, read back with wandb's own
 reader, hold every scalar metrics.jsonl holds, and a resumed run continues the same W&B run."""
 
 import importlib.util
@@ -10,7 +10,8 @@ from wandb.proto import wandb_internal_pb2
 from wandb.sdk.internal import datastore
 
 from sparsetx import config as config_lib
-from sparsetx.train import loop, wandb_writer
+from sparsetx.train.run import loop
+from sparsetx.train.tracking import wandb_writer
 
 
 def wandb_records(workdir) -> tuple[set, dict]:

@@ -1,4 +1,4 @@
-"""The hang watchdog (sparsetx/train/watchdog.py): a process stuck in a read (its threads alive) ends with every
+"""The hang watchdog (sparsetx/train/run/watchdog.py): a process stuck in a read (its threads alive) ends with every
 thread's stack, one `error:` line naming what hung and the last finished step, and exit code 6; the derived timeout
 follows the measured steps. (Two processes, one of them stopped: tests/test_watchdog_system.py.)"""
 
@@ -10,7 +10,7 @@ import time
 from conftest import REPO
 
 from sparsetx.tools import launch_local
-from sparsetx.train import watchdog
+from sparsetx.train.run import watchdog
 
 STUCK = r"""
 import os, sys

@@ -14,7 +14,7 @@ import pytest
 from conftest import MICRO_TRAIN_FLAGS, REPO
 from test_multihost_train import losses, wait_until
 
-from sparsetx.train import watchdog
+from sparsetx.train.run import watchdog
 
 TIMEOUT_S = 15
 FLAGS = [

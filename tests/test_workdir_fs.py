@@ -29,9 +29,10 @@ from sparsetx.data import token_store
 from sparsetx.evaluate import perplexity
 from sparsetx.hf import export
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import checkpointing, loop
-from sparsetx.train import metrics as metrics_lib
 from sparsetx.train import state as state_lib
+from sparsetx.train.checkpoints import checkpointing
+from sparsetx.train.run import loop
+from sparsetx.train.tracking import metrics as metrics_lib
 
 
 class _FakeGcsBackend(backend_lib._OsPathBackend):  # noqa: SLF001  (epath's local backend, on mapped paths)

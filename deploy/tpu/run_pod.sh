@@ -38,7 +38,7 @@ done
 gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --project="$PROJECT" --worker=0 --command="
   cd $REPO && JAX_PLATFORMS=cpu .venv/bin/python -m sparsetx.tools.tokenize --config=$CONFIG --output_dir=$TOKENIZED_DIR ${CONFIG_FLAGS}
 "
-# A hang ends every worker that can still speak with the watchdog's code, 6 (sparsetx/train/watchdog.py): the run
+# A hang ends every worker that can still speak with the watchdog's code, 6 (sparsetx/train/run/watchdog.py): the run
 # starts again and resumes from the newest checkpoint, up to RESTARTS times (default 3); any other code ends here.
 restarts=${RESTARTS:-3}
 while true; do

@@ -273,7 +273,7 @@ def train_defaults() -> ml_collections.ConfigDict:
       # (every layer's when empty) train; everything else (copied by sparsetx/tools/sparsify.py) has learning rate 0.
       freeze_steps=0,
       # A resume whose schedule (steps, schedule, learning_rate, warmup_steps, decay_fraction) differs from the
-      # checkpoint's is refused, naming the change, unless this is True (train/loop.py check_schedule).
+      # checkpoint's is refused, naming the change, unless this is True (train/run/loop.py check_schedule).
       accept_schedule_change=False,
       # "START,COUNT": a jax.profiler trace of COUNT steps from step START, under <workdir>/tensorboard
       # (TensorBoard's profile tab); "" = none. Process 0 only unless profile_all_processes.
@@ -288,7 +288,7 @@ def train_defaults() -> ml_collections.ConfigDict:
       # The seconds the trainer may spend measuring kernels before its first step; the calls left are not measured
       # (one line names them) and `auto` takes the default order for them. 0: measure nothing at start-up.
       autotune_budget_s=600.0,
-      # What a bad step does (sparsetx/train/bad_steps.py, README "Bad steps"): stop | skip | rollback.
+      # What a bad step does (sparsetx/train/run/bad_steps.py, README "Bad steps"): stop | skip | rollback.
       #   stop: every update is applied; a non-finite loss, gradient norm or parameter norm ends the run (exit 3).
       #   skip: an update whose loss or gradient norm is non-finite, or spikes (above the mean + spike_sigmas
       #     standard deviations of the last spike_window accepted steps), is not applied; the step counter, the
@@ -312,7 +312,7 @@ def train_defaults() -> ml_collections.ConfigDict:
       max_skipped_share=0.05,
       skipped_share_window=200,
       max_rollbacks=3,  # rollback: rollbacks recorded in one workdir before the run stops (exit 3)
-      # The hang watchdog (sparsetx/train/watchdog.py): when nothing finishes (a step, an evaluation batch, a
+      # The hang watchdog (sparsetx/train/run/watchdog.py): when nothing finishes (a step, an evaluation batch, a
       # save call) within its limit, every process writes its threads' stacks and one error line and exits with
       # code 6, which the deploy/ recipes restart on. step_timeout_s: steps and data reads; None: derived,
       # max(300 s, 20 x the slowest of the last 100 steps), armed once the first step is done; 0: the watchdog off.
@@ -324,11 +324,11 @@ def train_defaults() -> ml_collections.ConfigDict:
       compile_timeout_s=ml_collections.config_dict.placeholder(float),
       save_timeout_s=ml_collections.config_dict.placeholder(float),
       restore_timeout_s=ml_collections.config_dict.placeholder(float),
-      # JAX's persistent compilation cache (sparsetx/train/compile_cache.py): a restart reads the compiled step.
+      # JAX's persistent compilation cache (sparsetx/train/run/compile_cache.py): a restart reads the compiled step.
       # "" = <workdir>/compilation_cache (gs:// works); JAX_COMPILATION_CACHE_DIR in the environment wins.
       compilation_cache=True,
       compilation_cache_dir="",
-      # The sparse layers' usage over a window of steps (sparsetx/train/usage_window.py, README "Sparse layers'
+      # The sparse layers' usage over a window of steps (sparsetx/train/tracking/usage_window.py, README "Sparse layers'
       # health"): counts summed on the device, logged as usage/layers_i/* and reset every this many steps (a
       # multiple of log_every, at most the run). None: 10 x log_every, at most the run.
       usage_window=ml_collections.config_dict.placeholder(int),
@@ -373,7 +373,7 @@ def metrics_defaults() -> ml_collections.ConfigDict:
   """Where metrics go besides metrics.jsonl and TensorBoard (both always written)."""
   return ml_collections.ConfigDict(
     dict(
-      # Weights & Biases (sparsetx/train/wandb_writer.py; `pip install 'sparsetx[wandb]'`), from process 0. mode: ""
+      # Weights & Biases (sparsetx/train/tracking/wandb_writer.py; `pip install 'sparsetx[wandb]'`), from process 0. mode: ""
       # (online when a project is named, else off) | online | offline (`wandb sync` later) | disabled.
       wandb=dict(project="", entity="", name="", mode=""),
     )

@@ -8,6 +8,7 @@ More: docs/modules.md, sparsetx/data/batches.py.
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 FEATURES = ("inputs", "targets", "segment_ids", "positions", "loss_weights")
@@ -18,6 +19,19 @@ class Shard(NamedTuple):
 
   index: int
   count: int
+
+
+def abstract_batch(config, sharding) -> dict:
+  """The global batch as abstract arrays (shapes, dtypes, `sharding`): what the step is traced and compiled for."""
+  B, T = config.data.global_batch_size, config.data.seq_len
+  spec = lambda dtype: jax.ShapeDtypeStruct((B, T), dtype, sharding=sharding)  # noqa: E731
+  return dict(
+    inputs=spec(jnp.int32),
+    targets=spec(jnp.int32),
+    segment_ids=spec(jnp.int32),
+    positions=spec(jnp.int32),
+    loss_weights=spec(jnp.float32),
+  )
 
 
 def data_shard(batch_sharding: jax.sharding.Sharding, global_batch_size: int) -> tuple[Shard, int]:

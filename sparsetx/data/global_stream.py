@@ -265,7 +265,7 @@ class GlobalStream:
     self._pending = None
     self._executor.shutdown(wait=True, cancel_futures=True)
 
-  # State: an item of the same checkpoint step (train/checkpointing.py).
+  # State: an item of the same checkpoint step (train/checkpoints/checkpointing.py).
 
   def state(self) -> dict:
     """The stream's position, as JSON: the next step and the fingerprint of what fixes the stream."""

@@ -1,5 +1,5 @@
 """Ahead-of-time lowering of the sampler's cached decoding for an accelerator this machine does not have
-(tests/test_lowering.py); the train and eval steps lower in sparsetx/train/aot.py."""
+(tests/test_lowering.py); the train and eval steps lower in sparsetx/measure/aot.py."""
 
 import functools
 
@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import ml_collections
 
 from sparsetx.evaluate import sampling
+from sparsetx.measure.aot import on_topology
 from sparsetx.train import state as state_lib
-from sparsetx.train.aot import on_topology
 
 
 def lower_generate(
@@ -21,7 +21,7 @@ def lower_generate(
 ) -> str:
   """StableHLO text of the sampler's cached generation (a prefill of `prefill_len` tokens, then one decode step
   per new token reading the KV cache) for `batch_size` rows of config.model.max_len, lowered like
-  sparsetx.train.aot.lower_train_step."""
+  sparsetx.measure.aot.lower_train_step."""
   model = state_lib.build_model(config)
   B, T = batch_size, config.model.max_len
   prefill_len = prefill_len or sampling.prefill_length(T // 2, T)

@@ -1,6 +1,6 @@
 """Loss and perplexity of a checkpoint on validation splits, restored onto any mesh.
 
-The numbers are the trainer's own (`sparsetx.train.loop.evaluate` with the same jitted
+The numbers are the trainer's own (`sparsetx.train.run.loop.evaluate` with the same jitted
 `eval_step`, the same packed validation batches and `eval_batches` limit), so a checkpoint's final
 eval in `metrics.jsonl` is reproduced exactly, on one device or any other mesh: orbax reshards the
 saved arrays onto the shardings the mesh gives the parameters. Loss is nats per target token
@@ -14,9 +14,10 @@ from sparsetx import config as config_lib
 from sparsetx.data import global_stream, pretokenize, sources
 from sparsetx.parallel import logical_rules
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import checkpointing, loop
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
+from sparsetx.train.checkpoints import checkpointing
+from sparsetx.train.run import loop
 
 
 def mesh_config(config: ml_collections.ConfigDict, spec: str) -> ml_collections.ConfigDict:

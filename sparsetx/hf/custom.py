@@ -23,7 +23,7 @@ from sparsetx.hf import lazy_tensors
 from sparsetx.hf.neox import EOS_ID, PAD_ID, SPARSETX_KEY
 from sparsetx.hf.neox import START_ID as BOS_ID
 from sparsetx.models.ffn import selection_bias
-from sparsetx.train import checkpointing
+from sparsetx.train.checkpoints import checkpointing
 
 MODEL_TYPE = "sparsetx"
 _MODELING_DIR = pathlib.Path(__file__).resolve().parent / "modeling"

@@ -2,7 +2,7 @@
 
 `export` writes a trained model that `transformers` loads: dense GPT-NeoX-block models as `GPTNeoXForCausalLM`
 (`hf/neox.py`), every other architecture with its PyTorch modeling files (`hf/custom.py`, `trust_remote_code`).
-It reads the parameters one tensor at a time on the host (train/param_reader.py) and writes size-capped shards
+It reads the parameters one tensor at a time on the host (train/checkpoints/param_reader.py) and writes size-capped shards
 (hf/shards.py), one in memory at a time, locally or to gs:// (hf/output.py). `load_hf` reads either kind back into
 a config and param tree; `import_hf` writes that as a step-0 checkpoint that `python -m sparsetx.train` continues.
 """
@@ -28,8 +28,8 @@ from sparsetx.data import check_files
 from sparsetx.hf import lazy_tensors, neox, output, shards, tokenizer_files, weight_files
 from sparsetx.hf.shards import WEIGHTS, WEIGHTS_INDEX
 from sparsetx.models.ffn import selection_bias
-from sparsetx.train import param_writer
-from sparsetx.train.param_reader import ParamReader
+from sparsetx.train.checkpoints import param_writer
+from sparsetx.train.checkpoints.param_reader import ParamReader
 
 KINDS = ("auto", "neox", "custom")
 DTYPES = ("float32", "bfloat16")
@@ -327,7 +327,7 @@ def import_hf(
   max_shard_size: str | int = shards.MAX_SHARD_SIZE,
 ) -> dict:
   """Writes the model of `hf_dir` (local or gs://) as the step-0 checkpoint of a new local `workdir`, holding about
-  `max_shard_size` bytes of parameters at a time (train/param_writer.py); returns a summary: the config saved
+  `max_shard_size` bytes of parameters at a time (train/checkpoints/param_writer.py); returns a summary: the config saved
   (`config`), the parameters and their bytes, the largest group written and the seconds taken.
 
   `config` (optional) is the training config to continue with: its data, train, checkpoint and mesh

@@ -12,8 +12,8 @@ import numpy as np
 from sparsetx.data import global_stream, pretokenize, vocab
 from sparsetx.interp.trace import StandardizedTransformer
 from sparsetx.parallel import mesh as mesh_lib
-from sparsetx.train import checkpointing
 from sparsetx.train import state as state_lib
+from sparsetx.train.checkpoints import checkpointing
 
 START_ID = 0
 

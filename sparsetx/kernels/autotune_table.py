@@ -1,7 +1,7 @@
 """The measured choices `auto` reads on a GPU or TPU: per device kind, JAX version, kernels' code, op, kernel options
 and shape class, the implementations that ran correctly, fastest first, and why each other one was dropped.
 
-sparsetx-autotune (train/autotune.py) fills it, as does the trainer before a step whose calls it lacks. One JSON file,
+sparsetx-autotune (plan/autotune.py) fills it, as does the trainer before a step whose calls it lacks. One JSON file,
 local or gs:// (sparsetx.paths): $SPARSETX_AUTOTUNE_TABLE, else ~/.cache/sparsetx/autotune.json; the trainer keeps a
 copy in its workdir. A call it lacks takes the entry at the nearest token count, all else equal. `agree()` makes every
 process of a run follow process 0's entries. An unreadable table is one ConfigError, an unwritable one a

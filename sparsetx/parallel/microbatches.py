@@ -84,7 +84,7 @@ def split(batch, microbatches: int):
 def loop_param_bytes(init_model, abstract_params, mesh, axes) -> int:
   """Bytes one device holds of the parameters as the loop along `axes` takes them (the tables' blocks, every other
   parameter whole along the batch axes), or as stored without the loop (no axes). Its gradient sum has this size
-  too: the device memory estimate (train/aot.py) counts both."""
+  too: the device memory estimate (measure/aot.py) counts both."""
   leaves = jax.tree_util.tree_leaves_with_path(abstract_params)
   stored = [leaf.sharding.spec for _, leaf in leaves]
   loop = _loop_specs(init_model, leaves, stored, axes) if axes else stored

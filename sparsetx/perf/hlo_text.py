@@ -1,6 +1,6 @@
 """Reading a compiled (HLO) or lowered (StableHLO) program's text: its collectives and their replica groups, its
 loops and their trip counts, the kernels it launches. The dry run, the compile suite and the roofline read the
-programs of sparsetx/train/aot.py through these."""
+programs of sparsetx/measure/aot.py through these."""
 
 import collections
 import math

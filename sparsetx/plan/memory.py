@@ -1,7 +1,7 @@
 """Per-device memory of a train step as a GPU or TPU runs it: the CPU-compiled figure corrected analytically, and
 the same count before anything is built (what a config file plans remat and micro-batches by).
 
-The derivation of each term is in device_memory's docstring; docs/modules.md (sparsetx/train/aot.py) says how
+The derivation of each term is in device_memory's docstring; docs/modules.md (sparsetx/measure/aot.py) says how
 the dry run prints it.
 """
 

@@ -21,9 +21,9 @@ from sparsetx.kernels.device import target
 from sparsetx.kernels.grouped_matmul.op import grouped_matmul
 from sparsetx.kernels.rows import row_gather, segment_grads
 from sparsetx.kernels.rows.gated_gather import KernelOptions, gated_gather
+from sparsetx.measure import kernel_bench, step_bench
 from sparsetx.perf import timing
 from sparsetx.tools import bench_layers
-from sparsetx.train import kernel_bench, step_bench
 
 U32 = 2.0**-24  # float32 unit roundoff
 REASSOCIATION = 4  # a device may sum in another order (tree, split-k): the bound's allowance for it

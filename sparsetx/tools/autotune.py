@@ -17,8 +17,9 @@ from sparsetx import config as config_lib
 from sparsetx.kernels import autotune_table
 from sparsetx.kernels.device import target
 from sparsetx.kernels.options import options_from_config
-from sparsetx.train import autotune
+from sparsetx.plan import autotune
 from sparsetx.train import state as state_lib
+from sparsetx.train import step_kernels
 
 
 def define_flags() -> dict:
@@ -56,7 +57,7 @@ def absl_main(argv, holders: dict):
       raise config_lib.ConfigError(f"--budget_s={args.budget_s} must be >= 0 seconds (omit it for no limit).")
     config = config_lib.validate(holders["config"].value)
     options = options_from_config(config.model.ffn.kernel)
-    calls = autotune.step_calls(config, state_lib.setup(config))
+    calls = step_kernels.step_calls(config, state_lib.setup(config))
     todo = calls if args.again else autotune.missing(calls, options)
     summary = autotune.summary(calls, todo, options, args.again)
     print(f"autotune on {target().device_kind}: {summary}; table {autotune_table.path()}")

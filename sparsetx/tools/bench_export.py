@@ -55,8 +55,8 @@ def model_config(name: str):
 
 def write_checkpoint(config, workdir: str) -> None:
   """A step-1 checkpoint of a fresh model with its full train state (parameters and both Adam moments)."""
-  from sparsetx.train import checkpointing  # noqa: PLC0415
   from sparsetx.train import state as state_lib  # noqa: PLC0415
+  from sparsetx.train.checkpoints import checkpointing  # noqa: PLC0415
 
   mesh = state_lib.single_device_mesh(config)
   _, shardings, model, tx = state_lib.state_shardings(config, mesh)

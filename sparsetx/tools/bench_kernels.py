@@ -14,7 +14,7 @@ import jax
 from absl import flags
 
 from sparsetx import cli, hardware
-from sparsetx.train import kernel_bench
+from sparsetx.measure import kernel_bench
 
 
 def define_flags() -> dict:

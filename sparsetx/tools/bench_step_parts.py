@@ -13,8 +13,8 @@ from absl import flags
 
 from sparsetx import cli
 from sparsetx import config as config_lib
+from sparsetx.measure import aot, step_bench
 from sparsetx.perf import step_parts
-from sparsetx.train import aot, step_bench
 
 
 def define_flags() -> dict:

@@ -8,7 +8,7 @@ from absl import flags
 
 from sparsetx import cli
 from sparsetx import config as config_lib
-from sparsetx.train import step_bench
+from sparsetx.measure import step_bench
 
 
 def define_flags() -> dict:

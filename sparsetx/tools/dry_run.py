@@ -19,14 +19,15 @@ from sparsetx import cli, hardware, paths
 from sparsetx import config as config_lib
 from sparsetx.data import check_files
 from sparsetx.kernels import autotune_table
+from sparsetx.measure import aot
 from sparsetx.models import transformer
 from sparsetx.models.ffn.registry import SPECS
 from sparsetx.parallel import logical_rules, topology
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.perf import roofline
 from sparsetx.plan import memory, save_cadence, step_cost, targets
-from sparsetx.train import aot, goodput
 from sparsetx.train import state as state_lib
+from sparsetx.train.run import goodput
 
 
 def define_flags() -> dict:

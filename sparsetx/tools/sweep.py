@@ -12,7 +12,7 @@ from absl import flags
 
 from sparsetx import cli, paths
 from sparsetx.config import ConfigError
-from sparsetx.train import sweep
+from sparsetx.measure import sweep
 
 
 def define_flags() -> dict:
@@ -76,7 +76,7 @@ def train(run: sweep.Run, in_subprocess: bool) -> str:
     return "finished"
   import jax
 
-  from sparsetx.train import loop
+  from sparsetx.train.run import loop
 
   try:
     loop.train(run.config, run.workdir)

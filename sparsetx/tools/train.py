@@ -88,7 +88,7 @@ def absl_main(argv, holders: dict, defaulted: bool = False):
       local_device_ids=[int(i) for i in args.local_device_ids or []],
       tpu_present=distributed.tpu_vm_present(),
     )
-    from sparsetx.train import autotune  # noqa: PLC0415 (after flags: a fast --help)
+    from sparsetx.plan import autotune  # noqa: PLC0415 (after flags: a fast --help)
 
     if autotune.will_measure(args.config, spec):  # before JAX starts: the kernels' child processes need room
       autotune.leave_device_memory_to_children()
@@ -100,8 +100,8 @@ def absl_main(argv, holders: dict, defaulted: bool = False):
   # After joining (a missing peer is reported before the slow imports) and after flags (fast --help).
   from sparsetx import paths
   from sparsetx.data.token_store import CorpusError
-  from sparsetx.train import ctrl_c
-  from sparsetx.train.loop import NonFiniteLossError, train
+  from sparsetx.train.run import ctrl_c
+  from sparsetx.train.run.loop import NonFiniteLossError, train
 
   try:
     train(args.config, args.workdir)

@@ -13,7 +13,7 @@ from sparsetx import config as config_lib
 from sparsetx import scopes
 from sparsetx.models import transformer
 from sparsetx.models.ffn import moe
-from sparsetx.train.sparse_stats import sparse_stats
+from sparsetx.train.tracking.sparse_stats import sparse_stats
 
 
 def token_cross_entropy(logits_BTV, targets_BT, z_loss: float):

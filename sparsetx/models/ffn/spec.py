@@ -27,7 +27,7 @@ class Units:
 
 @dataclasses.dataclass(frozen=True)
 class Circuit:
-  """A token's sparse circuit as the layer taps it (sparsetx/interp/circuits.py, sparsetx/train/sparse_stats.py).
+  """A token's sparse circuit as the layer taps it (sparsetx/interp/circuits.py, sparsetx/train/tracking/sparse_stats.py).
 
   The layer sows `units` (unit ids, [..., G, K] per group G when `block` is set, else [..., K]) and
   `weights` (same shape). Flat circuit ids offset group g by g * block(ffn), so they index a space of
@@ -80,7 +80,7 @@ class FfnSpec:
   neuron_table: tuple | None = None  # logical axes of a neuron table whose d_model may be split (sgatlin, PEER)
   circuit: Circuit | None = None  # sparse: how to read a token's circuit from the taps
   usage_stats: Callable | None = None  # (ffn, counts_U, taps, token_weights_BT) -> stats beyond used and gini
-  # (ffn, counts_U) -> {statistic: value} of a training usage window beyond the common ones (train/usage_window.py)
+  # (ffn, counts_U) -> {statistic: value} of a training usage window beyond the common ones (train/tracking/usage_window.py)
   window_stats: Callable | None = None
   count_rows: Callable | None = None  # (ffn, counts_U) -> [rows, columns] of counts sparsetx-usage draws
   # (ffn, counts_U) -> a step's loads in the shape of the layer's selection bias (selection_bias.py), last axis the

@@ -16,7 +16,8 @@ import sys
 import threading
 import time
 
-WATCHDOG_EXIT_CODE = 6
+from sparsetx.cli import WATCHDOG_EXIT_CODE
+
 FLOOR_S = 300.0  # the derived step timeout's least value: longer than JAX's heartbeat timeout (100 s), see docs
 STEP_FACTOR = 20.0  # the derived step timeout: this many times the slowest of the last measured steps
 MEASURED = 100  # steps whose times the derived timeout reads

@@ -14,7 +14,7 @@ from orbax.checkpoint.experimental import v1 as ocp_v1
 from orbax.checkpoint.experimental.v1 import partial
 
 from sparsetx import paths
-from sparsetx.train import checkpointing
+from sparsetx.train.checkpoints import checkpointing
 
 PENDING = "params-pending"  # under the workdir while the parts are written (no leading dot: orbax globs it)
 

@@ -3,10 +3,10 @@ here is timed on the device the table entry names, its values checked against XL
 training's (ragged groups, hot rows), and the fastest correct one is kept in the autotune table
 (kernels/autotune_table.py) with the reason each other one was dropped.
 
-Each candidate runs in a child process (`python -m sparsetx.train.autotune JSON`), which reports the device it ran
+Each candidate runs in a child process (`python -m sparsetx.plan.autotune JSON`), which reports the device it ran
 on: a kernel that faults takes only its own process down. A TPU cannot be shared with a child, so there the
 candidates run in this process, one at a time. A candidate is a registry name, or `module:attribute` (the tests'
-fakes). More: docs/modules.md, sparsetx/train/autotune.py.
+fakes). More: docs/modules.md, sparsetx/plan/autotune.py.
 """
 
 import dataclasses
@@ -28,7 +28,7 @@ from sparsetx.kernels import autotune_table, registry
 from sparsetx.kernels.device import target
 from sparsetx.kernels.fff.tree_route import WALK_ROWS_PER_CHUNK
 from sparsetx.kernels.grouped_matmul import op as grouped_op
-from sparsetx.kernels.options import KernelOptions, options_from_config
+from sparsetx.kernels.options import KernelOptions
 from sparsetx.kernels.rows.gated_gather import gated_gather
 from sparsetx.kernels.rows.reference import ACTIVATIONS, Gating
 from sparsetx.perf import timing
@@ -281,7 +281,7 @@ def measure(op: str, spec: str, call: dict, options: KernelOptions, rounds: int,
   request = json.dumps(dict(op=op, spec=spec, call=call, options=options._asdict(), rounds=rounds))
   try:
     result = subprocess.run(
-      [sys.executable, "-m", "sparsetx.train.autotune", request],
+      [sys.executable, "-m", "sparsetx.plan.autotune", request],
       capture_output=True,
       text=True,
       timeout=timeout_s,
@@ -441,7 +441,7 @@ def _record(kind, op, key, options, results, unmeasured=(), why=""):
 def _end_hung(what: str) -> None:
   """One line and WATCHDOG_EXIT_CODE, as the watchdog ends a hang: a program that holds the TPU cannot be stopped,
   and the deploy/ recipes restart on this code (the restart reads the verdict recorded before)."""
-  from sparsetx.train.watchdog import WATCHDOG_EXIT_CODE  # noqa: PLC0415
+  from sparsetx.cli import WATCHDOG_EXIT_CODE  # noqa: PLC0415 (kept out of the children's start)
 
   sys.stderr.write(
     f"error: autotune: {what}; its verdict is recorded and the process ends (a program holding the device cannot be "
@@ -481,20 +481,6 @@ def tune_all(todo: dict, options: KernelOptions, report=print, budget_s=None, sp
   return entries
 
 
-def step_calls(config, built) -> dict:
-  """{(op, shape class): call} of every kernel op call the config's train step makes, from one trace of the step
-  alone (the model's init, one sequence, is traced by state.setup before), and only calls the autotuner can make
-  again."""
-  from sparsetx.parallel import logical_rules  # noqa: PLC0415 (the trainer's modules import this one)
-  from sparsetx.train import aot, step  # noqa: PLC0415
-
-  with logical_rules.activate(built.mesh, config.mesh.rules):
-    jitted = step.make_train_step(config, built)
-    with registry.recording() as calls:
-      jitted.trace(built.abstract_state, aot.abstract_batch(config, built.batch_sharding))
-  return {found: call for found, call in calls.items() if call is not None and measurable(call)}
-
-
 def held(calls: dict, options: KernelOptions) -> dict:
   """{(op, shape class): entry} of the calls this device's table holds for these kernel options."""
   kind = target().device_kind
@@ -520,27 +506,6 @@ def summary(calls: dict, todo: dict, options: KernelOptions, again: bool = False
     f"{len(calls)} op shapes in the step, {len(todo)} to measure (those the table lacks; {unusable} held with nothing "
     "usable kept, auto takes the default order for them, --again measures them anew)"
   )
-
-
-def ensure_tuned(config, built, report=print, budget_s=None) -> dict:
-  """Before a step compiles on a GPU or TPU under `auto`: measures the calls the table lacks, within `budget_s`
-  (default config.train.autotune_budget_s). Nothing on a CPU (what it runs is XLA's), nothing when the config
-  names its kernels."""
-  kernel = config.model.ffn.kernel
-  if target().platform == "cpu" or kernel.implementation != "auto":
-    return {}
-  budget_s = config.train.get("autotune_budget_s", DEFAULT_BUDGET_S) if budget_s is None else budget_s
-  options = options_from_config(kernel)
-  calls = step_calls(config, built)
-  todo = missing(calls, options)
-  report(f"autotune on {target().device_kind}: {summary(calls, todo, options)}; budget {budget_s:g} s")
-  if not todo:
-    return {}
-  if budget_s <= 0:
-    report(f"autotune: no budget to measure {len(todo)} op shapes: auto takes the default order for them")
-    return {}
-  ready_to_measure()
-  return tune_all(todo, options, report, budget_s)
 
 
 def describe(entry) -> str:

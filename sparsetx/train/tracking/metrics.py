@@ -1,7 +1,7 @@
 """Metric writers (clu: TensorBoard event files, metrics.jsonl, and W&B where config.metrics.wandb says) and MFU.
 
 Only process 0 writes; other processes get a writer that writes nothing. The console gets the loop's one
-progress line per log interval (sparsetx/train/loop.py), not every metric. Model FLOPs come from the
+progress line per log interval (sparsetx/train/run/loop.py), not every metric. Model FLOPs come from the
 ladder's accounting (3 x forward FLOPs per token); MFU divides by the bf16 peak of the device kind.
 
 A run that starts at step S (0, or the step it resumes from) keeps one value per step: metrics.jsonl
@@ -24,7 +24,7 @@ from tensorflow.python.ops import summary_ops_v2
 
 from sparsetx import config as config_lib
 from sparsetx import hardware, paths
-from sparsetx.train import scalars_only
+from sparsetx.train.tracking import scalars_only
 
 
 def peak_flops_per_device() -> float | None:
@@ -135,7 +135,7 @@ def make_writer(
       )
     writers = [tensorboard_writer(tensorboard_dir(workdir), start_step), JsonlWriter(jsonl)]
   if config_lib.wandb_on(metrics_config):
-    from sparsetx.train import wandb_writer  # noqa: PLC0415  (the optional extra, imported only when used)
+    from sparsetx.train.tracking import wandb_writer  # noqa: PLC0415  (the optional extra, imported only when used)
 
     writers.append(wandb_writer.WandbWriter(metrics_config.wandb, workdir))
   return RunWriter(writers, workdir, fix)

@@ -1,7 +1,7 @@
 """What the host does about bad steps (the device skips them: bad_steps.py): one console line per skipped step, the
 decision to stop or to roll back, and the workdir's record of the data windows stepped over.
 
-More: docs/modules.md, sparsetx/train/recovery.py.
+More: docs/modules.md, sparsetx/train/run/recovery.py.
 """
 
 import json

@@ -1,7 +1,7 @@
 """Ctrl-C in a training run: the first SIGINT asks for what SIGTERM asks (a checkpoint at the step every process
 agrees on, then a clean stop); a second one ends the process at once, in one line, with no traceback.
 
-More: docs/modules.md, sparsetx/train/ctrl_c.py.
+More: docs/modules.md, sparsetx/train/run/ctrl_c.py.
 """
 
 import os

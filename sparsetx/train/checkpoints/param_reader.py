@@ -12,7 +12,7 @@ from flax import traverse_util
 
 from sparsetx import config as config_lib
 from sparsetx.data import check_training_files
-from sparsetx.train import checkpointing
+from sparsetx.train.checkpoints import checkpointing
 
 Path = tuple[str, ...]
 

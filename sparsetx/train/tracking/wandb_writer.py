@@ -14,7 +14,7 @@ from etils import epath
 
 from sparsetx import paths
 from sparsetx.config import ConfigError
-from sparsetx.train import scalars_only
+from sparsetx.train.tracking import scalars_only
 
 RUN_ID = "wandb_run_id"
 

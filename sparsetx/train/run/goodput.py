@@ -5,7 +5,7 @@ A start after a run killed, hung or preempted counts the time since that run's r
 repeats as redone. The record also keeps the measured costs a save cadence is planned from
 (sparsetx/plan/save_cadence.py). Writing it never ends a run: a failed write is one warning.
 
-More: docs/modules.md, sparsetx/train/goodput.py.
+More: docs/modules.md, sparsetx/train/run/goodput.py.
 """
 
 import collections

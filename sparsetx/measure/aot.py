@@ -1,7 +1,7 @@
 """Ahead-of-time view of a training run: build abstractly, lower and compile the train step on a
 declared mesh, and report what each device holds, moves and computes. No array is allocated.
 
-More: docs/modules.md, sparsetx/train/aot.py.
+More: docs/modules.md, sparsetx/measure/aot.py.
 """
 
 import collections
@@ -16,6 +16,7 @@ import ml_collections
 import numpy as np
 
 from sparsetx import config as config_lib
+from sparsetx.data.batches import abstract_batch
 from sparsetx.models import ladder
 from sparsetx.models.ffn import placement
 from sparsetx.parallel import logical_rules, topology
@@ -23,9 +24,9 @@ from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.perf import roofline
 from sparsetx.perf.hlo_text import COLLECTIVES, collectives, compiled_kernels, compiled_loops, dcn_granules
 from sparsetx.plan.memory import format_bytes
-from sparsetx.train import compile_cache
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
+from sparsetx.train.run import compile_cache
 
 
 def device_bytes(abstract_tree) -> int:
@@ -46,18 +47,6 @@ def sparse_table_bytes(abstract_params) -> int:
     if getattr(path[-1], "key", None) in names and any(getattr(p, "key", "") == "mlp" for p in path)
   ]
   return device_bytes(leaves)
-
-
-def abstract_batch(config, sharding) -> dict:
-  B, T = config.data.global_batch_size, config.data.seq_len
-  spec = lambda dtype: jax.ShapeDtypeStruct((B, T), dtype, sharding=sharding)  # noqa: E731
-  return dict(
-    inputs=spec(jnp.int32),
-    targets=spec(jnp.int32),
-    segment_ids=spec(jnp.int32),
-    positions=spec(jnp.int32),
-    loss_weights=spec(jnp.float32),
-  )
 
 
 @dataclasses.dataclass

@@ -1,6 +1,6 @@
 """The training loop: mesh -> sharded state -> data -> jitted steps -> metrics, evals, checkpoints.
 
-More: docs/modules.md, sparsetx/train/loop.py.
+More: docs/modules.md, sparsetx/train/run/loop.py.
 """
 
 import contextlib
@@ -24,12 +24,15 @@ from sparsetx.data import check_training_files, global_stream, pretokenize
 from sparsetx.kernels import autotune_table
 from sparsetx.models import ladder
 from sparsetx.parallel import logical_rules
-from sparsetx.train import autotune, checkpointing, compile_cache, ctrl_c, goodput, optimizer, recovery, usage_window
-from sparsetx.train import metrics as metrics_lib
+from sparsetx.train import optimizer, step_kernels
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
-from sparsetx.train import watchdog as watchdog_lib
-from sparsetx.train.recovery import BadStepsError, NonFiniteLossError  # noqa: F401  (the trainer's errors)
+from sparsetx.train.checkpoints import checkpointing
+from sparsetx.train.run import compile_cache, ctrl_c, goodput, recovery
+from sparsetx.train.run import watchdog as watchdog_lib
+from sparsetx.train.run.recovery import BadStepsError, NonFiniteLossError  # noqa: F401  (the trainer's errors)
+from sparsetx.train.tracking import metrics as metrics_lib
+from sparsetx.train.tracking import usage_window
 
 AGREE_EVERY_S = 5.0  # processes agree on SIGTERM and on a save by time at least this often
 
@@ -341,7 +344,7 @@ def _set_up_and_run(config, workdir: str, started: float, clock: goodput.Goodput
           logging.info("Agreed on %d kernel choices from process 0's autotune table.", agreed)
         built = state_lib.setup(config)
         if config.train.autotune and jax.process_count() == 1:  # the device picks its kernels before the step compiles
-          autotune.ensure_tuned(config, built, report=logging.info)
+          step_kernels.ensure_tuned(config, built, report=logging.info)
           autotune_table.keep_in(paths.resolve(workdir))
         with logical_rules.activate(built.mesh, config.mesh.rules):  # sparse layers trace their expert-parallel form
           return _run(config, workdir, built, started, clock)

@@ -11,6 +11,7 @@ from absl import flags
 
 from sparsetx import config as config_lib
 from sparsetx import hardware
+from sparsetx.data.batches import abstract_batch
 from sparsetx.models import ladder
 from sparsetx.parallel import logical_rules
 from sparsetx.perf import timing
@@ -140,7 +141,7 @@ def peak_flops(args, devices) -> float | None:
 def compiled_usage_cost(config, topology_name: str) -> dict:
   """{'on'|'off': aot.Report} of the train step compiled for a topology by its own compiler (libtpu, XLA's GPU
   compiler), with and without the window's usage counts in its state: what accumulating them adds."""
-  from sparsetx.train import aot  # noqa: PLC0415  (the target's compiler: only when asked)
+  from sparsetx.measure import aot  # noqa: PLC0415  (the target's compiler: only when asked)
 
   mesh = aot.topology_mesh(config, topology_name)
   found = {}
@@ -152,7 +153,7 @@ def compiled_usage_cost(config, topology_name: str) -> dict:
       )
     with logical_rules.activate(mesh, config.mesh.rules):
       traced = step_lib.make_train_step(config, built).trace(
-        built.abstract_state, aot.abstract_batch(config, built.batch_sharding)
+        built.abstract_state, abstract_batch(config, built.batch_sharding)
       )
       found[counts] = aot.report_of(aot.compile_traced(traced, mesh), built, config, mesh)
   return found

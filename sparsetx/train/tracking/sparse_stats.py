@@ -1,6 +1,6 @@
 """Per-layer usage statistics of the sparse feed-forward layers, from the circuits they tap.
 
-More: docs/modules.md, sparsetx/train/sparse_stats.py.
+More: docs/modules.md, sparsetx/train/tracking/sparse_stats.py.
 """
 
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from sparsetx import config as config_lib
 from sparsetx.models.ffn.common import gini
 from sparsetx.models.ffn.registry import SPECS
-from sparsetx.train import usage_window
+from sparsetx.train.tracking import usage_window
 
 
 def usage_counts(ids, weights_per_id, size: int):

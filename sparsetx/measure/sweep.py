@@ -1,6 +1,6 @@
 """Isoflop sweeps (sgatlin paper Sec. 3.1): the runs that spend each FLOP budget, their commands and results.
 
-More: docs/modules.md, sparsetx/train/sweep.py.
+More: docs/modules.md, sparsetx/measure/sweep.py.
 """
 
 import dataclasses

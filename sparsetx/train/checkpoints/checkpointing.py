@@ -5,7 +5,7 @@ complete (orbax's atomic finalize), so a run killed mid-save resumes from the pr
 step has its data position (`data`: the stream's step and fingerprint, see sparsetx/data/global_stream.py).
 A step-0 start (sparsify, HF import) has none: its stream starts at the beginning.
 
-More: docs/modules.md, sparsetx/train/checkpointing.py.
+More: docs/modules.md, sparsetx/train/checkpoints/checkpointing.py.
 """
 
 import contextlib
@@ -25,8 +25,8 @@ from sparsetx import config as config_lib
 from sparsetx import paths
 from sparsetx.config import ConfigError
 from sparsetx.data import check_training_files, global_stream
-from sparsetx.train import held_errors
 from sparsetx.train import state as state_lib
+from sparsetx.train.checkpoints import held_errors
 
 COMPUTE_ONLY = (
   "dtype",
@@ -340,7 +340,7 @@ class Checkpointer:
 
   def save(self, step: int, state, config: ml_collections.ConfigDict, data_state: dict | None) -> None:
     """Saves `step` (asynchronously with config.checkpoint.async_save); `data_state` None for a step-0 start,
-    `state` None for one whose state item is written apart (train/param_writer.py). A failed save, this one or the
+    `state` None for one whose state item is written apart (train/checkpoints/param_writer.py). A failed save, this one or the
     one before it, raises a one-line `paths.StorageError` (see `check_saved`)."""
     self.check_saved(wait=True)
     items = dict(config=ocp.args.JsonSave(config.to_dict()))
