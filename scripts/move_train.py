@@ -88,7 +88,27 @@ def rewrite_from_imports(text: str) -> str:
   return "".join(lines)
 
 
+def rewrite_quoted_imports(text: str) -> str:
+  """The same inside strings (a child process's source): one `from P import a, b as c` per line, no parentheses."""
+
+  def split(match):
+    head, module, names, tail = match.groups()
+    if not any(f"{module}.{n.split()[0]}" in MOVES for n in names.split(",")):
+      return match.group(0)
+    groups: dict[str, list[str]] = {}
+    for n in (n.strip() for n in names.split(",")):
+      full = f"{module}.{n.split()[0]}"
+      package, name = MOVES[full].rsplit(".", 1) if full in MOVES else (module, n.split()[0])
+      groups.setdefault(package, []).append(" ".join([name, *n.split()[1:]]))
+    lines = [f"{head}from {pkg} import {', '.join(names)}" for pkg, names in sorted(groups.items())]
+    return "\n".join(lines) + tail
+
+  packages = "|".join(sorted({re.escape(o.rsplit(".", 1)[0]) for o in MOVES}))
+  return re.sub(rf"^([ \t]*)from ({packages}) import ([\w ,]+?)([ \t]*(?:#.*)?)$", split, text, flags=re.M)
+
+
 def rewrite_text(text: str) -> str:
+  text = rewrite_quoted_imports(text)
   for old, new in MOVES.items():
     # dotted: imports, mock.patch strings, -m module paths, entry points
     text = re.sub(rf"(?<![\w.]){re.escape(old)}(?![\w])", new, text)

@@ -68,7 +68,7 @@ def test_a_second_ctrl_c_aborts_a_run_at_once_in_one_line(tmp_path):
 CHILD = textwrap.dedent(
   """
   import signal, sys, time
-  from sparsetx.train import ctrl_c
+  from sparsetx.train.run import ctrl_c
   if sys.argv[1] == "ignored":
     signal.signal(signal.SIGINT, signal.SIG_IGN)
   handler = ctrl_c.CtrlC(lambda: print("first", flush=True))

@@ -388,7 +388,7 @@ def check(item):
     config = FLAGS.config
     if FLAGS.split_d_model:
       config = sys.modules["sparsetx.tools.dry_run"].with_d_model_split(config)
-    from sparsetx.train import aot
+    from sparsetx.measure import aot
 
     topology = sys.modules["sparsetx.tools.dry_run"].resolve_topology(FLAGS.topology, config)
     if topology != "cpu":  # compiled for a machine's topology: its devices, as the dry run lays the state out
@@ -407,7 +407,7 @@ def check(item):
       assert devices % math.prod(sizes) == 0, f"--mesh={spec} does not fit {devices} device(s)"
   elif module_name == "sparsetx.tools.sweep":
     from sparsetx.tools import sweep as sweep_tool
-    from sparsetx.train import sweep as sweep_lib
+    from sparsetx.measure import sweep as sweep_lib
     values = {name: FLAGS[name].value for name in load.defined}
     runs, _ = sweep_lib.plan(sweep_tool.spec_from_flags(values))  # every run's config parsed, overrides applied
     assert runs, "every run of the sweep is too short to train"

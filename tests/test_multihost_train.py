@@ -44,7 +44,7 @@ sys.argv = ["driver", *overrides]  # config_flags reads the overrides from sys.a
 flags.FLAGS(sys.argv)
 config = config_flag.value
 import jax
-from sparsetx.train import loop
+from sparsetx.train.run import loop
 
 assert jax.process_count() == 1 and jax.device_count() == 4
 loop.train(config, out + "/reference")

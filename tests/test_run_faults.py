@@ -119,7 +119,7 @@ def test_after_a_rollback_sigterm_and_saves_by_time_are_agreed_again(monkeypatch
 
 SLOW = r"""
 import sys, time
-from sparsetx.train import watchdog
+from sparsetx.train.run import watchdog
 dog = watchdog.Watchdog(float(sys.argv[1]), slow=dict(save=float(sys.argv[2])))
 dog.progress(7, 0.01)
 dog.doing("saving step 8", "save")

@@ -15,7 +15,7 @@ from sparsetx.train.run import watchdog
 STUCK = r"""
 import os, sys
 from sparsetx.tools import launch_local
-from sparsetx.train import watchdog
+from sparsetx.train.run import watchdog
 dog = watchdog.Watchdog(float(sys.argv[2]))
 dog.progress(7, 0.01)
 dog.doing("reading the batch of step 8")
@@ -65,7 +65,7 @@ PEERS = r"""
 import sys, time, jax
 jax.distributed.initialize(f"localhost:{sys.argv[1]}", num_processes=2, process_id=int(sys.argv[2]))
 from sparsetx.tools import launch_local
-from sparsetx.train import watchdog
+from sparsetx.train.run import watchdog
 i = jax.process_index()
 dog = watchdog.Watchdog(2.0, process=i, peers=watchdog.Peers.of_this_run(i))
 dog.progress(7, 0.01)
@@ -126,7 +126,7 @@ UNANSWERED = r"""
 import sys, time
 sys.path.insert(0, "tests")
 from test_watchdog import _Unanswered
-from sparsetx.train import watchdog
+from sparsetx.train.run import watchdog
 dog = watchdog.Watchdog(1.0, peers=_Unanswered(hang=sys.argv[1] == "hang"))
 dog.progress(7, 0.01)
 dog.doing("step 8")
