@@ -14,6 +14,7 @@ from conftest import REPO
 from test_train import finish, losses, micro_config, run_cli, wait_for_steps
 
 from sparsetx.train.checkpoints import checkpointing
+from sparsetx.train.run import agreement as agreement_lib
 from sparsetx.train.run import ctrl_c, loop
 
 
@@ -116,7 +117,7 @@ def test_a_process_started_with_ctrl_c_ignored_keeps_ignoring_it():
 
 def test_the_trainers_agreement_takes_a_first_ctrl_c_as_a_stop():
   before = signal.getsignal(signal.SIGINT)
-  agreement = loop._Agreement(every_minutes=0.0)
+  agreement = agreement_lib.Agreement(every_minutes=0.0)
   try:
     assert agreement.at(1) == (False, False)
     os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt here: the handler only asks for a stop

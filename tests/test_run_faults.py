@@ -17,6 +17,7 @@ from conftest import REPO
 from test_bad_steps import config_for, metric_rows, saved_states
 from test_train import losses
 
+from sparsetx.train.run import agreement as agreement_lib
 from sparsetx.train.run import loop, recovery, watchdog
 
 
@@ -105,8 +106,8 @@ def test_after_a_rollback_sigterm_and_saves_by_time_are_agreed_again(monkeypatch
   """Two processes, as one sees them: each agreement fixes the next; a rollback to an earlier step must not wait for
   the step the run had reached."""
   monkeypatch.setattr(jax, "process_count", lambda: 2)
-  monkeypatch.setattr(loop.multihost_utils, "process_allgather", lambda votes: np.stack([votes, votes]))
-  agreement = loop._Agreement(every_minutes=0.0)
+  monkeypatch.setattr(agreement_lib.multihost_utils, "process_allgather", lambda votes: np.stack([votes, votes]))
+  agreement = agreement_lib.Agreement(every_minutes=0.0)
   try:
     agreement.read(0.01)  # 10 ms steps: the next agreement 500 steps on
     assert agreement.at(400) == (False, False)

@@ -12,7 +12,7 @@ from test_train import losses, micro_config
 
 from sparsetx import config as config_lib
 from sparsetx.train.checkpoints import checkpointing
-from sparsetx.train.run import loop
+from sparsetx.train.run import loop, restore
 
 
 def messages(caplog) -> str:
@@ -61,17 +61,17 @@ def train_config(**fields) -> ml_collections.ConfigDict:
 
 def test_only_a_change_of_the_rates_still_to_come_is_refused():
   # No decay: the rates after warmup are the peak whatever the length, so a longer run changes nothing.
-  loop.check_schedule(train_config(decay_fraction=0.0), train_config(steps=300, decay_fraction=0.0), 50, "W")
-  loop.check_schedule(train_config(), train_config(), 50, "W")  # nothing changed
+  restore.check_schedule(train_config(decay_fraction=0.0), train_config(steps=300, decay_fraction=0.0), 50, "W")
+  restore.check_schedule(train_config(), train_config(), 50, "W")  # nothing changed
   for change in (dict(steps=300), dict(learning_rate=3e-4), dict(schedule="cosine"), dict(decay_fraction=0.5)):
     with pytest.raises(config_lib.ConfigError, match=f"config.train.{next(iter(change))} .* -> "):
-      loop.check_schedule(train_config(), train_config(**change), 50, "W")
+      restore.check_schedule(train_config(), train_config(**change), 50, "W")
   # A warmup that ended before the resume: every rate still to come is the same.
-  loop.check_schedule(train_config(), train_config(warmup_steps=20), 50, "W")
+  restore.check_schedule(train_config(), train_config(warmup_steps=20), 50, "W")
   with pytest.raises(config_lib.ConfigError, match=r"step 6's rate would be 0.00025 instead of the saved .* 0.0005"):
-    loop.check_schedule(train_config(), train_config(warmup_steps=20), 5, "W")  # inside the warmup
+    restore.check_schedule(train_config(), train_config(warmup_steps=20), 5, "W")  # inside the warmup
   accepted = train_config(steps=300, accept_schedule_change=True)
-  loop.check_schedule(train_config(), accepted, 50, "W")
+  restore.check_schedule(train_config(), accepted, 50, "W")
 
 
 def test_the_default_config_is_named_and_found_outside_the_repository(tmp_path):

@@ -17,6 +17,7 @@ from sparsetx.train import state as state_lib
 from sparsetx.train.checkpoints import checkpointing
 from sparsetx.train.run import loop
 from sparsetx.train.tracking import metrics as metrics_lib
+from sparsetx.train.tracking import profiler as profiler_lib
 
 
 class _Recorded:
@@ -104,7 +105,7 @@ def test_profile_is_written_by_process_0_or_every_process_with_the_flag(
   monkeypatch.setattr(jax.profiler, "start_trace", lambda logdir: calls.append(("start", logdir)))
   monkeypatch.setattr(jax.profiler, "stop_trace", lambda: calls.append(("stop",)))
   train = micro_config(profile_steps="3,2", profile_all_processes=all_processes).train
-  profiler = loop._Profiler(train, paths.resolve(str(tmp_path)))  # noqa: SLF001
+  profiler = profiler_lib.Profiler(train, paths.resolve(str(tmp_path)))
   for step in range(1, 7):
     profiler.before(step)
     calls.append(("step", step))

@@ -273,7 +273,7 @@ def train_defaults() -> ml_collections.ConfigDict:
       # (every layer's when empty) train; everything else (copied by sparsetx/tools/sparsify.py) has learning rate 0.
       freeze_steps=0,
       # A resume whose schedule (steps, schedule, learning_rate, warmup_steps, decay_fraction) differs from the
-      # checkpoint's is refused, naming the change, unless this is True (train/run/loop.py check_schedule).
+      # checkpoint's is refused, naming the change, unless this is True (train/run/restore.py check_schedule).
       accept_schedule_change=False,
       # "START,COUNT": a jax.profiler trace of COUNT steps from step START, under <workdir>/tensorboard
       # (TensorBoard's profile tab); "" = none. Process 0 only unless profile_all_processes.

@@ -1,6 +1,6 @@
 """Loss and perplexity of a checkpoint on validation splits, restored onto any mesh.
 
-The numbers are the trainer's own (`sparsetx.train.run.loop.evaluate` with the same jitted
+The numbers are the trainer's own (`sparsetx.train.run.evaluation.evaluate` with the same jitted
 `eval_step`, the same packed validation batches and `eval_batches` limit), so a checkpoint's final
 eval in `metrics.jsonl` is reproduced exactly, on one device or any other mesh: orbax reshards the
 saved arrays onto the shardings the mesh gives the parameters. Loss is nats per target token
@@ -17,7 +17,7 @@ from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
 from sparsetx.train.checkpoints import checkpointing
-from sparsetx.train.run import loop
+from sparsetx.train.run import evaluation
 
 
 def mesh_config(config: ml_collections.ConfigDict, spec: str) -> ml_collections.ConfigDict:
@@ -74,4 +74,4 @@ def evaluate(config: ml_collections.ConfigDict, device_mesh, model, params, eval
   eval_fn = step_lib.make_eval_step(model, jax.tree.map(lambda x: x.sharding, params), batch_sharding)
   eval_data = global_stream.TokenizedEvalData(config, batch_sharding, split="validation")
   with logical_rules.activate(device_mesh, config.mesh.rules):  # as the trainer traces its eval
-    return loop.evaluate(config, params, eval_fn, eval_data)
+    return evaluation.evaluate(config, params, eval_fn, eval_data)
