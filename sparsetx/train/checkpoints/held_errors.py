@@ -8,14 +8,17 @@ unless the operation fails with the caller's one-line error, and then drops only
 completion posted to the closed loop, errors naming the step's own directory). docs/modules.md says more.
 """
 
+import contextlib
 import gc
 import logging
+import os
 import re
 import sys
 import threading
 import time
 import traceback
 
+import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 
 SETTLE_QUIET_S = 0.2  # the stragglers of a failed read or save arrive within milliseconds of each other
@@ -135,3 +138,39 @@ class HeldErrors(logging.Filter):
   @staticmethod
   def _loggers() -> list[logging.Logger]:
     return [logging.getLogger("asyncio"), absl_logging.get_absl_logger()]
+
+
+ORBAX_DIR = os.path.dirname(os.path.abspath(ocp.__file__))  # the records HeldWarnings may hold
+
+
+class HeldWarnings(logging.Filter):
+  """Keeps back orbax's WARNING records (orbax logs through absl) logged while it is installed; every other record,
+  an ERROR or another library's warning, passes at once."""
+
+  def __init__(self):
+    super().__init__()
+    self.records = []
+
+  def filter(self, record):
+    if record.levelno != logging.WARNING or ORBAX_DIR not in os.path.abspath(record.pathname):
+      return True
+    self.records.append(record)
+    return False
+
+  def release(self) -> None:
+    for record in self.records:
+      absl_logging.get_absl_logger().handle(record)
+    self.records = []
+
+
+@contextlib.contextmanager
+def warnings_held_back():
+  """Orbax's warnings while a step is checked ('Metadata file does not exist', 'Item "state" was found in the
+  checkpoint, but could not be restored') are dropped when the check fails: its one line says what is wrong.
+  The caller releases them when the check passes."""
+  held = HeldWarnings()
+  absl_logging.get_absl_logger().addFilter(held)
+  try:
+    yield held
+  finally:
+    absl_logging.get_absl_logger().removeFilter(held)
