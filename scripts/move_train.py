@@ -14,7 +14,7 @@ import sys
 MOVES = {
   **{
     f"sparsetx.train.{m}": f"sparsetx.train.run.{m}"
-    for m in ("loop", "watchdog", "goodput", "bad_steps", "recovery", "compile_cache", "ctrl_c")
+    for m in ("loop", "watchdog", "goodput", "recovery", "compile_cache", "ctrl_c")
   },
   **{
     f"sparsetx.train.{m}": f"sparsetx.train.checkpoints.{m}"

@@ -19,9 +19,10 @@ from test_train import losses, micro_config
 from sparsetx import config as config_lib
 from sparsetx.data import global_stream
 from sparsetx.parallel import mesh as mesh_lib
+from sparsetx.train import bad_steps
 from sparsetx.train import state as state_lib
 from sparsetx.train.checkpoints import checkpointing
-from sparsetx.train.run import bad_steps, loop, recovery
+from sparsetx.train.run import loop, recovery
 
 
 def reference_skips(losses_, grad_norms, window, sigmas):

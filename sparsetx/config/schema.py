@@ -288,7 +288,7 @@ def train_defaults() -> ml_collections.ConfigDict:
       # The seconds the trainer may spend measuring kernels before its first step; the calls left are not measured
       # (one line names them) and `auto` takes the default order for them. 0: measure nothing at start-up.
       autotune_budget_s=600.0,
-      # What a bad step does (sparsetx/train/run/bad_steps.py, README "Bad steps"): stop | skip | rollback.
+      # What a bad step does (sparsetx/train/bad_steps.py, README "Bad steps"): stop | skip | rollback.
       #   stop: every update is applied; a non-finite loss, gradient norm or parameter norm ends the run (exit 3).
       #   skip: an update whose loss or gradient norm is non-finite, or spikes (above the mean + spike_sigmas
       #     standard deviations of the last spike_window accepted steps), is not applied; the step counter, the

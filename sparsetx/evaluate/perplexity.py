@@ -1,6 +1,6 @@
 """Loss and perplexity of a checkpoint on validation splits, restored onto any mesh.
 
-The numbers are the trainer's own (`sparsetx.train.run.evaluation.evaluate` with the same jitted
+The numbers are the trainer's own (`sparsetx.train.run.operations.evaluation.evaluate` with the same jitted
 `eval_step`, the same packed validation batches and `eval_batches` limit), so a checkpoint's final
 eval in `metrics.jsonl` is reproduced exactly, on one device or any other mesh: orbax reshards the
 saved arrays onto the shardings the mesh gives the parameters. Loss is nats per target token
@@ -17,7 +17,7 @@ from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import state as state_lib
 from sparsetx.train import step as step_lib
 from sparsetx.train.checkpoints import checkpointing
-from sparsetx.train.run import evaluation
+from sparsetx.train.run.operations import evaluation
 
 
 def mesh_config(config: ml_collections.ConfigDict, spec: str) -> ml_collections.ConfigDict:

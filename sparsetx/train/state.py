@@ -23,8 +23,8 @@ from sparsetx.models.transformer import Transformer
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.parallel import per_device
 from sparsetx.plan import step_cost
+from sparsetx.train import bad_steps
 from sparsetx.train.optimizer import make_optimizer
-from sparsetx.train.run import bad_steps
 from sparsetx.train.tracking import usage_window
 
 

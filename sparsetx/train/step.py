@@ -13,10 +13,9 @@ from sparsetx import scopes
 from sparsetx.models.ffn import selection_bias
 from sparsetx.models.ffn.registry import SPECS
 from sparsetx.parallel import logical_rules, microbatches
+from sparsetx.train import bad_steps, param_groups
 from sparsetx.train import loss as loss_lib
-from sparsetx.train import param_groups
 from sparsetx.train.optimizer import learning_rate_schedule
-from sparsetx.train.run import bad_steps
 from sparsetx.train.tracking import usage_window
 
 

@@ -18,18 +18,18 @@ from sparsetx.kernels import autotune_table
 from sparsetx.parallel import logical_rules
 from sparsetx.train import state as state_lib
 from sparsetx.train import step_kernels
-from sparsetx.train.run import compile_cache, evaluation, goodput, progress, reading, recovery, restore, saving
+from sparsetx.train.run import compile_cache, goodput, recovery, restore
 from sparsetx.train.run import watchdog as watchdog_lib
 from sparsetx.train.run.operation import Run, each
+from sparsetx.train.run.operations import evaluation, profile, progress, reading, saving, usage
 from sparsetx.train.run.recovery import BadStepsError, NonFiniteLossError  # noqa: F401  (the trainer's errors)
-from sparsetx.train.tracking import profiler, usage_window
 
 # What runs after each step, in order (each an Operation: adding one is its file and its line here).
 OPERATIONS = (
-  profiler.Profile,  # a trace of config.train.profile_steps
+  profile.Profile,  # a trace of config.train.profile_steps
   reading.ReadMetrics,  # the step before's metrics: health verdict, progress, the log line
   progress.Progress,  # (as each step is read) the watchdog's clock, goodput, the first step's line
-  usage_window.UsageWindow,  # the sparse layers' usage, every config.train.usage_window steps
+  usage.UsageWindow,  # the sparse layers' usage, every config.train.usage_window steps
   saving.CheckSaved,  # a failed background save stops the run
   evaluation.Evaluate,  # every config.train.eval_every steps and the last
   saving.AgreeAndSave,  # a stop or save by time agreed by every process; saves; the last step

@@ -27,7 +27,7 @@ from sparsetx.train.checkpoints import checkpointing
 from sparsetx.train.run import recovery
 from sparsetx.train.run.agreement import Agreement
 from sparsetx.train.run.operation import Run
-from sparsetx.train.run.reading import Logs
+from sparsetx.train.run.operations.reading import Logs
 
 SCHEDULE_FIELDS = ("steps", "schedule", "learning_rate", "warmup_steps", "decay_fraction")  # what sets each step's rate
 

@@ -9,8 +9,6 @@ from absl import logging
 from etils import epath
 
 from sparsetx import config as config_lib
-from sparsetx.train.run.operation import Operation
-from sparsetx.train.tracking import metrics as metrics_lib
 
 
 class Profiler:
@@ -41,19 +39,3 @@ class Profiler:
     if self._active:
       jax.profiler.stop_trace()
       self._active = False
-
-
-class Profile(Operation):
-  """The loop's profiler: started before the first step it traces, stopped after the last."""
-
-  def __init__(self, run):
-    self.profiler = Profiler(run.config.train, metrics_lib.tensorboard_dir(run.workdir))
-
-  def before_step(self, run) -> None:
-    self.profiler.before(run.step + 1)
-
-  def after_step(self, run, metrics: dict) -> None:
-    self.profiler.after(run.step, metrics)
-
-  def at_exit(self, run) -> None:
-    self.profiler.close()

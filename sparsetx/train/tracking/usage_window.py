@@ -20,7 +20,6 @@ import numpy as np
 from sparsetx import config as config_lib
 from sparsetx import paths
 from sparsetx.models.ffn.registry import SPECS
-from sparsetx.train.run.operation import Operation
 
 COUNTS = "usage_counts/"  # the per-step stats' key prefix of a layer's counts (popped by the step)
 
@@ -109,15 +108,3 @@ def metrics(model_cfg, usage: dict) -> dict[str, float]:
     for name, counts in usage.items()
     for stat, value in stats(layers[name], np.asarray(jax.device_get(counts))).items()
   }
-
-
-class UsageWindow(Operation):
-  """The loop's reader of the window: every config.train.usage_window steps and at the last."""
-
-  def __init__(self, run):
-    self.reader = Reader(run.config.model, run.built.shardings.usage, run.workdir)
-    self.every = window(run.config.train)
-
-  def after_step(self, run, metrics: dict) -> None:
-    if run.state.usage and (run.step % self.every == 0 or run.step == run.steps):
-      run.state = self.reader.read(run.step, run.state, run.logs.writer)

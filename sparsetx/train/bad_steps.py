@@ -7,7 +7,7 @@ stream go on. The select runs on the device (no host round trip) after the updat
 a select fused into the update's kernels changes the update's arithmetic (see `keep_old_if`), and a run that skips
 nothing must be bitwise the `stop` run.
 
-More: docs/modules.md, sparsetx/train/run/bad_steps.py.
+More: docs/modules.md, sparsetx/train/bad_steps.py.
 """
 
 import jax
