@@ -24,7 +24,8 @@ from sparsetx.train.run.operation import Run, each
 from sparsetx.train.run.operations import evaluation, profile, progress, reading, saving, usage
 from sparsetx.train.run.recovery import BadStepsError, NonFiniteLossError  # noqa: F401  (the trainer's errors)
 
-# What runs after each step, in order (each an Operation: adding one is its file and its line here).
+# What runs around each step, in order (each an Operation in run/operations/: adding one is its file, its line here
+# and its name in the import above).
 OPERATIONS = (
   profile.Profile,  # a trace of config.train.profile_steps
   reading.ReadMetrics,  # the step before's metrics: health verdict, progress, the log line
