@@ -2,7 +2,8 @@
 interface each operation implements (`Operation`), in the manner of Levanter's trainer hooks.
 
 An operation is one thing the run does around its steps (read metrics, evaluate, save, profile); the loop calls
-each operation's hooks in the order of its list, so adding one is one file and one line there. More: docs/modules.md.
+each operation's hooks in the order of its list, so adding one is its file and its entry in loop.OPERATIONS (with
+its import). More: docs/modules.md.
 """
 
 import dataclasses
