@@ -21,6 +21,7 @@ from sparsetx.data import global_stream
 from sparsetx.parallel import mesh as mesh_lib
 from sparsetx.train import bad_steps
 from sparsetx.train import state as state_lib
+from sparsetx.train import step as step_lib
 from sparsetx.train.checkpoints import checkpointing
 from sparsetx.train.run import loop, recovery
 
@@ -112,7 +113,7 @@ def test_skip_leaves_the_state_bitwise_as_it_was_and_names_each_skipped_step(tmp
       np.testing.assert_array_equal(a, b)
   assert not all(np.array_equal(a, b) for a, b in zip(*(jax.tree.leaves(states[s].params) for s in (11, 12))))
   # The schedule follows applied updates: step 14 applies the 12th (count 11 before it).
-  assert rows[14]["learning_rate"] == pytest.approx(float(loop.step_lib.learning_rate_schedule(config.train)(11)))
+  assert rows[14]["learning_rate"] == pytest.approx(float(step_lib.learning_rate_schedule(config.train)(11)))
 
 
 def test_rollback_steps_over_the_data_like_a_window_given_by_hand(tmp_path, monkeypatch, caplog):

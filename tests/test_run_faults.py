@@ -17,6 +17,7 @@ from conftest import REPO
 from test_bad_steps import config_for, metric_rows, saved_states
 from test_train import losses
 
+from sparsetx.train import step as step_lib
 from sparsetx.train.run import agreement as agreement_lib
 from sparsetx.train.run import loop, recovery, watchdog
 
@@ -74,8 +75,8 @@ def test_a_rollback_with_keep_1_restores_the_checkpoint_saved_inside_the_row(tmp
   config = config_for("rollback", steps=15)
   config.checkpoint.update(every=1, keep=1)
   steps = []
-  make_train_step = loop.step_lib.make_train_step
-  monkeypatch.setattr(loop.step_lib, "make_train_step", lambda *a: steps.append(make_train_step(*a)) or steps[-1])
+  make_train_step = step_lib.make_train_step
+  monkeypatch.setattr(step_lib, "make_train_step", lambda *a: steps.append(make_train_step(*a)) or steps[-1])
   with caplog.at_level(logging.WARNING, logger="absl"):
     loop.train(config, str(rolled))
   assert any(r.getMessage().startswith("Rolled back to step 12 after step 13") for r in caplog.records)
