@@ -1,4 +1,5 @@
-"""Whether a config's sparse layers split evenly over the mesh (each type's layout: FfnSpec.units, .neuron_table).
+"""Whether a config's sparse layers split evenly over the mesh (each type's layout: FfnSpec.units, .neuron_table),
+and which mesh axes split a layer's units (the windowed device load reads it: train/tracking/usage_window.py).
 
 Checked before anything is compiled (training, evaluation, the ahead-of-time compile), so a bad mesh gets one
 sentence naming the field instead of a sharding error deep inside XLA.
@@ -21,6 +22,18 @@ def check_units_divide(config, mesh) -> None:
   _check_layer_units(config, mesh, config.model.ffn, "config.model.ffn")
   if config_lib.is_mixed(config.model):
     _check_layer_units(config, mesh, config.model.dense_ffn, "config.model.dense_ffn")
+
+
+def unit_axes(config, mesh, ffn) -> tuple:
+  """The mesh axes (size > 1, major to minor) splitting a sparse layer's units into contiguous blocks, one per
+  device along them, as its table is stored (expert_groups.unit_index numbers the blocks alike); () when its
+  placement keeps the tables whole on every device or its type has no units (PEER's shared table). `config`'s
+  placements resolved for the mesh (plan/step_cost.resolve_placements)."""
+  spec = SPECS[ffn.type]
+  if spec.units is None or placement_of(ffn).whole_on_device:
+    return ()
+  table_names = spec.units.table_axes
+  return sized_axes(mesh, table_spec(table_names, config.mesh.rules)[table_names.index(spec.units.name)])
 
 
 def _check_layer_units(config, mesh, ffn, prefix: str) -> None:
@@ -47,11 +60,10 @@ def _check_layer_units(config, mesh, ffn, prefix: str) -> None:
         f"{ffn.type} table's d_model is split over ({' x '.join(f'{a}={mesh.shape[a]}' for a in axes)}); "
         "change those mesh axes or the rules that give them to `embed`."
       )
-  if spec.units is None:
+  axes = unit_axes(config, mesh, ffn)
+  if not axes:
     return
-  name, field, table_names = spec.units.name, spec.units.field, spec.units.table_axes
-  axes = sized_axes(mesh, table_spec(table_names, config.mesh.rules)[table_names.index(name)])
-  shards = per_device.shards(mesh, axes)
+  field, shards = spec.units.field, per_device.shards(mesh, axes)
   if ffn[field] % shards:
     shape = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
     hint = ""

@@ -24,6 +24,11 @@ class Units:
   field: str  # config.model.ffn field counting them: "n_channels", "n_trees", "n_experts"
   table_axes: tuple  # logical axes of the table that holds the units (its unit axis is `name`)
 
+  def counts(self, ffn, counts_U) -> np.ndarray:
+    """Each unit's picks from a layer's usage counts (Circuit.usage_units of them), which are unit-major: a channel's
+    neurons, a tree's nodes, one expert each. `ffn`: a ConfigDict, or config.json's dict."""
+    return np.asarray(counts_U, np.float64).reshape(ffn[self.field], -1).sum(1)
+
 
 @dataclasses.dataclass(frozen=True)
 class Circuit:

@@ -6,8 +6,8 @@ config.train.usage_window steps (and at the run's last step) the loop reads the 
 and resets them. They are checkpointed with the state: a resume continues the window it stopped in, with the
 counts the uninterrupted run would have. The units (each statistic's definition and source: README):
   sgatlin: each channel's neurons (n_channels x d_ffw); PEER: the shared table's neurons; MoE: experts;
-  FFF: each tree's nodes (heap order), the leaves the last half
-More: docs/modules.md.
+  FFF: each tree's nodes (heap order), the leaves the last half; device_load: per device of the run's mesh
+  that splits them (placement.unit_axes). More: docs/modules.md.
 """
 
 import io
@@ -19,7 +19,10 @@ import numpy as np
 
 from sparsetx import config as config_lib
 from sparsetx import paths
+from sparsetx.models.ffn import placement
 from sparsetx.models.ffn.registry import SPECS
+from sparsetx.parallel import per_device
+from sparsetx.plan import step_cost
 
 COUNTS = "usage_counts/"  # the per-step stats' key prefix of a layer's counts (popped by the step)
 
@@ -51,8 +54,29 @@ def window(train: ml_collections.ConfigDict) -> int:
   return max(train.log_every, min(10 * train.log_every, train.steps // train.log_every * train.log_every))
 
 
-def stats(ffn, counts_U) -> dict[str, float]:
-  """One window's statistics of a layer from its counts (numpy)."""
+def devices(config, mesh) -> dict[str, int]:
+  """{'layers_i': the devices its units are split over on `mesh`, in contiguous blocks} of every sparse layer: the
+  product of the mesh axes placement.unit_axes gives it under the placement the trainer resolves for the mesh (1:
+  its tables whole on every device, or a type without units)."""
+  resolved = step_cost.resolve_placements(config, dict(mesh.shape))
+  return {
+    name: per_device.shards(mesh, placement.unit_axes(resolved, mesh, ffn))
+    for name, ffn in sparse_layers(resolved.model).items()
+  }
+
+
+def device_load(ffn, counts_U, n_devices: int) -> float:
+  """The busiest device's routed work over the mean device's: each of `n_devices` holds a contiguous block of the
+  layer's units (Units.counts) and does its units' picks. The window's counts are summed over the data-parallel
+  replicas, so this is the load of the busiest unit block over the whole batch; 1 when the blocks are balanced
+  (sgatlin's channels, FFF's trees: every token picks the same number in each) or there is one block."""
+  units_U = SPECS[ffn["type"]].units.counts(ffn, counts_U) if n_devices > 1 else np.asarray(counts_U, np.float64)
+  work_G = units_U.reshape(n_devices, -1).sum(1)
+  return float(work_G.max() / max(work_G.mean(), 1e-30))
+
+
+def stats(ffn, counts_U, n_devices: int = 1) -> dict[str, float]:
+  """One window's statistics of a layer from its counts (numpy), its units split over `n_devices` (`devices`)."""
   counts_U = np.asarray(counts_U, np.float64)
   total = counts_U.sum()
   p_U = counts_U / max(total, 1e-30)
@@ -63,6 +87,8 @@ def stats(ffn, counts_U) -> dict[str, float]:
     kl_uniform=float(np.sum(np.where(p_U > 0, p_U * np.log(np.where(p_U > 0, p_U * n, 1.0)), 0.0))),
     gini=gini(counts_U),
     max_load=float(counts_U.max() / max(total / n, 1e-30)),
+    device_load=device_load(ffn, counts_U, n_devices),
+    load_devices=float(n_devices),
   )
   by_type = SPECS[ffn["type"]].window_stats  # what the type's units add: sub-keys, leaves
   return found | (by_type(ffn, counts_U) if by_type else {})
@@ -84,13 +110,13 @@ class Reader:
   """Reads a window's counts from the state, logs them (and keeps them in <workdir>/LAST_WINDOW), and gives back
   the state with the counts reset."""
 
-  def __init__(self, model_cfg, shardings: dict, workdir: str):
-    self._model_cfg, self._workdir = model_cfg, paths.resolve(workdir)
+  def __init__(self, model_cfg, shardings: dict, workdir: str, n_devices: dict[str, int] | None = None):
+    self._model_cfg, self._workdir, self._devices = model_cfg, paths.resolve(workdir), n_devices
     self._zeros = jax.jit(lambda: fresh(model_cfg), out_shardings=shardings)
 
   def read(self, step: int, state, writer):
     usage = jax.device_get(state.usage)  # waits for `step`: once a window
-    writer.write_scalars(step, metrics(self._model_cfg, usage))
+    writer.write_scalars(step, metrics(self._model_cfg, usage, self._devices))
     writer.write_histograms(step, {f"usage/{name}/counts": counts for name, counts in usage.items()})
     if jax.process_index() == 0:
       buffer = io.BytesIO()
@@ -100,11 +126,12 @@ class Reader:
     return state.replace(usage=self._zeros())
 
 
-def metrics(model_cfg, usage: dict) -> dict[str, float]:
-  """{'usage/layers_i/<stat>': value} of a window's counts (read from the device)."""
-  layers = sparse_layers(model_cfg)
+def metrics(model_cfg, usage: dict, n_devices: dict[str, int] | None = None) -> dict[str, float]:
+  """{'usage/layers_i/<stat>': value} of a window's counts (read from the device); `n_devices`: `devices` of the
+  run's mesh (None: one device)."""
+  layers, n_devices = sparse_layers(model_cfg), n_devices or {}
   return {
     f"usage/{name}/{stat}": value
     for name, counts in usage.items()
-    for stat, value in stats(layers[name], np.asarray(jax.device_get(counts))).items()
+    for stat, value in stats(layers[name], np.asarray(jax.device_get(counts)), n_devices.get(name, 1)).items()
   }

@@ -7,7 +7,8 @@ from sparsetx.train.tracking import usage_window
 
 class UsageWindow(Operation):
   def __init__(self, run):
-    self.reader = usage_window.Reader(run.config.model, run.built.shardings.usage, run.workdir)
+    n_devices = usage_window.devices(run.config, run.built.mesh)  # the device load's split, on the run's mesh
+    self.reader = usage_window.Reader(run.config.model, run.built.shardings.usage, run.workdir, n_devices)
     self.every = usage_window.window(run.config.train)
 
   def after_step(self, run, metrics: dict) -> None:
