@@ -60,3 +60,39 @@ def test_the_picture_shows_zero_picks_apart_and_labels_windows_halves_and_axes(t
   np.savez(tmp_path / "usage_last_window.npz", step=340, layers_0=counts)
   assert usage.heat_map(ffn, counts)[0].tolist() == [0, 4, 4, 4, 3, 3, 3, 3]
   assert zero_colour_pixels(usage.draw(str(tmp_path), str(tmp_path / "dead.png"))) > 100
+
+
+def balanced_pixels(path) -> int:
+  """Pixels of the picture in BALANCED_COLOUR (the device load panel's line at 1)."""
+  from matplotlib import colors, image
+
+  rgb = (image.imread(path)[..., :3] * 255).round().astype(int)
+  want = (np.array(colors.to_rgb(usage.BALANCED_COLOUR)) * 255).round().astype(int)
+  return int((np.abs(rgb - want).max(-1) <= 2).sum())
+
+
+def test_the_device_load_panel_draws_each_layer_and_its_split(tmp_path):
+  """A MoE run's device_load per window, each layer labelled with the devices its experts are split over, and the
+  balanced line at 1 (over a layer's own line at 1); a run that logged none says so in its panel instead."""
+  config = micro_config("moe")
+  config.model.ffn.update(n_experts=8)
+  (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+  base = {"usage/layers_0/dead": 0.0, "usage/layers_0/kl_uniform": 0.1, "usage/layers_1/dead": 0.0}
+  old = [dict(base, step=s) for s in (10, 20)]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in old))
+  np.savez(tmp_path / "usage_last_window.npz", step=20, layers_0=np.arange(8.0), layers_1=np.ones(8))
+  assert balanced_pixels(usage.draw(str(tmp_path), str(tmp_path / "old.png"))) == 0
+
+  loads = {10: (1.8, 1.0), 20: (1.4, 1.0)}
+  rows = [
+    dict(base, step=s, **{"usage/layers_0/device_load": a, "usage/layers_1/device_load": b})
+    | {"usage/layers_0/load_devices": 2.0, "usage/layers_1/load_devices": 1.0}
+    for s, (a, b) in loads.items()
+  ]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+  series = usage.windows(str(tmp_path))
+  assert series["layers_0"]["device_load"] == [(10, 1.8), (20, 1.4)]
+  assert usage.load_label(series["layers_0"], "layers_0", "device_load") == "layers_0 (2 devices)"
+  assert usage.load_label(series["layers_1"], "layers_1", "device_load") == "layers_1 (1 device)"
+  assert usage.load_label(series["layers_0"], "layers_0", "dead") == "layers_0"
+  assert balanced_pixels(usage.draw(str(tmp_path), str(tmp_path / "load.png"))) > 200

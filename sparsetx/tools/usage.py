@@ -1,7 +1,8 @@
 """One picture of a run's sparse layers over time: `sparsetx-usage --workdir=W [--out=W/usage.png]`.
 
-Top: each layer's dead fraction and KL of its usage from uniform at the end of each window the trainer logged to
-metrics.jsonl (usage/layers_i/*), each point labelled with its window's length in steps. Below: the last window's
+Top: each layer's dead fraction, KL of its usage from uniform and device load (the busiest device's routed work over
+the mean on the run's mesh, BALANCED_COLOUR at 1) at the end of each window the trainer logged to metrics.jsonl
+(usage/layers_i/*), each point labelled with its window's length in steps. Below: the last window's
 counts (<workdir>/usage_last_window.npz) as heat maps on a log scale from 0, a unit never picked in its own colour
 (ZERO_COLOUR): per sgatlin or PEER layer the sub-keys of both halves, divided, per MoE layer its experts, per FFF
 layer each tree's leaves. More: README, "Sparse layers' health".
@@ -18,6 +19,12 @@ from sparsetx import config as config_lib
 from sparsetx.config import ConfigError
 
 ZERO_COLOUR = "deepskyblue"  # a unit with no pick in the window: outside the colour map's black-to-yellow range
+BALANCED_COLOUR = "limegreen"  # the device load panel's line at 1 (every device as busy as the mean)
+LINES = (
+  ("dead", "dead fraction"),
+  ("kl_uniform", "KL from uniform (nats)"),
+  ("device_load", "device load (max / mean)"),
+)
 
 
 def define_flags() -> dict:
@@ -81,6 +88,22 @@ def axis_labels(ffn, rows: int) -> tuple[str, str]:
   return ("expert", "") if ffn["type"] == "moe" else ("unit", "")
 
 
+def load_label(layer_series: dict, layer: str, stat: str) -> str:
+  """A layer's legend entry; on the device load panel with the devices its units are split over (load_devices)."""
+  split = layer_series.get("load_devices")
+  if stat != "device_load" or not split:
+    return layer
+  n = int(split[-1][1])
+  return f"{layer} ({n} device{'s' if n > 1 else ''})"
+
+
+def not_logged(ax, stat: str) -> None:
+  """A line panel of a statistic the run never logged (a run from before it was): a sentence instead of axes."""
+  ax.text(0.5, 0.5, f"no usage/*/{stat} in metrics.jsonl (a run from before it was logged)", ha="center", va="center")
+  ax.set_xticks([])
+  ax.set_yticks([])
+
+
 def draw(workdir: str, out: str) -> str:
   import matplotlib  # noqa: PLC0415  (after flags: a fast --help)
 
@@ -93,21 +116,28 @@ def draw(workdir: str, out: str) -> str:
   last_path = resolved / "usage_last_window.npz"
   last = dict(np.load(last_path.open("rb"))) if last_path.exists() else {}
   layers = sorted(series, key=lambda name: int(name.removeprefix("layers_")))
-  fig, axes = plt.subplots(2 + len(layers), 1, figsize=(9, 5 + 1.6 * len(layers)), squeeze=False)
-  for row, stat, label in ((0, "dead", "dead fraction"), (1, "kl_uniform", "KL from uniform (nats)")):
+  top = len(LINES)
+  fig, axes = plt.subplots(top + len(layers), 1, figsize=(9, 7 + 1.6 * len(layers)), squeeze=False)
+  for row, (stat, label) in enumerate(LINES):
     ax = axes[row, 0]
+    ax.set_ylabel(label)
+    if not any(series[layer].get(stat) for layer in layers):
+      not_logged(ax, stat)
+      continue
     for layer in layers:
       steps, values = zip(*series[layer].get(stat, [])) if series[layer].get(stat) else ((), ())
-      ax.plot(steps, values, marker="o", markersize=3, label=layer)
+      ax.plot(steps, values, marker="o", markersize=3, label=load_label(series[layer], layer, stat))
+    if stat == "device_load":  # dashed over a layer's line at 1, which shows through the gaps
+      ax.axhline(1.0, color=BALANCED_COLOUR, linewidth=1.5, linestyle="--", label="balanced (1)", zorder=3)
+      ax.set_ylim(bottom=min(0.9, ax.get_ylim()[0]))
     if steps and row == 0:  # every layer's windows are the same steps: one label per window
       for x, length in zip(steps, window_lengths(steps)):
         ax.annotate(f"{length}", (x, 1.0), xycoords=("data", "axes fraction"), fontsize=7, ha="center", va="bottom")
-    ax.set_ylabel(label)
     ax.set_xlabel("step at the end of each window (above: the window's length in steps)" if row == 0 else "step")
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
   step = int(last.pop("step")) if "step" in last else None
   for k, layer in enumerate(layers):
-    ax = axes[2 + k, 0]
+    ax = axes[top + k, 0]
     if layer not in last:
       ax.set_axis_off()
       continue
