@@ -115,7 +115,7 @@ def test_damaged_newest_step_is_one_error_and_changes_nothing(copy, name):
   damage(copy)
   before = tree(copy)
   with pytest.raises(checkpointing.CheckpointError) as error:
-    loop.train(micro_config(steps=6), copy)
+    loop.train(micro_config(steps=6, accept_schedule_change=True), copy)
   message = str(error.value)
   assert message.startswith(f"checkpoint step 4 in {copy}/checkpoints cannot be read: ") and problem in message
   assert (
@@ -152,12 +152,12 @@ def test_resume_with_another_feed_forward_type_names_the_type(copy):
     match=r'^config.model.ffn.type="fff" but the checkpoint .* was '
     r'trained with "mlp"',
   ):
-    loop.train(micro_config("fff", steps=6), copy)
+    loop.train(micro_config("fff", steps=6, accept_schedule_change=True), copy)
   assert tree(copy) == before
 
 
 def test_restore_step_that_was_not_saved_is_refused(copy):
-  config = micro_config(steps=6)
+  config = micro_config(steps=6, accept_schedule_change=True)
   config.checkpoint.restore_step = 3
   before = tree(copy)
   with pytest.raises(
