@@ -203,6 +203,42 @@ def test_export_applies_the_bias_and_imports_it_back(tmp_path):
     np.testing.assert_array_equal(got, bias)
 
 
+def test_a_bf16_export_keeps_the_bias_in_float32_on_disk_in_torch_and_on_import(tmp_path):
+  """Rounded to bf16 a bias of ~0.2 moves by ~8e-4, about one update of DeepSeek-V3's rate, and flips near-tied
+  picks: the bf16 export writes it in float32, transformers keeps it float32 in a bf16 model, the import bitwise."""
+  pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  import safetensors.numpy  # noqa: PLC0415
+  import torch  # noqa: PLC0415  (after the skip)
+  from export_checks import random_params  # noqa: PLC0415
+
+  from sparsetx.hf import export  # noqa: PLC0415
+
+  config = balanced_config()
+  params = biased_params(random_params(config.model))
+  biases = selection_bias.split(params)[1]
+  assert any(not np.array_equal(b.astype(jnp.bfloat16).astype(np.float32), b) for b in biases.values())
+  export.write_hf(config, params, str(tmp_path / "hf"), dtype="bfloat16")
+  stored = {}
+  for shard in (tmp_path / "hf").glob("*.safetensors"):
+    stored.update(safetensors.numpy.load_file(shard))
+  names = [name for name in stored if name.endswith(selection_bias.NAME)]
+  assert len(names) == len(biases) and all(stored[name].dtype == np.float32 for name in names)
+  assert any(array.dtype != np.float32 for array in stored.values())  # the rest in bf16
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+    tmp_path / "hf", trust_remote_code=True, dtype=torch.bfloat16
+  )
+  in_torch = {name: p for name, p in model.named_parameters() if name.endswith(selection_bias.NAME)}
+  assert len(in_torch) == len(biases) and all(p.dtype == torch.float32 for p in in_torch.values())
+  np.testing.assert_array_equal(
+    sorted(np.concatenate([p.detach().numpy().ravel() for p in in_torch.values()])),
+    sorted(np.concatenate([np.asarray(b).ravel() for b in biases.values()])),
+  )
+  _, imported = export.load_hf(str(tmp_path / "hf"))
+  for path, bias in biases.items():
+    np.testing.assert_array_equal(selection_bias.split(nn.unbox(imported))[1][path], bias)
+
+
 @pytest.mark.long  # four compiles of 10 to 30 s: make test-long
 @pytest.mark.parametrize("target", ["v5p", "h100"])
 def test_the_bias_update_adds_no_collective_to_the_compiled_step(target):

@@ -114,8 +114,10 @@ def _write(config, read, source_shapes: dict, out_dir: str, overwrite, kind, dty
   _check_sources(config.model, source_shapes)
   config_json, tensors = mapping.hf_tensors(config.model)
   config_json = dict(config_json, dtype=dtype, torch_dtype=dtype)  # torch_dtype: the transformers 4.x name
-  itemsize = np.dtype(_NUMPY_DTYPES[dtype]).itemsize
-  sizes = {name: math.prod(shape) * itemsize for name, shape in lazy_tensors.shapes(tensors, source_shapes).items()}
+  sizes = {
+    name: math.prod(shape) * np.dtype(_stored_dtype(name, dtype)).itemsize
+    for name, shape in lazy_tensors.shapes(tensors, source_shapes).items()
+  }
   files = shards.plan(sizes, cap)
   with (
     paths.writing(f"writing {out_dir}", f"nothing was left there; {paths.FREE_SPACE}"),
@@ -125,7 +127,7 @@ def _write(config, read, source_shapes: dict, out_dir: str, overwrite, kind, dty
     seconds = dict(read_seconds=0.0, write_seconds=0.0)
     for file, names in files.items():  # one shard's tensors in memory at a time
       began = time.perf_counter()
-      shard = _made(tensors, names, read, _NUMPY_DTYPES[dtype])
+      shard = _made(tensors, names, read, dtype)
       made = time.perf_counter()
       out.put(lambda directory, f=file, a=shard: safetensors.numpy.save_file(a, os.path.join(directory, f), _FORMAT))
       seconds["read_seconds"] += made - began
@@ -142,13 +144,19 @@ _FORMAT = {"format": "pt"}  # transformers refuses safetensors files without a k
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
-def _made(tensors: dict, names: list[str], read, dtype) -> dict[str, np.ndarray]:
+def _stored_dtype(name: str, dtype: str):
+  """The numpy dtype tensor `name` is written in: the export's, but a selection bias stays float32 as the model holds
+  it (models/ffn/selection_bias.py): rounded to bf16 it would move by about one update and change near-tied picks."""
+  return np.float32 if name.rsplit(".", 1)[-1] == selection_bias.NAME else _NUMPY_DTYPES[dtype]
+
+
+def _made(tensors: dict, names: list[str], read, dtype: str) -> dict[str, np.ndarray]:
   """The tensors `names` of one shard: their sources read together (in parallel), each source dropped once its
   tensor is made, so a transform (neox's fused QKV) adds one tensor, not a shard."""
   arrays = read(list(dict.fromkeys(path for name in names for path in tensors[name].sources)))
   shard = {}
   for name in names:
-    shard[name] = lazy_tensors.made(tensors[name], arrays).astype(dtype, copy=False)
+    shard[name] = lazy_tensors.made(tensors[name], arrays).astype(_stored_dtype(name, dtype), copy=False)
     for path in tensors[name].sources:
       arrays.pop(path, None)
   return shard

@@ -394,6 +394,7 @@ class SparsetxPreTrainedModel(PreTrainedModel):
   config_class = SparsetxConfig
   base_model_prefix = "model"
   _no_split_modules = ["SparsetxBlock"]
+  _keep_in_fp32_modules_strict = ["selection_bias"]  # loaded in bf16 too: a rounded bias changes near-tied picks
   supports_gradient_checkpointing = False
 
   @torch.no_grad()
