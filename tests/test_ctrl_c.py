@@ -128,3 +128,18 @@ def test_the_trainers_agreement_takes_a_first_ctrl_c_as_a_stop():
   finally:
     agreement.restore()
   assert signal.getsignal(signal.SIGINT) is before and signal.set_wakeup_fd(-1) == -1  # both put back
+
+
+def test_a_run_that_fails_before_its_first_step_puts_its_handlers_back(tmp_path, monkeypatch):
+  """The trainer runs in processes that go on (a sweep, a notebook, a test worker): a run ending in an error before
+  its first step must not leave a later Ctrl-C asking a gone run to save."""
+  before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+
+  def unreadable(run):
+    raise OSError("the shard is damaged")
+
+  monkeypatch.setattr(loop, "_first_batch", unreadable)
+  with pytest.raises(OSError, match="the shard is damaged"):
+    loop.train(micro_config(steps=2), str(tmp_path / "run"))
+  assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+  assert signal.set_wakeup_fd(-1) == -1

@@ -70,6 +70,10 @@ def test_only_a_change_of_the_rates_still_to_come_is_refused():
   restore.check_schedule(train_config(), train_config(warmup_steps=20), 50, "W")
   with pytest.raises(config_lib.ConfigError, match=r"step 6's rate would be 0.00025 instead of the saved .* 0.0005"):
     restore.check_schedule(train_config(), train_config(warmup_steps=20), 5, "W")  # inside the warmup
+  # Longer: the saved run's decay starts after count 80 (100 x (1 - 0.2)), the longer run's at 240, so the first
+  # update whose rate changes is count 81, step 82, long after the resume; the new rate there is still the peak.
+  with pytest.raises(config_lib.ConfigError, match=r"step 82's rate would be 0.001 instead of the saved schedule's"):
+    restore.check_schedule(train_config(), train_config(steps=300), 50, "W")
   accepted = train_config(steps=300, accept_schedule_change=True)
   restore.check_schedule(train_config(), accepted, 50, "W")
 

@@ -110,16 +110,18 @@ def _run(
 
 def _watched_run(config, workdir, built, started, clock: goodput.Goodput, watchdog: watchdog_lib.Watchdog) -> dict:
   run = restore.open_run(config, workdir, built, started, clock, watchdog, OPERATIONS)
-  _first_batch(run)
   try:
+    _first_batch(run)
     _loop(run)
     _finish(run)
   finally:
-    each(run.operations, "at_exit", run)
-    run.agreement.restore()
-    watchdog.doing("the checkpointer's close (the wait for the save under way)", "save")
-    run.checkpointer.close()  # after a failure elsewhere: waits for the save under way
-    run.data.close()
+    try:
+      each(run.operations, "at_exit", run)
+      watchdog.doing("the checkpointer's close (the wait for the save under way)", "save")
+      run.checkpointer.close()  # after a failure elsewhere: waits for the save under way
+      run.data.close()
+    finally:  # last: a Ctrl-C or SIGTERM during the close is a stop request, not an error hiding the run's own
+      run.agreement.restore()
   return run.logs.reader.last
 
 

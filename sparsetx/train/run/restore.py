@@ -34,7 +34,7 @@ SCHEDULE_FIELDS = ("steps", "schedule", "learning_rate", "warmup_steps", "decay_
 
 def check_schedule(saved: ml_collections.ConfigDict, train: ml_collections.ConfigDict, step: int, where: str) -> None:
   """Refuses to resume `step` (saved in `where` with config.train `saved`) under a learning-rate schedule that gives
-  the steps still to run other rates, naming what changes and the next step's rate before and after, unless
+  the steps still to run other rates, naming what changes and the first changed step's rate before and after, unless
   config.train.accept_schedule_change: a longer `steps` moves the decay, so the rate jumps back up from where the
   saved run had decayed it."""
   changed = [name for name in SCHEDULE_FIELDS if name in saved and saved[name] != train[name]]
@@ -42,20 +42,22 @@ def check_schedule(saved: ml_collections.ConfigDict, train: ml_collections.Confi
     return
   counts = np.arange(step, max(step + 1, train.steps))  # the optimizer counts of the updates still to run
   rates = [np.asarray(optimizer.learning_rate_schedule(t)(counts)) for t in (saved, train)]
-  if np.allclose(rates[0], rates[1], rtol=1e-6, atol=0.0):  # e.g. a longer run without decay: the same rates
+  differ = ~np.isclose(rates[0], rates[1], rtol=1e-6, atol=0.0)
+  if not differ.any():  # e.g. a longer run without decay: the same rates
     return
-  before, after = float(rates[0][0]), float(rates[1][0])
+  first = int(np.argmax(differ))  # the first update whose rate changes (often in the decay, long after `step`)
+  before, after = float(rates[0][first]), float(rates[1][first])
   what = ", ".join(f"config.train.{name} {saved[name]!r} -> {train[name]!r}" for name in changed)
   if train.get("accept_schedule_change", False):
     logging.warning(
       "Resuming step %d with a new schedule (%s, config.train.accept_schedule_change): the learning rate of step "
       "%d is %.3g (the saved schedule's: %.3g).",
-      *(step, what, step + 1, after, before),
+      *(step, what, step + 1 + first, after, before),
     )
     return
   raise config_lib.ConfigError(
     f"the checkpoint at step {step} in {where} was trained with another learning-rate schedule ({what}): step "
-    f"{step + 1}'s rate would be {after:.3g} instead of the saved schedule's {before:.3g}; add "
+    f"{step + 1 + first}'s rate would be {after:.3g} instead of the saved schedule's {before:.3g}; add "
     "--config.train.accept_schedule_change=True to resume under the new one, or set the fields back."
   )
 
@@ -196,12 +198,12 @@ def open_run(config, workdir, built, started, clock, watchdog, operations) -> Ru
   run = Run(config, workdir, built, started, checkpointer, data_iterator, watchdog, clock, None, state, start, resumed)
   run.step_fn = step_lib.make_train_step(config, built)
   run.operations = tuple(operation(run) for operation in operations)
-  run.agreement = Agreement(config.checkpoint.get("every_minutes", 0.0))
   run.logs = Logs(config, workdir, checkpointer, start, run.after_read)
   if start == 0 and jax.process_index() == 0:
     run.logs.writer.write_hparams(
       {k: v for k, v in _flatten(config.to_dict()).items() if isinstance(v, (int, float, str, bool))}
     )
+  run.agreement = Agreement(config.checkpoint.get("every_minutes", 0.0))  # last: the loop's `finally` restores it
   return run
 
 

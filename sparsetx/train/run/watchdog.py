@@ -134,8 +134,8 @@ class Watchdog:
     while not self._stop.wait(self._period()):
       try:
         posted = self._peers.posted()
-      except Exception:  # noqa: BLE001 (the coordinator is gone: this process's own limit still holds)
-        return
+      except Exception:  # noqa: BLE001 (a coordinator slow or gone: ask again; this process's own limit holds)
+        continue
       if posted:
         self._peer_fired = min(posted)
         return
