@@ -71,14 +71,10 @@ def layer_residual_bytes(config, tokens: int, policy: str, expert: int = 1) -> i
 
 
 def routing_bytes(ffn, tokens: int) -> int:
-  """What remat=save_routing keeps of one feed-forward layer (scopes.ROUTING) over `tokens` tokens: sgatlin and
-  PEER the top-k's picks twice (the router's and the tapped ones, int32) and the gates (float32) per channel
-  and slot, MoE its experts' ids and weights per token; 0 for the others (dense layers, FFF's walk)."""
-  if ffn.type in ("sgatlin", "peer"):
-    return tokens * ffn.n_channels * ffn.top_k * 3 * 4
-  if ffn.type == "moe":
-    return tokens * ffn.experts_per_token * 2 * 4
-  return 0
+  """What remat=save_routing keeps of one feed-forward layer over `tokens` tokens: its type's spec says (0 for a type
+  that saves nothing by name)."""
+  spec = SPECS[ffn.type]
+  return spec.routing_bytes(ffn, tokens) if spec.routing_bytes else 0
 
 
 def activation_bytes(config, tokens: int, vocab_shards: int = 1, expert: int = 1) -> tuple[int, int, int]:

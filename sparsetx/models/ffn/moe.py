@@ -303,4 +303,5 @@ SPEC = FfnSpec(
   circuit=Circuit("expert_ids", "expert_weights", size=lambda ffn: ffn.n_experts, block=None),
   usage_stats=_usage_stats,
   bias_loads=lambda ffn, counts_E: counts_E,  # one bias per expert
+  routing_bytes=lambda ffn, tokens: tokens * ffn.experts_per_token * 2 * 4,  # each token's expert ids and weights
 )

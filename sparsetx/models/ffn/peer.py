@@ -27,6 +27,7 @@ from sparsetx.models.ffn.spec import (
   FfnSpec,
   product_key_flops,
   product_key_params,
+  product_key_routing_bytes,
   product_key_width,
   subkey_rows,
   subkey_window_stats,
@@ -92,6 +93,7 @@ SPEC = FfnSpec(
   residual_bytes=table_cost.residual_bytes,
   neuron_table=TABLE_AXES,
   window_stats=subkey_window_stats,
+  routing_bytes=product_key_routing_bytes,
   count_rows=subkey_rows,
   bias_loads=subkey_loads,  # the shared table's picks per sub-key of each half
   # Channels index one shared table: the circuit keeps (channel, neuron) apart, usage counts neurons.

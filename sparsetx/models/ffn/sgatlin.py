@@ -20,6 +20,7 @@ from sparsetx.models.ffn.spec import (
   Units,
   product_key_flops,
   product_key_params,
+  product_key_routing_bytes,
   product_key_width,
   subkey_rows,
   subkey_window_stats,
@@ -99,6 +100,7 @@ SPEC = FfnSpec(
   units=Units("channel", "n_channels", TABLE_AXES),
   neuron_table=TABLE_AXES,
   window_stats=subkey_window_stats,
+  routing_bytes=product_key_routing_bytes,
   count_rows=subkey_rows,
   bias_loads=subkey_loads,  # per channel and half, per sub-key
   # Each channel owns its table: a unit is a (channel, neuron) pair.

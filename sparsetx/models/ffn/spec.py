@@ -91,6 +91,9 @@ class FfnSpec:
   # (ffn, counts_U) -> a step's loads in the shape of the layer's selection bias (selection_bias.py), last axis the
   # units balanced against each other; None: the type has no bias_update_rate
   bias_loads: Callable | None = None
+  # (ffn, tokens) -> bytes of the layer's routing decisions remat=save_routing keeps (scopes.ROUTING); None: nothing
+  # saved by name (dense layers, FFF's walk)
+  routing_bytes: Callable | None = None
 
   @property
   def sparse(self) -> bool:
@@ -103,6 +106,12 @@ def subkey_counts(ffn, counts_U) -> tuple[np.ndarray, np.ndarray]:
   n_keys = math.isqrt(ffn["d_ffw"])
   grid_CIJ = np.asarray(counts_U).reshape(-1, n_keys, n_keys)
   return grid_CIJ.sum(2), grid_CIJ.sum(1)
+
+
+def product_key_routing_bytes(ffn, tokens: int) -> int:
+  """sgatlin's and PEER's routing as save_routing keeps it: the top-k's picks twice (the router's and the tapped ones,
+  int32) and the gates (float32), per token, channel and slot."""
+  return tokens * ffn.n_channels * ffn.top_k * 3 * 4
 
 
 def subkey_window_stats(ffn, counts_U) -> dict:
